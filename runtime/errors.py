@@ -1,0 +1,52 @@
+"""kvmem's exception tree.
+
+::
+
+    KvmemError
+    ├── ModelError
+    │   └── UnsupportedModelError      architecture or cache kind kvmem cannot cache
+    ├── CacheMiss                      a cache that cannot be used: absent, corrupt,
+    │   ├── CorruptCacheError          truncated, checksum mismatch, lies in metadata
+    │   ├── ForeignModelError          made by another model (tag mismatch)
+    │   └── FormatVersionError         written by an incompatible format version
+    ├── BudgetExceededError            the memory budget cannot hold a request
+    └── InvalidAgentIdError            an agent id that cannot name a cache
+"""
+
+from __future__ import annotations
+
+
+class KvmemError(Exception):
+    """Base class of every error kvmem raises on purpose."""
+
+
+class ModelError(KvmemError):
+    """A model could not be loaded or used."""
+
+
+class UnsupportedModelError(ModelError):
+    """The model has a cache kind or geometry kvmem cannot cache."""
+
+
+class CacheMiss(KvmemError):
+    """A stored cache cannot be used; the caller serves the request cold."""
+
+
+class CorruptCacheError(CacheMiss):
+    """A cache file is truncated, fails its checksum, or contradicts its manifest."""
+
+
+class ForeignModelError(CacheMiss):
+    """A cache was made by a different model (or cache format) than the one asked for."""
+
+
+class FormatVersionError(CacheMiss):
+    """A cache was written by an incompatible version of the on-disk format."""
+
+
+class BudgetExceededError(KvmemError):
+    """A request needs more cache memory than the whole budget."""
+
+
+class InvalidAgentIdError(KvmemError, ValueError):
+    """An agent id that is empty, too long, or cannot be mapped to a safe file name."""
