@@ -1,0 +1,70 @@
+"""The synchronous single-agent path: prompt + optional cache → streamed text + new cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from runtime.kvstate import ParkedCache, Strategy
+from runtime.models import LoadedModel
+from runtime.sampling import SamplingParams
+from runtime.sequence import Sequence, TurnStats
+
+__all__ = ["generate", "GenerationResult", "decode_alone"]
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What a finished turn returns: the reply, why it stopped, stats and the new cache."""
+
+    reply: str
+    finish_reason: str
+    tokens: list[int]
+    stats: TurnStats
+    cache: ParkedCache | None
+
+
+def decode_alone(seq: Sequence) -> Iterator[str]:
+    """Prefill ``seq`` and decode it without batching, yielding text deltas."""
+    first = seq.prefill_step()
+    while first is None:
+        first = seq.prefill_step()
+    if first:
+        yield first
+    while seq.next_input is not None:
+        logits = seq.lm.model(mx.array([[seq.next_input]]), cache=seq.kv.caches)[:, -1, :]
+        token = seq.sample(logits)
+        mx.eval(token)
+        delta = seq.accept(int(token.item()))
+        if delta:
+            yield delta
+
+
+def generate(
+    lm: LoadedModel,
+    prompt: str,
+    cache: ParkedCache | None = None,
+    params: SamplingParams | None = None,
+    *,
+    strategy: Strategy = "at-rest",
+    on_text: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Generate a reply to ``prompt`` reusing ``cache`` where the texts agree.
+
+    Args:
+        lm: the loaded model.
+        prompt: the full prompt text.
+        cache: the agent's parked cache from its previous turn, or None.
+        params: sampling parameters (greedy, 256 tokens by default).
+        strategy: ``at-rest`` (float while active) or ``native`` (quantized SDPA).
+        on_text: called with each streamable piece of the reply.
+    """
+    seq = Sequence(lm, prompt, cache, params or SamplingParams(), strategy=strategy)
+    for delta in decode_alone(seq):
+        if on_text is not None:
+            on_text(delta)
+    parked = seq.park()
+    return GenerationResult(seq.reply, seq.finish_reason or "stop", list(seq.generated), seq.stats, parked)
+

@@ -1,0 +1,293 @@
+"""An agent's KV between turns (``ParkedCache``) and while it runs (``ActiveKV``).
+
+Between turns an agent's cache is *parked*: full-attention layers as packed Q4
+tuples (or float where a head dim cannot be packed), sliding-window layers as
+the last ``window + SLIDING_SLACK`` tokens in temporal order. Parked caches live
+in the hot tier and are what persistence writes and reads.
+
+When a sequence runs, its cache is *activated* into mlx-lm cache objects:
+
+* strategy ``at-rest``: Q4 layers are dequantized once into float ``KVCache``;
+  on parking only the tokens added this turn are quantized and appended to the
+  parked Q4 prefix (quantization groups run along the head dim, so per-token
+  quantization equals whole-cache quantization).
+* strategy ``native``: Q4 layers become :class:`runtime.q4_cache.QuantizedKVCache`
+  and the model attends with MLX's quantized SDPA on the packed data (layers with
+  attention sinks attend on a transient dequantized copy).
+
+The slack kept on sliding layers lets a turn be trimmed by a few tokens (stop
+strings, EXACT re-prompts) without losing the window a cold run would see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache, quantize_kv
+from runtime.snapshot import CacheSnapshot, LayerKind, LayerSnapshot
+from runtime.spec import ModelCacheSpec
+
+__all__ = ["ParkedCache", "ParkedLayer", "ActiveKV", "Strategy", "SLIDING_SLACK"]
+
+Strategy = Literal["at-rest", "native"]
+
+SLIDING_SLACK = 64
+"""Extra tokens kept beyond a sliding window so a turn can be trimmed exactly."""
+
+_Q4_KEYS = ("k_w", "k_s", "k_b", "v_w", "v_s", "v_b")
+
+
+@dataclass(frozen=True)
+class ParkedLayer:
+    """One layer's parked KV: MLX arrays shaped ``(1, H, T, ...)``, token axis 2."""
+
+    kind: LayerKind
+    arrays: dict[str, mx.array]
+
+    @property
+    def num_tokens(self) -> int:
+        first = next(iter(self.arrays.values()), None)
+        return 0 if first is None else int(first.shape[2])
+
+    def sliced(self, start: int, stop: int) -> ParkedLayer:
+        return ParkedLayer(self.kind, {k: v[:, :, start:stop] for k, v in self.arrays.items()})
+
+    def appended(self, other: ParkedLayer) -> ParkedLayer:
+        if not self.arrays:
+            return other
+        return ParkedLayer(
+            self.kind,
+            {k: mx.concatenate([v, other.arrays[k]], axis=2) for k, v in self.arrays.items()},
+        )
+
+
+@dataclass(frozen=True)
+class ParkedCache:
+    """An agent's cache between turns: covered text, tokens, offsets and parked layers.
+
+    ``text == full_text[:offsets[-1]]`` always holds: the cache covers exactly the
+    text its tokens spell, no more.
+    """
+
+    model_tag: str
+    text: str
+    token_ids: tuple[int, ...]
+    offsets: tuple[int, ...]
+    layers: tuple[ParkedLayer, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for layer in self.layers for a in layer.arrays.values())
+
+    @classmethod
+    def empty(cls, spec: ModelCacheSpec) -> ParkedCache:
+        return cls(spec.tag, "", (), (), tuple(ParkedLayer(k, {}) for k in spec.layer_kinds()))
+
+    def truncated(self, keep: int, spec: ModelCacheSpec) -> ParkedCache | None:
+        """The first ``keep`` tokens of this cache, or None when a sliding layer has
+        too little history left to reproduce the window a cold run would see."""
+        if keep >= self.num_tokens:
+            return self
+        drop = self.num_tokens - keep
+        layers = []
+        for layer, lspec in zip(self.layers, spec.layers, strict=True):
+            if layer.kind is LayerKind.SLIDING:
+                stored = layer.num_tokens
+                if stored - drop < min(keep, lspec.window or 0):
+                    return None
+                layers.append(layer.sliced(0, stored - drop))
+            else:
+                layers.append(layer.sliced(0, keep))
+        text_end = self.offsets[keep - 1] if keep else 0
+        return replace(
+            self,
+            text=self.text[:text_end],
+            token_ids=self.token_ids[:keep],
+            offsets=self.offsets[:keep],
+            layers=tuple(layers),
+        )
+
+    def to_snapshot(self) -> CacheSnapshot:
+        """Copy to host numpy arrays (batch axis dropped) for persistence."""
+        layers = [
+            LayerSnapshot(layer.kind, {k: _to_numpy(v[0]) for k, v in layer.arrays.items()})
+            for layer in self.layers
+        ]
+        return CacheSnapshot(
+            model_tag=self.model_tag,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            offsets=list(self.offsets),
+            layers=layers,
+            meta=dict(self.meta),
+        )
+
+    @classmethod
+    def from_snapshot(cls, snap: CacheSnapshot, *, float_dtype: mx.Dtype) -> ParkedCache:
+        layers = []
+        for layer in snap.layers:
+            arrays = {}
+            for name, arr in layer.arrays.items():
+                value = mx.array(arr)[None]
+                if arr.dtype == np.float32 and name in ("k", "v"):
+                    value = value.astype(float_dtype)
+                arrays[name] = value
+            layers.append(ParkedLayer(layer.kind, arrays))
+        return cls(
+            model_tag=snap.model_tag,
+            text=snap.text,
+            token_ids=tuple(snap.token_ids),
+            offsets=tuple(snap.offsets),
+            layers=tuple(layers),
+            meta=dict(snap.meta),
+        )
+
+
+def _to_numpy(a: mx.array) -> np.ndarray:
+    # numpy has no bfloat16: widen losslessly, ParkedCache.from_snapshot narrows back.
+    if a.dtype == mx.bfloat16:
+        a = a.astype(mx.float32)
+    return np.array(a, copy=True)
+
+
+class ActiveKV:
+    """One sequence's live mlx-lm caches plus the parked cache they grew from.
+
+    Args:
+        parked: the (possibly truncated) parked cache this turn starts from.
+        spec: the model's cache spec.
+        strategy: ``at-rest`` or ``native`` (see the module docstring).
+    """
+
+    def __init__(self, parked: ParkedCache, spec: ModelCacheSpec, strategy: Strategy) -> None:
+        self.base = parked
+        self.spec = spec
+        self.strategy = strategy
+        self.caches: list[Any] = [
+            _activate_layer(layer, lspec, spec, strategy, parked.num_tokens)
+            for layer, lspec in zip(parked.layers, spec.layers, strict=True)
+        ]
+
+    def park(self, *, text: str, token_ids: list[int], offsets: list[int]) -> ParkedCache | None:
+        """Freeze the first ``len(token_ids)`` tokens back into a parked cache.
+
+        Returns None if a sliding layer cannot be trimmed that far (the caller then
+        drops the cache and the next turn starts cold).
+        """
+        keep = len(token_ids)
+        n_base = self.base.num_tokens
+        layers = []
+        for cache, base, lspec in zip(self.caches, self.base.layers, self.spec.layers, strict=True):
+            layer = _park_layer(cache, base, lspec, self.spec, self.strategy, n_base=n_base, keep=keep)
+            if layer is None:
+                return None
+            layers.append(layer)
+        mx.eval([a for layer in layers for a in layer.arrays.values()])
+        return ParkedCache(
+            model_tag=self.spec.tag,
+            text=text,
+            token_ids=tuple(token_ids),
+            offsets=tuple(offsets),
+            layers=tuple(layers),
+            meta=dict(self.base.meta),
+        )
+
+
+def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, strategy: Strategy, offset: int) -> Any:
+    fmt = spec.kv_format
+    if layer.kind is LayerKind.SLIDING:
+        cache = RotatingKVCache(max_size=(lspec.window or 0) + SLIDING_SLACK)
+        if layer.arrays:
+            keys, values = layer.arrays["k"], layer.arrays["v"]
+            cache.state = (keys, values, offset, 0, cache.max_size, int(keys.shape[2]))
+        return cache
+    if layer.kind is LayerKind.FLOAT:
+        cache = KVCache()
+        if layer.arrays:
+            cache.state = (layer.arrays["k"], layer.arrays["v"], offset)
+        return cache
+    bits, group = fmt.bits or 4, fmt.group_size
+    packed = None
+    if layer.arrays:
+        a = layer.arrays
+        packed = ((a["k_w"], a["k_s"], a["k_b"]), (a["v_w"], a["v_s"], a["v_b"]))
+    if strategy == "native":
+        cls = DequantizingQuantizedKVCache if lspec.sinks else QuantizedKVCache
+        if packed is None:
+            return cls(group_size=group, bits=bits)
+        return cls.from_packed(*packed, group_size=group, bits=bits)
+    cache = KVCache()
+    if packed is not None:
+        q = QuantizedKVCache.from_packed(*packed, group_size=group, bits=bits)
+        keys, values = q.dequantized(_float_dtype(spec))
+        cache.state = (keys, values, offset)
+    return cache
+
+
+def _float_dtype(spec: ModelCacheSpec) -> mx.Dtype:
+    return {4: mx.float32, 2: mx.float16}.get(spec.dtype_bytes, mx.float32)
+
+
+def _kv_of(cache: Any) -> tuple[mx.array, mx.array]:
+    """Float keys/values of a KVCache or a rotating cache, in temporal order."""
+    if isinstance(cache, RotatingKVCache):
+        keys, values, offset, _keep, _max, idx = cache.state
+        n = keys.shape[2]
+        if offset <= n:
+            return keys[:, :, :offset], values[:, :, :offset]
+        if idx == n:
+            return keys, values
+        return (
+            mx.concatenate([keys[:, :, idx:], keys[:, :, :idx]], axis=2),
+            mx.concatenate([values[:, :, idx:], values[:, :, :idx]], axis=2),
+        )
+    if cache.keys is None:
+        raise ValueError("cache is empty")
+    return cache.keys[:, :, : cache.offset], cache.values[:, :, : cache.offset]
+
+
+def _park_layer(
+    cache: Any,
+    base: ParkedLayer,
+    lspec: Any,
+    spec: ModelCacheSpec,
+    strategy: Strategy,
+    *,
+    n_base: int,
+    keep: int,
+) -> ParkedLayer | None:
+    if keep == 0:
+        return ParkedLayer(base.kind, {})
+    if base.kind is LayerKind.SLIDING:
+        keys, values = _kv_of(cache)
+        total = int(cache.offset)
+        drop = total - keep
+        stored = int(keys.shape[2]) - drop
+        if stored < min(keep, lspec.window or 0):
+            return None
+        start = max(0, stored - ((lspec.window or 0) + SLIDING_SLACK))
+        return ParkedLayer(base.kind, {"k": keys[:, :, start:stored], "v": values[:, :, start:stored]})
+    if base.kind is LayerKind.FLOAT:
+        keys, values = _kv_of(cache)
+        return ParkedLayer(base.kind, {"k": keys[:, :, :keep], "v": values[:, :, :keep]})
+    if strategy == "native":
+        (kw, ks, kb), (vw, vs, vb) = cache.packed()
+        arrays = dict(zip(_Q4_KEYS, (kw, ks, kb, vw, vs, vb), strict=True))
+        return ParkedLayer(base.kind, {k: v[:, :, :keep] for k, v in arrays.items()})
+    keys, values = _kv_of(cache)
+    fmt = spec.kv_format
+    start = min(n_base, keep)
+    kq = quantize_kv(keys[:, :, start:keep], fmt.group_size, fmt.bits or 4)
+    vq = quantize_kv(values[:, :, start:keep], fmt.group_size, fmt.bits or 4)
+    new = ParkedLayer(base.kind, dict(zip(_Q4_KEYS, (*kq, *vq), strict=True)))
+    return base.sliced(0, start).appended(new) if start else new

@@ -1,0 +1,147 @@
+"""Loading a model for kvmem: mlx-lm model + tokenizer + cache spec + prompt rendering.
+
+``load_model("kvmem-default")`` (or any name in :data:`runtime.tiny_models.RECIPES`)
+builds the embedded tiny model into the home folder on first use; anything else
+goes to ``mlx_lm.load`` unchanged: a local folder or a Hugging Face id such as
+``mlx-community/Qwen2.5-0.5B-Instruct-4bit`` on Apple Silicon.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import load as mlx_load
+
+from runtime.errors import ModelError
+from runtime.spec import KVFormat, ModelCacheSpec
+
+__all__ = ["LoadedModel", "load_model", "PLAIN_CHAT_TEMPLATE", "PLAIN_STOP"]
+
+log = logging.getLogger("kvmem.models")
+
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+"""The template for models that ship none: ``Role: content`` paragraphs, ending
+with ``Assistant:``. Generation stops at :data:`PLAIN_STOP`."""
+
+PLAIN_STOP = "\n\nUser:"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for kvmem: weights, tokenizer, cache spec and prompt helpers."""
+
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    spec: ModelCacheSpec
+    model_id: str
+    config: dict[str, Any]
+
+    @property
+    def vocab_limit(self) -> int:
+        """Ids at or above this are padding rows of the embedding: never sampled."""
+        return len(self.tokenizer._tokenizer)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "has_chat_template", False))
+
+    @property
+    def default_stop(self) -> tuple[str, ...]:
+        return () if self.has_chat_template else (PLAIN_STOP,)
+
+    @property
+    def float_dtype(self) -> mx.Dtype:
+        return {4: mx.float32, 2: mx.float16}[self.spec.dtype_bytes]
+
+    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> str:
+        """Render chat messages to prompt text, ending with the assistant's turn."""
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+        if tools:
+            kwargs["tools"] = tools
+        if self.has_chat_template:
+            text = self.tokenizer.apply_chat_template(messages, **kwargs)
+        else:
+            text = self.tokenizer._tokenizer.apply_chat_template(
+                messages, chat_template=PLAIN_CHAT_TEMPLATE, **kwargs
+            )
+        return self._with_bos(str(text))
+
+    def _with_bos(self, text: str) -> str:
+        hf = self.tokenizer._tokenizer
+        bos, bos_id = getattr(hf, "bos_token", None), getattr(hf, "bos_token_id", None)
+        if not bos or bos_id is None or text.startswith(bos):
+            return text
+        # Prepend BOS as text exactly when the tokenizer would add it to plain input.
+        adds_bos = hf.encode("a")[:1] == [bos_id]
+        return bos + text if adds_bos else text
+
+    def tokenize(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of ``text`` and each token's end offset in it.
+
+        A token ending inside a multi-byte character gets that character's end
+        offset, so prefix cuts never split a character.
+        """
+        if not text:
+            return [], []
+        enc = self.tokenizer._tokenizer(
+            text, add_special_tokens=False, return_offsets_mapping=True
+        )
+        ids = list(enc["input_ids"])
+        ends: list[int] = []
+        high = 0
+        for _start, end in enc["offset_mapping"]:
+            high = max(high, end)
+            ends.append(high)
+        if ends:
+            ends[-1] = len(text)
+        return ids, ends
+
+
+def load_model(
+    model: str | Path,
+    *,
+    kv_format: KVFormat | None = None,
+    models_dir: Path | None = None,
+) -> LoadedModel:
+    """Load ``model`` (a tiny recipe name, a folder, or a Hugging Face id)."""
+    name = str(model)
+    path: str | Path = name
+    if not Path(name).exists() and _is_tiny_recipe(name):
+        from runtime import tiny_models
+
+        if models_dir is None:
+            raise ModelError(f"building {name!r} needs a models directory")
+        path = tiny_models.ensure_tiny_model(name, models_dir)
+    try:
+        loaded, tokenizer, config = mlx_load(str(path), return_config=True)
+    except Exception as exc:  # mlx-lm raises many kinds; the user needs one message
+        raise ModelError(f"could not load model {name!r}: {exc}") from exc
+    spec = ModelCacheSpec.from_model(loaded, model_id=name, config=config, kv_format=kv_format)
+    log.info("loaded %s: %d layers, tag %s", name, len(spec.layers), spec.tag)
+    return LoadedModel(model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config)
+
+
+def _is_tiny_recipe(name: str) -> bool:
+    from runtime import tiny_models
+
+    return name in tiny_models.RECIPES
+
+
+def describe(lm: LoadedModel) -> str:
+    """One line about the model's cache geometry (for logs and benchmark headers)."""
+    return json.dumps(lm.spec.to_json()["layers"][0]) + f" x{len(lm.spec.layers)}"

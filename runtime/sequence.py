@@ -1,0 +1,240 @@
+"""One generation request on the MLX thread: prefix match, chunked prefill, decoding state.
+
+A :class:`Sequence` is created from a prompt and the agent's parked cache. It
+matches the prompt against the cached text, keeps what it can, prefills the rest
+in chunks, and then produces one token per :meth:`accept` call, whether it
+decodes alone (``runtime.generate``) or inside a batch (``runtime.batch``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+import mlx.core as mx
+
+from runtime.kvstate import ActiveKV, ParkedCache, Strategy
+from runtime.models import LoadedModel
+from runtime.prefix import MatchKind, PrefixMatch, match_prefix
+from runtime.sampling import SamplingParams, StopMatcher, build_sampler
+
+__all__ = ["Sequence", "TurnStats", "prefill_chunk_size"]
+
+
+def prefill_chunk_size(context: int) -> int:
+    """Prefill chunk for a sequence already holding ``context`` tokens.
+
+    Attention cost per token grows with context, so chunks shrink to keep each
+    chunk's latency (and the decode stall it causes for other agents) bounded.
+    """
+    if context < 1024:
+        return 512
+    if context < 4096:
+        return 256
+    return 128
+
+
+@dataclass
+class TurnStats:
+    """Token accounting and timings of one turn."""
+
+    match: str = MatchKind.EMPTY.value
+    tokens_reused: int = 0
+    tokens_prefilled: int = 0
+    tokens_generated: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        n = self.tokens_generated - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+class Sequence:
+    """Prompt → reply state machine for one request.
+
+    Args:
+        lm: the loaded model.
+        prompt: full prompt text (the whole conversation, rendered).
+        parked: the agent's parked cache, or None.
+        params: sampling parameters.
+        strategy: attention strategy for the active cache.
+        partial_threshold: PARTIAL match threshold (fraction of cached text).
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        prompt: str,
+        parked: ParkedCache | None,
+        params: SamplingParams,
+        *,
+        strategy: Strategy = "at-rest",
+        partial_threshold: float = 0.8,
+    ) -> None:
+        self.lm = lm
+        self.prompt = prompt
+        self.params = params
+        self.started = time.perf_counter()
+        self.stats = TurnStats()
+        base, self.matched = _reusable(lm, parked, prompt, partial_threshold)
+        self.stats.match = self.matched.kind.value
+        suffix_ids, suffix_ends = lm.tokenize(self.matched.suffix(prompt))
+        shift = self.matched.reuse_chars
+        self.pending: list[int] = suffix_ids
+        self.kv = ActiveKV(base, lm.spec, strategy)
+        self.token_ids: list[int] = list(base.token_ids) + suffix_ids
+        self.offsets: list[int] = list(base.offsets) + [shift + e for e in suffix_ends]
+        self.stats.tokens_reused = base.num_tokens
+        self.stats.tokens_prefilled = len(suffix_ids)
+        self._prefilled = 0
+        self._sampler = build_sampler(params)
+        self._stops = StopMatcher(tuple(params.stop) + lm.default_stop)
+        self._detok = lm.tokenizer.detokenizer
+        self.generated: list[int] = []
+        self._gen_ends: list[int] = []  # reply-text end offset per generated token (-1: pending)
+        self.reply = ""
+        self._stop_cut: int | None = None
+        self._streamed = 0
+        self.finish_reason: str | None = None
+        self.next_input: int | None = None
+
+    # -- prefill ----------------------------------------------------------------
+    @property
+    def prefill_done(self) -> bool:
+        return self._prefilled >= len(self.pending)
+
+    @property
+    def context(self) -> int:
+        return self.stats.tokens_reused + self._prefilled
+
+    def prefill_step(self, chunk: int | None = None) -> str | None:
+        """Run one prefill chunk; on the last one, sample the first token.
+
+        Returns None while prefill goes on, then the first streamable text
+        (possibly empty) once the first token has been produced.
+        """
+        t0 = time.perf_counter()
+        size = chunk or prefill_chunk_size(self.context)
+        piece = self.pending[self._prefilled : self._prefilled + size]
+        logits = self.lm.model(mx.array([piece]), cache=self.kv.caches)
+        self._prefilled += len(piece)
+        if not self.prefill_done:
+            mx.eval([c.state for c in self.kv.caches])
+            self.stats.prefill_s += time.perf_counter() - t0
+            return None
+        token = self.sample(logits[:, -1, :])
+        mx.eval(token)
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.ttft_s = time.perf_counter() - self.started
+        return self.accept(int(token.item()))
+
+    # -- decoding ---------------------------------------------------------------
+    def sample(self, logits: mx.array) -> mx.array:
+        """Sample one token per row from last-position logits ``(B, V)``."""
+        limit = self.lm.vocab_limit
+        if logits.shape[-1] > limit:
+            logits = logits[..., :limit]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return self._sampler(logprobs)
+
+    def accept(self, token: int) -> str:
+        """Record a sampled token; return the newly streamable reply text."""
+        if self.finish_reason is not None:
+            return ""
+        self.stats.tokens_generated += 1
+        self.generated.append(token)
+        if token in self.lm.eos_token_ids:
+            self._gen_ends.append(len(self.reply))
+            self._finish("stop")
+            return self._flush(final=True)
+        self._detok.add_token(token)
+        self._gen_ends.append(-1)
+        self._update_reply()
+        cut = self._stops.find(self.reply, self._streamed)
+        if cut is not None:
+            self._stop_cut = cut
+            self._finish("stop")
+            return self._flush(final=True)
+        if len(self.generated) >= self.params.max_tokens:
+            self._finish("length")
+            return self._flush(final=True)
+        self.next_input = token
+        return self._flush(final=False)
+
+    def _update_reply(self) -> None:
+        # Detokenizers hold back bytes of unfinished characters; a token gets its
+        # end offset once the text containing all of its bytes has been emitted.
+        text = self._detok.text
+        if len(text) > len(self.reply):
+            self.reply = text
+            for i in range(len(self._gen_ends) - 1, -1, -1):
+                if self._gen_ends[i] != -1:
+                    break
+                self._gen_ends[i] = len(text)
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.next_input = None
+        self.stats.decode_s = time.perf_counter() - self.started - self.stats.ttft_s
+
+    def _flush(self, *, final: bool) -> str:
+        if final:
+            self._detok.finalize()
+            full = self._detok.text
+            self._gen_ends = [len(full) if e == -1 else e for e in self._gen_ends]
+            self.reply = full if self._stop_cut is None else full[: self._stop_cut]
+            safe = len(self.reply)
+        else:
+            safe = self._stops.safe_length(self.reply)
+        delta = self.reply[self._streamed : safe]
+        self._streamed = max(self._streamed, safe)
+        return delta
+
+    # -- parking ----------------------------------------------------------------
+    def park(self) -> ParkedCache | None:
+        """Freeze the cache over the prompt and the reply tokens whose KV exists.
+
+        The last sampled token never went through the model, and tokens past a
+        stop string are not part of the reply, so both are left out. Returns None
+        when the cache cannot be kept (a sliding window could not be trimmed).
+        """
+        fed = self.generated[:-1] if self.generated else []
+        ends = self._gen_ends[: len(fed)]
+        keep = 0
+        while keep < len(fed) and 0 <= ends[keep] <= len(self.reply):
+            keep += 1
+        head = self.prompt + self._hidden_leading_space()
+        token_ids = self.token_ids + fed[:keep]
+        offsets = self.offsets + [len(head) + e for e in ends[:keep]]
+        text = head + self.reply[: ends[keep - 1]] if keep else self.prompt
+        return self.kv.park(text=text, token_ids=token_ids, offsets=offsets)
+
+    def _hidden_leading_space(self) -> str:
+        """The space mlx-lm's detokenizers drop from the reply's first token.
+
+        When the prompt ends in a non-space (``Assistant:``), templates render the
+        returned reply after a space, so the cache covers that space too; after a
+        newline (ChatML) they do not, and neither does the cache.
+        """
+        if not self.generated or self.reply.startswith(" ") or self.prompt[-1:].isspace():
+            return ""
+        piece = self.lm.tokenizer._tokenizer.convert_ids_to_tokens(self.generated[0])
+        return " " if isinstance(piece, str) and piece[:1] in ("\u2581", "\u0120", " ") else ""
+
+
+def _reusable(
+    lm: LoadedModel, parked: ParkedCache | None, prompt: str, threshold: float
+) -> tuple[ParkedCache, PrefixMatch]:
+    """The part of ``parked`` this prompt can start from, and how it matched."""
+    empty = ParkedCache.empty(lm.spec)
+    if parked is None or parked.model_tag != lm.spec.tag:
+        return empty, PrefixMatch(MatchKind.EMPTY, 0, 0, 0)
+    match = match_prefix(parked.text, parked.offsets, prompt, partial_threshold=threshold)
+    if match.reuse_tokens == 0:
+        return empty, PrefixMatch(match.kind, 0, 0, match.common_chars)
+    base = parked.truncated(match.reuse_tokens, lm.spec)
+    if base is None:  # a sliding window cannot be trimmed that far back
+        return empty, PrefixMatch(MatchKind.DIVERGE, 0, 0, match.common_chars)
+    return base, match
