@@ -86,6 +86,9 @@ class DecodeBatch:
             return []
         inputs = mx.array([[s.next_input] for s in self.members])
         logits = self.members[0].lm.model(inputs, cache=self.caches)[:, -1, :]
+        for i, s in enumerate(self.members):
+            if s.logits_trace is not None:
+                s.observe(logits[i : i + 1])
         tokens = _sample_rows(self.members, logits)
         mx.eval(tokens)
         return [(s, s.accept(t)) for s, t in zip(self.members, tokens.tolist(), strict=True)]

@@ -99,6 +99,7 @@ class Sequence:
         self._streamed = 0
         self.finish_reason: str | None = None
         self.next_input: int | None = None
+        self.logits_trace: list[mx.array] | None = None  # set to [] to record each step's logits
 
     # -- prefill ----------------------------------------------------------------
     @property
@@ -124,6 +125,7 @@ class Sequence:
             mx.eval([c.state for c in self.kv.caches])
             self.stats.prefill_s += time.perf_counter() - t0
             return None
+        self.observe(logits[:, -1, :])
         token = self.sample(logits[:, -1, :])
         mx.eval(token)
         self.stats.prefill_s += time.perf_counter() - t0
@@ -131,6 +133,11 @@ class Sequence:
         return self.accept(int(token.item()))
 
     # -- decoding ---------------------------------------------------------------
+    def observe(self, logits: mx.array) -> None:
+        """Record one step's logits ``(1, V)`` when tracing (tests compare them)."""
+        if self.logits_trace is not None:
+            self.logits_trace.append(logits.astype(mx.float32))
+
     def sample(self, logits: mx.array) -> mx.array:
         """Sample one token per row from last-position logits ``(B, V)``."""
         limit = self.lm.vocab_limit
