@@ -1,0 +1,208 @@
+"""File-system steps of the cache directory: private dirs, atomic writes, safe reads.
+
+Every file is written as ``<name>.<random>.tmp`` in its final directory
+(created ``0o600``, exclusively, never through a symlink), flushed and fsynced,
+then renamed over ``<name>`` with :func:`os.replace`, and the directory is
+fsynced so the rename itself is durable. An ordinary exception removes the
+temporary file; a kill leaves it behind, and :func:`remove_temp_files` (run
+when a cache directory is opened) deletes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import shutil
+import stat
+from pathlib import Path
+
+__all__ = [
+    "DIR_MODE",
+    "FILE_MODE",
+    "TEMP_SUFFIX",
+    "ensure_private_dir",
+    "fsync_dir",
+    "write_atomic",
+    "read_regular_file",
+    "read_header",
+    "regular_file_size",
+    "remove_file",
+    "remove_temp_files",
+]
+
+log = logging.getLogger("kvmem.persist")
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+TEMP_SUFFIX = ".tmp"
+
+_WRITE_FLAGS = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_EXCL
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+_READ_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_NONBLOCK", 0)  # a FIFO squatting on a name must not block the open
+    | getattr(os, "O_BINARY", 0)
+)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make renames and creations inside ``path`` durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def ensure_private_dir(path: Path, *, fsync: bool) -> None:
+    """Create ``path`` (mode ``0o700``) unless it is a directory already.
+
+    Something else squatting on the name (a file, a symlink) is removed first:
+    only this module writes inside a cache directory.
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if stat.S_ISDIR(info.st_mode):
+            return
+        log.warning("replacing non-directory %s with a directory", path)
+        os.unlink(path)
+    os.mkdir(path, DIR_MODE)
+    os.chmod(path, DIR_MODE)  # exact mode whatever the umask
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def _clear_target(path: Path) -> None:
+    """Remove a directory where a file is about to be written (os.replace cannot)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        log.warning(
+            "removing directory %s that stands where a cache file belongs", path
+        )
+        shutil.rmtree(path)
+
+
+def write_atomic(path: Path, data: bytes, *, fsync: bool) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old file or the new, whole."""
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
+    fd = os.open(tmp, _WRITE_FLAGS, FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            if fsync:
+                os.fsync(file.fileno())
+        _clear_target(path)
+        os.replace(tmp, path)
+    except Exception:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def read_regular_file(path: Path) -> bytes | None:
+    """The bytes of ``path``, or None when absent or not a regular file.
+
+    Raises:
+        OSError: the file exists but cannot be read.
+    """
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symlink, refused by O_NOFOLLOW
+            return None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks = []
+        while chunk := os.read(fd, 1 << 24):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_header(path: Path, *, size: int, limit: int = 1 << 20) -> bytes | None:
+    """The first ``8 + N`` bytes of a safetensors file (N from its length prefix).
+
+    None unless ``path`` is a regular file of exactly ``size`` bytes whose
+    header fits in it and in ``limit``.
+    """
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            return None
+        prefix = os.pread(fd, 8, 0)
+        header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 <= header_len <= min(limit, size - 8):
+            return None
+        header = os.pread(fd, header_len, 8)
+        return prefix + header if len(header) == header_len else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def regular_file_size(path: Path) -> int | None:
+    """Size of ``path`` if it is a regular file (not following symlinks), else None."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_size if stat.S_ISREG(info.st_mode) else None
+
+
+def remove_file(path: Path) -> bool:
+    """Unlink ``path`` if it is there; return whether something was removed."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def remove_temp_files(directory: Path) -> int:
+    """Delete ``*.tmp`` files directly inside ``directory``; return how many."""
+    removed = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for entry in entries:
+        if entry.name.endswith(TEMP_SUFFIX) and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed += 1
+    return removed
