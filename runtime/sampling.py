@@ -16,6 +16,7 @@ class SamplingParams:
     """What to generate: length, randomness and where to stop.
 
     ``temperature == 0`` is greedy. ``top_p`` / ``top_k`` follow mlx-lm's sampler.
+    ``logit_bias`` adds to the logits of the given token ids before sampling.
     """
 
     max_tokens: int = 256
@@ -23,6 +24,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     stop: tuple[str, ...] = field(default_factory=tuple)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:

@@ -143,6 +143,11 @@ class Sequence:
         limit = self.lm.vocab_limit
         if logits.shape[-1] > limit:
             logits = logits[..., :limit]
+        if self.params.logit_bias:
+            ids = [i for i in self.params.logit_bias if 0 <= i < limit]
+            bias = mx.zeros((limit,), dtype=logits.dtype)
+            bias[mx.array(ids)] = mx.array([self.params.logit_bias[i] for i in ids], dtype=logits.dtype)
+            logits = logits + bias
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return self._sampler(logprobs)
 
