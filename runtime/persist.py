@@ -1,38 +1,50 @@
-"""The warm tier: agents' KV caches in a directory, at block granularity.
+"""The warm tier: agents' KV caches in a directory, written once per token.
 
 :class:`CacheDirectory` is the only code that touches a cache directory. Layout::
 
     root/
-      blocks/<hh>/<hash>.safetensors       one immutable file per full 256-token block
-      agents/<dir>/manifest.json           what the agent's cache is made of
-      agents/<dir>/tail-<sha256>.safetensors  partial last block + sliding layers
+      blocks/<hh>/<hash>.safetensors          immutable 256-token block, shared by every
+                                              agent whose tokens up to its end are the same
+      agents/<dir>/manifest.json              what the agent's cache is made of
+      agents/<dir>/seg-<sha256>.safetensors   the agent's own pieces (any token range)
+      agents/<dir>/state-<sha256>.safetensors sliding layers + every layer's layout
 
-* A **block** holds every blocked (full-attention) layer's arrays for one
-  256-token block, as tensors ``L{layer}.{key}``. ``<hash>`` is a hash chain
-  over (format version, model tag, previous block's hash, the block's token
-  ids), so agents that share a prefix share its block files; a block is
-  written once and never modified. Its metadata carries a digest of its
-  tensors, so a block can be checked without a manifest.
-* The **tail** holds the last ``num_tokens % 256`` tokens of the blocked layers
-  (zero-length arrays still record shapes and dtypes) and the whole arrays of
-  sliding layers. It is named by its content hash, so a new tail never
-  overwrites the one the current manifest points to.
-* The **manifest** (JSON, :class:`runtime.persist_format.Manifest`) records
-  format version, model tag, agent id, covered text, token ids and offsets
-  (base64 int32), each block's hash, file SHA-256, size and tensor digest,
-  the tail's name, SHA-256 and size, layer kinds and keys, meta, and
-  created/updated times. It grows
-  with the conversation (text plus ~10.7 bytes per token) and is rewritten on
-  every save.
-* ``<dir>`` is :func:`safe_agent_dirname` of the agent id.
+An agent's blocked-layer (full-attention) KV is an ordered list of **pieces**
+covering tokens ``0:num_tokens`` without gaps (formats in
+:mod:`runtime.persist_format`, what a save writes in :mod:`runtime.persist_plan`,
+file handling in :mod:`runtime.persist_pieces`):
 
-A save writes new blocks and the tail first, then replaces the manifest
-atomically (temp file, fsync, rename, fsync dir), then removes the previous
-tail. A kill at any point leaves the old manifest with everything it needs, or
-the new one. A turn that extends a cache writes only its new full blocks, the
-new tail and the manifest. Loads verify sizes, checksums, the hash chain and
-every shape against the manifest, and turn any problem into a
-:class:`~runtime.errors.CacheMiss` (logged), never an uncaught error.
+* a **shared block** holds one aligned 256-token block. ``<hash>`` is a hash
+  chain over (format version, model tag, previous block's hash, the block's
+  token ids), so agents that share a prefix share its files. A save writes a
+  block file only for a block whose 256 tokens are all new in that save (the
+  first save, which holds the system prompt, is the common case); if the file
+  is already there and intact it is reused, even with other bits (the same
+  model can compute the same prefix slightly differently, batched or alone).
+* a **segment** holds any other range: the tokens a later turn adds to an
+  unfinished block, the remainder after the last whole block. It is named by
+  its content hash and never rewritten; a block filled over several turns
+  stays made of the segments that filled it.
+
+A save reuses every piece of the previous manifest that lies inside the common
+token-id prefix, so each token's KV is written once. The **state** file holds
+the sliding-window layers (bounded by their window), rewritten whole on each
+save where they changed, and a zero-token slice of every blocked layer that
+records its dtype and shape. The **manifest** (JSON,
+:class:`runtime.persist_format.Manifest`) holds format version, model tag,
+agent id, the pieces with their sizes and SHA-256, the state file's, layer
+kinds and keys, meta, times, and the text, token ids and offsets compressed
+(about 6 bytes per token): the only thing rewritten in full every turn.
+``<dir>`` is :func:`safe_agent_dirname` of the agent id.
+
+A save writes new blocks, segments and the state file first (temp file, fsync,
+rename, fsync dir), then replaces the manifest the same way, then removes the
+agent's files the new manifest no longer lists. A kill at any point leaves the
+old manifest with everything it needs, or the new one. Loads verify sizes,
+checksums, the hash chain, contiguity and every shape against the manifest,
+and turn any problem into a :class:`~runtime.errors.CacheMiss` (logged), never
+an uncaught error; a file that fails its own checksum is removed so the next
+save rewrites it.
 
 Not thread-safe: callers serialize calls (the cache store runs one disk
 operation at a time). Files are ``0o600``, directories ``0o700``.
@@ -51,6 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 from runtime.errors import CacheMiss, CorruptCacheError, FormatVersionError
 from runtime.persist_files import (
@@ -66,30 +79,30 @@ from runtime.persist_files import (
 from runtime.persist_format import (
     BLOCK_NAME,
     FORMAT_VERSION,
-    TAIL_NAME,
-    BlockRef,
+    BlockPiece,
     LayerRecord,
     Manifest,
-    TailRef,
+    Piece,
+    SegmentPiece,
     block_chain_hashes,
-    block_tensors,
-    encode_tensors,
-    pack_int32,
-    read_metadata,
-    tail_tensors,
-    tensor_digest,
+    encode_state,
+    pack_offsets,
+    pack_text,
+    pack_token_ids,
+    piece_tensors,
+    read_tensor_entries,
     validate_snapshot,
 )
 from runtime.persist_load import (
     assemble_snapshot,
-    block_is_intact,
     check_manifest,
     decode_block_list,
     decode_manifest,
-    sha256_hex,
 )
 from runtime.persist_names import safe_agent_dirname
-from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerSnapshot
+from runtime.persist_pieces import PieceFiles, WriteTally
+from runtime.persist_plan import common_prefix, plan_save, range_of
+from runtime.snapshot import CacheSnapshot
 
 __all__ = [
     "FORMAT_VERSION",
@@ -110,8 +123,12 @@ _encoder = msgspec.json.Encoder()
 class SaveReport:
     """What one :meth:`CacheDirectory.save` wrote.
 
-    ``bytes_written == block bytes written + tail_bytes + manifest_bytes``;
-    ``tail_bytes`` is 0 when the tail file was already there, identical.
+    ``bytes_written == block bytes written + tail_bytes + manifest_bytes``, where
+    ``tail_bytes`` counts the agent's own files written (segments and the
+    state file). ``blocks_reused`` counts the snapshot's blocks stored as
+    shared blocks that this save did not write (kept from the previous save or
+    found on disk). ``tokens_written`` counts the tokens whose blocked-layer KV
+    this save wrote, in blocks and segments together.
     """
 
     bytes_written: int
@@ -119,14 +136,16 @@ class SaveReport:
     blocks_reused: int
     tail_bytes: int
     manifest_bytes: int
+    segments_written: int = 0
+    tokens_written: int = 0
 
 
 @dataclass(frozen=True)
 class AgentEntry:
     """One stored agent, as listed by :meth:`CacheDirectory.list_agents`.
 
-    ``disk_bytes`` counts the manifest, the tail and every referenced block in
-    full, including blocks shared with other agents.
+    ``disk_bytes`` counts the manifest, the state file, the segments and every
+    referenced block in full, including blocks shared with other agents.
     """
 
     agent_id: str
@@ -134,6 +153,13 @@ class AgentEntry:
     num_tokens: int
     disk_bytes: int
     updated_at: float
+
+
+@dataclass(frozen=True)
+class _Previous:
+    created_at: float
+    token_ids: np.ndarray
+    pieces: list[Piece]
 
 
 class CacheDirectory:
@@ -157,6 +183,7 @@ class CacheDirectory:
             ensure_private_dir(self.root, fsync=fsync)
         ensure_private_dir(self._blocks, fsync=fsync)
         ensure_private_dir(self._agents, fsync=fsync)
+        self._files = PieceFiles(self._blocks, fsync=fsync)
         removed = self._remove_temp_files()
         if removed:
             log.info("removed %d temporary files left by an interrupted save", removed)
@@ -165,9 +192,6 @@ class CacheDirectory:
 
     def _agent_dir(self, agent_id: str) -> Path:
         return self._agents / safe_agent_dirname(agent_id)
-
-    def _block_path(self, block_hash: str) -> Path:
-        return self._blocks / block_hash[:2] / f"{block_hash}.safetensors"
 
     def _subdirs(self, parent: Path) -> list[Path]:
         try:
@@ -189,12 +213,10 @@ class CacheDirectory:
     def save(self, agent_id: str, snapshot: CacheSnapshot) -> SaveReport:
         """Store ``snapshot`` as ``agent_id``'s cache, replacing the previous one.
 
-        Blocks already on disk (from this agent's previous save or any other
-        agent with the same prefix) are not written again. A block file for the
-        same tokens that already exists intact is reused even if its bits
-        differ from this snapshot's (the same model can produce slightly
-        different floats for the same prefix, e.g. batched vs alone); a damaged
-        one is replaced.
+        Writes only the tokens the previous save did not store (see
+        :mod:`runtime.persist_plan`), the state file if it changed, and the
+        manifest. A needed piece that is missing or damaged on disk is written
+        again.
 
         Raises:
             InvalidAgentIdError: ``agent_id`` cannot name a cache.
@@ -204,163 +226,108 @@ class CacheDirectory:
         agent_dir = self._agent_dir(agent_id)
         validate_snapshot(snapshot)
         model_tag = snapshot.model_tag
-        packed_ids = pack_int32(snapshot.token_ids)
-        packed_offsets = pack_int32(snapshot.offsets)
-        hashes = block_chain_hashes(model_tag, snapshot.token_ids)
-        previous = self._read_manifest_quietly(agent_dir)
-        inherited = (
-            {ref.hash: ref for ref in previous.blocks} if previous is not None else {}
-        )
+        packed_text = pack_text(snapshot.text)
+        packed_ids = pack_token_ids(snapshot.token_ids)
+        packed_offsets = pack_offsets(snapshot.offsets)
+        token_ids = np.asarray(snapshot.token_ids, dtype=np.int64).reshape(-1)
+        chain = block_chain_hashes(model_tag, token_ids)
+        records = [
+            LayerRecord(kind=layer.kind, keys=list(layer.arrays))
+            for layer in snapshot.layers
+        ]
+        state_data = encode_state(snapshot.layers, model_tag=model_tag)
+        previous = self._previous(agent_dir, agent_id, snapshot, records, state_data)
         ensure_private_dir(agent_dir, fsync=self._fsync)
 
-        refs: list[BlockRef] = []
-        block_bytes = blocks_written = 0
-        for index, block_hash in enumerate(hashes):
-            ref = inherited.get(block_hash)
-            if ref is None or not self._still_on_disk(ref):
-                ref, written = self._store_block(
-                    model_tag, block_hash, snapshot.layers, index
-                )
-                block_bytes += written
-                blocks_written += written > 0
-            refs.append(ref)
-        tail, tail_bytes = self._store_tail(agent_dir, snapshot, len(hashes))
+        plan = plan_save(
+            previous.pieces if previous else [],
+            common=common_prefix(previous.token_ids, token_ids) if previous else 0,
+            num_tokens=snapshot.num_tokens,
+        )
+        tally = WriteTally()
+        pieces = [
+            kept
+            if self._files.is_intact(agent_dir, kept)
+            else self._files.write(agent_dir, snapshot, chain, range_of(kept), tally)
+            for kept in plan.reuse
+        ]
+        pieces += [
+            self._files.write(agent_dir, snapshot, chain, piece_range, tally)
+            for piece_range in plan.write
+        ]
+        state = self._files.write_state(agent_dir, state_data, tally)
 
         now = time.time()
-        created_at = now
-        if previous is not None and previous.model_tag == model_tag:
-            created_at = previous.created_at
         manifest = Manifest(
             format_version=FORMAT_VERSION,
             model_tag=model_tag,
             agent_id=agent_id,
             num_tokens=snapshot.num_tokens,
-            text=snapshot.text,
+            text=packed_text,
             token_ids=packed_ids,
             offsets=packed_offsets,
-            blocks=refs,
-            tail=tail,
-            layers=[
-                LayerRecord(kind=layer.kind, keys=list(layer.arrays))
-                for layer in snapshot.layers
-            ],
+            pieces=pieces,
+            state=state,
+            layers=records,
             meta=dict(snapshot.meta),
-            created_at=created_at,
+            created_at=previous.created_at if previous else now,
             updated_at=now,
         )
         manifest_data = _encoder.encode(manifest)
         write_atomic(agent_dir / MANIFEST_NAME, manifest_data, fsync=self._fsync)
-        self._remove_tails(agent_dir, keep=tail.name)
+        self._files.remove_own_files(agent_dir, keep=_own_files(manifest))
+        blocks = sum(isinstance(piece, BlockPiece) for piece in pieces)
         return SaveReport(
-            bytes_written=block_bytes + tail_bytes + len(manifest_data),
-            blocks_written=blocks_written,
-            blocks_reused=len(hashes) - blocks_written,
-            tail_bytes=tail_bytes,
+            bytes_written=tally.block_bytes + tally.own_bytes + len(manifest_data),
+            blocks_written=tally.blocks_written,
+            blocks_reused=blocks - tally.blocks_written,
+            tail_bytes=tally.own_bytes,
             manifest_bytes=len(manifest_data),
+            segments_written=tally.segments_written,
+            tokens_written=tally.tokens_written,
         )
 
-    def _store_block(
+    def _previous(
         self,
-        model_tag: str,
-        block_hash: str,
-        layers: Sequence[LayerSnapshot],
-        index: int,
-    ) -> tuple[BlockRef, int]:
-        """Make sure block ``index`` is on disk; return its ref and the bytes written."""
-        tensors = block_tensors(
-            layers, index * BLOCK_TOKENS, (index + 1) * BLOCK_TOKENS
-        )
-        digest = tensor_digest(tensors)
-        info = {
-            "kind": "block",
-            "format_version": str(FORMAT_VERSION),
-            "model_tag": model_tag,
-            "block_hash": block_hash,
-            "tensor_sha256": digest,
-        }
-        data = encode_tensors(tensors, info)
-        ref = BlockRef(
-            hash=block_hash,
-            sha256=sha256_hex(data),
-            size=len(data),
-            tensor_sha256=digest,
-        )
-        path = self._block_path(block_hash)
-        existing = read_regular_file(path)
-        if existing is not None:
-            if sha256_hex(existing) == ref.sha256:
-                return ref, 0
-            if block_is_intact(
-                existing, model_tag=model_tag, block_hash=block_hash, like=tensors
-            ):
-                log.debug("reusing block %s whose bits differ from ours", block_hash)
-                return BlockRef(
-                    hash=block_hash,
-                    sha256=sha256_hex(existing),
-                    size=len(existing),
-                    tensor_sha256=read_metadata(existing)["tensor_sha256"],
-                ), 0
-            log.warning("block %s on disk is damaged; rewriting it", block_hash)
-        ensure_private_dir(path.parent, fsync=self._fsync)
-        write_atomic(path, data, fsync=self._fsync)
-        return ref, len(data)
+        agent_dir: Path,
+        agent_id: str,
+        snapshot: CacheSnapshot,
+        records: list[LayerRecord],
+        state_data: bytes,
+    ) -> _Previous | None:
+        """What a save takes from the agent's previous manifest, if it is this model's.
 
-    def _still_on_disk(self, ref: BlockRef) -> bool:
-        """Whether a block the previous manifest lists is still that block.
-
-        Checks size and the tensor digest in the block's header (a small read),
-        so a block that was damaged and rewritten with other bits since is
-        noticed; damage to the data alone is caught by :meth:`load`, which
-        removes such a block.
+        Its pieces are reusable only if the manifest passes every check a load
+        makes without reading pieces, and records the same layers with the
+        same blocked layouts (dtype and shape of the zero-token tensors in its
+        state file's header).
         """
-        header = read_header(self._block_path(ref.hash), size=ref.size)
-        if header is None:
-            return False
-        try:
-            info = read_metadata(header)
-        except ValueError:
-            return False
-        return info.get("tensor_sha256") == ref.tensor_sha256
-
-    def _store_tail(
-        self, agent_dir: Path, snapshot: CacheSnapshot, num_blocks: int
-    ) -> tuple[TailRef, int]:
-        """Write the tail unless identical; return its ref and the bytes written."""
-        start = num_blocks * BLOCK_TOKENS
-        info = {
-            "kind": "tail",
-            "format_version": str(FORMAT_VERSION),
-            "model_tag": snapshot.model_tag,
-            "tokens": str(snapshot.num_tokens - start),
-        }
-        data = encode_tensors(tail_tensors(snapshot.layers, start), info)
-        sha = sha256_hex(data)
-        tail = TailRef(name=f"tail-{sha}.safetensors", sha256=sha, size=len(data))
-        path = agent_dir / tail.name
-        if regular_file_size(path) == tail.size:
-            on_disk = read_regular_file(path)
-            if on_disk is not None and sha256_hex(on_disk) == sha:
-                return tail, 0
-        write_atomic(path, data, fsync=self._fsync)
-        return tail, len(data)
-
-    def _read_manifest_quietly(self, agent_dir: Path) -> Manifest | None:
         try:
             data = read_regular_file(agent_dir / MANIFEST_NAME)
-            return None if data is None else decode_manifest(data)
-        except (OSError, CacheMiss):
+            if data is None:
+                return None
+            manifest = decode_manifest(data)
+            contents = check_manifest(
+                manifest, agent_id=agent_id, model_tag=snapshot.model_tag
+            )
+        except (OSError, ValueError, CacheMiss):
             return None
-
-    def _remove_tails(self, agent_dir: Path, *, keep: str | None) -> int:
-        removed = 0
+        pieces = list(manifest.pieces)
+        header = read_header(agent_dir / manifest.state.name, size=manifest.state.size)
         try:
-            names = os.listdir(agent_dir)
-        except OSError:
-            return 0
-        for name in names:
-            if TAIL_NAME.fullmatch(name) and name != keep:
-                removed += remove_file(agent_dir / name)
-        return removed
+            theirs = read_tensor_entries(header) if header is not None else {}
+            ours = read_tensor_entries(state_data)
+        except ValueError:
+            pieces = []
+        else:
+            blocked = piece_tensors(snapshot.layers, 0, 0)
+            if manifest.layers != records or any(
+                theirs.get(name) != ours[name] for name in blocked
+            ):
+                pieces = []
+        return _Previous(
+            created_at=manifest.created_at, token_ids=contents.token_ids, pieces=pieces
+        )
 
     # -- load ----------------------------------------------------------------
 
@@ -401,56 +368,15 @@ class CacheDirectory:
         if data is None:
             raise CacheMiss(f"no cache stored for agent {agent_id!r}")
         manifest = decode_manifest(data)
-        token_ids, offsets = check_manifest(
-            manifest, agent_id=agent_id, model_tag=model_tag
-        )
-        tail = self._read_verified(
-            agent_dir / manifest.tail.name, manifest.tail.sha256, manifest.tail.size
-        )
-
-        def read_block(ref: BlockRef) -> bytes:
-            return self._read_verified(
-                self._block_path(ref.hash),
-                ref.sha256,
-                ref.size,
-                model_tag=model_tag,
-                block_hash=ref.hash,
-            )
-
+        contents = check_manifest(manifest, agent_id=agent_id, model_tag=model_tag)
+        state = self._files.read_state(agent_dir, manifest.state)
         return assemble_snapshot(
-            manifest, token_ids, offsets, tail=tail, read_block=read_block
-        )
-
-    def _read_verified(
-        self,
-        path: Path,
-        sha256: str,
-        size: int,
-        *,
-        model_tag: str | None = None,
-        block_hash: str | None = None,
-    ) -> bytes:
-        """The bytes of ``path`` if they have ``size`` and ``sha256``, else CorruptCacheError.
-
-        A block file that fails its own digest too is removed, so that the
-        next save rewrites it instead of trusting it.
-        """
-        raw = read_regular_file(path)
-        if raw is None:
-            raise CorruptCacheError(f"{path.name} is missing")
-        if len(raw) == size and sha256_hex(raw) == sha256:
-            return raw
-        if (
-            model_tag is not None
-            and block_hash is not None
-            and not block_is_intact(
-                raw, model_tag=model_tag, block_hash=block_hash, like=None
-            )
-        ):
-            log.warning("removing damaged block file %s", path)
-            remove_file(path)
-        raise CorruptCacheError(
-            f"{path.name}: size or checksum differs from the manifest"
+            manifest,
+            contents,
+            state=state,
+            read_piece=lambda piece: self._files.read_verified(
+                agent_dir, piece, model_tag=model_tag
+            ),
         )
 
     # -- other operations ----------------------------------------------------
@@ -502,8 +428,8 @@ class CacheDirectory:
                 continue
             disk_bytes = (
                 len(data)
-                + manifest.tail.size
-                + sum(ref.size for ref in manifest.blocks)
+                + manifest.state.size
+                + sum(piece.size for piece in manifest.pieces)
             )
             entries.append(
                 AgentEntry(
@@ -517,12 +443,13 @@ class CacheDirectory:
         return sorted(entries, key=lambda entry: entry.agent_id)
 
     def collect_garbage(self) -> int:
-        """Remove blocks no manifest references, orphan tails and temp files.
+        """Remove blocks no manifest references, orphan agent files and temp files.
 
-        Manifests of another format version keep the blocks they list; if such
-        a manifest has a layout this version cannot read, or a manifest cannot
-        be read at all, no block is removed. An undecodable manifest of this
-        version references nothing: its cache cannot load anyway.
+        Manifests of another format version keep the blocks and the agent
+        files they list; if such a manifest has a layout this version cannot
+        read, or a manifest cannot be read at all, no block is removed. An
+        undecodable manifest of this version references nothing: its cache
+        cannot load anyway.
 
         Returns:
             The number of files removed.
@@ -539,7 +466,7 @@ class CacheDirectory:
                 keep_all_blocks = True
                 continue
             if data is None:  # a first save that never reached its manifest
-                removed += self._remove_tails(agent_dir, keep=None)
+                removed += self._files.remove_own_files(agent_dir, keep=())
                 with contextlib.suppress(OSError):
                     agent_dir.rmdir()
                 continue
@@ -558,8 +485,12 @@ class CacheDirectory:
                 continue
             except CorruptCacheError:
                 continue
-            referenced.update(ref.hash for ref in manifest.blocks)
-            removed += self._remove_tails(agent_dir, keep=manifest.tail.name)
+            referenced.update(
+                piece.name for piece in manifest.pieces if isinstance(piece, BlockPiece)
+            )
+            removed += self._files.remove_own_files(
+                agent_dir, keep=_own_files(manifest)
+            )
         if keep_all_blocks:
             return removed
         for shard in self._subdirs(self._blocks):
@@ -574,3 +505,9 @@ class CacheDirectory:
     def block_hashes(self, model_tag: str, token_ids: Sequence[int]) -> list[str]:
         """Chain hashes of the full blocks of ``token_ids`` (for shared-prefix lookups)."""
         return block_chain_hashes(model_tag, token_ids)
+
+
+def _own_files(manifest: Manifest) -> set[str]:
+    """The agent-directory files ``manifest`` lists: its segments and state file."""
+    names = {piece.name for piece in manifest.pieces if isinstance(piece, SegmentPiece)}
+    return names | {manifest.state.name}

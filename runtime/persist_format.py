@@ -1,28 +1,36 @@
-"""The on-disk format of a cache directory: manifest schema, block hashes, file encodings.
+"""The on-disk format of a cache directory: manifest schema, names, file encodings.
 
 Pure functions and msgspec types used by :mod:`runtime.persist`; nothing here
 touches the file system.
 
-* A **block** file holds, for every blocked layer of a snapshot, its arrays
-  sliced on the token axis to one :data:`BLOCK_TOKENS`-token block, as tensors
-  ``L{layer}.{key}``. Its safetensors metadata names the block (kind, format
-  version, model tag, chain hash) and carries a SHA-256 over its tensors, so a
-  block file can be checked on its own without a manifest.
-* A **tail** file holds the partial last block of every blocked layer (possibly
-  zero tokens long, which still records shapes and dtypes) and the whole arrays
-  of every sliding layer. It is named by the SHA-256 of its bytes.
-* The **manifest** (:class:`Manifest`) is JSON; token ids and offsets are
-  base64 of little-endian int32 arrays (about 5.3 bytes per token each).
+* A **block** file (:class:`BlockPiece`) holds, for every blocked layer of a
+  snapshot, its arrays sliced on the token axis to one aligned
+  :data:`BLOCK_TOKENS`-token block, as tensors ``L{layer}.{key}``. It is named
+  by a hash chain (:func:`block_chain_hashes`), and its safetensors metadata
+  names the block (kind, format version, model tag, chain hash) and carries a
+  SHA-256 over its tensors, so a block file can be checked without a manifest.
+* A **segment** file (:class:`SegmentPiece`) holds the same tensors for any
+  other token range ``start:end``; its metadata records the range. It is named
+  by the SHA-256 of its bytes (``seg-<sha256>.safetensors``).
+* The **state** file (:class:`StateRef`, ``state-<sha256>.safetensors``) holds
+  every sliding layer whole and a zero-token slice of every blocked layer, so
+  the layout (dtype, heads, inner dims) of every layer is known even when no
+  piece exists.
+* The **manifest** (:class:`Manifest`) is JSON. Text, token ids and offsets are
+  zlib-compressed then base64-encoded (ids as little-endian int32, offsets as
+  int32 deltas): about 6 bytes per token for English-like text.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
 import re
+import zlib
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -33,57 +41,108 @@ from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapsh
 __all__ = [
     "FORMAT_VERSION",
     "MAX_TOKEN_ID",
-    "BlockRef",
-    "TailRef",
+    "BlockPiece",
+    "SegmentPiece",
+    "Piece",
+    "StateRef",
     "LayerRecord",
     "Manifest",
     "FormatProbe",
     "BlockListProbe",
     "block_chain_hashes",
-    "pack_int32",
-    "unpack_int32",
+    "segment_name",
+    "state_name",
+    "pack_token_ids",
+    "unpack_token_ids",
+    "pack_offsets",
+    "unpack_offsets",
+    "pack_text",
+    "unpack_text",
     "tensor_name",
     "tensor_digest",
     "validate_snapshot",
     "layout_problem",
-    "block_tensors",
-    "tail_tensors",
+    "piece_tensors",
+    "state_tensors",
     "encode_tensors",
+    "encode_block",
+    "encode_segment",
+    "encode_state",
     "read_metadata",
-    "TAIL_NAME",
+    "read_tensor_entries",
     "BLOCK_NAME",
+    "SEGMENT_NAME",
+    "STATE_NAME",
+    "AGENT_FILE_NAME",
 ]
 
-FORMAT_VERSION = 1
-"""Version of the on-disk format; part of every block hash and manifest."""
+FORMAT_VERSION = 2
+"""Version of the on-disk format; part of every block hash and manifest.
+
+Version 1 stored a whole partial tail block per save; version 2 stores pieces.
+"""
 
 MAX_TOKEN_ID = 2**31 - 1
 
 BLOCK_NAME = re.compile(r"[0-9a-f]{64}\.safetensors")
-TAIL_NAME = re.compile(r"tail-[0-9a-f]{64}\.safetensors")
+SEGMENT_NAME = re.compile(r"seg-[0-9a-f]{64}\.safetensors")
+STATE_NAME = re.compile(r"state-[0-9a-f]{64}\.safetensors")
+AGENT_FILE_NAME = re.compile(r"(?:seg|state|tail)-[0-9a-f]{64}\.safetensors")
+"""Files a save may leave in an agent directory (``tail-``: format 1)."""
 
 _Hex64 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
-_Size = Annotated[int, msgspec.Meta(ge=0)]
+_Size = Annotated[int, msgspec.Meta(ge=0, le=2**48)]
+_Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+_End = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKEN_ID)]
 
 
-class BlockRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One full block of an agent's cache: ``blocks/<hash[:2]>/<hash>.safetensors``.
+class BlockPiece(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag_field="kind",
+    tag="block",
+):
+    """Tokens ``start:end`` (one aligned block): ``blocks/<name[:2]>/<name>.safetensors``.
 
-    ``sha256`` is over the file's bytes; ``tensor_sha256`` repeats the digest
-    in the block's own header, which a save can check without reading the
-    whole block.
+    ``name`` is the block's chain hash; ``sha256`` is over the file's bytes;
+    ``tensor_sha256`` repeats the digest in the block's own header, which a
+    save can check without reading the whole block.
     """
 
-    hash: _Hex64
+    name: _Hex64
+    start: _Tokens
+    end: _End
     sha256: _Hex64
     size: _Size
     tensor_sha256: _Hex64
 
 
-class TailRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """An agent's tail file, ``agents/<dir>/<name>``."""
+class SegmentPiece(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag_field="kind",
+    tag="segment",
+):
+    """Tokens ``start:end`` in the agent's own ``agents/<dir>/<name>``, ``name == seg-<sha256>.safetensors``."""
 
-    name: Annotated[str, msgspec.Meta(pattern=r"^tail-[0-9a-f]{64}\.safetensors$")]
+    name: Annotated[str, msgspec.Meta(pattern=r"^seg-[0-9a-f]{64}\.safetensors$")]
+    start: _Tokens
+    end: _End
+    sha256: _Hex64
+    size: _Size
+
+
+Piece = BlockPiece | SegmentPiece
+
+
+class StateRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The agent's state file, ``agents/<dir>/<name>``, ``name == state-<sha256>.safetensors``."""
+
+    name: Annotated[str, msgspec.Meta(pattern=r"^state-[0-9a-f]{64}\.safetensors$")]
     sha256: _Hex64
     size: _Size
 
@@ -98,20 +157,22 @@ class LayerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``agents/<dir>/manifest.json``: everything needed to rebuild a snapshot.
 
-    Its size grows with the conversation (covered text plus about 10.7 bytes per
-    token for ids and offsets) and it is rewritten on every save; at ~4 bytes of
-    text per token that is ~15 bytes per token, small next to the KV itself.
+    ``pieces`` cover tokens ``0:num_tokens`` in order, without gaps. ``text``,
+    ``token_ids`` and ``offsets`` are packed (:func:`pack_text`,
+    :func:`pack_token_ids`, :func:`pack_offsets`). The manifest is rewritten on
+    every save, so it stays compact: about 6 bytes per token plus ~200 bytes
+    per piece.
     """
 
     format_version: int
     model_tag: Annotated[str, msgspec.Meta(min_length=1)]
     agent_id: str
-    num_tokens: _Size
+    num_tokens: _Tokens
     text: str
     token_ids: str
     offsets: str
-    blocks: list[BlockRef]
-    tail: TailRef
+    pieces: list[Piece]
+    state: StateRef
     layers: list[LayerRecord]
     meta: dict[str, int | str]
     created_at: float
@@ -124,30 +185,20 @@ class FormatProbe(msgspec.Struct):
     format_version: int
 
 
+class _NamedPiece(msgspec.Struct):
+    kind: str
+    name: str
+
+
 class _HashOnly(msgspec.Struct):
     hash: str
 
 
 class BlockListProbe(msgspec.Struct):
-    """Reads only the block hashes of a manifest (used by garbage collection)."""
+    """Reads the shared blocks a manifest of format 2 (``pieces``) or 1 (``blocks``) lists."""
 
-    blocks: list[_HashOnly]
-
-
-def pack_int32(values: Sequence[int]) -> str:
-    """Base64 of ``values`` as little-endian int32 (ValueError if one does not fit)."""
-    array = np.asarray(values, dtype=np.int64).reshape(-1)
-    if array.size and (array.min() < 0 or array.max() > MAX_TOKEN_ID):
-        raise ValueError("value outside 0..2**31-1")
-    return base64.b64encode(array.astype("<i4").tobytes()).decode("ascii")
-
-
-def unpack_int32(packed: str) -> np.ndarray:
-    """Inverse of :func:`pack_int32` (ValueError on bad base64 or length)."""
-    raw = base64.b64decode(packed.encode("ascii"), validate=True)
-    if len(raw) % 4:
-        raise ValueError("int32 array byte length is not a multiple of 4")
-    return np.frombuffer(raw, dtype="<i4").astype(np.int64)
+    pieces: list[_NamedPiece] | None = None
+    blocks: list[_HashOnly] | None = None
 
 
 def block_chain_hashes(
@@ -171,6 +222,86 @@ def block_chain_hashes(
         hashes.append(digest)
         previous = digest.encode("ascii")
     return hashes
+
+
+def segment_name(sha256: str) -> str:
+    return f"seg-{sha256}.safetensors"
+
+
+def state_name(sha256: str) -> str:
+    return f"state-{sha256}.safetensors"
+
+
+# -- packed manifest fields ----------------------------------------------------------
+
+
+def _pack(raw: bytes) -> str:
+    return base64.b64encode(zlib.compress(raw, 9)).decode("ascii")
+
+
+def _unpack(packed: str, *, max_bytes: int | None = None) -> bytes:
+    """Inverse of :func:`_pack`; ValueError on bad base64, zlib, trailing bytes or overflow."""
+    try:
+        compressed = base64.b64decode(packed.encode("ascii"), validate=True)
+        inflater = zlib.decompressobj()
+        if max_bytes is None:
+            raw = inflater.decompress(compressed)
+        else:
+            raw = inflater.decompress(compressed, max_bytes + 1)
+    except (binascii.Error, zlib.error, UnicodeEncodeError) as exc:
+        raise ValueError(f"packed field does not decode: {exc}") from exc
+    if not inflater.eof or inflater.unused_data or inflater.unconsumed_tail:
+        raise ValueError("packed field is truncated, too long or has trailing bytes")
+    return raw
+
+
+def _int32_le(values: np.ndarray) -> bytes:
+    if values.size and (values.min() < 0 or values.max() > MAX_TOKEN_ID):
+        raise ValueError("value outside 0..2**31-1")
+    return values.astype("<i4").tobytes()
+
+
+def _int32_array(raw: bytes, count: int) -> np.ndarray:
+    if len(raw) != 4 * count:
+        raise ValueError(f"{len(raw)} bytes for {count} int32 values")
+    return np.frombuffer(raw, dtype="<i4").astype(np.int64)
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> str:
+    """zlib + base64 of ``token_ids`` as little-endian int32 (ValueError if one does not fit)."""
+    return _pack(_int32_le(np.asarray(token_ids, dtype=np.int64).reshape(-1)))
+
+
+def unpack_token_ids(packed: str, count: int) -> np.ndarray:
+    """Inverse of :func:`pack_token_ids`; ValueError unless exactly ``count`` ids decode."""
+    return _int32_array(_unpack(packed, max_bytes=4 * count), count)
+
+
+def pack_offsets(offsets: Sequence[int]) -> str:
+    """zlib + base64 of the deltas of non-decreasing ``offsets`` (the first against 0)."""
+    values = np.asarray(offsets, dtype=np.int64).reshape(-1)
+    return _pack(_int32_le(np.diff(values, prepend=0)))
+
+
+def unpack_offsets(packed: str, count: int) -> np.ndarray:
+    """Inverse of :func:`pack_offsets`; ValueError on a negative delta."""
+    deltas = _int32_array(_unpack(packed, max_bytes=4 * count), count)
+    if deltas.size and deltas.min() < 0:
+        raise ValueError("offsets decrease")
+    return np.cumsum(deltas, dtype=np.int64)
+
+
+def pack_text(text: str) -> str:
+    """zlib + base64 of ``text`` as UTF-8 (UnicodeEncodeError, a ValueError, on lone surrogates)."""
+    return _pack(text.encode("utf-8"))
+
+
+def unpack_text(packed: str) -> str:
+    """Inverse of :func:`pack_text` (ValueError on anything that does not decode)."""
+    return _unpack(packed).decode("utf-8")
+
+
+# -- tensors ------------------------------------------------------------------------
 
 
 def tensor_name(layer: int, key: str) -> str:
@@ -260,10 +391,10 @@ def validate_snapshot(snapshot: CacheSnapshot) -> None:
                 raise ValueError(f"layer {index} {key}: window longer than the cache")
 
 
-def block_tensors(
+def piece_tensors(
     layers: Sequence[LayerSnapshot], start: int, stop: int
 ) -> dict[str, np.ndarray]:
-    """Tensors of the blocked layers restricted to tokens ``start:stop``."""
+    """Tensors of the blocked layers restricted to tokens ``start:stop`` (a block or segment)."""
     return {
         tensor_name(index, key): np.ascontiguousarray(array[:, start:stop])
         for index, layer in enumerate(layers)
@@ -272,11 +403,11 @@ def block_tensors(
     }
 
 
-def tail_tensors(layers: Sequence[LayerSnapshot], start: int) -> dict[str, np.ndarray]:
-    """Tokens ``start:`` of the blocked layers and the whole sliding layers."""
+def state_tensors(layers: Sequence[LayerSnapshot]) -> dict[str, np.ndarray]:
+    """The sliding layers whole and a zero-token slice of each blocked layer (its layout)."""
     return {
         tensor_name(index, key): np.ascontiguousarray(
-            array[:, start:] if layer.is_blocked else array
+            array[:, :0] if layer.is_blocked else array
         )
         for index, layer in enumerate(layers)
         for key, array in layer.arrays.items()
@@ -298,17 +429,71 @@ def encode_tensors(tensors: dict[str, np.ndarray], info: dict[str, str]) -> byte
     return safetensors.numpy.save(tensors, metadata=metadata)
 
 
-def read_metadata(data: bytes) -> dict[str, str]:
-    """The ``info`` that :func:`encode_tensors` stored (ValueError if malformed)."""
+def _info(kind: str, model_tag: str, **fields: str) -> dict[str, str]:
+    return {
+        "kind": kind,
+        "format_version": str(FORMAT_VERSION),
+        "model_tag": model_tag,
+        **fields,
+    }
+
+
+def encode_block(
+    tensors: dict[str, np.ndarray], *, model_tag: str, block_hash: str
+) -> tuple[bytes, str]:
+    """A block file's bytes and the tensor digest its metadata carries."""
+    digest = tensor_digest(tensors)
+    info = _info("block", model_tag, block_hash=block_hash, tensor_sha256=digest)
+    return encode_tensors(tensors, info), digest
+
+
+def encode_segment(
+    tensors: dict[str, np.ndarray], *, model_tag: str, start: int, end: int
+) -> bytes:
+    """A segment file's bytes: tokens ``start:end``, recorded in its metadata."""
+    return encode_tensors(
+        tensors, _info("segment", model_tag, start=str(start), end=str(end))
+    )
+
+
+def encode_state(layers: Sequence[LayerSnapshot], *, model_tag: str) -> bytes:
+    """A state file's bytes (see :func:`state_tensors`)."""
+    return encode_tensors(state_tensors(layers), _info("state", model_tag))
+
+
+def _header(data: bytes) -> dict[str, Any]:
     if len(data) < 8:
         raise ValueError("file shorter than a safetensors header")
     header_len = int.from_bytes(data[:8], "little")
     if header_len > len(data) - 8:
         raise ValueError("safetensors header runs past the end of the file")
     header = json.loads(data[8 : 8 + header_len])
-    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not an object")
+    return header
+
+
+def read_metadata(data: bytes) -> dict[str, str]:
+    """The ``info`` that :func:`encode_tensors` stored (ValueError if malformed).
+
+    ``data`` may be the whole file or just its header.
+    """
+    header = _header(data)
+    if not isinstance(header.get("__metadata__"), dict):
         raise ValueError("safetensors header has no metadata")
     info = json.loads(header["__metadata__"].get("kvmem", "null"))
     if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
         raise ValueError("kvmem metadata is not a string map")
     return info
+
+
+def read_tensor_entries(data: bytes) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's safetensors dtype and shape, from a file or its header (ValueError if malformed)."""
+    entries = {}
+    for name, entry in _header(data).items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise ValueError(f"header entry {name!r} is not an object")
+        entries[name] = (str(entry.get("dtype")), tuple(entry.get("shape", ())))
+    return entries

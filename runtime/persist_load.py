@@ -1,13 +1,15 @@
 """Verification and assembly of a stored cache (pure: bytes in, snapshot out).
 
-Used by :meth:`runtime.persist.CacheDirectory.load`, which does the file
-access. Every check raises a :class:`~runtime.errors.CacheMiss` subclass.
+Used by :meth:`runtime.persist.CacheDirectory.load` (which does the file
+access) and by its save (which checks the previous manifest before reusing its
+pieces). Every check raises a :class:`~runtime.errors.CacheMiss` subclass.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -17,15 +19,20 @@ from runtime.errors import CorruptCacheError, ForeignModelError, FormatVersionEr
 from runtime.persist_format import (
     FORMAT_VERSION,
     BlockListProbe,
-    BlockRef,
+    BlockPiece,
     FormatProbe,
     Manifest,
+    Piece,
     block_chain_hashes,
     layout_problem,
     read_metadata,
+    segment_name,
+    state_name,
     tensor_digest,
     tensor_name,
-    unpack_int32,
+    unpack_offsets,
+    unpack_text,
+    unpack_token_ids,
 )
 from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 
@@ -34,6 +41,7 @@ __all__ = [
     "decode_manifest",
     "decode_block_list",
     "block_is_intact",
+    "ManifestContents",
     "check_manifest",
     "assemble_snapshot",
 ]
@@ -69,11 +77,16 @@ def decode_manifest(data: bytes) -> Manifest:
 
 
 def decode_block_list(data: bytes) -> list[str] | None:
-    """Block hashes of a manifest of any version that lists them like this one, else None."""
+    """Shared-block hashes of a manifest of format 2 or 1, or None for an unknown layout."""
     try:
-        return [block.hash for block in _block_list_decoder.decode(data).blocks]
+        probe = _block_list_decoder.decode(data)
     except msgspec.DecodeError:
         return None
+    if probe.pieces is not None:
+        return [piece.name for piece in probe.pieces if piece.kind == "block"]
+    if probe.blocks is not None:
+        return [block.hash for block in probe.blocks]
+    return None
 
 
 def block_is_intact(
@@ -105,14 +118,48 @@ def block_is_intact(
     )
 
 
+@dataclass(frozen=True)
+class ManifestContents:
+    """What a checked manifest's packed fields hold."""
+
+    text: str
+    token_ids: np.ndarray
+    offsets: np.ndarray
+
+
+def _check_pieces(pieces: Sequence[Piece], num_tokens: int, chain: list[str]) -> None:
+    position = 0
+    for piece in pieces:
+        where = f"piece {piece.start}:{piece.end}"
+        if piece.start != position or piece.end <= piece.start:
+            raise CorruptCacheError(
+                f"{where} leaves a gap or overlaps at token {position}"
+            )
+        if piece.end > num_tokens:
+            raise CorruptCacheError(f"{where} runs past {num_tokens} tokens")
+        if isinstance(piece, BlockPiece):
+            if piece.start % BLOCK_TOKENS or piece.end - piece.start != BLOCK_TOKENS:
+                raise CorruptCacheError(f"block {where} is not one aligned block")
+            if piece.name != chain[piece.start // BLOCK_TOKENS]:
+                raise CorruptCacheError(
+                    f"block {where} is not the block of these tokens"
+                )
+        elif piece.name != segment_name(piece.sha256):
+            raise CorruptCacheError(f"segment {where} is not named by its checksum")
+        position = piece.end
+    if position != num_tokens:
+        raise CorruptCacheError(f"pieces cover {position} of {num_tokens} tokens")
+
+
 def check_manifest(
     manifest: Manifest, *, agent_id: str, model_tag: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """Check a manifest against itself; return its token ids and offsets.
+) -> ManifestContents:
+    """Check a manifest against itself, without reading other files.
 
     Raises:
         ForeignModelError: made by another model.
-        CorruptCacheError: counts, offsets or the block hash chain disagree.
+        CorruptCacheError: the packed fields, counts, offsets, pieces (gaps,
+            block names against the hash chain) or file names disagree.
     """
     if manifest.model_tag != model_tag:
         raise ForeignModelError(
@@ -120,28 +167,20 @@ def check_manifest(
         )
     if manifest.agent_id != agent_id:
         raise CorruptCacheError(f"manifest names agent {manifest.agent_id!r}")
-    try:
-        token_ids = unpack_int32(manifest.token_ids)
-        offsets = unpack_int32(manifest.offsets)
-    except ValueError as exc:
-        raise CorruptCacheError(f"token ids or offsets do not decode: {exc}") from exc
     num_tokens = manifest.num_tokens
-    if not num_tokens == len(token_ids) == len(offsets):
-        raise CorruptCacheError(
-            f"manifest has {num_tokens} tokens, {len(token_ids)} ids, {len(offsets)} offsets"
-        )
-    if num_tokens and (
-        offsets[0] < 0
-        or offsets[-1] > len(manifest.text)
-        or np.any(np.diff(offsets) < 0)
-    ):
-        raise CorruptCacheError("offsets decrease or run past the text")
+    try:
+        text = unpack_text(manifest.text)
+        token_ids = unpack_token_ids(manifest.token_ids, num_tokens)
+        offsets = unpack_offsets(manifest.offsets, num_tokens)
+    except ValueError as exc:
+        raise CorruptCacheError(f"text, token ids or offsets: {exc}") from exc
+    if num_tokens and offsets[-1] > len(text):
+        raise CorruptCacheError("offsets run past the text")
     if num_tokens and token_ids.min() < 0:
         raise CorruptCacheError("negative token id")
-    if [ref.hash for ref in manifest.blocks] != block_chain_hashes(
-        model_tag, token_ids
-    ):
-        raise CorruptCacheError("block hashes do not match the token ids")
+    _check_pieces(manifest.pieces, num_tokens, block_chain_hashes(model_tag, token_ids))
+    if manifest.state.name != state_name(manifest.state.sha256):
+        raise CorruptCacheError("state file is not named by its checksum")
     keys = [
         (index, key)
         for index, record in enumerate(manifest.layers)
@@ -149,86 +188,101 @@ def check_manifest(
     ]
     if len(set(keys)) != len(keys):
         raise CorruptCacheError("a layer lists a key twice")
-    return token_ids, offsets
+    return ManifestContents(text=text, token_ids=token_ids, offsets=offsets)
+
+
+def _check_piece_metadata(
+    piece: Piece, info: dict[str, str], manifest: Manifest
+) -> None:
+    expected = {"format_version": str(FORMAT_VERSION), "model_tag": manifest.model_tag}
+    if isinstance(piece, BlockPiece):
+        expected |= {
+            "kind": "block",
+            "block_hash": piece.name,
+            "tensor_sha256": piece.tensor_sha256,
+        }
+    else:
+        expected |= {
+            "kind": "segment",
+            "start": str(piece.start),
+            "end": str(piece.end),
+        }
+    if any(info.get(key) != value for key, value in expected.items()):
+        raise CorruptCacheError(
+            f"file {piece.name} does not hold tokens {piece.start}:{piece.end}"
+        )
 
 
 def assemble_snapshot(
     manifest: Manifest,
-    token_ids: np.ndarray,
-    offsets: np.ndarray,
+    contents: ManifestContents,
     *,
-    tail: bytes,
-    read_block: Callable[[BlockRef], bytes],
+    state: bytes,
+    read_piece: Callable[[Piece], bytes],
 ) -> CacheSnapshot:
-    """Rebuild the snapshot from verified tail bytes and blocks read one at a time.
+    """Rebuild the snapshot from verified state bytes and pieces read one at a time.
 
-    Output arrays are allocated from the tail's shapes and filled block by
-    block, so memory peaks at the result plus one block.
+    Blocked arrays are allocated from the state file's zero-token layouts and
+    filled piece by piece, so memory peaks at the result plus one piece.
 
     Raises:
-        CorruptCacheError: a tensor is missing, extra, or of the wrong dtype or shape.
+        CorruptCacheError: a file's metadata, tensor set, dtype or shape
+            contradicts the manifest or the layer layouts.
     """
     num_tokens = manifest.num_tokens
-    num_blocks = len(manifest.blocks)
-    tail_tokens = num_tokens - num_blocks * BLOCK_TOKENS
     records = {
         tensor_name(index, key): record
         for index, record in enumerate(manifest.layers)
         for key in record.keys
     }
-    tail_arrays = safetensors.numpy.load(tail)
-    if set(tail_arrays) != set(records):
-        raise CorruptCacheError("tail tensors do not match the manifest's layers")
+    info = read_metadata(state)
+    if (info.get("kind"), info.get("format_version"), info.get("model_tag")) != (
+        "state",
+        str(FORMAT_VERSION),
+        manifest.model_tag,
+    ):
+        raise CorruptCacheError("state file is not this cache's")
+    state_arrays = safetensors.numpy.load(state)
+    if set(state_arrays) != set(records):
+        raise CorruptCacheError("state tensors do not match the manifest's layers")
     out: dict[str, np.ndarray] = {}
     for name, record in records.items():
-        array = tail_arrays[name]
+        array = state_arrays[name]
         if array.ndim < 2:
-            raise CorruptCacheError(f"tail tensor {name} has no token axis")
+            raise CorruptCacheError(f"state tensor {name} has no token axis")
         if record.kind is LayerKind.SLIDING:
             if array.shape[1] > num_tokens:
                 raise CorruptCacheError(
                     f"sliding tensor {name} holds more tokens than the cache"
                 )
             out[name] = array
-        elif array.shape[1] != tail_tokens:
-            raise CorruptCacheError(
-                f"tail tensor {name} has {array.shape[1]} tokens, expected {tail_tokens}"
-            )
-        elif num_blocks:
+        elif array.shape[1] != 0:
+            raise CorruptCacheError(f"state holds tokens of blocked tensor {name}")
+        else:
             out[name] = np.empty(
                 (array.shape[0], num_tokens, *array.shape[2:]), dtype=array.dtype
             )
-            out[name][:, num_blocks * BLOCK_TOKENS :] = array
-        else:
-            out[name] = array
     blocked = {
         name for name, record in records.items() if record.kind is not LayerKind.SLIDING
     }
 
-    for index, ref in enumerate(manifest.blocks):
-        raw = read_block(ref)
-        info = read_metadata(raw)
-        if (
-            info.get("block_hash") != ref.hash
-            or info.get("model_tag") != manifest.model_tag
-            or info.get("tensor_sha256") != ref.tensor_sha256
-        ):
-            raise CorruptCacheError(f"block file {ref.hash} holds another block")
+    for piece in manifest.pieces:
+        raw = read_piece(piece)
+        _check_piece_metadata(piece, read_metadata(raw), manifest)
         arrays = safetensors.numpy.load(raw)
         if set(arrays) != blocked:
             raise CorruptCacheError(
-                f"block {index} tensors do not match the manifest's layers"
+                f"{piece.name} tensors do not match the manifest's layers"
             )
-        start = index * BLOCK_TOKENS
         for name in blocked:
             array, target = arrays[name], out[name]
-            expected = (target.shape[0], BLOCK_TOKENS, *target.shape[2:])
+            expected = (target.shape[0], piece.end - piece.start, *target.shape[2:])
             if array.dtype != target.dtype or array.shape != expected:
                 raise CorruptCacheError(
-                    f"block {index} tensor {name} is {array.dtype}{array.shape}, "
+                    f"{piece.name} tensor {name} is {array.dtype}{array.shape}, "
                     f"expected {target.dtype}{expected}"
                 )
-            target[:, start : start + BLOCK_TOKENS] = array
+            target[:, piece.start : piece.end] = array
 
     layers = []
     for index, record in enumerate(manifest.layers):
@@ -239,9 +293,9 @@ def assemble_snapshot(
         layers.append(LayerSnapshot(kind=record.kind, arrays=arrays))
     return CacheSnapshot(
         model_tag=manifest.model_tag,
-        text=manifest.text,
-        token_ids=token_ids.tolist(),
-        offsets=offsets.tolist(),
+        text=contents.text,
+        token_ids=contents.token_ids.tolist(),
+        offsets=contents.offsets.tolist(),
         layers=layers,
         meta=dict(manifest.meta),
     )
