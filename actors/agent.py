@@ -1,0 +1,302 @@
+"""AgentActor: one per agent id; serializes the agent's turns and carries its cache.
+
+A turn, in order (the next turn of the same agent starts only after this one
+ends, so turn 2 always sees turn 1's cache):
+
+1. lease the model from the registry (a swap may happen first);
+2. render the messages (on the GPU actor's thread: tokenizer work);
+3. fetch the agent's own cache from the store (hot, else warm from disk) and
+   run the character-level prefix match against the prompt; if nothing of it
+   is reusable and the agent shares prefixes, ask the store for the longest
+   whole-block prefix another agent's hot cache covers;
+4. ask the GPU actor to generate from that cache; deltas go straight to the
+   client's stream;
+5. hand the updated cache to the store (write-behind) — *before* answering the
+   client, so every turn a client saw complete is in the store and is flushed
+   on shutdown;
+6. release the lease and answer with a :class:`TurnResult`.
+
+The actor stops after ``idle_timeout_s`` without messages (its hot cache
+stays in the store); the runtime starts a new one on the agent's next request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, assert_never
+
+import msgspec
+import trio
+
+from actors.mailbox import ask, receiver_left, send_reply
+from actors.messages_agent import (
+    AgentInbox,
+    ForgetAgent,
+    Forgot,
+    Turn,
+    TurnDone,
+    TurnReply,
+    TurnResult,
+    TurnUsage,
+)
+from actors.messages_common import Failed
+from actors.messages_gpu import (
+    CacheSource,
+    ColdStart,
+    FromHot,
+    FromShared,
+    FromWarm,
+    Generate,
+    GenerateReply,
+    GpuInbox,
+    ModelInfo,
+    Render,
+    RenderReply,
+    Tier,
+)
+from actors.messages_store import (
+    Fetch,
+    FetchReply,
+    FindPrefix,
+    Forget,
+    ForgetReply,
+    HotHit,
+    Miss,
+    NoPrefix,
+    PrefixFound,
+    PrefixReply,
+    Put,
+    StoreInbox,
+    WarmHit,
+)
+from actors.metrics import RuntimeMetrics
+from actors.registry import Acquire, AcquireReply, RegistryInbox, Release
+from runtime.prefix import match_prefix
+
+__all__ = ["AgentActor", "CacheHandle"]
+
+log = logging.getLogger("kvmem.agent")
+
+
+class CacheHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """What an agent knows of its cache between turns (the data itself lives in the store)."""
+
+    model_tag: str
+    num_tokens: int
+    text_chars: int
+
+
+class _TurnFailed(Exception):
+    def __init__(self, failed: Failed) -> None:
+        super().__init__(failed.error)
+        self.failed = failed
+
+
+class AgentActor:
+    """Serializes one agent's requests (see the module docstring).
+
+    Args:
+        agent_id: the agent.
+        inbox: its mailbox.
+        gpu, store, registry: clones of the other actors' mailboxes (closed on exit).
+        metrics: runtime counters, updated as turns end.
+        idle_timeout_s: stop after this long without a message.
+        retire: called on idle timeout; returns True when the runtime removed
+            this agent's mailbox (nothing was queued) and the actor may stop.
+        handled: called once per message after it was handled (``Runtime.wait_idle``).
+    """
+
+    def __init__(
+        self,
+        agent_id: str,
+        inbox: trio.MemoryReceiveChannel[AgentInbox],
+        *,
+        gpu: trio.MemorySendChannel[GpuInbox],
+        store: trio.MemorySendChannel[StoreInbox],
+        registry: trio.MemorySendChannel[RegistryInbox],
+        metrics: RuntimeMetrics,
+        idle_timeout_s: float,
+        retire: Callable[[AgentActor], bool],
+        handled: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.agent_id = agent_id
+        self.inbox = inbox
+        self._gpu = gpu
+        self._store = store
+        self._registry = registry
+        self._metrics = metrics
+        self._idle_timeout_s = idle_timeout_s
+        self._retire = retire
+        self._handled = handled
+        self.handle: CacheHandle | None = None
+        self.turns = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with self.inbox, self._gpu, self._store, self._registry:
+            task_status.started()
+            while True:
+                message: AgentInbox | None = None
+                with trio.move_on_after(self._idle_timeout_s):
+                    try:
+                        message = await self.inbox.receive()
+                    except trio.EndOfChannel:
+                        return
+                if message is None:
+                    if self._retire(self):
+                        log.debug("agent %s idle: stopping", self.agent_id)
+                        return
+                    continue
+                try:
+                    await self._handle(message)
+                finally:
+                    self._handled()
+
+    async def _handle(self, message: AgentInbox) -> None:
+        match message:
+            case Turn():
+                try:
+                    if receiver_left(message.reply):
+                        return  # the client left while the turn was queued
+                    self._metrics.request_started()
+                    try:
+                        reply = await self._turn(message)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                        reply = Failed(kind="Cancelled", error=f"the runtime is shutting down ({exc!r})")
+                finally:
+                    if message.deltas is not None:
+                        message.deltas.close()
+                if isinstance(reply, Failed):
+                    self._metrics.request_failed()
+                send_reply(message.reply, reply)
+            case ForgetAgent(reply=reply):
+                answer: ForgetReply = await ask(self._store, lambda r: Forget(agent_id=self.agent_id, reply=r))
+                if not isinstance(answer, Failed):
+                    self.handle = None
+                    send_reply(reply, Forgot(existed=answer.existed))
+                else:
+                    send_reply(reply, answer)
+            case _:
+                assert_never(message)
+
+    async def _turn(self, turn: Turn) -> TurnReply:
+        grant: AcquireReply = await ask(self._registry, lambda r: Acquire(model=turn.model, reply=r))
+        if isinstance(grant, Failed):
+            return grant
+        try:
+            return await self._run_turn(turn, grant.info)
+        except _TurnFailed as exc:
+            return exc.failed
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                try:
+                    await self._registry.send(Release(lease_id=grant.lease_id))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+
+    async def _run_turn(self, turn: Turn, info: ModelInfo) -> TurnReply:
+        prompt = turn.prompt
+        if prompt is None:
+            messages = turn.messages or []
+            rendered: RenderReply = await ask(
+                self._gpu, lambda r: Render(model_tag=info.tag, messages=messages, reply=r)
+            )
+            if isinstance(rendered, Failed):
+                return rendered
+            prompt = rendered.prompt
+        source, tier = await self._source(prompt, info.tag, share=turn.share_prefix)
+        generated: GenerateReply = await ask(
+            self._gpu,
+            lambda r: Generate(
+                request_id=turn.request_id,
+                agent_id=self.agent_id,
+                model_tag=info.tag,
+                prompt=prompt,
+                source=source,
+                sampling=turn.sampling,
+                submitted_at=turn.submitted_at,
+                deltas=turn.deltas,
+                client=turn.reply,
+                reply=r,
+            ),
+        )
+        if isinstance(generated, Failed):
+            return generated
+        if generated.parked is not None and generated.snapshot is not None:
+            await self._store.send(
+                Put(
+                    agent_id=self.agent_id,
+                    parked=generated.parked,
+                    snapshot=generated.snapshot,
+                    block_bytes=info.block_bytes,
+                    share_prefix=turn.share_prefix,
+                )
+            )
+            parked = generated.parked
+            self.handle = CacheHandle(
+                model_tag=parked.model_tag, num_tokens=parked.num_tokens, text_chars=len(parked.text)
+            )
+        self.turns += 1
+        if generated.tokens_reused == 0:
+            tier = "cold"
+        usage = TurnUsage(
+            tokens_reused=generated.tokens_reused,
+            tokens_prefilled=generated.tokens_prefilled,
+            tokens_generated=generated.tokens_generated,
+            tier=tier,
+            match=generated.match,
+            queue_wait_ms=generated.queue_wait_s * 1000.0,
+            ttft_ms=generated.ttft_s * 1000.0,
+            decode_tps=generated.decode_tps,
+        )
+        self._metrics.turn_done(
+            tier=tier,
+            finish_reason=generated.finish_reason,
+            tokens_reused=usage.tokens_reused,
+            tokens_prefilled=usage.tokens_prefilled,
+            tokens_generated=usage.tokens_generated,
+            ttft_ms=usage.ttft_ms,
+            queue_wait_ms=usage.queue_wait_ms,
+        )
+        result = TurnResult(
+            agent_id=self.agent_id,
+            request_id=turn.request_id,
+            model=info.name,
+            reply=generated.reply,
+            finish_reason=generated.finish_reason,
+            usage=usage,
+        )
+        return TurnDone(result=result)
+
+    async def _source(self, prompt: str, tag: str, *, share: bool) -> tuple[CacheSource, Tier]:
+        """The cache this turn starts from, and its tier."""
+        own: FetchReply = await ask(self._store, lambda r: Fetch(agent_id=self.agent_id, model_tag=tag, reply=r))
+        match own:
+            case HotHit(parked=parked):
+                if _reusable(parked.text, parked.offsets, prompt):
+                    return FromHot(parked=parked), "hot"
+            case WarmHit(snapshot=snapshot):
+                if _reusable(snapshot.text, snapshot.offsets, prompt):
+                    return FromWarm(snapshot=snapshot), "warm"
+            case Miss():
+                pass
+            case Failed():
+                raise _TurnFailed(own)
+            case _:
+                assert_never(own)
+        if share:
+            found: PrefixReply = await ask(
+                self._store, lambda r: FindPrefix(agent_id=self.agent_id, prompt=prompt, model_tag=tag, reply=r)
+            )
+            match found:
+                case PrefixFound(parked=parked, keep_tokens=keep, donor=donor):
+                    return FromShared(parked=parked, keep_tokens=keep, donor=donor), "shared"
+                case NoPrefix() | Failed():
+                    pass
+                case _:
+                    assert_never(found)
+        return ColdStart(), "cold"
+
+
+def _reusable(text: str, offsets: Any, prompt: str) -> bool:
+    return bool(text) and match_prefix(text, offsets, prompt).reuse_tokens > 0

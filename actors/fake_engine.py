@@ -1,0 +1,245 @@
+"""A deterministic engine without MLX, for fast actor tests and demos.
+
+One character is one token (its id is ``ord``). The reply to a prompt is a
+fixed function of the prompt text: ``max_tokens`` letters chosen from a hash of
+the prompt, so batching, ordering or caching can never change it, and tests can
+compute the expected reply with :func:`fake_reply`. Caches are
+:class:`FakeParked` objects; their snapshots are real
+:class:`runtime.snapshot.CacheSnapshot` objects (one float layer holding the
+token ids), so the cache store persists them with the real ``CacheDirectory``.
+
+Model names starting with ``fake`` load instantly; anything else fails like an
+unknown model. ``step_delay_s`` / ``chunk_delay_s`` make steps take real time,
+for cancellation and interleaving tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from actors.engine import Finished, MemoryReading, PrefillResult, Started, StepToken
+from actors.messages_gpu import (
+    CacheSource,
+    ColdStart,
+    FromHot,
+    FromShared,
+    FromWarm,
+    ModelInfo,
+    SamplingOptions,
+)
+from runtime.errors import ModelError
+from runtime.prefix import match_prefix
+from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
+
+__all__ = ["FakeEngine", "FakeParked", "fake_reply", "fake_render", "FAKE_TOKEN_BYTES"]
+
+FAKE_TOKEN_BYTES = 16
+"""Pretend KV bytes per token (active and at rest)."""
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def fake_render(messages: list[dict[str, Any]]) -> str:
+    """The fake chat template: ``role: content`` lines, then ``assistant:``."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def fake_reply(prompt: str, max_tokens: int) -> str:
+    """The reply the fake engine gives to ``prompt`` (greedy or not)."""
+    seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "little")
+    return "".join(_LETTERS[(seed + 7 * i) % 26] for i in range(max_tokens))
+
+
+@dataclass(frozen=True)
+class FakeParked:
+    """A fake parked cache: text, one token per character."""
+
+    model_tag: str
+    text: str
+    token_ids: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_tokens * FAKE_TOKEN_BYTES
+
+    def to_snapshot(self) -> CacheSnapshot:
+        ids = np.asarray(self.token_ids, dtype=np.float32).reshape(1, -1, 1)
+        return CacheSnapshot(
+            model_tag=self.model_tag,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            offsets=list(self.offsets),
+            layers=[LayerSnapshot(LayerKind.FLOAT, {"k": ids, "v": ids.copy()})],
+        )
+
+
+def _parked(tag: str, text: str) -> FakeParked:
+    return FakeParked(tag, text, tuple(ord(c) for c in text), tuple(range(1, len(text) + 1)))
+
+
+@dataclass
+class _FakeSeq:
+    prompt: str
+    reused: int
+    max_tokens: int
+    target: str
+    prefilled: int = 0
+    generated: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def context(self) -> int:
+        return self.reused + self.prefilled
+
+
+class FakeEngine:
+    """See the module docstring. Implements :class:`actors.engine.Engine`."""
+
+    def __init__(self, *, step_delay_s: float = 0.0, chunk_delay_s: float = 0.0, default_chunk: int = 64) -> None:
+        self.step_delay_s = step_delay_s
+        self.chunk_delay_s = chunk_delay_s
+        self.default_chunk = default_chunk
+        self._tag: str | None = None
+        self._seqs: dict[int, _FakeSeq] = {}
+        self._batch: list[int] = []
+        self.loads: list[str] = []
+        self._memory = MemoryReading()
+
+    @property
+    def memory(self) -> MemoryReading:
+        return self._memory  # replaced whole on the engine's thread, read on trio's
+
+    def _sample_memory(self) -> None:
+        used = sum(s.context + len(s.generated) for s in self._seqs.values()) * FAKE_TOKEN_BYTES
+        self._memory = MemoryReading(active=used, peak=max(used, self._memory.peak))
+
+    @property
+    def tag(self) -> str:
+        if self._tag is None:
+            raise ModelError("no model is loaded")
+        return self._tag
+
+    def load(self, name: str) -> ModelInfo:
+        self.unload()
+        if not name.startswith("fake"):
+            raise ModelError(f"could not load model {name!r}: the fake engine knows only 'fake*' models")
+        self._tag = f"{name}@0000/fake"
+        self.loads.append(name)
+        return ModelInfo(
+            name=name,
+            tag=self._tag,
+            block_bytes=BLOCK_TOKENS * FAKE_TOKEN_BYTES,
+            active_token_bytes=FAKE_TOKEN_BYTES,
+            sequence_bytes=0,
+            model_bytes=0,
+        )
+
+    def unload(self) -> None:
+        self._tag = None
+        self._seqs.clear()
+        self._batch.clear()
+
+    def close(self) -> None:
+        self.unload()
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        self.tag  # noqa: B018 - raises when no model is loaded
+        return fake_render(messages)
+
+    def _base(self, source: CacheSource) -> str:
+        match source:
+            case ColdStart():
+                return ""
+            case FromHot(parked=parked):
+                return parked.text if parked.model_tag == self.tag else ""
+            case FromWarm(snapshot=snap):
+                return snap.text if snap.model_tag == self.tag else ""
+            case FromShared(parked=parked, keep_tokens=keep):
+                return parked.text[:keep] if parked.model_tag == self.tag else ""
+        raise TypeError(f"unknown cache source {source!r}")
+
+    def _reuse(self, prompt: str, source: CacheSource) -> int:
+        base = self._base(source)
+        if not base:
+            return 0
+        return match_prefix(base, range(1, len(base) + 1), prompt).reuse_tokens
+
+    def measure(self, prompt: str, source: CacheSource) -> int:
+        self.tag  # noqa: B018
+        return len(prompt)
+
+    def start(self, request_id: int, prompt: str, source: CacheSource, sampling: SamplingOptions) -> Started:
+        if not prompt:
+            raise ValueError("empty prompt")
+        reused = self._reuse(prompt, source)
+        self._seqs[request_id] = _FakeSeq(prompt, reused, sampling.max_tokens, fake_reply(prompt, sampling.max_tokens))
+        kind = "empty" if isinstance(source, ColdStart) else ("extend" if reused else "diverge")
+        return Started(tokens_reused=reused, tokens_to_prefill=len(prompt) - reused, match=kind)
+
+    def prefill(self, request_id: int, chunk: int | None) -> PrefillResult:
+        seq = self._seqs[request_id]
+        if self.chunk_delay_s:
+            time.sleep(self.chunk_delay_s)
+        todo = len(seq.prompt) - seq.context
+        seq.prefilled += min(todo, chunk or self.default_chunk)
+        self._sample_memory()
+        if seq.context < len(seq.prompt):
+            return PrefillResult(text=None, finished=False, context=seq.context)
+        return PrefillResult(text=self._emit(seq), finished=seq.finish_reason is not None, context=seq.context)
+
+    def _emit(self, seq: _FakeSeq) -> str:
+        letter = seq.target[len(seq.generated)]
+        seq.generated.append(letter)
+        if len(seq.generated) >= seq.max_tokens:
+            seq.finish_reason = "length"
+        return letter
+
+    def join(self, request_id: int) -> None:
+        self._batch.append(request_id)
+
+    def step(self) -> list[StepToken]:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        out = []
+        for rid in self._batch:
+            seq = self._seqs[rid]
+            text = "" if seq.finish_reason else self._emit(seq)
+            out.append(StepToken(request_id=rid, text=text, finished=seq.finish_reason is not None))
+        self._sample_memory()
+        return out
+
+    def finish(self, request_id: int) -> Finished:
+        seq = self._seqs.pop(request_id)
+        if request_id in self._batch:
+            self._batch.remove(request_id)
+        reply = "".join(seq.generated)
+        if seq.generated:
+            text = seq.prompt + reply[:-1]  # the last sampled token never went through the model
+        else:
+            text = seq.prompt[: seq.context]
+        parked = _parked(self.tag, text) if len(text) > seq.reused else None
+        return Finished(
+            reply=reply,
+            finish_reason=seq.finish_reason,
+            match="extend" if seq.reused else "empty",
+            tokens_reused=seq.reused,
+            tokens_prefilled=seq.prefilled,
+            tokens_generated=len(seq.generated),
+            parked=parked,
+            snapshot=parked.to_snapshot() if parked is not None else None,
+        )
+
+    def discard(self, request_id: int) -> None:
+        self._seqs.pop(request_id, None)
+        if request_id in self._batch:
+            self._batch.remove(request_id)

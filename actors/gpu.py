@@ -1,0 +1,399 @@
+"""GPUActor: the one actor that owns MLX work, and its scheduler loop.
+
+Every MLX call runs on one :class:`actors.mlx_thread.MlxThread`, as one
+bounded job of an :class:`actors.engine.Engine`. The loop::
+
+    receive messages (block only when there is nothing to do)
+    reap requests whose client left (extract + park the partial turn)
+    admit waiting requests the block budget can hold (actors.scheduler)
+    one decode step for every sequence in the batch  -> deliver each new token
+    one prefill chunk, round-robin over admitted prefills
+        last chunk -> first token; the sequence joins the batch (merge/extend)
+    finished sequences leave the batch (extract/filter), are parked, and their
+    updated cache goes back to the agent in the ``Generated`` reply
+
+Tokens reach clients through each request's ``deltas`` channel with
+``send_nowait``: a slow reader never stalls the batch (undelivered text is
+coalesced into the next delta; the final reply carries the whole text).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, assert_never
+
+import msgspec
+import trio
+
+from actors.engine import Engine, Finished
+from actors.mailbox import receiver_left, send_reply
+from actors.messages_common import Failed, failed_from
+from actors.messages_gpu import (
+    Generate,
+    Generated,
+    GpuInbox,
+    LoadModel,
+    ModelInfo,
+    ModelReady,
+    Render,
+    Rendered,
+    Unloaded,
+    UnloadModel,
+)
+from actors.metrics import MemorySnapshot, PoolSnapshot
+from actors.mlx_thread import MlxThread
+from actors.scheduler import Scheduler
+
+__all__ = ["GPUActor", "GpuStats", "GpuEvent"]
+
+log = logging.getLogger("kvmem.gpu")
+
+
+class GpuStats(msgspec.Struct, frozen=True, kw_only=True):
+    """What the GPU actor is doing: batch size, queues, the admission pool and memory."""
+
+    model: str | None
+    model_tag: str | None
+    batch_size: int
+    prefilling: int
+    waiting: int
+    waiting_for_memory: int
+    admitted_total: int
+    memory_waits_total: int
+    steps: int
+    prefill_chunks: int
+    pool: PoolSnapshot
+    memory: MemorySnapshot
+
+
+class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One unit of GPU work, recorded when it completed (when tracing).
+
+    ``kind``: ``admit`` (sequence built: prefix match, tokenization, cache activation),
+    ``chunk`` (one prefill chunk), ``step`` (one decode step of the batch; ``request_ids``
+    are its members), ``finish`` (left the batch, parked).
+    """
+
+    kind: str
+    request_ids: tuple[int, ...]
+    at: float
+
+
+@dataclass
+class _Request:
+    msg: Generate
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    pending_text: str = ""
+    client_gone: bool = False
+
+
+
+
+class GPUActor:
+    """Runs generation for every agent, one MLX job at a time.
+
+    Args:
+        inbox: the GPU mailbox (:data:`actors.messages_gpu.GpuInbox`).
+        engine: the engine its jobs call (real MLX or fake).
+        budget_bytes: KV memory for running sequences (admission, batch size).
+        max_batch: most sequences running at once.
+        prefill_chunk: tokens per prefill chunk (None: adaptive, see ``runtime.sequence``).
+        trace: record a :class:`GpuEvent` per unit of work (tests, diagnostics).
+    """
+
+    def __init__(
+        self,
+        inbox: trio.MemoryReceiveChannel[GpuInbox],
+        *,
+        engine: Engine,
+        budget_bytes: int,
+        max_batch: int = 32,
+        prefill_chunk: int | None = None,
+        trace: bool = False,
+    ) -> None:
+        self._inbox = inbox
+        self._engine = engine
+        self._budget_bytes = budget_bytes
+        self._max_batch = max_batch
+        self._prefill_chunk = prefill_chunk
+        self._thread = MlxThread(on_exit=engine.close)
+        self._info: ModelInfo | None = None
+        self._sched: Scheduler | None = None
+        self._requests: dict[int, _Request] = {}
+        self._steps = 0
+        self._chunks = 0
+        self.events: deque[GpuEvent] | None = deque(maxlen=100_000) if trace else None
+
+    @property
+    def thread_ident(self) -> int | None:
+        return self._thread.ident
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the mailbox until it is closed (then finish running work) or cancelled."""
+        async with self._thread, self._inbox:
+            task_status.started()
+            try:
+                await self._loop()
+            finally:
+                for req in self._requests.values():
+                    send_reply(req.msg.reply, Failed(kind="Cancelled", error="the runtime is shutting down"))
+                self._requests.clear()
+
+    async def _job(self, fn: Any, *args: Any) -> Any:
+        return await self._thread.run(fn, *args)
+
+    def _event(self, kind: str, *request_ids: int) -> None:
+        if self.events is not None:
+            self.events.append(GpuEvent(kind=kind, request_ids=request_ids, at=time.perf_counter()))
+
+    async def _loop(self) -> None:
+        closing = False
+        while True:
+            if not self._requests:
+                if closing:
+                    return
+                try:
+                    await self._handle(await self._inbox.receive())
+                except trio.EndOfChannel:
+                    return
+            while not closing:
+                try:
+                    message = self._inbox.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                except trio.EndOfChannel:
+                    closing = True
+                    break
+                await self._handle(message)
+            await self._reap()
+            if self._sched is None:
+                continue
+            plan = self._sched.plan()
+            for request_id in plan.admit:
+                await self._start(request_id)
+            if plan.decode:
+                await self._step()
+            if plan.prefill is not None and plan.prefill in self._sched.prefilling():
+                await self._prefill(plan.prefill, plan.chunk)
+            await trio.lowlevel.checkpoint()
+
+    # -- mailbox ---------------------------------------------------------------
+
+    async def _handle(self, message: GpuInbox) -> None:
+        match message:
+            case LoadModel(name=name, reply=reply):
+                await self._load(name, reply)
+            case UnloadModel(reply=reply):
+                if self._requests:
+                    send_reply(reply, Failed(kind="RuntimeError", error="generations are running"))
+                    return
+                await self._job(self._engine.unload)
+                self._info, self._sched = None, None
+                send_reply(reply, Unloaded())
+            case Render(model_tag=tag, messages=messages, reply=reply):
+                if self._info is None or self._info.tag != tag:
+                    send_reply(reply, Failed(kind="ModelError", error=f"model {tag!r} is not loaded"))
+                    return
+                try:
+                    prompt = await self._job(self._engine.render, messages)
+                except Exception as exc:  # noqa: BLE001 - a bad message list is the client's error
+                    send_reply(reply, failed_from(exc))
+                    return
+                send_reply(reply, Rendered(prompt=prompt))
+            case Generate():
+                await self._submit(message)
+            case _:
+                assert_never(message)
+
+    async def _load(self, name: str, reply: trio.MemorySendChannel[Any]) -> None:
+        if self._requests:
+            send_reply(reply, Failed(kind="RuntimeError", error="generations are running"))
+            return
+        self._info, self._sched = None, None
+        try:
+            info: ModelInfo = await self._job(self._engine.load, name)
+        except Exception as exc:  # noqa: BLE001 - reported to the registry
+            log.warning("loading %s failed: %s", name, exc)
+            send_reply(reply, failed_from(exc))
+            return
+        self._info = info
+        self._sched = Scheduler(
+            budget_bytes=self._budget_bytes,
+            token_bytes=info.active_token_bytes,
+            sequence_bytes=info.sequence_bytes,
+            max_batch=self._max_batch,
+            prefill_chunk=self._prefill_chunk,
+        )
+        send_reply(reply, ModelReady(info=info))
+
+    async def _submit(self, msg: Generate) -> None:
+        if self._info is None or self._sched is None or self._info.tag != msg.model_tag:
+            send_reply(msg.reply, Failed(kind="ModelError", error=f"model {msg.model_tag!r} is not loaded"))
+            return
+        if msg.request_id in self._requests:
+            send_reply(msg.reply, Failed(kind="ValueError", error=f"duplicate request id {msg.request_id}"))
+            return
+        try:
+            need = await self._job(self._engine.measure, msg.prompt, msg.source)
+            self._sched.submit(msg.request_id, need + msg.sampling.max_tokens)
+        except Exception as exc:  # noqa: BLE001 - tokenizer or budget errors go back to the agent
+            send_reply(msg.reply, failed_from(exc))
+            return
+        self._requests[msg.request_id] = _Request(msg)
+
+    # -- work ------------------------------------------------------------------
+
+    async def _reap(self) -> None:
+        """Cancel requests whose client or agent stopped listening."""
+        assert self._sched is not None or not self._requests
+        for request_id, req in list(self._requests.items()):
+            if not (req.client_gone or receiver_left(req.msg.client) or receiver_left(req.msg.reply)):
+                continue
+            if self._sched is not None and self._sched.is_waiting(request_id):
+                self._sched.finished(request_id)
+                del self._requests[request_id]
+                send_reply(req.msg.reply, self._generated(req, None, cancelled=True))
+                continue
+            await self._complete(request_id, cancelled=True)
+
+    async def _start(self, request_id: int) -> None:
+        req = self._requests[request_id]
+        req.admitted_at = time.perf_counter()
+        try:
+            await self._job(self._engine.start, request_id, req.msg.prompt, req.msg.source, req.msg.sampling)
+        except Exception as exc:  # noqa: BLE001
+            await self._fail(request_id, exc)
+            return
+        self._event("admit", request_id)
+
+    async def _prefill(self, request_id: int, chunk: int | None) -> None:
+        assert self._sched is not None
+        try:
+            result = await self._job(self._engine.prefill, request_id, chunk)
+        except Exception as exc:  # noqa: BLE001
+            await self._fail(request_id, exc)
+            return
+        self._chunks += 1
+        self._event("chunk", request_id)
+        if result.text is None:
+            return
+        self._deliver(request_id, result.text)
+        if result.finished:
+            await self._complete(request_id)
+            return
+        try:
+            await self._job(self._engine.join, request_id)
+        except Exception as exc:  # noqa: BLE001
+            await self._fail(request_id, exc)
+            return
+        self._sched.prefilled(request_id)
+
+    async def _step(self) -> None:
+        assert self._sched is not None
+        members = self._sched.decoding()
+        try:
+            tokens = await self._job(self._engine.step)
+        except Exception as exc:  # noqa: BLE001 - the batch is unusable: fail its members
+            log.exception("decode step failed")
+            for request_id in members:
+                await self._fail(request_id, exc)
+            return
+        self._steps += 1
+        self._event("step", *(t.request_id for t in tokens))
+        for token in tokens:
+            self._deliver(token.request_id, token.text)
+        for token in tokens:
+            if token.finished:
+                await self._complete(token.request_id)
+
+    def _deliver(self, request_id: int, text: str) -> None:
+        req = self._requests[request_id]
+        now = time.perf_counter()
+        if req.first_token_at is None:
+            req.first_token_at = now
+        req.last_token_at = now
+        req.pending_text += text
+        deltas = req.msg.deltas
+        if deltas is None or not req.pending_text:
+            return
+        try:
+            deltas.send_nowait(req.pending_text)
+            req.pending_text = ""
+        except trio.WouldBlock:
+            pass  # coalesced into the next delta
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            req.client_gone = True
+
+    async def _complete(self, request_id: int, *, cancelled: bool = False) -> None:
+        assert self._sched is not None
+        req = self._requests[request_id]
+        try:
+            finished: Finished | None = await self._job(self._engine.finish, request_id)
+        except Exception as exc:  # noqa: BLE001
+            await self._fail(request_id, exc)
+            return
+        self._sched.finished(request_id)
+        del self._requests[request_id]
+        self._event("finish", request_id)
+        send_reply(req.msg.reply, self._generated(req, finished, cancelled=cancelled))
+
+    def _generated(self, req: _Request, fin: Finished | None, *, cancelled: bool) -> Generated:
+        submitted = req.msg.submitted_at
+        admitted = req.admitted_at if req.admitted_at is not None else time.perf_counter()
+        first, last = req.first_token_at, req.last_token_at
+        generated = fin.tokens_generated if fin is not None else 0
+        decode_s = (last - first) if first is not None and last is not None else 0.0
+        reason = "cancelled" if cancelled else (fin.finish_reason if fin is not None and fin.finish_reason else "stop")
+        return Generated(
+            request_id=req.msg.request_id,
+            reply=fin.reply if fin is not None else "",
+            finish_reason=reason,
+            match=fin.match if fin is not None else "empty",
+            tokens_reused=fin.tokens_reused if fin is not None else 0,
+            tokens_prefilled=fin.tokens_prefilled if fin is not None else 0,
+            tokens_generated=generated,
+            queue_wait_s=max(0.0, admitted - submitted),
+            ttft_s=max(0.0, first - submitted) if first is not None else 0.0,
+            decode_tps=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+            parked=fin.parked if fin is not None else None,
+            snapshot=fin.snapshot if fin is not None else None,
+        )
+
+    async def _fail(self, request_id: int, exc: BaseException) -> None:
+        log.warning("request %d failed: %s: %s", request_id, type(exc).__name__, exc)
+        req = self._requests.pop(request_id, None)
+        if self._sched is not None:
+            self._sched.finished(request_id)
+        try:
+            await self._job(self._engine.discard, request_id)
+        except Exception:  # noqa: BLE001
+            log.exception("discarding request %d failed", request_id)
+        if req is not None:
+            send_reply(req.msg.reply, failed_from(exc))
+
+    # -- statistics ------------------------------------------------------------
+
+    def statistics(self) -> GpuStats:
+        sched = self._sched.stats() if self._sched is not None else None
+        mem = self._engine.memory
+        return GpuStats(
+            model=self._info.name if self._info else None,
+            model_tag=self._info.tag if self._info else None,
+            batch_size=sched.decoding if sched else 0,
+            prefilling=sched.prefilling if sched else 0,
+            waiting=sched.waiting if sched else 0,
+            waiting_for_memory=sched.waiting_for_memory if sched else 0,
+            admitted_total=sched.admitted_total if sched else 0,
+            memory_waits_total=sched.memory_waits_total if sched else 0,
+            steps=self._steps,
+            prefill_chunks=self._chunks,
+            pool=PoolSnapshot.of(sched.pool if sched else None),
+            memory=MemorySnapshot(active=mem.active, peak=mem.peak, baseline=mem.baseline, model=mem.model),
+        )

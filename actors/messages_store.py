@@ -1,0 +1,137 @@
+"""The cache store's mailbox (:data:`StoreInbox`).
+
+Requests and their replies::
+
+    Fetch(agent_id, model_tag)        -> HotHit(parked) | WarmHit(snapshot) | Miss(reason)
+    FindPrefix(agent_id, prompt, tag) -> PrefixFound(parked, keep_tokens, donor) | NoPrefix()
+    Put(agent_id, parked, snapshot)   (no reply: write-behind, the turn never waits for disk)
+    Forget(agent_id)                  -> Forgotten(existed)
+    Evict(model_tag)                  -> Evicted(written)     flush dirty caches of a model, drop its hot caches
+    Flush()                           -> Flushed(written)     write every dirty cache now
+"""
+
+from __future__ import annotations
+
+import trio
+
+from actors.messages_common import Failed, HotCache, Message
+from runtime.snapshot import CacheSnapshot
+
+__all__ = [
+    "Fetch",
+    "FindPrefix",
+    "Put",
+    "Forget",
+    "Evict",
+    "Flush",
+    "HotHit",
+    "WarmHit",
+    "Miss",
+    "PrefixFound",
+    "NoPrefix",
+    "Forgotten",
+    "Evicted",
+    "Flushed",
+    "StoreInbox",
+    "FetchReply",
+    "PrefixReply",
+    "ForgetReply",
+    "EvictReply",
+    "FlushReply",
+]
+
+
+class HotHit(Message, frozen=True, kw_only=True):
+    parked: HotCache
+
+
+class WarmHit(Message, frozen=True, kw_only=True):
+    snapshot: CacheSnapshot
+
+
+class Miss(Message, frozen=True, kw_only=True):
+    reason: str
+
+
+class PrefixFound(Message, frozen=True, kw_only=True):
+    """Another agent's hot cache covers the prompt's first ``keep_tokens`` tokens
+    (a whole number of 256-token blocks)."""
+
+    parked: HotCache
+    keep_tokens: int
+    donor: str
+
+
+class NoPrefix(Message, frozen=True, kw_only=True):
+    pass
+
+
+class Forgotten(Message, frozen=True, kw_only=True):
+    existed: bool
+
+
+class Evicted(Message, frozen=True, kw_only=True):
+    written: int
+
+
+class Flushed(Message, frozen=True, kw_only=True):
+    written: int
+
+
+FetchReply = HotHit | WarmHit | Miss | Failed
+PrefixReply = PrefixFound | NoPrefix | Failed
+ForgetReply = Forgotten | Failed
+EvictReply = Evicted | Failed
+FlushReply = Flushed | Failed
+
+
+class Fetch(Message, frozen=True, kw_only=True):
+    """The agent's own cache made by ``model_tag``: hot if in RAM, else loaded from disk."""
+
+    agent_id: str
+    model_tag: str
+    reply: trio.MemorySendChannel[FetchReply]
+
+
+class FindPrefix(Message, frozen=True, kw_only=True):
+    """The longest whole-block prefix of ``prompt`` that another agent's hot cache covers.
+
+    Only caches of agents that allow sharing, made by ``model_tag``, are considered.
+    """
+
+    agent_id: str
+    prompt: str
+    model_tag: str
+    reply: trio.MemorySendChannel[PrefixReply]
+
+
+class Put(Message, frozen=True, kw_only=True):
+    """The agent's updated cache; ``snapshot`` is its numpy copy for the write-behind save.
+
+    Attributes:
+        block_bytes: at-rest bytes of one 256-token block of this model (hot-tier accounting).
+        share_prefix: whether other agents may start from this cache's prefix.
+    """
+
+    agent_id: str
+    parked: HotCache
+    snapshot: CacheSnapshot
+    block_bytes: int
+    share_prefix: bool
+
+
+class Forget(Message, frozen=True, kw_only=True):
+    agent_id: str
+    reply: trio.MemorySendChannel[ForgetReply]
+
+
+class Evict(Message, frozen=True, kw_only=True):
+    model_tag: str
+    reply: trio.MemorySendChannel[EvictReply]
+
+
+class Flush(Message, frozen=True, kw_only=True):
+    reply: trio.MemorySendChannel[FlushReply]
+
+
+StoreInbox = Fetch | FindPrefix | Put | Forget | Evict | Flush

@@ -1,0 +1,181 @@
+"""Runtime-wide counters and fixed-bucket histograms, ready for a Prometheus endpoint.
+
+:class:`RuntimeMetrics` is updated by the agent actors as turns complete and
+read through ``Runtime.stats()``. Histograms use fixed buckets (upper bounds in
+milliseconds, cumulative counts, like Prometheus ``_bucket{le=...}``).
+Everything runs on the trio thread; nothing here blocks or awaits.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+
+import msgspec
+
+from runtime.block_pool import PoolStats
+
+__all__ = [
+    "TTFT_BUCKETS_MS",
+    "QUEUE_WAIT_BUCKETS_MS",
+    "Histogram",
+    "HistogramSnapshot",
+    "MetricsSnapshot",
+    "RuntimeMetrics",
+    "PoolSnapshot",
+    "MemorySnapshot",
+]
+
+TTFT_BUCKETS_MS: tuple[float, ...] = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, math.inf)
+QUEUE_WAIT_BUCKETS_MS: tuple[float, ...] = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 5000, 30000, math.inf)
+
+
+class _Snapshot(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class HistogramSnapshot(_Snapshot, frozen=True, kw_only=True):
+    """``counts[i]`` observations were ``<= buckets[i]`` (cumulative)."""
+
+    buckets: tuple[float, ...]
+    counts: tuple[int, ...]
+    count: int
+    sum: float
+
+
+class Histogram:
+    """A fixed-bucket histogram (upper bounds ascending, the last one ``inf``)."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        if list(buckets) != sorted(buckets) or buckets[-1] != math.inf:
+            raise ValueError("buckets must ascend and end with inf")
+        self.buckets = buckets
+        self._counts = [0] * len(buckets)
+        self._sum = 0.0
+        self._count = 0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect_left(self.buckets, value)] += 1
+        self._sum += value
+        self._count += 1
+
+    def snapshot(self) -> HistogramSnapshot:
+        cumulative, running = [], 0
+        for c in self._counts:
+            running += c
+            cumulative.append(running)
+        return HistogramSnapshot(buckets=self.buckets, counts=tuple(cumulative), count=self._count, sum=self._sum)
+
+
+class MetricsSnapshot(_Snapshot, frozen=True, kw_only=True):
+    """Counters since the runtime opened."""
+
+    requests: int
+    completed: int
+    cancelled: int
+    failed: int
+    tokens_reused: int
+    tokens_prefilled: int
+    tokens_generated: int
+    hits: dict[str, int]
+    ttft_ms: HistogramSnapshot
+    queue_wait_ms: HistogramSnapshot
+
+
+class RuntimeMetrics:
+    """Request counters, token counters, cache hits by tier, TTFT and queue-wait histograms."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.completed = 0
+        self.cancelled = 0
+        self.failed = 0
+        self.tokens_reused = 0
+        self.tokens_prefilled = 0
+        self.tokens_generated = 0
+        self.hits: dict[str, int] = {"hot": 0, "warm": 0, "shared": 0, "cold": 0}
+        self.ttft = Histogram(TTFT_BUCKETS_MS)
+        self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS_MS)
+
+    def request_started(self) -> None:
+        self.requests += 1
+
+    def request_failed(self) -> None:
+        self.failed += 1
+
+    def turn_done(
+        self,
+        *,
+        tier: str,
+        finish_reason: str,
+        tokens_reused: int,
+        tokens_prefilled: int,
+        tokens_generated: int,
+        ttft_ms: float,
+        queue_wait_ms: float,
+    ) -> None:
+        if finish_reason == "cancelled":
+            self.cancelled += 1
+        else:
+            self.completed += 1
+        self.tokens_reused += tokens_reused
+        self.tokens_prefilled += tokens_prefilled
+        self.tokens_generated += tokens_generated
+        self.hits[tier] = self.hits.get(tier, 0) + 1
+        if tokens_generated:
+            self.ttft.observe(ttft_ms)
+        self.queue_wait.observe(queue_wait_ms)
+
+    def snapshot(self) -> MetricsSnapshot:
+        return MetricsSnapshot(
+            requests=self.requests,
+            completed=self.completed,
+            cancelled=self.cancelled,
+            failed=self.failed,
+            tokens_reused=self.tokens_reused,
+            tokens_prefilled=self.tokens_prefilled,
+            tokens_generated=self.tokens_generated,
+            hits=dict(self.hits),
+            ttft_ms=self.ttft.snapshot(),
+            queue_wait_ms=self.queue_wait.snapshot(),
+        )
+
+
+class PoolSnapshot(_Snapshot, frozen=True, kw_only=True):
+    """A block pool's accounting (see :class:`runtime.block_pool.PoolStats`)."""
+
+    budget_bytes: int
+    bytes_per_block: int
+    total_blocks: int
+    used_blocks: int
+    free_blocks: int
+    shared_blocks: int
+    owners: int
+
+    @classmethod
+    def of(cls, stats: PoolStats | None) -> PoolSnapshot:
+        if stats is None:
+            zero = dict.fromkeys(("budget_bytes", "bytes_per_block", "total_blocks", "used_blocks"), 0)
+            return cls(**zero, free_blocks=0, shared_blocks=0, owners=0)
+        return cls(
+            budget_bytes=stats.budget_bytes,
+            bytes_per_block=stats.bytes_per_block,
+            total_blocks=stats.total_blocks,
+            used_blocks=stats.used_blocks,
+            free_blocks=stats.free_blocks,
+            shared_blocks=stats.shared_blocks,
+            owners=stats.owners,
+        )
+
+
+class MemorySnapshot(_Snapshot, frozen=True, kw_only=True):
+    """Accelerator memory (``mx.get_active_memory`` / ``mx.get_peak_memory``), bytes.
+
+    ``baseline`` is the active memory before the current model was loaded;
+    ``peak`` the peak since then; ``model`` the weights.
+    """
+
+    active: int
+    peak: int
+    baseline: int
+    model: int

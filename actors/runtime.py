@@ -1,0 +1,377 @@
+"""The supervisor and the in-process API: ``open_runtime``, ``Runtime``, ``AgentHandle``.
+
+Orchestration code (and the HTTP gateway, a thin client of the same API)::
+
+    from actors import open_runtime
+
+    async with open_runtime(model="kvmem-default") as rt:
+        result = await rt.agent("alice").send([{"role": "user", "content": "Hi"}])
+        print(result.reply, result.usage.tier, result.usage.tokens_reused)
+
+        async with rt.agent("bob").stream(messages, max_tokens=64) as stream:
+            async for delta in stream:
+                print(delta, end="")
+        print(stream.result.finish_reason)
+
+Streaming: ``handle.stream(...)`` returns a :class:`TurnStream`. Use it as an
+async context manager and iterate it; after the loop ``stream.result`` holds
+the :class:`TurnResult` (the concatenated deltas equal ``result.reply``).
+Plain ``async for delta in handle.stream(...)`` works too, but only the
+``async with`` form stops the generation when the loop is left early with
+``break``.
+
+Cancellation: cancelling the consumer (or leaving the ``async with``)
+closes the turn's reply channel; the GPU actor notices before its next unit
+of work, takes the sequence out of the batch and parks it. The agent's cache
+then keeps **the partial turn**: every token whose KV was computed — the
+prompt (or the part of it prefilled so far) and the reply tokens generated
+before the cancel. Text, token ids, offsets and KV always agree, so the next
+turn matches it like any other cache: a client that sends the partial reply
+back extends it; one that drops it reuses the cache up to where the texts
+differ (PARTIAL match), or starts cold when too little is common. A turn
+still queued behind the agent's earlier turns is dropped without running.
+
+Lifecycle: :func:`open_runtime` starts, in order, the cache store, the GPU
+actor and the model registry (which loads the model) with ``nursery.start``;
+agent actors start on first use and stop after ``idle_timeout_s``. Leaving the
+``async with`` normally closes the mailboxes in reverse order (agents,
+registry, GPU, store); the store writes every dirty cache before it stops. On
+SIGINT or SIGTERM (handled when running in the main thread) the runtime is
+cancelled, the store still flushes (shielded), and then ``KeyboardInterrupt``
+(SIGINT) or ``SystemExit(128 + signum)`` (SIGTERM) is raised from the
+``async with``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import threading
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import msgspec
+import trio
+
+from actors.agent import AgentActor
+from actors.cache_store import CacheStoreActor, StoreStats
+from actors.client import AgentHandle, TurnFailedError, TurnStream, raise_failed
+from actors.engine import Engine
+from actors.gpu import GPUActor, GpuEvent, GpuStats
+from actors.mailbox import ask
+from actors.messages_agent import AgentInbox
+from actors.messages_common import Failed
+from actors.messages_gpu import GpuInbox
+from actors.messages_store import Flush, FlushReply, StoreInbox
+from actors.metrics import MetricsSnapshot, RuntimeMetrics
+from actors.registry import ModelRegistry, RegistryInbox, RegistryStats
+from runtime.home import KvmemHome
+from runtime.persist import CacheDirectory
+from runtime.persist_names import safe_agent_dirname
+
+_MAILBOX_SIZE = 16
+
+__all__ = ["open_runtime", "Runtime", "AgentHandle", "TurnStream", "RuntimeStats", "TurnFailedError"]
+
+
+class RuntimeStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything ``Runtime.stats()`` reports: counters, GPU, store, registry."""
+
+    agents: int
+    metrics: MetricsSnapshot
+    gpu: GpuStats
+    store: StoreStats
+    registry: RegistryStats
+
+
+class Runtime:
+    """A running kvmem: hands out :class:`AgentHandle` objects and reports statistics.
+
+    Created by :func:`open_runtime`; not meant to be constructed directly.
+    """
+
+    def __init__(
+        self,
+        *,
+        gpu: GPUActor,
+        store: CacheStoreActor,
+        registry: ModelRegistry,
+        gpu_mailbox: trio.MemorySendChannel[GpuInbox],
+        store_mailbox: trio.MemorySendChannel[StoreInbox],
+        registry_mailbox: trio.MemorySendChannel[RegistryInbox],
+        agents_nursery: trio.Nursery,
+        metrics: RuntimeMetrics,
+        idle_timeout_s: float,
+    ) -> None:
+        self._gpu = gpu
+        self._store = store
+        self._registry = registry
+        self._gpu_mailbox = gpu_mailbox
+        self._store_mailbox = store_mailbox
+        self._registry_mailbox = registry_mailbox
+        self._agents_nursery = agents_nursery
+        self._metrics = metrics
+        self._idle_timeout_s = idle_timeout_s
+        self._agents: dict[str, tuple[trio.MemorySendChannel[AgentInbox], AgentActor]] = {}
+        self._request_ids = itertools.count(1)
+        self._closed = False
+        self._busy = 0  # messages delivered to agents and not yet handled
+        self._idle = trio.Event()
+        self._idle.set()
+
+    def agent(self, agent_id: str, *, share_prefix: bool = True) -> AgentHandle:
+        """A handle on agent ``agent_id`` (its actor starts on the first request).
+
+        Raises:
+            InvalidAgentIdError: ``agent_id`` cannot name a cache.
+        """
+        safe_agent_dirname(agent_id)
+        return AgentHandle(self, agent_id, share_prefix=share_prefix)
+
+    def stats(self) -> RuntimeStats:
+        """Counters, histograms, batch size, queues, pools and memory, right now."""
+        return RuntimeStats(
+            agents=len(self._agents),
+            metrics=self._metrics.snapshot(),
+            gpu=self._gpu.statistics(),
+            store=self._store.statistics(),
+            registry=self._registry.statistics(),
+        )
+
+    def live_agents(self) -> list[str]:
+        """Ids of the agents whose actor is running."""
+        return sorted(self._agents)
+
+    def gpu_events(self) -> list[GpuEvent]:
+        """The GPU actor's work log (empty unless the runtime was opened with ``trace=True``)."""
+        return list(self._gpu.events or ())
+
+    async def flush(self) -> int:
+        """Write every dirty hot cache to disk now; returns how many were written."""
+        reply: FlushReply = await ask(self._store_mailbox, lambda r: Flush(reply=r))
+        if isinstance(reply, Failed):
+            raise_failed(reply)
+        return reply.written
+
+    # -- internals used by handles -----------------------------------------------
+
+    def _new_request_id(self) -> int:
+        return next(self._request_ids)
+
+    async def wait_idle(self) -> None:
+        """Wait until every request handed to an agent has been handled.
+
+        Includes turns whose client left (their cancellation has been processed
+        and their partial cache handed to the store). Saves are write-behind:
+        use :meth:`flush` to wait for the disk.
+        """
+        while self._busy:
+            await self._idle.wait()
+
+    async def _deliver(self, agent_id: str, message: AgentInbox) -> None:
+        # No checkpoint between looking the mailbox up and sending (see _retire).
+        mailbox = self._mailbox(agent_id)
+        self._busy += 1
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        try:
+            await mailbox.send(message)
+        except BaseException as exc:
+            self._handled()
+            if isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError)):
+                raise TurnFailedError("Closed", "the runtime is closed") from None
+            raise
+
+    def _handled(self) -> None:
+        self._busy -= 1
+        if not self._busy:
+            self._idle.set()
+
+    def _mailbox(self, agent_id: str) -> trio.MemorySendChannel[AgentInbox]:
+        if self._closed:
+            raise TurnFailedError("Closed", "the runtime is closed")
+        entry = self._agents.get(agent_id)
+        if entry is None:
+            send, receive = trio.open_memory_channel[AgentInbox](0)
+            actor = AgentActor(
+                agent_id,
+                receive,
+                gpu=self._gpu_mailbox.clone(),
+                store=self._store_mailbox.clone(),
+                registry=self._registry_mailbox.clone(),
+                metrics=self._metrics,
+                idle_timeout_s=self._idle_timeout_s,
+                retire=self._retire,
+                handled=self._handled,
+            )
+            entry = self._agents[agent_id] = (send, actor)
+            self._agents_nursery.start_soon(actor.run, name=f"agent {agent_id}")
+        return entry[0]
+
+    def _retire(self, actor: AgentActor) -> bool:
+        entry = self._agents.get(actor.agent_id)
+        if entry is None or entry[1] is not actor:
+            return True
+        stats = actor.inbox.statistics()
+        if stats.current_buffer_used or stats.tasks_waiting_send:
+            return False
+        del self._agents[actor.agent_id]
+        entry[0].close()
+        return True
+
+    def _close(self) -> None:
+        self._closed = True
+        for send, _actor in self._agents.values():
+            send.close()
+        self._agents.clear()
+
+
+def _single_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    return leaves[0] if len(leaves) == 1 else None
+
+
+class _SignalState:
+    signum: int | None = None
+
+
+async def _watch_signals(
+    runtime_scope: trio.CancelScope,
+    state: _SignalState,
+    watcher_scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    with watcher_scope, trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for signum in signals:
+            state.signum = signum
+            runtime_scope.cancel()
+            return
+
+
+@asynccontextmanager
+async def open_runtime(
+    model: str = "kvmem-default",
+    *,
+    home: Path | None = None,
+    kv_bits: int | None = 4,
+    kv_group_size: int = 64,
+    attention: str = "at-rest",
+    budget_mb: float = 2048,
+    hot_budget_mb: float = 512,
+    idle_timeout_s: float = 300.0,
+    model_idle_s: float | None = None,
+    models: Sequence[str] = (),
+    models_dir: Path | None = None,
+    max_batch: int = 32,
+    prefill_chunk: int | None = None,
+    fsync: bool = True,
+    handle_signals: bool = True,
+    trace: bool = False,
+    engine: Engine | None = None,
+) -> AsyncIterator[Runtime]:
+    """Start kvmem's actors, load ``model``, and yield a :class:`Runtime`.
+
+    Args:
+        model: the default model (tiny recipe name, folder or Hugging Face id).
+        home: the kvmem home (models/, caches/); default ``$KVMEM_HOME`` or
+            ``~/.local/share/kvmem``.
+        kv_bits: 4 or 8 (quantized KV at rest) or None (float KV).
+        kv_group_size: quantization group size.
+        attention: ``at-rest`` (float while active; fastest on CPU) or ``native``.
+        budget_mb: KV memory for running sequences: admission and batch size.
+        hot_budget_mb: memory for parked caches in the hot tier.
+        idle_timeout_s: an agent actor stops after this long without requests.
+        model_idle_s: unload the model after this long without requests (None: never).
+        models: other model names requests may name (they swap the loaded model).
+        models_dir: where tiny models are built (default ``home/models``).
+        max_batch: most sequences running at once.
+        prefill_chunk: tokens per prefill chunk (None: adaptive, 512/256/128 by context).
+        fsync: fsync cache files (turn off only for throwaway caches).
+        handle_signals: on SIGINT/SIGTERM flush and exit (main thread only).
+        trace: record the GPU actor's work log (``Runtime.gpu_events``).
+        engine: the engine to run (default: MLX); tests pass ``FakeEngine``.
+    """
+    if attention not in ("at-rest", "native"):
+        raise ValueError(f"attention must be 'at-rest' or 'native', got {attention!r}")
+    kvhome = KvmemHome(home)
+    directory = await trio.to_thread.run_sync(lambda: CacheDirectory(kvhome.caches_dir, fsync=fsync))
+    if engine is None:
+        from actors.mlx_engine import MlxEngine
+
+        engine = MlxEngine(
+            models_dir=models_dir or kvhome.models_dir,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            strategy="native" if attention == "native" else "at-rest",
+        )
+    metrics = RuntimeMetrics()
+    store_send, store_receive = trio.open_memory_channel[StoreInbox](_MAILBOX_SIZE)
+    gpu_send, gpu_receive = trio.open_memory_channel[GpuInbox](_MAILBOX_SIZE)
+    registry_send, registry_receive = trio.open_memory_channel[RegistryInbox](_MAILBOX_SIZE)
+    store = CacheStoreActor(store_receive, directory=directory, hot_budget_bytes=int(hot_budget_mb * 2**20))
+    gpu = GPUActor(
+        gpu_receive,
+        engine=engine,
+        budget_bytes=int(budget_mb * 2**20),
+        max_batch=max_batch,
+        prefill_chunk=prefill_chunk,
+        trace=trace,
+    )
+    registry = ModelRegistry(
+        registry_receive,
+        gpu=gpu_send.clone(),
+        store=store_send.clone(),
+        default_model=model,
+        models=models,
+        idle_unload_s=model_idle_s,
+    )
+    signals = _SignalState()
+    watcher_scope = trio.CancelScope()
+    try:
+        async with trio.open_nursery() as nursery:
+            if handle_signals and threading.current_thread() is threading.main_thread():
+                await nursery.start(_watch_signals, nursery.cancel_scope, signals, watcher_scope)
+            await nursery.start(store.run)
+            await nursery.start(gpu.run)
+            await nursery.start(registry.run)
+            async with trio.open_nursery() as agents_nursery:
+                rt = Runtime(
+                    gpu=gpu,
+                    store=store,
+                    registry=registry,
+                    gpu_mailbox=gpu_send,
+                    store_mailbox=store_send,
+                    registry_mailbox=registry_send,
+                    agents_nursery=agents_nursery,
+                    metrics=metrics,
+                    idle_timeout_s=idle_timeout_s,
+                )
+                try:
+                    yield rt
+                finally:
+                    rt._close()
+            # Agents are gone: stop the rest in reverse start order.
+            registry_send.close()
+            gpu_send.close()
+            store_send.close()
+            watcher_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The caller's body runs inside our nurseries: give its error back unwrapped.
+        only = _single_exception(group)
+        if only is None:
+            raise
+        raise only from None
+    if signals.signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    if signals.signum is not None:
+        raise SystemExit(128 + signals.signum)
+

@@ -1,0 +1,210 @@
+"""The GPU actor's policy: admission by block budget, round-robin prefill, the step plan.
+
+Plain Python: imports neither trio nor mlx (a test enforces it). The GPU actor
+asks :meth:`Scheduler.plan` what to do next and executes it; this module never
+runs the model.
+
+Memory model. A running sequence needs ``need_tokens`` = its context after
+prefill plus ``max_tokens`` (reserved up front, so a sequence admitted never
+runs out of memory and nothing is ever preempted or swapped). Sequences decode
+in one left-padded batch (mlx-lm's ``BatchKVCache``), where every row is as
+long as the longest, so the footprint of ``n`` running sequences is
+``n × max(blocks of each)`` blocks, not the sum. The scheduler keeps that
+footprint in a :class:`runtime.block_pool.BlockPool`: each sequence reserves its
+own blocks and a padding owner holds the difference. Admission is strict FIFO:
+the oldest waiting request is admitted as soon as the footprint with it fits
+and the batch is below ``max_batch``; later requests wait behind it (no
+starvation). A request that could not fit even alone is rejected.
+
+Prefill is round-robin, one chunk per loop iteration, over every admitted
+sequence still prefilling, so a 16K-token prompt cannot starve a 200-token one,
+and the running batch decodes one token between any two chunks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from runtime.block_pool import BlockPool, PoolStats
+from runtime.errors import BudgetExceededError
+from runtime.snapshot import BLOCK_TOKENS
+
+__all__ = ["Scheduler", "Plan", "SchedulerStats"]
+
+_PADDING = "(batch padding)"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One loop iteration: admit these requests, step the batch, run this prefill chunk."""
+
+    admit: tuple[int, ...]
+    decode: bool
+    prefill: int | None
+    chunk: int | None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Queue lengths and the pool; ``waiting_for_memory`` counts waiting requests that
+    the budget (not the arrival order) holds back right now."""
+
+    waiting: int
+    waiting_for_memory: int
+    prefilling: int
+    decoding: int
+    admitted_total: int
+    memory_waits_total: int
+    pool: PoolStats
+
+
+@dataclass
+class _Entry:
+    request_id: int
+    blocks: int
+    waited_for_memory: bool = False
+
+
+class Scheduler:
+    """Admission and prefill order for the GPU actor.
+
+    Args:
+        budget_bytes: memory for running sequences' KV.
+        token_bytes: bytes of one token's KV while running.
+        sequence_bytes: fixed bytes per running sequence (sliding windows).
+        max_batch: most sequences admitted at once.
+        prefill_chunk: tokens per prefill chunk (None: the engine's adaptive size).
+    """
+
+    def __init__(
+        self,
+        *,
+        budget_bytes: int,
+        token_bytes: int,
+        sequence_bytes: int = 0,
+        max_batch: int = 32,
+        prefill_chunk: int | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, not {max_batch}")
+        self._block_bytes = max(1, token_bytes) * BLOCK_TOKENS
+        self.pool = BlockPool(budget_bytes=budget_bytes, bytes_per_block=self._block_bytes)
+        self._extra_blocks = -(-sequence_bytes // self._block_bytes)
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self._waiting: deque[_Entry] = deque()
+        self._running: dict[int, _Entry] = {}
+        self._prefilling: deque[int] = deque()
+        self._decoding: set[int] = set()
+        self._admitted_total = 0
+        self._memory_waits_total = 0
+        self._blocked_by_memory = False
+
+    # -- bookkeeping ----------------------------------------------------------
+
+    def blocks_for(self, need_tokens: int) -> int:
+        """Blocks one sequence of ``need_tokens`` tokens occupies in the batch."""
+        return self.pool.blocks_for(max(1, need_tokens)) + self._extra_blocks
+
+    def submit(self, request_id: int, need_tokens: int) -> None:
+        """Queue a request that will hold ``need_tokens`` tokens at most.
+
+        Raises:
+            BudgetExceededError: it could not run even alone in the whole budget.
+        """
+        blocks = self.blocks_for(need_tokens)
+        if blocks > self.pool.total_blocks:
+            raise BudgetExceededError(
+                f"a request of {need_tokens} tokens needs {blocks} blocks of "
+                f"{self._block_bytes} bytes; the budget holds {self.pool.total_blocks}"
+            )
+        self._waiting.append(_Entry(request_id, blocks))
+
+    def _footprint(self, blocks: list[int]) -> int:
+        return len(blocks) * max(blocks, default=0)
+
+    def _reserve_padding(self) -> None:
+        own = [entry.blocks for entry in self._running.values()]
+        self.pool.release(_PADDING)
+        padding = self._footprint(own) - sum(own)
+        if padding:
+            self.pool.reserve(_PADDING, padding * BLOCK_TOKENS)
+
+    def _admit(self) -> list[int]:
+        admitted = []
+        self._blocked_by_memory = False
+        while self._waiting:
+            head = self._waiting[0]
+            own = [entry.blocks for entry in self._running.values()] + [head.blocks]
+            if len(own) > self.max_batch:
+                break
+            if self._footprint(own) > self.pool.total_blocks:
+                self._blocked_by_memory = True
+                if not head.waited_for_memory:
+                    head.waited_for_memory = True
+                    self._memory_waits_total += 1
+                break
+            self._waiting.popleft()
+            self.pool.release(_PADDING)
+            self.pool.reserve(str(head.request_id), head.blocks * BLOCK_TOKENS)
+            self._running[head.request_id] = head
+            self._reserve_padding()
+            self._prefilling.append(head.request_id)
+            self._admitted_total += 1
+            admitted.append(head.request_id)
+        return admitted
+
+    def plan(self) -> Plan:
+        """What to do in the next loop iteration (admits as a side effect)."""
+        admitted = tuple(self._admit())
+        prefill = self._prefilling[0] if self._prefilling else None
+        if prefill is not None:
+            self._prefilling.rotate(-1)  # round-robin: the next chunk goes to the next sequence
+        return Plan(admit=admitted, decode=bool(self._decoding), prefill=prefill, chunk=self.prefill_chunk)
+
+    def prefilled(self, request_id: int) -> None:
+        """``request_id`` finished prefill and joined the batch."""
+        self._prefilling.remove(request_id)
+        self._decoding.add(request_id)
+
+    def finished(self, request_id: int) -> None:
+        """``request_id`` left (finished, cancelled or failed) from wherever it was."""
+        self._waiting = deque(e for e in self._waiting if e.request_id != request_id)
+        if request_id in self._prefilling:
+            self._prefilling.remove(request_id)
+        self._decoding.discard(request_id)
+        if self._running.pop(request_id, None) is not None:
+            self.pool.release(str(request_id))
+            self._reserve_padding()
+
+    def is_waiting(self, request_id: int) -> bool:
+        return any(e.request_id == request_id for e in self._waiting)
+
+    @property
+    def idle(self) -> bool:
+        return not (self._waiting or self._running)
+
+    def running(self) -> list[int]:
+        return list(self._running)
+
+    def decoding(self) -> list[int]:
+        return sorted(self._decoding)
+
+    def prefilling(self) -> list[int]:
+        return list(self._prefilling)
+
+    def waiting(self) -> list[int]:
+        return [e.request_id for e in self._waiting]
+
+    def stats(self) -> SchedulerStats:
+        held_by_memory = len(self._waiting) if self._blocked_by_memory else 0
+        return SchedulerStats(
+            waiting=len(self._waiting),
+            waiting_for_memory=held_by_memory,
+            prefilling=len(self._prefilling),
+            decoding=len(self._decoding),
+            admitted_total=self._admitted_total,
+            memory_waits_total=self._memory_waits_total,
+            pool=self.pool.stats(),
+        )

@@ -1,0 +1,1 @@
+"""kvmem benchmarks; each runs as ``python -m benches.<name>``."""

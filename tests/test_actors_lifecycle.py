@@ -1,0 +1,300 @@
+"""Actor behaviour on the fake engine (no MLX): ordering, cancellation, store, registry, lifecycle.
+
+``FakeEngine`` replies to a prompt with ``fake_reply(prompt, max_tokens)`` no
+matter how it is scheduled, one character per token; its caches persist
+through the real ``CacheDirectory``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+
+import runtime  # noqa: F401
+from actors import open_runtime
+from actors.fake_engine import FakeEngine, fake_render, fake_reply
+from runtime.errors import BudgetExceededError, CacheMiss
+from runtime.persist import CacheDirectory
+
+TAG = "fake-a@0000/fake"
+
+
+def _open(tmp_path: Path, engine: FakeEngine | None = None, **kw):
+    kw.setdefault("handle_signals", False)
+    return open_runtime("fake-a", home=tmp_path, engine=engine or FakeEngine(), fsync=False, **kw)
+
+
+def _disk(tmp_path: Path) -> CacheDirectory:
+    return CacheDirectory(tmp_path / "caches", fsync=False)
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_replies_do_not_depend_on_concurrency(tmp_path):
+    async with _open(tmp_path) as rt:
+        results = {}
+
+        async def agent(i: int) -> None:
+            results[i] = await rt.agent(f"agent-{i}").send(_user(f"question {i}"), max_tokens=6)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(agent, i)
+    for i, result in results.items():
+        assert result.reply == fake_reply(fake_render(_user(f"question {i}")), 6)
+        assert result.usage.tier == "cold" and result.finish_reason == "length"
+
+
+async def test_requests_for_one_agent_run_one_after_another(tmp_path):
+    engine = FakeEngine(step_delay_s=0.002)
+    async with _open(tmp_path, engine, trace=True) as rt:
+        base = "x" * 200
+        done = []
+
+        async def send(suffix: str) -> None:
+            done.append(await rt.agent("solo").send_prompt(base + suffix, max_tokens=5))
+
+        async with trio.open_nursery() as nursery:
+            for suffix in ("a", "b", "c", "d"):
+                nursery.start_soon(send, suffix)
+        events = rt.gpu_events()
+    assert sum(r.usage.tier == "cold" for r in done) == 1
+    assert all(r.usage.tokens_reused >= 200 for r in done if r.usage.tier != "cold")
+    # A request is admitted only after the previous one of the same agent finished.
+    spans = {}
+    for event in events:
+        for rid in event.request_ids:
+            spans.setdefault(rid, [event.at, event.at])[1] = event.at
+    ordered = sorted(spans.values())
+    assert all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:], strict=False))
+
+
+async def test_cancelled_stream_leaves_the_partial_turn_in_the_cache(tmp_path):
+    engine = FakeEngine(step_delay_s=0.005)
+    prompt = "tell me everything"
+    async with _open(tmp_path, engine) as rt:
+        received = ""
+        with trio.move_on_after(5):
+            async with rt.agent("c").stream_prompt(prompt, max_tokens=500) as stream:
+                async for delta in stream:
+                    received += delta
+                    if len(received) >= 5:
+                        break
+        await rt.wait_idle()
+        await rt.flush()
+        stats = rt.stats()
+        assert stats.metrics.cancelled == 1 and stats.gpu.batch_size == 0
+        snap = _disk(tmp_path).load("c", model_tag=TAG)
+        full = fake_reply(prompt, 500)
+        # Consistent: the prompt plus a prefix of the reply, one token per character.
+        assert snap.text.startswith(prompt + received[:-1])
+        assert full.startswith(snap.text[len(prompt) :]) and len(snap.text) < len(prompt) + 100
+        assert snap.num_tokens == len(snap.text)
+        # The next turn extends the partial turn.
+        again = await rt.agent("c").send_prompt(snap.text + "?", max_tokens=2)
+        assert again.usage.tier == "hot" and again.usage.tokens_reused == len(snap.text)
+
+
+async def test_cancel_during_prefill_keeps_the_prefilled_part(tmp_path):
+    engine = FakeEngine(chunk_delay_s=0.01, default_chunk=16)
+    prompt = "p" * 400
+    async with _open(tmp_path, engine) as rt:
+        with trio.move_on_after(0.08):
+            await rt.agent("slow").send_prompt(prompt, max_tokens=3)
+        await rt.wait_idle()
+        await rt.flush()
+        snap = _disk(tmp_path).load("slow", model_tag=TAG)
+        assert 0 < snap.num_tokens < len(prompt) and prompt.startswith(snap.text)
+
+
+async def test_idle_agent_actor_stops_and_its_cache_stays_hot(tmp_path, autojump_clock):
+    async with _open(tmp_path, idle_timeout_s=30) as rt:
+        first = await rt.agent("idle").send_prompt("hello agent", max_tokens=3)
+        assert rt.live_agents() == ["idle"]
+        await trio.sleep(31)
+        assert rt.live_agents() == []
+        again = await rt.agent("idle").send_prompt("hello agent" + first.reply + "!", max_tokens=3)
+        assert again.usage.tier == "hot" and rt.live_agents() == ["idle"]
+
+
+async def test_saves_are_write_behind_and_flushed_on_exit(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real_save = CacheDirectory.save
+
+    def slow_save(self, agent_id, snapshot):
+        gate.wait(10)
+        return real_save(self, agent_id, snapshot)
+
+    monkeypatch.setattr(CacheDirectory, "save", slow_save)
+    async with _open(tmp_path) as rt:
+        prompt = "prompt"
+        for _ in range(3):  # each turn returns while the first save still waits
+            result = await rt.agent("w").send_prompt(prompt, max_tokens=3)
+            prompt += result.reply + "."
+        store = rt.stats().store
+        assert store.dirty == 1 and store.writes == 0
+        gate.set()
+    assert _disk(tmp_path).load("w", model_tag=TAG).text == prompt[:-2]
+
+
+async def test_cancelling_the_runtime_flushes_completed_turns(tmp_path):
+    engine = FakeEngine(step_delay_s=0.003)
+    completed: dict[str, str] = {}
+    with trio.move_on_after(0.5):
+        async with _open(tmp_path, engine) as rt:
+
+            async def chat(name: str) -> None:
+                prompt = f"{name}:"
+                while True:
+                    result = await rt.agent(name).send_prompt(prompt, max_tokens=4)
+                    completed[name] = prompt + result.reply[:-1]
+                    prompt += result.reply + "."
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(chat, f"agent{i}")
+    assert len(completed) == 4
+    disk = _disk(tmp_path)
+    for name, covered in completed.items():
+        assert disk.load(name, model_tag=TAG).text.startswith(covered)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+async def test_sigterm_flushes_and_exits(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        async with open_runtime("fake-a", home=tmp_path, engine=FakeEngine(), fsync=False) as rt:
+            await rt.agent("sig").send_prompt("before the signal", max_tokens=3)
+            os.kill(os.getpid(), signal.SIGTERM)
+            await trio.sleep(10)
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    assert _disk(tmp_path).load("sig", model_tag=TAG).text.startswith("before the signal")
+
+
+async def test_model_swap_flushes_hot_caches_and_they_return_warm(tmp_path):
+    engine = FakeEngine()
+    async with _open(tmp_path, engine, models=["fake-b"]) as rt:
+        x1 = await rt.agent("x").send_prompt("on model a", max_tokens=3)
+        y = await rt.agent("y").send_prompt("on model b", max_tokens=3, model="fake-b")
+        assert y.model == "fake-b" and rt.stats().registry.swaps == 1
+        assert rt.stats().store.hot_agents == 1  # a's caches were dropped after being written
+        assert _disk(tmp_path).load("x", model_tag=TAG).text.startswith("on model a")
+        x2 = await rt.agent("x").send_prompt("on model a" + x1.reply + "?", max_tokens=3)
+        assert x2.model == "fake-a" and x2.usage.tier == "warm" and x2.usage.tokens_reused > 0
+        with pytest.raises(CacheMiss):  # y's cache is model b's: never served to model a
+            _disk(tmp_path).load("y", model_tag=TAG)
+    assert engine.loads == ["fake-a", "fake-b", "fake-a"]
+
+
+async def test_unconfigured_model_is_rejected(tmp_path):
+    async with _open(tmp_path) as rt:
+        with pytest.raises(ValueError, match="not configured"):
+            await rt.agent("u").send_prompt("hi", model="fake-zzz")
+
+
+async def test_idle_model_is_unloaded_and_reloaded_on_demand(tmp_path, autojump_clock):
+    engine = FakeEngine()
+    async with _open(tmp_path, engine, model_idle_s=60) as rt:
+        await rt.agent("m").send_prompt("one", max_tokens=2)
+        await trio.sleep(61)
+        assert rt.stats().registry.model is None and rt.stats().registry.idle_unloads == 1
+        result = await rt.agent("m").send_prompt("two", max_tokens=2)
+        assert result.model == "fake-a" and engine.loads == ["fake-a", "fake-a"]
+
+
+async def test_small_budget_queues_requests_and_none_fails(tmp_path):
+    # 16 bytes/token: a 4 KiB block is 256 tokens; 2 blocks fit one 300-token request.
+    async with _open(tmp_path, budget_mb=8 * 1024 / 2**20) as rt:
+        results = []
+
+        async def ask(i: int) -> None:
+            results.append(await rt.agent(f"b{i}").send_prompt(f"{i:03d}" + "z" * 250, max_tokens=8))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(ask, i)
+        stats = rt.stats()
+    assert len(results) == 6 and stats.gpu.memory_waits_total >= 1
+    assert max(r.usage.queue_wait_ms for r in results) > 0
+    with pytest.raises(BudgetExceededError):
+        async with _open(tmp_path, budget_mb=8 * 1024 / 2**20) as rt:
+            await rt.agent("huge").send_prompt("z" * 1000, max_tokens=8)
+
+
+async def test_forget_deletes_hot_and_warm_cache(tmp_path):
+    async with _open(tmp_path) as rt:
+        await rt.agent("f").send_prompt("remember me", max_tokens=2)
+        await rt.flush()
+        assert await rt.agent("f").forget() is True
+        assert await rt.agent("f").forget() is False
+        again = await rt.agent("f").send_prompt("remember me", max_tokens=2)
+        assert again.usage.tier == "cold"
+
+
+async def test_shared_prefix_is_content_addressed_and_opt_out(tmp_path):
+    system = "s" * 700
+    async with _open(tmp_path) as rt:
+        await rt.agent("donor").send_prompt(system + " first", max_tokens=2)
+        shared = await rt.agent("taker").send_prompt(system + " second", max_tokens=2)
+        assert shared.usage.tier == "shared" and shared.usage.tokens_reused == 512
+        private = await rt.agent("private", share_prefix=False).send_prompt(system + " third", max_tokens=2)
+        assert private.usage.tier == "cold"
+        other = await rt.agent("other").send_prompt("t" + system, max_tokens=2)
+        assert other.usage.tier == "cold"  # nothing it did not send itself
+
+
+async def test_all_engine_jobs_run_on_one_dedicated_thread(tmp_path):
+    seen: set[int] = set()
+
+    class Recording(FakeEngine):
+        def step(self):
+            seen.add(threading.get_ident())
+            return super().step()
+
+        def prefill(self, request_id, chunk):
+            seen.add(threading.get_ident())
+            return super().prefill(request_id, chunk)
+
+    async with _open(tmp_path, Recording()) as rt:
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(rt.agent(f"t{i}").send_prompt, "thread check")
+        ident = rt._gpu.thread_ident
+    assert seen == {ident} and ident != threading.get_ident()
+
+
+async def test_stats_count_requests_tokens_and_tiers(tmp_path):
+    async with _open(tmp_path) as rt:
+        first = await rt.agent("s").send_prompt("count me", max_tokens=4)
+        await rt.agent("s").send_prompt("count me" + first.reply + " more", max_tokens=4)
+        m = rt.stats().metrics
+    assert m.requests == 2 and m.completed == 2 and m.tokens_generated == 8
+    assert m.hits["cold"] == 1 and m.hits["hot"] == 1
+    assert m.ttft_ms.count == 2 and m.ttft_ms.counts[-1] == 2
+    assert m.tokens_reused == len("count me") + len(first.reply) - 1
+
+
+async def test_slow_stream_reader_gets_coalesced_deltas_that_add_up_to_the_reply(tmp_path):
+    async with _open(tmp_path) as rt:
+        deltas = []
+        async with rt.agent("slow-reader").stream_prompt("stream to me", max_tokens=300) as stream:
+            async for delta in stream:
+                deltas.append(delta)
+                await trio.sleep(0.002)
+        assert stream.result is not None and stream.result.finish_reason == "length"
+    assert "".join(deltas) == stream.result.reply == fake_reply("stream to me", 300)
+    assert len(deltas) < 300  # the GPU actor never waited for the reader
+
+
+async def test_a_default_model_that_does_not_load_fails_open_runtime(tmp_path):
+    from runtime.errors import ModelError
+
+    with pytest.raises(ModelError):
+        async with open_runtime("not-a-fake", home=tmp_path, engine=FakeEngine(), handle_signals=False):
+            pass

@@ -1,0 +1,111 @@
+"""The GPU actor's policy (actors.scheduler) and the message contracts, without trio or MLX work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import msgspec
+import pytest
+
+import runtime  # noqa: F401  (OpenBLAS before mlx)
+from actors.scheduler import Scheduler
+from runtime.errors import BudgetExceededError
+from runtime.snapshot import BLOCK_TOKENS
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN_BYTES = 1024  # one 256-token block = 256 KiB
+BLOCK = TOKEN_BYTES * BLOCK_TOKENS
+
+
+def _sched(blocks: int, **kw) -> Scheduler:
+    return Scheduler(budget_bytes=blocks * BLOCK, token_bytes=TOKEN_BYTES, **kw)
+
+
+def test_scheduler_module_imports_neither_trio_nor_mlx():
+    code = (
+        "import sys, actors.scheduler\n"
+        "bad = [m for m in sys.modules if m == 'trio' or m.startswith(('trio.', 'mlx'))]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_admission_is_fifo_and_waits_for_memory_instead_of_failing():
+    s = _sched(4)
+    for rid in (1, 2, 3):
+        s.submit(rid, 2 * BLOCK_TOKENS)  # two blocks each
+    plan = s.plan()
+    assert plan.admit == (1, 2)
+    stats = s.stats()
+    assert stats.waiting == 1 and stats.waiting_for_memory == 1 and stats.memory_waits_total == 1
+    assert stats.pool.used_blocks == 4
+    s.finished(1)
+    assert s.plan().admit == (3,)
+    assert s.stats().waiting_for_memory == 0
+
+
+def test_batch_footprint_counts_left_padding_to_the_longest_sequence():
+    s = _sched(8)
+    s.submit(1, 4 * BLOCK_TOKENS)  # 4 blocks
+    s.submit(2, 10)  # 1 block, but padded to 4 in the batch
+    s.submit(3, 10)
+    assert s.plan().admit == (1, 2)  # 2 x 4 = 8 blocks; a third row would need 12
+    assert s.stats().pool.used_blocks == 8
+    s.finished(1)  # the long one leaves: rows shrink to 1 block
+    assert s.plan().admit == (3,)
+    assert s.stats().pool.used_blocks == 2
+
+
+def test_request_larger_than_the_whole_budget_is_rejected():
+    s = _sched(2)
+    with pytest.raises(BudgetExceededError):
+        s.submit(1, 3 * BLOCK_TOKENS)
+
+
+def test_max_batch_caps_admission():
+    s = _sched(100, max_batch=2)
+    for rid in range(5):
+        s.submit(rid, 10)
+    assert len(s.plan().admit) == 2
+    assert s.stats().waiting_for_memory == 0  # held back by the batch cap, not memory
+
+
+def test_prefill_is_round_robin_so_a_long_prompt_cannot_starve_a_short_one():
+    s = _sched(1000)
+    s.submit(1, 16_000)
+    s.submit(2, 200)
+    s.plan()  # admits both
+    order = [s.plan().prefill for _ in range(4)]
+    assert order in ([2, 1, 2, 1], [1, 2, 1, 2])
+    s.prefilled(2)
+    nxt = s.plan()
+    assert nxt.prefill == 1 and nxt.decode
+
+
+def test_sequence_bytes_are_charged_per_sequence():
+    s = Scheduler(budget_bytes=4 * BLOCK, token_bytes=TOKEN_BYTES, sequence_bytes=BLOCK)
+    assert s.blocks_for(10) == 2
+
+
+def _inboxes():
+    from actors.messages_agent import AgentInbox
+    from actors.messages_gpu import CacheSource, GpuInbox
+    from actors.messages_store import StoreInbox
+    from actors.registry import RegistryInbox
+
+    return [AgentInbox, GpuInbox, StoreInbox, RegistryInbox, CacheSource]
+
+
+@pytest.mark.parametrize("inbox", _inboxes(), ids=lambda u: "|".join(t.__name__ for t in typing.get_args(u)))
+def test_mailbox_messages_are_frozen_tagged_keyword_only_structs(inbox):
+    for cls in typing.get_args(inbox):
+        assert issubclass(cls, msgspec.Struct)
+        config = cls.__struct_config__
+        assert config.frozen and config.tag == cls.__name__
+        fields = msgspec.structs.fields(cls)
+        if fields:
+            with pytest.raises(TypeError):
+                cls(*[None] * len(fields))  # keyword-only
