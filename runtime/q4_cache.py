@@ -514,7 +514,7 @@ class _BatchPackedKVCache(_PackedStorage):
         max_length = max(lengths)
         batch = cls([max_length - n for n in lengths], group_size=group_size, bits=bits)
         batch.dtype = caches[0].dtype
-        filled = [(i, kv) for i, c in enumerate(caches) if c.size() and (kv := c.keys_and_values())]
+        filled = [(i, c.keys_and_values()) for i, c in enumerate(caches) if c.size() > 0]
         if not filled:
             return batch
         heads = max(kv[0][0].shape[1] for _, kv in filled)
