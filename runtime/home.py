@@ -51,15 +51,16 @@ class Settings:
         model: model name (tiny recipe), folder, or Hugging Face id.
         kv_bits: 4 or 8 for quantized KV at rest, None for float KV.
         kv_group_size: quantization group size.
-        attention: ``at-rest`` (dequantize while active; fastest on CPU) or
-            ``native`` (attend on packed Q4 with MLX's quantized SDPA).
+        attention: ``auto`` (``at-rest`` on CPU, ``native`` on GPU backends),
+            ``at-rest`` (dequantize while active; fastest on CPU) or ``native``
+            (attend on packed Q4 with MLX's quantized SDPA).
         budget_mb: memory budget for KV caches in MiB.
     """
 
     model: str = "kvmem-default"
     kv_bits: int | None = 4
     kv_group_size: int = 64
-    attention: str = "at-rest"
+    attention: str = "auto"
     budget_mb: int = 2048
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -83,8 +84,8 @@ class Settings:
         if "KVMEM_BUDGET_MB" in env:
             values["budget_mb"] = int(env["KVMEM_BUDGET_MB"])
         values.update({k: v for k, v in overrides.items() if v is not None})
-        if values.get("attention", "at-rest") not in ("at-rest", "native"):
-            raise ValueError(f"attention must be 'at-rest' or 'native', got {values['attention']!r}")
+        if values.get("attention", "auto") not in ("auto", "at-rest", "native"):
+            raise ValueError(f"attention must be 'auto', 'at-rest' or 'native', got {values['attention']!r}")
         return cls(**values)
 
 

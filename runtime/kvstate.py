@@ -32,9 +32,24 @@ from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache, qua
 from runtime.snapshot import CacheSnapshot, LayerKind, LayerSnapshot
 from runtime.spec import ModelCacheSpec
 
-__all__ = ["ParkedCache", "ParkedLayer", "ActiveKV", "Strategy", "SLIDING_SLACK"]
+__all__ = ["ParkedCache", "ParkedLayer", "ActiveKV", "Strategy", "SLIDING_SLACK", "resolve_strategy"]
 
 Strategy = Literal["at-rest", "native"]
+
+
+def resolve_strategy(name: str) -> Strategy:
+    """Map ``auto`` to the strategy measured faster on the default device.
+
+    On MLX's CPU backend float attention is 2-4x faster than quantized SDPA for
+    prefill (benches/results/attention_strategy.md), so ``auto`` is ``at-rest``
+    there; on GPU backends (Metal, CUDA), where the seed measurements attended
+    on Q4 directly, it is ``native``.
+    """
+    if name in ("at-rest", "native"):
+        return name  # type: ignore[return-value]
+    if name != "auto":
+        raise ValueError(f"attention must be 'auto', 'at-rest' or 'native', got {name!r}")
+    return "at-rest" if mx.default_device() == mx.cpu else "native"
 
 SLIDING_SLACK = 64
 """Extra tokens kept beyond a sliding window so a turn can be trimmed exactly."""
@@ -169,12 +184,12 @@ class ActiveKV:
         strategy: ``at-rest`` or ``native`` (see the module docstring).
     """
 
-    def __init__(self, parked: ParkedCache, spec: ModelCacheSpec, strategy: Strategy) -> None:
+    def __init__(self, parked: ParkedCache, spec: ModelCacheSpec, strategy: Strategy | str) -> None:
         self.base = parked
         self.spec = spec
-        self.strategy = strategy
+        self.strategy = resolve_strategy(strategy)
         self.caches: list[Any] = [
-            _activate_layer(layer, lspec, spec, strategy, parked.num_tokens)
+            _activate_layer(layer, lspec, spec, self.strategy, parked.num_tokens)
             for layer, lspec in zip(parked.layers, spec.layers, strict=True)
         ]
 

@@ -63,3 +63,15 @@ def test_unsupported_cache_kind_fails_clearly():
 def test_invalid_kv_format_is_rejected():
     with pytest.raises(ValueError):
         KVFormat(bits=3)
+
+
+def test_auto_attention_is_at_rest_on_cpu():
+    import mlx.core as mx
+
+    from runtime.kvstate import resolve_strategy
+
+    assert resolve_strategy("native") == "native"
+    expected = "at-rest" if mx.default_device() == mx.cpu else "native"
+    assert resolve_strategy("auto") == expected
+    with pytest.raises(ValueError):
+        resolve_strategy("fast")
