@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
