@@ -199,7 +199,7 @@ class AgentActor:
         if prompt is None:
             messages = turn.messages or []
             rendered: RenderReply = await ask(
-                self._gpu, lambda r: Render(model_tag=info.tag, messages=messages, reply=r)
+                self._gpu, lambda r: Render(model_tag=info.tag, messages=messages, tools=turn.tools, reply=r)
             )
             if isinstance(rendered, Failed):
                 return rendered
@@ -265,6 +265,7 @@ class AgentActor:
             reply=generated.reply,
             finish_reason=generated.finish_reason,
             usage=usage,
+            stop_sequence=generated.stop_sequence,
         )
         return TurnDone(result=result)
 

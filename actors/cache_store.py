@@ -38,6 +38,8 @@ import trio
 from actors.mailbox import send_reply
 from actors.messages_common import Failed, HotCache, failed_from
 from actors.messages_store import (
+    AgentRecord,
+    AgentsListed,
     Evict,
     Evicted,
     Fetch,
@@ -47,6 +49,7 @@ from actors.messages_store import (
     Forget,
     Forgotten,
     HotHit,
+    ListAgents,
     Miss,
     NoPrefix,
     PrefixFound,
@@ -186,6 +189,9 @@ class CacheStoreActor:
                 send_reply(reply, Evicted(written=written))
             case Flush(reply=reply):
                 send_reply(reply, Flushed(written=await self._flush_all()))
+            case ListAgents():
+                assert self._nursery is not None
+                self._nursery.start_soon(self._list, message)
             case _:
                 assert_never(message)
 
@@ -211,6 +217,43 @@ class CacheStoreActor:
                 self._no_loads.set()
         self._warm_loads += 1
         send_reply(message.reply, WarmHit(snapshot=snapshot))
+
+    async def _list(self, message: ListAgents) -> None:
+        try:
+            stored = await self._disk(self._directory.list_agents)
+        except OSError as exc:
+            send_reply(message.reply, failed_from(exc))
+            return
+        wanted = message.agent_id
+        records = {
+            e.agent_id: AgentRecord(
+                agent_id=e.agent_id,
+                model_tag=e.model_tag,
+                num_tokens=e.num_tokens,
+                hot=False,
+                on_disk=True,
+                dirty=False,
+                disk_bytes=e.disk_bytes,
+                updated_at=e.updated_at,
+            )
+            for e in stored
+            if wanted is None or e.agent_id == wanted
+        }
+        for entry in list(self._entries.values()):
+            if wanted is not None and entry.agent_id != wanted:
+                continue
+            disk = records.get(entry.agent_id)
+            records[entry.agent_id] = AgentRecord(
+                agent_id=entry.agent_id,
+                model_tag=entry.parked.model_tag,
+                num_tokens=entry.parked.num_tokens,
+                hot=True,
+                on_disk=disk is not None,
+                dirty=entry.snapshot is not None,
+                disk_bytes=disk.disk_bytes if disk else 0,
+                updated_at=disk.updated_at if disk else None,
+            )
+        send_reply(message.reply, AgentsListed(agents=tuple(records[k] for k in sorted(records))))
 
     def _find_prefix(self, message: FindPrefix) -> NoPrefix | PrefixFound:
         best: tuple[int, _Entry] | None = None

@@ -94,6 +94,10 @@ def _chat(messages: Sequence[Mapping[str, Any]], system: str | None) -> list[dic
     return out
 
 
+def _tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    return [dict(t) for t in tools] if tools else None
+
+
 class TurnStream:
     """One streaming turn: an async context manager and an async iterator of text deltas.
 
@@ -186,6 +190,7 @@ class AgentHandle:
         prompt: str | None,
         model: str | None,
         sampling: SamplingOptions,
+        tools: list[dict[str, Any]] | None = None,
     ) -> TurnBuilder:
         request_id = self._runtime._new_request_id()
         submitted_at = time.perf_counter()
@@ -201,6 +206,7 @@ class AgentHandle:
                 submitted_at=submitted_at,
                 deltas=deltas,
                 reply=reply,
+                tools=tools,
             )
 
         return build
@@ -225,6 +231,7 @@ class AgentHandle:
         stop: Sequence[str] = (),
         system: str | None = None,
         model: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> TurnResult:
         """Send the whole conversation (chat messages) and wait for the reply.
 
@@ -233,6 +240,10 @@ class AgentHandle:
             system: a system prompt put first unless the messages begin with one.
             model: a configured model name (None: the runtime's default); another
                 model than the loaded one makes the runtime swap.
+            tools: tool definitions (OpenAI ``{"type": "function", "function": ...}``
+                dicts) rendered by the model's chat template; messages may then
+                carry ``tool_calls`` (assistant) and ``role: "tool"`` results.
+                A template without tool support fails the turn with ``ValueError``.
 
         Raises:
             BudgetExceededError: the turn cannot fit the KV budget even alone.
@@ -241,7 +252,9 @@ class AgentHandle:
             TurnFailedError: anything else that went wrong.
         """
         sampling = _sampling(max_tokens, temperature, top_p, top_k, stop)
-        build = self._builder(messages=_chat(messages, system), prompt=None, model=model, sampling=sampling)
+        build = self._builder(
+            messages=_chat(messages, system), prompt=None, model=model, sampling=sampling, tools=_tools(tools)
+        )
         return await self._send(build)
 
     async def send_prompt(
@@ -272,10 +285,13 @@ class AgentHandle:
         stop: Sequence[str] = (),
         system: str | None = None,
         model: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> TurnStream:
         """Like :meth:`send`, yielding text deltas (see :class:`TurnStream`)."""
         sampling = _sampling(max_tokens, temperature, top_p, top_k, stop)
-        build = self._builder(messages=_chat(messages, system), prompt=None, model=model, sampling=sampling)
+        build = self._builder(
+            messages=_chat(messages, system), prompt=None, model=model, sampling=sampling, tools=_tools(tools)
+        )
         return TurnStream(self._runtime, self.agent_id, build)
 
     def stream_prompt(

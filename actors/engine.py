@@ -76,6 +76,7 @@ class Finished:
     tokens_generated: int
     parked: HotCache | None
     snapshot: CacheSnapshot | None
+    stop_sequence: str | None = None  # the caller's stop string that ended the reply
 
 
 class Engine(Protocol):
@@ -93,8 +94,11 @@ class Engine(Protocol):
     def close(self) -> None:
         """Unload and release the thread's resources; the last call on the thread."""
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """Chat messages → prompt text (the model's template)."""
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """Chat messages (and tool definitions) → prompt text (the model's template)."""
+
+    def count_tokens(self, text: str) -> int:
+        """How many tokens ``text`` is, for the loaded model."""
 
     def measure(self, prompt: str, source: CacheSource) -> int:
         """Tokens the sequence will hold once ``prompt`` is prefilled from ``source``."""

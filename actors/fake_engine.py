@@ -152,9 +152,12 @@ class FakeEngine:
     def close(self) -> None:
         self.unload()
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         self.tag  # noqa: B018 - raises when no model is loaded
         return fake_render(messages)
+
+    def count_tokens(self, text: str) -> int:
+        return len(text)  # one token per character, as in the fake caches
 
     def _base(self, source: CacheSource) -> str:
         match source:

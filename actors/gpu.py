@@ -197,16 +197,17 @@ class GPUActor:
                 await self._job(self._engine.unload)
                 self._info, self._sched = None, None
                 send_reply(reply, Unloaded())
-            case Render(model_tag=tag, messages=messages, reply=reply):
+            case Render(model_tag=tag, messages=messages, tools=tools, reply=reply):
                 if self._info is None or self._info.tag != tag:
                     send_reply(reply, Failed(kind="ModelError", error=f"model {tag!r} is not loaded"))
                     return
                 try:
-                    prompt = await self._job(self._engine.render, messages)
+                    prompt = await self._job(self._engine.render, messages, tools)
+                    count = await self._job(self._engine.count_tokens, prompt) if message.count_tokens else None
                 except Exception as exc:  # noqa: BLE001 - a bad message list is the client's error
                     send_reply(reply, failed_from(exc))
                     return
-                send_reply(reply, Rendered(prompt=prompt))
+                send_reply(reply, Rendered(prompt=prompt, num_tokens=count))
             case Generate():
                 await self._submit(message)
             case _:
@@ -364,6 +365,7 @@ class GPUActor:
             decode_tps=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
             parked=fin.parked if fin is not None else None,
             snapshot=fin.snapshot if fin is not None else None,
+            stop_sequence=fin.stop_sequence if fin is not None and not cancelled else None,
         )
 
     async def _fail(self, request_id: int, exc: BaseException) -> None:

@@ -59,7 +59,11 @@ class TurnUsage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
-    """A finished turn: the reply, why it stopped (``stop``, ``length``, ``cancelled``), usage."""
+    """A finished turn: the reply, why it stopped (``stop``, ``length``, ``cancelled``), usage.
+
+    ``stop_sequence`` is the caller's stop string that ended the reply (not part
+    of ``reply``); None when the turn stopped at end-of-sequence or for another reason.
+    """
 
     agent_id: str
     request_id: int
@@ -67,6 +71,7 @@ class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
     reply: str
     finish_reason: str
     usage: TurnUsage
+    stop_sequence: str | None = None
 
 
 class TurnDone(Message, frozen=True, kw_only=True):
@@ -89,6 +94,7 @@ class Turn(Message, frozen=True, kw_only=True):
         share_prefix: start from another agent's cached prefix, and let others
             start from this agent's cache.
         submitted_at: ``time.perf_counter()`` at submission (queue wait, TTFT).
+        tools: tool definitions rendered by the model's chat template (``messages`` only).
         deltas: streamed text (None: not streaming); the agent closes it when
             the generation is over, then answers on ``reply``.
         reply: the one-shot reply. Closing its receive end cancels the turn.
@@ -103,6 +109,7 @@ class Turn(Message, frozen=True, kw_only=True):
     submitted_at: float
     deltas: trio.MemorySendChannel[str] | None
     reply: trio.MemorySendChannel[TurnReply]
+    tools: list[dict[str, Any]] | None = None
 
 
 class ForgetAgent(Message, frozen=True, kw_only=True):

@@ -127,6 +127,7 @@ class Unloaded(Message, frozen=True, kw_only=True):
 
 class Rendered(Message, frozen=True, kw_only=True):
     prompt: str
+    num_tokens: int | None = None  # set when the Render asked for a token count
 
 
 class Generated(Message, frozen=True, kw_only=True):
@@ -154,6 +155,7 @@ class Generated(Message, frozen=True, kw_only=True):
     decode_tps: float
     parked: HotCache | None
     snapshot: CacheSnapshot | None
+    stop_sequence: str | None = None
 
 
 LoadReply = ModelReady | Failed
@@ -174,11 +176,19 @@ class UnloadModel(Message, frozen=True, kw_only=True):
 
 
 class Render(Message, frozen=True, kw_only=True):
-    """Render chat messages with the loaded model's template (tokenizer work: MLX thread)."""
+    """Render chat messages with the loaded model's template (tokenizer work: MLX thread).
+
+    Attributes:
+        tools: tool definitions for templates that support them (a template
+            that does not makes the render fail with ``ValueError``).
+        count_tokens: also count the prompt's tokens (``Rendered.num_tokens``).
+    """
 
     model_tag: str
     messages: list[dict[str, Any]]
     reply: trio.MemorySendChannel[RenderReply]
+    tools: list[dict[str, Any]] | None = None
+    count_tokens: bool = False
 
 
 class Generate(Message, frozen=True, kw_only=True):

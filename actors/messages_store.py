@@ -8,11 +8,14 @@ Requests and their replies::
     Forget(agent_id)                  -> Forgotten(existed)
     Evict(model_tag)                  -> Evicted(written)     flush dirty caches of a model, drop its hot caches
     Flush()                           -> Flushed(written)     write every dirty cache now
+    ListAgents(agent_id | None)       -> AgentsListed(agents) hot and on-disk agents (one, or all)
 """
 
 from __future__ import annotations
 
 import trio
+
+import msgspec
 
 from actors.messages_common import Failed, HotCache, Message
 from runtime.snapshot import CacheSnapshot
@@ -24,6 +27,10 @@ __all__ = [
     "Forget",
     "Evict",
     "Flush",
+    "ListAgents",
+    "AgentRecord",
+    "AgentsListed",
+    "ListReply",
     "HotHit",
     "WarmHit",
     "Miss",
@@ -78,11 +85,36 @@ class Flushed(Message, frozen=True, kw_only=True):
     written: int
 
 
+class AgentRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One agent the store knows: in the hot tier, on disk, or both.
+
+    Attributes:
+        num_tokens: tokens its cache covers (the hot copy when there is one).
+        dirty: the hot copy is newer than the disk (its save is pending).
+        disk_bytes: bytes of its files on disk, shared blocks counted in full (0: not on disk).
+        updated_at: when the disk copy was written (Unix time; None: not on disk).
+    """
+
+    agent_id: str
+    model_tag: str
+    num_tokens: int
+    hot: bool
+    on_disk: bool
+    dirty: bool
+    disk_bytes: int
+    updated_at: float | None
+
+
+class AgentsListed(Message, frozen=True, kw_only=True):
+    agents: tuple[AgentRecord, ...]
+
+
 FetchReply = HotHit | WarmHit | Miss | Failed
 PrefixReply = PrefixFound | NoPrefix | Failed
 ForgetReply = Forgotten | Failed
 EvictReply = Evicted | Failed
 FlushReply = Flushed | Failed
+ListReply = AgentsListed | Failed
 
 
 class Fetch(Message, frozen=True, kw_only=True):
@@ -134,4 +166,11 @@ class Flush(Message, frozen=True, kw_only=True):
     reply: trio.MemorySendChannel[FlushReply]
 
 
-StoreInbox = Fetch | FindPrefix | Put | Forget | Evict | Flush
+class ListAgents(Message, frozen=True, kw_only=True):
+    """The agents with a cache, sorted by id (only ``agent_id`` when given)."""
+
+    agent_id: str | None
+    reply: trio.MemorySendChannel[ListReply]
+
+
+StoreInbox = Fetch | FindPrefix | Put | Forget | Evict | Flush | ListAgents

@@ -144,8 +144,11 @@ class MlxEngine:
         self.unload()
         mx.clear_streams()  # MLX's recommended cleanup at the end of a thread
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        return self.lm.render(messages)
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        return self.lm.render(messages, tools=tools)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.lm.tokenize(text)[0])
 
     # -- sequences -----------------------------------------------------------
 
@@ -260,6 +263,7 @@ class MlxEngine:
             tokens_generated=stats.tokens_generated,
             parked=parked,
             snapshot=snapshot,
+            stop_sequence=seq.stop_sequence,
         )
 
     def discard(self, request_id: int) -> None:

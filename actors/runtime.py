@@ -47,25 +47,26 @@ from __future__ import annotations
 import itertools
 import signal
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import trio
 
 from actors.agent import AgentActor
 from actors.cache_store import CacheStoreActor, StoreStats
-from actors.client import AgentHandle, TurnFailedError, TurnStream, raise_failed
+from actors.client import AgentHandle, TurnFailedError, TurnStream, _chat, _tools, raise_failed
 from actors.engine import Engine
 from actors.gpu import GPUActor, GpuEvent, GpuStats
 from actors.mailbox import ask
 from actors.messages_agent import AgentInbox
 from actors.messages_common import Failed
-from actors.messages_gpu import GpuInbox
-from actors.messages_store import Flush, FlushReply, StoreInbox
+from actors.messages_gpu import GpuInbox, Render, RenderReply
+from actors.messages_store import AgentRecord, Flush, FlushReply, ListAgents, ListReply, StoreInbox
 from actors.metrics import MetricsSnapshot, RuntimeMetrics
-from actors.registry import ModelRegistry, RegistryInbox, RegistryStats
+from actors.registry import Acquire, AcquireReply, ModelRegistry, RegistryInbox, RegistryStats, Release
 from runtime.home import KvmemHome
 from runtime.persist import CacheDirectory
 from runtime.persist_names import safe_agent_dirname
@@ -153,6 +154,52 @@ class Runtime:
         if isinstance(reply, Failed):
             raise_failed(reply)
         return reply.written
+
+    async def list_agents(self, agent_id: str | None = None) -> list[AgentRecord]:
+        """Agents with a cache in the hot tier or on disk, sorted by id (only ``agent_id`` when given)."""
+        if self._closed:
+            raise TurnFailedError("Closed", "the runtime is closed")
+        reply: ListReply = await ask(self._store_mailbox, lambda r: ListAgents(agent_id=agent_id, reply=r))
+        if isinstance(reply, Failed):
+            raise_failed(reply)
+        return list(reply.agents)
+
+    async def count_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        system: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        model: str | None = None,
+    ) -> int:
+        """Tokens of the prompt ``messages`` render to with ``model``'s template (what a cold turn prefills).
+
+        Raises:
+            ValueError: bad messages, an unconfigured model, or tools the template cannot render.
+            ModelError: the model cannot be loaded.
+        """
+        chat = _chat(messages, system)
+        if self._closed:
+            raise TurnFailedError("Closed", "the runtime is closed")
+        grant: AcquireReply = await ask(self._registry_mailbox, lambda r: Acquire(model=model, reply=r))
+        if isinstance(grant, Failed):
+            raise_failed(grant)
+        try:
+            rendered: RenderReply = await ask(
+                self._gpu_mailbox,
+                lambda r: Render(
+                    model_tag=grant.info.tag, messages=chat, tools=_tools(tools), count_tokens=True, reply=r
+                ),
+            )
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                try:
+                    await self._registry_mailbox.send(Release(lease_id=grant.lease_id))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+        if isinstance(rendered, Failed):
+            raise_failed(rendered)
+        return rendered.num_tokens or 0
 
     # -- internals used by handles -----------------------------------------------
 

@@ -17,6 +17,7 @@ __all__ = ["main"]
 
 COMMAND_MODULES = (
     "gateway.cli_chat",
+    "gateway.cli_serve",
 )
 
 

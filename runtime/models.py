@@ -61,6 +61,14 @@ class LoadedModel:
         return bool(getattr(self.tokenizer, "has_chat_template", False))
 
     @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tool definitions (a ``tools`` variable)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates: HF picks "tool_use" when tools are given
+            template = template.get("tool_use") or template.get("default")
+        return self.has_chat_template and isinstance(template, str) and "tools" in template
+
+    @property
     def default_stop(self) -> tuple[str, ...]:
         return () if self.has_chat_template else (PLAIN_STOP,)
 
@@ -69,7 +77,18 @@ class LoadedModel:
         return {4: mx.float32, 2: mx.float16}[self.spec.dtype_bytes]
 
     def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> str:
-        """Render chat messages to prompt text, ending with the assistant's turn."""
+        """Render chat messages to prompt text, ending with the assistant's turn.
+
+        Raises:
+            ValueError: ``tools``, tool calls or tool results were given and the
+                model's chat template cannot render them (:attr:`supports_tools`).
+        """
+        uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+        if uses_tools and not self.supports_tools:
+            raise ValueError(
+                f"model {self.model_id!r} has no chat template that supports tools: "
+                "requests with tool definitions, tool calls or tool results cannot be rendered"
+            )
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
         if tools:
             kwargs["tools"] = tools

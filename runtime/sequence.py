@@ -96,6 +96,7 @@ class Sequence:
         self._gen_ends: list[int] = []  # reply-text end offset per generated token (-1: pending)
         self.reply = ""
         self._stop_cut: int | None = None
+        self.stop_sequence: str | None = None  # the caller's stop string that ended the reply
         self._streamed = 0
         self.finish_reason: str | None = None
         self.next_input: int | None = None
@@ -167,6 +168,7 @@ class Sequence:
         cut = self._stops.find(self.reply, self._streamed)
         if cut is not None:
             self._stop_cut = cut
+            self.stop_sequence = next((s for s in self.params.stop if s and self.reply.startswith(s, cut)), None)
             self._finish("stop")
             return self._flush(final=True)
         if len(self.generated) >= self.params.max_tokens:

@@ -1,0 +1,166 @@
+"""kvmem's own agent API: the in-process runtime API over HTTP.
+
+::
+
+    GET    /v1/agents                 agents with a cache (hot tier or disk) or a running actor
+    GET    /v1/agents/{id}            one agent, 404 when kvmem knows nothing of it
+    DELETE /v1/agents/{id}            forget its cache (RAM and disk), 404 when there was none
+    POST   /v1/agents/{id}/messages   one turn; the body is :class:`AgentTurnRequest`
+
+A turn answers with the runtime's ``TurnResult`` as JSON: the reply, the
+finish reason, and ``usage`` with ``tokens_reused`` / ``tokens_prefilled`` /
+``tokens_generated``, the cache ``tier`` (hot, warm, shared, cold), the prefix
+``match``, ``queue_wait_ms``, ``ttft_ms`` and ``decode_tps``. Streaming
+(``"stream": true``) sends ``event: delta`` (``{"text": ...}``) events and one
+``event: done`` with the ``TurnResult`` (or ``event: error``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from actors.messages_store import AgentRecord
+from gateway.errors import ApiError, error_dict, from_exception
+from gateway.identity import check_agent_id
+from gateway.schemas_agents import (
+    AgentInfo,
+    AgentList,
+    AgentTurnRequest,
+    Deleted,
+    TurnDelta,
+    turn_decoder,
+)
+from gateway.sse import Emit, EventStreamResponse, sse
+from gateway.state import (
+    CLIENT_GONE,
+    Gateway,
+    kvmem_headers,
+    request_id,
+    runtime_errors,
+)
+
+__all__ = ["routes"]
+
+log = logging.getLogger("kvmem.gateway")
+
+
+def _info(agent_id: str, record: AgentRecord | None, live: bool) -> AgentInfo:
+    if record is None:
+        return AgentInfo(id=agent_id, object="agent", model_tag=None, cached_tokens=0, hot=False, on_disk=False,
+                         dirty=False, disk_bytes=0, updated_at=None, live=live)
+    return AgentInfo(id=agent_id, object="agent", model_tag=record.model_tag, cached_tokens=record.num_tokens,
+                     hot=record.hot, on_disk=record.on_disk, dirty=record.dirty, disk_bytes=record.disk_bytes,
+                     updated_at=record.updated_at, live=live)
+
+
+def _turn_options(gw: Gateway, req: AgentTurnRequest) -> dict[str, Any]:
+    if req.max_tokens is None:
+        max_tokens = min(gw.config.default_max_tokens, gw.config.max_tokens_limit)
+    else:
+        max_tokens = gw.check_max_tokens(req.max_tokens, param="max_tokens")
+    return {
+        "max_tokens": max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "stop": tuple(req.stop),
+        "model": gw.model_for(req.model),
+    }
+
+
+def routes(gw: Gateway) -> list[Route]:
+    """The agent routes, bound to ``gw``."""
+
+    def agent_id_of(request: Request) -> str:
+        return check_agent_id(request.path_params["agent_id"], param="agent_id")
+
+    async def list_agents(request: Request) -> Response:
+        with runtime_errors():
+            records = {r.agent_id: r for r in await gw.rt.list_agents()}
+        live = set(gw.rt.live_agents())
+        data = [_info(a, records.get(a), a in live) for a in sorted(records.keys() | live)]
+        return gw.json(AgentList(object="list", data=data))
+
+    async def get_agent(request: Request) -> Response:
+        agent_id = agent_id_of(request)
+        with runtime_errors():
+            records = await gw.rt.list_agents(agent_id)
+        live = agent_id in gw.rt.live_agents()
+        if not records and not live:
+            raise ApiError(404, "not_found", f"agent {agent_id!r} not found", param="agent_id")
+        return gw.json(_info(agent_id, records[0] if records else None, live))
+
+    async def delete_agent(request: Request) -> Response:
+        agent_id = agent_id_of(request)
+        with runtime_errors():
+            existed = await gw.rt.agent(agent_id).forget()
+        if not existed:
+            raise ApiError(404, "not_found", f"agent {agent_id!r} has no cache", param="agent_id")
+        return gw.json(Deleted(id=agent_id, object="agent", deleted=True))
+
+    async def post_message(request: Request) -> Response | EventStreamResponse:
+        agent_id = agent_id_of(request)
+        req = await gw.decode(request, turn_decoder)
+        if (req.messages is None) == (req.prompt is None):
+            raise ApiError(400, "invalid_request", "give exactly one of 'messages' and 'prompt'", param="messages")
+        if req.messages is not None and not req.messages:
+            raise ApiError(400, "invalid_request", "'messages' is empty", param="messages")
+        if req.prompt is not None and (req.tools or req.system is not None):
+            raise ApiError(400, "invalid_request", "'system' and 'tools' need 'messages', not 'prompt'",
+                           param="prompt")
+        options = _turn_options(gw, req)
+        with runtime_errors():
+            handle = gw.rt.agent(agent_id, share_prefix=req.share_prefix)
+        messages = [
+            {k: v for k, v in (("role", m.role), ("content", m.content), ("tool_calls", m.tool_calls),
+                               ("tool_call_id", m.tool_call_id)) if v is not None}
+            for m in req.messages or ()
+        ]
+
+        def start_stream() -> Any:
+            if req.prompt is not None:
+                return handle.stream_prompt(req.prompt, **options)
+            return handle.stream(messages, system=req.system, tools=req.tools, **options)
+
+        if not req.stream:
+            with runtime_errors():
+                if req.prompt is not None:
+                    prompt = req.prompt
+                    result = await gw.unless_client_leaves(request, lambda: handle.send_prompt(prompt, **options))
+                else:
+                    result = await gw.unless_client_leaves(
+                        request, lambda: handle.send(messages, system=req.system, tools=req.tools, **options)
+                    )
+            if result is None:
+                return Response(status_code=CLIENT_GONE)
+            return gw.json(result, headers=kvmem_headers(result))
+        if req.tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+            with runtime_errors():  # a template without tool support: a 400 now, not an error event later
+                await gw.rt.count_tokens(messages, system=req.system, tools=req.tools, model=options["model"])
+        rid = request_id(request)
+
+        async def produce(emit: Emit) -> None:
+            try:
+                async with start_stream() as stream:
+                    async for delta in stream:
+                        await emit(sse("delta", TurnDelta(text=delta)))
+            except Exception as exc:  # noqa: BLE001 - the stream has started: report it in the stream
+                error = from_exception(exc)
+                log.warning("stream %s failed: %s", rid, error.message)
+                await emit(sse("error", error_dict(error, "kvmem", request_id=rid)))
+                return
+            await emit(sse("done", stream.result))
+
+        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": agent_id})
+
+    return [
+        Route("/v1/agents", list_agents, methods=["GET"], name="agents"),
+        Route("/v1/agents/{agent_id}", get_agent, methods=["GET"], name="agent"),
+        Route("/v1/agents/{agent_id}", delete_agent, methods=["DELETE"], name="agent_delete"),
+        Route("/v1/agents/{agent_id}/messages", post_message, methods=["POST"], name="agent_messages"),
+    ]

@@ -1,0 +1,247 @@
+"""Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+Usage, with every prompt token counted exactly once (Anthropic's rule: the
+prompt is ``input_tokens + cache_creation_input_tokens + cache_read_input_tokens``):
+
+* ``cache_read_input_tokens`` — tokens reused from the agent's KV cache;
+* ``cache_creation_input_tokens`` — tokens prefilled this turn, all of which
+  are written to the agent's cache (kvmem caches every prompt, no
+  ``cache_control`` needed);
+* ``input_tokens`` — prompt tokens neither read from nor written to a cache:
+  always 0 here;
+* ``output_tokens`` — tokens generated.
+
+Streaming sends ``message_start``, ``content_block_start``, ``ping``, the
+``content_block_delta`` events, ``content_block_stop``, ``message_delta``
+(stop reason and the final usage, plus kvmem's own accounting under
+``kvmem``) and ``message_stop``. An error after the stream started is an
+``error`` event. Tool definitions, ``tool_use`` and ``tool_result`` blocks are
+rendered by the model's chat template; a template without tool support is a 400.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.errors import ApiError, error_dict, from_exception
+from gateway.identity import resolve_agent_id
+from gateway.schemas_anthropic import (
+    CountTokensRequest,
+    ImageBlock,
+    MessageParam,
+    MessageResponse,
+    MessagesRequest,
+    ResponseText,
+    TextBlock,
+    Tool,
+    ToolResultBlock,
+    ToolUseBlock,
+    Usage,
+    count_tokens_decoder,
+    messages_decoder,
+)
+from gateway.sse import Emit, EventStreamResponse, sse
+from gateway.state import (
+    CLIENT_GONE,
+    Gateway,
+    kvmem_extras,
+    kvmem_headers,
+    request_id,
+    runtime_errors,
+)
+
+__all__ = ["routes", "to_chat", "usage_of", "stop_reason_of"]
+
+log = logging.getLogger("kvmem.gateway")
+
+
+def _join_text(blocks: list[TextBlock | ImageBlock], where: str) -> str:
+    parts = []
+    for i, block in enumerate(blocks):
+        if isinstance(block, ImageBlock):
+            raise ApiError(400, "invalid_request", f"{where}[{i}]: image content is not supported by kvmem",
+                           param=f"{where}[{i}]")
+        parts.append(block.text)
+    return "\n".join(parts)
+
+
+def _message(i: int, m: MessageParam) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: tool results become ``tool`` messages."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    where = f"messages[{i}].content"
+    texts: list[str] = []
+    tool_calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(m.content):
+        at = f"{where}[{j}]"
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ImageBlock):
+            raise ApiError(400, "invalid_request", f"{at}: image content is not supported by kvmem", param=at)
+        elif isinstance(block, ToolUseBlock):
+            if m.role != "assistant":
+                raise ApiError(400, "invalid_request", f"{at}: tool_use blocks belong in assistant messages", param=at)
+            tool_calls.append({"id": block.id, "type": "function",
+                               "function": {"name": block.name, "arguments": block.input}})
+        elif isinstance(block, ToolResultBlock):
+            if m.role != "user":
+                raise ApiError(400, "invalid_request", f"{at}: tool_result blocks belong in user messages", param=at)
+            content = block.content if isinstance(block.content, str) else _join_text(block.content, f"{at}.content")
+            if block.is_error:
+                content = f"Error: {content}"
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+    if m.role == "assistant":
+        message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return [message]
+    if texts or not results:
+        results.append({"role": "user", "content": "\n".join(texts)})
+    return results
+
+
+def _tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    out = []
+    for k, tool in enumerate(tools):
+        if tool.type not in (None, "custom"):
+            raise ApiError(400, "invalid_request", f"tools[{k}]: server tool {tool.type!r} is not supported by kvmem",
+                           param=f"tools[{k}].type")
+        if tool.input_schema is None:
+            raise ApiError(400, "invalid_request", f"tools[{k}].input_schema: Field required",
+                           param=f"tools[{k}].input_schema")
+        out.append({"type": "function", "function": {"name": tool.name, "description": tool.description or "",
+                                                     "parameters": tool.input_schema}})
+    return out
+
+
+def to_chat(req: MessagesRequest | CountTokensRequest) -> tuple[str | None, list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The system prompt, the chat messages and the tool definitions of a request."""
+    system = req.system if req.system is None or isinstance(req.system, str) else _join_text(
+        list(req.system), "system")
+    if req.messages[-1].role == "assistant":
+        raise ApiError(400, "invalid_request", "the last message must be a user message: kvmem does not continue a "
+                       "partial assistant message (prefill)", param=f"messages[{len(req.messages) - 1}].role")
+    chat = [c for i, m in enumerate(req.messages) for c in _message(i, m)]
+    return system, chat, _tools(req.tools)
+
+
+def _uses_tools(chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
+    return bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in chat)
+
+
+def usage_of(result: Any) -> Usage:
+    """Anthropic usage of a :class:`TurnResult` (see the module docstring)."""
+    u = result.usage
+    return Usage(input_tokens=0, output_tokens=u.tokens_generated,
+                 cache_creation_input_tokens=u.tokens_prefilled, cache_read_input_tokens=u.tokens_reused)
+
+
+def stop_reason_of(result: Any) -> str:
+    if result.finish_reason == "length":
+        return "max_tokens"
+    if result.stop_sequence is not None:
+        return "stop_sequence"
+    return "end_turn"
+
+
+def _message_id() -> str:
+    return "msg_" + secrets.token_hex(12)
+
+
+def routes(gw: Gateway) -> list[Route]:
+    """The Anthropic routes, bound to ``gw``."""
+
+    async def create_message(request: Request) -> Response | EventStreamResponse:
+        req = await gw.decode(request, messages_decoder)
+        gw.check_max_tokens(req.max_tokens, param="max_tokens")
+        model = gw.model_for(req.model)
+        system, chat, tools = to_chat(req)
+        agent_id = resolve_agent_id(
+            request.headers,
+            user_field=req.metadata.user_id if req.metadata else None,
+            user_param="metadata.user_id",
+            system=system,
+            messages=chat,
+        )
+        with runtime_errors():
+            handle = gw.rt.agent(agent_id)
+        options: dict[str, Any] = {
+            "max_tokens": req.max_tokens,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "top_k": req.top_k or 0,
+            "stop": tuple(req.stop_sequences or ()),
+            "system": system,
+            "model": model,
+            "tools": tools,
+        }
+        if not req.stream:
+            with runtime_errors():
+                result = await gw.unless_client_leaves(request, lambda: handle.send(chat, **options))
+            if result is None:
+                return Response(status_code=CLIENT_GONE)
+            body = MessageResponse(
+                id=_message_id(), type="message", role="assistant", model=result.model,
+                content=[ResponseText(type="text", text=result.reply)],
+                stop_reason=stop_reason_of(result), stop_sequence=result.stop_sequence, usage=usage_of(result),
+            )
+            return gw.json(body, headers=kvmem_headers(result))
+        if _uses_tools(chat, tools):
+            with runtime_errors():  # a template without tool support: a 400 now, not an error event later
+                await gw.rt.count_tokens(chat, system=system, tools=tools, model=model)
+        rid = request_id(request)
+        message_id = _message_id()
+        model_name = model or gw.default_model
+
+        async def produce(emit: Emit) -> None:
+            start: dict[str, Any] = {"id": message_id, "type": "message", "role": "assistant", "model": model_name, "content": [],
+                     "stop_reason": None, "stop_sequence": None,
+                     "usage": {"input_tokens": 0, "output_tokens": 0}}
+            await emit(sse("message_start", {"type": "message_start", "message": start}))
+            await emit(sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                                   "content_block": {"type": "text", "text": ""}}))
+            await emit(sse("ping", {"type": "ping"}))
+            try:
+                async with handle.stream(chat, **options) as stream:
+                    async for delta in stream:
+                        await emit(sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                               "delta": {"type": "text_delta", "text": delta}}))
+            except Exception as exc:  # noqa: BLE001 - the stream has started: report it in the stream
+                error = from_exception(exc)
+                log.warning("stream %s failed: %s", rid, error.message)
+                await emit(sse("error", error_dict(error, "anthropic", request_id=rid)))
+                return
+            result = stream.result
+            assert result is not None
+            await emit(sse("content_block_stop", {"type": "content_block_stop", "index": 0}))
+            await emit(sse("message_delta", {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason_of(result), "stop_sequence": result.stop_sequence},
+                "usage": usage_of(result),
+                "kvmem": kvmem_extras(result),
+            }))
+            await emit(sse("message_stop", {"type": "message_stop"}))
+
+        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": agent_id})
+
+    async def count_tokens(request: Request) -> Response:
+        req = await gw.decode(request, count_tokens_decoder)
+        model = gw.model_for(req.model)
+        system, chat, tools = to_chat(req)
+        with runtime_errors():
+            n = await gw.rt.count_tokens(chat, system=system, tools=tools, model=model)
+        return gw.json({"input_tokens": n})
+
+    return [
+        Route("/v1/messages", create_message, methods=["POST"], name="anthropic_messages"),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"], name="anthropic_count_tokens"),
+    ]

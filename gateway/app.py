@@ -1,0 +1,197 @@
+"""The Starlette app: Anthropic, OpenAI and agent routes over one kvmem runtime.
+
+``create_app(rt, settings)`` builds it; :mod:`gateway.server` serves it with
+hypercorn on trio. Other features add their routes with ``extra_routes``
+(they share the middleware: request ids, the API key, error bodies, metrics).
+
+Routes::
+
+    POST   /v1/messages                 Anthropic Messages (SSE with stream=true)
+    POST   /v1/messages/count_tokens    Anthropic token counting
+    POST   /v1/chat/completions         OpenAI Chat Completions (SSE with stream=true)
+    GET    /v1/models, /v1/models/{id}  the served models (OpenAI and Anthropic fields)
+    GET    /v1/agents                   agents with a cache or a running actor
+    GET    /v1/agents/{id}              one agent
+    DELETE /v1/agents/{id}              forget an agent's cache
+    POST   /v1/agents/{id}/messages     one turn of an agent (SSE with stream=true)
+    GET    /healthz                     liveness (never needs the API key)
+    GET    /metrics                     Prometheus text
+    GET    /openapi.json                OpenAPI 3.1 of all of the above
+
+Every response carries a ``request-id`` header. Errors use the shape of the API
+the path belongs to (:mod:`gateway.errors`), also for unknown routes, a
+missing API key and bodies over the size limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway import agents_api, anthropic_api, openai_api
+from gateway.config import ServeConfig
+from gateway.errors import ApiError, error_body, flavor_of
+from gateway.metrics import CONTENT_TYPE, render_metrics
+from gateway.openapi import openapi_document
+from gateway.state import REQUEST_ID_KEY, Gateway, request_id
+
+if TYPE_CHECKING:
+    from actors.runtime import Runtime
+
+__all__ = ["create_app", "GATEWAY_KEY"]
+
+log = logging.getLogger("kvmem.gateway")
+
+GATEWAY_KEY = "kvmem_gateway"
+"""``app.state`` attribute holding the :class:`gateway.state.Gateway` (for extra routes)."""
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvmem")
+    except metadata.PackageNotFoundError:
+        return "0"
+
+
+def _error_response(error: ApiError, scope: Scope) -> Response:
+    rid = str(scope.get(REQUEST_ID_KEY, ""))
+    headers = {"x-should-retry": "false"} if error.status < 500 else None
+    return Response(error_body(error, flavor_of(scope["path"]), request_id=rid), status_code=error.status,
+                    headers=headers, media_type="application/json")
+
+
+def _authorized(scope: Scope, api_key: str) -> bool:
+    given = None
+    for name, value in scope["headers"]:
+        if name == b"x-api-key":
+            given = value.decode("latin-1")
+        elif name == b"authorization" and given is None:
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                given = token.strip()
+    return given is not None and secrets.compare_digest(given.encode(), api_key.encode())
+
+
+class GatewayMiddleware:
+    """Request ids, the API key check and the per-route response counters."""
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = "req_" + secrets.token_hex(12)
+        scope[REQUEST_ID_KEY] = rid
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"request-id", rid.encode())]
+            await send(message)
+
+        api_key = self.gateway.config.api_key
+        try:
+            if api_key and scope["path"] != "/healthz" and not _authorized(scope, api_key):
+                error = ApiError(401, "authentication", "invalid or missing API key (x-api-key or "
+                                 "Authorization: Bearer)", code="invalid_api_key")
+                await _error_response(error, scope)(scope, receive, send_with_id)
+                return
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = scope.get("route")
+            label = route.path if isinstance(route, Route) else "unmatched"
+            self.gateway.http_requests[(label, scope["method"], status)] += 1
+
+
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return _error_response(exc, request.scope)
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        error = ApiError(404, "not_found", f"no route {request.method} {request.url.path}")
+    elif exc.status_code == 405:
+        error = ApiError(405, "invalid_request", f"method {request.method} is not allowed on {request.url.path}")
+    else:
+        error = ApiError(exc.status_code, "invalid_request" if exc.status_code < 500 else "api_error", exc.detail)
+    response = _error_response(error, request.scope)
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+async def _on_disconnect(request: Request, exc: Exception) -> Response:
+    return _error_response(ApiError(400, "invalid_request", "the client left while sending the body"), request.scope)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    log.error("request %s failed", request_id(request), exc_info=exc)
+    error = ApiError(500, "api_error", f"internal error: {type(exc).__name__}")
+    return _error_response(error, request.scope)
+
+
+def create_app(rt: Runtime, settings: ServeConfig, *, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
+    """The HTTP app over ``rt``.
+
+    Args:
+        rt: an open runtime (``actors.open_runtime``); the app only calls its public API.
+        settings: limits, the API key and the model names (``settings.model`` first).
+        extra_routes: more routes (e.g. scenarios); ``request.app.state.kvmem_gateway`` is the
+            shared :class:`gateway.state.Gateway`.
+    """
+    models = tuple(dict.fromkeys([settings.model, *settings.models]))
+    gw = Gateway(rt=rt, config=settings, models=models)
+    version = _version()
+
+    async def healthz(request: Request) -> Response:
+        reg = rt.stats().registry
+        return gw.json({"status": "ok", "model": reg.model, "default_model": reg.default_model,
+                        "models": list(gw.models), "uptime_s": round(time.time() - gw.started_at, 3),
+                        "version": version})
+
+    async def metrics(request: Request) -> Response:
+        return Response(render_metrics(rt.stats(), gw.http_requests), media_type=CONTENT_TYPE)
+
+    async def openapi(request: Request) -> Response:
+        return gw.json(openapi_document(request.app.routes, version=version))
+
+    routes: list[BaseRoute] = [
+        *anthropic_api.routes(gw),
+        *openai_api.routes(gw),
+        *agents_api.routes(gw),
+        Route("/healthz", healthz, methods=["GET"], name="healthz"),
+        Route("/metrics", metrics, methods=["GET"], name="metrics"),
+        Route("/openapi.json", openapi, methods=["GET"], name="openapi"),
+        *extra_routes,
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(GatewayMiddleware, gateway=gw)],
+        exception_handlers={
+            ApiError: _on_api_error,
+            HTTPException: _on_http_exception,
+            ClientDisconnect: _on_disconnect,
+            Exception: _on_unexpected,
+        },
+    )
+    setattr(app.state, GATEWAY_KEY, gw)
+    return app

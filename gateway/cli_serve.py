@@ -1,0 +1,69 @@
+"""``kvmem serve``: the HTTP gateway (Anthropic, OpenAI and agent APIs) on one kvmem runtime.
+
+Settings come from flags > ``KVMEM_*`` environment variables > a TOML file
+(``--config``) > defaults; see :mod:`gateway.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from gateway.cli_common import add_model_options
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    """Add ``kvmem serve`` to the ``kvmem`` parser."""
+    p = sub.add_parser("serve", help="serve the Anthropic / OpenAI / agent HTTP APIs")
+    add_model_options(p)
+    p.add_argument("--models", help="other models requests may name, comma-separated")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--cache-dir", help="folder for the KV caches (default: the kvmem home)")
+    p.add_argument("--budget-mb", type=float, help="KV memory budget for running sequences (MiB)")
+    p.add_argument("--hot-budget-mb", type=float, help="memory for idle caches kept in RAM (MiB)")
+    p.add_argument("--api-key", help="require this key (x-api-key or Authorization: Bearer)")
+    p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-body-bytes", type=int, help="largest request body")
+    p.add_argument("--config", help="TOML file with settings (also $KVMEM_CONFIG)")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from gateway.config import ConfigError, load_config
+    from gateway.server import ServerStarted, serve
+
+    cli = {
+        "model": args.model,
+        "models": args.models,
+        "host": args.host,
+        "port": args.port,
+        "home": str(args.home) if args.home else None,
+        "cache_dir": args.cache_dir,
+        "kv_bits": args.kv_bits,
+        "attention": args.attention,
+        "budget_mb": args.budget_mb,
+        "hot_budget_mb": args.hot_budget_mb,
+        "api_key": args.api_key,
+        "max_tokens_limit": args.max_tokens_limit,
+        "max_body_bytes": args.max_body_bytes,
+    }
+    try:
+        config = load_config(cli, config_file=args.config)
+    except ConfigError as exc:
+        print(f"kvmem serve: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            started: ServerStarted = await nursery.start(serve, config)
+            print(f"kvmem: serving {config.model} on {started.url}", file=sys.stderr, flush=True)
+
+    trio.run(main)
+    print("kvmem: stopped; caches flushed", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,127 @@
+"""Errors as each API spells them.
+
+Routes raise :class:`ApiError` (or let a runtime error through); the app turns
+it into the body of the API the route belongs to (its *flavor*):
+
+* ``anthropic`` — ``{"type": "error", "error": {"type": "invalid_request_error", "message": ...}, "request_id": ...}``
+* ``openai`` — ``{"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}``
+* ``kvmem`` (agents, health, metrics) — ``{"error": {"type": ..., "message": ..., "param": ...}}``
+
+A ``msgspec.ValidationError`` becomes a 400 whose ``param`` is the JSON path it names.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import msgspec
+
+from runtime.errors import BudgetExceededError, InvalidAgentIdError, ModelError
+
+__all__ = ["ApiError", "Flavor", "flavor_of", "error_dict", "error_body", "from_exception", "from_decode_error"]
+
+Flavor = Literal["anthropic", "openai", "kvmem"]
+
+# Our kind -> (Anthropic error type, OpenAI error type)
+_TYPES: dict[str, tuple[str, str]] = {
+    "invalid_request": ("invalid_request_error", "invalid_request_error"),
+    "authentication": ("authentication_error", "invalid_request_error"),
+    "not_found": ("not_found_error", "invalid_request_error"),
+    "request_too_large": ("request_too_large", "invalid_request_error"),
+    "overloaded": ("overloaded_error", "server_error"),
+    "api_error": ("api_error", "server_error"),
+}
+
+_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+class ApiError(Exception):
+    """An HTTP error with a status, a kind (see ``_TYPES``), a message and optional param/code."""
+
+    def __init__(
+        self,
+        status: int,
+        kind: str,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        assert kind in _TYPES, kind
+        self.status = status
+        self.kind = kind
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def flavor_of(path: str) -> Flavor:
+    """Which API a URL path belongs to (for errors raised before a route runs)."""
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path.startswith(("/v1/chat/", "/v1/models", "/v1/completions")):
+        return "openai"
+    return "kvmem"
+
+
+def error_dict(error: ApiError, flavor: Flavor, *, request_id: str) -> dict[str, object]:
+    """``error`` in ``flavor``'s shape (also the payload of an in-stream error event)."""
+    anthropic_type, openai_type = _TYPES[error.kind]
+    if flavor == "anthropic":
+        return {
+            "type": "error",
+            "error": {"type": anthropic_type, "message": error.message},
+            "request_id": request_id,
+        }
+    if flavor == "openai":
+        return {"error": {"message": error.message, "type": openai_type, "param": error.param, "code": error.code}}
+    return {"error": {"type": error.kind, "message": error.message, "param": error.param, "code": error.code}}
+
+
+def error_body(error: ApiError, flavor: Flavor, *, request_id: str) -> bytes:
+    """The JSON body of ``error`` in ``flavor``'s shape."""
+    return msgspec.json.encode(error_dict(error, flavor, request_id=request_id))
+
+
+def from_decode_error(exc: msgspec.DecodeError) -> ApiError:
+    """A request body msgspec rejected: malformed JSON, or a type/field/range error at a JSON path."""
+    message = str(exc)
+    if isinstance(exc, msgspec.ValidationError):
+        match = _PATH.search(message)
+        param = match.group("path").lstrip(".") if match else ""
+        missing = _MISSING.search(message)
+        if missing:  # the path names the object; the field is in the message
+            param = f"{param}.{missing.group('field')}" if param else missing.group("field")
+        return ApiError(400, "invalid_request", f"{param}: {message}" if param else message, param=param or None,
+                        code="invalid_value")
+    return ApiError(400, "invalid_request", f"the body is not valid JSON: {message}", code="invalid_json")
+
+
+def from_exception(exc: Exception) -> ApiError:
+    """The HTTP error for an exception a runtime call raised."""
+    from actors.client import (
+        TurnFailedError,  # trio-side import kept local: errors.py stays light
+    )
+
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, msgspec.DecodeError):
+        return from_decode_error(exc)
+    if isinstance(exc, BudgetExceededError):
+        return ApiError(400, "invalid_request", f"the prompt does not fit the KV memory budget: {exc}",
+                        code="context_length_exceeded")
+    if isinstance(exc, InvalidAgentIdError):
+        return ApiError(400, "invalid_request", f"invalid agent id: {exc}", param="agent_id", code="invalid_agent_id")
+    if isinstance(exc, ValueError):
+        return ApiError(400, "invalid_request", str(exc))
+    if isinstance(exc, ModelError):
+        return ApiError(500, "api_error", f"model error: {exc}")
+    if isinstance(exc, TurnFailedError):
+        if exc.kind in ("Closed", "Cancelled"):
+            return ApiError(503, "overloaded", "kvmem is shutting down")
+        if exc.kind.startswith("Template") or exc.kind == "UndefinedError":
+            return ApiError(400, "invalid_request", f"the chat template cannot render these messages: {exc}")
+    return ApiError(500, "api_error", f"internal error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,234 @@
+"""OpenAI Chat Completions: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``.
+
+Usage: ``prompt_tokens`` = tokens reused from the agent's cache + tokens
+prefilled; ``prompt_tokens_details.cached_tokens`` = the reused ones;
+``completion_tokens`` = tokens generated. Streaming sends
+``chat.completion.chunk`` objects (the first carries the role, the last the
+``finish_reason``), with ``stream_options.include_usage`` one more chunk with
+empty ``choices`` and the usage (plus kvmem's own accounting under ``kvmem``),
+then ``data: [DONE]``. The model list also carries Anthropic's fields
+(``type``, ``display_name``, ``created_at``), so both SDKs can list models.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.errors import ApiError, error_dict, from_exception
+from gateway.identity import resolve_agent_id
+from gateway.schemas_openai import (
+    AssistantMessage,
+    ChatCompletionRequest,
+    ChatMessage,
+    Content,
+    DeveloperMessage,
+    ImageUrlPart,
+    SystemMessage,
+    ToolDef,
+    ToolMessage,
+    UserMessage,
+    chat_decoder,
+)
+from gateway.sse import Emit, EventStreamResponse, sse_data
+from gateway.state import (
+    CLIENT_GONE,
+    Gateway,
+    kvmem_extras,
+    kvmem_headers,
+    request_id,
+    runtime_errors,
+)
+
+__all__ = ["routes", "to_chat", "usage_of", "finish_reason_of"]
+
+log = logging.getLogger("kvmem.gateway")
+FINGERPRINT = "kvmem"
+
+
+def _text(content: Content | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for i, part in enumerate(content):
+        if isinstance(part, ImageUrlPart):
+            raise ApiError(400, "invalid_request", f"{where}[{i}]: image content is not supported by kvmem",
+                           param=f"{where}[{i}]", code="unsupported_content")
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def _message(i: int, m: ChatMessage) -> dict[str, Any]:
+    where = f"messages[{i}].content"
+    match m:
+        case SystemMessage() | DeveloperMessage():
+            return {"role": "system", "content": _text(m.content, where)}
+        case UserMessage():
+            return {"role": "user", "content": _text(m.content, where)}
+        case AssistantMessage():
+            out: dict[str, Any] = {"role": "assistant", "content": _text(m.content, where)}
+            if m.tool_calls:
+                out["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                  "arguments": c.function.arguments}}
+                    for c in m.tool_calls
+                ]
+            return out
+        case ToolMessage():
+            return {"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m.content, where)}
+    raise AssertionError(m)  # pragma: no cover - the union is closed
+
+
+def _tools(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    return [{"type": "function", "function": {"name": t.function.name, "description": t.function.description or "",
+                                               "parameters": t.function.parameters or {}}} for t in tools]
+
+
+def to_chat(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The chat messages and tool definitions of a request."""
+    return [_message(i, m) for i, m in enumerate(req.messages)], _tools(req.tools)
+
+
+def usage_of(result: Any) -> dict[str, Any]:
+    u = result.usage
+    prompt = u.tokens_reused + u.tokens_prefilled
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": u.tokens_generated,
+        "total_tokens": prompt + u.tokens_generated,
+        "prompt_tokens_details": {"cached_tokens": u.tokens_reused},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def finish_reason_of(result: Any) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def _max_tokens(gw: Gateway, req: ChatCompletionRequest) -> int:
+    if req.max_completion_tokens is not None:
+        return gw.check_max_tokens(req.max_completion_tokens, param="max_completion_tokens")
+    if req.max_tokens is not None:
+        return gw.check_max_tokens(req.max_tokens, param="max_tokens")
+    return min(gw.config.default_max_tokens, gw.config.max_tokens_limit)
+
+
+def _model_entry(gw: Gateway, name: str) -> dict[str, Any]:
+    created = int(gw.started_at)
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "kvmem",
+        "type": "model",
+        "display_name": name,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+    }
+
+
+def routes(gw: Gateway) -> list[Route]:
+    """The OpenAI routes, bound to ``gw``."""
+
+    async def chat_completions(request: Request) -> Response | EventStreamResponse:
+        req = await gw.decode(request, chat_decoder)
+        max_tokens = _max_tokens(gw, req)
+        model = gw.model_for(req.model)
+        if req.logprobs:
+            raise ApiError(400, "invalid_request", "logprobs are not supported by kvmem", param="logprobs")
+        chat, tools = to_chat(req)
+        system = chat[0]["content"] if chat[0]["role"] == "system" else None
+        agent_id = resolve_agent_id(request.headers, user_field=req.user, user_param="user", system=system,
+                                    messages=chat)
+        with runtime_errors():
+            handle = gw.rt.agent(agent_id)
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        options: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "top_k": req.top_k or 0,
+            "stop": stop,
+            "model": model,
+            "tools": tools,
+        }
+        completion_id = "chatcmpl-" + secrets.token_hex(12)
+        created = int(time.time())
+        if not req.stream:
+            with runtime_errors():
+                result = await gw.unless_client_leaves(request, lambda: handle.send(chat, **options))
+            if result is None:
+                return Response(status_code=CLIENT_GONE)
+            body = {
+                "id": completion_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": result.model,
+                "system_fingerprint": FINGERPRINT,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": result.reply, "refusal": None},
+                             "logprobs": None, "finish_reason": finish_reason_of(result)}],
+                "usage": usage_of(result),
+            }
+            return gw.json(body, headers=kvmem_headers(result))
+        if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in chat):
+            with runtime_errors():  # a template without tool support: a 400 now, not an error chunk later
+                await gw.rt.count_tokens(chat, tools=tools, model=model)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        rid = request_id(request)
+        model_name = model or gw.default_model
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            body: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                                    "model": model_name, "system_fingerprint": FINGERPRINT, "choices": choices}
+            if include_usage:
+                body["usage"] = None
+            body.update(extra)
+            return sse_data(body)
+
+        def choice(delta: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
+            return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+
+        async def produce(emit: Emit) -> None:
+            await emit(chunk(choice({"role": "assistant", "content": ""})))
+            try:
+                async with handle.stream(chat, **options) as stream:
+                    async for delta in stream:
+                        await emit(chunk(choice({"content": delta})))
+            except Exception as exc:  # noqa: BLE001 - the stream has started: report it in the stream
+                error = from_exception(exc)
+                log.warning("stream %s failed: %s", rid, error.message)
+                await emit(sse_data(error_dict(error, "openai", request_id=rid)))
+                return
+            result = stream.result
+            assert result is not None
+            await emit(chunk(choice({}, finish_reason_of(result))))
+            if include_usage:
+                await emit(chunk([], usage=usage_of(result), kvmem=kvmem_extras(result)))
+            await emit(sse_data(b"[DONE]"))
+
+        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": agent_id})
+
+    async def list_models(request: Request) -> Response:
+        data = [_model_entry(gw, name) for name in gw.models]
+        return gw.json({"object": "list", "data": data, "has_more": False,
+                        "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+
+    async def get_model(request: Request) -> Response:
+        name = request.path_params["model_id"]
+        if name not in gw.models:
+            raise ApiError(404, "not_found", f"model {name!r} not found: this server serves {list(gw.models)}",
+                           param="model", code="model_not_found")
+        return gw.json(_model_entry(gw, name))
+
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"], name="openai_chat_completions"),
+        Route("/v1/models", list_models, methods=["GET"], name="models"),
+        Route("/v1/models/{model_id:path}", get_model, methods=["GET"], name="model"),
+    ]

@@ -1,0 +1,79 @@
+"""Wire types of kvmem's own agent API (``/v1/agents``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from actors.messages_agent import TurnResult
+
+__all__ = ["AgentMessage", "AgentTurnRequest", "AgentInfo", "AgentList", "Deleted", "turn_decoder"]
+
+
+class AgentMessage(Struct, kw_only=True):
+    """A chat message as the runtime takes it (``tool_calls`` / ``tool_call_id`` as in OpenAI)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class AgentTurnRequest(Struct, kw_only=True):
+    """``POST /v1/agents/{id}/messages``: the whole conversation (``messages``) or raw ``prompt`` text.
+
+    Attributes:
+        model: a configured model (None: the default).
+        max_tokens: new tokens at most (None: the server's ``default_max_tokens``).
+        share_prefix: start from another agent's cached prefix when this agent has nothing to reuse.
+    """
+
+    messages: list[AgentMessage] | None = None
+    prompt: Annotated[str, Meta(min_length=1)] | None = None
+    system: str | None = None
+    model: str | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 0.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=0)] = 0
+    stop: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)] = []
+    tools: list[dict[str, Any]] | None = None
+    stream: bool = False
+    share_prefix: bool = True
+
+
+class AgentInfo(Struct, kw_only=True):
+    """An agent: its cache (hot tier, disk) and whether its actor is running."""
+
+    id: str
+    object: Literal["agent"]
+    model_tag: str | None
+    cached_tokens: int
+    hot: bool
+    on_disk: bool
+    dirty: bool
+    disk_bytes: int
+    updated_at: float | None
+    live: bool
+
+
+class AgentList(Struct, kw_only=True):
+    object: Literal["list"]
+    data: list[AgentInfo]
+
+
+class Deleted(Struct, kw_only=True):
+    id: str
+    object: Literal["agent"]
+    deleted: bool
+
+
+class TurnDelta(Struct, kw_only=True):
+    text: str
+
+
+turn_decoder = msgspec.json.Decoder(AgentTurnRequest)
+
+__all__ += ["TurnDelta", "TurnResult"]

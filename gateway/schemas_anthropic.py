@@ -1,0 +1,138 @@
+"""Anthropic Messages API wire types (requests decoded, responses encoded with msgspec).
+
+Content blocks are a tagged union on ``type``; an unsupported block type
+(``document``, ``thinking``, ...) is a 400 naming its JSON path. Image blocks
+decode, so that the error can say that images are not supported.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+__all__ = [
+    "TextBlock",
+    "ImageBlock",
+    "ToolUseBlock",
+    "ToolResultBlock",
+    "ContentBlock",
+    "MessageParam",
+    "Tool",
+    "Metadata",
+    "MessagesRequest",
+    "CountTokensRequest",
+    "Usage",
+    "ResponseText",
+    "MessageResponse",
+    "messages_decoder",
+    "count_tokens_decoder",
+]
+
+NonEmpty = Annotated[str, Meta(min_length=1)]
+
+
+class TextBlock(Struct, tag="text", tag_field="type", kw_only=True):
+    text: str
+    cache_control: dict[str, Any] | None = None
+
+
+class ImageBlock(Struct, tag="image", tag_field="type", kw_only=True):
+    source: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolUseBlock(Struct, tag="tool_use", tag_field="type", kw_only=True):
+    id: NonEmpty
+    name: NonEmpty
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(Struct, tag="tool_result", tag_field="type", kw_only=True):
+    tool_use_id: NonEmpty
+    content: str | list[TextBlock | ImageBlock] = ""
+    is_error: bool = False
+    cache_control: dict[str, Any] | None = None
+
+
+ContentBlock = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock
+
+
+class MessageParam(Struct, kw_only=True):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Tool(Struct, kw_only=True):
+    """A client tool (``input_schema``); server tools (a ``type`` such as ``web_search_20250305``) are refused."""
+
+    name: NonEmpty
+    input_schema: dict[str, Any] | None = None
+    description: str | None = None
+    type: str | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class Metadata(Struct, kw_only=True):
+    user_id: Annotated[str, Meta(max_length=256)] | None = None
+
+
+class MessagesRequest(Struct, kw_only=True):
+    """``POST /v1/messages``. ``max_tokens`` is also checked against the server's limit."""
+
+    model: NonEmpty
+    messages: Annotated[list[MessageParam], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)]
+    system: str | list[TextBlock] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    stop_sequences: Annotated[list[NonEmpty], Meta(max_length=16)] | None = None
+    metadata: Metadata | None = None
+    stream: bool = False
+    tools: list[Tool] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+class CountTokensRequest(Struct, kw_only=True):
+    """``POST /v1/messages/count_tokens``."""
+
+    model: NonEmpty
+    messages: Annotated[list[MessageParam], Meta(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+# -- responses -------------------------------------------------------------------
+
+
+class Usage(Struct, kw_only=True):
+    """Every prompt token is counted once: read from the cache, written to it, or neither."""
+
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+
+
+class ResponseText(Struct, kw_only=True):
+    type: Literal["text"]
+    text: str
+
+
+class MessageResponse(Struct, kw_only=True):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[ResponseText]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: Usage
+
+
+messages_decoder = msgspec.json.Decoder(MessagesRequest)
+count_tokens_decoder = msgspec.json.Decoder(CountTokensRequest)

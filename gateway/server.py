@@ -1,0 +1,132 @@
+"""``serve(config)``: the runtime and hypercorn (trio worker) in one nursery.
+
+Start order: the runtime (cache store, GPU actor, model registry — the model is
+loaded before the port opens), then hypercorn bound to ``config.host:port``.
+Shutdown (SIGINT/SIGTERM when running in the main thread, or the
+``shutdown_trigger`` given) is graceful: hypercorn stops accepting, gives
+running requests ``graceful_timeout_s`` to finish (then cancels them, which
+cancels their generations), and only then does the runtime close — its cache
+store writes every dirty cache to disk before :func:`serve` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import msgspec
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from starlette.routing import BaseRoute
+
+from gateway.app import create_app
+from gateway.config import ServeConfig
+
+if TYPE_CHECKING:
+    from actors.runtime import Runtime
+
+__all__ = ["serve", "ServerStarted", "RoutesFactory", "hypercorn_config"]
+
+log = logging.getLogger("kvmem.server")
+
+
+class ServerStarted(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``nursery.start(serve, config)`` returns: the bound URLs (``http://127.0.0.1:PORT``)."""
+
+    urls: tuple[str, ...]
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+
+def hypercorn_config(config: ServeConfig) -> HypercornConfig:
+    """Hypercorn settings for ``config`` (bind address, graceful timeout, quiet access log)."""
+    hc = HypercornConfig()
+    host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
+    hc.bind = [f"{host}:{config.port}"]
+    hc.graceful_timeout = config.graceful_timeout_s
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    hc.keep_alive_timeout = 30
+    return hc
+
+
+async def _watch_signals(shutdown: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.warning("received %s: shutting down", signal.Signals(signum).name)
+            shutdown.set()
+            return
+
+
+RoutesFactory = Callable[["Runtime", trio.Nursery], Sequence[BaseRoute]]
+"""Makes extra routes once the runtime is open; the nursery runs their background work until shutdown."""
+
+
+async def serve(
+    config: ServeConfig,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    extra_routes: RoutesFactory | None = None,
+    task_status: trio.TaskStatus[ServerStarted] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run kvmem's HTTP server until shutdown (see the module docstring).
+
+    Args:
+        config: the settings.
+        shutdown_trigger: returns when the server should stop (besides SIGINT/SIGTERM in the main thread).
+        extra_routes: more routes for ``create_app`` (e.g. scenarios), built from the open runtime
+            and a nursery that is cancelled when the HTTP server has stopped.
+        task_status: started with a :class:`ServerStarted` once the port is open.
+    """
+    from actors import (
+        open_runtime,  # the runtime loads MLX; the gateway modules never import it
+    )
+    from runtime.home import default_home
+
+    shutdown = trio.Event()
+    home = config.home_path or default_home()
+    optional: dict[str, Any] = {"attention": config.attention} if config.attention is not None else {}
+    async with open_runtime(
+        model=config.model,
+        models=config.models,
+        home=Path(config.cache_dir).expanduser() if config.cache_dir else home,
+        models_dir=home / "models",
+        kv_bits=config.kv_bits,
+        kv_group_size=config.kv_group_size,
+        budget_mb=config.budget_mb,
+        hot_budget_mb=config.hot_budget_mb,
+        idle_timeout_s=config.idle_timeout_s,
+        max_batch=config.max_batch,
+        handle_signals=False,
+        **optional,
+    ) as rt:
+        async with trio.open_nursery() as nursery:
+            app = create_app(rt, config, extra_routes=extra_routes(rt, nursery) if extra_routes else ())
+            if threading.current_thread() is threading.main_thread():
+                nursery.start_soon(_watch_signals, shutdown)
+            if shutdown_trigger is not None:
+
+                async def forward() -> None:
+                    await shutdown_trigger()
+                    shutdown.set()
+
+                nursery.start_soon(forward)
+
+            async def run_http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+                # cast: hypercorn's ASGI type and Starlette's differ only in their annotations
+                await hypercorn_serve(cast(Any, app), hypercorn_config(config), shutdown_trigger=shutdown.wait,
+                                      task_status=task_status)
+                nursery.cancel_scope.cancel()  # stop the signal watcher and the trigger
+
+            urls = await nursery.start(run_http)
+            log.info("kvmem serving %s on %s", config.model, ", ".join(urls))
+            task_status.started(ServerStarted(urls=tuple(urls)))
+        log.info("HTTP server stopped; flushing caches")
+    log.info("caches flushed; bye")

@@ -1,0 +1,150 @@
+"""Gateway pieces without a server: configuration sources, identity, error shapes, SSE framing, imports."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gateway.config import ConfigError, ServeConfig, load_config
+from gateway.errors import ApiError, error_dict, from_decode_error
+from gateway.identity import conversation_id, resolve_agent_id
+from gateway.schemas_anthropic import messages_decoder
+from gateway.sse import sse, sse_data
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- configuration -----------------------------------------------------------------
+
+
+def test_config_defaults_bind_loopback() -> None:
+    config = load_config({}, env={})
+    assert config == ServeConfig()
+    assert config.host == "127.0.0.1" and config.port == 8000 and config.api_key is None
+
+
+def test_config_precedence_flags_over_env_over_toml(tmp_path: Path) -> None:
+    toml = tmp_path / "kvmem.toml"
+    toml.write_text('model = "from-toml"\nport = 9001\nbudget_mb = 100\nmodels = ["a", "b"]\napi_key = "t"\n')
+    env = {"KVMEM_PORT": "9002", "KVMEM_BUDGET_MB": "200", "KVMEM_KV_BITS": "float", "KVMEM_CONFIG": str(toml)}
+    config = load_config({"port": 9003, "model": None}, env=env)
+    assert config.model == "from-toml"  # only the TOML names it (a None flag is "not given")
+    assert config.port == 9003  # flag > env > TOML
+    assert config.budget_mb == 200  # env > TOML
+    assert config.kv_bits is None and config.models == ("a", "b") and config.api_key == "t"
+    assert load_config({}, env={"KVMEM_MODELS": "x, y"}).models == ("x", "y")
+
+
+def test_config_toml_serve_table_and_explicit_file_wins_over_env_file(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    a.write_text("port = 1\n")
+    b.write_text("[serve]\nport = 2\n")
+    assert load_config({}, env={"KVMEM_CONFIG": str(a)}, config_file=b).port == 2
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "needle"),
+    [
+        ("port = 70000\n", {}, "port"),
+        ('port = "x"\n', {}, "port"),
+        ("colour = 1\n", {}, "colour"),
+        ("", {"KVMEM_KV_BITS": "3"}, "kv_bits"),
+        ("", {"KVMEM_ATTENTION": "fast"}, "attention"),
+        ("model = [\n", {}, "TOML"),
+    ],
+)
+def test_bad_settings_name_themselves(tmp_path: Path, toml: str, env: dict[str, str], needle: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=needle):
+        load_config({}, env=env, config_file=path)
+
+
+# -- identity --------------------------------------------------------------------
+
+
+def test_conversation_id_is_a_full_sha256_of_system_and_first_user_message() -> None:
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    cid = conversation_id("sys", msgs)
+    assert re.fullmatch(r"conv-[0-9a-f]{64}", cid)
+    expected = hashlib.sha256(msgspec.json.encode({"system": "sys", "first_user": "hi"})).hexdigest()
+    assert cid == "conv-" + expected
+    assert conversation_id("sys", [*msgs, {"role": "user", "content": "later"}]) == cid
+    assert conversation_id("sys2", msgs) != cid and conversation_id("sys", [{"role": "user", "content": "h"}]) != cid
+    # no concatenation ambiguity between the two fields
+    assert conversation_id("ab", [{"role": "user", "content": "c"}]) != conversation_id(
+        "a", [{"role": "user", "content": "bc"}])
+
+
+def test_explicit_identity_wins_over_the_hash() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    kw = {"user_param": "user", "system": None, "messages": msgs}
+    assert resolve_agent_id({"x-agent-id": "h"}, user_field="u", **kw) == "h"  # type: ignore[arg-type]
+    assert resolve_agent_id({}, user_field="u", **kw) == "u"  # type: ignore[arg-type]
+    assert resolve_agent_id({}, user_field=None, **kw).startswith("conv-")  # type: ignore[arg-type]
+    with pytest.raises(ApiError) as bad:
+        resolve_agent_id({"x-agent-id": "a\x00b"}, user_field=None, **kw)  # type: ignore[arg-type]
+    assert bad.value.status == 400 and bad.value.param == "X-Agent-ID"
+
+
+# -- errors ------------------------------------------------------------------------
+
+
+def test_validation_errors_name_their_json_path() -> None:
+    body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    with pytest.raises(msgspec.ValidationError) as exc:
+        messages_decoder.decode(json.dumps(body))
+    error = from_decode_error(exc.value)
+    assert error.status == 400 and error.param == "messages[0].content[0].text"
+    assert error.message.startswith("messages[0].content[0].text: ")
+    with pytest.raises(msgspec.DecodeError) as malformed:
+        messages_decoder.decode(b"{")
+    assert from_decode_error(malformed.value).code == "invalid_json"
+
+
+def test_error_shapes_per_api() -> None:
+    error = ApiError(404, "not_found", "nope", param="model", code="model_not_found")
+    assert error_dict(error, "anthropic", request_id="r") == {
+        "type": "error", "error": {"type": "not_found_error", "message": "nope"}, "request_id": "r"}
+    assert error_dict(error, "openai", request_id="r") == {
+        "error": {"message": "nope", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    assert error_dict(error, "kvmem", request_id="r")["error"]["type"] == "not_found"  # type: ignore[index]
+
+
+def test_sse_framing() -> None:
+    assert sse("ping", {"type": "ping"}) == b'event: ping\ndata: {"type":"ping"}\n\n'
+    assert sse_data(b"[DONE]") == b"data: [DONE]\n\n"
+
+
+# -- layering ----------------------------------------------------------------------
+
+
+def test_gateway_never_imports_mlx() -> None:
+    for path in (ROOT / "gateway").glob("*.py"):
+        source = path.read_text()
+        assert not re.search(r"^\s*(import|from)\s+mlx", source, re.MULTILINE), path
+    modules = sorted(f"gateway.{p.stem}" for p in (ROOT / "gateway").glob("*.py") if p.stem != "__init__")
+    code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in sys.modules if m.startswith('mlx')))"
+    out = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_model_names_unknown_ones_are_404_unless_any_model_is_accepted() -> None:
+    from gateway.state import Gateway
+
+    strict = Gateway(rt=None, config=ServeConfig(), models=("m", "other"))  # type: ignore[arg-type]
+    assert strict.model_for(None) is None and strict.model_for("m") is None and strict.model_for("other") == "other"
+    with pytest.raises(ApiError) as unknown:
+        strict.model_for("claude-x")
+    assert unknown.value.status == 404 and unknown.value.code == "model_not_found"
+    lenient = Gateway(rt=None, config=ServeConfig(accept_any_model=True), models=("m",))  # type: ignore[arg-type]
+    assert lenient.model_for("claude-x") is None
