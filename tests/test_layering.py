@@ -1,0 +1,40 @@
+"""Layering rules (STYLE.md item 2): runtime/ never imports trio; data flows gateway → actors → runtime.
+
+Checked on the source (imports written in each module), since third-party
+packages may pull in anything transitively (mlx-lm's dependencies load trio).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+FORBIDDEN = {
+    "runtime": {"trio", "actors", "gateway", "starlette", "hypercorn"},
+    "actors": {"gateway", "starlette", "hypercorn"},
+    "gateway": {"mlx", "mlx_lm"},
+}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_packages_import_only_downstream(package):
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(_imports(path) & FORBIDDEN[package])
+        for path in sorted((ROOT / package).rglob("*.py"))
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
