@@ -57,28 +57,55 @@ SLIDING_SLACK = 64
 _Q4_KEYS = ("k_w", "k_s", "k_b", "v_w", "v_s", "v_b")
 
 
+def _chunk_tokens(chunk: dict[str, mx.array]) -> int:
+    return int(next(iter(chunk.values())).shape[2])
+
+
 @dataclass(frozen=True)
 class ParkedLayer:
-    """One layer's parked KV: MLX arrays shaped ``(1, H, T, ...)``, token axis 2."""
+    """One layer's parked KV: chunks of MLX arrays shaped ``(1, H, T, ...)``, token axis 2.
+
+    A turn appends a chunk instead of copying the cache, and a truncated copy
+    (a shared prefix, a PARTIAL match) slices chunks, which shares their
+    buffers: agents that start from another agent's prefix hold the same
+    memory (copy-on-write: nothing ever writes into a parked chunk).
+    """
 
     kind: LayerKind
-    arrays: dict[str, mx.array]
+    chunks: tuple[dict[str, mx.array], ...] = ()
+
+    @classmethod
+    def of(cls, kind: LayerKind, arrays: dict[str, mx.array]) -> ParkedLayer:
+        return cls(kind, (arrays,) if arrays else ())
+
+    @property
+    def arrays(self) -> dict[str, mx.array]:
+        """The whole layer as one set of arrays (concatenated on demand)."""
+        if len(self.chunks) <= 1:
+            return self.chunks[0] if self.chunks else {}
+        return {k: mx.concatenate([c[k] for c in self.chunks], axis=2) for k in self.chunks[0]}
 
     @property
     def num_tokens(self) -> int:
-        first = next(iter(self.arrays.values()), None)
-        return 0 if first is None else int(first.shape[2])
+        return sum(_chunk_tokens(c) for c in self.chunks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for c in self.chunks for a in c.values())
 
     def sliced(self, start: int, stop: int) -> ParkedLayer:
-        return ParkedLayer(self.kind, {k: v[:, :, start:stop] for k, v in self.arrays.items()})
+        out, pos = [], 0
+        for chunk in self.chunks:
+            n = _chunk_tokens(chunk)
+            lo, hi = max(start, pos), min(stop, pos + n)
+            if lo < hi:
+                whole = lo == pos and hi == pos + n
+                out.append(chunk if whole else {k: v[:, :, lo - pos : hi - pos] for k, v in chunk.items()})
+            pos += n
+        return ParkedLayer(self.kind, tuple(out))
 
     def appended(self, other: ParkedLayer) -> ParkedLayer:
-        if not self.arrays:
-            return other
-        return ParkedLayer(
-            self.kind,
-            {k: mx.concatenate([v, other.arrays[k]], axis=2) for k, v in self.arrays.items()},
-        )
+        return ParkedLayer(self.kind, self.chunks + other.chunks)
 
 
 @dataclass(frozen=True)
@@ -102,11 +129,11 @@ class ParkedCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for layer in self.layers for a in layer.arrays.values())
+        return sum(layer.nbytes for layer in self.layers)
 
     @classmethod
     def empty(cls, spec: ModelCacheSpec) -> ParkedCache:
-        return cls(spec.tag, "", (), (), tuple(ParkedLayer(k, {}) for k in spec.layer_kinds()))
+        return cls(spec.tag, "", (), (), tuple(ParkedLayer(k) for k in spec.layer_kinds()))
 
     def truncated(self, keep: int, spec: ModelCacheSpec) -> ParkedCache | None:
         """The first ``keep`` tokens of this cache, or None when a sliding layer has
@@ -157,7 +184,7 @@ class ParkedCache:
                 if arr.dtype == np.float32 and name in ("k", "v"):
                     value = value.astype(float_dtype)
                 arrays[name] = value
-            layers.append(ParkedLayer(layer.kind, arrays))
+            layers.append(ParkedLayer.of(layer.kind, arrays))
         return cls(
             model_tag=snap.model_tag,
             text=snap.text,
@@ -207,7 +234,7 @@ class ActiveKV:
             if layer is None:
                 return None
             layers.append(layer)
-        mx.eval([a for layer in layers for a in layer.arrays.values()])
+        mx.eval([a for layer in layers for chunk in layer.chunks for a in chunk.values()])
         return ParkedCache(
             model_tag=self.spec.tag,
             text=text,
@@ -220,21 +247,20 @@ class ActiveKV:
 
 def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, strategy: Strategy, offset: int) -> Any:
     fmt = spec.kv_format
+    a = layer.arrays
     if layer.kind is LayerKind.SLIDING:
         cache = RotatingKVCache(max_size=(lspec.window or 0) + SLIDING_SLACK)
-        if layer.arrays:
-            keys, values = layer.arrays["k"], layer.arrays["v"]
-            cache.state = (keys, values, offset, 0, cache.max_size, int(keys.shape[2]))
+        if a:
+            cache.state = (a["k"], a["v"], offset, 0, cache.max_size, int(a["k"].shape[2]))
         return cache
     if layer.kind is LayerKind.FLOAT:
         cache = KVCache()
-        if layer.arrays:
-            cache.state = (layer.arrays["k"], layer.arrays["v"], offset)
+        if a:
+            cache.state = (a["k"], a["v"], offset)
         return cache
     bits, group = fmt.bits or 4, fmt.group_size
     packed = None
-    if layer.arrays:
-        a = layer.arrays
+    if a:
         packed = ((a["k_w"], a["k_s"], a["k_b"]), (a["v_w"], a["v_s"], a["v_b"]))
     if strategy == "native":
         cls = DequantizingQuantizedKVCache if lspec.sinks else QuantizedKVCache
@@ -282,7 +308,7 @@ def _park_layer(
     keep: int,
 ) -> ParkedLayer | None:
     if keep == 0:
-        return ParkedLayer(base.kind, {})
+        return ParkedLayer(base.kind)
     if base.kind is LayerKind.SLIDING:
         keys, values = _kv_of(cache)
         total = int(cache.offset)
@@ -291,18 +317,22 @@ def _park_layer(
         if stored < min(keep, lspec.window or 0):
             return None
         start = max(0, stored - ((lspec.window or 0) + SLIDING_SLACK))
-        return ParkedLayer(base.kind, {"k": keys[:, :, start:stored], "v": values[:, :, start:stored]})
+        return ParkedLayer.of(base.kind, {"k": keys[:, :, start:stored], "v": values[:, :, start:stored]})
     if base.kind is LayerKind.FLOAT:
         keys, values = _kv_of(cache)
-        return ParkedLayer(base.kind, {"k": keys[:, :, :keep], "v": values[:, :, :keep]})
-    if strategy == "native":
+        return ParkedLayer.of(base.kind, {"k": keys[:, :, :keep], "v": values[:, :, :keep]})
+    start = min(n_base, keep)
+    if strategy == "native" and keep > start:
         (kw, ks, kb), (vw, vs, vb) = cache.packed()
         arrays = dict(zip(_Q4_KEYS, (kw, ks, kb, vw, vs, vb), strict=True))
-        return ParkedLayer(base.kind, {k: v[:, :, :keep] for k, v in arrays.items()})
+        # Only the new tokens become a chunk (compacted, so it keeps no view of the rest).
+        new = ParkedLayer.of(base.kind, {k: mx.contiguous(v[:, :, start:keep]) for k, v in arrays.items()})
+        return base.sliced(0, start).appended(new)
+    kept = base.sliced(0, start)
+    if keep == start:
+        return kept
     keys, values = _kv_of(cache)
     fmt = spec.kv_format
-    start = min(n_base, keep)
     kq = quantize_kv(keys[:, :, start:keep], fmt.group_size, fmt.bits or 4)
     vq = quantize_kv(values[:, :, start:keep], fmt.group_size, fmt.bits or 4)
-    new = ParkedLayer(base.kind, dict(zip(_Q4_KEYS, (*kq, *vq), strict=True)))
-    return base.sliced(0, start).appended(new) if start else new
+    return kept.appended(ParkedLayer.of(base.kind, dict(zip(_Q4_KEYS, (*kq, *vq), strict=True))))

@@ -99,3 +99,16 @@ def test_exact_repeat_recomputes_only_the_last_token():
     assert again.stats.tokens_prefilled == 1
     list(decode_alone(again))
     assert again.generated == first.tokens
+
+
+def test_a_turn_appends_to_the_parked_cache_without_copying_earlier_turns():
+    lm = tiny("tiny-llama")
+    p1, _ = _render(lm, "")
+    first = generate(lm, p1, None, SamplingParams(max_tokens=8))
+    _, p2 = _render(lm, first.reply)
+    second = generate(lm, p2, first.cache, SamplingParams(max_tokens=8))
+    for before, after in zip(first.cache.layers, second.cache.layers, strict=True):
+        # The first turn's chunk objects are reused as they are: parking is O(new tokens).
+        assert after.chunks[: len(before.chunks)] == before.chunks
+        assert all(a is b for a, b in zip(after.chunks, before.chunks))
+        assert after.num_tokens == second.cache.num_tokens
