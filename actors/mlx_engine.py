@@ -27,7 +27,7 @@ from actors.messages_gpu import (
 )
 from runtime.batch import DecodeBatch
 from runtime.errors import ModelError
-from runtime.kvstate import SLIDING_SLACK, ParkedCache, Strategy
+from runtime.kvstate import SLIDING_SLACK, ParkedCache, Strategy, resolve_strategy
 from runtime.models import LoadedModel, load_model
 from runtime.prefix import match_prefix
 from runtime.sampling import SamplingParams
@@ -76,13 +76,14 @@ class MlxEngine:
         models_dir: where tiny models are built.
         kv_bits: 4 or 8 (Q4/Q8 KV at rest) or None (float KV).
         kv_group_size: quantization group size.
-        strategy: ``at-rest`` or ``native`` attention on Q4 caches.
+        strategy: ``auto``, ``at-rest`` or ``native`` attention on Q4 caches.
     """
 
-    def __init__(self, *, models_dir: Path, kv_bits: int | None, kv_group_size: int, strategy: Strategy) -> None:
+    def __init__(self, *, models_dir: Path, kv_bits: int | None, kv_group_size: int, strategy: str) -> None:
         self._models_dir = models_dir
         self._kv_format = KVFormat(bits=kv_bits, group_size=kv_group_size)
-        self._strategy: Strategy = strategy
+        self._attention = strategy  # "auto" is resolved on the MLX thread when a model loads
+        self._strategy: Strategy = "at-rest"
         self._lm: LoadedModel | None = None
         self._seqs: dict[int, Sequence] = {}
         self._ids: dict[int, int] = {}  # id(seq) -> request id
@@ -117,6 +118,7 @@ class MlxEngine:
         mx.reset_peak_memory()
         lm = load_model(name, kv_format=self._kv_format, models_dir=self._models_dir)
         self._lm = lm
+        self._strategy = resolve_strategy(self._attention)
         weights = tree_flatten(lm.model.parameters(), destination={})
         assert isinstance(weights, dict)
         self._model_bytes = sum(int(v.nbytes) for v in weights.values())

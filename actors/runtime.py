@@ -311,7 +311,7 @@ async def open_runtime(
     home: Path | None = None,
     kv_bits: int | None = 4,
     kv_group_size: int = 64,
-    attention: str = "at-rest",
+    attention: str = "auto",
     budget_mb: float = 2048,
     hot_budget_mb: float = 512,
     idle_timeout_s: float = 300.0,
@@ -333,7 +333,8 @@ async def open_runtime(
             ``~/.local/share/kvmem``.
         kv_bits: 4 or 8 (quantized KV at rest) or None (float KV).
         kv_group_size: quantization group size.
-        attention: ``at-rest`` (float while active; fastest on CPU) or ``native``.
+        attention: ``auto`` (at-rest on CPU, native on GPU backends), ``at-rest``
+            (float while active; fastest on CPU) or ``native``.
         budget_mb: KV memory for running sequences: admission and batch size.
         hot_budget_mb: memory for parked caches in the hot tier.
         idle_timeout_s: an agent actor stops after this long without requests.
@@ -347,8 +348,8 @@ async def open_runtime(
         trace: record the GPU actor's work log (``Runtime.gpu_events``).
         engine: the engine to run (default: MLX); tests pass ``FakeEngine``.
     """
-    if attention not in ("at-rest", "native"):
-        raise ValueError(f"attention must be 'at-rest' or 'native', got {attention!r}")
+    if attention not in ("auto", "at-rest", "native"):
+        raise ValueError(f"attention must be 'auto', 'at-rest' or 'native', got {attention!r}")
     kvhome = KvmemHome(home)
     directory = await trio.to_thread.run_sync(lambda: CacheDirectory(kvhome.caches_dir, fsync=fsync))
     if engine is None:
@@ -358,7 +359,7 @@ async def open_runtime(
             models_dir=models_dir or kvhome.models_dir,
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
-            strategy="native" if attention == "native" else "at-rest",
+            strategy=attention,
         )
     metrics = RuntimeMetrics()
     store_send, store_receive = trio.open_memory_channel[StoreInbox](_MAILBOX_SIZE)

@@ -18,6 +18,7 @@ __all__ = ["main"]
 COMMAND_MODULES = (
     "gateway.cli_chat",
     "gateway.cli_serve",
+    "gateway.cli_scenario",
 )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from typing import Any
 
 from gateway.cli_common import add_model_options
@@ -59,11 +60,36 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvmem serve: {exc}", file=sys.stderr)
         return 2
 
+    def scenarios(rt: Any, nursery: trio.Nursery) -> list[Any]:
+        from gateway.scenario_routes import scenario_routes
+        from runtime.home import KvmemHome
+
+        return scenario_routes(rt, home=KvmemHome(config.home_path).root, nursery=nursery)
+
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            started: ServerStarted = await nursery.start(serve, config)
+            started: ServerStarted = await nursery.start(partial(serve, config, extra_routes=scenarios))
             print(f"kvmem: serving {config.model} on {started.url}", file=sys.stderr, flush=True)
 
-    trio.run(main)
+    try:
+        trio.run(main)
+    except (OSError, BaseExceptionGroup) as exc:
+        cause = _first_os_error(exc)
+        if cause is None:
+            raise
+        # an unusable cache directory or home, a port in use: one clear line, not a traceback
+        print(f"kvmem serve: {cause}", file=sys.stderr, flush=True)
+        return 1
     print("kvmem: stopped; caches flushed", file=sys.stderr, flush=True)
     return 0
+
+
+def _first_os_error(exc: BaseException) -> OSError | None:
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _first_os_error(inner)
+            if found is not None:
+                return found
+    return None

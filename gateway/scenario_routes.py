@@ -1,0 +1,142 @@
+"""HTTP routes for scenarios: ``POST /v1/scenarios`` and ``GET /v1/scenarios/{id}``.
+
+``POST /v1/scenarios`` starts a run in the background and answers ``202``::
+
+    {"name": "gossip"}                     a shipped scenario, or
+    {"yaml": "name: ...\\nagents: ..."}     a scenario file's text, or
+    {"resume": "<run id>"}                 continue a stopped or interrupted run
+    optional: "max_tokens", "temperature", "compare_cold", "fresh", "stop_after", "model"
+
+    -> 202 {"id": "...", "status": "running", "scenario": "gossip", "url": "/v1/scenarios/<id>"}
+
+An invalid scenario is a ``400`` whose ``error.problems`` name each problem; a
+second run of a scenario that is still running is a ``409`` (the runs would
+share the permanent agents' caches).
+
+``GET /v1/scenarios/{id}[?view=public|full|<agent>]`` describes a run: status,
+progress per phase, every turn's cache statistics (no text), the working-memory
+report, and the transcript of one view — by default ``public`` (only phases
+marked public: a private phase never appears there); ``<agent>`` shows what
+that agent may see; ``full`` is the operator's view.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute, Route
+
+from actors.scenario.catalog import library_names, library_text
+from actors.scenario.service import RunConflictError, RunNotFoundError, ScenarioService
+from actors.scenario.spec import ScenarioError
+
+if TYPE_CHECKING:
+    import trio
+
+    from actors.runtime import Runtime
+
+__all__ = ["scenario_routes", "ScenarioRequest"]
+
+
+class ScenarioRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /v1/scenarios`` (exactly one of ``name``, ``yaml``, ``resume``)."""
+
+    name: str | None = None
+    yaml: Annotated[str, msgspec.Meta(max_length=1_000_000)] | None = None
+    resume: str | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=8192)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    compare_cold: bool = False
+    fresh: bool = False
+    stop_after: str | None = None
+    model: str | None = None
+
+
+_decoder = msgspec.json.Decoder(ScenarioRequest)
+
+
+def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": {"type": kind, "message": message, **extra}}, status_code=status)
+
+
+def scenario_routes(rt: Runtime, *, home: Path, nursery: trio.Nursery | None = None) -> list[BaseRoute]:
+    """The scenario routes, bound to runtime ``rt``; runs are kept under ``home/scenarios``.
+
+    Args:
+        nursery: where background runs execute (None: the service opens its own,
+            see :mod:`actors.scenario.service`).
+    """
+    service = ScenarioService(rt, home=home, nursery=nursery)
+
+    async def create(request: Request) -> JSONResponse:
+        try:
+            body = _decoder.decode(await request.body())
+        except msgspec.ValidationError as exc:
+            return _error(400, "invalid_request", str(exc))
+        except msgspec.DecodeError as exc:
+            return _error(400, "invalid_request", f"body is not JSON: {exc}")
+        given = [k for k in ("name", "yaml", "resume") if getattr(body, k) is not None]
+        if len(given) != 1:
+            return _error(400, "invalid_request", "give exactly one of 'name', 'yaml' or 'resume'")
+        try:
+            if body.resume is not None:
+                state = await service.resume(
+                    body.resume, compare_cold=body.compare_cold or None, stop_after=body.stop_after
+                )
+            else:
+                if body.name is not None:
+                    if body.name not in library_names():
+                        return _error(
+                            404,
+                            "not_found",
+                            f"no shipped scenario {body.name!r} (shipped: {', '.join(library_names())})",
+                        )
+                    text, source = library_text(body.name), f"library:{body.name}"
+                else:
+                    assert body.yaml is not None
+                    text, source = body.yaml, "request"
+                state = await service.start(
+                    text,
+                    source=source,
+                    max_tokens=body.max_tokens,
+                    temperature=body.temperature,
+                    compare_cold=body.compare_cold,
+                    fresh=body.fresh,
+                    stop_after=body.stop_after,
+                    model=body.model,
+                )
+        except ScenarioError as exc:
+            return _error(400, "invalid_scenario", str(exc), problems=exc.problems)
+        except RunNotFoundError:
+            return _error(404, "not_found", f"no scenario run {body.resume!r}")
+        except RunConflictError as exc:
+            return _error(409, "conflict", str(exc))
+        return JSONResponse(
+            {
+                "id": state.run_id,
+                "status": state.status,
+                "scenario": state.scenario,
+                "url": f"/v1/scenarios/{state.run_id}",
+            },
+            status_code=202,
+        )
+
+    async def describe(request: Request) -> JSONResponse:
+        run_id = request.path_params["run_id"]
+        view = request.query_params.get("view", "public")
+        try:
+            return JSONResponse(service.describe(run_id, view=view))
+        except RunNotFoundError:
+            return _error(404, "not_found", f"no scenario run {run_id!r}")
+        except ValueError as exc:
+            return _error(400, "invalid_request", str(exc))
+
+    routes: list[BaseRoute] = [
+        Route("/v1/scenarios", create, methods=["POST"]),
+        Route("/v1/scenarios/{run_id}", describe, methods=["GET"]),
+    ]
+    return routes
