@@ -102,6 +102,10 @@ class _Entry:
 
 
 
+SAVE_RETRY_S = 5.0
+"""After a save fails with an OSError (disk full, read-only), dirty caches wait this long or for the next turn."""
+
+
 class CacheStoreActor:
     """Owns the hot tier and the cache directory (see the module docstring).
 
@@ -126,6 +130,8 @@ class CacheStoreActor:
         self._no_loads = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._writes = self._write_errors = self._bytes_written = 0
+        self.retry_delay_s = SAVE_RETRY_S
+        self._retry_at = float("-inf")
         self._warm_loads = self._misses = self._prefix_hits = self._demotions = 0
 
     # -- lifecycle -------------------------------------------------------------
@@ -366,6 +372,12 @@ class CacheStoreActor:
                 await self._no_loads.wait()
                 self._no_loads = trio.Event()
                 continue
+            if trio.current_time() < self._retry_at:  # the last save failed: wait, or for the next turn
+                with trio.move_on_at(self._retry_at):
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+                self._retry_at = float("-inf")
+                continue
             agent_id = next(iter(self._dirty))
             await self._write(self._entries[agent_id])
 
@@ -374,15 +386,23 @@ class CacheStoreActor:
         snapshot, version = entry.snapshot, entry.version
         if snapshot is None:
             return False
+        retry = False
         try:
             report = await self._disk(self._directory.save, entry.agent_id, snapshot)
         except (OSError, ValueError, InvalidAgentIdError) as exc:
+            retry = isinstance(exc, OSError)  # a full or read-only disk may recover; a bad cache will not
             self._write_errors += 1
-            log.error("saving the cache of %r failed: %s; it stays in RAM only", entry.agent_id, exc)
+            log.error("saving the cache of %r failed: %s; it stays in RAM, retried in %.0f s or on the next turn",
+                      entry.agent_id, exc, self.retry_delay_s)
             report = None
         if report is not None:
             self._writes += 1
             self._bytes_written += report.bytes_written
+        if report is None and retry and self._entries.get(entry.agent_id) is entry:
+            self._dirty.pop(entry.agent_id, None)  # keep it dirty, behind the others
+            self._dirty[entry.agent_id] = None
+            self._retry_at = trio.current_time() + self.retry_delay_s
+            return False
         if self._entries.get(entry.agent_id) is entry and entry.version == version:
             entry.snapshot = None
             self._dirty.pop(entry.agent_id, None)

@@ -39,6 +39,7 @@ from gateway.sse import Emit, EventStreamResponse, sse
 from gateway.state import (
     CLIENT_GONE,
     Gateway,
+    header_safe,
     kvmem_headers,
     request_id,
     runtime_errors,
@@ -156,7 +157,7 @@ def routes(gw: Gateway) -> list[Route]:
                 return
             await emit(sse("done", stream.result))
 
-        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": agent_id})
+        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": header_safe(agent_id)})
 
     return [
         Route("/v1/agents", list_agents, methods=["GET"], name="agents"),

@@ -50,6 +50,7 @@ from gateway.sse import Emit, EventStreamResponse, sse
 from gateway.state import (
     CLIENT_GONE,
     Gateway,
+    header_safe,
     kvmem_extras,
     kvmem_headers,
     request_id,
@@ -231,7 +232,7 @@ def routes(gw: Gateway) -> list[Route]:
             }))
             await emit(sse("message_stop", {"type": "message_stop"}))
 
-        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": agent_id})
+        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": header_safe(agent_id)})
 
     async def count_tokens(request: Request) -> Response:
         req = await gw.decode(request, count_tokens_decoder)

@@ -40,6 +40,7 @@ from gateway.sse import Emit, EventStreamResponse, sse_data
 from gateway.state import (
     CLIENT_GONE,
     Gateway,
+    header_safe,
     kvmem_extras,
     kvmem_headers,
     request_id,
@@ -213,7 +214,7 @@ def routes(gw: Gateway) -> list[Route]:
                 await emit(chunk([], usage=usage_of(result), kvmem=kvmem_extras(result)))
             await emit(sse_data(b"[DONE]"))
 
-        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": agent_id})
+        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": header_safe(agent_id)})
 
     async def list_models(request: Request) -> Response:
         data = [_model_entry(gw, name) for name in gw.models]

@@ -11,6 +11,7 @@ store writes every dirty cache to disk before :func:`serve` returns.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
 import threading
@@ -30,7 +31,7 @@ from gateway.config import ServeConfig
 if TYPE_CHECKING:
     from actors.runtime import Runtime
 
-__all__ = ["serve", "ServerStarted", "RoutesFactory", "hypercorn_config"]
+__all__ = ["serve", "ServerStarted", "RoutesFactory", "hypercorn_config", "exposure_warning"]
 
 log = logging.getLogger("kvmem.server")
 
@@ -55,6 +56,21 @@ def hypercorn_config(config: ServeConfig) -> HypercornConfig:
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.keep_alive_timeout = 30
     return hc
+
+
+def exposure_warning(config: ServeConfig) -> str | None:
+    """A warning when ``config`` binds beyond loopback without an API key, else None."""
+    if config.api_key:
+        return None
+    host = config.host.strip("[]")
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (f"binding {config.host} without an API key: anyone who can reach port {config.port} can read "
+            "and overwrite every agent's cache; set --api-key (or KVMEM_API_KEY)")
 
 
 async def _watch_signals(shutdown: trio.Event) -> None:
@@ -90,6 +106,9 @@ async def serve(
     )
     from runtime.home import default_home
 
+    warning = exposure_warning(config)
+    if warning:
+        log.warning("%s", warning)
     shutdown = trio.Event()
     home = config.home_path or default_home()
     optional: dict[str, Any] = {"attention": config.attention} if config.attention is not None else {}

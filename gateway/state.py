@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote
 
 import msgspec
 import trio
@@ -36,6 +37,7 @@ __all__ = [
     "request_id",
     "REQUEST_ID_KEY",
     "CLIENT_GONE",
+    "header_safe",
 ]
 
 REQUEST_ID_KEY = "kvmem_request_id"
@@ -83,9 +85,14 @@ def kvmem_extras(result: TurnResult) -> dict[str, Any]:
     }
 
 
+def header_safe(value: str) -> str:
+    """``value`` as an HTTP header value: percent-encoded (UTF-8) when it is not plain ASCII."""
+    return value if value.isascii() and value.isprintable() else quote(value, safe="")
+
+
 def kvmem_headers(result: TurnResult) -> dict[str, str]:
-    """The same accounting as ``x-kvmem-*`` response headers."""
-    return {f"x-kvmem-{k.replace('_', '-')}": str(v) for k, v in kvmem_extras(result).items()}
+    """The same accounting as ``x-kvmem-*`` response headers (a non-ASCII agent id percent-encoded)."""
+    return {f"x-kvmem-{k.replace('_', '-')}": header_safe(str(v)) for k, v in kvmem_extras(result).items()}
 
 
 @dataclass

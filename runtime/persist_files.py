@@ -190,6 +190,8 @@ def remove_file(path: Path) -> bool:
         os.unlink(path)
     except FileNotFoundError:
         return False
+    except IsADirectoryError:  # a directory where a cache file belongs (EISDIR on Linux)
+        _clear_target(path)
     return True
 
 
