@@ -27,12 +27,15 @@ log = logging.getLogger("kvmem.models")
 
 PLAIN_CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
+    "{{ message['role'] | capitalize }}:"
+    "{% if not message['content'].startswith(' ') %} {% endif %}{{ message['content'] }}\n\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 """The template for models that ship none: ``Role: content`` paragraphs, ending
-with ``Assistant:``. Generation stops at :data:`PLAIN_STOP`."""
+with ``Assistant:``. A reply after ``Assistant:`` starts with its own space
+(see ``Sequence._restored_space``), so content that already starts with a space
+gets none added. Generation stops at :data:`PLAIN_STOP`."""
 
 PLAIN_STOP = "\n\nUser:"
 

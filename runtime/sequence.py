@@ -95,6 +95,7 @@ class Sequence:
         self.generated: list[int] = []
         self._gen_ends: list[int] = []  # reply-text end offset per generated token (-1: pending)
         self.reply = ""
+        self._lead: str | None = None  # see _restored_space
         self._stop_cut: int | None = None
         self.stop_sequence: str | None = None  # the caller's stop string that ended the reply
         self._streamed = 0
@@ -180,7 +181,7 @@ class Sequence:
     def _update_reply(self) -> None:
         # Detokenizers hold back bytes of unfinished characters; a token gets its
         # end offset once the text containing all of its bytes has been emitted.
-        text = self._detok.text
+        text = self._text()
         if len(text) > len(self.reply):
             self.reply = text
             for i in range(len(self._gen_ends) - 1, -1, -1):
@@ -196,7 +197,7 @@ class Sequence:
     def _flush(self, *, final: bool) -> str:
         if final:
             self._detok.finalize()
-            full = self._detok.text
+            full = self._text()
             self._gen_ends = [len(full) if e == -1 else e for e in self._gen_ends]
             self.reply = full if self._stop_cut is None else full[: self._stop_cut]
             safe = len(self.reply)
@@ -219,20 +220,27 @@ class Sequence:
         keep = 0
         while keep < len(fed) and 0 <= ends[keep] <= len(self.reply):
             keep += 1
-        head = self.prompt + self._hidden_leading_space()
         token_ids = self.token_ids + fed[:keep]
-        offsets = self.offsets + [len(head) + e for e in ends[:keep]]
-        text = head + self.reply[: ends[keep - 1]] if keep else self.prompt
+        offsets = self.offsets + [len(self.prompt) + e for e in ends[:keep]]
+        text = self.prompt + self.reply[: ends[keep - 1]] if keep else self.prompt
         return self.kv.park(text=text, token_ids=token_ids, offsets=offsets)
 
-    def _hidden_leading_space(self) -> str:
-        """The space mlx-lm's detokenizers drop from the reply's first token.
+    def _text(self) -> str:
+        raw = self._detok.text
+        if self._lead is None and raw:
+            self._lead = self._restored_space(raw)
+        return (self._lead or "") + raw
 
-        When the prompt ends in a non-space (``Assistant:``), templates render the
-        returned reply after a space, so the cache covers that space too; after a
-        newline (ChatML) they do not, and neither does the cache.
+    def _restored_space(self, raw: str) -> str:
+        """The leading space mlx-lm's detokenizers drop from a reply's first token.
+
+        After a prompt that ends in whitespace (ChatML's ``assistant\\n``) the space
+        stays dropped, as mlx-lm returns it. After one that does not (a raw
+        prompt, or ``Assistant:``) it is put back, so ``prompt + reply`` is exactly
+        the text the model produced and a client that appends the reply to its
+        prompt extends the cache instead of diverging from it.
         """
-        if not self.generated or self.reply.startswith(" ") or self.prompt[-1:].isspace():
+        if raw.startswith(" ") or not self.prompt or self.prompt[-1:].isspace():
             return ""
         piece = self.lm.tokenizer._tokenizer.convert_ids_to_tokens(self.generated[0])
         return " " if isinstance(piece, str) and piece[:1] in ("\u2581", "\u0120", " ") else ""

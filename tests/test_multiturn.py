@@ -112,3 +112,14 @@ def test_a_turn_appends_to_the_parked_cache_without_copying_earlier_turns():
         assert after.chunks[: len(before.chunks)] == before.chunks
         assert all(a is b for a, b in zip(after.chunks, before.chunks))
         assert after.num_tokens == second.cache.num_tokens
+
+
+def test_raw_prompt_plus_reply_extends_the_cache():
+    # mlx-lm's detokenizers drop the first token's leading space; after a prompt that
+    # does not end in whitespace kvmem returns it, so prompt + reply is the model's text.
+    lm = tiny("tiny-llama")
+    prompt = "Notes from the harbour, day one. Question: what did the keeper see?\nAnswer:"
+    first = generate(lm, prompt, None, SamplingParams(max_tokens=16))
+    second = Sequence(lm, prompt + first.reply + "\nQuestion: and then?\nAnswer:", first.cache, SamplingParams(max_tokens=2))
+    assert second.stats.match == "extend"
+    assert second.stats.tokens_reused == first.cache.num_tokens

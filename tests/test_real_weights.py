@@ -43,9 +43,8 @@ def test_stories260k_continuation_from_cache_equals_cold_run(source, tmp_path):
     prompt = lm._with_bos(STORY)
     first = generate(lm, prompt, None, SamplingParams(max_tokens=16))
     cache = first.cache if source == "hot" else _warm(lm, first.cache, tmp_path)
-    # Continue the text the cache covers (mlx-lm's detokenizer drops the reply's
-    # leading space; the cache keeps the text the model actually saw).
-    seq = Sequence(lm, first.cache.text + " One day,", cache, SamplingParams(max_tokens=64))
+    # A raw-text client appends the reply to its prompt: prompt + reply is the model's text.
+    seq = Sequence(lm, prompt + first.reply + " One day,", cache, SamplingParams(max_tokens=64))
     list(decode_alone(seq))
     assert seq.stats.tokens_reused >= 16 and seq.stats.match == "extend"
     cold_tokens, _ = cold_generate(lm, seq.token_ids, 64)
