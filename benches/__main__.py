@@ -1,0 +1,45 @@
+"""``python -m benches <name> [--quick] [options]``, or ``python -m benches all [--quick]``.
+
+Each name is a module in ``benches/`` with a ``main(argv)``; results go to
+``benches/results/<name>[_quick].{md,png}``. ``python -m benches`` lists them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+#: Benchmarks in the order ``all`` runs them (cheapest first).
+BENCHES = {
+    "memory": "KV bytes per token Q4 / float16 / float32, peak memory with N hot agents, agents in 2 GB",
+    "cache_io": "save / load ms vs cache size, next to the machine's sequential read / write floor",
+    "ttft": "TTFT cold / warm (after restart) / hot at 1K-4K through the HTTP gateway, E2E for 64 tokens",
+    "staggered": "agent B arrives 2 s after A: B TTFT and A slowdown, batched vs sequential (max_batch=1)",
+    "multiturn": "3 turns on a 2K context through the gateway, with and without restarts",
+    "fidelity": "PPL, KL, top-1, identical greedy continuations for float / Q8 / Q4 KV on real weights (disk round trip)",
+    "overhead": "E2E through HTTP gateway + actors vs runtime.generate directly",
+    "attention_strategy": "at-rest vs native quantized SDPA (existing)",
+    "batching": "system tok/s for 1, 2, 4, 8 agents (existing)",
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        for name, what in BENCHES.items():
+            print(f"  {name:20s} {what}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    names = [n for n in BENCHES if importlib.util.find_spec(f"benches.{n}")] if name == "all" else [name]
+    for n in names:
+        if n not in BENCHES:
+            print(f"unknown benchmark {n!r}; one of: all, {', '.join(BENCHES)}", file=sys.stderr)
+            return 2
+        print(f"== benches.{n} {' '.join(rest)}", file=sys.stderr, flush=True)
+        importlib.import_module(f"benches.{n}").main(rest)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

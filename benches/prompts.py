@@ -1,0 +1,42 @@
+"""Prompts of a given token length for the default model, from the corpus kvmem ships.
+
+Each prompt starts with a unique label so that two agents never share a cached
+256-token block by accident (kvmem shares identical prefixes across agents).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from benches.harness import ROOT
+
+CORPUS = ROOT / "runtime" / "corpus"
+
+
+@lru_cache(maxsize=4)
+def _tokenizer(model_folder: str):  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(model_folder) / "tokenizer.json"))
+
+
+@lru_cache(maxsize=1)
+def _corpus() -> str:
+    names = ("stories.txt", "dialogue.txt", "essays.txt", "data.txt", "code.txt")
+    return "\n\n".join((CORPUS / n).read_text() for n in names)
+
+
+def count_tokens(model_folder: Path, text: str) -> int:
+    return len(_tokenizer(str(model_folder)).encode(text, add_special_tokens=False).ids)
+
+
+def context_text(model_folder: Path, tokens: int, *, label: str, offset: int = 0) -> str:
+    """About ``tokens`` tokens of corpus text after a unique ``label`` line (cut on a token boundary)."""
+    tok = _tokenizer(str(model_folder))
+    corpus = _corpus()
+    body = corpus[offset % len(corpus):] + corpus
+    head = f"Session {label}. Read the notes below, then answer.\n\n"
+    enc = tok.encode(head + body[: tokens * 8], add_special_tokens=False)
+    end = enc.offsets[min(tokens, len(enc.offsets)) - 1][1]
+    return (head + body)[:end]
