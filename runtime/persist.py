@@ -32,7 +32,8 @@ the sliding-window layers (bounded by their window), rewritten whole on each
 save where they changed, and a zero-token slice of every blocked layer that
 records its dtype and shape. The **manifest** (JSON,
 :class:`runtime.persist_format.Manifest`) holds format version, model tag,
-agent id, the pieces with their sizes and SHA-256, the state file's, layer
+agent id, the pieces with their sizes and checksums (the SHA-256 of a file's header,
+which records the CRC-32 of its data: :mod:`runtime.persist_codec`), the state file's, layer
 kinds and keys, meta, times, and the text, token ids and offsets compressed
 (about 6 bytes per token): the only thing rewritten in full every turn.
 ``<dir>`` is :func:`safe_agent_dirname` of the agent id.
@@ -66,6 +67,7 @@ import msgspec
 import numpy as np
 
 from runtime.errors import CacheMiss, CorruptCacheError, FormatVersionError
+from runtime.persist_codec import read_tensor_entries
 from runtime.persist_files import (
     ensure_private_dir,
     fsync_dir,
@@ -85,12 +87,11 @@ from runtime.persist_format import (
     Piece,
     SegmentPiece,
     block_chain_hashes,
+    blocked_sources,
     encode_state,
     pack_offsets,
     pack_text,
     pack_token_ids,
-    piece_tensors,
-    read_tensor_entries,
     validate_snapshot,
 )
 from runtime.persist_load import (
@@ -101,7 +102,7 @@ from runtime.persist_load import (
 )
 from runtime.persist_names import safe_agent_dirname
 from runtime.persist_pieces import PieceFiles, WriteTally
-from runtime.persist_plan import common_prefix, plan_save, range_of
+from runtime.persist_plan import PieceRange, common_prefix, plan_save, range_of
 from runtime.snapshot import CacheSnapshot
 
 __all__ = [
@@ -245,15 +246,22 @@ class CacheDirectory:
             num_tokens=snapshot.num_tokens,
         )
         tally = WriteTally()
-        pieces = [
-            kept
-            if self._files.is_intact(agent_dir, kept)
-            else self._files.write(agent_dir, snapshot, chain, range_of(kept), tally)
+        wanted: list[Piece | PieceRange] = [
+            kept if self._files.is_intact(agent_dir, kept) else range_of(kept)
             for kept in plan.reuse
         ]
-        pieces += [
-            self._files.write(agent_dir, snapshot, chain, piece_range, tally)
-            for piece_range in plan.write
+        wanted += plan.write
+        written = iter(
+            self._files.write(
+                agent_dir,
+                snapshot,
+                chain,
+                [item for item in wanted if isinstance(item, PieceRange)],
+                tally,
+            )
+        )
+        pieces = [
+            next(written) if isinstance(item, PieceRange) else item for item in wanted
         ]
         state = self._files.write_state(agent_dir, state_data, tally)
 
@@ -320,7 +328,7 @@ class CacheDirectory:
         except ValueError:
             pieces = []
         else:
-            blocked = piece_tensors(snapshot.layers, 0, 0)
+            blocked = blocked_sources(snapshot.layers)
             if manifest.layers != records or any(
                 theirs.get(name) != ours[name] for name in blocked
             ):
@@ -374,8 +382,8 @@ class CacheDirectory:
             manifest,
             contents,
             state=state,
-            read_piece=lambda piece: self._files.read_verified(
-                agent_dir, piece, model_tag=model_tag
+            read_pieces=lambda pieces, use: self._files.read_pieces(
+                agent_dir, pieces, use, model_tag=model_tag
             ),
         )
 

@@ -27,6 +27,8 @@ __all__ = [
     "fsync_dir",
     "write_atomic",
     "read_regular_file",
+    "open_regular_file",
+    "read_exactly_into",
     "read_header",
     "regular_file_size",
     "remove_file",
@@ -104,7 +106,7 @@ def _clear_target(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def write_atomic(path: Path, data: bytes, *, fsync: bool) -> None:
+def write_atomic(path: Path, data: bytes | memoryview, *, fsync: bool) -> None:
     """Write ``data`` to ``path`` so that a crash leaves the old file or the new, whole."""
     tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
     fd = os.open(tmp, _WRITE_FLAGS, FILE_MODE)
@@ -147,6 +149,49 @@ def read_regular_file(path: Path) -> bytes | None:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def open_regular_file(path: Path, *, size: int) -> int | None:
+    """A read-only descriptor of ``path`` with read-ahead of the whole file started.
+
+    None when ``path`` is absent, not a regular file (symlinks are not
+    followed) or not ``size`` bytes long. The caller closes the descriptor.
+    Asking the kernel to read every file of a load ahead up front lets the
+    disk work while the caller checks and copies the files before it.
+
+    Raises:
+        OSError: the file exists but cannot be opened.
+    """
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            os.close(fd)
+            return None
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_exactly_into(fd: int, view: memoryview) -> bool:
+    """Fill ``view`` from the start of ``fd``; False if the file ends early or goes on."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], done)
+        if got == 0:
+            return False
+        done += got
+    return len(os.pread(fd, 1, done)) == 0
 
 
 def read_header(path: Path, *, size: int, limit: int = 1 << 20) -> bytes | None:

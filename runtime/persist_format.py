@@ -7,15 +7,20 @@ touches the file system.
   snapshot, its arrays sliced on the token axis to one aligned
   :data:`BLOCK_TOKENS`-token block, as tensors ``L{layer}.{key}``. It is named
   by a hash chain (:func:`block_chain_hashes`), and its safetensors metadata
-  names the block (kind, format version, model tag, chain hash) and carries a
-  SHA-256 over its tensors, so a block file can be checked without a manifest.
+  names the block (kind, format version, model tag, chain hash) and carries
+  the CRC-32 of its data, so a block file can be checked without a manifest.
 * A **segment** file (:class:`SegmentPiece`) holds the same tensors for any
   other token range ``start:end``; its metadata records the range. It is named
-  by the SHA-256 of its bytes (``seg-<sha256>.safetensors``).
+  by its checksum (``seg-<sha256>.safetensors``).
 * The **state** file (:class:`StateRef`, ``state-<sha256>.safetensors``) holds
   every sliding layer whole and a zero-token slice of every blocked layer, so
   the layout (dtype, heads, inner dims) of every layer is known even when no
   piece exists.
+* Every file is canonical safetensors written by :mod:`runtime.persist_codec`.
+  Its **checksum** (``sha256`` in the manifest, and in an agent file's name) is
+  the SHA-256 of its header, which covers the data through the ``data_crc32``
+  it records: a file is checked with one SHA-256 over a few KiB and one CRC-32
+  over its data.
 * The **manifest** (:class:`Manifest`) is JSON. Text, token ids and offsets are
   zlib-compressed then base64-encoded (ids as little-endian int32, offsets as
   int32 deltas): about 6 bytes per token for English-like text.
@@ -26,16 +31,15 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import re
 import zlib
-from collections.abc import Sequence
-from typing import Annotated, Any
+from collections.abc import Mapping, Sequence
+from typing import Annotated
 
 import msgspec
 import numpy as np
-import safetensors.numpy
 
+from runtime.persist_codec import FileLayout, encode_file
 from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 
 __all__ = [
@@ -59,27 +63,26 @@ __all__ = [
     "pack_text",
     "unpack_text",
     "tensor_name",
-    "tensor_digest",
     "validate_snapshot",
     "layout_problem",
-    "piece_tensors",
+    "blocked_sources",
+    "piece_layout",
     "state_tensors",
-    "encode_tensors",
-    "encode_block",
-    "encode_segment",
+    "block_info",
+    "segment_info",
     "encode_state",
-    "read_metadata",
-    "read_tensor_entries",
     "BLOCK_NAME",
     "SEGMENT_NAME",
     "STATE_NAME",
     "AGENT_FILE_NAME",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Version of the on-disk format; part of every block hash and manifest.
 
-Version 1 stored a whole partial tail block per save; version 2 stores pieces.
+Version 1 stored a whole partial tail block per save; version 2 stores pieces;
+version 3 checks files by the SHA-256 of their header and the CRC-32 of their
+data (:mod:`runtime.persist_codec`) instead of a SHA-256 over every byte.
 """
 
 MAX_TOKEN_ID = 2**31 - 1
@@ -106,9 +109,9 @@ class BlockPiece(
 ):
     """Tokens ``start:end`` (one aligned block): ``blocks/<name[:2]>/<name>.safetensors``.
 
-    ``name`` is the block's chain hash; ``sha256`` is over the file's bytes;
-    ``tensor_sha256`` repeats the digest in the block's own header, which a
-    save can check without reading the whole block.
+    ``name`` is the block's chain hash; ``sha256`` is the file's checksum (of
+    its header, which records the CRC-32 of its data), so a save can check
+    that the block on disk is still this one by reading its header alone.
     """
 
     name: _Hex64
@@ -116,7 +119,6 @@ class BlockPiece(
     end: _End
     sha256: _Hex64
     size: _Size
-    tensor_sha256: _Hex64
 
 
 class SegmentPiece(
@@ -308,18 +310,6 @@ def tensor_name(layer: int, key: str) -> str:
     return f"L{layer}.{key}"
 
 
-def tensor_digest(tensors: dict[str, np.ndarray]) -> str:
-    """SHA-256 over names, dtypes, shapes and bytes of ``tensors`` (order-independent)."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        array = np.ascontiguousarray(tensors[name])
-        h.update(
-            f"{name}\0{array.dtype.newbyteorder('<').str}\0{array.shape}\0".encode()
-        )
-        h.update(array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
-    return h.hexdigest()
-
-
 _Q4_KEYS = ("k_w", "k_s", "k_b", "v_w", "v_s", "v_b")
 _FLOAT_KEYS = ("k", "v")
 
@@ -391,42 +381,35 @@ def validate_snapshot(snapshot: CacheSnapshot) -> None:
                 raise ValueError(f"layer {index} {key}: window longer than the cache")
 
 
-def piece_tensors(
-    layers: Sequence[LayerSnapshot], start: int, stop: int
-) -> dict[str, np.ndarray]:
-    """Tensors of the blocked layers restricted to tokens ``start:stop`` (a block or segment)."""
+def blocked_sources(layers: Sequence[LayerSnapshot]) -> dict[str, np.ndarray]:
+    """Every blocked layer's arrays by tensor name, whole (pieces are cut from them)."""
     return {
-        tensor_name(index, key): np.ascontiguousarray(array[:, start:stop])
+        tensor_name(index, key): array
         for index, layer in enumerate(layers)
         if layer.is_blocked
         for key, array in layer.arrays.items()
     }
 
 
+def piece_layout(
+    layouts: Mapping[str, tuple[np.dtype, tuple[int, ...]]], tokens: int
+) -> FileLayout:
+    """The layout of a piece of ``tokens`` tokens, from each blocked tensor's ``(dtype, shape)``."""
+    return FileLayout.of(
+        {
+            name: (dtype, (shape[0], tokens, *shape[2:]))
+            for name, (dtype, shape) in layouts.items()
+        }
+    )
+
+
 def state_tensors(layers: Sequence[LayerSnapshot]) -> dict[str, np.ndarray]:
     """The sliding layers whole and a zero-token slice of each blocked layer (its layout)."""
     return {
-        tensor_name(index, key): np.ascontiguousarray(
-            array[:, :0] if layer.is_blocked else array
-        )
+        tensor_name(index, key): array[:, :0] if layer.is_blocked else array
         for index, layer in enumerate(layers)
         for key, array in layer.arrays.items()
     }
-
-
-def encode_tensors(tensors: dict[str, np.ndarray], info: dict[str, str]) -> bytes:
-    """Deterministic safetensors bytes of ``tensors`` with ``info`` as metadata.
-
-    ``info`` travels as one canonical JSON string under the ``kvmem`` metadata
-    key: safetensors writes a metadata map in hash order, so several keys would
-    make identical content serialize differently. Arrays must be C-contiguous
-    (the library trusts their data pointers).
-    """
-    for name, array in tensors.items():
-        if not array.flags.c_contiguous:
-            raise ValueError(f"tensor {name} is not C-contiguous")
-    metadata = {"kvmem": json.dumps(info, sort_keys=True, separators=(",", ":"))}
-    return safetensors.numpy.save(tensors, metadata=metadata)
 
 
 def _info(kind: str, model_tag: str, **fields: str) -> dict[str, str]:
@@ -438,62 +421,16 @@ def _info(kind: str, model_tag: str, **fields: str) -> dict[str, str]:
     }
 
 
-def encode_block(
-    tensors: dict[str, np.ndarray], *, model_tag: str, block_hash: str
-) -> tuple[bytes, str]:
-    """A block file's bytes and the tensor digest its metadata carries."""
-    digest = tensor_digest(tensors)
-    info = _info("block", model_tag, block_hash=block_hash, tensor_sha256=digest)
-    return encode_tensors(tensors, info), digest
+def block_info(*, model_tag: str, block_hash: str) -> dict[str, str]:
+    """The metadata of a block file (fixed width for a model: one header length per layout)."""
+    return _info("block", model_tag, block_hash=block_hash)
 
 
-def encode_segment(
-    tensors: dict[str, np.ndarray], *, model_tag: str, start: int, end: int
-) -> bytes:
-    """A segment file's bytes: tokens ``start:end``, recorded in its metadata."""
-    return encode_tensors(
-        tensors, _info("segment", model_tag, start=str(start), end=str(end))
-    )
+def segment_info(*, model_tag: str, start: int, end: int) -> dict[str, str]:
+    """The metadata of a segment file of tokens ``start:end``."""
+    return _info("segment", model_tag, start=str(start), end=str(end))
 
 
 def encode_state(layers: Sequence[LayerSnapshot], *, model_tag: str) -> bytes:
     """A state file's bytes (see :func:`state_tensors`)."""
-    return encode_tensors(state_tensors(layers), _info("state", model_tag))
-
-
-def _header(data: bytes) -> dict[str, Any]:
-    if len(data) < 8:
-        raise ValueError("file shorter than a safetensors header")
-    header_len = int.from_bytes(data[:8], "little")
-    if header_len > len(data) - 8:
-        raise ValueError("safetensors header runs past the end of the file")
-    header = json.loads(data[8 : 8 + header_len])
-    if not isinstance(header, dict):
-        raise ValueError("safetensors header is not an object")
-    return header
-
-
-def read_metadata(data: bytes) -> dict[str, str]:
-    """The ``info`` that :func:`encode_tensors` stored (ValueError if malformed).
-
-    ``data`` may be the whole file or just its header.
-    """
-    header = _header(data)
-    if not isinstance(header.get("__metadata__"), dict):
-        raise ValueError("safetensors header has no metadata")
-    info = json.loads(header["__metadata__"].get("kvmem", "null"))
-    if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
-        raise ValueError("kvmem metadata is not a string map")
-    return info
-
-
-def read_tensor_entries(data: bytes) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Each tensor's safetensors dtype and shape, from a file or its header (ValueError if malformed)."""
-    entries = {}
-    for name, entry in _header(data).items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(entry, dict):
-            raise ValueError(f"header entry {name!r} is not an object")
-        entries[name] = (str(entry.get("dtype")), tuple(entry.get("shape", ())))
-    return entries
+    return encode_file(state_tensors(layers), _info("state", model_tag))

@@ -7,15 +7,24 @@ pieces). Every check raises a :class:`~runtime.errors.CacheMiss` subclass.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
-import safetensors.numpy
 
 from runtime.errors import CorruptCacheError, ForeignModelError, FormatVersionError
+from runtime.persist_codec import (
+    FileLayout,
+    ParsedFile,
+    copy_run,
+    data_is_intact,
+    decode_arrays,
+    dtype_of_code,
+    parse_file,
+)
 from runtime.persist_format import (
     FORMAT_VERSION,
     BlockListProbe,
@@ -25,10 +34,9 @@ from runtime.persist_format import (
     Piece,
     block_chain_hashes,
     layout_problem,
-    read_metadata,
+    piece_layout,
     segment_name,
     state_name,
-    tensor_digest,
     tensor_name,
     unpack_offsets,
     unpack_text,
@@ -37,7 +45,7 @@ from runtime.persist_format import (
 from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 
 __all__ = [
-    "sha256_hex",
+    "LOAD_CHUNK_BYTES",
     "decode_manifest",
     "decode_block_list",
     "block_is_intact",
@@ -51,8 +59,17 @@ _probe_decoder = msgspec.json.Decoder(FormatProbe)
 _block_list_decoder = msgspec.json.Decoder(BlockListProbe)
 
 
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+LOAD_CHUNK_BYTES = 64 << 20
+"""Piece bytes a load reads into one buffer before copying them out (bounds its extra memory)."""
+
+UsePieces = Callable[[np.ndarray, list[ParsedFile]], None]
+ReadPieces = Callable[[Sequence[Piece], UsePieces], None]
+"""Reads pieces' files back to back into one buffer and hands it to a :data:`UsePieces`.
+
+Each file's size and header checksum are checked before, the CRC of its data
+may be checked while or after the buffer is used: a failure raises
+CorruptCacheError all the same, and the caller discards what it built.
+"""
 
 
 def decode_manifest(data: bytes) -> Manifest:
@@ -90,32 +107,45 @@ def decode_block_list(data: bytes) -> list[str] | None:
 
 
 def block_is_intact(
-    data: bytes, *, model_tag: str, block_hash: str, like: dict[str, np.ndarray] | None
+    data: Any, *, model_tag: str, block_hash: str, like: FileLayout | None
 ) -> bool:
-    """Whether ``data`` is a whole block file for ``block_hash`` (and shaped like ``like``).
+    """Whether ``data`` is a whole block file for ``block_hash`` (laid out as ``like``).
 
-    Checks the block's own metadata and tensor digest, no manifest needed.
+    Checks the block's own metadata and the CRC of its data, no manifest needed.
     """
     try:
-        info = read_metadata(data)
-        tensors = safetensors.numpy.load(data)
-    except Exception:  # noqa: BLE001 - any parse failure means "not intact"
+        parsed = parse_file(data)
+    except ValueError:
         return False
+    info = parsed.info
     if (
         info.get("kind") != "block"
         or info.get("format_version") != str(FORMAT_VERSION)
         or info.get("model_tag") != model_tag
         or info.get("block_hash") != block_hash
-        or info.get("tensor_sha256") != tensor_digest(tensors)
+        or not data_is_intact(data, parsed)
     ):
         return False
-    if like is None:
-        return True
-    return set(tensors) == set(like) and all(
-        tensors[name].dtype == like[name].dtype
-        and tensors[name].shape == like[name].shape
-        for name in like
-    )
+    if like is not None:
+        return parsed.matches(like) and len(data) == parsed.data_start + like.data_size
+    try:
+        layout = _layout_of(parsed.entries())
+    except ValueError:
+        return False
+    return parsed.matches(layout) and len(data) == parsed.data_start + layout.data_size
+
+
+def _layout_of(entries: dict[str, Any]) -> FileLayout:
+    """The canonical layout of the tensors a header lists (ValueError if malformed)."""
+    try:
+        return FileLayout.of(
+            {
+                name: (dtype_of_code(entry["dtype"]), tuple(entry["shape"]))
+                for name, entry in entries.items()
+            }
+        )
+    except (TypeError, KeyError) as exc:
+        raise ValueError(f"malformed tensor entry: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -196,11 +226,7 @@ def _check_piece_metadata(
 ) -> None:
     expected = {"format_version": str(FORMAT_VERSION), "model_tag": manifest.model_tag}
     if isinstance(piece, BlockPiece):
-        expected |= {
-            "kind": "block",
-            "block_hash": piece.name,
-            "tensor_sha256": piece.tensor_sha256,
-        }
+        expected |= {"kind": "block", "block_hash": piece.name}
     else:
         expected |= {
             "kind": "segment",
@@ -213,76 +239,110 @@ def _check_piece_metadata(
         )
 
 
-def assemble_snapshot(
-    manifest: Manifest,
-    contents: ManifestContents,
-    *,
-    state: bytes,
-    read_piece: Callable[[Piece], bytes],
-) -> CacheSnapshot:
-    """Rebuild the snapshot from verified state bytes and pieces read one at a time.
+def _chunks(pieces: Sequence[Piece]) -> list[Sequence[Piece]]:
+    """``pieces`` cut into consecutive chunks of about LOAD_CHUNK_BYTES (at least one piece each)."""
+    chunks: list[Sequence[Piece]] = []
+    first, size = 0, 0
+    for index, piece in enumerate(pieces):
+        if size and size + piece.size > LOAD_CHUNK_BYTES:
+            chunks.append(pieces[first:index])
+            first, size = index, 0
+        size += piece.size
+    if first < len(pieces):
+        chunks.append(pieces[first:])
+    return chunks
 
-    Blocked arrays are allocated from the state file's zero-token layouts and
-    filled piece by piece, so memory peaks at the result plus one piece.
 
-    Raises:
-        CorruptCacheError: a file's metadata, tensor set, dtype or shape
-            contradicts the manifest or the layer layouts.
-    """
-    num_tokens = manifest.num_tokens
+def _read_state(
+    state: bytes, parsed: ParsedFile, manifest: Manifest, num_tokens: int
+) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.dtype, tuple[int, ...]]]]:
+    """The sliding arrays and every blocked tensor's zero-token ``(dtype, shape)``."""
     records = {
         tensor_name(index, key): record
         for index, record in enumerate(manifest.layers)
         for key in record.keys
     }
-    info = read_metadata(state)
+    info = parsed.info
     if (info.get("kind"), info.get("format_version"), info.get("model_tag")) != (
         "state",
         str(FORMAT_VERSION),
         manifest.model_tag,
     ):
         raise CorruptCacheError("state file is not this cache's")
-    state_arrays = safetensors.numpy.load(state)
-    if set(state_arrays) != set(records):
+    try:
+        entries = parsed.entries()
+        layout = _layout_of(entries)
+    except ValueError as exc:
+        raise CorruptCacheError(f"state header: {exc}") from exc
+    if set(entries) != set(records):
         raise CorruptCacheError("state tensors do not match the manifest's layers")
-    out: dict[str, np.ndarray] = {}
+    if not parsed.matches(layout) or len(state) != parsed.data_start + layout.data_size:
+        raise CorruptCacheError("state file is not laid out canonically")
+    sliding: list[str] = []
+    blocked: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
     for name, record in records.items():
-        array = state_arrays[name]
-        if array.ndim < 2:
+        shape = layout.shapes[name]
+        if len(shape) < 2:
             raise CorruptCacheError(f"state tensor {name} has no token axis")
         if record.kind is LayerKind.SLIDING:
-            if array.shape[1] > num_tokens:
+            if shape[1] > num_tokens:
                 raise CorruptCacheError(
                     f"sliding tensor {name} holds more tokens than the cache"
                 )
-            out[name] = array
-        elif array.shape[1] != 0:
+            sliding.append(name)
+        elif shape[1] != 0:
             raise CorruptCacheError(f"state holds tokens of blocked tensor {name}")
         else:
-            out[name] = np.empty(
-                (array.shape[0], num_tokens, *array.shape[2:]), dtype=array.dtype
-            )
-    blocked = {
-        name for name, record in records.items() if record.kind is not LayerKind.SLIDING
-    }
+            blocked[name] = (layout.dtypes[name], shape)
+    arrays = decode_arrays(state, parsed, layout)
+    return {name: arrays[name] for name in sliding}, blocked
 
-    for piece in manifest.pieces:
-        raw = read_piece(piece)
-        _check_piece_metadata(piece, read_metadata(raw), manifest)
-        arrays = safetensors.numpy.load(raw)
-        if set(arrays) != blocked:
-            raise CorruptCacheError(
-                f"{piece.name} tensors do not match the manifest's layers"
-            )
-        for name in blocked:
-            array, target = arrays[name], out[name]
-            expected = (target.shape[0], piece.end - piece.start, *target.shape[2:])
-            if array.dtype != target.dtype or array.shape != expected:
+
+def assemble_snapshot(
+    manifest: Manifest,
+    contents: ManifestContents,
+    *,
+    state: tuple[bytes, ParsedFile],
+    read_pieces: ReadPieces,
+) -> CacheSnapshot:
+    """Rebuild the snapshot from the checked state file and the pieces, read a chunk at a time.
+
+    Blocked arrays are allocated from the state file's zero-token layouts and
+    filled chunk by chunk (one strided copy per tensor for each run of files
+    with one layout), so memory peaks at the result plus one chunk.
+
+    Raises:
+        CorruptCacheError: a file's metadata, tensor set, dtype or shape
+            contradicts the manifest or the layer layouts.
+    """
+    num_tokens = manifest.num_tokens
+    out, blocked = _read_state(*state, manifest, num_tokens)
+    out |= _allocate(blocked, num_tokens)
+    layouts: dict[int, FileLayout] = {}
+
+    def use(chunk: Sequence[Piece], buffer: np.ndarray, parsed: list[ParsedFile]) -> None:
+        position = 0
+        run: list[tuple[Piece, int, ParsedFile]] = []
+        for piece, header in zip(chunk, parsed, strict=True):
+            tokens = piece.end - piece.start
+            layout = layouts.get(tokens)
+            if layout is None:
+                layout = layouts[tokens] = piece_layout(blocked, tokens)
+            _check_piece_metadata(piece, header.info, manifest)
+            if not header.matches(layout) or piece.size != header.data_start + layout.data_size:
                 raise CorruptCacheError(
-                    f"{piece.name} tensor {name} is {array.dtype}{array.shape}, "
-                    f"expected {target.dtype}{expected}"
+                    f"{piece.name} tensors do not match the manifest's layers"
                 )
-            target[:, piece.start : piece.end] = array
+            if run and not _extends(run[-1], piece, header):
+                _copy(buffer, run, layouts, out)
+                run = []
+            run.append((piece, position, header))
+            position += piece.size
+        if run:
+            _copy(buffer, run, layouts, out)
+
+    for chunk in _chunks(manifest.pieces):
+        read_pieces(chunk, functools.partial(use, chunk))
 
     layers = []
     for index, record in enumerate(manifest.layers):
@@ -298,4 +358,63 @@ def assemble_snapshot(
         offsets=contents.offsets.tolist(),
         layers=layers,
         meta=dict(manifest.meta),
+    )
+
+
+def _allocate(
+    blocked: dict[str, tuple[np.dtype, tuple[int, ...]]], num_tokens: int
+) -> dict[str, np.ndarray]:
+    """Empty ``num_tokens``-token arrays for the blocked tensors, carved from one allocation.
+
+    One large allocation is backed by huge pages where the kernel offers them
+    (numpy asks for it), so filling it costs a few page faults instead of one
+    per 4 KiB: for a large cache, faulting in fresh memory page by page costs
+    as much as the copy itself.
+    """
+    shapes = {
+        name: (dtype, (shape[0], num_tokens, *shape[2:]))
+        for name, (dtype, shape) in blocked.items()
+    }
+    sizes = {
+        name: int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        for name, (dtype, shape) in shapes.items()
+    }
+    # Each array starts on a 64-byte boundary, as numpy's own allocations do.
+    arena = np.empty(sum(-(-size // 64) * 64 for size in sizes.values()), dtype=np.uint8)
+    arrays = {}
+    position = 0
+    for name, (dtype, shape) in shapes.items():
+        arrays[name] = arena[position : position + sizes[name]].view(dtype).reshape(shape)
+        position += -(-sizes[name] // 64) * 64
+    return arrays
+
+
+def _extends(last: tuple[Piece, int, ParsedFile], piece: Piece, header: ParsedFile) -> bool:
+    """Whether ``piece`` lies right after ``last`` in the buffer with the same size and layout."""
+    previous, _, previous_header = last
+    return (
+        previous.size == piece.size
+        and previous.end - previous.start == piece.end - piece.start
+        and previous_header.data_start == header.data_start
+    )
+
+
+def _copy(
+    buffer: np.ndarray,
+    run: list[tuple[Piece, int, ParsedFile]],
+    layouts: dict[int, FileLayout],
+    out: dict[str, np.ndarray],
+) -> None:
+    first, position, header = run[0]
+    tokens = first.end - first.start
+    copy_run(
+        buffer,
+        first=position,
+        count=len(run),
+        file_size=first.size,
+        data_start=header.data_start,
+        layout=layouts[tokens],
+        targets=out,
+        start=first.start,
+        tokens=tokens,
     )

@@ -3,22 +3,37 @@
 The mechanism under :class:`runtime.persist.CacheDirectory` (which decides
 what to write, with :mod:`runtime.persist_plan`, and owns manifests). Every
 write goes through :func:`runtime.persist_files.write_atomic`; a file already
-on disk with the right content is not written again.
+on disk with the right content is not written again. Consecutive whole blocks
+are encoded together and read back together (:mod:`runtime.persist_codec`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
 from runtime.errors import CorruptCacheError
+from runtime.persist_codec import (
+    FileLayout,
+    ParsedFile,
+    crc32_hex,
+    data_is_intact,
+    encode_run,
+    header_sha256,
+    parse_file,
+)
 from runtime.persist_files import (
     ensure_private_dir,
+    open_regular_file,
+    read_exactly_into,
     read_header,
     read_regular_file,
     regular_file_size,
@@ -31,20 +46,23 @@ from runtime.persist_format import (
     Piece,
     SegmentPiece,
     StateRef,
-    encode_block,
-    encode_segment,
-    piece_tensors,
-    read_metadata,
+    block_info,
+    blocked_sources,
+    piece_layout,
+    segment_info,
     segment_name,
     state_name,
 )
-from runtime.persist_load import block_is_intact, sha256_hex
+from runtime.persist_load import UsePieces, block_is_intact
 from runtime.persist_plan import PieceKind, PieceRange
 from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot
 
-__all__ = ["WriteTally", "PieceFiles"]
+__all__ = ["WriteTally", "PieceFiles", "MAX_RUN_BLOCKS"]
 
 log = logging.getLogger("kvmem.persist")
+
+MAX_RUN_BLOCKS = 16
+"""Blocks encoded in one buffer by a save (bounds its extra memory to ~16 blocks)."""
 
 
 @dataclass
@@ -56,6 +74,24 @@ class WriteTally:
     blocks_written: int = 0
     segments_written: int = 0
     tokens_written: int = 0
+
+
+def _runs(ranges: Sequence[PieceRange]) -> list[list[PieceRange]]:
+    """``ranges`` cut into runs of adjacent blocks (at most MAX_RUN_BLOCKS) and single segments."""
+    runs: list[list[PieceRange]] = []
+    for piece_range in ranges:
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and piece_range.kind is PieceKind.BLOCK
+            and last[-1].kind is PieceKind.BLOCK
+            and last[-1].end == piece_range.start
+            and len(last) < MAX_RUN_BLOCKS
+        ):
+            last.append(piece_range)
+        else:
+            runs.append([piece_range])
+    return runs
 
 
 class PieceFiles:
@@ -83,20 +119,17 @@ class PieceFiles:
     def is_intact(self, agent_dir: Path, piece: Piece) -> bool:
         """Whether a piece a previous manifest lists is still that piece on disk.
 
-        Checks the file's size and its header (a small read): a block's tensor
-        digest, so a block that another agent's save replaced with other bits
-        is noticed and adopted; a segment's range. Damage to the data alone is
-        caught by :meth:`read_verified`, which removes the damaged file.
+        Checks the file's size and its checksum, the SHA-256 of its header (a
+        small read), so a block that another agent's save replaced with other
+        bits is noticed and adopted, and a segment's range. Damage to the data alone is caught by
+        :meth:`read_pieces`, which removes the damaged file.
         """
         header = read_header(self.path(agent_dir, piece), size=piece.size)
-        if header is None:
-            return False
-        try:
-            info = read_metadata(header)
-        except ValueError:
+        if header is None or header_sha256(header) != piece.sha256:
             return False
         if isinstance(piece, BlockPiece):
-            return info.get("tensor_sha256") == piece.tensor_sha256
+            return True
+        info = parse_file(header, size=piece.size).info
         return (info.get("kind"), info.get("start"), info.get("end")) == (
             "segment",
             str(piece.start),
@@ -108,46 +141,74 @@ class PieceFiles:
         agent_dir: Path,
         snapshot: CacheSnapshot,
         chain: list[str],
-        piece_range: PieceRange,
+        ranges: Sequence[PieceRange],
         tally: WriteTally,
-    ) -> Piece:
-        """Store tokens ``piece_range`` of ``snapshot`` as a block or segment; return the piece."""
-        start, end = piece_range.start, piece_range.end
-        tensors = piece_tensors(snapshot.layers, start, end)
-        piece: Piece
-        if piece_range.kind is PieceKind.BLOCK:
-            piece, written = self._store_block(
-                tensors,
-                model_tag=snapshot.model_tag,
-                block_hash=chain[start // BLOCK_TOKENS],
+    ) -> list[Piece]:
+        """Store tokens ``ranges`` of ``snapshot`` as blocks and segments; return the pieces in order."""
+        sources = blocked_sources(snapshot.layers)
+        layouts = {name: (array.dtype, array.shape) for name, array in sources.items()}
+        pieces: list[Piece] = []
+        for run in _runs(ranges):
+            start, tokens = run[0].start, run[0].end - run[0].start
+            layout = piece_layout(layouts, tokens)
+            if run[0].kind is PieceKind.BLOCK:
+                hashes = [chain[r.start // BLOCK_TOKENS] for r in run]
+                files = encode_run(
+                    sources,
+                    layout,
+                    start=start,
+                    count=len(run),
+                    tokens=tokens,
+                    info=lambda i, hashes=hashes: block_info(  # type: ignore[misc]
+                        model_tag=snapshot.model_tag, block_hash=hashes[i]
+                    ),
+                )
+                for piece_range, block_hash, file in zip(run, hashes, files, strict=True):
+                    piece, written = self._store_block(
+                        file,
+                        layout,
+                        model_tag=snapshot.model_tag,
+                        block_hash=block_hash,
+                        start=piece_range.start,
+                    )
+                    pieces.append(piece)
+                    tally.block_bytes += written
+                    tally.blocks_written += written > 0
+                    tally.tokens_written += tokens if written else 0
+                continue
+            end = run[0].end
+            info = segment_info(model_tag=snapshot.model_tag, start=start, end=end)
+            (file,) = encode_run(
+                sources,
+                layout,
                 start=start,
+                count=1,
+                tokens=tokens,
+                info=lambda _, info=info: info,  # type: ignore[misc]
             )
-            tally.block_bytes += written
-            tally.blocks_written += written > 0
-        else:
-            data = encode_segment(
-                tensors, model_tag=snapshot.model_tag, start=start, end=end
+            sha = header_sha256(file)
+            pieces.append(
+                SegmentPiece(
+                    name=segment_name(sha), start=start, end=end, sha256=sha, size=len(file)
+                )
             )
-            sha = sha256_hex(data)
-            piece = SegmentPiece(
-                name=segment_name(sha), start=start, end=end, sha256=sha, size=len(data)
-            )
-            written = self._store_own_file(agent_dir / piece.name, data)
+            written = self._store_own_file(agent_dir / segment_name(sha), file)
             tally.own_bytes += written
             tally.segments_written += written > 0
-        tally.tokens_written += (end - start) if written else 0
-        return piece
+            tally.tokens_written += tokens if written else 0
+        return pieces
 
     def write_state(self, agent_dir: Path, data: bytes, tally: WriteTally) -> StateRef:
         """Store the state file ``data`` (unless already there); return its ref."""
-        sha = sha256_hex(data)
+        sha = header_sha256(data)
         state = StateRef(name=state_name(sha), sha256=sha, size=len(data))
         tally.own_bytes += self._store_own_file(agent_dir / state.name, data)
         return state
 
     def _store_block(
         self,
-        tensors: dict[str, np.ndarray],
+        file: memoryview,
+        layout: FileLayout,
         *,
         model_tag: str,
         block_hash: str,
@@ -160,34 +221,32 @@ class PieceFiles:
         prefix slightly differently, e.g. batched vs alone); a damaged one is
         replaced.
         """
-        data, digest = encode_block(tensors, model_tag=model_tag, block_hash=block_hash)
 
-        def piece(content: bytes, content_digest: str) -> BlockPiece:
+        def piece(content: memoryview | bytes) -> BlockPiece:
             return BlockPiece(
                 name=block_hash,
                 start=start,
                 end=start + BLOCK_TOKENS,
-                sha256=sha256_hex(content),
+                sha256=header_sha256(content),
                 size=len(content),
-                tensor_sha256=content_digest,
             )
 
         path = self.block_path(block_hash)
         existing = read_regular_file(path)
         if existing is not None:
-            if existing == data:
-                return piece(data, digest), 0
+            if existing == file:
+                return piece(file), 0
             if block_is_intact(
-                existing, model_tag=model_tag, block_hash=block_hash, like=tensors
+                existing, model_tag=model_tag, block_hash=block_hash, like=layout
             ):
                 log.debug("reusing block %s whose bits differ from ours", block_hash)
-                return piece(existing, read_metadata(existing)["tensor_sha256"]), 0
+                return piece(existing), 0
             log.warning("block %s on disk is damaged; rewriting it", block_hash)
         ensure_private_dir(path.parent, fsync=self._fsync)
-        write_atomic(path, data, fsync=self._fsync)
-        return piece(data, digest), len(data)
+        write_atomic(path, file, fsync=self._fsync)
+        return piece(file), len(file)
 
-    def _store_own_file(self, path: Path, data: bytes) -> int:
+    def _store_own_file(self, path: Path, data: memoryview | bytes) -> int:
         """Write a content-named agent file unless it is there, intact; return the bytes written."""
         if regular_file_size(path) == len(data) and read_regular_file(path) == data:
             return 0
@@ -209,52 +268,121 @@ class PieceFiles:
 
     # -- read ----------------------------------------------------------------
 
-    def read_verified(self, agent_dir: Path, piece: Piece, *, model_tag: str) -> bytes:
-        """The bytes of ``piece``'s file if they have its size and SHA-256, else CorruptCacheError."""
-        if isinstance(piece, BlockPiece):
-            return self._read_verified(
-                self.block_path(piece.name),
-                piece.sha256,
-                piece.size,
-                model_tag=model_tag,
-                block_hash=piece.name,
-            )
-        return self._read_verified(agent_dir / piece.name, piece.sha256, piece.size)
-
-    def read_state(self, agent_dir: Path, state: StateRef) -> bytes:
-        """The bytes of the state file if they have its size and SHA-256, else CorruptCacheError."""
-        return self._read_verified(agent_dir / state.name, state.sha256, state.size)
-
-    def _read_verified(
+    def read_pieces(
         self,
-        path: Path,
-        sha256: str,
-        size: int,
+        agent_dir: Path,
+        pieces: Sequence[Piece],
+        use: UsePieces,
+        *,
+        model_tag: str,
+    ) -> None:
+        """Read the files of ``pieces`` back to back into one buffer and pass it to ``use``.
+
+        Each file is checked against its size and header checksum in the
+        manifest as it is read, while the kernel reads the later ones ahead
+        (:func:`~runtime.persist_files.open_regular_file`). The CRC-32 of each
+        file's data is computed on a helper thread (zlib releases the GIL)
+        while this one reads the next files and ``use`` copies them out, and
+        checked before this returns. A file that fails a check is handled as
+        :meth:`_reject` says (CorruptCacheError).
+        """
+        buffer = np.empty(sum(piece.size for piece in pieces), dtype=np.uint8)
+        whole = memoryview(buffer.data).cast("B")
+        with contextlib.ExitStack() as stack:
+            pool = stack.enter_context(
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-crc")
+            )
+            fds = []
+            for piece in pieces:
+                fd = open_regular_file(self.path(agent_dir, piece), size=piece.size)
+                if fd is not None:
+                    stack.callback(os.close, fd)
+                fds.append(fd)
+            parsed = []
+            crcs = []
+            position = 0
+            for piece, fd in zip(pieces, fds, strict=True):
+                view = whole[position : position + piece.size]
+                if fd is None or not read_exactly_into(fd, view):
+                    self._reject(agent_dir, piece, model_tag=model_tag)
+                header = self._parsed(agent_dir, piece, view, model_tag=model_tag)
+                crcs.append(pool.submit(crc32_hex, view[header.data_start :]))
+                parsed.append(header)
+                position += piece.size
+            use(buffer, parsed)
+            for piece, header, crc in zip(pieces, parsed, crcs, strict=True):
+                if crc.result() != header.info.get("data_crc32"):
+                    self._reject(agent_dir, piece, model_tag=model_tag)
+
+    def read_state(self, agent_dir: Path, state: StateRef) -> tuple[bytes, ParsedFile]:
+        """The bytes of the state file and its parsed header, if they match ``state``, else CorruptCacheError."""
+        fd = open_regular_file(agent_dir / state.name, size=state.size)
+        data = bytearray(state.size)
+        try:
+            if fd is None or not read_exactly_into(fd, memoryview(data)):
+                self._reject(agent_dir, state)
+        finally:
+            if fd is not None:
+                os.close(fd)
+        parsed = self._parsed(agent_dir, state, data)
+        if not data_is_intact(data, parsed):
+            self._reject(agent_dir, state)
+        return bytes(data), parsed
+
+    def _parsed(
+        self,
+        agent_dir: Path,
+        ref: Piece | StateRef,
+        data: memoryview | bytearray,
         *,
         model_tag: str | None = None,
-        block_hash: str | None = None,
-    ) -> bytes:
-        """The bytes of ``path`` if they have ``size`` and ``sha256``, else CorruptCacheError.
+    ) -> ParsedFile:
+        """The parsed header of ``data`` if it has ``ref``'s checksum (the data is not checked)."""
+        try:
+            parsed = parse_file(data)
+        except ValueError:
+            self._reject(agent_dir, ref, model_tag=model_tag)
+        if parsed.header_sha256 != ref.sha256:
+            self._reject(agent_dir, ref, model_tag=model_tag)
+        return parsed
+
+    def _reject(
+        self, agent_dir: Path, ref: Piece | StateRef, *, model_tag: str | None = None
+    ) -> NoReturn:
+        """Raise CorruptCacheError for a file that does not match ``ref``, removing it if damaged.
 
         A file that fails its own check is removed, so that the next save
-        rewrites it instead of trusting it: a block by its header's digest, an
-        agent file (``<kind>-<sha256>.safetensors``) by the hash in its name.
+        rewrites it instead of trusting it: a block by its header's metadata
+        and data CRC, an agent file (``<kind>-<sha256>.safetensors``) by the
+        checksum in its name and the CRC of its data. A file that is intact
+        but not the one the manifest lists stays.
         """
+        path = (
+            agent_dir / ref.name if isinstance(ref, StateRef) else self.path(agent_dir, ref)
+        )
         raw = read_regular_file(path)
         if raw is None:
             raise CorruptCacheError(f"{path.name} is missing")
-        actual = sha256_hex(raw)
-        if len(raw) == size and actual == sha256:
-            return raw
-        if model_tag is None or block_hash is None:
-            damaged = not path.name.endswith(f"-{actual}.safetensors")
-        else:
+        if isinstance(ref, BlockPiece) and model_tag is not None:
             damaged = not block_is_intact(
-                raw, model_tag=model_tag, block_hash=block_hash, like=None
+                raw, model_tag=model_tag, block_hash=ref.name, like=None
             )
+        else:
+            damaged = not _agent_file_is_intact(path.name, raw)
         if damaged:
             log.warning("removing damaged cache file %s", path)
             remove_file(path)
         raise CorruptCacheError(
             f"{path.name}: size or checksum differs from the manifest"
         )
+
+
+def _agent_file_is_intact(name: str, raw: bytes) -> bool:
+    """Whether an agent file has the checksum its name records and the data its header does."""
+    try:
+        parsed = parse_file(raw)
+    except ValueError:
+        return False
+    return name.endswith(f"-{parsed.header_sha256}.safetensors") and data_is_intact(
+        raw, parsed
+    )
