@@ -18,6 +18,7 @@ BENCHES = {
     "staggered": "agent B arrives 2 s after A: B TTFT and A slowdown, batched vs sequential (max_batch=1)",
     "multiturn": "3 turns on a 2K context through the gateway, with and without restarts",
     "fidelity": "PPL, KL, top-1, identical greedy continuations for float / Q8 / Q4 KV on real weights (disk round trip)",
+    "vs_mlx_lm": "6 agents x 4 rounds with a restart, same requests to mlx_lm.server and kvmem serve: TTFT per round, wall",
     "overhead": "E2E through HTTP gateway + actors vs runtime.generate directly",
     "attention_strategy": "at-rest vs native quantized SDPA (existing)",
     "batching": "system tok/s for 1, 2, 4, 8 agents (existing)",
