@@ -38,8 +38,10 @@ kinds and keys, meta, times, and the text, token ids and offsets compressed
 (about 6 bytes per token): the only thing rewritten in full every turn.
 ``<dir>`` is :func:`safe_agent_dirname` of the agent id.
 
-A save writes new blocks, segments and the state file first (temp file, fsync,
-rename, fsync dir), then replaces the manifest the same way, then removes the
+A save writes new blocks, segments and the state file first (temp files, then
+fsync them all, rename them all, fsync their directories: a
+:class:`~runtime.persist_files.AtomicBatch`), then replaces the manifest the
+same way (:func:`~runtime.persist_files.write_atomic`), then removes the
 agent's files the new manifest no longer lists. A kill at any point leaves the
 old manifest with everything it needs, or the new one. Loads verify sizes,
 checksums, the hash chain, contiguity and every shape against the manifest,
@@ -69,6 +71,7 @@ import numpy as np
 from runtime.errors import CacheMiss, CorruptCacheError, FormatVersionError
 from runtime.persist_codec import read_tensor_entries
 from runtime.persist_files import (
+    AtomicBatch,
     ensure_private_dir,
     fsync_dir,
     read_header,
@@ -251,19 +254,23 @@ class CacheDirectory:
             for kept in plan.reuse
         ]
         wanted += plan.write
-        written = iter(
-            self._files.write(
-                agent_dir,
-                snapshot,
-                chain,
-                [item for item in wanted if isinstance(item, PieceRange)],
-                tally,
+        with AtomicBatch(fsync=self._fsync) as batch:
+            written = iter(
+                self._files.write(
+                    agent_dir,
+                    snapshot,
+                    chain,
+                    [item for item in wanted if isinstance(item, PieceRange)],
+                    tally,
+                    batch,
+                )
             )
-        )
-        pieces = [
-            next(written) if isinstance(item, PieceRange) else item for item in wanted
-        ]
-        state = self._files.write_state(agent_dir, state_data, tally)
+            pieces = [
+                next(written) if isinstance(item, PieceRange) else item
+                for item in wanted
+            ]
+            state = self._files.write_state(agent_dir, state_data, tally, batch)
+            batch.commit()
 
         now = time.time()
         manifest = Manifest(
@@ -382,8 +389,11 @@ class CacheDirectory:
             manifest,
             contents,
             state=state,
-            read_pieces=lambda pieces, use: self._files.read_pieces(
-                agent_dir, pieces, use, model_tag=model_tag
+            read_pieces=lambda pieces: self._files.read_pieces(
+                agent_dir, pieces, model_tag=model_tag
+            ),
+            reject=lambda piece: self._files.reject(
+                agent_dir, piece, model_tag=model_tag
             ),
         )
 

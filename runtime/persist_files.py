@@ -26,6 +26,7 @@ __all__ = [
     "ensure_private_dir",
     "fsync_dir",
     "write_atomic",
+    "AtomicBatch",
     "read_regular_file",
     "open_regular_file",
     "read_exactly_into",
@@ -124,6 +125,86 @@ def write_atomic(path: Path, data: bytes | memoryview, *, fsync: bool) -> None:
         raise
     if fsync:
         fsync_dir(path.parent)
+
+
+class AtomicBatch:
+    """Files written as :func:`write_atomic` writes one, but made durable together.
+
+    :meth:`write` writes ``<name>.<random>.tmp`` and has the kernel start
+    writing it back at once (``POSIX_FADV_DONTNEED`` starts writeback of dirty
+    pages and drops none of them, the fallback PostgreSQL uses where
+    ``sync_file_range`` is missing); :meth:`commit` fsyncs every temporary
+    file, renames each over its name, then fsyncs each directory involved once.
+    Syncing file by file instead waits for each file's writeback and journal
+    commit in turn, and for its directory's: a third of a save's time for a
+    large cache. A crash still leaves every name old or new and whole, and
+    nothing written by an uncommitted batch in place.
+
+    Use as a context manager: an ordinary exception removes the temporary
+    files (a kill leaves them to :func:`remove_temp_files`). At most
+    ``max_pending`` files wait for a commit; more commit the earlier ones, so a
+    caller must not rely on a name staying old until :meth:`commit`.
+    """
+
+    def __init__(self, *, fsync: bool, max_pending: int = 64) -> None:
+        self._fsync = fsync
+        self._max_pending = max_pending
+        self._pending: list[tuple[int, Path, Path]] = []
+        self._dirs: dict[Path, None] = {}
+
+    def __enter__(self) -> AtomicBatch:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        pending, self._pending = self._pending, []
+        for fd, tmp, _path in pending:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            if kind is not None and issubclass(kind, Exception):
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    def ensure_dir(self, path: Path) -> None:
+        """Create ``path`` like :func:`ensure_private_dir`; its entry is made durable on commit."""
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                return
+        except FileNotFoundError:
+            pass
+        ensure_private_dir(path, fsync=False)
+        self._dirs[path.parent] = None
+
+    def write(self, path: Path, data: bytes | memoryview) -> None:
+        """Write ``data`` to a temporary file that :meth:`commit` renames to ``path``."""
+        if len(self._pending) >= self._max_pending:
+            self.commit()
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
+        fd = os.open(tmp, _WRITE_FLAGS, FILE_MODE)
+        self._pending.append((fd, tmp, path))
+        view = memoryview(data).cast("B")
+        written = 0
+        while written < len(view):
+            written += os.write(fd, view[written:])
+        if self._fsync and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def commit(self) -> None:
+        """Make every file written so far durable under its name."""
+        if self._fsync:
+            for fd, _, _ in self._pending:
+                os.fsync(fd)
+        while self._pending:
+            fd, tmp, path = self._pending[0]
+            os.close(fd)
+            self._pending[0] = (-1, tmp, path)
+            _clear_target(path)
+            os.replace(tmp, path)
+            self._pending.pop(0)
+            self._dirs[path.parent] = None
+        if self._fsync:
+            for directory in self._dirs:
+                fsync_dir(directory)
+        self._dirs.clear()
 
 
 def read_regular_file(path: Path) -> bytes | None:

@@ -237,8 +237,13 @@ def state_name(sha256: str) -> str:
 # -- packed manifest fields ----------------------------------------------------------
 
 
+_ZLIB_LEVEL = 1
+"""The manifest is compressed on every save: level 9 costs ~70 ms at 16K tokens
+for ~10% fewer bytes than level 1 (~4 ms)."""
+
+
 def _pack(raw: bytes) -> str:
-    return base64.b64encode(zlib.compress(raw, 9)).decode("ascii")
+    return base64.b64encode(zlib.compress(raw, _ZLIB_LEVEL)).decode("ascii")
 
 
 def _unpack(packed: str, *, max_bytes: int | None = None) -> bytes:

@@ -7,10 +7,11 @@ pieces). Every check raises a :class:`~runtime.errors.CacheMiss` subclass.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import numpy as np
@@ -20,6 +21,7 @@ from runtime.persist_codec import (
     FileLayout,
     ParsedFile,
     copy_run,
+    crc32_hex,
     data_is_intact,
     decode_arrays,
     dtype_of_code,
@@ -46,6 +48,9 @@ from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapsh
 
 __all__ = [
     "LOAD_CHUNK_BYTES",
+    "RUN_FILES",
+    "ReadFile",
+    "chunks",
     "decode_manifest",
     "decode_block_list",
     "block_is_intact",
@@ -59,17 +64,9 @@ _probe_decoder = msgspec.json.Decoder(FormatProbe)
 _block_list_decoder = msgspec.json.Decoder(BlockListProbe)
 
 
-LOAD_CHUNK_BYTES = 64 << 20
+LOAD_CHUNK_BYTES = 32 << 20
 """Piece bytes a load reads into one buffer before copying them out (bounds its extra memory)."""
 
-UsePieces = Callable[[np.ndarray, list[ParsedFile]], None]
-ReadPieces = Callable[[Sequence[Piece], UsePieces], None]
-"""Reads pieces' files back to back into one buffer and hands it to a :data:`UsePieces`.
-
-Each file's size and header checksum are checked before, the CRC of its data
-may be checked while or after the buffer is used: a failure raises
-CorruptCacheError all the same, and the caller discards what it built.
-"""
 
 
 def decode_manifest(data: bytes) -> Manifest:
@@ -239,7 +236,7 @@ def _check_piece_metadata(
         )
 
 
-def _chunks(pieces: Sequence[Piece]) -> list[Sequence[Piece]]:
+def chunks(pieces: Sequence[Piece]) -> list[Sequence[Piece]]:
     """``pieces`` cut into consecutive chunks of about LOAD_CHUNK_BYTES (at least one piece each)."""
     chunks: list[Sequence[Piece]] = []
     first, size = 0, 0
@@ -298,21 +295,58 @@ def _read_state(
     return {name: arrays[name] for name in sliding}, blocked
 
 
+@dataclass(frozen=True)
+class ReadFile:
+    """A piece's file as read into a buffer that holds several files back to back.
+
+    Its size and header checksum are checked; the CRC of its data is not yet.
+    """
+
+    piece: Piece
+    buffer: np.ndarray
+    position: int
+    header: ParsedFile
+
+    @property
+    def data(self) -> np.ndarray:
+        return self.buffer[self.position + self.header.data_start : self.position + self.piece.size]
+
+    def follows(self, other: ReadFile) -> bool:
+        """Whether this file lies right after ``other`` in its buffer with the same layout."""
+        return (
+            self.buffer is other.buffer
+            and self.position == other.position + other.piece.size
+            and self.piece.size == other.piece.size
+            and self.piece.end - self.piece.start == other.piece.end - other.piece.start
+            and self.header.data_start == other.header.data_start
+        )
+
+
+RUN_FILES = 8
+"""Files copied out in one job: large enough that the per-tensor cost of a
+copy is spread, small enough that copying starts while later files are read."""
+
+
 def assemble_snapshot(
     manifest: Manifest,
     contents: ManifestContents,
     *,
     state: tuple[bytes, ParsedFile],
-    read_pieces: ReadPieces,
+    read_pieces: Callable[[Sequence[Piece]], Generator[ReadFile, None, None]],
+    reject: Callable[[Piece], NoReturn],
 ) -> CacheSnapshot:
-    """Rebuild the snapshot from the checked state file and the pieces, read a chunk at a time.
+    """Rebuild the snapshot from the checked state file and the pieces' files.
 
-    Blocked arrays are allocated from the state file's zero-token layouts and
-    filled chunk by chunk (one strided copy per tensor for each run of files
-    with one layout), so memory peaks at the result plus one chunk.
+    Blocked arrays are allocated from the state file's zero-token layouts.
+    ``read_pieces`` yields each file as it is read (the kernel reads the later
+    ones ahead); this thread checks its metadata and layout, and a helper
+    thread computes the CRC of its data and copies runs of consecutive files
+    of one layout into the arrays, one strided copy per tensor (zlib and
+    numpy release the GIL). A file whose data fails its CRC is passed to
+    ``reject``, which raises.
 
     Raises:
-        CorruptCacheError: a file's metadata, tensor set, dtype or shape
+        CorruptCacheError: a file's metadata, tensor set, dtype, shape or data
             contradicts the manifest or the layer layouts.
     """
     num_tokens = manifest.num_tokens
@@ -320,10 +354,31 @@ def assemble_snapshot(
     out |= _allocate(blocked, num_tokens)
     layouts: dict[int, FileLayout] = {}
 
-    def use(chunk: Sequence[Piece], buffer: np.ndarray, parsed: list[ParsedFile]) -> None:
-        position = 0
-        run: list[tuple[Piece, int, ParsedFile]] = []
-        for piece, header in zip(chunk, parsed, strict=True):
+    def copy(run: list[ReadFile]) -> None:
+        first = run[0]
+        tokens = first.piece.end - first.piece.start
+        copy_run(
+            first.buffer,
+            first=first.position,
+            count=len(run),
+            file_size=first.piece.size,
+            data_start=first.header.data_start,
+            layout=layouts[tokens],
+            targets=out,
+            start=first.piece.start,
+            tokens=tokens,
+        )
+
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(
+            ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvmem-load")
+        )
+        files = stack.enter_context(contextlib.closing(read_pieces(manifest.pieces)))
+        crcs: list[tuple[ReadFile, Future[str]]] = []
+        copies: list[Future[None]] = []
+        run: list[ReadFile] = []
+        for file in files:
+            piece, header = file.piece, file.header
             tokens = piece.end - piece.start
             layout = layouts.get(tokens)
             if layout is None:
@@ -333,16 +388,18 @@ def assemble_snapshot(
                 raise CorruptCacheError(
                     f"{piece.name} tensors do not match the manifest's layers"
                 )
-            if run and not _extends(run[-1], piece, header):
-                _copy(buffer, run, layouts, out)
+            crcs.append((file, pool.submit(crc32_hex, file.data)))
+            if run and (len(run) == RUN_FILES or not file.follows(run[-1])):
+                copies.append(pool.submit(copy, run))
                 run = []
-            run.append((piece, position, header))
-            position += piece.size
+            run.append(file)
         if run:
-            _copy(buffer, run, layouts, out)
-
-    for chunk in _chunks(manifest.pieces):
-        read_pieces(chunk, functools.partial(use, chunk))
+            copies.append(pool.submit(copy, run))
+        for done in copies:
+            done.result()
+        for file, crc in crcs:
+            if crc.result() != file.header.info.get("data_crc32"):
+                reject(file.piece)
 
     layers = []
     for index, record in enumerate(manifest.layers):
@@ -387,34 +444,3 @@ def _allocate(
         arrays[name] = arena[position : position + sizes[name]].view(dtype).reshape(shape)
         position += -(-sizes[name] // 64) * 64
     return arrays
-
-
-def _extends(last: tuple[Piece, int, ParsedFile], piece: Piece, header: ParsedFile) -> bool:
-    """Whether ``piece`` lies right after ``last`` in the buffer with the same size and layout."""
-    previous, _, previous_header = last
-    return (
-        previous.size == piece.size
-        and previous.end - previous.start == piece.end - piece.start
-        and previous_header.data_start == header.data_start
-    )
-
-
-def _copy(
-    buffer: np.ndarray,
-    run: list[tuple[Piece, int, ParsedFile]],
-    layouts: dict[int, FileLayout],
-    out: dict[str, np.ndarray],
-) -> None:
-    first, position, header = run[0]
-    tokens = first.end - first.start
-    copy_run(
-        buffer,
-        first=position,
-        count=len(run),
-        file_size=first.size,
-        data_start=header.data_start,
-        layout=layouts[tokens],
-        targets=out,
-        start=first.start,
-        tokens=tokens,
-    )

@@ -12,8 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -24,21 +23,19 @@ from runtime.errors import CorruptCacheError
 from runtime.persist_codec import (
     FileLayout,
     ParsedFile,
-    crc32_hex,
     data_is_intact,
     encode_run,
     header_sha256,
     parse_file,
 )
 from runtime.persist_files import (
-    ensure_private_dir,
+    AtomicBatch,
     open_regular_file,
     read_exactly_into,
     read_header,
     read_regular_file,
     regular_file_size,
     remove_file,
-    write_atomic,
 )
 from runtime.persist_format import (
     AGENT_FILE_NAME,
@@ -53,7 +50,7 @@ from runtime.persist_format import (
     segment_name,
     state_name,
 )
-from runtime.persist_load import UsePieces, block_is_intact
+from runtime.persist_load import ReadFile, block_is_intact, chunks
 from runtime.persist_plan import PieceKind, PieceRange
 from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot
 
@@ -143,8 +140,9 @@ class PieceFiles:
         chain: list[str],
         ranges: Sequence[PieceRange],
         tally: WriteTally,
+        batch: AtomicBatch,
     ) -> list[Piece]:
-        """Store tokens ``ranges`` of ``snapshot`` as blocks and segments; return the pieces in order."""
+        """Store tokens ``ranges`` of ``snapshot`` as blocks and segments in ``batch``; return the pieces in order."""
         sources = blocked_sources(snapshot.layers)
         layouts = {name: (array.dtype, array.shape) for name, array in sources.items()}
         pieces: list[Piece] = []
@@ -170,6 +168,7 @@ class PieceFiles:
                         model_tag=snapshot.model_tag,
                         block_hash=block_hash,
                         start=piece_range.start,
+                        batch=batch,
                     )
                     pieces.append(piece)
                     tally.block_bytes += written
@@ -192,17 +191,19 @@ class PieceFiles:
                     name=segment_name(sha), start=start, end=end, sha256=sha, size=len(file)
                 )
             )
-            written = self._store_own_file(agent_dir / segment_name(sha), file)
+            written = self._store_own_file(agent_dir / segment_name(sha), file, batch)
             tally.own_bytes += written
             tally.segments_written += written > 0
             tally.tokens_written += tokens if written else 0
         return pieces
 
-    def write_state(self, agent_dir: Path, data: bytes, tally: WriteTally) -> StateRef:
-        """Store the state file ``data`` (unless already there); return its ref."""
+    def write_state(
+        self, agent_dir: Path, data: bytes, tally: WriteTally, batch: AtomicBatch
+    ) -> StateRef:
+        """Store the state file ``data`` in ``batch`` (unless already there); return its ref."""
         sha = header_sha256(data)
         state = StateRef(name=state_name(sha), sha256=sha, size=len(data))
-        tally.own_bytes += self._store_own_file(agent_dir / state.name, data)
+        tally.own_bytes += self._store_own_file(agent_dir / state.name, data, batch)
         return state
 
     def _store_block(
@@ -213,6 +214,7 @@ class PieceFiles:
         model_tag: str,
         block_hash: str,
         start: int,
+        batch: AtomicBatch,
     ) -> tuple[BlockPiece, int]:
         """Make sure the block is on disk; return its piece and the bytes written.
 
@@ -242,15 +244,16 @@ class PieceFiles:
                 log.debug("reusing block %s whose bits differ from ours", block_hash)
                 return piece(existing), 0
             log.warning("block %s on disk is damaged; rewriting it", block_hash)
-        ensure_private_dir(path.parent, fsync=self._fsync)
-        write_atomic(path, file, fsync=self._fsync)
+        batch.ensure_dir(path.parent)
+        batch.write(path, file)
         return piece(file), len(file)
 
-    def _store_own_file(self, path: Path, data: memoryview | bytes) -> int:
+    @staticmethod
+    def _store_own_file(path: Path, data: memoryview | bytes, batch: AtomicBatch) -> int:
         """Write a content-named agent file unless it is there, intact; return the bytes written."""
         if regular_file_size(path) == len(data) and read_regular_file(path) == data:
             return 0
-        write_atomic(path, data, fsync=self._fsync)
+        batch.write(path, data)
         return len(data)
 
     @staticmethod
@@ -269,50 +272,43 @@ class PieceFiles:
     # -- read ----------------------------------------------------------------
 
     def read_pieces(
-        self,
-        agent_dir: Path,
-        pieces: Sequence[Piece],
-        use: UsePieces,
-        *,
-        model_tag: str,
-    ) -> None:
-        """Read the files of ``pieces`` back to back into one buffer and pass it to ``use``.
+        self, agent_dir: Path, pieces: Sequence[Piece], *, model_tag: str
+    ) -> Generator[ReadFile, None, None]:
+        """Read the files of ``pieces`` in order, yielding each as soon as it is read.
 
-        Each file is checked against its size and header checksum in the
-        manifest as it is read, while the kernel reads the later ones ahead
-        (:func:`~runtime.persist_files.open_regular_file`). The CRC-32 of each
-        file's data is computed on a helper thread (zlib releases the GIL)
-        while this one reads the next files and ``use`` copies them out, and
-        checked before this returns. A file that fails a check is handled as
-        :meth:`_reject` says (CorruptCacheError).
+        Files are read a chunk at a time (:data:`~runtime.persist_load.LOAD_CHUNK_BYTES`)
+        into one buffer per chunk. Opening a chunk's files, and the next
+        chunk's, starts the kernel reading all of them ahead
+        (:func:`~runtime.persist_files.open_regular_file`), so the disk works
+        while the caller checks and copies the first ones.
+        Each file is checked against its size and header checksum; one that
+        fails is handled as :meth:`reject` says. The caller checks the CRC of
+        the data and closes the iterator.
         """
-        buffer = np.empty(sum(piece.size for piece in pieces), dtype=np.uint8)
-        whole = memoryview(buffer.data).cast("B")
-        with contextlib.ExitStack() as stack:
-            pool = stack.enter_context(
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-crc")
-            )
-            fds = []
-            for piece in pieces:
-                fd = open_regular_file(self.path(agent_dir, piece), size=piece.size)
+        parts = chunks(pieces)
+        for index, chunk in enumerate(parts):
+            for ahead in parts[index + 1] if index + 1 < len(parts) else ():
+                # Read ahead one chunk more: the disk stays busy across chunks.
+                fd = open_regular_file(self.path(agent_dir, ahead), size=ahead.size)
                 if fd is not None:
-                    stack.callback(os.close, fd)
-                fds.append(fd)
-            parsed = []
-            crcs = []
-            position = 0
-            for piece, fd in zip(pieces, fds, strict=True):
-                view = whole[position : position + piece.size]
-                if fd is None or not read_exactly_into(fd, view):
-                    self._reject(agent_dir, piece, model_tag=model_tag)
-                header = self._parsed(agent_dir, piece, view, model_tag=model_tag)
-                crcs.append(pool.submit(crc32_hex, view[header.data_start :]))
-                parsed.append(header)
-                position += piece.size
-            use(buffer, parsed)
-            for piece, header, crc in zip(pieces, parsed, crcs, strict=True):
-                if crc.result() != header.info.get("data_crc32"):
-                    self._reject(agent_dir, piece, model_tag=model_tag)
+                    os.close(fd)
+            buffer = np.empty(sum(piece.size for piece in chunk), dtype=np.uint8)
+            whole = memoryview(buffer.data).cast("B")
+            with contextlib.ExitStack() as stack:
+                fds = []
+                for piece in chunk:
+                    fd = open_regular_file(self.path(agent_dir, piece), size=piece.size)
+                    if fd is not None:
+                        stack.callback(os.close, fd)
+                    fds.append(fd)
+                position = 0
+                for piece, fd in zip(chunk, fds, strict=True):
+                    view = whole[position : position + piece.size]
+                    if fd is None or not read_exactly_into(fd, view):
+                        self.reject(agent_dir, piece, model_tag=model_tag)
+                    header = self._parsed(agent_dir, piece, view, model_tag=model_tag)
+                    yield ReadFile(piece, buffer, position, header)
+                    position += piece.size
 
     def read_state(self, agent_dir: Path, state: StateRef) -> tuple[bytes, ParsedFile]:
         """The bytes of the state file and its parsed header, if they match ``state``, else CorruptCacheError."""
@@ -320,13 +316,13 @@ class PieceFiles:
         data = bytearray(state.size)
         try:
             if fd is None or not read_exactly_into(fd, memoryview(data)):
-                self._reject(agent_dir, state)
+                self.reject(agent_dir, state)
         finally:
             if fd is not None:
                 os.close(fd)
         parsed = self._parsed(agent_dir, state, data)
         if not data_is_intact(data, parsed):
-            self._reject(agent_dir, state)
+            self.reject(agent_dir, state)
         return bytes(data), parsed
 
     def _parsed(
@@ -341,12 +337,12 @@ class PieceFiles:
         try:
             parsed = parse_file(data)
         except ValueError:
-            self._reject(agent_dir, ref, model_tag=model_tag)
+            self.reject(agent_dir, ref, model_tag=model_tag)
         if parsed.header_sha256 != ref.sha256:
-            self._reject(agent_dir, ref, model_tag=model_tag)
+            self.reject(agent_dir, ref, model_tag=model_tag)
         return parsed
 
-    def _reject(
+    def reject(
         self, agent_dir: Path, ref: Piece | StateRef, *, model_tag: str | None = None
     ) -> NoReturn:
         """Raise CorruptCacheError for a file that does not match ``ref``, removing it if damaged.
