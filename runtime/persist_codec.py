@@ -24,11 +24,12 @@ strided numpy assignment for the whole run, however many blocks it spans.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,27 +122,19 @@ class FileLayout:
 
     @classmethod
     def of(cls, tensors: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> FileLayout:
-        """The canonical layout of tensors given as ``name -> (dtype, shape)``."""
-        dtypes = {name: np.dtype(dtype).newbyteorder("<") for name, (dtype, _) in tensors.items()}
-        order = sorted(tensors, key=lambda name: (-dtypes[name].itemsize, name))
-        entries: dict[str, dict[str, Any]] = {}
-        offsets: dict[str, int] = {}
-        position = 0
-        for name in order:
-            shape = tuple(tensors[name][1])
+        """The canonical layout of tensors given as ``name -> (dtype, shape)`` (ValueError if a shape is not one).
+
+        Layouts are memoized: every load and save of a model asks for the same few.
+        """
+        for name, (_, shape) in tensors.items():
             if not all(isinstance(size, int | np.integer) and size >= 0 for size in shape):
                 raise ValueError(f"tensor {name} has shape {shape}")
-            shape = tuple(int(size) for size in shape)
-            nbytes = math.prod(shape) * dtypes[name].itemsize
-            entries[name] = {
-                "dtype": _code(dtypes[name]),
-                "shape": list(shape),
-                "data_offsets": [position, position + nbytes],
-            }
-            offsets[name] = position
-            position += nbytes
-        shapes = {name: tuple(tensors[name][1]) for name in order}
-        return cls(entries, {n: dtypes[n] for n in order}, shapes, offsets, position)
+        return _layout(
+            tuple(
+                (name, np.dtype(dtype).newbyteorder("<").str, tuple(int(size) for size in shape))
+                for name, (dtype, shape) in tensors.items()
+            )
+        )
 
     def header(self, info: Mapping[str, str]) -> bytes:
         """The length prefix and padded JSON header of a file with metadata ``info``."""
@@ -149,6 +142,32 @@ class FileLayout:
         body = _encoder.encode({"__metadata__": metadata, **self.entries})
         body += b" " * (-len(body) % 8)
         return len(body).to_bytes(8, "little") + body
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(tensors: tuple[tuple[str, str, tuple[int, ...]], ...]) -> FileLayout:
+    dtypes = {name: np.dtype(code) for name, code, _ in tensors}
+    shapes = {name: shape for name, _, shape in tensors}
+    order = sorted(dtypes, key=lambda name: (-dtypes[name].itemsize, name))
+    entries: dict[str, dict[str, Any]] = {}
+    offsets: dict[str, int] = {}
+    position = 0
+    for name in order:
+        nbytes = math.prod(shapes[name]) * dtypes[name].itemsize
+        entries[name] = {
+            "dtype": _code(dtypes[name]),
+            "shape": list(shapes[name]),
+            "data_offsets": [position, position + nbytes],
+        }
+        offsets[name] = position
+        position += nbytes
+    return FileLayout(
+        entries,
+        {name: dtypes[name] for name in order},
+        {name: shapes[name] for name in order},
+        offsets,
+        position,
+    )
 
 
 class _MetadataOnly(msgspec.Struct):
@@ -325,12 +344,16 @@ def encode_run(
     return files
 
 
-def decode_arrays(data: Any, parsed: ParsedFile, layout: FileLayout) -> dict[str, np.ndarray]:
-    """Copies of the tensors of a file whose parsed table equals ``layout``'s."""
+def decode_arrays(
+    data: Any, parsed: ParsedFile, layout: FileLayout, names: Iterable[str]
+) -> dict[str, np.ndarray]:
+    """Copies of tensors ``names`` of a file whose header :meth:`~ParsedFile.matches` ``layout``."""
     buffer = np.frombuffer(data, dtype=np.uint8)
     return {
-        name: _view(buffer, parsed.data_start + offset, layout.dtypes[name], layout.shapes[name]).copy()
-        for name, offset in layout.offsets.items()
+        name: _view(
+            buffer, parsed.data_start + layout.offsets[name], layout.dtypes[name], layout.shapes[name]
+        ).copy()
+        for name in names
     }
 
 

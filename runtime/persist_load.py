@@ -8,6 +8,7 @@ pieces). Every check raises a :class:`~runtime.errors.CacheMiss` subclass.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -291,8 +292,7 @@ def _read_state(
             raise CorruptCacheError(f"state holds tokens of blocked tensor {name}")
         else:
             blocked[name] = (layout.dtypes[name], shape)
-    arrays = decode_arrays(state, parsed, layout)
-    return {name: arrays[name] for name in sliding}, blocked
+    return decode_arrays(state, parsed, layout, sliding), blocked
 
 
 @dataclass(frozen=True)
@@ -433,8 +433,7 @@ def _allocate(
         for name, (dtype, shape) in blocked.items()
     }
     sizes = {
-        name: int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        for name, (dtype, shape) in shapes.items()
+        name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in shapes.items()
     }
     # Each array starts on a 64-byte boundary, as numpy's own allocations do.
     arena = np.empty(sum(-(-size // 64) * 64 for size in sizes.values()), dtype=np.uint8)
