@@ -293,15 +293,17 @@ def _view(
 
 def _run_slice(source: np.ndarray, start: int, count: int, tokens: int) -> np.ndarray:
     """Tokens ``start : start + count * tokens`` of ``(H, T, ...)`` as ``(count, H, tokens, ...)``."""
-    part = source[:, start : start + count * tokens]
-    heads, token_stride, *inner = part.strides
-    split = np.lib.stride_tricks.as_strided(
-        part,
-        shape=(part.shape[0], count, tokens, *part.shape[2:]),
-        strides=(heads, tokens * token_stride, token_stride, *inner),
-        writeable=part.flags.writeable,
+    heads, token_stride, *inner = source.strides
+    shape = (count, source.shape[0], tokens, *source.shape[2:])
+    strides = (tokens * token_stride, heads, token_stride, *inner)
+    if source.flags.c_contiguous:  # the fast way to make the view, ~1/3 of as_strided's cost
+        return np.ndarray(
+            shape, dtype=source.dtype, buffer=source, offset=start * token_stride, strides=strides
+        )
+    part = source[:, start:]
+    return np.lib.stride_tricks.as_strided(
+        part, shape=shape, strides=strides, writeable=part.flags.writeable
     )
-    return split.swapaxes(0, 1)
 
 
 def encode_run(

@@ -65,8 +65,13 @@ _probe_decoder = msgspec.json.Decoder(FormatProbe)
 _block_list_decoder = msgspec.json.Decoder(BlockListProbe)
 
 
-LOAD_CHUNK_BYTES = 32 << 20
-"""Piece bytes a load reads into one buffer before copying them out (bounds its extra memory)."""
+LOAD_CHUNK_BYTES = 16 << 20
+"""Piece bytes a load reads into one buffer before copying them out.
+
+Bounds a load's extra memory, and stays below glibc's largest mmap threshold
+(32 MiB) so that each chunk's buffer reuses heap memory freed by the one before
+instead of fresh pages the kernel must zero (measured: a third less system
+time than 32 MiB chunks at 16K tokens)."""
 
 
 
