@@ -234,7 +234,7 @@ class MlxEngine:
     def _leave(self, request_id: int) -> Sequence:
         seq = self._seqs.pop(request_id)
         self._ids.pop(id(seq), None)
-        if any(member is seq for member in self._batch.members):
+        if seq in self._batch:
             self._batch.remove(seq)
         return seq
 

@@ -42,37 +42,60 @@ def batch_cache_class(cache: Any) -> Any:
 
 
 class DecodeBatch:
-    """The running batch of sequences that have finished prefill."""
+    """The running batch of sequences that have finished prefill.
+
+    Sequences that :meth:`add` joins wait in ``pending`` until the next
+    :meth:`step_once`, which merges all of them in one go: growing the batch
+    copies every member's cache, so several joins between two steps cost one
+    copy instead of one per join. :meth:`remove` of the last row is a view.
+    """
 
     def __init__(self) -> None:
         self.members: list[Sequence] = []
         self.caches: list[Any] = []
+        self.pending: list[Sequence] = []
 
     def __len__(self) -> int:
-        return len(self.members)
+        return len(self.members) + len(self.pending)
+
+    def __contains__(self, seq: object) -> bool:
+        return any(s is seq for s in (*self.members, *self.pending))
 
     def add(self, seq: Sequence) -> None:
-        """Merge a prefilled sequence into the batch (its caches move in)."""
+        """Join a prefilled sequence; its caches move in at the next step."""
         if seq.next_input is None:
             raise ValueError("only sequences with a pending input token can join a batch")
-        merged = [batch_cache_class(c).merge([c]) for c in seq.kv.caches]
+        self.pending.append(seq)
+
+    def _merge_pending(self) -> None:
+        if not self.pending:
+            return
+        joining, self.pending = self.pending, []
+        merged = [
+            batch_cache_class(layer[0]).merge(list(layer))
+            for layer in zip(*(s.kv.caches for s in joining), strict=True)
+        ]
         if not self.members:
             self.caches = merged
         else:
             for mine, theirs in zip(self.caches, merged, strict=True):
                 mine.extend(theirs)
-        self.members.append(seq)
-        seq.kv.caches = []
+        self.members.extend(joining)
+        for seq in joining:
+            seq.kv.caches = []
 
     def remove(self, seq: Sequence) -> None:
         """Extract ``seq``'s caches back into it and drop it from the batch."""
+        if any(p is seq for p in self.pending):
+            self.pending = [p for p in self.pending if p is not seq]
+            return
         idx = self.members.index(seq)
         seq.kv.caches = [c.extract(idx) for c in self.caches]
         keep = [i for i in range(len(self.members)) if i != idx]
         self.members.pop(idx)
         if self.members:
             for c in self.caches:
-                c.filter(keep)
+                _keep_rows(c, keep)
         else:
             self.caches = []
 
@@ -82,6 +105,7 @@ class DecodeBatch:
         Finished sequences stay in the batch until :meth:`remove`; callers remove
         them after reading the step's results.
         """
+        self._merge_pending()
         if not self.members:
             return []
         inputs = mx.array([[s.next_input] for s in self.members])
@@ -94,7 +118,31 @@ class DecodeBatch:
         return [(s, s.accept(t)) for s, t in zip(self.members, tokens.tolist(), strict=True)]
 
 
+def _keep_rows(cache: Any, keep: list[int]) -> None:
+    """``cache.filter(keep)``, but a view instead of a gather when ``keep`` is a prefix."""
+    if type(cache) is BatchKVCache and keep == list(range(len(keep))) and cache.keys is not None:
+        n = len(keep)
+        cache.keys, cache.values = cache.keys[:n], cache.values[:n]
+        cache.offset, cache.left_padding = cache.offset[:n], cache.left_padding[:n]
+        shared = min(cache.left_padding.tolist())
+        if shared > 0:
+            cache.keys = cache.keys[..., shared:, :]
+            cache.values = cache.values[..., shared:, :]
+            cache._idx -= shared
+            cache.left_padding = cache.left_padding - shared
+        return
+    cache.filter(keep)
+
+
 def _sample_rows(members: list[Sequence], logits: mx.array) -> mx.array:
-    if all(s.params.greedy for s in members):
+    """One token per row; greedy rows share one argmax, the others sample alone."""
+    greedy = [s.params.greedy and not s.params.logit_bias for s in members]
+    if all(greedy):
         return members[0].sample(logits)
-    return mx.concatenate([s.sample(logits[i : i + 1]) for i, s in enumerate(members)])
+    rows = [
+        None if g else s.sample(logits[i : i + 1]) for i, (s, g) in enumerate(zip(members, greedy, strict=True))
+    ]
+    if any(greedy):
+        best = members[greedy.index(True)].sample(logits)
+        rows = [best[i : i + 1] if r is None else r for i, r in enumerate(rows)]
+    return mx.concatenate([r for r in rows if r is not None])

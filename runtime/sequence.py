@@ -145,6 +145,9 @@ class Sequence:
         limit = self.lm.vocab_limit
         if logits.shape[-1] > limit:
             logits = logits[..., :limit]
+        if self.params.greedy and not self.params.logit_bias:
+            # Normalizing would not move the argmax, and a full-vocab exp per row is costly on CPU.
+            return mx.argmax(logits, axis=-1)
         if self.params.logit_bias:
             ids = [i for i in self.params.logit_bias if 0 <= i < limit]
             bias = mx.zeros((limit,), dtype=logits.dtype)

@@ -124,9 +124,10 @@ def test_warm_cache_from_disk_is_bit_identical_to_hot(arch, strategy, tmp_path):
     assert hot_seq.generated == warm_seq.generated
 
 
+@pytest.mark.parametrize("joins", ["staggered", "at-once"])
 @pytest.mark.parametrize("strategy", ["at-rest", "native"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_batched_decode_matches_each_sequence_alone(arch, strategy):
+def test_batched_decode_matches_each_sequence_alone(arch, strategy, joins):
     lm = tiny(arch, bits=4)
     first = _turn_one(lm, strategy)
     _, p2 = _prompts(lm, first.reply)
@@ -150,12 +151,14 @@ def test_batched_decode_matches_each_sequence_alone(arch, strategy):
         together.append(seq)
         if seq.next_input is not None:
             batch.add(seq)
-        batch.step_once()  # later sequences join a batch that is already decoding
-        for s in [s for s in batch.members if s.finish_reason]:
-            batch.remove(s)
+        if joins == "staggered":
+            batch.step_once()  # later sequences join a batch that is already decoding
+            for s in [s for s in batch.members if s.finish_reason]:
+                batch.remove(s)
     while len(batch):
-        batch.step_once()
-        for s in [s for s in batch.members if s.finish_reason]:
+        batch.step_once()  # "at-once": all sequences merge into the batch in this first step
+        # Last row first (a view) and then the others (a gather), as the GPU actor removes them.
+        for s in reversed([s for s in batch.members if s.finish_reason]):
             batch.remove(s)
 
     for a, b in zip(alone, together, strict=True):
