@@ -28,7 +28,7 @@ from typing import Any, assert_never
 import msgspec
 import trio
 
-from actors.engine import Engine, Finished
+from actors.engine import Engine, Finished, Started
 from actors.mailbox import receiver_left, send_reply
 from actors.messages_common import Failed, failed_from
 from actors.messages_gpu import (
@@ -50,6 +50,13 @@ from actors.scheduler import Scheduler
 __all__ = ["GPUActor", "GpuStats", "GpuEvent"]
 
 log = logging.getLogger("kvmem.gpu")
+
+JOIN_AHEAD_TOKENS = 64
+"""Requests with at most this many prompt tokens to prefill (a new turn on a cached
+conversation) prefill before the next decode step instead of one chunk per step.
+A step reads the weights once for all rows, so an agent that joins now rides along
+in every following step instead of waiting through several of them; the stall this
+causes is a few short chunks. Longer prompts keep one chunk per step."""
 
 
 class GpuStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,6 +97,7 @@ class _Request:
     last_token_at: float | None = None
     pending_text: str = ""
     client_gone: bool = False
+    to_prefill: int | None = None  # prompt tokens to prefill (None: not started)
 
 
 
@@ -178,7 +186,10 @@ class GPUActor:
             plan = self._sched.plan()
             for request_id in plan.admit:
                 await self._start(request_id)
-            if plan.decode:
+            for request_id in self._joining():
+                if request_id in self._requests and request_id in self._sched.prefilling():
+                    await self._prefill(request_id, plan.chunk)
+            if self._sched.decoding():
                 await self._step()
             if plan.prefill is not None and plan.prefill in self._sched.prefilling():
                 await self._prefill(plan.prefill, plan.chunk)
@@ -268,11 +279,23 @@ class GPUActor:
         req = self._requests[request_id]
         req.admitted_at = time.perf_counter()
         try:
-            await self._job(self._engine.start, request_id, req.msg.prompt, req.msg.source, req.msg.sampling)
+            started: Started = await self._job(
+                self._engine.start, request_id, req.msg.prompt, req.msg.source, req.msg.sampling
+            )
         except Exception as exc:  # noqa: BLE001
             await self._fail(request_id, exc)
             return
+        req.to_prefill = started.tokens_to_prefill
         self._event("admit", request_id)
+
+    def _joining(self) -> list[int]:
+        """Prefilling requests short enough to join the batch before the next step."""
+        assert self._sched is not None
+        return [
+            request_id
+            for request_id in self._sched.prefilling()
+            if (n := self._requests[request_id].to_prefill) is not None and n <= JOIN_AHEAD_TOKENS
+        ]
 
     async def _prefill(self, request_id: int, chunk: int | None) -> None:
         assert self._sched is not None
@@ -310,7 +333,8 @@ class GPUActor:
         self._event("step", *(t.request_id for t in tokens))
         for token in tokens:
             self._deliver(token.request_id, token.text)
-        for token in tokens:
+        # Last row first: dropping a batch's last row is a view, any other row a copy of the rest.
+        for token in reversed(tokens):
             if token.finished:
                 await self._complete(token.request_id)
 
