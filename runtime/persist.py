@@ -389,12 +389,7 @@ class CacheDirectory:
             manifest,
             contents,
             state=state,
-            read_pieces=lambda pieces: self._files.read_pieces(
-                agent_dir, pieces, model_tag=model_tag
-            ),
-            reject=lambda piece: self._files.reject(
-                agent_dir, piece, model_tag=model_tag
-            ),
+            files=self._files.reader(agent_dir, model_tag=model_tag),
         )
 
     # -- other operations ----------------------------------------------------

@@ -50,7 +50,6 @@ __all__ = [
     "encode_file",
     "encode_run",
     "decode_arrays",
-    "copy_run",
 ]
 
 HEADER_LIMIT = 1 << 24
@@ -357,33 +356,3 @@ def decode_arrays(
         ).copy()
         for name in names
     }
-
-
-def copy_run(
-    buffer: np.ndarray,
-    *,
-    first: int,
-    count: int,
-    file_size: int,
-    data_start: int,
-    layout: FileLayout,
-    targets: Mapping[str, np.ndarray],
-    start: int,
-    tokens: int,
-) -> None:
-    """Copy ``count`` files lying back to back in ``buffer`` from ``first`` into ``targets``.
-
-    Every file must hold ``tokens`` tokens in ``layout`` with its data at
-    ``data_start``; they fill tokens ``start : start + count * tokens`` of the
-    ``(H, T, ...)`` arrays in ``targets``.
-    """
-    for name, offset in layout.offsets.items():
-        source = _view(
-            buffer,
-            first + data_start + offset,
-            layout.dtypes[name],
-            layout.shapes[name],
-            count=count,
-            stride=file_size,
-        )
-        _run_slice(targets[name], start, count, tokens)[...] = source

@@ -30,6 +30,7 @@ __all__ = [
     "read_regular_file",
     "open_regular_file",
     "read_exactly_into",
+    "IOV_MAX",
     "read_header",
     "regular_file_size",
     "remove_file",
@@ -50,6 +51,9 @@ _WRITE_FLAGS = (
     | getattr(os, "O_CLOEXEC", 0)
     | getattr(os, "O_BINARY", 0)
 )
+IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+"""Most buffers one ``preadv`` takes."""
+
 _READ_FLAGS = (
     os.O_RDONLY
     | getattr(os, "O_NOFOLLOW", 0)
@@ -264,15 +268,28 @@ def open_regular_file(path: Path, *, size: int) -> int | None:
     return fd
 
 
-def read_exactly_into(fd: int, view: memoryview) -> bool:
-    """Fill ``view`` from the start of ``fd``; False if the file ends early or goes on."""
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], done)
+def read_exactly_into(fd: int, buffers: list[memoryview]) -> bool:
+    """Fill ``buffers`` in order from the start of ``fd``; False if the file ends early or goes on.
+
+    One ``preadv`` per :data:`IOV_MAX` buffers (the kernel copies straight
+    into each), more only where a read comes back short.
+    """
+    pending = [buffer for buffer in buffers if len(buffer)]
+    position = 0
+    index = 0
+    while index < len(pending):
+        got = os.preadv(fd, pending[index : index + IOV_MAX], position)
         if got == 0:
             return False
-        done += got
-    return len(os.pread(fd, 1, done)) == 0
+        position += got
+        while got:
+            size = len(pending[index])
+            if got < size:
+                pending[index] = pending[index][got:]
+                break
+            got -= size
+            index += 1
+    return len(os.pread(fd, 1, position)) == 0
 
 
 def read_header(path: Path, *, size: int, limit: int = 1 << 20) -> bytes | None:

@@ -7,12 +7,12 @@ pieces). Every check raises a :class:`~runtime.errors.CacheMiss` subclass.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Generator, Sequence
+import zlib
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import msgspec
 import numpy as np
@@ -21,8 +21,6 @@ from runtime.errors import CorruptCacheError, ForeignModelError, FormatVersionEr
 from runtime.persist_codec import (
     FileLayout,
     ParsedFile,
-    copy_run,
-    crc32_hex,
     data_is_intact,
     decode_arrays,
     dtype_of_code,
@@ -36,8 +34,10 @@ from runtime.persist_format import (
     Manifest,
     Piece,
     block_chain_hashes,
+    block_info,
     layout_problem,
     piece_layout,
+    segment_info,
     segment_name,
     state_name,
     tensor_name,
@@ -48,10 +48,8 @@ from runtime.persist_format import (
 from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 
 __all__ = [
-    "LOAD_CHUNK_BYTES",
-    "RUN_FILES",
-    "ReadFile",
-    "chunks",
+    "READ_AHEAD_BYTES",
+    "PieceReader",
     "decode_manifest",
     "decode_block_list",
     "block_is_intact",
@@ -63,16 +61,6 @@ __all__ = [
 _manifest_decoder = msgspec.json.Decoder(Manifest)
 _probe_decoder = msgspec.json.Decoder(FormatProbe)
 _block_list_decoder = msgspec.json.Decoder(BlockListProbe)
-
-
-LOAD_CHUNK_BYTES = 16 << 20
-"""Piece bytes a load reads into one buffer before copying them out.
-
-Bounds a load's extra memory, and stays below glibc's largest mmap threshold
-(32 MiB) so that each chunk's buffer reuses heap memory freed by the one before
-instead of fresh pages the kernel must zero (measured: a third less system
-time than 32 MiB chunks at 16K tokens)."""
-
 
 
 def decode_manifest(data: bytes) -> Manifest:
@@ -242,20 +230,6 @@ def _check_piece_metadata(
         )
 
 
-def chunks(pieces: Sequence[Piece]) -> list[Sequence[Piece]]:
-    """``pieces`` cut into consecutive chunks of about LOAD_CHUNK_BYTES (at least one piece each)."""
-    chunks: list[Sequence[Piece]] = []
-    first, size = 0, 0
-    for index, piece in enumerate(pieces):
-        if size and size + piece.size > LOAD_CHUNK_BYTES:
-            chunks.append(pieces[first:index])
-            first, size = index, 0
-        size += piece.size
-    if first < len(pieces):
-        chunks.append(pieces[first:])
-    return chunks
-
-
 def _read_state(
     state: bytes, parsed: ParsedFile, manifest: Manifest, num_tokens: int
 ) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.dtype, tuple[int, ...]]]]:
@@ -300,36 +274,76 @@ def _read_state(
     return decode_arrays(state, parsed, layout, sliding), blocked
 
 
-@dataclass(frozen=True)
-class ReadFile:
-    """A piece's file as read into a buffer that holds several files back to back.
+READ_AHEAD_BYTES = 32 << 20
+"""How far ahead of the file it reads a load asks the kernel to read."""
 
-    Its size and header checksum are checked; the CRC of its data is not yet.
+
+class PieceReader(Protocol):
+    """File access for :func:`assemble_snapshot` (:class:`runtime.persist_pieces.PieceFiles`)."""
+
+    def prefetch(self, pieces: Sequence[Piece]) -> None:
+        """Start reading these files ahead."""
+
+    def read_into(
+        self, piece: Piece, header: bytearray, regions: list[memoryview]
+    ) -> ParsedFile:
+        """Read a file into ``header`` then ``regions``; check its size and header checksum."""
+        ...
+
+    def reject(self, piece: Piece) -> NoReturn:
+        """Raise CorruptCacheError for a file whose data fails its CRC (removing it if damaged)."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Arena:
+    """The blocked arrays of a load, carved from one buffer, and where each lies in it."""
+
+    buffer: np.ndarray
+    arrays: dict[str, np.ndarray]
+    offsets: dict[str, int]
+
+
+@dataclass(frozen=True)
+class _Scatter:
+    """Where a piece's data goes: per row of (tensor, head) in file order, its place in the arena.
+
+    A ``tokens``-token piece at ``start`` fills, for each row, arena bytes
+    ``base + start * row : base + (start + tokens) * row``.
     """
 
-    piece: Piece
-    buffer: np.ndarray
-    position: int
-    header: ParsedFile
+    layout: FileLayout
+    bases: np.ndarray
+    rows: np.ndarray
 
-    @property
-    def data(self) -> np.ndarray:
-        return self.buffer[self.position + self.header.data_start : self.position + self.piece.size]
+    @classmethod
+    def of(cls, layout: FileLayout, arena: _Arena) -> _Scatter:
+        bases, rows = [], []
+        for name in layout.offsets:
+            array = arena.arrays[name]
+            row = array.strides[1]
+            for head in range(array.shape[0]):
+                bases.append(arena.offsets[name] + head * array.strides[0])
+                rows.append(row)
+        return cls(layout, np.array(bases, dtype=np.int64), np.array(rows, dtype=np.int64))
 
-    def follows(self, other: ReadFile) -> bool:
-        """Whether this file lies right after ``other`` in its buffer with the same layout."""
-        return (
-            self.buffer is other.buffer
-            and self.position == other.position + other.piece.size
-            and self.piece.size == other.piece.size
-            and self.piece.end - self.piece.start == other.piece.end - other.piece.start
-            and self.header.data_start == other.header.data_start
-        )
+    def regions(self, whole: memoryview, start: int, tokens: int) -> list[memoryview]:
+        starts = (self.bases + start * self.rows).tolist()
+        sizes = (self.rows * tokens).tolist()
+        return [whole[at : at + size] for at, size in zip(starts, sizes, strict=True)]
 
 
-RUN_FILES = 8
-"""Files copied out in one job: large enough that the per-tensor cost of a
-copy is spread, small enough that copying starts while later files are read."""
+def _expected_info(piece: Piece, manifest: Manifest) -> dict[str, str]:
+    if isinstance(piece, BlockPiece):
+        return block_info(model_tag=manifest.model_tag, block_hash=piece.name)
+    return segment_info(model_tag=manifest.model_tag, start=piece.start, end=piece.end)
+
+
+def _crc32_of(regions: list[memoryview]) -> str:
+    crc = 0
+    for region in regions:
+        crc = zlib.crc32(region, crc)
+    return f"{crc:08x}"
 
 
 def assemble_snapshot(
@@ -337,18 +351,16 @@ def assemble_snapshot(
     contents: ManifestContents,
     *,
     state: tuple[bytes, ParsedFile],
-    read_pieces: Callable[[Sequence[Piece]], Generator[ReadFile, None, None]],
-    reject: Callable[[Piece], NoReturn],
+    files: PieceReader,
 ) -> CacheSnapshot:
     """Rebuild the snapshot from the checked state file and the pieces' files.
 
-    Blocked arrays are allocated from the state file's zero-token layouts.
-    ``read_pieces`` yields each file as it is read (the kernel reads the later
-    ones ahead); this thread checks its metadata and layout, and a helper
-    thread computes the CRC of its data and copies runs of consecutive files
-    of one layout into the arrays, one strided copy per tensor (zlib and
-    numpy release the GIL). A file whose data fails its CRC is passed to
-    ``reject``, which raises.
+    The blocked arrays are allocated from the state file's zero-token layouts,
+    and each piece's file is read straight into them: one ``preadv`` per file
+    scatters the header into a small buffer and each row of each tensor into
+    its place (no copy after the kernel's). The kernel reads
+    :data:`READ_AHEAD_BYTES` ahead, and helper threads compute the CRC of each
+    file's data while the next ones are read (zlib releases the GIL).
 
     Raises:
         CorruptCacheError: a file's metadata, tensor set, dtype, shape or data
@@ -356,55 +368,40 @@ def assemble_snapshot(
     """
     num_tokens = manifest.num_tokens
     out, blocked = _read_state(*state, manifest, num_tokens)
-    out |= _allocate(blocked, num_tokens)
-    layouts: dict[int, FileLayout] = {}
-
-    def copy(run: list[ReadFile]) -> None:
-        first = run[0]
-        tokens = first.piece.end - first.piece.start
-        copy_run(
-            first.buffer,
-            first=first.position,
-            count=len(run),
-            file_size=first.piece.size,
-            data_start=first.header.data_start,
-            layout=layouts[tokens],
-            targets=out,
-            start=first.piece.start,
-            tokens=tokens,
-        )
-
-    with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(
-            ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvmem-load")
-        )
-        files = stack.enter_context(contextlib.closing(read_pieces(manifest.pieces)))
-        crcs: list[tuple[ReadFile, Future[str]]] = []
-        copies: list[Future[None]] = []
-        run: list[ReadFile] = []
-        for file in files:
-            piece, header = file.piece, file.header
+    arena = _allocate(blocked, num_tokens)
+    out |= arena.arrays
+    whole = memoryview(arena.buffer.data).cast("B")
+    scatters: dict[int, _Scatter] = {}
+    pieces = manifest.pieces
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvmem-load") as pool:
+        checks: list[tuple[Piece, ParsedFile, Future[str]]] = []
+        asked, ahead = 0, 0  # pieces[:asked] are being read ahead, ``ahead`` bytes of them from here
+        for index, piece in enumerate(pieces):
+            first = asked
+            while asked < len(pieces) and (asked <= index or ahead < READ_AHEAD_BYTES):
+                ahead += pieces[asked].size
+                asked += 1
+            if asked > first:
+                files.prefetch(pieces[first:asked])
+            ahead -= piece.size
             tokens = piece.end - piece.start
-            layout = layouts.get(tokens)
-            if layout is None:
-                layout = layouts[tokens] = piece_layout(blocked, tokens)
-            _check_piece_metadata(piece, header.info, manifest)
-            if not header.matches(layout) or piece.size != header.data_start + layout.data_size:
+            scatter = scatters.get(tokens)
+            if scatter is None:
+                scatter = scatters[tokens] = _Scatter.of(piece_layout(blocked, tokens), arena)
+            header = bytearray(
+                len(scatter.layout.header({**_expected_info(piece, manifest), "data_crc32": "0" * 8}))
+            )
+            regions = scatter.regions(whole, piece.start, tokens)
+            parsed = files.read_into(piece, header, regions)
+            _check_piece_metadata(piece, parsed.info, manifest)
+            if not parsed.matches(scatter.layout) or piece.size != parsed.data_start + scatter.layout.data_size:
                 raise CorruptCacheError(
                     f"{piece.name} tensors do not match the manifest's layers"
                 )
-            crcs.append((file, pool.submit(crc32_hex, file.data)))
-            if run and (len(run) == RUN_FILES or not file.follows(run[-1])):
-                copies.append(pool.submit(copy, run))
-                run = []
-            run.append(file)
-        if run:
-            copies.append(pool.submit(copy, run))
-        for done in copies:
-            done.result()
-        for file, crc in crcs:
-            if crc.result() != file.header.info.get("data_crc32"):
-                reject(file.piece)
+            checks.append((piece, parsed, pool.submit(_crc32_of, regions)))
+        for piece, parsed, crc in checks:
+            if crc.result() != parsed.info.get("data_crc32"):
+                files.reject(piece)
 
     layers = []
     for index, record in enumerate(manifest.layers):
@@ -425,13 +422,13 @@ def assemble_snapshot(
 
 def _allocate(
     blocked: dict[str, tuple[np.dtype, tuple[int, ...]]], num_tokens: int
-) -> dict[str, np.ndarray]:
+) -> _Arena:
     """Empty ``num_tokens``-token arrays for the blocked tensors, carved from one allocation.
 
     One large allocation is backed by huge pages where the kernel offers them
     (numpy asks for it), so filling it costs a few page faults instead of one
     per 4 KiB: for a large cache, faulting in fresh memory page by page costs
-    as much as the copy itself.
+    as much as reading it.
     """
     shapes = {
         name: (dtype, (shape[0], num_tokens, *shape[2:]))
@@ -441,10 +438,11 @@ def _allocate(
         name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in shapes.items()
     }
     # Each array starts on a 64-byte boundary, as numpy's own allocations do.
-    arena = np.empty(sum(-(-size // 64) * 64 for size in sizes.values()), dtype=np.uint8)
-    arrays = {}
+    buffer = np.empty(sum(-(-size // 64) * 64 for size in sizes.values()), dtype=np.uint8)
+    arrays, offsets = {}, {}
     position = 0
     for name, (dtype, shape) in shapes.items():
-        arrays[name] = arena[position : position + sizes[name]].view(dtype).reshape(shape)
+        arrays[name] = buffer[position : position + sizes[name]].view(dtype).reshape(shape)
+        offsets[name] = position
         position += -(-sizes[name] // 64) * 64
-    return arrays
+    return _Arena(buffer, arrays, offsets)

@@ -9,15 +9,12 @@ are encoded together and read back together (:mod:`runtime.persist_codec`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Collection, Generator, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
-
-import numpy as np
 
 from runtime.errors import CorruptCacheError
 from runtime.persist_codec import (
@@ -50,11 +47,11 @@ from runtime.persist_format import (
     segment_name,
     state_name,
 )
-from runtime.persist_load import ReadFile, block_is_intact, chunks
+from runtime.persist_load import block_is_intact
 from runtime.persist_plan import PieceKind, PieceRange
 from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot
 
-__all__ = ["WriteTally", "PieceFiles", "MAX_RUN_BLOCKS"]
+__all__ = ["WriteTally", "PieceFiles", "AgentPieces", "MAX_RUN_BLOCKS"]
 
 log = logging.getLogger("kvmem.persist")
 
@@ -271,51 +268,57 @@ class PieceFiles:
 
     # -- read ----------------------------------------------------------------
 
-    def read_pieces(
-        self, agent_dir: Path, pieces: Sequence[Piece], *, model_tag: str
-    ) -> Generator[ReadFile, None, None]:
-        """Read the files of ``pieces`` in order, yielding each as soon as it is read.
+    def reader(self, agent_dir: Path, *, model_tag: str) -> AgentPieces:
+        """The files of one agent's pieces, as :func:`~runtime.persist_load.assemble_snapshot` reads them."""
+        return AgentPieces(self, agent_dir, model_tag)
 
-        Files are read a chunk at a time (:data:`~runtime.persist_load.LOAD_CHUNK_BYTES`)
-        into one buffer per chunk. Opening a chunk's files, and the next
-        chunk's, starts the kernel reading all of them ahead
-        (:func:`~runtime.persist_files.open_regular_file`), so the disk works
-        while the caller checks and copies the first ones.
-        Each file is checked against its size and header checksum; one that
-        fails is handled as :meth:`reject` says. The caller checks the CRC of
-        the data and closes the iterator.
+    def prefetch(self, agent_dir: Path, pieces: Sequence[Piece]) -> None:
+        """Have the kernel start reading the files of ``pieces`` ahead (missing ones are skipped)."""
+        for piece in pieces:
+            fd = open_regular_file(self.path(agent_dir, piece), size=piece.size)
+            if fd is not None:
+                os.close(fd)
+
+    def read_into(
+        self,
+        agent_dir: Path,
+        piece: Piece,
+        header: bytearray,
+        regions: list[memoryview],
+        *,
+        model_tag: str,
+    ) -> ParsedFile:
+        """Read ``piece``'s file into ``header`` then ``regions`` (scattered, in file order).
+
+        The file must be exactly as long as they are together, and ``header``
+        must hold exactly its header, with the checksum the manifest records;
+        otherwise the file is handled as :meth:`reject` says. The data is not
+        checked here: the caller checks its CRC (regions may lie anywhere, in
+        the arrays the data belongs in, so it is read without a copy).
         """
-        parts = chunks(pieces)
-        for index, chunk in enumerate(parts):
-            for ahead in parts[index + 1] if index + 1 < len(parts) else ():
-                # Read ahead one chunk more: the disk stays busy across chunks.
-                fd = open_regular_file(self.path(agent_dir, ahead), size=ahead.size)
-                if fd is not None:
-                    os.close(fd)
-            buffer = np.empty(sum(piece.size for piece in chunk), dtype=np.uint8)
-            whole = memoryview(buffer.data).cast("B")
-            with contextlib.ExitStack() as stack:
-                fds = []
-                for piece in chunk:
-                    fd = open_regular_file(self.path(agent_dir, piece), size=piece.size)
-                    if fd is not None:
-                        stack.callback(os.close, fd)
-                    fds.append(fd)
-                position = 0
-                for piece, fd in zip(chunk, fds, strict=True):
-                    view = whole[position : position + piece.size]
-                    if fd is None or not read_exactly_into(fd, view):
-                        self.reject(agent_dir, piece, model_tag=model_tag)
-                    header = self._parsed(agent_dir, piece, view, model_tag=model_tag)
-                    yield ReadFile(piece, buffer, position, header)
-                    position += piece.size
+        fd = open_regular_file(self.path(agent_dir, piece), size=piece.size)
+        if fd is None:
+            self.reject(agent_dir, piece, model_tag=model_tag)
+        try:
+            complete = read_exactly_into(fd, [memoryview(header), *regions])
+        finally:
+            os.close(fd)
+        if not complete:
+            self.reject(agent_dir, piece, model_tag=model_tag)
+        try:
+            parsed = parse_file(header, size=piece.size)
+        except ValueError:
+            self.reject(agent_dir, piece, model_tag=model_tag)
+        if parsed.data_start != len(header) or parsed.header_sha256 != piece.sha256:
+            self.reject(agent_dir, piece, model_tag=model_tag)
+        return parsed
 
     def read_state(self, agent_dir: Path, state: StateRef) -> tuple[bytes, ParsedFile]:
         """The bytes of the state file and its parsed header, if they match ``state``, else CorruptCacheError."""
         fd = open_regular_file(agent_dir / state.name, size=state.size)
         data = bytearray(state.size)
         try:
-            if fd is None or not read_exactly_into(fd, memoryview(data)):
+            if fd is None or not read_exactly_into(fd, [memoryview(data)]):
                 self.reject(agent_dir, state)
         finally:
             if fd is not None:
@@ -382,3 +385,25 @@ def _agent_file_is_intact(name: str, raw: bytes) -> bool:
     return name.endswith(f"-{parsed.header_sha256}.safetensors") and data_is_intact(
         raw, parsed
     )
+
+
+@dataclass(frozen=True)
+class AgentPieces:
+    """:class:`PieceFiles` bound to one agent directory and model (a :class:`~runtime.persist_load.PieceReader`)."""
+
+    files: PieceFiles
+    agent_dir: Path
+    model_tag: str
+
+    def prefetch(self, pieces: Sequence[Piece]) -> None:
+        self.files.prefetch(self.agent_dir, pieces)
+
+    def read_into(
+        self, piece: Piece, header: bytearray, regions: list[memoryview]
+    ) -> ParsedFile:
+        return self.files.read_into(
+            self.agent_dir, piece, header, regions, model_tag=self.model_tag
+        )
+
+    def reject(self, piece: Piece) -> NoReturn:
+        self.files.reject(self.agent_dir, piece, model_tag=self.model_tag)

@@ -109,15 +109,16 @@ def test_a_flipped_bit_in_a_header_is_a_miss(saved: CacheDirectory, kind: str) -
         saved.load("a", model_tag=TAG)
 
 
-def test_many_blocks_load_exactly_across_chunks_and_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("ahead_blocks", [0, 3, 100])
+def test_many_pieces_load_exactly_whatever_the_read_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead_blocks: int
 ) -> None:
     cache = CacheDirectory(tmp_path / "cache", fsync=False)
+    cache.save("a", make_snapshot(256 * 3 + 100))
     snapshot = make_snapshot(256 * 21 + 100)
     cache.save("a", snapshot)
     block_size = block_path(cache, "a", 0).stat().st_size
-    monkeypatch.setattr(runtime.persist_load, "LOAD_CHUNK_BYTES", block_size * 5 + 1)
-    monkeypatch.setattr(runtime.persist_load, "RUN_FILES", 3)
+    monkeypatch.setattr(runtime.persist_load, "READ_AHEAD_BYTES", block_size * ahead_blocks)
     assert_same(cache.load("a", model_tag=TAG), snapshot)
 
 
@@ -127,11 +128,23 @@ def test_a_damaged_block_late_in_a_long_cache_is_found(
     cache = CacheDirectory(tmp_path / "cache", fsync=False)
     cache.save("a", make_snapshot(256 * 12))
     monkeypatch.setattr(
-        runtime.persist_load, "LOAD_CHUNK_BYTES", block_path(cache, "a", 0).stat().st_size * 4
+        runtime.persist_load, "READ_AHEAD_BYTES", block_path(cache, "a", 0).stat().st_size * 4
     )
     _flip(block_path(cache, "a", 10), 0.5)
     with pytest.raises(CorruptCacheError):
         cache.load("a", model_tag=TAG)
+
+
+def test_a_file_with_a_header_of_another_length_is_a_miss(saved: CacheDirectory) -> None:
+    """A manifest pointing at a real file whose header is longer than this piece's would be."""
+    path = segment_path(saved, "a", 0)
+    other = segment_path(saved, "a", 1)  # tokens 600:1000: "end" has as many digits, "start" too
+    data = bytearray(path.read_bytes())
+    data[:8] = (int.from_bytes(data[:8], "little") + 8).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCacheError):
+        saved.load("a", model_tag=TAG)
+    assert other.exists()
 
 
 def test_an_uncommitted_batch_leaves_nothing_and_a_committed_one_everything(
