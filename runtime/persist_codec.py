@@ -30,6 +30,7 @@ import json
 import math
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -333,15 +334,19 @@ def encode_run(
             stride=file_size,
         )
         target[...] = _run_slice(sources[name], start, count, tokens)
-    files = []
     whole = memoryview(buffer.data).cast("B")
-    for index in range(count):
-        file = whole[index * file_size : (index + 1) * file_size]
-        header = layout.header({**info(index), "data_crc32": crc32_hex(file[header_len:])})
+    files = [whole[index * file_size : (index + 1) * file_size] for index in range(count)]
+    if count > 1:
+        # zlib releases the GIL: two threads check a run in about half the time.
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvmem-save") as pool:
+            crcs = list(pool.map(crc32_hex, [file[header_len:] for file in files]))
+    else:
+        crcs = [crc32_hex(file[header_len:]) for file in files]
+    for index, (file, crc) in enumerate(zip(files, crcs, strict=True)):
+        header = layout.header({**info(index), "data_crc32": crc})
         if len(header) != header_len:
             raise ValueError("files of one run need headers of one length")
         file[:header_len] = header
-        files.append(file)
     return files
 
 
