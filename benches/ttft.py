@@ -29,7 +29,9 @@ from benches.harness import ResultFile, log, median, table
 from benches.prompts import context_text
 from benches.server import KvmemServer, Turn, run_turn
 
-QUESTIONS = ("Summarize the notes.", "And what happened next?", "Who was there at the end?", "Why did it matter?")
+# hot, warm and hot' prefill questions 1, 2 and 3: the same token count (13 with the template),
+# so that their TTFTs compare like with like (attention cost grows with the suffix length).
+QUESTIONS = ("Summarize the notes.", "Why did it matter?", "Where did they go next?", "What did the letter say?")
 
 
 def _ask(q: str) -> str:
@@ -121,8 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         "",
         ("cold = turn 1, nothing cached; hot = turn 2, cache in memory; warm = turn 3 after a server restart, "
         "cache loaded from disk; hot' = turn 4, in memory again. *reused+prefilled* is the server's `usage`: "
-        "warm and hot prefill only the new suffix. warm / hot compares turns with suffixes of the same size "
-        "(in these runs turns 2 and 3 re-prefilled the previous reply: see results/README.md, Observations); hot' prefilled only the new question."),
+        "warm and hot prefill only the new suffix. hot, warm and hot' ask questions of the same token count, so "
+        "warm / hot compares like with like."),
         "",
         "Usage check (warm tier `warm`, hot tier `hot`, ≤ 200 tokens prefilled): "
         + ("all turns passed." if not checks else "FAILED: " + "; ".join(checks)),
