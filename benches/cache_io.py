@@ -131,9 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         (f"Goal: load within 2x of the file-read floor — worst load / floor here {worst:.2f} "
         f"({'met' if worst <= 2 else 'missed'}). Loads are from a dropped page cache (disk), "
         "including manifest parsing and checksum validation; the floor is one plain file of the same size. "
-         "*load CPU* is the process time of the cold load, all threads, user and system (reading, "
-         "checksums, parsing); kvmem spreads it over the main thread and two helpers, so on an idle machine "
-         "the load takes less wall time than that. *load, page-cached* repeats the load with the files in RAM."),
+         "*load CPU* is the process time of the cold load, user and system (the kernel's reading and "
+         "read-ahead included, as well as kvmem's checksums and parsing): on this shared 2-core machine the "
+         "load is CPU-bound, and other processes' load adds to its wall time. *load, page-cached* repeats "
+         "the load with the files in RAM."),
     ]
     plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
