@@ -269,19 +269,23 @@ def open_regular_file(path: Path, *, size: int) -> int | None:
 
 
 def read_exactly_into(fd: int, buffers: list[memoryview]) -> bool:
-    """Fill ``buffers`` in order from the start of ``fd``; False if the file ends early or goes on.
+    """Fill ``buffers`` (byte views) in order from the start of ``fd``; False if the file ends early or goes on.
 
     One ``preadv`` per :data:`IOV_MAX` buffers (the kernel copies straight
     into each), more only where a read comes back short.
     """
-    pending = [buffer for buffer in buffers if len(buffer)]
+    pending = list(filter(len, buffers))
     position = 0
     index = 0
     while index < len(pending):
-        got = os.preadv(fd, pending[index : index + IOV_MAX], position)
+        batch = pending[index : index + IOV_MAX]
+        got = os.preadv(fd, batch, position)
         if got == 0:
             return False
         position += got
+        if got == sum(map(len, batch)):
+            index += len(batch)
+            continue
         while got:
             size = len(pending[index])
             if got < size:

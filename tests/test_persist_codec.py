@@ -24,7 +24,7 @@ import runtime.persist_load
 from runtime.errors import CorruptCacheError
 from runtime.persist import CacheDirectory
 from runtime.persist_codec import FileLayout, encode_file, header_sha256, parse_file
-from runtime.persist_files import AtomicBatch
+from runtime.persist_files import AtomicBatch, open_regular_file, read_exactly_into
 
 
 @pytest.fixture
@@ -172,3 +172,23 @@ def test_a_format_2_cache_is_a_version_miss(saved: CacheDirectory) -> None:
     manifest.write_text(json.dumps(data))
     with pytest.raises(runtime.errors.FormatVersionError):
         saved.load("a", model_tag=TAG)
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+def test_scattered_reads_fill_every_buffer_or_report_the_wrong_length(
+    tmp_path: Path, extra: int
+) -> None:
+    sizes = [3, 0, 5, 1] * 700  # more buffers than one preadv takes
+    data = os.urandom(sum(sizes) + extra)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    buffers = [memoryview(bytearray(size)) for size in sizes]
+    fd = open_regular_file(path, size=len(data))
+    assert fd is not None
+    try:
+        complete = read_exactly_into(fd, buffers)
+    finally:
+        os.close(fd)
+    assert complete is (extra == 0)
+    if complete:
+        assert b"".join(bytes(buffer) for buffer in buffers) == data
