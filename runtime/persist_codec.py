@@ -46,7 +46,6 @@ __all__ = [
     "dtype_of_code",
     "parse_file",
     "data_is_intact",
-    "read_metadata",
     "read_tensor_entries",
     "encode_file",
     "encode_run",
@@ -247,11 +246,6 @@ def data_is_intact(data: Any, parsed: ParsedFile) -> bool:
     """Whether the data section of the whole file ``data`` has the CRC its header records."""
     view = memoryview(data).cast("B")
     return parsed.info.get("data_crc32") == crc32_hex(view[parsed.data_start :])
-
-
-def read_metadata(data: Any) -> dict[str, str]:
-    """The kvmem fields of a file or of its header (ValueError if malformed)."""
-    return parse_file(data).info
 
 
 def read_tensor_entries(data: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
