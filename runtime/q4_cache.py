@@ -92,9 +92,22 @@ def quantize_kv(x: mx.array, group_size: int = 64, bits: int = 4) -> PackedKV:
 def dequantize_kv(
     packed: PackedKV, group_size: int = 64, bits: int = 4, dtype: mx.Dtype = mx.float16
 ) -> mx.array:
-    """Dequantize a packed tuple back to a float array in ``dtype``."""
+    """Dequantize a packed tuple back to a float array in ``dtype``.
+
+    Unpacks with shifts and one float32 multiply-add instead of ``mx.dequantize``:
+    on MLX's CPU backend that kernel costs ~23 ns per element (a 4K-token cache of
+    the default model takes ~0.9 s to activate), the unpacked form ~3 ns. It is
+    also exact to float32 before the one cast to ``dtype``, where ``mx.dequantize``
+    rounds through the scales' float16.
+    """
     w, scales, biases = packed
-    return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, dtype=dtype)
+    lead, words = w.shape[:-1], w.shape[-1]
+    dim = words * (32 // bits)
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+    q = ((w[..., None] >> shifts) & ((1 << bits) - 1)).astype(mx.float32)
+    q = q.reshape(*lead, dim // group_size, group_size)
+    out = q * scales[..., None].astype(mx.float32) + biases[..., None].astype(mx.float32)
+    return out.reshape(*lead, dim).astype(dtype)
 
 
 def _each(fn: Callable[[mx.array], mx.array], kv: KVPair) -> KVPair:

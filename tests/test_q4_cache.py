@@ -191,6 +191,25 @@ def test_from_float_then_dequantized_is_within_one_quantization_step(bits: int) 
     assert mx.array_equal(direct, restored[0]).item()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("group_size", "head_dim"), [(32, 64), (64, 64), (64, 128), (128, 128)])
+def test_dequantize_kv_matches_mlx_dequantize(bits: int, group_size: int, head_dim: int) -> None:
+    """The unpacked dequantization agrees with MLX's kernel up to its float16 rounding."""
+    x = mx.random.normal((1, 3, 77, head_dim), key=mx.random.key(bits + head_dim)) * 4
+    w, scales, biases = quantize_kv(x, group_size, bits)
+    ours = dequantize_kv((w, scales, biases), group_size, bits, mx.float32)
+    exact = (mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size,
+                           bits=bits))
+    kernel = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, dtype=mx.float32)
+    assert ours.shape == x.shape and ours.dtype == mx.float32
+    # Against the kernel computing in float32 it is the same arithmetic: within float32 rounding.
+    assert mx.allclose(ours, exact, rtol=1e-6, atol=1e-6).item()
+    # Against the float16 kernel, within its two float16 roundings (of q * scale, then of + bias).
+    assert (mx.abs(ours - kernel).max() <= 2.0**-9 * mx.abs(x).max()).item()
+    assert not mx.array_equal(ours, mx.zeros_like(ours)).item()
+    assert dequantize_kv((w, scales, biases), group_size, bits, mx.float16).dtype == mx.float16
+
+
 def test_trim_then_update_overwrites_the_tail() -> None:
     keys, values = mx.random.normal((1, 2, 50, 64)), mx.random.normal((1, 2, 50, 64))
     cache = QuantizedKVCache()
