@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -26,7 +25,8 @@ from typing import Self
 
 import httpx
 
-from benches.harness import ROOT, log
+from benches.harness import ROOT
+from benches.server import stop_process
 from runtime.blas import openblas_path
 
 _MLX_LM_LAUNCHER = "import runtime, sys; from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()"
@@ -72,15 +72,7 @@ class SubprocessServer:
 
     def stop(self, timeout_s: float = 120.0) -> None:
         """SIGTERM (lets a server persist what it persists on shutdown), SIGKILL if it hangs."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            log(f"{self.name} did not stop on SIGTERM; killing it")
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, self.name, timeout_s)
 
     def restart(self) -> float:
         self.stop()

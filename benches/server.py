@@ -28,6 +28,19 @@ from benches.harness import BENCH_HOME, ROOT, log
 _URL = re.compile(r"serving .* on (http://\S+)")
 
 
+def stop_process(proc: subprocess.Popen[bytes] | None, name: str, timeout_s: float) -> None:
+    """SIGTERM ``proc`` (a server flushes or persists what it keeps), SIGKILL it if it hangs."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        log(f"{name} did not stop on SIGTERM; killing it")
+        proc.kill()
+        proc.wait()
+
+
 class KvmemServer:
     """``python -m gateway.cli serve`` on a free loopback port, caches under ``cache_dir``."""
 
@@ -73,15 +86,7 @@ class KvmemServer:
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM (graceful: caches flushed), SIGKILL if it hangs."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            log("kvmem serve did not stop on SIGTERM; killing it")
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, "kvmem serve", timeout_s)
 
     def restart(self) -> float:
         """Stop, start again over the same cache folder; returns the seconds until the port was open."""

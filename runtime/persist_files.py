@@ -211,20 +211,27 @@ class AtomicBatch:
         self._dirs.clear()
 
 
+def _open_for_reading(path: Path) -> int | None:
+    """A read-only descriptor of ``path``; None when it is absent or a symlink (refused by O_NOFOLLOW)."""
+    try:
+        return os.open(path, _READ_FLAGS)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
+        raise
+
+
 def read_regular_file(path: Path) -> bytes | None:
     """The bytes of ``path``, or None when absent or not a regular file.
 
     Raises:
         OSError: the file exists but cannot be read.
     """
-    try:
-        fd = os.open(path, _READ_FLAGS)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+    fd = _open_for_reading(path)
+    if fd is None:
         return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a symlink, refused by O_NOFOLLOW
-            return None
-        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
@@ -247,14 +254,9 @@ def open_regular_file(path: Path, *, size: int) -> int | None:
     Raises:
         OSError: the file exists but cannot be opened.
     """
-    try:
-        fd = os.open(path, _READ_FLAGS)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+    fd = _open_for_reading(path)
+    if fd is None:
         return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return None
-        raise
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_size != size:
