@@ -47,7 +47,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def http(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+    # One connection per request: the server closes a connection after some rejected requests
+    # (e.g. a body it did not read), and a pooled connection closed that way races the next
+    # request ("Server disconnected"); these tests check status codes, not keep-alive.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT, limits=limits) as client:
         yield client
 
 
