@@ -148,9 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_ylabel("ms")
     ax.legend(fontsize=8)
     ax.set_title("cache save / load vs sequential I/O floor")
-    fig.tight_layout()
-    fig.savefig(res.png_path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(res, fig)
     print(res.write(plot=True).read_text())
 
 

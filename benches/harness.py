@@ -194,6 +194,13 @@ def pyplot() -> Any:
     return plt
 
 
+def save_figure(res: ResultFile, fig: Any) -> None:
+    """Lay out ``fig``, write it as the result's PNG and close it."""
+    fig.tight_layout()
+    fig.savefig(res.png_path, dpi=110)
+    pyplot().close(fig)
+
+
 def parser(doc: str | None, *, repeats: int = 3, quick_repeats: int = 1) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=(doc or "").splitlines()[0] if doc else None)
     p.add_argument("--quick", action="store_true", help="a short run (smaller sizes, fewer repeats)")

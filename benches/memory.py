@@ -119,9 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     ax.set_title("hot-tier memory by KV format (kvmem-default geometry)")
-    fig.tight_layout()
-    fig.savefig(res.png_path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(res, fig)
     print(res.write(plot=True).read_text())
 
 

@@ -51,6 +51,20 @@ def main(argv: list[str] | None = None) -> None:
     restarts: list[float] = []
     checks: list[str] = []
 
+    def measure(url: str, state: str, c: int, r: int, prompt: str) -> Turn:
+        """One streamed turn: recorded, logged, and (past the cold turn) checked to prefill only the suffix."""
+        turn = run_turn(url, f"ttft-{c}-r{r}", prompt, max_tokens=args.tokens)
+        samples.setdefault((c, state), []).append(turn)
+        res.record(repeat=r, context=c, state=state, ttft_ms=turn.ttft_ms, e2e_ms=turn.e2e_ms,
+                   server_ttft_ms=turn.usage.get("ttft_ms"), tier=turn.tier, reused=turn.reused,
+                   prefilled=turn.prefilled, generated=turn.usage.get("tokens_generated"),
+                   match=turn.usage.get("match"))
+        log(f"C={c} {state}: ttft {turn.ttft_ms:.0f} ms e2e {turn.e2e_ms:.0f} ms "
+            f"tier={turn.tier} reused={turn.reused} prefilled={turn.prefilled}")
+        if state != "cold" and (turn.prefilled > 200 or turn.tier != state.rstrip("2")):
+            checks.append(f"C={c} r{r} {state}: tier={turn.tier} prefilled={turn.prefilled}")
+        return turn
+
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-ttft-") as tmp:
         for r in range(reps):
             server = KvmemServer(Path(tmp) / f"rep{r}")
@@ -62,33 +76,16 @@ def main(argv: list[str] | None = None) -> None:
                     agent = f"ttft-{c}-r{r}"
                     prompt = context_text(folder, c - 12, label=agent, offset=r * 7919 + c) + _ask(QUESTIONS[0])
                     for state, q in (("cold", QUESTIONS[1]), ("hot", QUESTIONS[2])):
-                        turn = run_turn(server.url, agent, prompt, max_tokens=args.tokens)
-                        samples.setdefault((c, state), []).append(turn)
-                        res.record(repeat=r, context=c, state=state, ttft_ms=turn.ttft_ms, e2e_ms=turn.e2e_ms,
-                                   server_ttft_ms=turn.usage.get("ttft_ms"), tier=turn.tier, reused=turn.reused,
-                                   prefilled=turn.prefilled, generated=turn.usage.get("tokens_generated"),
-                                   match=turn.usage.get("match"))
-                        log(f"C={c} {state}: ttft {turn.ttft_ms:.0f} ms e2e {turn.e2e_ms:.0f} ms "
-                            f"tier={turn.tier} reused={turn.reused} prefilled={turn.prefilled}")
+                        turn = measure(server.url, state, c, r, prompt)
                         prompt = prompt + turn.text + _ask(q)
                     prompts[c] = prompt
                 server.wait_saved([f"ttft-{c}-r{r}" for c in sizes])
                 restarts.append(server.restart())
                 log(f"restarted in {restarts[-1]:.1f} s")
                 for c in sizes:
-                    agent = f"ttft-{c}-r{r}"
                     prompt = prompts[c]
                     for state, q in (("warm", QUESTIONS[3]), ("hot2", QUESTIONS[0])):
-                        turn = run_turn(server.url, agent, prompt, max_tokens=args.tokens)
-                        samples.setdefault((c, state), []).append(turn)
-                        res.record(repeat=r, context=c, state=state, ttft_ms=turn.ttft_ms, e2e_ms=turn.e2e_ms,
-                                   server_ttft_ms=turn.usage.get("ttft_ms"), tier=turn.tier, reused=turn.reused,
-                                   prefilled=turn.prefilled, generated=turn.usage.get("tokens_generated"),
-                                   match=turn.usage.get("match"))
-                        log(f"C={c} {state}: ttft {turn.ttft_ms:.0f} ms e2e {turn.e2e_ms:.0f} ms "
-                            f"tier={turn.tier} reused={turn.reused} prefilled={turn.prefilled}")
-                        if turn.prefilled > 200 or turn.tier != state.rstrip("2"):
-                            checks.append(f"C={c} r{r} {state}: tier={turn.tier} prefilled={turn.prefilled}")
+                        turn = measure(server.url, state, c, r, prompt)
                         prompt = prompt + turn.text + _ask(q)
             finally:
                 server.stop()
@@ -153,9 +150,7 @@ def _plot(res: ResultFile, rows: list[tuple[int, dict[str, float], dict[str, flo
     ax[1].legend()
     ax[1].set_title("end to end")
     fig.suptitle("kvmem-default via kvmem serve (HTTP), CPU")
-    fig.tight_layout()
-    fig.savefig(res.png_path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(res, fig)
 
 
 if __name__ == "__main__":

@@ -262,9 +262,7 @@ def _plot(res: ResultFile, wl: Workload, targets: list[Target]) -> None:
     ax[1].set_title("wall time")
     ax[1].legend(fontsize=8)
     fig.suptitle("kvmem vs mlx_lm.server" + (" vs vllm-mlx" if len(targets) > 2 else "") + ", kvmem-default on CPU")
-    fig.tight_layout()
-    fig.savefig(res.png_path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(res, fig)
 
 
 if __name__ == "__main__":
