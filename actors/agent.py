@@ -218,6 +218,7 @@ class AgentActor:
                 deltas=turn.deltas,
                 client=turn.reply,
                 reply=r,
+                share_prefix=turn.share_prefix,
             ),
         )
         if isinstance(generated, Failed):
@@ -239,6 +240,8 @@ class AgentActor:
         self.turns += 1
         if generated.tokens_reused == 0:
             tier = "cold"
+        elif tier == "cold":
+            tier = "shared"  # started cold, then took the prefix of an agent that arrived with it
         usage = TurnUsage(
             tokens_reused=generated.tokens_reused,
             tokens_prefilled=generated.tokens_prefilled,

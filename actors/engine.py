@@ -48,11 +48,13 @@ class Started:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """One prefill chunk: ``text`` is None until the last chunk samples the first token."""
+    """One prefill chunk: ``text`` is None until the last chunk samples the first token;
+    ``remaining`` is how many prompt tokens are still to prefill."""
 
     text: str | None
     finished: bool
     context: int
+    remaining: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,13 @@ class Engine(Protocol):
     def measure(self, prompt: str, source: CacheSource) -> int:
         """Tokens the sequence will hold once ``prompt`` is prefilled from ``source``."""
 
-    def start(self, request_id: int, prompt: str, source: CacheSource, sampling: SamplingOptions) -> Started:
-        """Build the sequence (prefix match, tokenization, cache activation)."""
+    def start(
+        self, request_id: int, prompt: str, source: CacheSource, sampling: SamplingOptions, *, share: bool = False
+    ) -> Started:
+        """Build the sequence (prefix match, tokenization, cache activation).
+
+        ``share``: the prompt's prefix may be shared with other sharing sequences in
+        flight, both ways (an engine may ignore it)."""
 
     def prefill(self, request_id: int, chunk: int | None) -> PrefillResult:
         """Run one prefill chunk of ``chunk`` tokens (None: the engine's adaptive size)."""

@@ -181,7 +181,9 @@ class FakeEngine:
         self.tag  # noqa: B018
         return len(prompt)
 
-    def start(self, request_id: int, prompt: str, source: CacheSource, sampling: SamplingOptions) -> Started:
+    def start(
+        self, request_id: int, prompt: str, source: CacheSource, sampling: SamplingOptions, *, share: bool = False
+    ) -> Started:
         if not prompt:
             raise ValueError("empty prompt")
         reused = self._reuse(prompt, source)
@@ -197,7 +199,7 @@ class FakeEngine:
         seq.prefilled += min(todo, chunk or self.default_chunk)
         self._sample_memory()
         if seq.context < len(seq.prompt):
-            return PrefillResult(text=None, finished=False, context=seq.context)
+            return PrefillResult(text=None, finished=False, context=seq.context, remaining=len(seq.prompt) - seq.context)
         return PrefillResult(text=self._emit(seq), finished=seq.finish_reason is not None, context=seq.context)
 
     def _emit(self, seq: _FakeSeq) -> str:

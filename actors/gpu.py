@@ -7,7 +7,7 @@ bounded job of an :class:`actors.engine.Engine`. The loop::
     reap requests whose client left (extract + park the partial turn)
     admit waiting requests the block budget can hold (actors.scheduler)
     one decode step for every sequence in the batch  -> deliver each new token
-    one prefill chunk, round-robin over admitted prefills
+    one prefill chunk for the admitted prefill with the least left (aged, see actors.scheduler)
         last chunk -> first token; the sequence joins the batch (merge/extend)
     finished sequences leave the batch (extract/filter), are parked, and their
     updated cache goes back to the agent in the ``Generated`` reply
@@ -23,6 +23,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, assert_never
 
 import msgspec
@@ -97,7 +98,7 @@ class _Request:
     last_token_at: float | None = None
     pending_text: str = ""
     client_gone: bool = False
-    to_prefill: int | None = None  # prompt tokens to prefill (None: not started)
+    to_prefill: int | None = None  # prompt tokens to prefill when it started (None: not started)
 
 
 
@@ -191,8 +192,9 @@ class GPUActor:
                     await self._prefill(request_id, plan.chunk)
             if self._sched.decoding():
                 await self._step()
-            if plan.prefill is not None and plan.prefill in self._sched.prefilling():
-                await self._prefill(plan.prefill, plan.chunk)
+            prefill = self._sched.next_prefill()
+            if prefill is not None:
+                await self._prefill(prefill, plan.chunk)
             await trio.lowlevel.checkpoint()
 
     # -- mailbox ---------------------------------------------------------------
@@ -280,12 +282,18 @@ class GPUActor:
         req.admitted_at = time.perf_counter()
         try:
             started: Started = await self._job(
-                self._engine.start, request_id, req.msg.prompt, req.msg.source, req.msg.sampling
+                partial(self._engine.start, share=req.msg.share_prefix),
+                request_id,
+                req.msg.prompt,
+                req.msg.source,
+                req.msg.sampling,
             )
         except Exception as exc:  # noqa: BLE001
             await self._fail(request_id, exc)
             return
         req.to_prefill = started.tokens_to_prefill
+        assert self._sched is not None
+        self._sched.to_prefill(request_id, started.tokens_to_prefill)
         self._event("admit", request_id)
 
     def _joining(self) -> list[int]:
@@ -306,6 +314,7 @@ class GPUActor:
             return
         self._chunks += 1
         self._event("chunk", request_id)
+        self._sched.to_prefill(request_id, result.remaining)
         if result.text is None:
             return
         self._deliver(request_id, result.text)

@@ -200,6 +200,8 @@ class Generate(Message, frozen=True, kw_only=True):
         client: the caller's own reply channel. When its receive end is closed
             (the client left), the generation is cancelled; nothing is sent on it.
         submitted_at: ``time.perf_counter()`` when the client submitted the turn.
+        share_prefix: this turn's prompt prefix may be shared with other agents'
+            sequences in flight, both ways (the agent's ``share_prefix`` setting).
     """
 
     request_id: int
@@ -212,6 +214,7 @@ class Generate(Message, frozen=True, kw_only=True):
     deltas: trio.MemorySendChannel[str] | None
     client: trio.MemorySendChannel[Any] | None
     reply: trio.MemorySendChannel[GenerateReply]
+    share_prefix: bool = False
 
 
 GpuInbox = LoadModel | UnloadModel | Render | Generate

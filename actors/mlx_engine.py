@@ -29,10 +29,10 @@ from runtime.batch import DecodeBatch
 from runtime.errors import ModelError
 from runtime.kvstate import SLIDING_SLACK, ParkedCache, Strategy, resolve_strategy
 from runtime.models import LoadedModel, load_model
-from runtime.prefix import match_prefix
+from runtime.prefix import common_prefix_length, match_prefix
 from runtime.sampling import SamplingParams
 from runtime.sequence import Sequence
-from runtime.snapshot import LayerKind
+from runtime.snapshot import BLOCK_TOKENS, LayerKind
 from runtime.spec import KVFormat, ModelCacheSpec
 
 __all__ = ["MlxEngine", "active_token_bytes", "sequence_bytes"]
@@ -87,6 +87,8 @@ class MlxEngine:
         self._lm: LoadedModel | None = None
         self._seqs: dict[int, Sequence] = {}
         self._ids: dict[int, int] = {}  # id(seq) -> request id
+        self._sharing: set[int] = set()  # requests whose prompt prefix may be shared (both ways)
+        self._donors: dict[int, ParkedCache] = {}  # request id -> its parked prompt, while it runs
         self._batch = DecodeBatch()
         self._model_bytes = 0
         self._baseline = 0
@@ -135,6 +137,8 @@ class MlxEngine:
     def unload(self) -> None:
         self._seqs.clear()
         self._ids.clear()
+        self._sharing.clear()
+        self._donors.clear()
         self._batch = DecodeBatch()
         self._lm = None
         self._model_bytes = 0
@@ -193,7 +197,9 @@ class MlxEngine:
                 return None if base is None else replace(base, meta={})
         raise TypeError(f"unknown cache source {source!r}")
 
-    def start(self, request_id: int, prompt: str, source: CacheSource, sampling: SamplingOptions) -> Started:
+    def start(
+        self, request_id: int, prompt: str, source: CacheSource, sampling: SamplingOptions, *, share: bool = False
+    ) -> Started:
         if not prompt:
             raise ValueError("empty prompt")
         params = SamplingParams(
@@ -206,6 +212,8 @@ class MlxEngine:
         seq = Sequence(self.lm, prompt, self._base(source), params, strategy=self._strategy)
         self._seqs[request_id] = seq
         self._ids[id(seq)] = request_id
+        if share:
+            self._sharing.add(request_id)
         self._sample_memory()
         return Started(
             tokens_reused=seq.stats.tokens_reused,
@@ -215,9 +223,57 @@ class MlxEngine:
 
     def prefill(self, request_id: int, chunk: int | None) -> PrefillResult:
         seq = self._seqs[request_id]
+        if request_id in self._sharing and not seq.prefill_started:
+            self._adopt_prefix(request_id, seq)
         text = seq.prefill_step(chunk)
+        if text is not None and request_id in self._sharing and self._wanted_as_donor(seq):
+            # Right after prefill the caches hold exactly the prompt (the first token is not fed yet).
+            donor = seq.kv.park(text=seq.prompt, token_ids=seq.token_ids, offsets=seq.offsets)
+            if donor is not None:
+                self._donors[request_id] = donor
         self._sample_memory()
-        return PrefillResult(text=text, finished=seq.finish_reason is not None, context=seq.context)
+        return PrefillResult(
+            text=text, finished=seq.finish_reason is not None, context=seq.context, remaining=seq.to_prefill
+        )
+
+    # -- prefix sharing between sequences in flight ----------------------------
+    #
+    # The cache store shares a prefix only from an agent's *parked* cache, so
+    # agents that arrive together (a shared system prompt, all cold) would each
+    # prefill it. Here the first of them to finish prefill parks its prompt while
+    # it decodes, and the others, before their first chunk, restart from its
+    # whole blocks. The scheduler finishes equal-length prefills in arrival order,
+    # so the others have not started yet when the first is done.
+
+    def _shared_blocks(self, donor_ids: tuple[int, ...] | list[int], seq: Sequence) -> int:
+        """Tokens of whole blocks ``seq``'s prompt has in common with ``donor_ids``."""
+        common = common_prefix_length(list(donor_ids), seq.token_ids)
+        return (common // BLOCK_TOKENS) * BLOCK_TOKENS
+
+    def _wanted_as_donor(self, donor: Sequence) -> bool:
+        """Whether a sharing sequence that has not started prefill would reuse more of ``donor``."""
+        return any(
+            rid in self._sharing
+            and not other.prefill_started
+            and self._shared_blocks(donor.token_ids, other) > other.stats.tokens_reused
+            for rid, other in self._seqs.items()
+            if other is not donor
+        )
+
+    def _adopt_prefix(self, request_id: int, seq: Sequence) -> None:
+        """Restart ``seq`` from the longest whole-block prefix a running donor parked."""
+        best: tuple[int, ParkedCache] | None = None
+        for donor_id, parked in self._donors.items():
+            keep = self._shared_blocks(parked.token_ids, seq) if donor_id != request_id else 0
+            keep = min(keep, (len(seq.token_ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS)  # one token left to prefill
+            if keep > seq.stats.tokens_reused and (best is None or keep > best[0]):
+                best = (keep, parked)
+        if best is None:
+            return
+        base = best[1].truncated(best[0], self.lm.spec)
+        if base is not None:
+            # A shared prefix starts the new agent's own history: no donor meta.
+            seq.adopt(replace(base, meta={}))
 
     def join(self, request_id: int) -> None:
         self._batch.add(self._seqs[request_id])
@@ -232,6 +288,8 @@ class MlxEngine:
         ]
 
     def _leave(self, request_id: int) -> Sequence:
+        self._sharing.discard(request_id)
+        self._donors.pop(request_id, None)
         seq = self._seqs.pop(request_id)
         self._ids.pop(id(seq), None)
         if seq in self._batch:

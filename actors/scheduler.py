@@ -1,4 +1,4 @@
-"""The GPU actor's policy: admission by block budget, round-robin prefill, the step plan.
+"""The GPU actor's policy: admission by block budget, prefill order, the step plan.
 
 Plain Python: imports neither trio nor mlx (a test enforces it). The GPU actor
 asks :meth:`Scheduler.plan` what to do next and executes it; this module never
@@ -16,9 +16,17 @@ the oldest waiting request is admitted as soon as the footprint with it fits
 and the batch is below ``max_batch``; later requests wait behind it (no
 starvation). A request that could not fit even alone is rejected.
 
-Prefill is round-robin, one chunk per loop iteration, over every admitted
-sequence still prefilling, so a 16K-token prompt cannot starve a 200-token one,
-and the running batch decodes one token between any two chunks.
+Prefill runs one chunk per loop iteration, and the running batch decodes one
+token between any two chunks. The chunk goes to the admitted sequence with the
+least prefill left, less an aging credit: the prefill tokens run for other
+sequences since it was admitted. Shortest-first minimizes the mean time to first
+token, so a 200-token prompt does not wait behind a 16K-token one; the credit
+bounds how long any prompt waits (no starvation: once others have had as many
+tokens as it has left, it goes first); and arrivals of equal length finish in
+arrival order instead of all finishing late together (round-robin), so the
+first of several agents that arrive at once with a shared system prompt is done
+before the others start and they can share its prefix
+(:meth:`actors.mlx_engine.MlxEngine.prefill`).
 """
 
 from __future__ import annotations
@@ -37,11 +45,11 @@ _PADDING = "(batch padding)"
 
 @dataclass(frozen=True)
 class Plan:
-    """One loop iteration: admit these requests, step the batch, run this prefill chunk."""
+    """One loop iteration: admit these requests, step the batch; :meth:`Scheduler.next_prefill`
+    then names the sequence that gets a prefill chunk of ``chunk`` tokens."""
 
     admit: tuple[int, ...]
     decode: bool
-    prefill: int | None
     chunk: int | None
 
 
@@ -64,6 +72,8 @@ class _Entry:
     request_id: int
     blocks: int
     waited_for_memory: bool = False
+    to_prefill: int | None = None  # unknown until the engine has built the sequence
+    credit: int = 0  # prefill tokens run for other sequences since admission (aging)
 
 
 class Scheduler:
@@ -95,7 +105,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self._waiting: deque[_Entry] = deque()
         self._running: dict[int, _Entry] = {}
-        self._prefilling: deque[int] = deque()
+        self._prefilling: list[int] = []  # admission order
         self._decoding: set[int] = set()
         self._admitted_total = 0
         self._memory_waits_total = 0
@@ -158,10 +168,30 @@ class Scheduler:
     def plan(self) -> Plan:
         """What to do in the next loop iteration (admits as a side effect)."""
         admitted = tuple(self._admit())
-        prefill = self._prefilling[0] if self._prefilling else None
-        if prefill is not None:
-            self._prefilling.rotate(-1)  # round-robin: the next chunk goes to the next sequence
-        return Plan(admit=admitted, decode=bool(self._decoding), prefill=prefill, chunk=self.prefill_chunk)
+        return Plan(admit=admitted, decode=bool(self._decoding), chunk=self.prefill_chunk)
+
+    def next_prefill(self) -> int | None:
+        """The prefilling sequence that gets the next chunk: least prefill left less
+        its aging credit, then the earliest admitted (see the module docstring)."""
+        best: tuple[float, int] | None = None
+        for rank, request_id in enumerate(self._prefilling):
+            entry = self._running[request_id]
+            left = float("inf") if entry.to_prefill is None else entry.to_prefill - entry.credit
+            if best is None or left < best[0]:
+                best = (left, rank)
+        return None if best is None else self._prefilling[best[1]]
+
+    def to_prefill(self, request_id: int, tokens: int) -> None:
+        """``request_id`` has ``tokens`` prompt tokens left to prefill (after its start
+        or a chunk); the tokens it ran since the last report age every other prefill."""
+        entry = self._running.get(request_id)
+        if entry is None:
+            return
+        ran = max(0, entry.to_prefill - tokens) if entry.to_prefill is not None else 0
+        entry.to_prefill = tokens
+        for other in self._prefilling:
+            if other != request_id:
+                self._running[other].credit += ran
 
     def prefilled(self, request_id: int) -> None:
         """``request_id`` finished prefill and joined the batch."""

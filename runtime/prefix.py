@@ -43,9 +43,9 @@ class PrefixMatch:
         return prompt[self.reuse_chars :]
 
 
-def common_prefix_length(a: str, b: str) -> int:
-    """Length of the longest common prefix of two strings (C speed via os.path)."""
-    return len(os.path.commonprefix([a, b]))
+def common_prefix_length(a: str | Sequence[int], b: str | Sequence[int]) -> int:
+    """Length of the longest common prefix of two strings or token-id lists (C speed via os.path)."""
+    return len(os.path.commonprefix([a, b]))  # type: ignore[list-item]
 
 
 def _tokens_within(offsets: Sequence[int], chars: int) -> int:

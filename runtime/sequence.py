@@ -103,10 +103,33 @@ class Sequence:
         self.next_input: int | None = None
         self.logits_trace: list[mx.array] | None = None  # set to [] to record each step's logits
 
+    def adopt(self, base: ParkedCache) -> None:
+        """Start from ``base`` instead: a cache whose tokens are this prompt's first tokens.
+
+        Only before prefill has started. The prompt keeps its own tokenization, so
+        the result is exactly what a prefill of those tokens would have computed.
+        """
+        n = base.num_tokens
+        if self._prefilled or not 0 < n < len(self.token_ids) or tuple(self.token_ids[:n]) != tuple(base.token_ids):
+            raise ValueError("a sequence can only adopt a proper prefix of its own tokens before prefill")
+        self.kv = ActiveKV(base, self.lm.spec, self.kv.strategy)
+        self.pending = self.token_ids[n:]
+        self.stats.tokens_reused, self.stats.tokens_prefilled = n, len(self.pending)
+        self.stats.match = MatchKind.EXTEND.value
+
     # -- prefill ----------------------------------------------------------------
     @property
     def prefill_done(self) -> bool:
         return self._prefilled >= len(self.pending)
+
+    @property
+    def prefill_started(self) -> bool:
+        return self._prefilled > 0
+
+    @property
+    def to_prefill(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.pending) - self._prefilled
 
     @property
     def context(self) -> int:

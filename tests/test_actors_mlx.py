@@ -251,6 +251,46 @@ async def test_second_agent_prefills_only_its_own_part_of_a_shared_system_prompt
     assert len(on_disk) == len(distinct)  # shared blocks are stored once
 
 
+async def test_agents_arriving_together_share_the_first_ones_prefix_and_reply_as_alone(tmp_path):
+    """Four cold agents with one long system prompt arrive at once: the first prefills
+    it, the others start from its whole blocks while it decodes. Reference: each
+    conversation alone through ``runtime.generate.generate`` from no cache (float KV,
+    greedy); the replies must be identical and the others must prefill only the rest."""
+    lm = tiny("tiny-llama", bits=None)
+    system = CORPUS.read_text()[:4000]
+    while len(lm.tokenize(system)[0]) > 600:
+        system = system[:-50]
+    questions = ["Who is the hero?", "Where does it happen?", "What is the weather?", "How does it end?"]
+    conversations = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+    params = SamplingParams(max_tokens=12)
+    expected = [generate(lm, lm.render(c), None, params).reply for c in conversations]
+    prompt_tokens = [len(lm.tokenize(lm.render(c))[0]) for c in conversations]
+    assert all(512 < n < 768 for n in prompt_tokens)
+    results = {}
+    async with _open(tmp_path, "tiny-llama", kv_bits=None) as rt:
+
+        async def agent(i: int) -> None:
+            results[i] = await rt.agent(f"together-{i}").send(conversations[i], max_tokens=12)
+
+        async def opted_out() -> None:
+            results["alone"] = await rt.agent("alone", share_prefix=False).send(conversations[0], max_tokens=12)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(agent, i)
+            nursery.start_soon(opted_out)
+    assert [results[i].reply for i in range(4)] == expected
+    assert sorted(results[i].usage.tier for i in range(4)) == ["cold", "shared", "shared", "shared"]
+    for i in range(4):
+        usage = results[i].usage
+        assert usage.tokens_reused + usage.tokens_prefilled == prompt_tokens[i]
+        if usage.tier == "shared":
+            assert usage.tokens_reused == 512 and usage.match == "extend"
+    alone = results["alone"]
+    assert alone.reply == expected[0]
+    assert alone.usage.tier == "cold" and alone.usage.tokens_prefilled == prompt_tokens[0]
+
+
 async def test_cancelled_consumer_stops_generation_and_keeps_a_consistent_cache(tmp_path):
     prompt = "User: Tell me about the harbour.\nAssistant:"
     async with _open(tmp_path, "tiny-llama") as rt:

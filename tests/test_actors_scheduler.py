@@ -73,16 +73,65 @@ def test_max_batch_caps_admission():
     assert s.stats().waiting_for_memory == 0  # held back by the batch cap, not memory
 
 
-def test_prefill_is_round_robin_so_a_long_prompt_cannot_starve_a_short_one():
+def _prefill_order(s: Scheduler, chunk: int, rounds: int) -> list[int]:
+    """Run ``rounds`` chunks of ``chunk`` tokens as the GPU actor would, recording who got each."""
+    order = []
+    for _ in range(rounds):
+        rid = s.next_prefill()
+        assert rid is not None
+        order.append(rid)
+        left = s._running[rid].to_prefill - chunk
+        s.to_prefill(rid, max(0, left))
+        if left <= 0:
+            s.prefilled(rid)
+    return order
+
+
+def test_shortest_prefill_goes_first_so_a_long_prompt_cannot_block_a_short_one():
     s = _sched(1000)
     s.submit(1, 16_000)
     s.submit(2, 200)
     s.plan()  # admits both
-    order = [s.plan().prefill for _ in range(4)]
-    assert order in ([2, 1, 2, 1], [1, 2, 1, 2])
-    s.prefilled(2)
+    s.to_prefill(1, 16_000)
+    s.to_prefill(2, 200)
+    assert _prefill_order(s, 256, 2) == [2, 1]
     nxt = s.plan()
-    assert nxt.prefill == 1 and nxt.decode
+    assert s.next_prefill() == 1 and nxt.decode
+
+
+def test_equal_prefills_finish_in_arrival_order_not_all_late_together():
+    s = _sched(1000)
+    for rid in (1, 2, 3):
+        s.submit(rid, 1000)
+    s.plan()
+    for rid in (1, 2, 3):
+        s.to_prefill(rid, 768)
+    assert _prefill_order(s, 256, 9) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+
+
+def test_aging_bounds_the_wait_of_a_long_prefill_behind_a_stream_of_short_ones():
+    s = _sched(1000)
+    s.submit(1, 1024)
+    s.plan()
+    s.to_prefill(1, 1024)
+    order = []
+    for rid in range(2, 12):  # a new 256-token prompt arrives before every chunk
+        s.submit(rid, 256)
+        s.plan()
+        s.to_prefill(rid, 256)
+        order += _prefill_order(s, 256, 1)
+    # Shortest-first alone would serve only the short ones; the long one has waited
+    # once the others have run as many tokens as it has left.
+    assert order.count(1) == 4 and order.index(1) <= 5
+
+
+def test_a_sequence_not_yet_started_waits_for_one_that_has_reported_its_prefill():
+    s = _sched(1000)
+    s.submit(1, 500)
+    s.submit(2, 500)
+    s.plan()
+    s.to_prefill(2, 500)
+    assert s.next_prefill() == 2
 
 
 def test_sequence_bytes_are_charged_per_sequence():
