@@ -7,8 +7,9 @@ settings, measured side by side in each repeat:
 
 * **sequential** — ``max_batch=1``: B waits until A has finished (what a server
   that serves one request at a time does);
-* **batched** — kvmem's default scheduler: B's prefill chunks interleave with A's
-  work and the two decode in one batch.
+* **batched** — kvmem's default scheduler: one prefill chunk per decode step, the
+  prompt with the least left first (so A, already under way, usually finishes
+  its prefill before B starts), and the two decode in one batch.
 
 TTFT is from each agent's own arrival to its first token (``usage.ttft_ms``); E2E
 from arrival to the reply.
@@ -57,7 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     reps = harness.repeats(args)
     context = args.context or (512 if args.quick else 1024)
-    res = ResultFile("staggered", f"Staggered arrivals: B arrives {args.gap:g} s after A ({context} tokens each)",
+    label = f"{context // 1024}k" if context % 1024 == 0 else str(context)
+    name = "staggered" if args.context in (None, 1024) else f"staggered_{label}"
+    res = ResultFile(name, f"Staggered arrivals: B arrives {args.gap:g} s after A ({context} tokens each)",
                      args.quick, argv or [])
     folder = harness.model_dir()
     runs: dict[str, list[dict[str, dict[str, float]]]] = {"sequential": [], "batched": []}
