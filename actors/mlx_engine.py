@@ -8,6 +8,7 @@ Every method here calls MLX and must run on :class:`actors.mlx_thread.MlxThread`
 from __future__ import annotations
 
 import gc
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,11 @@ from runtime.sampling import SamplingParams
 from runtime.sequence import Sequence
 from runtime.snapshot import BLOCK_TOKENS, LayerKind
 from runtime.spec import KVFormat, ModelCacheSpec
+from runtime.warmup import prewarm_memory
 
 __all__ = ["MlxEngine", "active_token_bytes", "sequence_bytes"]
+
+log = logging.getLogger("kvmem.engine")
 
 
 def active_token_bytes(spec: ModelCacheSpec, strategy: Strategy) -> int:
@@ -77,10 +81,15 @@ class MlxEngine:
         kv_bits: 4 or 8 (Q4/Q8 KV at rest) or None (float KV).
         kv_group_size: quantization group size.
         strategy: ``auto``, ``at-rest`` or ``native`` attention on Q4 caches.
+        prewarm_mb: memory to touch once when the first model loads and keep for
+            activations (see :mod:`runtime.warmup`); 0 turns it off.
     """
 
-    def __init__(self, *, models_dir: Path, kv_bits: int | None, kv_group_size: int, strategy: str) -> None:
+    def __init__(
+        self, *, models_dir: Path, kv_bits: int | None, kv_group_size: int, strategy: str, prewarm_mb: float = 0
+    ) -> None:
         self._models_dir = models_dir
+        self._prewarm_mb = prewarm_mb
         self._kv_format = KVFormat(bits=kv_bits, group_size=kv_group_size)
         self._attention = strategy  # "auto" is resolved on the MLX thread when a model loads
         self._strategy: Strategy = "at-rest"
@@ -116,6 +125,10 @@ class MlxEngine:
 
     def load(self, name: str) -> ModelInfo:
         self.unload()
+        if self._prewarm_mb > 0:
+            seconds = prewarm_memory(self._prewarm_mb)
+            log.info("pre-touched %g MB of activation memory in %.2f s", self._prewarm_mb, seconds)
+            self._prewarm_mb = 0  # the process keeps it: once is enough
         self._baseline = mx.get_active_memory()
         mx.reset_peak_memory()
         lm = load_model(name, kv_format=self._kv_format, models_dir=self._models_dir)

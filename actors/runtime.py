@@ -314,6 +314,7 @@ async def open_runtime(
     attention: str = "auto",
     budget_mb: float = 2048,
     hot_budget_mb: float = 512,
+    prewarm_mb: float = 512,
     idle_timeout_s: float = 300.0,
     model_idle_s: float | None = None,
     models: Sequence[str] = (),
@@ -337,6 +338,8 @@ async def open_runtime(
             (float while active; fastest on CPU) or ``native``.
         budget_mb: KV memory for running sequences: admission and batch size.
         hot_budget_mb: memory for parked caches in the hot tier.
+        prewarm_mb: memory touched once at the first model load and kept for activations,
+            so the first turn after a start is as fast as later ones (Linux; 0: off).
         idle_timeout_s: an agent actor stops after this long without requests.
         model_idle_s: unload the model after this long without requests (None: never).
         models: other model names requests may name (they swap the loaded model).
@@ -360,6 +363,7 @@ async def open_runtime(
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
             strategy=attention,
+            prewarm_mb=prewarm_mb,
         )
     metrics = RuntimeMetrics()
     store_send, store_receive = trio.open_memory_channel[StoreInbox](_MAILBOX_SIZE)

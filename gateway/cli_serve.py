@@ -26,6 +26,9 @@ def register(sub: Any) -> None:
     p.add_argument("--cache-dir", help="folder for the KV caches (default: the kvmem home)")
     p.add_argument("--budget-mb", type=float, help="KV memory budget for running sequences (MiB)")
     p.add_argument("--hot-budget-mb", type=float, help="memory for idle caches kept in RAM (MiB)")
+    p.add_argument(
+        "--prewarm-mb", type=float, help="memory touched at start and kept, so the first turn is fast (MiB; 0: off)"
+    )
     p.add_argument("--api-key", help="require this key (x-api-key or Authorization: Bearer)")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")
     p.add_argument("--max-body-bytes", type=int, help="largest request body")
@@ -50,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
         "attention": args.attention,
         "budget_mb": args.budget_mb,
         "hot_budget_mb": args.hot_budget_mb,
+        "prewarm_mb": args.prewarm_mb,
         "api_key": args.api_key,
         "max_tokens_limit": args.max_tokens_limit,
         "max_body_bytes": args.max_body_bytes,

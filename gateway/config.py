@@ -51,6 +51,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         attention: ``auto``, ``at-rest`` or ``native`` (see the README); None: the runtime's default.
         budget_mb: KV memory for running sequences (admission, batch size).
         hot_budget_mb: memory for idle caches kept in RAM (the hot tier).
+        prewarm_mb: memory touched once at start and kept for activations, so the
+            first turn after a restart is as fast as later ones (Linux; 0: off).
         max_batch: most sequences decoding at once.
         idle_timeout_s: an agent's actor stops after this long without requests.
         api_key: when set, every route but ``/healthz`` requires it
@@ -73,6 +75,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     attention: Literal["auto", "at-rest", "native"] | None = None
     budget_mb: Annotated[float, Meta(gt=0)] = 2048
     hot_budget_mb: Annotated[float, Meta(gt=0)] = 512
+    prewarm_mb: Annotated[float, Meta(ge=0)] = 512
     max_batch: Annotated[int, Meta(ge=1, le=1024)] = 32
     idle_timeout_s: Annotated[float, Meta(gt=0)] = 300.0
     api_key: str | None = None

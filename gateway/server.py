@@ -121,6 +121,7 @@ async def serve(
         kv_group_size=config.kv_group_size,
         budget_mb=config.budget_mb,
         hot_budget_mb=config.hot_budget_mb,
+        prewarm_mb=config.prewarm_mb,
         idle_timeout_s=config.idle_timeout_s,
         max_batch=config.max_batch,
         handle_signals=False,
