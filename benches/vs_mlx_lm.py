@@ -226,11 +226,29 @@ def _report(res: ResultFile, wl: Workload, targets: list[Target], reps: int, *, 
         "",
         f"Goal: ≥ 3x lower total TTFT than mlx-lm's server — {'met' if ratio >= 3 else 'missed'} ({ratio:.2f}x).",
         "",
+        _failures(targets),
+        "",
         ("*cached / prompt tok* is what each server reports in `usage` (`prompt_tokens_details.cached_tokens` / "
          "`prompt_tokens`), summed over the round's agents. TTFT is the time from sending the request to the "
          "first content delta, with all the round's agents in flight at once; p95 is the nearest rank over the "
          "round's agents."),
     ]
+
+
+def _failures(targets: list[Target]) -> str:
+    """A sentence on requests that ended without content (they count in TTFT with their whole duration)."""
+    failed = []
+    for t in targets:
+        empty = [(rnd + 1, x) for rnd, turns in t.turns.items() for x in turns if x.completion_tokens == 0]
+        if empty:
+            rounds = sorted({rnd for rnd, _ in empty})
+            longest = max(x.e2e_ms for _, x in empty) / 1e3
+            failed.append(f"{t.name}: {len(empty)} in round(s) {', '.join(map(str, rounds))} (ended after up to "
+                          f"{longest:.0f} s)")
+    if not failed:
+        return "Every request returned content."
+    return ("Requests that ended without any content (counted in TTFT and wall with their whole duration; see the "
+            "raw runs): " + "; ".join(failed) + ".")
 
 
 def _plot(res: ResultFile, wl: Workload, targets: list[Target]) -> None:
