@@ -112,11 +112,12 @@ async def _turn(rt: Runtime, i: int, round_no: int, system: str, tokens: int, ou
 
 
 async def run_rounds(
-    model: str, home: Path, models_dir: Path, *, tokens: int, repeats: int, context: int
+    model: str, home: Path, models_dir: Path, *, tokens: int, repeats: int, context: int, prewarm_mb: float
 ) -> tuple[list[Round], str, dict[str, float | int | str]]:
     rounds: list[Round] = []
     info: dict[str, float | int | str] = {}
-    opened = open_runtime(model, home=home, models_dir=models_dir, fsync=False, trace=True, handle_signals=False)
+    opened = open_runtime(model, home=home, models_dir=models_dir, fsync=False, trace=True, handle_signals=False,
+                          prewarm_mb=prewarm_mb)
     async with opened as rt:
         system = (CORPUS / "stories.txt").read_text()[: int(context * 4.4)]  # ~4.4 characters per token
         # Warm-up: agent 0 prefills the shared system prompt; the others start from its prefix.
@@ -319,18 +320,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, help="rounds per N (default 3; 1 with --quick)")
     parser.add_argument("--context", type=int, default=1024, help="approximate conversation length in tokens")
     parser.add_argument("--home", type=Path, help="kvmem home for models (default: $KVMEM_HOME or ~/.local/share)")
+    parser.add_argument("--prewarm-mb", type=float, default=512, help="the runtime's pre-warmed memory (0: off)")
     args = parser.parse_args(argv)
     model = args.model or ("tiny-llama" if args.quick else "kvmem-default")
     repeats = args.repeats or (1 if args.quick else 3)
-    suffix = "_quick" if args.quick else ""
-    command = "python -m benches.batching" + (" --quick" if args.quick else "")
+    suffix = ("_quick" if args.quick else "") + (f"_prewarm{args.prewarm_mb:g}" if args.prewarm_mb != 512 else "")
+    command = "python -m benches.batching" + (" --quick" if args.quick else "") + (
+        f" --prewarm-mb {args.prewarm_mb:g}" if args.prewarm_mb != 512 else "")
 
     load_before = os.getloadavg()[0]
     models_dir = KvmemHome(args.home).models_dir  # built models are reused across runs
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-") as tmp:
         home = Path(tmp)  # fresh caches every run
         rounds, final_prompt, info = trio.run(
-            lambda: run_rounds(model, home, models_dir, tokens=args.tokens, repeats=repeats, context=args.context)
+            lambda: run_rounds(model, home, models_dir, tokens=args.tokens, repeats=repeats, context=args.context,
+                               prewarm_mb=args.prewarm_mb)
         )
         tag = str(info["model_tag"])
         alone = alone_baseline(model, home, models_dir, final_prompt, tag, args.tokens, repeats)
