@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                 run_workload(target, wl, folder, r, res)
 
     _report(res, wl, targets, reps, vllm=bool(args.vllm_mlx_venv))
-    _plot(res, wl, targets)
+    _plot(res, wl, targets, reps)
     print(res.write(plot=True).read_text())
 
 
@@ -251,7 +251,7 @@ def _failures(targets: list[Target]) -> str:
             "raw runs): " + "; ".join(failed) + ".")
 
 
-def _plot(res: ResultFile, wl: Workload, targets: list[Target]) -> None:
+def _plot(res: ResultFile, wl: Workload, targets: list[Target], reps: int) -> None:
     plt = harness.pyplot()
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     xs = list(range(wl.rounds))
@@ -266,7 +266,7 @@ def _plot(res: ResultFile, wl: Workload, targets: list[Target]) -> None:
         ax[0].scatter(pos, p95, marker="_", s=150, color="k", zorder=3, label="p95" if k == 0 else None)
         cum, total = [], 0.0
         for r in xs:
-            total += t.walls[r]
+            total += t.walls[r] / reps
             cum.append(total)
         ax[1].plot([r + 1 for r in xs], cum, "o-", color=colors.get(t.name), label=t.name)
     ax[0].set_xticks(xs, [f"round {r + 1}" + ("\n(restart)" if r == wl.restart_after else "") for r in xs])
@@ -276,7 +276,7 @@ def _plot(res: ResultFile, wl: Workload, targets: list[Target]) -> None:
     ax[1].axvline(wl.restart_after + 0.5, color="gray", ls=":", label="restart")
     ax[1].set_xticks([r + 1 for r in xs])
     ax[1].set_xlabel("round")
-    ax[1].set_ylabel("cumulative wall s")
+    ax[1].set_ylabel("cumulative wall s (mean of repeats)")
     ax[1].set_title("wall time")
     ax[1].legend(fontsize=8)
     fig.suptitle("kvmem vs mlx_lm.server" + (" vs vllm-mlx" if len(targets) > 2 else "") + ", kvmem-default on CPU")
