@@ -124,6 +124,7 @@ class ResultFile:
     quick: bool
     argv: Sequence[str]
     model: str | None = "kvmem-default"
+    variant: str = ""  # appended to the file name (e.g. "_4k"), not to the command
     setup: list[str] = field(default_factory=list)
     body: list[str] = field(default_factory=list)
     raw: list[dict[str, Any]] = field(default_factory=list)
@@ -132,7 +133,7 @@ class ResultFile:
 
     @property
     def stem(self) -> str:
-        return self.name + ("_quick" if self.quick else "")
+        return self.name + self.variant + ("_quick" if self.quick else "")
 
     @property
     def md_path(self) -> Path:

@@ -59,9 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     reps = harness.repeats(args)
     context = args.context or (512 if args.quick else 1024)
     label = f"{context // 1024}k" if context % 1024 == 0 else str(context)
-    name = "staggered" if args.context in (None, 1024) else f"staggered_{label}"
-    res = ResultFile(name, f"Staggered arrivals: B arrives {args.gap:g} s after A ({context} tokens each)",
-                     args.quick, argv or [])
+    res = ResultFile("staggered", f"Staggered arrivals: B arrives {args.gap:g} s after A ({context} tokens each)",
+                     args.quick, argv or [], variant="" if args.context in (None, 1024) else f"_{label}")
     folder = harness.model_dir()
     runs: dict[str, list[dict[str, dict[str, float]]]] = {"sequential": [], "batched": []}
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-stag-") as tmp:
