@@ -24,7 +24,6 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import mlx_lm
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
+from benches.harness import git_revision
 from runtime.q4_cache import QuantizedKVCache
 
 RESULTS = Path(__file__).parent / "results"
@@ -168,15 +168,6 @@ def summarize(context: int, strategy: str, runs: list[Run]) -> Row:
     )
 
 
-def _git_rev() -> str:
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
-        return out.stdout.strip()
-
-    rev = git("rev-parse", "--short", "HEAD") or "unknown"
-    return rev + (" (working tree has uncommitted changes)" if git("status", "--porcelain") else "")
-
-
 def recommendation(rows: list[Row]) -> str:
     """One sentence: which strategy is faster here, from the largest context measured."""
     ctx = max(r.context for r in rows)
@@ -204,7 +195,7 @@ def write_markdown(
         "# Attention strategy: quantized SDPA (native) vs Q4 at rest",
         "",
         f"- command: `{command}`",
-        f"- git rev: {_git_rev()}",
+        f"- git rev: {git_revision()}",
         f"- mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, device {mx.default_device()}, "
         f"{os.cpu_count()} cores, {platform.machine()} {platform.system()}",
         f"- BLAS: {blas.openblas_path() or 'bundled reference BLAS'}, "

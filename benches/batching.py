@@ -30,7 +30,6 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ import trio
 
 from actors import Runtime, TurnResult, open_runtime
 from actors.gpu import GpuEvent
+from benches.harness import git_revision
 from runtime.home import KvmemHome
 
 RESULTS = Path(__file__).parent / "results"
@@ -188,15 +188,6 @@ def alone_baseline(
     return statistics.median(rates)
 
 
-def _git_rev() -> str:
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
-        return out.stdout.strip()
-
-    rev = git("rev-parse", "--short", "HEAD") or "unknown"
-    return rev + (" (working tree has uncommitted changes)" if git("status", "--porcelain") else "")
-
-
 def summarize(rounds: list[Round]) -> list[tuple[int, float, float, float, int]]:
     rows = []
     for n in AGENTS:
@@ -232,7 +223,7 @@ def write_markdown(
         "# Batching: system tokens/s for 1, 2, 4, 8 concurrent agents at 1K context",
         "",
         f"- command: `{command}`",
-        f"- git rev: {_git_rev()}",
+        f"- git rev: {git_revision()}",
         f"- mlx {getattr(mx, '__version__', '?')}, device {mx.default_device()}, {os.cpu_count()} cores, "
         f"{platform.machine()} {platform.system()}",
         f"- BLAS: {blas.openblas_path() or 'bundled reference BLAS'}, "
