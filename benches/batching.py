@@ -315,9 +315,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model = args.model or ("tiny-llama" if args.quick else "kvmem-default")
     repeats = args.repeats or (1 if args.quick else 3)
-    suffix = ("_quick" if args.quick else "") + (f"_prewarm{args.prewarm_mb:g}" if args.prewarm_mb != 512 else "")
+    prewarm = f"{args.prewarm_mb:g}" if args.prewarm_mb != parser.get_default("prewarm_mb") else None
+    suffix = ("_quick" if args.quick else "") + (f"_prewarm{prewarm}" if prewarm else "")
     command = "python -m benches.batching" + (" --quick" if args.quick else "") + (
-        f" --prewarm-mb {args.prewarm_mb:g}" if args.prewarm_mb != 512 else "")
+        f" --prewarm-mb {prewarm}" if prewarm else "")
 
     load_before = os.getloadavg()[0]
     models_dir = KvmemHome(args.home).models_dir  # built models are reused across runs
