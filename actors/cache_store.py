@@ -1,6 +1,8 @@
 """CacheStoreActor: sole owner of the cache directory; hot tier in RAM, warm tier on disk.
 
-* **Hot tier**: every agent's latest parked cache, most recently used last,
+* **Hot tier**: every agent's latest parked cache per model (keyed by agent id
+  and model tag, so a turn with another model never replaces the first
+  model's cache), most recently used last,
   accounted in a :class:`runtime.block_pool.BlockPool` per model under
   ``hot_budget_bytes``. Full 256-token blocks are accounted by content (the
   persistence layer's block hashes), so agents whose caches begin with the
@@ -14,12 +16,14 @@
   numpy and files only, never MLX).
 * **Write-behind**: :class:`Put` marks the cache dirty and returns at once; a
   writer task saves dirty caches oldest first (a newer Put of the same agent
-  supersedes an unwritten one). Loads are awaited by the agent that asked.
+  and model supersedes an unwritten one). Loads are awaited by the agent that asked.
 * **Shutdown**: on normal exit or cancellation (SIGINT/SIGTERM cancel the
   runtime), the store picks up any Put still in its mailbox and writes every
   dirty cache, shielded from the cancellation, before it returns.
 * Caches carry their model tag; :class:`Fetch` and :class:`FindPrefix` only
-  ever return caches made by the model asked for.
+  ever return caches made by the model asked for. An agent has one cache per
+  model, on disk too (:class:`runtime.persist.CacheDirectory`); :class:`Forget`
+  removes them all.
 
 Parked caches hold MLX arrays; the store only holds references and reads
 their plain attributes (text, token ids, offsets, size).
@@ -72,9 +76,9 @@ log = logging.getLogger("kvmem.store")
 class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     """Hot and warm tier counters.
 
-    ``hot_bytes`` is the physical size of the hot caches (shared prefixes
-    counted per agent); ``pools`` is the block accounting per model tag
-    (shared blocks counted once).
+    ``hot_agents`` counts hot caches (one per agent and model); ``hot_bytes``
+    is their physical size (shared prefixes counted per agent); ``pools`` is
+    the block accounting per model tag (shared blocks counted once).
     """
 
     hot_agents: int
@@ -91,15 +95,23 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     pools: dict[str, PoolSnapshot]
 
 
+_Key = tuple[str, str]
+"""A hot cache's key: (agent id, model tag)."""
+
+
 @dataclass
 class _Entry:
     agent_id: str
+    model_tag: str
     parked: HotCache
     snapshot: CacheSnapshot | None  # not None: not yet on disk
     share: bool
     version: int = 0
     accounted: bool = False
 
+    @property
+    def key(self) -> _Key:
+        return (self.agent_id, self.model_tag)
 
 
 SAVE_RETRY_S = 5.0
@@ -122,8 +134,8 @@ class CacheStoreActor:
         self._directory = directory
         self._hot_budget = hot_budget_bytes
         self._limiter = trio.CapacityLimiter(1)
-        self._entries: dict[str, _Entry] = {}  # least recently used first
-        self._dirty: dict[str, None] = {}  # oldest first
+        self._entries: dict[_Key, _Entry] = {}  # least recently used first
+        self._dirty: dict[_Key, None] = {}  # oldest first
         self._pools: dict[str, BlockPool] = {}
         self._wake = trio.Event()
         self._loads_waiting = 0
@@ -174,8 +186,8 @@ class CacheStoreActor:
     async def _handle(self, message: StoreInbox) -> None:
         match message:
             case Fetch():
-                entry = self._entries.get(message.agent_id)
-                if entry is not None and entry.parked.model_tag == message.model_tag:
+                entry = self._entries.get((message.agent_id, message.model_tag))
+                if entry is not None:
                     self._touch(entry)
                     send_reply(message.reply, HotHit(parked=entry.parked))
                 else:
@@ -189,7 +201,7 @@ class CacheStoreActor:
                 await self._forget(message)
             case Evict(model_tag=tag, reply=reply):
                 written = await self._flush_all(tag)
-                for entry in [e for e in self._entries.values() if e.parked.model_tag == tag]:
+                for entry in [e for e in self._entries.values() if e.model_tag == tag]:
                     self._drop(entry)
                 self._pools.pop(tag, None)
                 send_reply(reply, Evicted(written=written))
@@ -231,8 +243,8 @@ class CacheStoreActor:
             send_reply(message.reply, failed_from(exc))
             return
         wanted = message.agent_id
-        records = {
-            e.agent_id: AgentRecord(
+        on_disk = {
+            (e.agent_id, e.model_tag): AgentRecord(
                 agent_id=e.agent_id,
                 model_tag=e.model_tag,
                 num_tokens=e.num_tokens,
@@ -245,21 +257,27 @@ class CacheStoreActor:
             for e in stored
             if wanted is None or e.agent_id == wanted
         }
-        for entry in list(self._entries.values()):
+        hot: list[AgentRecord] = []  # most recently used first
+        for entry in reversed(list(self._entries.values())):
             if wanted is not None and entry.agent_id != wanted:
                 continue
-            disk = records.get(entry.agent_id)
-            records[entry.agent_id] = AgentRecord(
-                agent_id=entry.agent_id,
-                model_tag=entry.parked.model_tag,
-                num_tokens=entry.parked.num_tokens,
-                hot=True,
-                on_disk=disk is not None,
-                dirty=entry.snapshot is not None,
-                disk_bytes=disk.disk_bytes if disk else 0,
-                updated_at=disk.updated_at if disk else None,
+            disk = on_disk.pop(entry.key, None)
+            hot.append(
+                AgentRecord(
+                    agent_id=entry.agent_id,
+                    model_tag=entry.model_tag,
+                    num_tokens=entry.parked.num_tokens,
+                    hot=True,
+                    on_disk=disk is not None,
+                    dirty=entry.snapshot is not None,
+                    disk_bytes=disk.disk_bytes if disk else 0,
+                    updated_at=disk.updated_at if disk else None,
+                )
             )
-        send_reply(message.reply, AgentsListed(agents=tuple(records[k] for k in sorted(records))))
+        cold = sorted(on_disk.values(), key=lambda r: -(r.updated_at or 0.0))
+        # Stable: by agent id; an agent's hot caches first, most recently used first, then the newest on disk.
+        records = sorted([*hot, *cold], key=lambda r: r.agent_id)
+        send_reply(message.reply, AgentsListed(agents=tuple(records)))
 
     def _find_prefix(self, message: FindPrefix) -> NoPrefix | PrefixFound:
         best: tuple[int, _Entry] | None = None
@@ -281,9 +299,9 @@ class CacheStoreActor:
         return PrefixFound(parked=entry.parked, keep_tokens=keep, donor=entry.agent_id)
 
     async def _forget(self, message: Forget) -> None:
-        entry = self._entries.get(message.agent_id)
-        existed = entry is not None
-        if entry is not None:
+        entries = [e for e in self._entries.values() if e.agent_id == message.agent_id]
+        existed = bool(entries)
+        for entry in entries:
             self._drop(entry)
         try:
             existed = await self._disk(self._directory.exists, message.agent_id) or existed
@@ -296,8 +314,8 @@ class CacheStoreActor:
     # -- hot tier --------------------------------------------------------------
 
     def _touch(self, entry: _Entry) -> None:
-        self._entries.pop(entry.agent_id, None)
-        self._entries[entry.agent_id] = entry
+        self._entries.pop(entry.key, None)
+        self._entries[entry.key] = entry
 
     def _pool(self, tag: str, block_bytes: int) -> BlockPool:
         pool = self._pools.get(tag)
@@ -306,16 +324,18 @@ class CacheStoreActor:
         return pool
 
     def _put(self, message: Put) -> None:
-        entry = self._entries.get(message.agent_id)
+        entry = self._entries.get((message.agent_id, message.parked.model_tag))
         if entry is None:
-            entry = _Entry(message.agent_id, message.parked, message.snapshot, message.share_prefix)
+            entry = _Entry(
+                message.agent_id, message.parked.model_tag, message.parked, message.snapshot, message.share_prefix
+            )
         else:
             self._unaccount(entry)
             entry.parked, entry.snapshot, entry.share = message.parked, message.snapshot, message.share_prefix
             entry.version += 1
         self._touch(entry)
-        self._dirty.pop(entry.agent_id, None)
-        self._dirty[entry.agent_id] = None
+        self._dirty.pop(entry.key, None)
+        self._dirty[entry.key] = None
         self._account(entry, message.block_bytes)
         self._wake.set()
 
@@ -336,7 +356,7 @@ class CacheStoreActor:
                 (
                     e
                     for e in self._entries.values()
-                    if e is not entry and e.snapshot is None and e.parked.model_tag == parked.model_tag
+                    if e is not entry and e.snapshot is None and e.model_tag == parked.model_tag
                 ),
                 None,
             )
@@ -346,15 +366,15 @@ class CacheStoreActor:
             self._demote(victim)
 
     def _unaccount(self, entry: _Entry) -> None:
-        pool = self._pools.get(entry.parked.model_tag)
+        pool = self._pools.get(entry.model_tag)
         if pool is not None:
             pool.release(entry.agent_id)
         entry.accounted = False
 
     def _drop(self, entry: _Entry) -> None:
         self._unaccount(entry)
-        self._entries.pop(entry.agent_id, None)
-        self._dirty.pop(entry.agent_id, None)
+        self._entries.pop(entry.key, None)
+        self._dirty.pop(entry.key, None)
 
     def _demote(self, entry: _Entry) -> None:
         self._demotions += 1
@@ -378,8 +398,8 @@ class CacheStoreActor:
                     self._wake = trio.Event()
                 self._retry_at = float("-inf")
                 continue
-            agent_id = next(iter(self._dirty))
-            await self._write(self._entries[agent_id])
+            key = next(iter(self._dirty))
+            await self._write(self._entries[key])
 
     async def _write(self, entry: _Entry) -> bool:
         """Save ``entry`` if it is dirty; True when this call wrote it."""
@@ -398,14 +418,14 @@ class CacheStoreActor:
         if report is not None:
             self._writes += 1
             self._bytes_written += report.bytes_written
-        if report is None and retry and self._entries.get(entry.agent_id) is entry:
-            self._dirty.pop(entry.agent_id, None)  # keep it dirty, behind the others
-            self._dirty[entry.agent_id] = None
+        if report is None and retry and self._entries.get(entry.key) is entry:
+            self._dirty.pop(entry.key, None)  # keep it dirty, behind the others
+            self._dirty[entry.key] = None
             self._retry_at = trio.current_time() + self.retry_delay_s
             return False
-        if self._entries.get(entry.agent_id) is entry and entry.version == version:
+        if self._entries.get(entry.key) is entry and entry.version == version:
             entry.snapshot = None
-            self._dirty.pop(entry.agent_id, None)
+            self._dirty.pop(entry.key, None)
             if not entry.accounted and report is not None:
                 self._demote(entry)
         return report is not None
@@ -413,9 +433,9 @@ class CacheStoreActor:
     async def _flush_all(self, model_tag: str | None = None) -> int:
         """Write every dirty cache (of ``model_tag``, if given); returns how many were written."""
         written = 0
-        for agent_id in list(self._dirty):
-            entry = self._entries.get(agent_id)
-            if entry is None or (model_tag is not None and entry.parked.model_tag != model_tag):
+        for key in list(self._dirty):
+            entry = self._entries.get(key)
+            if entry is None or (model_tag is not None and entry.model_tag != model_tag):
                 continue
             written += await self._write(entry)
         return written

@@ -5,10 +5,13 @@ Requests and their replies::
     Fetch(agent_id, model_tag)        -> HotHit(parked) | WarmHit(snapshot) | Miss(reason)
     FindPrefix(agent_id, prompt, tag) -> PrefixFound(parked, keep_tokens, donor) | NoPrefix()
     Put(agent_id, parked, snapshot)   (no reply: write-behind, the turn never waits for disk)
-    Forget(agent_id)                  -> Forgotten(existed)
+    Forget(agent_id)                  -> Forgotten(existed)   every model's cache of the agent
     Evict(model_tag)                  -> Evicted(written)     flush dirty caches of a model, drop its hot caches
     Flush()                           -> Flushed(written)     write every dirty cache now
-    ListAgents(agent_id | None)       -> AgentsListed(agents) hot and on-disk agents (one, or all)
+    ListAgents(agent_id | None)       -> AgentsListed(agents) hot and on-disk caches (of one agent, or all)
+
+An agent has one cache per model (keyed by agent id and model tag): a turn with
+model B never replaces the agent's model-A cache.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ class Flushed(Message, frozen=True, kw_only=True):
 
 
 class AgentRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """One agent the store knows: in the hot tier, on disk, or both.
+    """One cache the store knows (an agent's, for ``model_tag``): in the hot tier, on disk, or both.
 
     Attributes:
         num_tokens: tokens its cache covers (the hot copy when there is one).
@@ -153,6 +156,8 @@ class Put(Message, frozen=True, kw_only=True):
 
 
 class Forget(Message, frozen=True, kw_only=True):
+    """Delete every cache of the agent (each model's), hot and on disk."""
+
     agent_id: str
     reply: trio.MemorySendChannel[ForgetReply]
 
@@ -167,7 +172,12 @@ class Flush(Message, frozen=True, kw_only=True):
 
 
 class ListAgents(Message, frozen=True, kw_only=True):
-    """The agents with a cache, sorted by id (only ``agent_id`` when given)."""
+    """The caches, one per agent and model (only ``agent_id``'s when given).
+
+    Sorted by agent id; an agent's hot caches come first, most recently used
+    first, then its caches on disk, newest first: an agent's first record is
+    the cache it used last.
+    """
 
     agent_id: str | None
     reply: trio.MemorySendChannel[ListReply]

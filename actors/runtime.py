@@ -156,7 +156,10 @@ class Runtime:
         return reply.written
 
     async def list_agents(self, agent_id: str | None = None) -> list[AgentRecord]:
-        """Agents with a cache in the hot tier or on disk, sorted by id (only ``agent_id`` when given)."""
+        """Caches in the hot tier or on disk, one per agent and model, sorted by agent id (only ``agent_id``'s when given).
+
+        An agent's first record is the cache it used last (see :class:`actors.messages_store.ListAgents`).
+        """
         if self._closed:
             raise TurnFailedError("Closed", "the runtime is closed")
         reply: ListReply = await ask(self._store_mailbox, lambda r: ListAgents(agent_id=agent_id, reply=r))

@@ -4,8 +4,10 @@
 
     GET    /v1/agents                 agents with a cache (hot tier or disk) or a running actor
     GET    /v1/agents/{id}            one agent, 404 when kvmem knows nothing of it
-    DELETE /v1/agents/{id}            forget its cache (RAM and disk), 404 when there was none
+    DELETE /v1/agents/{id}            forget its caches (RAM and disk), 404 when there was none
     POST   /v1/agents/{id}/messages   one turn; the body is :class:`AgentTurnRequest`
+
+An agent keeps one cache per model; it is listed once, with the cache it used last.
 
 A turn answers with the runtime's ``TurnResult`` as JSON: the reply, the
 finish reason, and ``usage`` with ``tokens_reused`` / ``tokens_prefilled`` /
@@ -82,7 +84,9 @@ def routes(gw: Gateway) -> list[Route]:
 
     async def list_agents(request: Request) -> Response:
         with runtime_errors():
-            records = {r.agent_id: r for r in await gw.rt.list_agents()}
+            records: dict[str, AgentRecord] = {}
+            for record in await gw.rt.list_agents():  # one per model; an agent's first is its latest
+                records.setdefault(record.agent_id, record)
         live = set(gw.rt.live_agents())
         data = [_info(a, records.get(a), a in live) for a in sorted(records.keys() | live)]
         return gw.json(AgentList(object="list", data=data))

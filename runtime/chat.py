@@ -18,7 +18,7 @@ from runtime.generate import generate
 from runtime.home import KvmemHome, Settings
 from runtime.kvstate import ParkedCache
 from runtime.models import LoadedModel, load_model
-from runtime.persist import CacheDirectory, safe_agent_dirname
+from runtime.persist import AgentEntry, CacheDirectory, safe_agent_dirname
 from runtime.sampling import SamplingParams
 
 __all__ = ["ChatSession", "TurnReport", "AgentSummary"]
@@ -47,12 +47,24 @@ class TurnReport:
 
 @dataclass(frozen=True)
 class AgentSummary:
-    """An agent known to this home folder."""
+    """An agent known to this home folder.
+
+    An agent keeps one cache per model: ``cached_tokens`` is its latest
+    cache's, ``disk_bytes`` counts all of them.
+    """
 
     agent: str
     model: str
     turns: int
     cached_tokens: int
+    disk_bytes: int
+
+
+@dataclass(frozen=True)
+class _CacheSummary:
+    """An agent's caches on disk: the latest saved, and the bytes of all of them."""
+
+    latest: AgentEntry
     disk_bytes: int
 
 
@@ -85,7 +97,7 @@ class ChatSession:
         try:
             snapshot = self.store.load(agent, model_tag=self.lm.spec.tag)
         except CacheMiss as miss:
-            if self.store.exists(agent):
+            if self.store.exists(agent, model_tag=self.lm.spec.tag):
                 log.warning("cache of agent %r not usable (%s): serving cold", agent, miss)
             return None, "cold"
         return ParkedCache.from_snapshot(snapshot, float_dtype=self.lm.float_dtype), "warm"
@@ -138,7 +150,11 @@ class ChatSession:
 
     def agents(self) -> list[AgentSummary]:
         """Agents with a conversation or a cache in this home folder."""
-        entries = {e.agent_id: e for e in self.store.list_agents()}
+        entries: dict[str, _CacheSummary] = {}
+        for e in self.store.list_agents():  # one per agent and model
+            seen = entries.get(e.agent_id)
+            latest = e if seen is None or e.updated_at > seen.latest.updated_at else seen.latest
+            entries[e.agent_id] = _CacheSummary(latest, e.disk_bytes + (seen.disk_bytes if seen else 0))
         out = []
         for path in sorted(self.home.root.joinpath("conversations").glob("*.json")):
             convo = self.home.load_conversation(path.stem)
@@ -150,16 +166,16 @@ class ChatSession:
                     agent,
                     str(convo.get("model", "")),
                     turns,
-                    entry.num_tokens if entry else 0,
+                    entry.latest.num_tokens if entry else 0,
                     entry.disk_bytes if entry else 0,
                 )
             )
         for agent, entry in entries.items():
-            out.append(AgentSummary(agent, entry.model_tag, 0, entry.num_tokens, entry.disk_bytes))
+            out.append(AgentSummary(agent, entry.latest.model_tag, 0, entry.latest.num_tokens, entry.disk_bytes))
         return out
 
     def forget(self, agent: str) -> bool:
-        """Delete an agent's conversation and cache; True if anything existed."""
+        """Delete an agent's conversation and caches (every model's); True if anything existed."""
         name = safe_agent_dirname(agent)
         had_cache = self.store.exists(agent)
         self.store.delete(agent)

@@ -5,9 +5,16 @@
     root/
       blocks/<hh>/<hash>.safetensors          immutable 256-token block, shared by every
                                               agent whose tokens up to its end are the same
-      agents/<dir>/manifest.json              what the agent's cache is made of
+      agents/<dir>/manifest-<digest>.json     what the agent's cache for one model is made of
       agents/<dir>/seg-<sha256>.safetensors   the agent's own pieces (any token range)
       agents/<dir>/state-<sha256>.safetensors sliding layers + every layer's layout
+
+An agent has **one cache per model tag** (:attr:`runtime.spec.ModelCacheSpec.tag`):
+``<digest>`` is a digest of the tag (:func:`runtime.persist_manifests.manifest_name`),
+so a turn with another model saves beside the first model's cache instead of
+over it, and each resumes its own. A ``manifest.json`` left by kvmem before
+per-model caches is still read as the cache of the model it records, until that
+model saves again (:mod:`runtime.persist_manifests`).
 
 An agent's blocked-layer (full-attention) KV is an ordered list of **pieces**
 covering tokens ``0:num_tokens`` without gaps (formats in
@@ -40,14 +47,15 @@ kinds and keys, meta, times, and the text, token ids and offsets compressed
 
 A save writes new blocks, segments and the state file first (temp files, then
 fsync them all, rename them all, fsync their directories: a
-:class:`~runtime.persist_files.AtomicBatch`), then replaces the manifest the
-same way (:func:`~runtime.persist_files.write_atomic`), then removes the
-agent's files the new manifest no longer lists. A kill at any point leaves the
-old manifest with everything it needs, or the new one. Loads verify sizes,
-checksums, the hash chain, contiguity and every shape against the manifest,
-and turn any problem into a :class:`~runtime.errors.CacheMiss` (logged), never
-an uncaught error; a file that fails its own checksum is removed so the next
-save rewrites it.
+:class:`~runtime.persist_files.AtomicBatch`), then replaces the model's
+manifest the same way (:func:`~runtime.persist_files.write_atomic`), then
+removes the agent's files that no manifest of the agent (any model) lists any
+more. A kill at any point leaves the old manifest with everything it needs, or
+the new one. Garbage collection keeps every block that any manifest of any
+agent lists. Loads verify sizes, checksums, the hash chain, contiguity and
+every shape against the manifest, and turn any problem into a
+:class:`~runtime.errors.CacheMiss` (logged), never an uncaught error; a file
+that fails its own checksum is removed so the next save rewrites it.
 
 Not thread-safe: callers serialize calls (the cache store runs one disk
 operation at a time). Files are ``0o600``, directories ``0o700``.
@@ -88,7 +96,6 @@ from runtime.persist_format import (
     LayerRecord,
     Manifest,
     Piece,
-    SegmentPiece,
     block_chain_hashes,
     blocked_sources,
     encode_state,
@@ -100,8 +107,16 @@ from runtime.persist_format import (
 from runtime.persist_load import (
     assemble_snapshot,
     check_manifest,
-    decode_block_list,
     decode_manifest,
+)
+from runtime.persist_manifests import (
+    LEGACY_MANIFEST,
+    kept_files,
+    manifest_name,
+    manifest_names,
+    own_files,
+    read_listing,
+    read_listings,
 )
 from runtime.persist_names import safe_agent_dirname
 from runtime.persist_pieces import PieceFiles, WriteTally
@@ -111,14 +126,13 @@ from runtime.snapshot import CacheSnapshot
 __all__ = [
     "FORMAT_VERSION",
     "safe_agent_dirname",
+    "manifest_name",
     "SaveReport",
     "AgentEntry",
     "CacheDirectory",
 ]
 
 log = logging.getLogger("kvmem.persist")
-
-MANIFEST_NAME = "manifest.json"
 
 _encoder = msgspec.json.Encoder()
 
@@ -146,7 +160,7 @@ class SaveReport:
 
 @dataclass(frozen=True)
 class AgentEntry:
-    """One stored agent, as listed by :meth:`CacheDirectory.list_agents`.
+    """One stored cache (an agent's, for one model), as listed by :meth:`CacheDirectory.list_agents`.
 
     ``disk_bytes`` counts the manifest, the state file, the segments and every
     referenced block in full, including blocks shared with other agents.
@@ -215,12 +229,12 @@ class CacheDirectory:
     # -- save ----------------------------------------------------------------
 
     def save(self, agent_id: str, snapshot: CacheSnapshot) -> SaveReport:
-        """Store ``snapshot`` as ``agent_id``'s cache, replacing the previous one.
+        """Store ``snapshot`` as ``agent_id``'s cache for its model, replacing that model's previous one.
 
-        Writes only the tokens the previous save did not store (see
-        :mod:`runtime.persist_plan`), the state file if it changed, and the
-        manifest. A needed piece that is missing or damaged on disk is written
-        again.
+        Writes only the tokens the previous save of the same model did not
+        store (see :mod:`runtime.persist_plan`), the state file if it changed,
+        and the manifest. A needed piece that is missing or damaged on disk is
+        written again. The agent's caches for other models stay as they are.
 
         Raises:
             InvalidAgentIdError: ``agent_id`` cannot name a cache.
@@ -289,8 +303,9 @@ class CacheDirectory:
             updated_at=now,
         )
         manifest_data = _encoder.encode(manifest)
-        write_atomic(agent_dir / MANIFEST_NAME, manifest_data, fsync=self._fsync)
-        self._files.remove_own_files(agent_dir, keep=_own_files(manifest))
+        write_atomic(agent_dir / manifest_name(model_tag), manifest_data, fsync=self._fsync)
+        self._retire_legacy_manifest(agent_dir, agent_id, model_tag)
+        self._remove_unlisted_files(agent_dir, manifest)
         blocks = sum(isinstance(piece, BlockPiece) for piece in pieces)
         return SaveReport(
             bytes_written=tally.block_bytes + tally.own_bytes + len(manifest_data),
@@ -310,7 +325,7 @@ class CacheDirectory:
         records: list[LayerRecord],
         state_data: bytes,
     ) -> _Previous | None:
-        """What a save takes from the agent's previous manifest, if it is this model's.
+        """What a save takes from the agent's previous manifest for this model, if any.
 
         Its pieces are reusable only if the manifest passes every check a load
         makes without reading pieces, and records the same layers with the
@@ -318,7 +333,7 @@ class CacheDirectory:
         state file's header).
         """
         try:
-            data = read_regular_file(agent_dir / MANIFEST_NAME)
+            data = _manifest_data(agent_dir, snapshot.model_tag)
             if data is None:
                 return None
             manifest = decode_manifest(data)
@@ -344,10 +359,49 @@ class CacheDirectory:
             created_at=manifest.created_at, token_ids=contents.token_ids, pieces=pieces
         )
 
+    def _retire_legacy_manifest(self, agent_dir: Path, agent_id: str, model_tag: str) -> None:
+        """Remove a pre-per-model ``manifest.json`` that the manifest just written replaces.
+
+        It stays only while it may be another model's usable cache: a manifest
+        of this format, of this agent, made by another model. Any other one
+        (this model's, another format's, undecodable) is what the save would
+        have overwritten before caches were kept per model.
+        """
+        try:
+            legacy = read_listing(agent_dir, LEGACY_MANIFEST)
+        except OSError as exc:
+            log.warning("cannot read %s: %s", agent_dir / LEGACY_MANIFEST, exc)
+            return
+        if legacy is None:
+            return
+        kept = legacy.manifest
+        if kept is not None and kept.model_tag != model_tag and kept.agent_id == agent_id:
+            return
+        remove_file(agent_dir / LEGACY_MANIFEST)
+        if self._fsync:
+            fsync_dir(agent_dir)
+
+    def _remove_unlisted_files(self, agent_dir: Path, manifest: Manifest) -> int:
+        """Remove the agent's files that neither ``manifest`` nor another manifest of the agent lists.
+
+        Nothing is removed while a manifest of the agent may list files this
+        version cannot tell (another format version) or cannot be read.
+        """
+        ours = manifest_name(manifest.model_tag)
+        try:
+            others = [listing for listing in read_listings(agent_dir) if listing.name != ours]
+        except OSError as exc:
+            log.warning("cannot read the manifests in %s: %s; keeping its files", agent_dir, exc)
+            return 0
+        kept = kept_files(others)
+        if kept is None:
+            return 0
+        return self._files.remove_own_files(agent_dir, keep=kept | own_files(manifest))
+
     # -- load ----------------------------------------------------------------
 
     def load(self, agent_id: str, *, model_tag: str) -> CacheSnapshot:
-        """Read and fully verify ``agent_id``'s cache.
+        """Read and fully verify ``agent_id``'s cache for ``model_tag``.
 
         Returns:
             A snapshot bit-identical to the one saved (up to a reused block, see
@@ -355,9 +409,11 @@ class CacheDirectory:
 
         Raises:
             InvalidAgentIdError: ``agent_id`` cannot name a cache.
-            CacheMiss: no cache is stored for ``agent_id``.
+            CacheMiss: no cache is stored for ``agent_id`` and ``model_tag``
+                (a cache of another model is no help).
             FormatVersionError: written by another version of the format.
-            ForeignModelError: made by another model than ``model_tag``.
+            ForeignModelError: made by another model than ``model_tag`` (a
+                pre-per-model ``manifest.json``, or a manifest that lies).
             CorruptCacheError: anything missing, truncated, failing a checksum
                 or contradicting the manifest (logged as a warning).
         """
@@ -379,9 +435,9 @@ class CacheDirectory:
             raise CorruptCacheError(f"{type(exc).__name__}: {exc}") from exc
 
     def _load(self, agent_dir: Path, agent_id: str, model_tag: str) -> CacheSnapshot:
-        data = read_regular_file(agent_dir / MANIFEST_NAME)
+        data = _manifest_data(agent_dir, model_tag)
         if data is None:
-            raise CacheMiss(f"no cache stored for agent {agent_id!r}")
+            raise CacheMiss(f"no cache stored for agent {agent_id!r} and model {model_tag!r}")
         manifest = decode_manifest(data)
         contents = check_manifest(manifest, agent_id=agent_id, model_tag=model_tag)
         state = self._files.read_state(agent_dir, manifest.state)
@@ -394,16 +450,28 @@ class CacheDirectory:
 
     # -- other operations ----------------------------------------------------
 
-    def exists(self, agent_id: str) -> bool:
+    def exists(self, agent_id: str, *, model_tag: str | None = None) -> bool:
         """Whether a manifest is stored for ``agent_id`` (not whether it loads).
+
+        Args:
+            model_tag: only a manifest for this model counts (a pre-per-model
+                ``manifest.json`` counts for every model); None: any model's.
 
         Raises:
             InvalidAgentIdError: ``agent_id`` cannot name a cache (as every method).
         """
-        return regular_file_size(self._agent_dir(agent_id) / MANIFEST_NAME) is not None
+        agent_dir = self._agent_dir(agent_id)
+        if model_tag is None:
+            try:
+                names = manifest_names(agent_dir)
+            except OSError:
+                return False
+        else:
+            names = [manifest_name(model_tag), LEGACY_MANIFEST]
+        return any(regular_file_size(agent_dir / name) is not None for name in names)
 
     def delete(self, agent_id: str) -> None:
-        """Forget ``agent_id``'s cache (its blocks go at the next :meth:`collect_garbage`)."""
+        """Forget ``agent_id``'s caches, every model's (their blocks go at the next :meth:`collect_garbage`)."""
         agent_dir = self._agent_dir(agent_id)
         try:
             info = os.lstat(agent_dir)
@@ -412,10 +480,15 @@ class CacheDirectory:
         if not stat.S_ISDIR(info.st_mode):
             remove_file(agent_dir)
             return
-        manifest = agent_dir / MANIFEST_NAME
-        if regular_file_size(manifest) is not None:
-            # Without its manifest the agent is gone, even if a crash follows.
-            remove_file(manifest)
+        manifests = [
+            agent_dir / name
+            for name in manifest_names(agent_dir)
+            if regular_file_size(agent_dir / name) is not None
+        ]
+        if manifests:
+            # Without its manifests the agent is gone, even if a crash follows.
+            for path in manifests:
+                remove_file(path)
             if self._fsync:
                 fsync_dir(agent_dir)
         shutil.rmtree(agent_dir)
@@ -423,46 +496,53 @@ class CacheDirectory:
             fsync_dir(self._agents)
 
     def list_agents(self) -> list[AgentEntry]:
-        """Every agent with a readable manifest, sorted by id (unreadable ones are logged)."""
+        """Every stored cache with a readable manifest: one per agent and model, sorted by id then tag.
+
+        Unreadable manifests are logged and skipped; a pre-per-model
+        ``manifest.json`` is listed unless its model has saved since.
+        """
         entries = []
         for agent_dir in self._subdirs(self._agents):
-            manifest_path = agent_dir / MANIFEST_NAME
             try:
-                data = read_regular_file(manifest_path)
-                if data is None:
-                    continue
-                manifest = decode_manifest(data)
-                if safe_agent_dirname(manifest.agent_id) != agent_dir.name:
-                    raise CorruptCacheError(
-                        f"manifest names agent {manifest.agent_id!r}"
-                    )
-            except (OSError, CacheMiss, ValueError) as exc:
-                log.warning("skipping unreadable manifest %s: %s", manifest_path, exc)
+                listings = read_listings(agent_dir)
+            except OSError as exc:
+                log.warning("skipping unreadable agent directory %s: %s", agent_dir, exc)
                 continue
-            disk_bytes = (
-                len(data)
-                + manifest.state.size
-                + sum(piece.size for piece in manifest.pieces)
-            )
-            entries.append(
-                AgentEntry(
-                    agent_id=manifest.agent_id,
-                    model_tag=manifest.model_tag,
-                    num_tokens=manifest.num_tokens,
-                    disk_bytes=disk_bytes,
-                    updated_at=manifest.updated_at,
+            current = {listing.name for listing in listings}
+            for listing in listings:
+                manifest = listing.manifest
+                path = agent_dir / listing.name
+                if manifest is None:
+                    log.warning("skipping unreadable manifest %s: %s", path, listing.problem)
+                    continue
+                if safe_agent_dirname(manifest.agent_id) != agent_dir.name:
+                    log.warning("skipping manifest %s: it names agent %r", path, manifest.agent_id)
+                    continue
+                if listing.name == LEGACY_MANIFEST and manifest_name(manifest.model_tag) in current:
+                    continue  # superseded; the save that wrote its successor was cut short
+                disk_bytes = (
+                    listing.size + manifest.state.size + sum(piece.size for piece in manifest.pieces)
                 )
-            )
-        return sorted(entries, key=lambda entry: entry.agent_id)
+                entries.append(
+                    AgentEntry(
+                        agent_id=manifest.agent_id,
+                        model_tag=manifest.model_tag,
+                        num_tokens=manifest.num_tokens,
+                        disk_bytes=disk_bytes,
+                        updated_at=manifest.updated_at,
+                    )
+                )
+        return sorted(entries, key=lambda entry: (entry.agent_id, entry.model_tag))
 
     def collect_garbage(self) -> int:
         """Remove blocks no manifest references, orphan agent files and temp files.
 
-        Manifests of another format version keep the blocks and the agent
-        files they list; if such a manifest has a layout this version cannot
-        read, or a manifest cannot be read at all, no block is removed. An
-        undecodable manifest of this version references nothing: its cache
-        cannot load anyway.
+        Every manifest of every agent counts, whatever its model. Manifests of
+        another format version keep the blocks and the agent files they list;
+        if such a manifest has a layout this version cannot read, or a
+        manifest cannot be read at all, no block is removed. An undecodable
+        manifest of this version references nothing: its cache cannot load
+        anyway.
 
         Returns:
             The number of files removed.
@@ -471,39 +551,29 @@ class CacheDirectory:
         referenced: set[str] = set()
         keep_all_blocks = False
         for agent_dir in self._subdirs(self._agents):
-            data = None
             try:
-                data = read_regular_file(agent_dir / MANIFEST_NAME)
+                listings = read_listings(agent_dir)
             except OSError as exc:
                 log.warning("cannot read %s: %s; keeping every block", agent_dir, exc)
                 keep_all_blocks = True
                 continue
-            if data is None:  # a first save that never reached its manifest
+            if not listings:  # a first save that never reached its manifest
                 removed += self._files.remove_own_files(agent_dir, keep=())
                 with contextlib.suppress(OSError):
                     agent_dir.rmdir()
                 continue
-            try:
-                manifest = decode_manifest(data)
-            except FormatVersionError:
-                listed = decode_block_list(data)
-                if listed is None:
+            for listing in listings:
+                if listing.blocks is None:
                     log.warning(
-                        "manifest in %s has an unknown layout; keeping every block",
-                        agent_dir,
+                        "manifest %s has an unknown layout; keeping every block",
+                        agent_dir / listing.name,
                     )
                     keep_all_blocks = True
                 else:
-                    referenced.update(listed)
-                continue
-            except CorruptCacheError:
-                continue
-            referenced.update(
-                piece.name for piece in manifest.pieces if isinstance(piece, BlockPiece)
-            )
-            removed += self._files.remove_own_files(
-                agent_dir, keep=_own_files(manifest)
-            )
+                    referenced.update(listing.blocks)
+            kept = kept_files(listings)
+            if kept is not None:
+                removed += self._files.remove_own_files(agent_dir, keep=kept)
         if keep_all_blocks:
             return removed
         for shard in self._subdirs(self._blocks):
@@ -520,7 +590,13 @@ class CacheDirectory:
         return block_chain_hashes(model_tag, token_ids)
 
 
-def _own_files(manifest: Manifest) -> set[str]:
-    """The agent-directory files ``manifest`` lists: its segments and state file."""
-    names = {piece.name for piece in manifest.pieces if isinstance(piece, SegmentPiece)}
-    return names | {manifest.state.name}
+def _manifest_data(agent_dir: Path, model_tag: str) -> bytes | None:
+    """The bytes of the agent's manifest for ``model_tag``, else of its pre-per-model one, else None.
+
+    Raises:
+        OSError: a manifest is there but cannot be read.
+    """
+    data = read_regular_file(agent_dir / manifest_name(model_tag))
+    if data is None:
+        data = read_regular_file(agent_dir / LEGACY_MANIFEST)
+    return data

@@ -33,6 +33,7 @@ from runtime.persist import (
     AgentEntry,
     CacheDirectory,
     SaveReport,
+    manifest_name,
     safe_agent_dirname,
 )
 from runtime.persist_format import pack_text
@@ -184,7 +185,12 @@ def agent_dir(cache: CacheDirectory, agent_id: str) -> Path:
     return cache.root / "agents" / safe_agent_dirname(agent_id)
 
 
-def manifest_path(cache: CacheDirectory, agent_id: str) -> Path:
+def manifest_path(cache: CacheDirectory, agent_id: str, model_tag: str = TAG) -> Path:
+    return agent_dir(cache, agent_id) / manifest_name(model_tag)
+
+
+def legacy_manifest_path(cache: CacheDirectory, agent_id: str) -> Path:
+    """Where kvmem kept an agent's one cache before caches were kept per model."""
     return agent_dir(cache, agent_id) / "manifest.json"
 
 
@@ -597,6 +603,10 @@ CORRUPTIONS: dict[str, tuple[Callable[[CacheDirectory], object], type[CacheMiss]
         lambda c: edit_manifest(c, "a", lambda m: m["layers"][4].update(kind="float")),
         CorruptCacheError,
     ),
+    "manifest-of-another-model-under-this-models-name": (
+        lambda c: edit_manifest(c, "a", lambda m: m.update(model_tag="other-model@ffff")),
+        ForeignModelError,
+    ),
     "manifest-of-another-agent": (
         lambda c: edit_manifest(c, "a", lambda m: m.update(agent_id="b")),
         CorruptCacheError,
@@ -621,18 +631,25 @@ def test_damage_is_a_miss_of_the_right_kind(saved: CacheDirectory, name: str) ->
     assert_same(saved.load("a", model_tag=TAG), snapshot)
 
 
-def test_wrong_model_tag_is_a_foreign_model_miss(saved: CacheDirectory) -> None:
+def test_another_models_cache_is_never_served_for_this_model(saved: CacheDirectory) -> None:
+    with pytest.raises(CacheMiss) as info:
+        saved.load("a", model_tag="other-model@ffff")
+    assert type(info.value) is CacheMiss  # no cache of that model: a plain miss
+    assert not saved.exists("a", model_tag="other-model@ffff")
+    # A manifest filed under this model's name but made by another is foreign.
+    manifest_path(saved, "a").rename(manifest_path(saved, "a", "other-model@ffff"))
     with pytest.raises(ForeignModelError):
         saved.load("a", model_tag="other-model@ffff")
 
 
-def test_a_model_swap_stores_separate_blocks(saved: CacheDirectory) -> None:
+def test_a_model_swap_stores_separate_blocks_beside_the_first_models_cache(
+    saved: CacheDirectory,
+) -> None:
     other = make_snapshot(1000, model_tag="other-model@ffff", salt=3)
     report = saved.save("a", other)
     assert report.blocks_written == 3
     assert_same(saved.load("a", model_tag="other-model@ffff"), other)
-    with pytest.raises(ForeignModelError):
-        saved.load("a", model_tag=TAG)
+    assert_same(saved.load("a", model_tag=TAG), make_snapshot(1000))
 
 
 def test_a_symlinked_manifest_is_not_followed(
@@ -1096,8 +1113,8 @@ def test_collect_garbage_keeps_blocks_listed_by_other_format_versions(
     assert len(block_files(cache.root)) == 2
     manifest_path(cache, "a").write_bytes(
         b"garbage"
-    )  # this version, unreadable: a dead cache
-    assert cache.collect_garbage() == 2
+    )  # this version, unreadable: a dead cache, its blocks and own files go
+    assert cache.collect_garbage() == 4  # 2 blocks, the segment, the state file
 
 
 def test_a_format_1_cache_is_a_miss_kept_by_gc_until_saved_over(
@@ -1110,7 +1127,7 @@ def test_a_format_1_cache_is_a_miss_kept_by_gc_until_saved_over(
     directory.mkdir()
     tail = directory / ("tail-" + "4" * 64 + ".safetensors")
     tail.write_bytes(b"v1 tail")
-    manifest_path(cache, "a").write_text(
+    legacy_manifest_path(cache, "a").write_text(
         json.dumps(
             {
                 "format_version": 1,

@@ -15,6 +15,7 @@ from test_persist import (
     assert_same,
     block_path,
     make_snapshot,
+    manifest_path,
     read_manifest,
     segment_path,
     state_path,
@@ -166,10 +167,11 @@ def test_an_uncommitted_batch_leaves_nothing_and_a_committed_one_everything(
 
 
 def test_a_format_2_cache_is_a_version_miss(saved: CacheDirectory) -> None:
-    manifest = agent_dir(saved, "a") / "manifest.json"
+    manifest = manifest_path(saved, "a")
     data = json.loads(manifest.read_bytes())
     data["format_version"] = 2
-    manifest.write_text(json.dumps(data))
+    manifest.unlink()  # format 2 kept one manifest.json per agent
+    (agent_dir(saved, "a") / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(runtime.errors.FormatVersionError):
         saved.load("a", model_tag=TAG)
 

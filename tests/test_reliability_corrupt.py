@@ -49,9 +49,15 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _manifest(agent_dir: Path) -> Path:
+    """The agent's one manifest (one per model it talked to: here only MODEL)."""
+    (found,) = agent_dir.glob("manifest-*.json")
+    return found
+
+
 def _edit_manifest(edit: Callable[[dict], None]) -> Callable[[Path], None]:
     def apply(agent_dir: Path) -> None:
-        manifest = agent_dir / "manifest.json"
+        manifest = _manifest(agent_dir)
         data = json.loads(manifest.read_bytes())
         edit(data)
         manifest.write_text(json.dumps(data))
@@ -77,9 +83,9 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "flipped-segment": lambda d: _flip(_files(d, "seg-")[0]),
     "truncated-state": lambda d: _truncate(_files(d, "state-")[0]),
     "flipped-state": lambda d: _flip(_files(d, "state-")[0]),
-    "truncated-manifest": lambda d: _truncate(d / "manifest.json"),
-    "empty-manifest": lambda d: (d / "manifest.json").write_bytes(b""),
-    "garbage-manifest": lambda d: (d / "manifest.json").write_bytes(b"\x00\xffnot json{" * 40),
+    "truncated-manifest": lambda d: _truncate(_manifest(d)),
+    "empty-manifest": lambda d: _manifest(d).write_bytes(b""),
+    "garbage-manifest": lambda d: _manifest(d).write_bytes(b"\x00\xffnot json{" * 40),
     "foreign-model": _edit_manifest(_set("model_tag", "other-model@0123456789abcdef/q4g64")),
     "old-format": _edit_manifest(_set("format_version", 1)),
     "future-format": _edit_manifest(_set("format_version", 99)),
@@ -88,7 +94,7 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
     "checksum-lie": _edit_manifest(lambda m: m["pieces"][0].__setitem__("sha256", "0" * 64)),
     "agent-id-lie": _edit_manifest(_set("agent_id", "somebody-else")),
     "dir-for-segment": lambda d: _dir_instead(_files(d, "seg-")[0]),
-    "dir-for-manifest": lambda d: _dir_instead(d / "manifest.json"),
+    "dir-for-manifest": lambda d: _dir_instead(_manifest(d)),
     "missing-segment": lambda d: _files(d, "seg-")[0].unlink(),
 }
 
