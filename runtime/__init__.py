@@ -4,4 +4,10 @@ Importing this package loads OpenBLAS before MLX (see :mod:`runtime.blas`).
 Nothing in here imports trio.
 """
 
-from runtime import blas as _blas  # noqa: F401  (must run before any mlx import)
+import os as _os
+
+# mlx-lm's tokenizers come from transformers, which tells every process without
+# PyTorch that its models are unavailable; kvmem never uses them.
+_os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from runtime import blas as _blas  # noqa: E402,F401  (must run before any mlx import)

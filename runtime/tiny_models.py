@@ -11,7 +11,8 @@ Hugging Face folder that ``mlx_lm.load(path)`` opens:
 
 Outputs of random weights are not meaningful text; they exercise the
 machinery (caches, batching, persistence), and timings depend only on the
-geometry. ``kvmem-default`` has SmolLM2-135M's geometry; the ``tiny-*`` test
+geometry. ``smollm2-random`` has SmolLM2-135M's geometry (the real default,
+``kvmem-default``, is that model's trained weights); the ``tiny-*`` test
 models build in a fraction of a second.
 
 Padded vocabulary: a recipe's ``config["vocab_size"]`` may exceed the
@@ -50,7 +51,7 @@ from runtime.tokenizer_build import (
 )
 
 __all__ = [
-    "DEFAULT_MODEL",
+    "RANDOM_SMOLLM2",
     "RECIPES",
     "TinyModelRecipe",
     "build_tiny_model",
@@ -149,13 +150,15 @@ def _test_config(architecture: str, **fields: Any) -> Mapping[str, Any]:
     return MappingProxyType(base)
 
 
-DEFAULT_MODEL = "kvmem-default"
+RANDOM_SMOLLM2 = "smollm2-random"
+"""SmolLM2-135M's geometry with random weights (540 MB): timings of the real
+default (``kvmem-default``, :mod:`runtime.default_model`) without its package."""
 
 RECIPES: dict[str, TinyModelRecipe] = {
     r.name: r
     for r in (
         TinyModelRecipe(
-            name=DEFAULT_MODEL,
+            name=RANDOM_SMOLLM2,
             architecture="llama",
             config=MappingProxyType({
                 "model_type": "llama",

@@ -1,6 +1,6 @@
 """Tiny random-weight models: they load through mlx-lm exactly as generated.
 
-Building ``kvmem-default`` (540 MB) is skipped unless ``KVMEM_TEST_DEFAULT_MODEL=1``.
+Building ``smollm2-random`` (540 MB) is skipped unless ``KVMEM_TEST_DEFAULT_MODEL=1``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from runtime import tiny_models as tm
 from runtime.tokenizer_build import CHAT_TEMPLATE, SPECIAL_TOKENS, TOOL_TOKENS, _trained_json
 
-TEST_MODELS = [name for name in tm.RECIPES if name != tm.DEFAULT_MODEL]
+TEST_MODELS = [name for name in tm.RECIPES if name != tm.RANDOM_SMOLLM2]
 # Greedy tokens are compared only where the top-1 margin beats float noise
 # (~1e-4 between chunked and whole prefill); the median margin is far above it.
 MEDIAN_MARGIN = 1.0
@@ -263,7 +263,7 @@ def test_recipe_hash_tracks_the_recipe() -> None:
 
 
 def test_default_recipe_has_smollm2_135m_geometry() -> None:
-    recipe = tm.RECIPES[tm.DEFAULT_MODEL]
+    recipe = tm.RECIPES[tm.RANDOM_SMOLLM2]
     config = recipe.config
     assert recipe.architecture == "llama"
     expected = {
@@ -285,7 +285,7 @@ def test_default_recipe_has_smollm2_135m_geometry() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("KVMEM_TEST_DEFAULT_MODEL") != "1", reason="540 MB build")
 def test_default_model_builds_and_is_peaky(tmp_path: Path) -> None:
-    model, tokenizer = mlx_lm.load(str(tm.ensure_tiny_model(tm.DEFAULT_MODEL, tmp_path)))
+    model, tokenizer = mlx_lm.load(str(tm.ensure_tiny_model(tm.RANDOM_SMOLLM2, tmp_path)))
     n_real = len(tokenizer._tokenizer)
     logits = model(_random_prompt(n_real, 256, seed=0))
     assert logits.shape == (1, 256, 49152)
