@@ -81,14 +81,23 @@ class MlxEngine:
         kv_bits: 4 or 8 (Q4/Q8 KV at rest) or None (float KV).
         kv_group_size: quantization group size.
         strategy: ``auto``, ``at-rest`` or ``native`` attention on Q4 caches.
+        weights: how GGUF weights are held (:data:`runtime.gguf.WEIGHT_MODES`).
         prewarm_mb: memory to touch once when the first model loads and keep for
             activations (see :mod:`runtime.warmup`); 0 turns it off.
     """
 
     def __init__(
-        self, *, models_dir: Path, kv_bits: int | None, kv_group_size: int, strategy: str, prewarm_mb: float = 0
+        self,
+        *,
+        models_dir: Path,
+        kv_bits: int | None,
+        kv_group_size: int,
+        strategy: str,
+        weights: str = "auto",
+        prewarm_mb: float = 0,
     ) -> None:
         self._models_dir = models_dir
+        self._weights = weights
         self._prewarm_mb = prewarm_mb
         self._kv_format = KVFormat(bits=kv_bits, group_size=kv_group_size)
         self._attention = strategy  # "auto" is resolved on the MLX thread when a model loads
@@ -131,7 +140,7 @@ class MlxEngine:
             self._prewarm_mb = 0  # the process keeps it: once is enough
         self._baseline = mx.get_active_memory()
         mx.reset_peak_memory()
-        lm = load_model(name, kv_format=self._kv_format, models_dir=self._models_dir)
+        lm = load_model(name, kv_format=self._kv_format, models_dir=self._models_dir, weights=self._weights)
         self._lm = lm
         self._strategy = resolve_strategy(self._attention)
         weights = tree_flatten(lm.model.parameters(), destination={})

@@ -315,6 +315,7 @@ async def open_runtime(
     kv_bits: int | None = 4,
     kv_group_size: int = 64,
     attention: str = "auto",
+    weights: str = "auto",
     budget_mb: float = 2048,
     hot_budget_mb: float = 512,
     prewarm_mb: float = 512,
@@ -339,6 +340,8 @@ async def open_runtime(
         kv_group_size: quantization group size.
         attention: ``auto`` (at-rest on CPU, native on GPU backends), ``at-rest``
             (float while active; fastest on CPU) or ``native``.
+        weights: how GGUF weights are held: ``auto`` (float32 on CPU, as stored
+            on GPU backends), ``float32``, ``float16``, ``bfloat16`` or ``quantized``.
         budget_mb: KV memory for running sequences: admission and batch size.
         hot_budget_mb: memory for parked caches in the hot tier.
         prewarm_mb: memory touched once at the first model load and kept for activations,
@@ -366,6 +369,7 @@ async def open_runtime(
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
             strategy=attention,
+            weights=weights,
             prewarm_mb=prewarm_mb,
         )
     metrics = RuntimeMetrics()

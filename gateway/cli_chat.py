@@ -52,7 +52,7 @@ def _session(args: argparse.Namespace) -> Any:
     kv_bits: Any = None
     if args.kv_bits is not None:
         kv_bits = 0 if args.kv_bits.lower() in ("float", "none", "0") else int(args.kv_bits)
-    settings = Settings.from_env(model=args.model, attention=args.attention)
+    settings = Settings.from_env(model=args.model, attention=args.attention, weights=args.weights)
     if kv_bits is not None:
         settings = Settings(**{**settings.__dict__, "kv_bits": kv_bits or None})
     return ChatSession(KvmemHome(args.home), settings)

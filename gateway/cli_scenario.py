@@ -189,7 +189,7 @@ def _resume(args: argparse.Namespace) -> int:
 def _settings(args: argparse.Namespace, default_model: str | None = None) -> Any:
     from runtime.home import Settings
 
-    settings = Settings.from_env(model=args.model or default_model, attention=args.attention)
+    settings = Settings.from_env(model=args.model or default_model, attention=args.attention, weights=args.weights)
     if args.kv_bits is not None:
         raw = args.kv_bits.lower()
         bits = None if raw in ("float", "none", "0") else int(raw)
@@ -272,6 +272,7 @@ async def _session(args: argparse.Namespace, spec: Any, state: Any, run_dir: Pat
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
         budget_mb=settings.budget_mb,
+        weights=settings.weights,
         **attention,
     ) as rt:
         if fresh:

@@ -51,6 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
         "cache_dir": args.cache_dir,
         "kv_bits": args.kv_bits,
         "attention": args.attention,
+        "weights": args.weights,
         "budget_mb": args.budget_mb,
         "hot_budget_mb": args.hot_budget_mb,
         "prewarm_mb": args.prewarm_mb,

@@ -49,6 +49,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         kv_bits: 4 or 8 (quantized KV at rest) or None (``float``).
         kv_group_size: quantization group size.
         attention: ``auto``, ``at-rest`` or ``native`` (see the README); None: the runtime's default.
+        weights: how GGUF weights are held: ``auto`` (float32 on CPU, as stored on GPU
+            backends), ``float32``, ``float16``, ``bfloat16`` or ``quantized``.
         budget_mb: KV memory for running sequences (admission, batch size).
         hot_budget_mb: memory for idle caches kept in RAM (the hot tier).
         prewarm_mb: memory touched once at start and kept for activations, so the
@@ -73,6 +75,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     kv_bits: Literal[4, 8] | None = 4
     kv_group_size: Literal[32, 64, 128] = 64
     attention: Literal["auto", "at-rest", "native"] | None = None
+    weights: Literal["auto", "float32", "float16", "bfloat16", "quantized"] = "auto"
     budget_mb: Annotated[float, Meta(gt=0)] = 2048
     hot_budget_mb: Annotated[float, Meta(gt=0)] = 512
     prewarm_mb: Annotated[float, Meta(ge=0)] = 512

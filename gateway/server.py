@@ -119,6 +119,7 @@ async def serve(
         models_dir=home / "models",
         kv_bits=config.kv_bits,
         kv_group_size=config.kv_group_size,
+        weights=config.weights,
         budget_mb=config.budget_mb,
         hot_budget_mb=config.hot_budget_mb,
         prewarm_mb=config.prewarm_mb,

@@ -87,7 +87,10 @@ class ChatSession:
     def lm(self) -> LoadedModel:
         if self._lm is None:
             self._lm = load_model(
-                self.settings.model, kv_format=self.settings.kv_format, models_dir=self.home.models_dir
+                self.settings.model,
+                kv_format=self.settings.kv_format,
+                models_dir=self.home.models_dir,
+                weights=self.settings.weights,
             )
         return self._lm
 

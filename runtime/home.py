@@ -55,6 +55,7 @@ class Settings:
             ``at-rest`` (dequantize while active; fastest on CPU) or ``native``
             (attend on packed Q4 with MLX's quantized SDPA).
         budget_mb: memory budget for KV caches in MiB.
+        weights: how GGUF weights are held (:data:`runtime.gguf.WEIGHT_MODES`).
     """
 
     model: str = "kvmem-default"
@@ -62,6 +63,7 @@ class Settings:
     kv_group_size: int = 64
     attention: str = "auto"
     budget_mb: int = 2048
+    weights: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -81,6 +83,8 @@ class Settings:
             values["kv_group_size"] = int(env["KVMEM_KV_GROUP_SIZE"])
         if "KVMEM_ATTENTION" in env:
             values["attention"] = env["KVMEM_ATTENTION"]
+        if "KVMEM_WEIGHTS" in env:
+            values["weights"] = env["KVMEM_WEIGHTS"]
         if "KVMEM_BUDGET_MB" in env:
             values["budget_mb"] = int(env["KVMEM_BUDGET_MB"])
         values.update({k: v for k, v in overrides.items() if v is not None})
