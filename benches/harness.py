@@ -86,10 +86,34 @@ def machine() -> str:
 
 
 def model_dir(name: str = "kvmem-default") -> Path:
-    """The tiny model's folder under the bench home, built on first use."""
+    """An ordinary Hugging Face folder of ``name`` under the bench home, built on first use.
+
+    Tiny recipes are built as such; ``kvmem-default`` (a GGUF) is written out with
+    the float32 weights kvmem runs on CPU, so servers that take only folders
+    (``mlx_lm.server``) serve the very same weights.
+    """
+    from runtime.default_model import DEFAULT_MODEL, default_model_file
     from runtime.tiny_models import ensure_tiny_model
 
-    return ensure_tiny_model(name, BENCH_HOME / "models")
+    if name != DEFAULT_MODEL:
+        return ensure_tiny_model(name, BENCH_HOME / "models")
+    folder = BENCH_HOME / "models" / f"{DEFAULT_MODEL}-float32"
+    if not (folder / "model.safetensors").exists():
+        import shutil
+
+        import mlx.core as mx
+
+        from runtime.gguf import prepare_gguf
+
+        gguf = prepare_gguf(default_model_file(), models_dir=BENCH_HOME / "models", weights="float32")
+        staging = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(gguf.folder, staging)
+        config = {**gguf.config, "torch_dtype": "float32"}
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        mx.save_safetensors(str(staging / "model.safetensors"), gguf.weights)
+        staging.rename(folder)
+    return folder
 
 
 def model_geometry(folder: Path) -> str:
