@@ -111,7 +111,11 @@ class GatewayMiddleware:
             if api_key and scope["path"] != "/healthz" and not _authorized(scope, api_key):
                 error = ApiError(401, "authentication", "invalid or missing API key (x-api-key or "
                                  "Authorization: Bearer)", code="invalid_api_key")
-                await _error_response(error, scope)(scope, receive, send_with_id)
+                # The body is never read, so the server cannot reuse this connection: say so,
+                # or a keep-alive client may send its next request into a closing socket.
+                response = _error_response(error, scope)
+                response.headers["connection"] = "close"
+                await response(scope, receive, send_with_id)
                 return
             await self.app(scope, receive, send_with_id)
         finally:

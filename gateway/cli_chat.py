@@ -39,7 +39,7 @@ def register(sub: Any) -> None:
     add_model_options(forget)
     forget.set_defaults(func=_forget)
 
-    build = sub.add_parser("build-model", help="build a tiny model into the home folder")
+    build = sub.add_parser("build-model", help="prepare a model's files (kvmem-default, a GGUF, or a tiny test model)")
     build.add_argument("name", nargs="?", default="kvmem-default")
     add_model_options(build)
     build.set_defaults(func=_build)
@@ -124,8 +124,13 @@ def _forget(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
+    from runtime.errors import ModelError
     from runtime.home import KvmemHome
-    from runtime.tiny_models import ensure_tiny_model
+    from runtime.models import prepare_model_files
 
-    print(ensure_tiny_model(args.name, KvmemHome(args.home).models_dir))
+    try:
+        print(prepare_model_files(args.name, KvmemHome(args.home).models_dir))
+    except ModelError as exc:
+        print(f"kvmem: {exc}", file=sys.stderr)
+        return 1
     return 0

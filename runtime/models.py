@@ -155,13 +155,7 @@ def load_model(
     ``auto`` dequantizes to float32 on CPU and keeps the file's quantization on GPUs.
     """
     name = str(model)
-    path: str | Path = name
-    if name == DEFAULT_MODEL and not Path(name).exists():
-        path = default_model_file()
-    if not Path(name).exists() and _is_tiny_recipe(name):
-        from runtime import tiny_models
-
-        path = tiny_models.ensure_tiny_model(name, _need_models_dir(name, models_dir))
+    path = _source(name, models_dir)
     if is_gguf(path):
         gguf = prepare_gguf(path, models_dir=_need_models_dir(name, models_dir), weights=weights)
         loaded = gguf.build_model()
@@ -175,6 +169,33 @@ def load_model(
     spec = ModelCacheSpec.from_model(loaded, model_id=name, config=config, kv_format=kv_format)
     log.info("loaded %s: %d layers, tag %s", name, len(spec.layers), spec.tag)
     return LoadedModel(model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config)
+
+
+def prepare_model_files(name: str, models_dir: Path) -> Path:
+    """Build what ``name`` needs on disk before its first load and return its folder.
+
+    A tiny recipe is built; ``kvmem-default`` or a GGUF file gets its config and
+    tokenizer folder (the weights stay in the GGUF).
+    """
+    path = _source(name, models_dir)
+    if is_gguf(path):
+        return prepare_gguf(path, models_dir=models_dir).folder
+    if not Path(path).is_dir():
+        raise ModelError(f"{name!r} is neither kvmem-default, a GGUF file, a folder nor a tiny model")
+    return Path(path)
+
+
+def _source(name: str, models_dir: Path | None) -> str | Path:
+    """Where ``name``'s files are: the default's GGUF, a built tiny model, or ``name`` itself."""
+    if Path(name).exists():
+        return name
+    if name == DEFAULT_MODEL:
+        return default_model_file()
+    if _is_tiny_recipe(name):
+        from runtime import tiny_models
+
+        return tiny_models.ensure_tiny_model(name, _need_models_dir(name, models_dir))
+    return name
 
 
 def _need_models_dir(name: str, models_dir: Path | None) -> Path:

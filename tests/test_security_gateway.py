@@ -99,6 +99,18 @@ def test_every_route_but_healthz_needs_the_key(server: ServerThread, http: httpx
     assert httpx.get(server.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
 
 
+def test_rejected_and_accepted_requests_share_one_keep_alive_client(server: ServerThread) -> None:
+    # A 401 is sent without reading the body, so it must say Connection: close;
+    # otherwise the client's next request can land on a socket the server is closing.
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for i in range(40):
+            bad = client.post("/v1/messages/count_tokens", headers={"x-api-key": "wrong"},
+                              json={"model": "tiny-llama", "messages": [{"role": "user", "content": "x" * i}]})
+            assert bad.status_code == 401 and bad.headers["connection"] == "close"
+            good = client.get("/v1/models", headers={"x-api-key": KEY})
+            assert good.status_code == 200
+
+
 def test_the_key_is_compared_in_constant_time(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[bytes, bytes]] = []
     real = gateway.app.secrets.compare_digest
