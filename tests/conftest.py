@@ -39,3 +39,21 @@ def fixture_model(name: str, bits: int | None = 4) -> LoadedModel:
     if not (path / "config.json").exists():
         pytest.skip(f"fixture {name} not present at {path}")
     return load_model(str(path), kv_format=KVFormat(bits=bits))
+
+
+@functools.cache
+def _real_default() -> LoadedModel:
+    return load_model("kvmem-default", models_dir=models_dir())
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The real default model (SmolLM2-135M-Instruct); skipped when its package is not installed."""
+    from runtime.default_model import default_model_file
+    from runtime.errors import ModelError
+
+    try:
+        default_model_file()
+    except ModelError as exc:
+        pytest.skip(str(exc))
+    return _real_default()

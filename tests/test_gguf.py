@@ -132,15 +132,6 @@ def test_default_model_without_its_package_names_the_install_command(monkeypatch
 # --- the shipped SmolLM2-135M-Instruct (Q4_1, token_embd Q8_0) -----------------------------
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> LoadedModel:
-    try:
-        default_model.default_model_file()
-    except ModelError as exc:
-        pytest.skip(str(exc))
-    return load_model("kvmem-default", models_dir=models_dir())
-
-
 def _hf_folder_from_gguf(gguf_path: Path, tokenizer_folder: Path, out: Path) -> Path:
     """An ordinary HF llama folder: dequantized weights, Q/K back in HF order, plain rope."""
     tensors, meta = mx.load(str(gguf_path), return_metadata=True)

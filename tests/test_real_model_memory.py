@@ -22,28 +22,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
-from conftest import models_dir
 from reference import cold_generate, top1_margin
-from runtime import default_model
-from runtime.errors import ModelError
-from runtime.models import LoadedModel, load_model
+from runtime.models import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
 Q4_TOLERANCE = 1.0  # nats
 MAX_TOKENS = 48
 FACT = "Remember this: the secret word is pineapple."
 QUESTION = "What is the secret word?"
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> LoadedModel:
-    try:
-        default_model.default_model_file()
-    except ModelError as exc:
-        pytest.skip(str(exc))
-    return load_model("kvmem-default", models_dir=models_dir())
 
 
 def _chat(home: Path, message: str) -> dict:

@@ -312,9 +312,8 @@ def report_markdown(spec: ScenarioSpec, state: RunState, report: WorkingMemoryRe
             "turn precedes both). It replays the cached run's prompts (the same message lists, turn by turn) "
             "on fresh agent ids that neither reuse nor share any cache, and generates as many reply tokens "
             "as the cached turn did "
-            f"(cached {report.generated:,}, cold {report.cold_generated or 0:,}): random-weight models would "
-            "otherwise diverge after the first differing token and the two runs would not compute the same "
-            "prompts. Wall times are the turns' own (submit to reply), excluding model load; the cached run's "
+            f"(cached {report.generated:,}, cold {report.cold_generated or 0:,}): a reply that took another "
+            "branch at a near-tie (Q4 against float KV) would otherwise change the length of what is computed. Wall times are the turns' own (submit to reply), excluding model load; the cached run's "
             "include its cache saves, and both include decoding.",
         ]
         if report.cold_prefilled is not None and report.cold_prefilled != report.prompt_tokens:
@@ -322,8 +321,8 @@ def report_markdown(spec: ScenarioSpec, state: RunState, report: WorkingMemoryRe
                 "",
                 f"The cold run prefilled {report.cold_prefilled:,} tokens where the cached run's prompts count "
                 f"{report.prompt_tokens:,}: a cold prompt tokenizes every earlier reply's text afresh, while a cache "
-                "keeps the token ids each reply was generated as (random-weight replies are unusual token sequences "
-                "that re-tokenize differently, usually into more tokens).",
+                "keeps the token ids each reply was generated as (generated token sequences need not be the ones "
+                "the tokenizer would choose for the same text, most often with random-weight models).",
             ]
     else:
         out += ["", "(Run with `--compare-cold` to measure the same turns without caches.)"]
