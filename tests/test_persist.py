@@ -681,21 +681,9 @@ class SimulatedKill(BaseException):
     """Raised inside a save like a kill: no cleanup handler runs."""
 
 
-# The old cache is block 0:256 + segment 256:300. The new save keeps both and
-# renames 5 files into place: segment 300:512, block 512:768, segment 768:1000,
-# the state file, then the manifest.
-OLD_TOKENS, NEW_TOKENS = 300, 1000
-NEW_SAVE_RENAMES = 5
-
-
-@pytest.mark.parametrize("after", [False, True], ids=["before-rename", "after-rename"])
-@pytest.mark.parametrize("step", range(1, NEW_SAVE_RENAMES + 1))
-def test_a_kill_during_save_leaves_the_old_or_the_new_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: int, after: bool
-) -> None:
-    root = tmp_path / "cache"
-    old, new = make_snapshot(OLD_TOKENS), make_snapshot(NEW_TOKENS)
-    CacheDirectory(root).save("a", old)
+def kill_at_rename(monkeypatch: pytest.MonkeyPatch, directory: CacheDirectory, agent: str,
+                   snapshot: CacheSnapshot, *, step: int, after: bool) -> None:
+    """Save ``snapshot`` and 'kill' the process at its ``step``-th rename (before or after it)."""
     real_replace = os.replace
     calls = 0
 
@@ -711,7 +699,25 @@ def test_a_kill_during_save_leaves_the_old_or_the_new_cache(
     with monkeypatch.context() as patch:
         patch.setattr(os, "replace", replace)
         with pytest.raises(SimulatedKill):
-            CacheDirectory(root).save("a", new)
+            directory.save(agent, snapshot)
+
+
+# The old cache is block 0:256 + segment 256:300. The new save keeps both and
+# renames 5 files into place: segment 300:512, block 512:768, segment 768:1000,
+# the state file, then the manifest.
+OLD_TOKENS, NEW_TOKENS = 300, 1000
+NEW_SAVE_RENAMES = 5
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-rename", "after-rename"])
+@pytest.mark.parametrize("step", range(1, NEW_SAVE_RENAMES + 1))
+def test_a_kill_during_save_leaves_the_old_or_the_new_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: int, after: bool
+) -> None:
+    root = tmp_path / "cache"
+    old, new = make_snapshot(OLD_TOKENS), make_snapshot(NEW_TOKENS)
+    CacheDirectory(root).save("a", old)
+    kill_at_rename(monkeypatch, CacheDirectory(root), "a", new, step=step, after=after)
 
     reopened = CacheDirectory(root)
     assert not list(root.rglob("*.tmp"))

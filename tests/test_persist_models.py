@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 from test_persist import (
+    kill_at_rename,
     TAG,
-    SimulatedKill,
     agent_dir,
     assert_same,
     block_files,
@@ -110,22 +109,7 @@ def test_a_kill_during_another_models_save_leaves_the_first_models_cache_whole(
     a = make_snapshot(600)
     b = make_snapshot(300, model_tag=OTHER)  # block, segment, state, manifest: 4 renames
     CacheDirectory(root).save("x", a)
-    real_replace = os.replace
-    calls = 0
-
-    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == step:
-            if after:
-                real_replace(src, dst)
-            raise SimulatedKill
-        real_replace(src, dst)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(os, "replace", replace)
-        with pytest.raises(SimulatedKill):
-            CacheDirectory(root).save("x", b)
+    kill_at_rename(monkeypatch, CacheDirectory(root), "x", b, step=step, after=after)
     reopened = CacheDirectory(root)
     reopened.collect_garbage()
     assert_same(reopened.load("x", model_tag=TAG), a)
