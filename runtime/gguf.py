@@ -184,7 +184,7 @@ def prepare_gguf(path: str | Path, *, models_dir: Path, weights: str = "auto") -
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     named, quantized = _rename_tensors(tensors, path)
-    digest = _file_digest(path)
+    digest = _file_digest(path, memo=models_dir / "gguf" / "digests.json")
     config = _config(meta, named, architecture, digest=digest, mode=mode)
     named, quantized = _apply_weight_mode(named, quantized, mode)
     folder = _ensure_folder(path, meta, config, digest=digest, models_dir=models_dir)
@@ -314,10 +314,9 @@ def _eos_ids(meta: dict[str, Any]) -> list[int]:
     return ids
 
 
-def _file_digest(path: Path) -> str:
-    """SHA-256 of the file, remembered per (path, size, mtime) so large files hash once."""
+def _file_digest(path: Path, *, memo: Path) -> str:
+    """SHA-256 of the file, remembered in ``memo`` per (path, size, mtime) so large files hash once."""
     stat = path.stat()
-    memo = Path(tempfile.gettempdir()) / "kvmem-gguf-digests.json"
     key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
     try:
         known = json.loads(memo.read_text())
@@ -333,6 +332,7 @@ def _file_digest(path: Path) -> str:
     known = {k: v for k, v in (known.items() if isinstance(known, dict) else []) if k != key}
     known[key] = digest
     try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(dict(list(known.items())[-64:])))
         os.replace(tmp, memo)
