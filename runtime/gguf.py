@@ -249,9 +249,10 @@ def _apply_weight_mode(
             bits=params["bits"],
         ).astype(dtype)
     for name, value in named.items():
-        module = name.rsplit(".", 1)[0]
-        if module not in quantized:
-            out[name] = value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
+        module, part = name.rsplit(".", 1)
+        if module in quantized and part in ("weight", "scales", "biases"):
+            continue  # dequantized above; a quantized layer's own ``bias`` stays
+        out[name] = value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
     mx.eval(out)
     return out, {}
 

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.gguf import permute_weights
 
-__all__ = ["gguf_tensor_names", "write_gguf", "write_raw_gguf"]
+__all__ = ["gguf_tensor_names", "write_gguf", "write_quantized_gguf", "write_raw_gguf"]
 
 _LAYER = {
     "input_layernorm": "attn_norm",
@@ -129,3 +130,86 @@ def write_raw_gguf(out: Path, *, tensor_type: int, architecture: str = "llama") 
     header += b"\0" * (-len(header) % 32)
     out.write_bytes(header + b"\0" * (256 * 32 * 4))
     return out
+
+
+# --- a GGUF written byte by byte, with llama.cpp's own block quantization ---------------------
+
+_GGML = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+def _quantize_blocks(x: np.ndarray, kind: str) -> tuple[bytes, np.ndarray]:
+    """llama.cpp's reference quantization of rows of ``x`` (float32) into 32-value blocks.
+
+    Returns the block bytes and what llama.cpp's dequantization gives back.
+    """
+    blocks = x.reshape(-1, 32).astype(np.float32)
+    if kind == "Q8_0":
+        d = (np.abs(blocks).max(axis=1) / 127).astype(np.float16)
+        inv = np.divide(1, d.astype(np.float32), out=np.zeros_like(d, dtype=np.float32), where=d != 0)
+        q = np.round(blocks * inv[:, None]).astype(np.int8)
+        raw = np.concatenate([d.view(np.uint8).reshape(-1, 2), q.view(np.uint8)], axis=1)
+        return raw.tobytes(), (q.astype(np.float32) * d.astype(np.float32)[:, None]).reshape(x.shape)
+    if kind == "Q4_0":
+        signed_max = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
+        d = (signed_max / -8).astype(np.float16)
+        inv = np.divide(1, d.astype(np.float32), out=np.zeros_like(d, dtype=np.float32), where=d != 0)
+        q = np.minimum(15, (blocks * inv[:, None] + 8.5).astype(np.int32)).astype(np.uint8)
+        packed = q[:, :16] | (q[:, 16:] << 4)
+        raw = np.concatenate([d.view(np.uint8).reshape(-1, 2), packed], axis=1)
+        return raw.tobytes(), ((q.astype(np.float32) - 8) * d.astype(np.float32)[:, None]).reshape(x.shape)
+    if kind == "Q4_1":
+        lo, hi = blocks.min(axis=1), blocks.max(axis=1)
+        d = ((hi - lo) / 15).astype(np.float16)
+        m = lo.astype(np.float16)
+        inv = np.divide(1, d.astype(np.float32), out=np.zeros_like(d, dtype=np.float32), where=d != 0)
+        q = np.minimum(15, ((blocks - m.astype(np.float32)[:, None]) * inv[:, None] + 0.5).astype(np.int32))
+        q = q.astype(np.uint8)
+        packed = q[:, :16] | (q[:, 16:] << 4)
+        raw = np.concatenate([d.view(np.uint8).reshape(-1, 2), m.view(np.uint8).reshape(-1, 2), packed], axis=1)
+        deq = q.astype(np.float32) * d.astype(np.float32)[:, None] + m.astype(np.float32)[:, None]
+        return raw.tobytes(), deq.reshape(x.shape)
+    raise ValueError(kind)
+
+
+def _gguf_value(value: Any) -> bytes:
+    """Type tag + payload of one metadata value (strings, numbers, bools, arrays)."""
+    if isinstance(value, str):
+        return struct.pack("<I", 8) + _gguf_string(value)
+    if isinstance(value, list):
+        if all(isinstance(v, str) for v in value):
+            return struct.pack("<IIQ", 9, 8, len(value)) + b"".join(_gguf_string(v) for v in value)
+        return struct.pack("<IIQ", 9, 5, len(value)) + np.asarray(value, dtype="<i4").tobytes()
+    array = np.asarray(value)
+    if array.dtype == np.bool_:
+        return struct.pack("<I?", 7, bool(array))
+    if np.issubdtype(array.dtype, np.floating):
+        return struct.pack("<If", 6, float(array))
+    return struct.pack("<II", 4, int(array))
+
+
+def write_quantized_gguf(template: Path, out: Path, kind: str) -> dict[str, np.ndarray]:
+    """Re-write the float GGUF ``template`` with every 2-D weight in ``kind`` (Q4_0, Q4_1, Q8_0).
+
+    Returns the weights llama.cpp's dequantization gives back, under the GGUF's
+    names: the reference a reader of ``out`` must reproduce.
+    """
+    tensors, meta = mx.load(str(template), return_metadata=True)
+    values = {k: (v.tolist() if isinstance(v, mx.array) and v.ndim == 1 else v) for k, v in meta.items()}
+    values = {k: (np.array(v) if isinstance(v, mx.array) else v) for k, v in values.items()}
+    infos, data, reference = b"", b"", {}
+    for name in sorted(tensors):
+        x = np.array(tensors[name].astype(mx.float32))
+        quantize = x.ndim == 2 and x.shape[1] % 32 == 0
+        raw, back = _quantize_blocks(x, kind) if quantize else (x.astype("<f4").tobytes(), x)
+        reference[name] = back
+        data += b"\0" * (-len(data) % 32)
+        dims = list(reversed(x.shape))  # ggml lists the fastest-varying dimension first
+        infos += _gguf_string(name) + struct.pack(f"<I{len(dims)}Q", len(dims), *dims)
+        infos += struct.pack("<IQ", _GGML[kind] if quantize else 0, len(data))
+        data += raw
+    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(values))
+    header += b"".join(_gguf_string(k) + _gguf_value(v) for k, v in values.items())
+    header += infos
+    header += b"\0" * (-len(header) % 32)
+    out.write_bytes(header + data)
+    return reference

@@ -25,7 +25,7 @@ from runtime.errors import ModelError
 from runtime.gguf import prepare_gguf
 from runtime.models import LoadedModel, load_model
 from conftest import models_dir
-from gguf_writer import write_gguf, write_raw_gguf
+from gguf_writer import gguf_tensor_names, write_gguf, write_quantized_gguf, write_raw_gguf
 
 PROMPT_TEXTS = [
     "Hello, world! 12345 numbers and émojis 🙂 end.",
@@ -82,6 +82,39 @@ def test_gguf_tokenizer_and_template_match_the_folder(tiny_gguf: tuple[Path, Pat
     assert loaded.render(messages) == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert loaded.eos_token_ids == {2}
     assert loaded.spec.tag != load_model(folder, models_dir=tmp_path).spec.tag
+
+
+def _folder_with_weights(folder: Path, gguf_weights: dict[str, np.ndarray], out: Path) -> Path:
+    """A copy of ``folder`` whose weights are ``gguf_weights`` (GGUF names, llama Q/K permuted)."""
+    config = json.loads((folder / "config.json").read_text())
+    original = mx.load(str(folder / "model.safetensors"))
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    weights = {}
+    for name in original:
+        value = mx.array(gguf_weights[gguf_tensor_names(name)])
+        projection = name.split(".")[-2]
+        if config["model_type"] == "llama" and projection in heads and name.endswith(".weight"):
+            value = _unpermute(value, heads[projection])
+        weights[name] = value
+    shutil.copytree(folder, out)
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_quantized_gguf_matches_llama_cpps_dequantization(tiny_gguf: tuple[Path, Path], tmp_path: Path, kind: str) -> None:
+    folder, gguf = tiny_gguf
+    # Blocks written byte by byte with llama.cpp's reference quantization; the reference
+    # model holds llama.cpp's dequantization of them, loaded from an ordinary folder.
+    dequantized = write_quantized_gguf(gguf, tmp_path / f"{kind}.gguf", kind)
+    reference, _ = mlx_lm.load(str(_folder_with_weights(folder, dequantized, tmp_path / "reference")))
+    ids = _random_ids(40, 2000, seed=2)
+    expected = _logits(reference, ids)
+    floats = load_model(tmp_path / f"{kind}.gguf", models_dir=tmp_path)
+    np.testing.assert_allclose(_logits(floats.model, ids), expected, rtol=1e-4, atol=1e-4)
+    packed = load_model(tmp_path / f"{kind}.gguf", models_dir=tmp_path, weights="quantized")
+    got = _logits(packed.model, ids)
+    assert np.abs(got - expected).max() < 0.02 * np.abs(expected).max()
 
 
 # --- errors: a clear ModelError naming what is missing -------------------------------------
