@@ -18,6 +18,8 @@ BENCHES = {
     "staggered": "agent B arrives 2 s after A: B TTFT and A slowdown, batched vs sequential (max_batch=1)",
     "multiturn": "3 turns on a 2K context through the gateway, with and without restarts",
     "fidelity": "PPL, KL, top-1, identical greedy continuations for float / Q8 / Q4 KV on real weights (disk round trip)",
+    "fidelity_real": "PPL, KL, top-1 for float / Q8 / Q4 at-rest (disk), Q4 native, mlx-lm Q4 on kvmem-default, pydoc prose",
+    "needle": "needle in a haystack at 1K-8K on kvmem-default: retrieval per KV format (float, Q4/Q8 at-rest, native, mlx-lm)",
     "vs_mlx_lm": "6 agents x 4 rounds with a restart, same requests to mlx_lm.server and kvmem serve: TTFT per round, wall",
     "overhead": "E2E through HTTP gateway + actors vs runtime.generate directly",
     "attention_strategy": "at-rest vs native quantized SDPA (existing)",

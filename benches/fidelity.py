@@ -166,13 +166,22 @@ def main(argv: list[str] | None = None) -> None:
 
 def _score(ours: Any, ref_lp: Any, row: Any) -> tuple[Any, Any, Any, Any]:
     """Per-prediction NLL (ours, float), KL(float || ours) and top-1 agreement over the second half."""
+    return score(ours, ref_lp[SPLIT:], row[SPLIT + 1:])
+
+
+def score(ours: Any, ref: Any, targets: Any) -> tuple[Any, Any, Any, Any]:
+    """Per-prediction NLL (ours, reference), KL(reference || ours) and top-1 agreement.
+
+    ``ours`` and ``ref`` are log-probabilities for the same positions; ``targets``
+    are the tokens that follow each position but the last (one fewer).
+    """
     import mlx.core as mx
 
-    targets = mx.array(row[SPLIT + 1:])[:, None]
-    return (np.array(-mx.take_along_axis(ours[:-1], targets, axis=-1)[:, 0]),
-            np.array(-mx.take_along_axis(ref_lp[SPLIT:-1], targets, axis=-1)[:, 0]),
-            np.array((mx.exp(ref_lp[SPLIT:]) * (ref_lp[SPLIT:] - ours)).sum(-1)),
-            np.array(ref_lp[SPLIT:].argmax(-1) == ours.argmax(-1)))
+    t = mx.array(targets)[:, None]
+    return (np.array(-mx.take_along_axis(ours[:-1], t, axis=-1)[:, 0]),
+            np.array(-mx.take_along_axis(ref[:-1], t, axis=-1)[:, 0]),
+            np.array((mx.exp(ref) * (ref - ours)).sum(-1)),
+            np.array(ref.argmax(-1) == ours.argmax(-1)))
 
 
 def _summary(nll: list[Any], nll_ref: list[Any], kls: list[Any], agree: list[Any], identical: int,
