@@ -32,6 +32,10 @@ run's context KV, which is exactly what they would have computed. Native Q4 and
 mlx-lm need their own prefill (quantized during prefill, 3-5x slower than float
 on this CPU), so ``--quantized-lengths`` / ``--quantized-needles`` say where they
 run (an evenly spread subset of the same needles).
+
+The full run, 20 needles at 1K / 2K / 4K / 8K for every format, is ``python -m
+benches needle`` (many hours on a 2-core CPU); every trial is appended to a
+journal as it finishes and ``--resume`` reuses it, so a stopped run goes on.
 """
 
 from __future__ import annotations
@@ -497,8 +501,10 @@ def _goal(results: list[dict[str, Any]], lengths: list[int]) -> list[str]:
             continue
         same = sum(r["hit"] == f["hit"] for r, f in pairs)
         holds &= same == len(pairs)
+        flips = "".join(f" (depth {r['depth'] * 100:.0f}%: float `{f['answer'].strip()}`, Q4 at-rest "
+                        f"`{r['answer'].strip()}`)" for r, f in pairs if r["hit"] != f["hit"])
         parts.append(f"{n}: float {sum(f['hit'] for _, f in pairs)}/{len(pairs)}, Q4 at-rest "
-                     f"{sum(r['hit'] for r, _ in pairs)}/{len(pairs)}, same outcome on {same}/{len(pairs)}, "
+                     f"{sum(r['hit'] for r, _ in pairs)}/{len(pairs)}, same outcome on {same}/{len(pairs)}{flips}, "
                      f"same reply text on {sum(r['answer'] == f['answer'] for r, f in pairs)}/{len(pairs)}")
     if not parts:
         return []
