@@ -69,7 +69,7 @@ _GGML_TYPES = {
 }
 _MLX_READS = {0, 1, 2, 3, 8, 10, 12, 14, 30}
 _GROUP_SIZE = 32  # every GGUF block type MLX reads quantizes in blocks of 32
-_FOLDER_VERSION = 1  # bump when the files written next to a GGUF change
+_FOLDER_VERSION = 2  # bump when the files written next to a GGUF change
 
 # llama.cpp tensor names -> mlx-lm (Hugging Face) parameter names.
 _GLOBAL_NAMES = {
@@ -292,6 +292,8 @@ def _config(
         "eos_token_id": _eos_ids(meta),
         "kvmem_source": {"gguf_sha256": digest, "weights": mode},
     }
+    if mode != "quantized":
+        config["torch_dtype"] = mode
     head_dim = _scalar(meta, f"{architecture}.attention.key_length")
     if head_dim is not None and int(head_dim) != hidden // heads:
         config["head_dim"] = int(head_dim)
