@@ -21,6 +21,8 @@ BENCHES = {
     "fidelity_real": "PPL, KL, top-1 for float / Q8 / Q4 at-rest (disk), Q4 native, mlx-lm Q4 on kvmem-default, pydoc prose",
     "needle": "needle in a haystack at 1K-8K on kvmem-default: retrieval per KV format (float, Q4/Q8 at-rest, native, mlx-lm)",
     "vs_mlx_lm": "6 agents x 4 rounds with a restart, same requests to mlx_lm.server and kvmem serve: TTFT per round, wall",
+    "vs_llama_cpp": "llama.cpp's server on the same GGUF: prompt token ids, 20 greedy continuations, top-2 margins",
+    "recall": "10 fact kinds told, restart, asked warm on kvmem-default, next to a float-cache mlx-lm reference",
     "overhead": "E2E through HTTP gateway + actors vs runtime.generate directly",
     "attention_strategy": "at-rest vs native quantized SDPA (existing)",
     "batching": "system tok/s for 1, 2, 4, 8 agents (existing)",
