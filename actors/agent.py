@@ -5,11 +5,11 @@ ends, so turn 2 always sees turn 1's cache):
 
 1. lease the model from the registry (a swap may happen first);
 2. render the messages (on the GPU actor's thread: tokenizer work);
-3. fetch the agent's own cache from the store (hot, else warm from disk) and
-   run the character-level prefix match against the prompt; if nothing of it
-   is reusable and the agent shares prefixes, ask the store for the longest
-   whole-block prefix another agent's hot cache covers;
-4. ask the GPU actor to generate from that cache; deltas go straight to the
+3. ask the store for the turn's plan: what of the prompt is reused and from
+   where (the agent's own hot or warm cache, else another agent's whole-block
+   prefix, else nothing), decided by the cache manager
+   (:meth:`runtime.kv_manager.KVCacheManager.plan`);
+4. ask the GPU actor to generate as planned; deltas go straight to the
    client's stream;
 5. hand the updated cache to the store (write-behind) — *before* answering the
    client, so every turn a client saw complete is in the store and is flushed
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, assert_never
+from typing import assert_never
 
 import msgspec
 import trio
@@ -42,37 +42,23 @@ from actors.messages_agent import (
 )
 from actors.messages_common import Failed
 from actors.messages_gpu import (
-    CacheSource,
-    ColdStart,
-    FromHot,
-    FromShared,
-    FromWarm,
     Generate,
     GenerateReply,
     GpuInbox,
     ModelInfo,
     Render,
     RenderReply,
-    Tier,
 )
 from actors.messages_store import (
-    Fetch,
-    FetchReply,
-    FindPrefix,
     Forget,
     ForgetReply,
-    HotHit,
-    Miss,
-    NoPrefix,
-    PrefixFound,
-    PrefixReply,
+    PlanReply,
+    PlanTurn,
     Put,
     StoreInbox,
-    WarmHit,
 )
 from actors.metrics import RuntimeMetrics
 from actors.registry import Acquire, AcquireReply, RegistryInbox, Release
-from runtime.prefix import match_prefix
 
 __all__ = ["AgentActor", "CacheHandle"]
 
@@ -85,12 +71,6 @@ class CacheHandle(msgspec.Struct, frozen=True, kw_only=True):
     model_tag: str
     num_tokens: int
     text_chars: int
-
-
-class _TurnFailed(Exception):
-    def __init__(self, failed: Failed) -> None:
-        super().__init__(failed.error)
-        self.failed = failed
 
 
 class AgentActor:
@@ -185,8 +165,6 @@ class AgentActor:
             return grant
         try:
             return await self._run_turn(turn, grant.info)
-        except _TurnFailed as exc:
-            return exc.failed
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
                 try:
@@ -204,7 +182,13 @@ class AgentActor:
             if isinstance(rendered, Failed):
                 return rendered
             prompt = rendered.prompt
-        source, tier = await self._source(prompt, info.tag, share=turn.share_prefix)
+        planned: PlanReply = await ask(
+            self._store,
+            lambda r: PlanTurn(agent_id=self.agent_id, model_tag=info.tag, prompt=prompt, share=turn.share_prefix,
+                               reply=r),
+        )
+        if isinstance(planned, Failed):
+            return planned
         generated: GenerateReply = await ask(
             self._gpu,
             lambda r: Generate(
@@ -212,7 +196,7 @@ class AgentActor:
                 agent_id=self.agent_id,
                 model_tag=info.tag,
                 prompt=prompt,
-                source=source,
+                plan=planned.plan,
                 sampling=turn.sampling,
                 submitted_at=turn.submitted_at,
                 deltas=turn.deltas,
@@ -238,10 +222,7 @@ class AgentActor:
                 model_tag=parked.model_tag, num_tokens=parked.num_tokens, text_chars=len(parked.text)
             )
         self.turns += 1
-        if generated.tokens_reused == 0:
-            tier = "cold"
-        elif tier == "cold":
-            tier = "shared"  # started cold, then took the prefix of an agent that arrived with it
+        tier = generated.tier
         usage = TurnUsage(
             tokens_reused=generated.tokens_reused,
             tokens_prefilled=generated.tokens_prefilled,
@@ -271,36 +252,3 @@ class AgentActor:
             stop_sequence=generated.stop_sequence,
         )
         return TurnDone(result=result)
-
-    async def _source(self, prompt: str, tag: str, *, share: bool) -> tuple[CacheSource, Tier]:
-        """The cache this turn starts from, and its tier."""
-        own: FetchReply = await ask(self._store, lambda r: Fetch(agent_id=self.agent_id, model_tag=tag, reply=r))
-        match own:
-            case HotHit(parked=parked):
-                if _reusable(parked.text, parked.offsets, prompt):
-                    return FromHot(parked=parked), "hot"
-            case WarmHit(snapshot=snapshot):
-                if _reusable(snapshot.text, snapshot.offsets, prompt):
-                    return FromWarm(snapshot=snapshot), "warm"
-            case Miss():
-                pass
-            case Failed():
-                raise _TurnFailed(own)
-            case _:
-                assert_never(own)
-        if share:
-            found: PrefixReply = await ask(
-                self._store, lambda r: FindPrefix(agent_id=self.agent_id, prompt=prompt, model_tag=tag, reply=r)
-            )
-            match found:
-                case PrefixFound(parked=parked, keep_tokens=keep, donor=donor):
-                    return FromShared(parked=parked, keep_tokens=keep, donor=donor), "shared"
-                case NoPrefix() | Failed():
-                    pass
-                case _:
-                    assert_never(found)
-        return ColdStart(), "cold"
-
-
-def _reusable(text: str, offsets: Any, prompt: str) -> bool:
-    return bool(text) and match_prefix(text, offsets, prompt).reuse_tokens > 0

@@ -1,16 +1,12 @@
-"""CacheStoreActor: sole owner of the cache directory; hot tier in RAM, warm tier on disk.
+"""CacheStoreActor: sole owner of the cache directory; plans turns over the hot and warm tiers.
 
-* **Hot tier**: every agent's latest parked cache per model (keyed by agent id
-  and model tag, so a turn with another model never replaces the first
-  model's cache), most recently used last,
-  accounted in a :class:`runtime.block_pool.BlockPool` per model under
-  ``hot_budget_bytes``. Full 256-token blocks are accounted by content (the
-  persistence layer's block hashes), so agents whose caches begin with the
-  same tokens — e.g. one started from another's system prompt — are charged
-  for those blocks once; the partial last block is private. When a new cache
-  does not fit, least recently used caches that are already on disk are
-  dropped (demoted to the warm tier). A cache that still does not fit stays
-  until its save completes and is then demoted.
+* **Hot tier** and **plans**: a :class:`runtime.kv_manager.KVCacheManager` (shared
+  with the GPU actor) holds every agent's latest parked cache per model, its block
+  accounting and the shared-prefix index, and decides each turn's
+  :class:`runtime.turn_plan.TurnPlan`. The store feeds it: a :class:`PlanTurn`
+  for an agent without a hot cache first reads the agent's disk cache, then asks
+  the manager; a :class:`Put` makes a cache hot; a completed save tells the
+  manager the cache may now be dropped from RAM.
 * **Warm tier**: ``runtime.persist.CacheDirectory``; one disk operation at a
   time, on a worker thread (``trio.to_thread`` under ``CapacityLimiter(1)``:
   numpy and files only, never MLX).
@@ -20,19 +16,17 @@
 * **Shutdown**: on normal exit or cancellation (SIGINT/SIGTERM cancel the
   runtime), the store picks up any Put still in its mailbox and writes every
   dirty cache, shielded from the cancellation, before it returns.
-* Caches carry their model tag; :class:`Fetch` and :class:`FindPrefix` only
-  ever return caches made by the model asked for. An agent has one cache per
+* Caches carry their model tag; a plan only ever uses caches made by the model asked for. An agent has one cache per
   model, on disk too (:class:`runtime.persist.CacheDirectory`); :class:`Forget`
   removes them all.
 
-Parked caches hold MLX arrays; the store only holds references and reads
-their plain attributes (text, token ids, offsets, size).
+Parked caches hold MLX arrays; the store and the manager only hold references
+and read their plain attributes (text, token ids, offsets, size).
 """
 
 from __future__ import annotations
 
 import logging
-from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any, assert_never
 
@@ -46,27 +40,22 @@ from actors.messages_store import (
     AgentsListed,
     Evict,
     Evicted,
-    Fetch,
-    FindPrefix,
     Flush,
     Flushed,
     Forget,
     Forgotten,
-    HotHit,
     ListAgents,
-    Miss,
-    NoPrefix,
-    PrefixFound,
+    Planned,
+    PlanTurn,
     Put,
     StoreInbox,
-    WarmHit,
 )
 from actors.metrics import PoolSnapshot
-from runtime.block_pool import BlockPool
-from runtime.errors import BudgetExceededError, CacheMiss, InvalidAgentIdError
+from runtime.errors import CacheMiss, InvalidAgentIdError
+from runtime.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
-from runtime.prefix import common_prefix_length
-from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot
+from runtime.snapshot import CacheSnapshot
+from runtime.turn_plan import TurnPlan
 
 __all__ = ["CacheStoreActor", "StoreStats"]
 
@@ -96,22 +85,16 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _Key = tuple[str, str]
-"""A hot cache's key: (agent id, model tag)."""
+"""A cache's key: (agent id, model tag)."""
 
 
-@dataclass
-class _Entry:
+@dataclass(frozen=True)
+class _Pending:
+    """A hot cache not yet on disk: the cache and its numpy copy for the save."""
+
     agent_id: str
-    model_tag: str
     parked: HotCache
-    snapshot: CacheSnapshot | None  # not None: not yet on disk
-    share: bool
-    version: int = 0
-    accounted: bool = False
-
-    @property
-    def key(self) -> _Key:
-        return (self.agent_id, self.model_tag)
+    snapshot: CacheSnapshot
 
 
 SAVE_RETRY_S = 5.0
@@ -119,24 +102,22 @@ SAVE_RETRY_S = 5.0
 
 
 class CacheStoreActor:
-    """Owns the hot tier and the cache directory (see the module docstring).
+    """Owns the cache directory and feeds the cache manager (see the module docstring).
 
     Args:
         inbox: the store mailbox (:data:`actors.messages_store.StoreInbox`).
         directory: the warm tier.
-        hot_budget_bytes: budget of the hot tier.
+        manager: the hot tier and the planner (shared with the GPU actor).
     """
 
     def __init__(
-        self, inbox: trio.MemoryReceiveChannel[StoreInbox], *, directory: CacheDirectory, hot_budget_bytes: int
+        self, inbox: trio.MemoryReceiveChannel[StoreInbox], *, directory: CacheDirectory, manager: KVCacheManager
     ) -> None:
         self._inbox = inbox
         self._directory = directory
-        self._hot_budget = hot_budget_bytes
+        self._manager = manager
         self._limiter = trio.CapacityLimiter(1)
-        self._entries: dict[_Key, _Entry] = {}  # least recently used first
-        self._dirty: dict[_Key, None] = {}  # oldest first
-        self._pools: dict[str, BlockPool] = {}
+        self._dirty: dict[_Key, _Pending] = {}  # oldest first
         self._wake = trio.Event()
         self._loads_waiting = 0
         self._no_loads = trio.Event()
@@ -144,7 +125,7 @@ class CacheStoreActor:
         self._writes = self._write_errors = self._bytes_written = 0
         self.retry_delay_s = SAVE_RETRY_S
         self._retry_at = float("-inf")
-        self._warm_loads = self._misses = self._prefix_hits = self._demotions = 0
+        self._warm_loads = self._misses = 0
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -185,25 +166,21 @@ class CacheStoreActor:
 
     async def _handle(self, message: StoreInbox) -> None:
         match message:
-            case Fetch():
-                entry = self._entries.get((message.agent_id, message.model_tag))
-                if entry is not None:
-                    self._touch(entry)
-                    send_reply(message.reply, HotHit(parked=entry.parked))
-                else:
+            case PlanTurn(agent_id=agent_id, model_tag=tag):
+                if self._manager.needs_disk(agent_id, tag):
                     assert self._nursery is not None
-                    self._nursery.start_soon(self._load, message)
-            case FindPrefix():
-                send_reply(message.reply, self._find_prefix(message))
+                    self._nursery.start_soon(self._plan_after_load, message)
+                else:
+                    send_reply(message.reply, Planned(plan=self._plan(message, None)))
             case Put():
                 self._put(message)
             case Forget():
                 await self._forget(message)
             case Evict(model_tag=tag, reply=reply):
                 written = await self._flush_all(tag)
-                for entry in [e for e in self._entries.values() if e.model_tag == tag]:
-                    self._drop(entry)
-                self._pools.pop(tag, None)
+                for key in [k for k in self._dirty if k[1] == tag]:
+                    del self._dirty[key]
+                self._manager.drop_model(tag)
                 send_reply(reply, Evicted(written=written))
             case Flush(reply=reply):
                 send_reply(reply, Flushed(written=await self._flush_all()))
@@ -213,28 +190,30 @@ class CacheStoreActor:
             case _:
                 assert_never(message)
 
-    async def _load(self, message: Fetch) -> None:
+    def _plan(self, message: PlanTurn, warm: CacheSnapshot | None) -> TurnPlan:
+        return self._manager.plan(message.agent_id, message.model_tag, message.prompt, share=message.share,
+                                  warm=warm)
+
+    async def _plan_after_load(self, message: PlanTurn) -> None:
+        """Read the agent's disk cache, then plan (a cache that cannot be read is a logged miss)."""
+        warm: CacheSnapshot | None = None
         self._loads_waiting += 1
         try:
-            snapshot = await self._disk(self._directory.load, message.agent_id, model_tag=message.model_tag)
+            warm = await self._disk(self._directory.load, message.agent_id, model_tag=message.model_tag)
+            self._warm_loads += 1
         except InvalidAgentIdError as exc:
             send_reply(message.reply, failed_from(exc))
             return
-        except CacheMiss as exc:
+        except CacheMiss:
             self._misses += 1
-            send_reply(message.reply, Miss(reason=str(exc)))
-            return
         except OSError as exc:
             self._misses += 1
             log.warning("loading the cache of %r failed: %s", message.agent_id, exc)
-            send_reply(message.reply, Miss(reason=str(exc)))
-            return
         finally:
             self._loads_waiting -= 1
             if not self._loads_waiting:
                 self._no_loads.set()
-        self._warm_loads += 1
-        send_reply(message.reply, WarmHit(snapshot=snapshot))
+        send_reply(message.reply, Planned(plan=self._plan(message, warm)))
 
     async def _list(self, message: ListAgents) -> None:
         try:
@@ -258,7 +237,7 @@ class CacheStoreActor:
             if wanted is None or e.agent_id == wanted
         }
         hot: list[AgentRecord] = []  # most recently used first
-        for entry in reversed(list(self._entries.values())):
+        for entry in reversed(self._manager.entries()):
             if wanted is not None and entry.agent_id != wanted:
                 continue
             disk = on_disk.pop(entry.key, None)
@@ -269,7 +248,7 @@ class CacheStoreActor:
                     num_tokens=entry.parked.num_tokens,
                     hot=True,
                     on_disk=disk is not None,
-                    dirty=entry.snapshot is not None,
+                    dirty=entry.key in self._dirty,
                     disk_bytes=disk.disk_bytes if disk else 0,
                     updated_at=disk.updated_at if disk else None,
                 )
@@ -279,30 +258,10 @@ class CacheStoreActor:
         records = sorted([*hot, *cold], key=lambda r: r.agent_id)
         send_reply(message.reply, AgentsListed(agents=tuple(records)))
 
-    def _find_prefix(self, message: FindPrefix) -> NoPrefix | PrefixFound:
-        best: tuple[int, _Entry] | None = None
-        for entry in self._entries.values():
-            parked = entry.parked
-            if not entry.share or entry.agent_id == message.agent_id or parked.model_tag != message.model_tag:
-                continue
-            if parked.num_tokens < BLOCK_TOKENS:
-                continue
-            common = common_prefix_length(parked.text, message.prompt)
-            keep = (bisect_right(parked.offsets, common) // BLOCK_TOKENS) * BLOCK_TOKENS
-            if keep and (best is None or keep > best[0]):
-                best = (keep, entry)
-        if best is None:
-            return NoPrefix()
-        keep, entry = best
-        self._prefix_hits += 1
-        self._touch(entry)
-        return PrefixFound(parked=entry.parked, keep_tokens=keep, donor=entry.agent_id)
-
     async def _forget(self, message: Forget) -> None:
-        entries = [e for e in self._entries.values() if e.agent_id == message.agent_id]
-        existed = bool(entries)
-        for entry in entries:
-            self._drop(entry)
+        existed = self._manager.forget(message.agent_id) > 0
+        for key in [k for k in self._dirty if k[0] == message.agent_id]:
+            del self._dirty[key]
         try:
             existed = await self._disk(self._directory.exists, message.agent_id) or existed
             await self._disk(self._directory.delete, message.agent_id)
@@ -313,72 +272,15 @@ class CacheStoreActor:
 
     # -- hot tier --------------------------------------------------------------
 
-    def _touch(self, entry: _Entry) -> None:
-        self._entries.pop(entry.key, None)
-        self._entries[entry.key] = entry
-
-    def _pool(self, tag: str, block_bytes: int) -> BlockPool:
-        pool = self._pools.get(tag)
-        if pool is None:
-            pool = self._pools[tag] = BlockPool(budget_bytes=self._hot_budget, bytes_per_block=max(1, block_bytes))
-        return pool
-
     def _put(self, message: Put) -> None:
-        entry = self._entries.get((message.agent_id, message.parked.model_tag))
-        if entry is None:
-            entry = _Entry(
-                message.agent_id, message.parked.model_tag, message.parked, message.snapshot, message.share_prefix
-            )
-        else:
-            self._unaccount(entry)
-            entry.parked, entry.snapshot, entry.share = message.parked, message.snapshot, message.share_prefix
-            entry.version += 1
-        self._touch(entry)
-        self._dirty.pop(entry.key, None)
-        self._dirty[entry.key] = None
-        self._account(entry, message.block_bytes)
-        self._wake.set()
-
-    def _account(self, entry: _Entry, block_bytes: int) -> None:
-        """Charge ``entry`` to its model's pool, demoting clean LRU caches to make room."""
-        parked = entry.parked
-        pool = self._pool(parked.model_tag, block_bytes)
+        parked = message.parked
+        key = (message.agent_id, parked.model_tag)
         hashes = self._directory.block_hashes(parked.model_tag, parked.token_ids)
-        while True:
-            try:
-                pool.share(entry.agent_id, hashes)
-                pool.reserve(entry.agent_id, parked.num_tokens)
-                entry.accounted = True
-                return
-            except BudgetExceededError:
-                pool.release(entry.agent_id)
-            victim = next(
-                (
-                    e
-                    for e in self._entries.values()
-                    if e is not entry and e.snapshot is None and e.model_tag == parked.model_tag
-                ),
-                None,
-            )
-            if victim is None:
-                entry.accounted = False  # demoted as soon as its save completes
-                return
-            self._demote(victim)
-
-    def _unaccount(self, entry: _Entry) -> None:
-        pool = self._pools.get(entry.model_tag)
-        if pool is not None:
-            pool.release(entry.agent_id)
-        entry.accounted = False
-
-    def _drop(self, entry: _Entry) -> None:
-        self._unaccount(entry)
-        self._entries.pop(entry.key, None)
-        self._dirty.pop(entry.key, None)
-
-    def _demote(self, entry: _Entry) -> None:
-        self._demotions += 1
-        self._drop(entry)
+        self._manager.put(message.agent_id, parked, share=message.share_prefix, block_bytes=message.block_bytes,
+                          block_hashes=hashes)
+        self._dirty.pop(key, None)  # a newer Put supersedes an unwritten one
+        self._dirty[key] = _Pending(message.agent_id, parked, message.snapshot)
+        self._wake.set()
 
     # -- writes ----------------------------------------------------------------
 
@@ -398,62 +300,60 @@ class CacheStoreActor:
                     self._wake = trio.Event()
                 self._retry_at = float("-inf")
                 continue
-            key = next(iter(self._dirty))
-            await self._write(self._entries[key])
+            await self._write(next(iter(self._dirty)))
 
-    async def _write(self, entry: _Entry) -> bool:
-        """Save ``entry`` if it is dirty; True when this call wrote it."""
-        snapshot, version = entry.snapshot, entry.version
-        if snapshot is None:
+    async def _write(self, key: _Key) -> bool:
+        """Save the cache pending under ``key``, if any; True when this call wrote it."""
+        pending = self._dirty.get(key)
+        if pending is None:
             return False
         retry = False
         try:
-            report = await self._disk(self._directory.save, entry.agent_id, snapshot)
+            report = await self._disk(self._directory.save, pending.agent_id, pending.snapshot)
         except (OSError, ValueError, InvalidAgentIdError) as exc:
             retry = isinstance(exc, OSError)  # a full or read-only disk may recover; a bad cache will not
             self._write_errors += 1
             log.error("saving the cache of %r failed: %s; it stays in RAM, retried in %.0f s or on the next turn",
-                      entry.agent_id, exc, self.retry_delay_s)
+                      pending.agent_id, exc, self.retry_delay_s)
             report = None
         if report is not None:
             self._writes += 1
             self._bytes_written += report.bytes_written
-        if report is None and retry and self._entries.get(entry.key) is entry:
-            self._dirty.pop(entry.key, None)  # keep it dirty, behind the others
-            self._dirty[entry.key] = None
+        if self._dirty.get(key) is not pending:
+            return report is not None  # superseded or forgotten meanwhile
+        if report is None and retry:
+            self._dirty.pop(key)  # keep it dirty, behind the others
+            self._dirty[key] = pending
             self._retry_at = trio.current_time() + self.retry_delay_s
             return False
-        if self._entries.get(entry.key) is entry and entry.version == version:
-            entry.snapshot = None
-            self._dirty.pop(entry.key, None)
-            if not entry.accounted and report is not None:
-                self._demote(entry)
+        del self._dirty[key]
+        if report is not None:
+            self._manager.saved(pending.agent_id, pending.parked)
         return report is not None
 
     async def _flush_all(self, model_tag: str | None = None) -> int:
         """Write every dirty cache (of ``model_tag``, if given); returns how many were written."""
         written = 0
         for key in list(self._dirty):
-            entry = self._entries.get(key)
-            if entry is None or (model_tag is not None and entry.model_tag != model_tag):
-                continue
-            written += await self._write(entry)
+            if model_tag is None or key[1] == model_tag:
+                written += await self._write(key)
         return written
 
     # -- statistics --------------------------------------------------------------
 
     def statistics(self) -> StoreStats:
+        hot = self._manager.stats()
         return StoreStats(
-            hot_agents=len(self._entries),
-            hot_bytes=sum(e.parked.nbytes for e in self._entries.values()),
+            hot_agents=hot.hot_agents,
+            hot_bytes=hot.hot_bytes,
             dirty=len(self._dirty),
-            over_budget=sum(not e.accounted for e in self._entries.values()),
+            over_budget=hot.over_budget,
             writes=self._writes,
             write_errors=self._write_errors,
             bytes_written=self._bytes_written,
             warm_loads=self._warm_loads,
             misses=self._misses,
-            prefix_hits=self._prefix_hits,
-            demotions=self._demotions,
-            pools={tag: PoolSnapshot.of(pool.stats()) for tag, pool in self._pools.items()},
+            prefix_hits=hot.prefix_hits,
+            demotions=hot.demotions,
+            pools={tag: PoolSnapshot.of(pool) for tag, pool in hot.pools.items()},
         )

@@ -1,7 +1,7 @@
 """GPUActor: the one actor that owns MLX work, and its scheduler loop.
 
 Every MLX call runs on one :class:`actors.mlx_thread.MlxThread`, as one
-bounded job of an :class:`actors.engine.Engine`. The loop::
+bounded job of a :class:`runtime.engine.Engine`. The loop::
 
     receive messages (block only when there is nothing to do)
     reap requests whose client left (extract + park the partial turn)
@@ -29,7 +29,6 @@ from typing import Any, assert_never
 import msgspec
 import trio
 
-from actors.engine import Engine, Finished, Started
 from actors.mailbox import receiver_left, send_reply
 from actors.messages_common import Failed, failed_from
 from actors.messages_gpu import (
@@ -37,7 +36,6 @@ from actors.messages_gpu import (
     Generated,
     GpuInbox,
     LoadModel,
-    ModelInfo,
     ModelReady,
     Render,
     Rendered,
@@ -47,6 +45,9 @@ from actors.messages_gpu import (
 from actors.metrics import MemorySnapshot, PoolSnapshot
 from actors.mlx_thread import MlxThread
 from actors.scheduler import Scheduler
+from runtime.engine import Engine, Finished, ModelInfo, Started
+from runtime.kv_manager import KVCacheManager
+from runtime.turn_plan import Tier, Tokenized
 
 __all__ = ["GPUActor", "GpuStats", "GpuEvent"]
 
@@ -93,12 +94,14 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
 @dataclass
 class _Request:
     msg: Generate
+    tokens: Tokenized
     admitted_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
     pending_text: str = ""
     client_gone: bool = False
     to_prefill: int | None = None  # prompt tokens to prefill when it started (None: not started)
+    adopted: bool = False  # started from a prefix of another agent's turn in flight
 
 
 
@@ -109,6 +112,8 @@ class GPUActor:
     Args:
         inbox: the GPU mailbox (:data:`actors.messages_gpu.GpuInbox`).
         engine: the engine its jobs call (real MLX or fake).
+        manager: the cache manager (shared with the store): turns in flight and
+            the prefixes they share.
         budget_bytes: KV memory for running sequences (admission, batch size).
         max_batch: most sequences running at once.
         prefill_chunk: tokens per prefill chunk (None: adaptive, see ``runtime.sequence``).
@@ -120,6 +125,7 @@ class GPUActor:
         inbox: trio.MemoryReceiveChannel[GpuInbox],
         *,
         engine: Engine,
+        manager: KVCacheManager,
         budget_bytes: int,
         max_batch: int = 32,
         prefill_chunk: int | None = None,
@@ -127,6 +133,7 @@ class GPUActor:
     ) -> None:
         self._inbox = inbox
         self._engine = engine
+        self._manager = manager
         self._budget_bytes = budget_bytes
         self._max_batch = max_batch
         self._prefill_chunk = prefill_chunk
@@ -255,12 +262,13 @@ class GPUActor:
             send_reply(msg.reply, Failed(kind="ValueError", error=f"duplicate request id {msg.request_id}"))
             return
         try:
-            need = await self._job(self._engine.measure, msg.prompt, msg.source)
+            tokens: Tokenized = await self._job(self._engine.tokenize, msg.prompt, msg.plan)
+            need = msg.plan.reuse_tokens + len(tokens.ids)
             self._sched.submit(msg.request_id, need + msg.sampling.max_tokens)
         except Exception as exc:  # noqa: BLE001 - tokenizer or budget errors go back to the agent
             send_reply(msg.reply, failed_from(exc))
             return
-        self._requests[msg.request_id] = _Request(msg)
+        self._requests[msg.request_id] = _Request(msg, tokens)
 
     # -- work ------------------------------------------------------------------
 
@@ -272,6 +280,7 @@ class GPUActor:
                 continue
             if self._sched is not None and self._sched.is_waiting(request_id):
                 self._sched.finished(request_id)
+                self._manager.end(request_id)
                 del self._requests[request_id]
                 send_reply(req.msg.reply, self._generated(req, None, cancelled=True))
                 continue
@@ -282,15 +291,13 @@ class GPUActor:
         req.admitted_at = time.perf_counter()
         try:
             started: Started = await self._job(
-                partial(self._engine.start, share=req.msg.share_prefix),
-                request_id,
-                req.msg.prompt,
-                req.msg.source,
-                req.msg.sampling,
+                self._engine.start, request_id, req.msg.prompt, req.msg.plan, req.tokens, req.msg.sampling
             )
         except Exception as exc:  # noqa: BLE001
             await self._fail(request_id, exc)
             return
+        self._manager.begin(request_id, agent_id=req.msg.agent_id, model_tag=req.msg.model_tag,
+                            token_ids=started.token_ids, reused=started.tokens_reused, share=req.msg.share_prefix)
         req.to_prefill = started.tokens_to_prefill
         assert self._sched is not None
         self._sched.to_prefill(request_id, started.tokens_to_prefill)
@@ -307,11 +314,14 @@ class GPUActor:
 
     async def _prefill(self, request_id: int, chunk: int | None) -> None:
         assert self._sched is not None
+        adopt = self._manager.adopt(request_id)  # first chunk only: a donor's blocks, if they cover more
         try:
-            result = await self._job(self._engine.prefill, request_id, chunk)
+            result = await self._job(partial(self._engine.prefill, adopt=adopt), request_id, chunk)
         except Exception as exc:  # noqa: BLE001
             await self._fail(request_id, exc)
             return
+        if adopt is not None:
+            self._requests[request_id].adopted = True
         self._chunks += 1
         self._event("chunk", request_id)
         self._sched.to_prefill(request_id, result.remaining)
@@ -322,6 +332,9 @@ class GPUActor:
             await self._complete(request_id)
             return
         try:
+            if self._manager.wants_donor(request_id):
+                # Turns waiting to prefill share this prompt's blocks: park it for them while it decodes.
+                self._manager.add_donor(request_id, await self._job(self._engine.park_prompt, request_id))
             await self._job(self._engine.join, request_id)
         except Exception as exc:  # noqa: BLE001
             await self._fail(request_id, exc)
@@ -374,6 +387,7 @@ class GPUActor:
             await self._fail(request_id, exc)
             return
         self._sched.finished(request_id)
+        self._manager.end(request_id)
         del self._requests[request_id]
         self._event("finish", request_id)
         send_reply(req.msg.reply, self._generated(req, finished, cancelled=cancelled))
@@ -385,10 +399,13 @@ class GPUActor:
         generated = fin.tokens_generated if fin is not None else 0
         decode_s = (last - first) if first is not None and last is not None else 0.0
         reason = "cancelled" if cancelled else (fin.finish_reason if fin is not None and fin.finish_reason else "stop")
+        reused = fin.tokens_reused if fin is not None else 0
+        tier: Tier = "cold" if not reused else ("shared" if req.adopted else req.msg.plan.tier)
         return Generated(
             request_id=req.msg.request_id,
             reply=fin.reply if fin is not None else "",
             finish_reason=reason,
+            tier=tier,
             match=fin.match if fin is not None else "empty",
             tokens_reused=fin.tokens_reused if fin is not None else 0,
             tokens_prefilled=fin.tokens_prefilled if fin is not None else 0,
@@ -404,6 +421,7 @@ class GPUActor:
     async def _fail(self, request_id: int, exc: BaseException) -> None:
         log.warning("request %d failed: %s: %s", request_id, type(exc).__name__, exc)
         req = self._requests.pop(request_id, None)
+        self._manager.end(request_id)
         if self._sched is not None:
             self._sched.finished(request_id)
         try:

@@ -1,4 +1,4 @@
-"""Message types every mailbox shares: the tagged ``Failed`` reply and the hot-cache protocol.
+"""Message types every mailbox shares: the tagged ``Failed`` reply (and ``HotCache``, re-exported).
 
 Every request/reply in kvmem is a frozen, keyword-only, tagged
 :class:`msgspec.Struct`. A request carries its own one-shot reply channel; an
@@ -8,9 +8,9 @@ raising across actors.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import msgspec
+
+from runtime.turn_plan import HotCache
 
 __all__ = ["Failed", "HotCache", "failed_from", "Message"]
 
@@ -35,30 +35,3 @@ class Failed(Message, frozen=True, kw_only=True):
 def failed_from(exc: BaseException) -> Failed:
     """A :class:`Failed` reply describing ``exc``."""
     return Failed(kind=type(exc).__name__, error=str(exc) or type(exc).__name__)
-
-
-class HotCache(Protocol):
-    """What actors other than the GPU actor may read of a parked cache.
-
-    :class:`runtime.kvstate.ParkedCache` satisfies it; the arrays it holds are
-    MLX arrays that only the MLX thread computes with. Other actors only pass
-    the object along and read these plain attributes.
-    """
-
-    @property
-    def model_tag(self) -> str: ...
-
-    @property
-    def text(self) -> str: ...
-
-    @property
-    def token_ids(self) -> tuple[int, ...]: ...
-
-    @property
-    def offsets(self) -> tuple[int, ...]: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def nbytes(self) -> int: ...

@@ -7,27 +7,25 @@ Requests (:data:`GpuInbox`)::
     Render(messages)       -> Rendered(prompt)  | Failed
     Generate(prompt, ...)  -> Generated(...)    | Failed    (+ text deltas on ``deltas``)
 
-A :class:`Generate` names where its cache comes from (:data:`CacheSource`): the
-agent's own hot or warm cache, a prefix of another agent's hot cache, or none.
+A :class:`Generate` carries its turn's :class:`runtime.turn_plan.TurnPlan`: what
+it reuses and from where (the agent's own hot or warm cache, a prefix of another
+agent's, or none), decided once by the cache manager before the GPU sees it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import trio
 
 from actors.messages_common import Failed, HotCache, Message
+from runtime.engine import ModelInfo
 from runtime.snapshot import CacheSnapshot
+from runtime.turn_plan import SamplingOptions, Tier, TurnPlan
 
 __all__ = [
     "SamplingOptions",
     "ModelInfo",
-    "ColdStart",
-    "FromHot",
-    "FromWarm",
-    "FromShared",
-    "CacheSource",
     "Tier",
     "LoadModel",
     "UnloadModel",
@@ -43,76 +41,6 @@ __all__ = [
     "RenderReply",
     "GenerateReply",
 ]
-
-Tier = Literal["hot", "warm", "shared", "cold"]
-"""Where a turn's starting cache came from: the agent's hot (RAM) or warm (disk)
-cache, another agent's hot cache via a shared prefix, or nothing."""
-
-
-class SamplingOptions(Message, frozen=True, kw_only=True):
-    """Sampling parameters as they travel between actors (see ``runtime.sampling``)."""
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: tuple[str, ...] = ()
-
-
-class ModelInfo(Message, frozen=True, kw_only=True):
-    """The loaded model, as actors outside the GPU actor know it.
-
-    Attributes:
-        name: the name it was loaded by (recipe, folder or Hugging Face id).
-        tag: model + KV format; caches with another tag are never served.
-        block_bytes: at-rest bytes of one 256-token block (hot tier accounting).
-        active_token_bytes: bytes of one token's KV while a sequence runs
-            (float under the ``at-rest`` strategy), the unit of admission.
-        sequence_bytes: fixed bytes per running sequence (sliding windows).
-        model_bytes: bytes of the weights.
-    """
-
-    name: str
-    tag: str
-    block_bytes: int
-    active_token_bytes: int
-    sequence_bytes: int
-    model_bytes: int
-
-
-# -- where a turn's cache comes from -------------------------------------------
-
-
-class ColdStart(Message, frozen=True, kw_only=True):
-    """No cache: prefill the whole prompt."""
-
-
-class FromHot(Message, frozen=True, kw_only=True):
-    """The agent's own parked cache from the hot tier."""
-
-    parked: HotCache
-
-
-class FromWarm(Message, frozen=True, kw_only=True):
-    """The agent's own cache read from disk (numpy); restored on the MLX thread."""
-
-    snapshot: CacheSnapshot
-
-
-class FromShared(Message, frozen=True, kw_only=True):
-    """The first ``keep_tokens`` tokens of another agent's hot cache.
-
-    Only text the requesting agent sent itself is covered: the donor's cached
-    text up to ``keep_tokens`` is a prefix of the new prompt.
-    """
-
-    parked: HotCache
-    keep_tokens: int
-    donor: str
-
-
-CacheSource = ColdStart | FromHot | FromWarm | FromShared
-
 
 # -- requests ------------------------------------------------------------------
 
@@ -135,6 +63,9 @@ class Generated(Message, frozen=True, kw_only=True):
 
     Attributes:
         finish_reason: ``stop``, ``length`` or ``cancelled``.
+        tier: where the reused cache came from: the plan's tier, ``shared`` when the
+            turn adopted a prefix of another agent's turn in flight, ``cold`` when
+            nothing was reused.
         match: how the prompt matched the starting cache (``runtime.prefix.MatchKind``).
         queue_wait_s: submission to admission (agent queue, cache fetch, memory wait).
         ttft_s: submission to the first token.
@@ -146,6 +77,7 @@ class Generated(Message, frozen=True, kw_only=True):
     request_id: int
     reply: str
     finish_reason: str
+    tier: Tier
     match: str
     tokens_reused: int
     tokens_prefilled: int
@@ -192,7 +124,7 @@ class Render(Message, frozen=True, kw_only=True):
 
 
 class Generate(Message, frozen=True, kw_only=True):
-    """Generate a reply to ``prompt`` starting from ``source``.
+    """Generate a reply to ``prompt`` as ``plan`` says (what is reused, from where).
 
     Attributes:
         deltas: where streamable text goes (``send_nowait``; text that does not
@@ -208,7 +140,7 @@ class Generate(Message, frozen=True, kw_only=True):
     agent_id: str
     model_tag: str
     prompt: str
-    source: CacheSource
+    plan: TurnPlan
     sampling: SamplingOptions
     submitted_at: float
     deltas: trio.MemorySendChannel[str] | None

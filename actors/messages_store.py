@@ -2,8 +2,7 @@
 
 Requests and their replies::
 
-    Fetch(agent_id, model_tag)        -> HotHit(parked) | WarmHit(snapshot) | Miss(reason)
-    FindPrefix(agent_id, prompt, tag) -> PrefixFound(parked, keep_tokens, donor) | NoPrefix()
+    PlanTurn(agent_id, model_tag, prompt, share) -> Planned(plan)   what the turn reuses, from where
     Put(agent_id, parked, snapshot)   (no reply: write-behind, the turn never waits for disk)
     Forget(agent_id)                  -> Forgotten(existed)   every model's cache of the agent
     Evict(model_tag)                  -> Evicted(written)     flush dirty caches of a model, drop its hot caches
@@ -22,10 +21,11 @@ import msgspec
 
 from actors.messages_common import Failed, HotCache, Message
 from runtime.snapshot import CacheSnapshot
+from runtime.turn_plan import TurnPlan
 
 __all__ = [
-    "Fetch",
-    "FindPrefix",
+    "PlanTurn",
+    "Planned",
     "Put",
     "Forget",
     "Evict",
@@ -34,46 +34,21 @@ __all__ = [
     "AgentRecord",
     "AgentsListed",
     "ListReply",
-    "HotHit",
-    "WarmHit",
-    "Miss",
-    "PrefixFound",
-    "NoPrefix",
     "Forgotten",
     "Evicted",
     "Flushed",
     "StoreInbox",
-    "FetchReply",
-    "PrefixReply",
+    "PlanReply",
     "ForgetReply",
     "EvictReply",
     "FlushReply",
 ]
 
 
-class HotHit(Message, frozen=True, kw_only=True):
-    parked: HotCache
+class Planned(Message, frozen=True, kw_only=True):
+    """The turn's plan, decided by the cache manager (the agent's disk cache read first when needed)."""
 
-
-class WarmHit(Message, frozen=True, kw_only=True):
-    snapshot: CacheSnapshot
-
-
-class Miss(Message, frozen=True, kw_only=True):
-    reason: str
-
-
-class PrefixFound(Message, frozen=True, kw_only=True):
-    """Another agent's hot cache covers the prompt's first ``keep_tokens`` tokens
-    (a whole number of 256-token blocks)."""
-
-    parked: HotCache
-    keep_tokens: int
-    donor: str
-
-
-class NoPrefix(Message, frozen=True, kw_only=True):
-    pass
+    plan: TurnPlan
 
 
 class Forgotten(Message, frozen=True, kw_only=True):
@@ -112,32 +87,26 @@ class AgentsListed(Message, frozen=True, kw_only=True):
     agents: tuple[AgentRecord, ...]
 
 
-FetchReply = HotHit | WarmHit | Miss | Failed
-PrefixReply = PrefixFound | NoPrefix | Failed
+PlanReply = Planned | Failed
 ForgetReply = Forgotten | Failed
 EvictReply = Evicted | Failed
 FlushReply = Flushed | Failed
 ListReply = AgentsListed | Failed
 
 
-class Fetch(Message, frozen=True, kw_only=True):
-    """The agent's own cache made by ``model_tag``: hot if in RAM, else loaded from disk."""
+class PlanTurn(Message, frozen=True, kw_only=True):
+    """Plan a turn of ``agent_id`` on ``model_tag``: what of ``prompt`` is reused, from where.
 
-    agent_id: str
-    model_tag: str
-    reply: trio.MemorySendChannel[FetchReply]
-
-
-class FindPrefix(Message, frozen=True, kw_only=True):
-    """The longest whole-block prefix of ``prompt`` that another agent's hot cache covers.
-
-    Only caches of agents that allow sharing, made by ``model_tag``, are considered.
+    See :meth:`runtime.kv_manager.KVCacheManager.plan`. ``share``: the agent may
+    start from another sharing agent's prefix. A disk cache that cannot be read is
+    a logged miss (the turn starts cold); only a bad agent id fails.
     """
 
     agent_id: str
-    prompt: str
     model_tag: str
-    reply: trio.MemorySendChannel[PrefixReply]
+    prompt: str
+    share: bool
+    reply: trio.MemorySendChannel[PlanReply]
 
 
 class Put(Message, frozen=True, kw_only=True):
@@ -183,4 +152,4 @@ class ListAgents(Message, frozen=True, kw_only=True):
     reply: trio.MemorySendChannel[ListReply]
 
 
-StoreInbox = Fetch | FindPrefix | Put | Forget | Evict | Flush | ListAgents
+StoreInbox = PlanTurn | Put | Forget | Evict | Flush | ListAgents

@@ -58,7 +58,6 @@ import trio
 from actors.agent import AgentActor
 from actors.cache_store import CacheStoreActor, StoreStats
 from actors.client import AgentHandle, TurnFailedError, TurnStream, _chat, _tools, raise_failed
-from actors.engine import Engine
 from actors.gpu import GPUActor, GpuEvent, GpuStats
 from actors.mailbox import ask
 from actors.messages_agent import AgentInbox
@@ -67,7 +66,9 @@ from actors.messages_gpu import GpuInbox, Render, RenderReply
 from actors.messages_store import AgentRecord, Flush, FlushReply, ListAgents, ListReply, StoreInbox
 from actors.metrics import MetricsSnapshot, RuntimeMetrics
 from actors.registry import Acquire, AcquireReply, ModelRegistry, RegistryInbox, RegistryStats, Release
+from runtime.engine import Engine
 from runtime.home import KvmemHome
+from runtime.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
 from runtime.persist_names import safe_agent_dirname
 
@@ -362,7 +363,7 @@ async def open_runtime(
     kvhome = KvmemHome(home)
     directory = await trio.to_thread.run_sync(lambda: CacheDirectory(kvhome.caches_dir, fsync=fsync))
     if engine is None:
-        from actors.mlx_engine import MlxEngine
+        from runtime.mlx_engine import MlxEngine  # imports mlx: only when the real engine runs
 
         engine = MlxEngine(
             models_dir=models_dir or kvhome.models_dir,
@@ -376,10 +377,12 @@ async def open_runtime(
     store_send, store_receive = trio.open_memory_channel[StoreInbox](_MAILBOX_SIZE)
     gpu_send, gpu_receive = trio.open_memory_channel[GpuInbox](_MAILBOX_SIZE)
     registry_send, registry_receive = trio.open_memory_channel[RegistryInbox](_MAILBOX_SIZE)
-    store = CacheStoreActor(store_receive, directory=directory, hot_budget_bytes=int(hot_budget_mb * 2**20))
+    manager = KVCacheManager(hot_budget_bytes=int(hot_budget_mb * 2**20))
+    store = CacheStoreActor(store_receive, directory=directory, manager=manager)
     gpu = GPUActor(
         gpu_receive,
         engine=engine,
+        manager=manager,
         budget_bytes=int(budget_mb * 2**20),
         max_batch=max_batch,
         prefill_chunk=prefill_chunk,

@@ -26,7 +26,7 @@ tokens as it has left, it goes first); and arrivals of equal length finish in
 arrival order instead of all finishing late together (round-robin), so the
 first of several agents that arrive at once with a shared system prompt is done
 before the others start and they can share its prefix
-(:meth:`actors.mlx_engine.MlxEngine.prefill`).
+(:meth:`runtime.mlx_engine.MlxEngine.prefill`).
 """
 
 from __future__ import annotations

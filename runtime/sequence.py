@@ -17,7 +17,7 @@ from runtime.models import LoadedModel
 from runtime.prefix import MatchKind, PrefixMatch, match_prefix
 from runtime.sampling import SamplingParams, StopMatcher, build_sampler
 
-__all__ = ["Sequence", "TurnStats", "prefill_chunk_size"]
+__all__ = ["Sequence", "StartFrom", "TurnStats", "prefill_chunk_size"]
 
 
 def prefill_chunk_size(context: int) -> int:
@@ -51,16 +51,35 @@ class TurnStats:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class StartFrom:
+    """Where a sequence starts when its turn was planned elsewhere (the runtime's path).
+
+    ``base`` is the cache already truncated to the tokens the turn reuses;
+    ``suffix_ids`` / ``suffix_ends`` tokenize ``prompt[reuse_chars:]`` (end offsets
+    relative to that suffix).
+    """
+
+    base: ParkedCache
+    match: str
+    reuse_chars: int
+    suffix_ids: list[int]
+    suffix_ends: list[int]
+
+
 class Sequence:
     """Prompt → reply state machine for one request.
 
     Args:
         lm: the loaded model.
         prompt: full prompt text (the whole conversation, rendered).
-        parked: the agent's parked cache, or None.
+        parked: the agent's parked cache, or None: the sequence matches the prompt
+            against it itself (standalone use: ``runtime.generate``, tests, benches).
         params: sampling parameters.
         strategy: attention strategy for the active cache.
         partial_threshold: PARTIAL match threshold (fraction of cached text).
+        start: a turn planned by :class:`runtime.kv_manager.KVCacheManager`
+            (``parked`` must then be None): no matching, no tokenizing here.
     """
 
     def __init__(
@@ -72,16 +91,22 @@ class Sequence:
         *,
         strategy: Strategy = "at-rest",
         partial_threshold: float = 0.8,
+        start: StartFrom | None = None,
     ) -> None:
         self.lm = lm
         self.prompt = prompt
         self.params = params
         self.started = time.perf_counter()
         self.stats = TurnStats()
-        base, self.matched = _reusable(lm, parked, prompt, partial_threshold)
-        self.stats.match = self.matched.kind.value
-        suffix_ids, suffix_ends = lm.tokenize(self.matched.suffix(prompt))
-        shift = self.matched.reuse_chars
+        if start is None:
+            matched_base, matched = _reusable(lm, parked, prompt, partial_threshold)
+            suffix_ids, suffix_ends = lm.tokenize(matched.suffix(prompt))
+            start = StartFrom(matched_base, matched.kind.value, matched.reuse_chars, suffix_ids, suffix_ends)
+        elif parked is not None:
+            raise ValueError("a planned sequence takes its cache from `start`, not `parked`")
+        base, shift = start.base, start.reuse_chars
+        suffix_ids, suffix_ends = start.suffix_ids, start.suffix_ends
+        self.stats.match = start.match
         self.pending: list[int] = suffix_ids
         self.kv = ActiveKV(base, lm.spec, strategy)
         self.token_ids: list[int] = list(base.token_ids) + suffix_ids

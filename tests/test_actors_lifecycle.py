@@ -17,7 +17,7 @@ import trio
 
 import runtime  # noqa: F401
 from actors import open_runtime
-from actors.fake_engine import FakeEngine, fake_render, fake_reply
+from fake_engine import FakeEngine, fake_render, fake_reply
 from runtime.errors import BudgetExceededError, CacheMiss
 from runtime.persist import CacheDirectory
 
@@ -257,9 +257,9 @@ async def test_all_engine_jobs_run_on_one_dedicated_thread(tmp_path):
             seen.add(threading.get_ident())
             return super().step()
 
-        def prefill(self, request_id, chunk):
+        def prefill(self, request_id, chunk, *, adopt=None):
             seen.add(threading.get_ident())
-            return super().prefill(request_id, chunk)
+            return super().prefill(request_id, chunk, adopt=adopt)
 
     async with _open(tmp_path, Recording()) as rt:
         async with trio.open_nursery() as nursery:

@@ -17,21 +17,19 @@ from conftest import models_dir
 
 from actors import open_runtime
 from actors.cache_store import CacheStoreActor
-from actors.fake_engine import FAKE_TOKEN_BYTES, FakeEngine, FakeParked
+from fake_engine import FAKE_TOKEN_BYTES, FakeEngine, FakeParked
 from actors.mailbox import ask
 from actors.messages_agent import TurnResult
 from actors.messages_store import (
     AgentsListed,
-    Fetch,
     Forget,
     Forgotten,
-    HotHit,
     ListAgents,
-    Miss,
+    PlanTurn,
     Put,
     StoreInbox,
-    WarmHit,
 )
+from runtime.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
 from runtime.snapshot import BLOCK_TOKENS
 
@@ -102,6 +100,10 @@ def _parked(tag: str, text: str) -> FakeParked:
     return FakeParked(tag, text, tuple(ord(c) for c in text), tuple(range(1, len(text) + 1)))
 
 
+def _plan(agent_id: str, tag: str, prompt: str, reply) -> PlanTurn:
+    return PlanTurn(agent_id=agent_id, model_tag=tag, prompt=prompt, share=False, reply=reply)
+
+
 def _put(agent_id: str, parked: FakeParked) -> Put:
     return Put(
         agent_id=agent_id,
@@ -116,15 +118,15 @@ async def test_the_hot_tier_keeps_one_cache_per_agent_and_model(tmp_path: Path) 
     directory = CacheDirectory(tmp_path / "caches", fsync=False)
     a, b = _parked(TAG_A, "on model a"), _parked(TAG_B, "on model b, longer")
     send, receive = trio.open_memory_channel[StoreInbox](0)
-    store = CacheStoreActor(receive, directory=directory, hot_budget_bytes=1 << 20)
+    store = CacheStoreActor(receive, directory=directory, manager=KVCacheManager(hot_budget_bytes=1 << 20))
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         async with send:
             await send.send(_put("x", a))
             await send.send(_put("x", b))  # A → B: A's hot cache stays
             for tag, parked in ((TAG_A, a), (TAG_B, b)):
-                hit = await ask(send, lambda r, tag=tag: Fetch(agent_id="x", model_tag=tag, reply=r))
-                assert isinstance(hit, HotHit) and hit.parked is parked
+                hit = await ask(send, lambda r, tag=tag, parked=parked: _plan("x", tag, parked.text + "!", r))
+                assert hit.plan.tier == "hot" and hit.plan.source.parked is parked
             assert store.statistics().hot_agents == 2
             listed = await ask(send, lambda r: ListAgents(agent_id="x", reply=r))
             assert isinstance(listed, AgentsListed)
@@ -135,8 +137,8 @@ async def test_the_hot_tier_keeps_one_cache_per_agent_and_model(tmp_path: Path) 
             forgotten = await ask(send, lambda r: Forget(agent_id="x", reply=r))
             assert isinstance(forgotten, Forgotten) and forgotten.existed
             for tag in (TAG_A, TAG_B):
-                miss = await ask(send, lambda r, tag=tag: Fetch(agent_id="x", model_tag=tag, reply=r))
-                assert isinstance(miss, Miss)
+                miss = await ask(send, lambda r, tag=tag: _plan("x", tag, "on model a, b", r))
+                assert miss.plan.tier == "cold"
             assert store.statistics().hot_agents == 0
     assert directory.list_agents() == []
 
@@ -144,13 +146,13 @@ async def test_the_hot_tier_keeps_one_cache_per_agent_and_model(tmp_path: Path) 
     directory.save("x", a.to_snapshot())
     directory.save("x", b.to_snapshot())
     send, receive = trio.open_memory_channel[StoreInbox](0)
-    store = CacheStoreActor(receive, directory=directory, hot_budget_bytes=1 << 20)
+    store = CacheStoreActor(receive, directory=directory, manager=KVCacheManager(hot_budget_bytes=1 << 20))
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         async with send:
             for tag, parked in ((TAG_A, a), (TAG_B, b)):
-                warm = await ask(send, lambda r, tag=tag: Fetch(agent_id="x", model_tag=tag, reply=r))
-                assert isinstance(warm, WarmHit) and warm.snapshot.text == parked.text
+                warm = await ask(send, lambda r, tag=tag, parked=parked: _plan("x", tag, parked.text + "!", r))
+                assert warm.plan.tier == "warm" and warm.plan.source.snapshot.text == parked.text
 
 
 # -- real models ------------------------------------------------------------------------

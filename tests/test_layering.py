@@ -1,12 +1,16 @@
 """Layering rules (STYLE.md item 2): runtime/ never imports trio; data flows gateway → actors → runtime.
 
 Checked on the source (imports written in each module), since third-party
-packages may pull in anything transitively (mlx-lm's dependencies load trio).
+packages may pull in anything transitively (mlx-lm's dependencies load trio);
+and, for MLX, in a fresh process: importing any module of ``actors`` or
+``gateway`` must not load it, through whatever those modules import.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +30,7 @@ def _imports(path: Path) -> set[str]:
 
 FORBIDDEN = {
     "runtime": {"trio", "actors", "gateway", "starlette", "hypercorn"},
-    "actors": {"gateway", "starlette", "hypercorn"},
+    "actors": {"gateway", "starlette", "hypercorn", "mlx", "mlx_lm"},
     "gateway": {"mlx", "mlx_lm"},
 }
 
@@ -38,3 +42,18 @@ def test_packages_import_only_downstream(package):
         for path in sorted((ROOT / package).rglob("*.py"))
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+POLICY_MODULES = ["runtime.block_pool", "runtime.kv_manager", "runtime.turn_plan", "runtime.engine",
+                  "actors.scheduler"]
+"""Policy apart from mechanism (STYLE.md item 1): plain Python that imports neither trio nor mlx."""
+
+
+@pytest.mark.parametrize("module", POLICY_MODULES)
+def test_policy_modules_import_neither_trio_nor_mlx(module):
+    code = (
+        f"import sys, {module}\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('trio', 'mlx', 'mlx_lm'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)

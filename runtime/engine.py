@@ -2,13 +2,18 @@
 
 An :class:`Engine` holds the loaded model, the running sequences and the
 decode batch. Every method runs on the MLX thread (:mod:`actors.mlx_thread`)
-and does one bounded piece of work — build a sequence, one prefill chunk, one
-decode step for the whole batch, park a finished sequence — so the GPU actor
-can interleave agents token by token.
+and does one bounded piece of work — tokenize a turn's new text, build a
+sequence, one prefill chunk, one decode step for the whole batch, park a
+finished sequence — so the GPU actor can interleave agents token by token.
 
-Two implementations: :class:`actors.mlx_engine.MlxEngine` (the real one, on
-``runtime``) and :class:`actors.fake_engine.FakeEngine` (deterministic, no
-MLX; actor tests use it to pin down scheduling and lifecycle quickly).
+The engine executes decisions made elsewhere: what a turn reuses comes in its
+:class:`runtime.turn_plan.TurnPlan`, and a donor prefix to adopt from
+:meth:`runtime.kv_manager.KVCacheManager.adopt`; it never matches prompts itself.
+
+This module is pure (no mlx): the GPU actor imports the protocol and its result
+types. Implementations: :class:`runtime.mlx_engine.MlxEngine` (the real one) and
+``tests/fake_engine.py`` (deterministic, no MLX; actor tests use it to pin down
+scheduling and lifecycle quickly).
 """
 
 from __future__ import annotations
@@ -16,11 +21,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from actors.messages_common import HotCache
-from actors.messages_gpu import CacheSource, ModelInfo, SamplingOptions
-from runtime.snapshot import CacheSnapshot
+import msgspec
 
-__all__ = ["Engine", "Started", "PrefillResult", "StepToken", "Finished", "MemoryReading"]
+from runtime.snapshot import CacheSnapshot
+from runtime.turn_plan import FromShared, HotCache, SamplingOptions, Tokenized, TurnPlan
+
+__all__ = ["Engine", "ModelInfo", "Started", "PrefillResult", "StepToken", "Finished", "MemoryReading"]
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The loaded model, as code off the MLX thread knows it.
+
+    Attributes:
+        name: the name it was loaded by (recipe, folder, GGUF file or Hugging Face id).
+        tag: model + KV format; caches with another tag are never served.
+        block_bytes: at-rest bytes of one 256-token block (hot tier accounting).
+        active_token_bytes: bytes of one token's KV while a sequence runs
+            (float under the ``at-rest`` strategy), the unit of admission.
+        sequence_bytes: fixed bytes per running sequence (sliding windows).
+        model_bytes: bytes of the weights.
+    """
+
+    name: str
+    tag: str
+    block_bytes: int
+    active_token_bytes: int
+    sequence_bytes: int
+    model_bytes: int
 
 
 @dataclass(frozen=True)
@@ -39,11 +66,12 @@ class MemoryReading:
 
 @dataclass(frozen=True)
 class Started:
-    """A sequence built from its prompt and starting cache."""
+    """A sequence built from its prompt and starting cache (``token_ids``: the whole prompt's)."""
 
     tokens_reused: int
     tokens_to_prefill: int
     match: str
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,19 +130,22 @@ class Engine(Protocol):
     def count_tokens(self, text: str) -> int:
         """How many tokens ``text`` is, for the loaded model."""
 
-    def measure(self, prompt: str, source: CacheSource) -> int:
-        """Tokens the sequence will hold once ``prompt`` is prefilled from ``source``."""
+    def tokenize(self, prompt: str, plan: TurnPlan) -> Tokenized:
+        """The part of ``prompt`` the plan leaves to prefill, tokenized (once per turn)."""
 
     def start(
-        self, request_id: int, prompt: str, source: CacheSource, sampling: SamplingOptions, *, share: bool = False
+        self, request_id: int, prompt: str, plan: TurnPlan, tokens: Tokenized, sampling: SamplingOptions
     ) -> Started:
-        """Build the sequence (prefix match, tokenization, cache activation).
+        """Build the sequence: the plan's cache, truncated to what it reuses and activated, then ``tokens``."""
 
-        ``share``: the prompt's prefix may be shared with other sharing sequences in
-        flight, both ways (an engine may ignore it)."""
+    def prefill(self, request_id: int, chunk: int | None, *, adopt: FromShared | None = None) -> PrefillResult:
+        """Run one prefill chunk of ``chunk`` tokens (None: the engine's adaptive size).
 
-    def prefill(self, request_id: int, chunk: int | None) -> PrefillResult:
-        """Run one prefill chunk of ``chunk`` tokens (None: the engine's adaptive size)."""
+        ``adopt`` (first chunk only): start from these whole blocks of a donor's
+        prompt instead; they are this prompt's first tokens."""
+
+    def park_prompt(self, request_id: int) -> HotCache | None:
+        """Right after prefill: park the prompt's KV (a donor for turns that share it)."""
 
     def join(self, request_id: int) -> None:
         """Merge a prefilled sequence into the running batch."""

@@ -22,19 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine import Finished, MemoryReading, PrefillResult, Started, StepToken
-from actors.messages_gpu import (
-    CacheSource,
-    ColdStart,
-    FromHot,
-    FromShared,
-    FromWarm,
-    ModelInfo,
-    SamplingOptions,
-)
+from runtime.engine import Finished, MemoryReading, ModelInfo, PrefillResult, Started, StepToken
 from runtime.errors import ModelError
-from runtime.prefix import match_prefix
 from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
+from runtime.turn_plan import FromShared, SamplingOptions, Tokenized, TurnPlan
 
 __all__ = ["FakeEngine", "FakeParked", "fake_reply", "fake_render", "FAKE_TOKEN_BYTES"]
 
@@ -93,6 +84,7 @@ class _FakeSeq:
     reused: int
     max_tokens: int
     target: str
+    match: str = "empty"
     prefilled: int = 0
     generated: list[str] = field(default_factory=list)
     finish_reason: str | None = None
@@ -103,7 +95,7 @@ class _FakeSeq:
 
 
 class FakeEngine:
-    """See the module docstring. Implements :class:`actors.engine.Engine`."""
+    """See the module docstring. Implements :class:`runtime.engine.Engine`."""
 
     def __init__(self, *, step_delay_s: float = 0.0, chunk_delay_s: float = 0.0, default_chunk: int = 64) -> None:
         self.step_delay_s = step_delay_s
@@ -159,40 +151,29 @@ class FakeEngine:
     def count_tokens(self, text: str) -> int:
         return len(text)  # one token per character, as in the fake caches
 
-    def _base(self, source: CacheSource) -> str:
-        match source:
-            case ColdStart():
-                return ""
-            case FromHot(parked=parked):
-                return parked.text if parked.model_tag == self.tag else ""
-            case FromWarm(snapshot=snap):
-                return snap.text if snap.model_tag == self.tag else ""
-            case FromShared(parked=parked, keep_tokens=keep):
-                return parked.text[:keep] if parked.model_tag == self.tag else ""
-        raise TypeError(f"unknown cache source {source!r}")
-
-    def _reuse(self, prompt: str, source: CacheSource) -> int:
-        base = self._base(source)
-        if not base:
-            return 0
-        return match_prefix(base, range(1, len(base) + 1), prompt).reuse_tokens
-
-    def measure(self, prompt: str, source: CacheSource) -> int:
+    def tokenize(self, prompt: str, plan: TurnPlan) -> Tokenized:
         self.tag  # noqa: B018
-        return len(prompt)
+        suffix = plan.suffix(prompt)
+        return Tokenized(ids=tuple(ord(c) for c in suffix), ends=tuple(range(1, len(suffix) + 1)))
 
     def start(
-        self, request_id: int, prompt: str, source: CacheSource, sampling: SamplingOptions, *, share: bool = False
+        self, request_id: int, prompt: str, plan: TurnPlan, tokens: Tokenized, sampling: SamplingOptions
     ) -> Started:
         if not prompt:
             raise ValueError("empty prompt")
-        reused = self._reuse(prompt, source)
-        self._seqs[request_id] = _FakeSeq(prompt, reused, sampling.max_tokens, fake_reply(prompt, sampling.max_tokens))
-        kind = "empty" if isinstance(source, ColdStart) else ("extend" if reused else "diverge")
-        return Started(tokens_reused=reused, tokens_to_prefill=len(prompt) - reused, match=kind)
+        reused = plan.reuse_tokens
+        self._seqs[request_id] = _FakeSeq(prompt, reused, sampling.max_tokens, fake_reply(prompt, sampling.max_tokens),
+                                          plan.match)
+        return Started(tokens_reused=reused, tokens_to_prefill=len(tokens.ids), match=plan.match,
+                       token_ids=tuple(ord(c) for c in prompt))
 
-    def prefill(self, request_id: int, chunk: int | None) -> PrefillResult:
+    def park_prompt(self, request_id: int) -> FakeParked:
+        return _parked(self.tag, self._seqs[request_id].prompt)
+
+    def prefill(self, request_id: int, chunk: int | None, *, adopt: FromShared | None = None) -> PrefillResult:
         seq = self._seqs[request_id]
+        if adopt is not None and not seq.prefilled:
+            seq.reused, seq.match = adopt.keep_tokens, "extend"
         if self.chunk_delay_s:
             time.sleep(self.chunk_delay_s)
         todo = len(seq.prompt) - seq.context
@@ -236,7 +217,7 @@ class FakeEngine:
         return Finished(
             reply=reply,
             finish_reason=seq.finish_reason,
-            match="extend" if seq.reused else "empty",
+            match=seq.match,
             tokens_reused=seq.reused,
             tokens_prefilled=seq.prefilled,
             tokens_generated=len(seq.generated),

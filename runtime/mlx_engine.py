@@ -1,7 +1,7 @@
 """The real engine: ``runtime`` sequences and a ``DecodeBatch`` on the MLX thread.
 
-Every method here calls MLX and must run on :class:`actors.mlx_thread.MlxThread`
-(the GPU actor guarantees it). Memory is read with the backend-neutral
+Every method here calls MLX and must run on the GPU actor's MLX thread
+(:class:`actors.mlx_thread.MlxThread`; the GPU actor guarantees it). Memory is read with the backend-neutral
 ``mx.get_active_memory`` / ``mx.get_peak_memory``, never ``mx.metal``.
 """
 
@@ -16,24 +16,16 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from actors.engine import Finished, MemoryReading, PrefillResult, Started, StepToken
-from actors.messages_gpu import (
-    CacheSource,
-    ColdStart,
-    FromHot,
-    FromShared,
-    FromWarm,
-    ModelInfo,
-    SamplingOptions,
-)
 from runtime.batch import DecodeBatch
+from runtime.engine import Finished, MemoryReading, ModelInfo, PrefillResult, Started, StepToken
 from runtime.errors import ModelError
 from runtime.kvstate import SLIDING_SLACK, ParkedCache, Strategy, resolve_strategy
 from runtime.models import LoadedModel, load_model
-from runtime.prefix import common_prefix_length, match_prefix
+from runtime.prefix import MatchKind
 from runtime.sampling import SamplingParams
-from runtime.sequence import Sequence
-from runtime.snapshot import BLOCK_TOKENS, LayerKind
+from runtime.sequence import Sequence, StartFrom
+from runtime.snapshot import LayerKind
+from runtime.turn_plan import ColdStart, FromHot, FromShared, FromWarm, SamplingOptions, Tokenized, TurnPlan
 from runtime.spec import KVFormat, ModelCacheSpec
 from runtime.warmup import prewarm_memory
 
@@ -74,7 +66,7 @@ def sequence_bytes(spec: ModelCacheSpec) -> int:
 
 
 class MlxEngine:
-    """Sequences, the decode batch and the loaded model (see :class:`actors.engine.Engine`).
+    """Sequences, the decode batch and the loaded model (see :class:`runtime.engine.Engine`).
 
     Args:
         models_dir: where tiny models are built.
@@ -105,8 +97,6 @@ class MlxEngine:
         self._lm: LoadedModel | None = None
         self._seqs: dict[int, Sequence] = {}
         self._ids: dict[int, int] = {}  # id(seq) -> request id
-        self._sharing: set[int] = set()  # requests whose prompt prefix may be shared (both ways)
-        self._donors: dict[int, ParkedCache] = {}  # request id -> its parked prompt, while it runs
         self._batch = DecodeBatch()
         self._model_bytes = 0
         self._baseline = 0
@@ -159,8 +149,6 @@ class MlxEngine:
     def unload(self) -> None:
         self._seqs.clear()
         self._ids.clear()
-        self._sharing.clear()
-        self._donors.clear()
         self._batch = DecodeBatch()
         self._lm = None
         self._model_bytes = 0
@@ -180,47 +168,32 @@ class MlxEngine:
 
     # -- sequences -----------------------------------------------------------
 
-    def _cached_text(self, source: CacheSource) -> tuple[str, tuple[int, ...] | list[int], str | None]:
-        match source:
-            case ColdStart():
-                return "", (), None
-            case FromHot(parked=parked):
-                return parked.text, parked.offsets, parked.model_tag
-            case FromWarm(snapshot=snap):
-                return snap.text, snap.offsets, snap.model_tag
-            case FromShared(parked=parked, keep_tokens=keep):
-                offsets = parked.offsets[:keep]
-                return parked.text[: offsets[-1] if offsets else 0], offsets, parked.model_tag
-        raise TypeError(f"unknown cache source {source!r}")
+    def tokenize(self, prompt: str, plan: TurnPlan) -> Tokenized:
+        ids, ends = self.lm.tokenize(plan.suffix(prompt))
+        return Tokenized(ids=tuple(ids), ends=tuple(ends))
 
-    def measure(self, prompt: str, source: CacheSource) -> int:
+    def _base(self, plan: TurnPlan) -> ParkedCache | None:
+        """The plan's cache truncated to what the turn reuses (None: start cold)."""
         lm = self.lm
-        text, offsets, tag = self._cached_text(source)
-        reuse_tokens = reuse_chars = 0
-        if text and tag == lm.spec.tag:
-            match = match_prefix(text, offsets, prompt)
-            reuse_tokens, reuse_chars = match.reuse_tokens, match.reuse_chars
-        return reuse_tokens + len(lm.tokenize(prompt[reuse_chars:])[0])
-
-    def _base(self, source: CacheSource) -> ParkedCache | None:
-        lm = self.lm
-        match source:
+        match plan.source:
             case ColdStart():
                 return None
-            case FromHot(parked=parked):
+            case FromHot(parked=parked) | FromShared(parked=parked):
                 assert isinstance(parked, ParkedCache)
-                return parked
-            case FromWarm(snapshot=snap):
-                return ParkedCache.from_snapshot(snap, float_dtype=lm.float_dtype)
-            case FromShared(parked=parked, keep_tokens=keep):
-                assert isinstance(parked, ParkedCache)
-                base = parked.truncated(keep, lm.spec)
-                # A shared prefix starts the new agent's own history: no donor meta.
-                return None if base is None else replace(base, meta={})
-        raise TypeError(f"unknown cache source {source!r}")
+                cache = parked
+            case FromWarm(snapshot=snapshot):
+                if snapshot.model_tag != lm.spec.tag:
+                    return None
+                cache = ParkedCache.from_snapshot(snapshot, float_dtype=lm.float_dtype)
+        if cache.model_tag != lm.spec.tag:
+            return None
+        base = cache.truncated(plan.reuse_tokens, lm.spec)
+        if base is not None and isinstance(plan.source, FromShared):
+            base = replace(base, meta={})  # a shared prefix starts the new agent's own history
+        return base
 
     def start(
-        self, request_id: int, prompt: str, source: CacheSource, sampling: SamplingOptions, *, share: bool = False
+        self, request_id: int, prompt: str, plan: TurnPlan, tokens: Tokenized, sampling: SamplingOptions
     ) -> Started:
         if not prompt:
             raise ValueError("empty prompt")
@@ -231,71 +204,45 @@ class MlxEngine:
             top_k=sampling.top_k,
             stop=tuple(sampling.stop),
         )
-        seq = Sequence(self.lm, prompt, self._base(source), params, strategy=self._strategy)
+        base = self._base(plan) if plan.reuse_tokens else None
+        if base is not None:
+            start = StartFrom(base, plan.match, plan.reuse_chars, list(tokens.ids), list(tokens.ends))
+        elif plan.reuse_tokens:
+            # The plan's cache cannot be used after all (a sliding window too short to trim): start cold.
+            ids, ends = self.lm.tokenize(prompt)
+            start = StartFrom(ParkedCache.empty(self.lm.spec), MatchKind.DIVERGE.value, 0, ids, ends)
+        else:
+            start = StartFrom(ParkedCache.empty(self.lm.spec), plan.match, 0, list(tokens.ids), list(tokens.ends))
+        seq = Sequence(self.lm, prompt, None, params, strategy=self._strategy, start=start)
         self._seqs[request_id] = seq
         self._ids[id(seq)] = request_id
-        if share:
-            self._sharing.add(request_id)
         self._sample_memory()
         return Started(
             tokens_reused=seq.stats.tokens_reused,
             tokens_to_prefill=seq.stats.tokens_prefilled,
             match=seq.stats.match,
+            token_ids=tuple(seq.token_ids),
         )
 
-    def prefill(self, request_id: int, chunk: int | None) -> PrefillResult:
+    def prefill(self, request_id: int, chunk: int | None, *, adopt: FromShared | None = None) -> PrefillResult:
         seq = self._seqs[request_id]
-        if request_id in self._sharing and not seq.prefill_started:
-            self._adopt_prefix(request_id, seq)
+        if adopt is not None and not seq.prefill_started:
+            assert isinstance(adopt.parked, ParkedCache)
+            base = adopt.parked.truncated(adopt.keep_tokens, self.lm.spec)
+            if base is not None:
+                seq.adopt(replace(base, meta={}))  # a shared prefix starts the new agent's own history
         text = seq.prefill_step(chunk)
-        if text is not None and request_id in self._sharing and self._wanted_as_donor(seq):
-            # Right after prefill the caches hold exactly the prompt (the first token is not fed yet).
-            donor = seq.kv.park(text=seq.prompt, token_ids=seq.token_ids, offsets=seq.offsets)
-            if donor is not None:
-                self._donors[request_id] = donor
         self._sample_memory()
         return PrefillResult(
             text=text, finished=seq.finish_reason is not None, context=seq.context, remaining=seq.to_prefill
         )
 
-    # -- prefix sharing between sequences in flight ----------------------------
-    #
-    # The cache store shares a prefix only from an agent's *parked* cache, so
-    # agents that arrive together (a shared system prompt, all cold) would each
-    # prefill it. Here the first of them to finish prefill parks its prompt while
-    # it decodes, and the others, before their first chunk, restart from its
-    # whole blocks. The scheduler finishes equal-length prefills in arrival order,
-    # so the others have not started yet when the first is done.
-
-    def _shared_blocks(self, donor_ids: tuple[int, ...] | list[int], seq: Sequence) -> int:
-        """Tokens of whole blocks ``seq``'s prompt has in common with ``donor_ids``."""
-        common = common_prefix_length(list(donor_ids), seq.token_ids)
-        return (common // BLOCK_TOKENS) * BLOCK_TOKENS
-
-    def _wanted_as_donor(self, donor: Sequence) -> bool:
-        """Whether a sharing sequence that has not started prefill would reuse more of ``donor``."""
-        return any(
-            rid in self._sharing
-            and not other.prefill_started
-            and self._shared_blocks(donor.token_ids, other) > other.stats.tokens_reused
-            for rid, other in self._seqs.items()
-            if other is not donor
-        )
-
-    def _adopt_prefix(self, request_id: int, seq: Sequence) -> None:
-        """Restart ``seq`` from the longest whole-block prefix a running donor parked."""
-        best: tuple[int, ParkedCache] | None = None
-        for donor_id, parked in self._donors.items():
-            keep = self._shared_blocks(parked.token_ids, seq) if donor_id != request_id else 0
-            keep = min(keep, (len(seq.token_ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS)  # one token left to prefill
-            if keep > seq.stats.tokens_reused and (best is None or keep > best[0]):
-                best = (keep, parked)
-        if best is None:
-            return
-        base = best[1].truncated(best[0], self.lm.spec)
-        if base is not None:
-            # A shared prefix starts the new agent's own history: no donor meta.
-            seq.adopt(replace(base, meta={}))
+    def park_prompt(self, request_id: int) -> ParkedCache | None:
+        seq = self._seqs[request_id]
+        # Right after prefill the caches hold exactly the prompt (the first token is not fed yet).
+        parked = seq.kv.park(text=seq.prompt, token_ids=seq.token_ids, offsets=seq.offsets)
+        self._sample_memory()
+        return parked
 
     def join(self, request_id: int) -> None:
         self._batch.add(self._seqs[request_id])
@@ -310,8 +257,6 @@ class MlxEngine:
         ]
 
     def _leave(self, request_id: int) -> Sequence:
-        self._sharing.discard(request_id)
-        self._donors.pop(request_id, None)
         seq = self._seqs.pop(request_id)
         self._ids.pop(id(seq), None)
         if seq in self._batch:

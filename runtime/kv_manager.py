@@ -1,0 +1,347 @@
+"""KVCacheManager: every agent's parked cache in RAM, and one reuse plan per turn.
+
+Plain Python like :mod:`runtime.block_pool` (no trio, no mlx): the policy, while
+the actors execute it. It owns
+
+* the **hot tier**: the latest parked cache of every (agent, model), least
+  recently used first, charged to a :class:`runtime.block_pool.BlockPool` per model.
+  Full 256-token blocks are charged by content (their hash-chain ids), so agents
+  whose caches begin with the same tokens pay for those blocks once. When a cache
+  does not fit, least recently used caches that are already on disk are dropped
+  (demoted to the warm tier); one that still does not fit stays until its save
+  completes, and is then dropped;
+* the **shared-prefix index**: which hot caches and which turns in flight other
+  agents may start from (agents that opted in);
+* the **turns in flight**: their token ids, what they reused, and the prompt a
+  running turn parked for others to start from (a *donor*).
+
+and answers the question of every turn (:meth:`KVCacheManager.plan`): given this
+agent's cache and this prompt, what is reused, from where, and what is prefilled.
+The answer, a :class:`runtime.turn_plan.TurnPlan`, travels to the engine unchanged.
+A turn that began cold can still adopt a donor's whole blocks before its first
+prefill chunk (:meth:`KVCacheManager.adopt`): agents that arrive together with the
+same system prompt then prefill it once.
+
+The cache store actor and the GPU actor share one manager. Both run on the same
+trio thread and every method here is synchronous, so each call is atomic.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from runtime.block_pool import BlockPool, PoolStats
+from runtime.errors import BudgetExceededError
+from runtime.prefix import MatchKind, common_prefix_length, match_prefix
+from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot
+from runtime.turn_plan import COLD, FromHot, FromShared, FromWarm, HotCache, Tier, TurnPlan
+
+__all__ = ["KVCacheManager", "HotEntry", "HotTierStats", "PARTIAL_THRESHOLD"]
+
+PARTIAL_THRESHOLD = 0.8
+"""A prompt that keeps at least this fraction of the cached text reuses it up to the last whole token."""
+
+Key = tuple[str, str]
+"""A hot cache's key: (agent id, model tag)."""
+
+
+@dataclass
+class HotEntry:
+    """One agent's parked cache for one model, in RAM.
+
+    ``on_disk``: the warm tier holds this very cache (it may be dropped from RAM).
+    ``accounted``: it is charged to its model's block pool (False: over budget,
+    dropped once saved).
+    """
+
+    agent_id: str
+    model_tag: str
+    parked: HotCache
+    share: bool
+    on_disk: bool = False
+    accounted: bool = False
+
+    @property
+    def key(self) -> Key:
+        return (self.agent_id, self.model_tag)
+
+
+@dataclass(frozen=True)
+class HotTierStats:
+    """The hot tier right now (``pools``: block accounting per model tag, shared blocks once)."""
+
+    hot_agents: int
+    hot_bytes: int
+    over_budget: int
+    prefix_hits: int
+    demotions: int
+    pools: dict[str, PoolStats]
+
+
+@dataclass
+class _InFlight:
+    agent_id: str
+    model_tag: str
+    token_ids: tuple[int, ...]
+    reused: int
+    share: bool
+    prefill_started: bool = False
+    donor: HotCache | None = field(default=None, repr=False)
+
+
+def _whole_blocks(tokens: int) -> int:
+    return tokens // BLOCK_TOKENS * BLOCK_TOKENS
+
+
+class KVCacheManager:
+    """The hot tier, the shared-prefix index and the turns in flight (see the module docstring).
+
+    Args:
+        hot_budget_bytes: RAM for parked caches, per model.
+        partial_threshold: see :data:`PARTIAL_THRESHOLD`.
+    """
+
+    def __init__(self, *, hot_budget_bytes: int, partial_threshold: float = PARTIAL_THRESHOLD) -> None:
+        self._budget = hot_budget_bytes
+        self._threshold = partial_threshold
+        self._entries: dict[Key, HotEntry] = {}  # least recently used first
+        self._pools: dict[str, BlockPool] = {}
+        self._inflight: dict[int, _InFlight] = {}
+        self._prefix_hits = 0
+        self._demotions = 0
+
+    # -- the plan ---------------------------------------------------------------
+
+    def needs_disk(self, agent_id: str, model_tag: str) -> bool:
+        """Whether the agent's disk cache must be read before planning (it has no hot cache)."""
+        return (agent_id, model_tag) not in self._entries
+
+    def plan(
+        self, agent_id: str, model_tag: str, prompt: str, *, share: bool, warm: CacheSnapshot | None = None
+    ) -> TurnPlan:
+        """What this turn reuses, from where, and what it prefills.
+
+        The agent's own cache first: its hot cache, else ``warm`` (its cache read
+        from disk, when :meth:`needs_disk` said so). When nothing of it is reusable
+        and the agent shares prefixes, the longest whole-block prefix another
+        sharing agent's hot cache or turn in flight covers. Else cold.
+        """
+        entry = self._entries.get((agent_id, model_tag))
+        if entry is not None:
+            self._touch(entry)
+            plan = self._own(entry.parked.text, entry.parked.offsets, prompt, "hot", FromHot(parked=entry.parked))
+        elif warm is not None and warm.model_tag == model_tag:
+            plan = self._own(warm.text, warm.offsets, prompt, "warm", FromWarm(snapshot=warm))
+        else:
+            plan = None
+        if plan is not None:
+            return plan
+        if share:
+            shared = self._shared(agent_id, model_tag, prompt)
+            if shared is not None:
+                return shared
+        return COLD
+
+    def _own(
+        self, text: str, offsets: Sequence[int], prompt: str, tier: Tier, source: FromHot | FromWarm
+    ) -> TurnPlan | None:
+        if not text:
+            return None
+        match = match_prefix(text, offsets, prompt, partial_threshold=self._threshold)
+        if match.reuse_tokens == 0:
+            return None
+        return TurnPlan(tier=tier, source=source, match=match.kind.value, reuse_tokens=match.reuse_tokens,
+                        reuse_chars=match.reuse_chars)
+
+    def _shared(self, agent_id: str, model_tag: str, prompt: str) -> TurnPlan | None:
+        """The longest whole-block prefix of ``prompt`` another sharing agent's cache covers."""
+        candidates = [(e.agent_id, e.parked, e) for e in self._entries.values()
+                      if e.share and e.model_tag == model_tag and e.agent_id != agent_id]
+        candidates += [(f.agent_id, f.donor, None) for f in self._inflight.values()
+                       if f.donor is not None and f.model_tag == model_tag and f.agent_id != agent_id]
+        best: tuple[int, str, HotCache, HotEntry | None] | None = None
+        for donor, parked, entry in candidates:
+            assert parked is not None
+            if parked.num_tokens < BLOCK_TOKENS:
+                continue
+            # Whole blocks only, and at least one character of the prompt left to prefill.
+            common = min(common_prefix_length(parked.text, prompt), len(prompt) - 1)
+            keep = _whole_blocks(bisect_right(parked.offsets, common))
+            if keep and (best is None or keep > best[0]):
+                best = (keep, donor, parked, entry)
+        if best is None:
+            return None
+        keep, donor, parked, entry = best
+        self._prefix_hits += 1
+        if entry is not None:
+            self._touch(entry)
+        return TurnPlan(tier="shared", source=FromShared(parked=parked, keep_tokens=keep, donor=donor),
+                        match=MatchKind.EXTEND.value, reuse_tokens=keep, reuse_chars=parked.offsets[keep - 1])
+
+    # -- turns in flight ----------------------------------------------------------
+
+    def begin(self, request_id: int, *, agent_id: str, model_tag: str, token_ids: Sequence[int], reused: int,
+              share: bool) -> None:
+        """A turn's sequence was built: ``token_ids`` is its whole prompt, ``reused`` of them cached."""
+        self._inflight[request_id] = _InFlight(agent_id, model_tag, tuple(token_ids), reused, share)
+
+    def adopt(self, request_id: int) -> FromShared | None:
+        """Before a sharing turn's first prefill chunk: a donor's whole blocks that cover more than it reuses.
+
+        The turn then starts from them (its own tokenization, so the result is what a
+        prefill of those tokens computes). Marks the turn's prefill as started.
+        """
+        turn = self._inflight.get(request_id)
+        if turn is None or turn.prefill_started:
+            return None
+        turn.prefill_started = True
+        if not turn.share:
+            return None
+        best: tuple[int, _InFlight] | None = None
+        for other_id, other in self._inflight.items():
+            if other_id == request_id or other.donor is None or other.model_tag != turn.model_tag:
+                continue
+            keep = min(self._shared_blocks(other.donor.token_ids, turn), _whole_blocks(len(turn.token_ids) - 1))
+            if keep > turn.reused and (best is None or keep > best[0]):
+                best = (keep, other)
+        if best is None:
+            return None
+        keep, donor = best
+        assert donor.donor is not None
+        turn.reused = keep
+        self._prefix_hits += 1
+        return FromShared(parked=donor.donor, keep_tokens=keep, donor=donor.agent_id)
+
+    def wants_donor(self, request_id: int) -> bool:
+        """Whether a sharing turn that has not started prefill would reuse more of this prefilled turn's prompt."""
+        turn = self._inflight.get(request_id)
+        if turn is None or not turn.share:
+            return False
+        return any(
+            other.share and not other.prefill_started and other.model_tag == turn.model_tag
+            and self._shared_blocks(turn.token_ids, other) > other.reused
+            for other_id, other in self._inflight.items()
+            if other_id != request_id
+        )
+
+    def add_donor(self, request_id: int, parked: HotCache) -> None:
+        """The prompt a running turn parked for others (see :meth:`wants_donor`)."""
+        turn = self._inflight.get(request_id)
+        if turn is not None:
+            turn.donor = parked
+
+    def end(self, request_id: int) -> None:
+        """The turn left the GPU (finished, cancelled or failed)."""
+        self._inflight.pop(request_id, None)
+
+    @staticmethod
+    def _shared_blocks(donor_ids: Sequence[int], turn: _InFlight) -> int:
+        return _whole_blocks(common_prefix_length(list(donor_ids), list(turn.token_ids)))
+
+    # -- the hot tier -------------------------------------------------------------
+
+    def get(self, agent_id: str, model_tag: str) -> HotEntry | None:
+        """The agent's hot cache for that model (without touching the LRU order)."""
+        return self._entries.get((agent_id, model_tag))
+
+    def entries(self) -> list[HotEntry]:
+        """Every hot cache, least recently used first."""
+        return list(self._entries.values())
+
+    def put(self, agent_id: str, parked: HotCache, *, share: bool, block_bytes: int,
+            block_hashes: Sequence[str]) -> list[HotEntry]:
+        """Make ``parked`` the agent's hot cache for its model (not yet on disk).
+
+        ``block_hashes`` are its full blocks' hash-chain ids. Returns the caches
+        dropped from RAM to make room (all already on disk).
+        """
+        key = (agent_id, parked.model_tag)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = HotEntry(agent_id, parked.model_tag, parked, share)
+        else:
+            self._unaccount(entry)
+            entry.parked, entry.share, entry.on_disk = parked, share, False
+        self._touch(entry)
+        return self._account(entry, block_bytes, block_hashes)
+
+    def saved(self, agent_id: str, parked: HotCache) -> bool:
+        """``parked`` is on disk now. Returns True when it was dropped from RAM (it never fit the budget)."""
+        entry = self._entries.get((agent_id, parked.model_tag))
+        if entry is None or entry.parked is not parked:
+            return False  # replaced or forgotten meanwhile
+        entry.on_disk = True
+        if not entry.accounted:
+            self._demote(entry)
+            return True
+        return False
+
+    def forget(self, agent_id: str) -> int:
+        """Drop every hot cache of the agent; returns how many there were."""
+        entries = [e for e in self._entries.values() if e.agent_id == agent_id]
+        for entry in entries:
+            self._drop(entry)
+        return len(entries)
+
+    def drop_model(self, model_tag: str) -> None:
+        """Drop every hot cache of a model and its pool (the model was unloaded)."""
+        for entry in [e for e in self._entries.values() if e.model_tag == model_tag]:
+            self._drop(entry)
+        self._pools.pop(model_tag, None)
+
+    def stats(self) -> HotTierStats:
+        entries = self._entries.values()
+        return HotTierStats(
+            hot_agents=len(self._entries),
+            hot_bytes=sum(e.parked.nbytes for e in entries),
+            over_budget=sum(not e.accounted for e in entries),
+            prefix_hits=self._prefix_hits,
+            demotions=self._demotions,
+            pools={tag: pool.stats() for tag, pool in self._pools.items()},
+        )
+
+    def _touch(self, entry: HotEntry) -> None:
+        self._entries.pop(entry.key, None)
+        self._entries[entry.key] = entry
+
+    def _pool(self, tag: str, block_bytes: int) -> BlockPool:
+        pool = self._pools.get(tag)
+        if pool is None:
+            pool = self._pools[tag] = BlockPool(budget_bytes=self._budget, bytes_per_block=max(1, block_bytes))
+        return pool
+
+    def _account(self, entry: HotEntry, block_bytes: int, block_hashes: Sequence[str]) -> list[HotEntry]:
+        """Charge ``entry`` to its model's pool, dropping clean least recently used caches to make room."""
+        pool = self._pool(entry.model_tag, block_bytes)
+        demoted: list[HotEntry] = []
+        while True:
+            try:
+                pool.share(entry.agent_id, block_hashes)
+                pool.reserve(entry.agent_id, entry.parked.num_tokens)
+                entry.accounted = True
+                return demoted
+            except BudgetExceededError:
+                pool.release(entry.agent_id)
+            victim = next((e for e in self._entries.values()
+                           if e is not entry and e.on_disk and e.model_tag == entry.model_tag), None)
+            if victim is None:
+                entry.accounted = False  # dropped as soon as its save completes
+                return demoted
+            self._demote(victim)
+            demoted.append(victim)
+
+    def _unaccount(self, entry: HotEntry) -> None:
+        pool = self._pools.get(entry.model_tag)
+        if pool is not None:
+            pool.release(entry.agent_id)
+        entry.accounted = False
+
+    def _drop(self, entry: HotEntry) -> None:
+        self._unaccount(entry)
+        self._entries.pop(entry.key, None)
+
+    def _demote(self, entry: HotEntry) -> None:
+        self._demotions += 1
+        self._drop(entry)

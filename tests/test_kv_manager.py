@@ -1,0 +1,196 @@
+"""The cache manager's one decision per turn: what is reused, from where, and what is prefilled.
+
+Pure Python (no trio, no mlx): caches here are plain objects with one token per
+character, so every expected number can be counted by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from runtime.kv_manager import KVCacheManager
+from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
+from runtime.turn_plan import ColdStart, FromHot, FromShared, FromWarm
+
+TAG = "m@1"
+OTHER_TAG = "m@2"
+
+
+@dataclass(frozen=True)
+class Parked:
+    model_tag: str
+    text: str
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(ord(c) for c in self.text)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(range(1, len(self.text) + 1))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.text)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.text) * 4
+
+
+def _snapshot(text: str, tag: str = TAG) -> CacheSnapshot:
+    ids = np.zeros((1, len(text), 1), dtype=np.float32)
+    return CacheSnapshot(model_tag=tag, text=text, token_ids=[ord(c) for c in text],
+                         offsets=list(range(1, len(text) + 1)),
+                         layers=[LayerSnapshot(LayerKind.FLOAT, {"k": ids, "v": ids})])
+
+
+def _manager(budget: int = 1 << 30) -> KVCacheManager:
+    return KVCacheManager(hot_budget_bytes=budget)
+
+
+def _put(m: KVCacheManager, agent: str, parked: Parked, *, share: bool = True, block_bytes: int = 1) -> list:
+    hashes = [f"{parked.model_tag}:{parked.text[:end]}" for end in range(BLOCK_TOKENS, parked.num_tokens + 1,
+                                                                         BLOCK_TOKENS)]
+    return m.put(agent, parked, share=share, block_bytes=block_bytes, block_hashes=hashes)
+
+
+def test_a_prompt_that_extends_the_hot_cache_reuses_all_of_it():
+    m = _manager()
+    parked = Parked(TAG, "system: be brief\nuser: hi\nassistant: hello")
+    _put(m, "a", parked)
+    assert not m.needs_disk("a", TAG)
+    plan = m.plan("a", TAG, parked.text + "\nuser: more", share=True)
+    assert (plan.tier, plan.match, plan.reuse_tokens, plan.reuse_chars) == ("hot", "extend", parked.num_tokens,
+                                                                             len(parked.text))
+    assert isinstance(plan.source, FromHot) and plan.source.parked is parked
+    assert plan.suffix(parked.text + "\nuser: more") == "\nuser: more"
+    assert plan.reused_token_ids() == parked.token_ids
+
+
+def test_the_same_prompt_again_recomputes_the_last_token():
+    m = _manager()
+    parked = Parked(TAG, "abcdef")
+    _put(m, "a", parked)
+    plan = m.plan("a", TAG, "abcdef", share=False)
+    assert (plan.match, plan.reuse_tokens, plan.suffix("abcdef")) == ("exact", 5, "f")
+
+
+def test_an_agent_without_a_hot_cache_is_planned_from_its_disk_cache():
+    m = _manager()
+    assert m.needs_disk("a", TAG)
+    warm = _snapshot("hello there")
+    plan = m.plan("a", TAG, "hello there, again", share=True, warm=warm)
+    assert (plan.tier, plan.reuse_tokens) == ("warm", len("hello there"))
+    assert isinstance(plan.source, FromWarm) and plan.source.snapshot is warm
+    # Another model's file is never used.
+    assert m.plan("a", OTHER_TAG, "hello there, again", share=True, warm=warm).tier == "cold"
+
+
+def test_a_diverged_prompt_starts_cold_and_never_uses_another_models_cache():
+    m = _manager()
+    _put(m, "a", Parked(TAG, "one conversation entirely"))
+    plan = m.plan("a", TAG, "something else", share=True)
+    assert plan.tier == "cold" and isinstance(plan.source, ColdStart) and plan.reuse_tokens == 0
+    assert m.plan("a", OTHER_TAG, "one conversation entirely, more", share=True).tier == "cold"
+
+
+def test_a_partial_match_reuses_up_to_where_the_texts_differ():
+    m = _manager()
+    _put(m, "a", Parked(TAG, "0123456789"))
+    plan = m.plan("a", TAG, "012345678X and more", share=False)
+    assert (plan.match, plan.reuse_tokens, plan.reuse_chars) == ("partial", 9, 9)
+
+
+SYSTEM = "s" * (2 * BLOCK_TOKENS + 40)
+
+
+def test_another_agents_cache_gives_its_whole_blocks_when_own_cache_has_nothing():
+    m = _manager()
+    donor = Parked(TAG, SYSTEM + "user: donor's question")
+    _put(m, "donor", donor)
+    plan = m.plan("new", TAG, SYSTEM + "user: my question", share=True)
+    assert plan.tier == "shared" and isinstance(plan.source, FromShared)
+    assert plan.source.donor == "donor" and plan.source.keep_tokens == 2 * BLOCK_TOKENS
+    assert (plan.match, plan.reuse_tokens, plan.reuse_chars) == ("extend", 2 * BLOCK_TOKENS, 2 * BLOCK_TOKENS)
+    assert m.stats().prefix_hits == 1
+
+
+@pytest.mark.parametrize(("requester_shares", "donor_shares"), [(False, True), (True, False)])
+def test_prefix_sharing_is_opt_out_both_ways(requester_shares, donor_shares):
+    m = _manager()
+    _put(m, "donor", Parked(TAG, SYSTEM + "donor"), share=donor_shares)
+    assert m.plan("new", TAG, SYSTEM + "mine", share=requester_shares).tier == "cold"
+
+
+def test_a_prompt_that_ends_on_a_block_boundary_keeps_one_token_to_prefill():
+    m = _manager()
+    _put(m, "donor", Parked(TAG, SYSTEM))
+    plan = m.plan("new", TAG, SYSTEM[: 2 * BLOCK_TOKENS], share=True)
+    assert plan.reuse_tokens == BLOCK_TOKENS  # the second block would leave nothing to prefill
+
+
+def test_a_turn_in_flight_donates_its_prompt_blocks_to_a_turn_that_has_not_started():
+    m = _manager()
+    first = [ord(c) for c in SYSTEM + "first"]
+    second = [ord(c) for c in SYSTEM + "second"]
+    m.begin(1, agent_id="a", model_tag=TAG, token_ids=first, reused=0, share=True)
+    m.begin(2, agent_id="b", model_tag=TAG, token_ids=second, reused=0, share=True)
+    assert m.adopt(1) is None  # nobody has parked anything yet; request 1 starts prefill
+    assert m.wants_donor(1) and not m.wants_donor(2)  # 2 has not prefilled: it cannot donate
+    m.add_donor(1, Parked(TAG, SYSTEM + "first"))
+    adopted = m.adopt(2)
+    assert adopted is not None and adopted.donor == "a" and adopted.keep_tokens == 2 * BLOCK_TOKENS
+    assert m.adopt(2) is None  # only before the first chunk
+    assert not m.wants_donor(1)  # 2 has it now
+    # A new sharing turn of a third agent plans from the donor while it runs...
+    plan = m.plan("c", TAG, SYSTEM + "third", share=True)
+    assert plan.tier == "shared" and plan.source.donor == "a"
+    # ... and not after it ended.
+    m.end(1)
+    m.end(2)
+    assert m.plan("c", TAG, SYSTEM + "third", share=True).tier == "cold"
+
+
+def test_a_turn_that_does_not_share_neither_adopts_nor_is_wanted_as_donor():
+    m = _manager()
+    ids = [ord(c) for c in SYSTEM + "x"]
+    m.begin(1, agent_id="a", model_tag=TAG, token_ids=ids, reused=0, share=True)
+    m.begin(2, agent_id="b", model_tag=TAG, token_ids=ids, reused=0, share=False)
+    assert not m.wants_donor(1)
+    m.add_donor(1, Parked(TAG, SYSTEM + "x"))
+    assert m.adopt(2) is None
+
+
+def test_over_budget_caches_drop_the_least_recently_used_saved_ones():
+    block = BLOCK_TOKENS * 4
+    m = _manager(budget=2 * block)  # two blocks
+    a, b, c = (Parked(TAG, ch * 100) for ch in "abc")
+    assert _put(m, "a", a, block_bytes=block) == []
+    assert _put(m, "b", b, block_bytes=block) == []
+    # c does not fit; a and b are not on disk yet: c stays over budget.
+    assert _put(m, "c", c, block_bytes=block) == []
+    assert m.stats().over_budget == 1
+    assert not m.saved("a", Parked(TAG, "a" * 100))  # another object: a newer cache replaced it, or not this one
+    assert m.saved("a", a) is False and m.saved("b", b) is False  # on disk, still accounted
+    # c's save completes: it never fit, so it leaves RAM.
+    assert m.saved("c", c) is True
+    assert m.get("c", TAG) is None and m.stats().demotions == 1
+    # Touch a (a plan), then a new cache demotes b, the least recently used saved one.
+    m.plan("a", TAG, "a" * 100 + "!", share=False)
+    demoted = _put(m, "d", Parked(TAG, "d" * 100), block_bytes=block)
+    assert [e.agent_id for e in demoted] == ["b"]
+    assert [e.agent_id for e in m.entries()] == ["a", "d"]
+
+
+def test_forget_and_a_model_swap_drop_hot_caches():
+    m = _manager()
+    _put(m, "a", Parked(TAG, "x" * 10))
+    _put(m, "a", Parked(OTHER_TAG, "y" * 10))
+    _put(m, "b", Parked(TAG, "z" * 10))
+    assert m.forget("a") == 2 and m.needs_disk("a", TAG) and m.needs_disk("a", OTHER_TAG)
+    m.drop_model(TAG)
+    assert m.entries() == [] and TAG not in m.stats().pools
