@@ -160,7 +160,7 @@ class AgentActor:
                 assert_never(message)
 
     async def _turn(self, turn: Turn) -> TurnReply:
-        grant: AcquireReply = await ask(self._registry, lambda r: Acquire(model=turn.model, reply=r))
+        grant: AcquireReply = await ask(self._registry, lambda r: Acquire(model=turn.turn.model, reply=r))
         if isinstance(grant, Failed):
             return grant
         try:
@@ -173,18 +173,19 @@ class AgentActor:
                     pass
 
     async def _run_turn(self, turn: Turn, info: ModelInfo) -> TurnReply:
-        prompt = turn.prompt
+        request = turn.turn
+        prompt = request.prompt
         if prompt is None:
-            messages = turn.messages or []
             rendered: RenderReply = await ask(
-                self._gpu, lambda r: Render(model_tag=info.tag, messages=messages, tools=turn.tools, reply=r)
+                self._gpu,
+                lambda r: Render(model_tag=info.tag, messages=request.chat(), tools=request.tool_list(), reply=r),
             )
             if isinstance(rendered, Failed):
                 return rendered
             prompt = rendered.prompt
         planned: PlanReply = await ask(
             self._store,
-            lambda r: PlanTurn(agent_id=self.agent_id, model_tag=info.tag, prompt=prompt, share=turn.share_prefix,
+            lambda r: PlanTurn(agent_id=self.agent_id, model_tag=info.tag, prompt=prompt, share=request.share_prefix,
                                reply=r),
         )
         if isinstance(planned, Failed):
@@ -197,12 +198,12 @@ class AgentActor:
                 model_tag=info.tag,
                 prompt=prompt,
                 plan=planned.plan,
-                sampling=turn.sampling,
+                sampling=request.sampling,
                 submitted_at=turn.submitted_at,
                 deltas=turn.deltas,
                 client=turn.reply,
                 reply=r,
-                share_prefix=turn.share_prefix,
+                share_prefix=request.share_prefix,
             ),
         )
         if isinstance(generated, Failed):
@@ -214,7 +215,7 @@ class AgentActor:
                     parked=generated.parked,
                     snapshot=generated.snapshot,
                     block_bytes=info.block_bytes,
-                    share_prefix=turn.share_prefix,
+                    share_prefix=request.share_prefix,
                 )
             )
             parked = generated.parked

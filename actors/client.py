@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypedDict
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 import trio
 
 from actors.messages_agent import (
     AgentInbox,
+    ChatTurn,
     ForgetAgent,
     ForgetReply,
     Turn,
@@ -21,7 +25,6 @@ from actors.messages_agent import (
     TurnResult,
 )
 from actors.messages_common import Failed
-from actors.messages_gpu import SamplingOptions
 from runtime.errors import (
     BudgetExceededError,
     InvalidAgentIdError,
@@ -30,7 +33,7 @@ from runtime.errors import (
     UnsupportedModelError,
 )
 
-__all__ = ["AgentHandle", "TurnStream", "TurnFailedError", "raise_failed"]
+__all__ = ["AgentHandle", "TurnOptions", "TurnStream", "TurnFailedError", "raise_failed"]
 
 TurnBuilder = Callable[[trio.MemorySendChannel[str] | None, trio.MemorySendChannel[TurnReply]], Turn]
 
@@ -38,9 +41,9 @@ TurnBuilder = Callable[[trio.MemorySendChannel[str] | None, trio.MemorySendChann
 class Dispatcher(Protocol):
     """What a handle needs from the runtime."""
 
-    def _new_request_id(self) -> int: ...
+    def new_request_id(self) -> int: ...
 
-    async def _deliver(self, agent_id: str, message: AgentInbox) -> None: ...
+    async def deliver(self, agent_id: str, message: AgentInbox) -> None: ...
 
 
 class TurnFailedError(KvmemError):
@@ -66,36 +69,6 @@ def raise_failed(failed: Failed) -> NoReturn:
     if cls is not None:
         raise cls(failed.error)
     raise TurnFailedError(failed.kind, failed.error)
-
-
-def _sampling(max_tokens: int, temperature: float, top_p: float, top_k: int, stop: Sequence[str]) -> SamplingOptions:
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, not {max_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, not {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], not {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, not {top_k}")
-    if isinstance(stop, str):
-        stop = (stop,)
-    return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=tuple(stop))
-
-
-def _chat(messages: Sequence[Mapping[str, Any]], system: str | None) -> list[dict[str, Any]]:
-    out = [dict(m) for m in messages]
-    for m in out:
-        if not isinstance(m.get("role"), str) or "content" not in m:
-            raise ValueError("every message needs a 'role' and a 'content'")
-    if system is not None and (not out or out[0]["role"] != "system"):
-        out.insert(0, {"role": "system", "content": system})
-    if not out:
-        raise ValueError("no messages")
-    return out
-
-
-def _tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
-    return [dict(t) for t in tools] if tools else None
 
 
 class TurnStream:
@@ -131,7 +104,7 @@ class TurnStream:
         deltas_send, self._deltas = trio.open_memory_channel[str](64)
         reply_send, self._reply = trio.open_memory_channel[TurnReply](1)
         try:
-            await self._runtime._deliver(self._agent_id, self._build(deltas_send, reply_send))
+            await self._runtime.deliver(self._agent_id, self._build(deltas_send, reply_send))
         except BaseException:
             await self.aclose()
             raise
@@ -169,13 +142,50 @@ class TurnStream:
                 channel.close()
 
 
+class TurnOptions(TypedDict, total=False):
+    """The keyword arguments every ``AgentHandle`` turn method takes (see :meth:`ChatTurn.of`).
+
+    Attributes:
+        max_tokens: new tokens at most (256).
+        temperature: 0 is greedy (the default); top_p, top_k: mlx-lm's sampler.
+        stop: a string or strings that end the reply (not part of it).
+        system: a system prompt put first unless the messages begin with one.
+        model: a configured model name (None: the runtime's default); another
+            model than the loaded one makes the runtime swap.
+        tools: tool definitions (OpenAI ``{"type": "function", "function": ...}``
+            dicts) rendered by the model's chat template; messages may then
+            carry ``tool_calls`` (assistant) and ``role: "tool"`` results. A
+            template without tool support fails the turn with ``ValueError``.
+    """
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: str | Sequence[str]
+    system: str | None
+    model: str | None
+    tools: Sequence[Mapping[str, Any]] | None
+
+
 class AgentHandle:
     """A client's view of one agent; cheap to create, safe to share between tasks.
+
+    Every turn is a :class:`actors.messages_agent.ChatTurn`: :meth:`run` and
+    :meth:`open_stream` take one (the HTTP gateway builds them), and
+    :meth:`send` / :meth:`stream` (chat messages) and :meth:`send_prompt` /
+    :meth:`stream_prompt` (raw prompt text) build one from :class:`TurnOptions`.
 
     Args:
         share_prefix: start this agent from another agent's cached prefix when
             its own cache has nothing reusable, and let other agents start from
             this agent's cache (False opts out both ways).
+
+    Raises (from every turn method):
+        BudgetExceededError: the turn cannot fit the KV budget even alone.
+        ModelError: the model cannot be loaded.
+        ValueError: bad arguments, an unconfigured model, or tools the template cannot render.
+        TurnFailedError: anything else that went wrong.
     """
 
     def __init__(self, runtime: Dispatcher, agent_id: str, *, share_prefix: bool = True) -> None:
@@ -183,143 +193,61 @@ class AgentHandle:
         self.agent_id = agent_id
         self.share_prefix = share_prefix
 
-    def _builder(
-        self,
-        *,
-        messages: list[dict[str, Any]] | None,
-        prompt: str | None,
-        model: str | None,
-        sampling: SamplingOptions,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> TurnBuilder:
-        request_id = self._runtime._new_request_id()
+    def turn(
+        self, *, messages: Sequence[Mapping[str, Any]] | None = None, prompt: str | None = None,
+        **options: Unpack[TurnOptions],
+    ) -> ChatTurn:
+        """This agent's :class:`ChatTurn` for chat ``messages`` or a raw ``prompt``."""
+        return ChatTurn.of(self.agent_id, messages=messages, prompt=prompt, share_prefix=self.share_prefix, **options)
+
+    def _builder(self, turn: ChatTurn) -> TurnBuilder:
+        if turn.agent_id != self.agent_id:
+            raise ValueError(f"a turn of agent {turn.agent_id!r} sent to agent {self.agent_id!r}")
+        request_id = self._runtime.new_request_id()
         submitted_at = time.perf_counter()
 
         def build(deltas: trio.MemorySendChannel[str] | None, reply: trio.MemorySendChannel[TurnReply]) -> Turn:
-            return Turn(
-                request_id=request_id,
-                messages=messages,
-                prompt=prompt,
-                model=model,
-                sampling=sampling,
-                share_prefix=self.share_prefix,
-                submitted_at=submitted_at,
-                deltas=deltas,
-                reply=reply,
-                tools=tools,
-            )
+            return Turn(request_id=request_id, turn=turn, submitted_at=submitted_at, deltas=deltas, reply=reply)
 
         return build
 
-    async def _send(self, build: TurnBuilder) -> TurnResult:
+    async def run(self, turn: ChatTurn) -> TurnResult:
+        """Run ``turn`` and wait for the reply."""
+        build = self._builder(turn)
         reply_send, reply_receive = trio.open_memory_channel[TurnReply](1)
         async with reply_receive:
-            await self._runtime._deliver(self.agent_id, build(None, reply_send))
+            await self._runtime.deliver(self.agent_id, build(None, reply_send))
             reply = await reply_receive.receive()
         if isinstance(reply, Failed):
             raise_failed(reply)
         return reply.result
 
-    async def send(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] = (),
-        system: str | None = None,
-        model: str | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> TurnResult:
-        """Send the whole conversation (chat messages) and wait for the reply.
+    def open_stream(self, turn: ChatTurn) -> TurnStream:
+        """Run ``turn``, yielding text deltas (see :class:`TurnStream`)."""
+        return TurnStream(self._runtime, self.agent_id, self._builder(turn))
 
-        Args:
-            messages: ``{"role", "content"}`` dicts, rendered with the model's template.
-            system: a system prompt put first unless the messages begin with one.
-            model: a configured model name (None: the runtime's default); another
-                model than the loaded one makes the runtime swap.
-            tools: tool definitions (OpenAI ``{"type": "function", "function": ...}``
-                dicts) rendered by the model's chat template; messages may then
-                carry ``tool_calls`` (assistant) and ``role: "tool"`` results.
-                A template without tool support fails the turn with ``ValueError``.
+    async def send(self, messages: Sequence[Mapping[str, Any]], **options: Unpack[TurnOptions]) -> TurnResult:
+        """Send the whole conversation (``{"role", "content"}`` dicts) and wait for the reply."""
+        return await self.run(self.turn(messages=messages, **options))
 
-        Raises:
-            BudgetExceededError: the turn cannot fit the KV budget even alone.
-            ModelError: the model cannot be loaded.
-            ValueError: bad arguments or an unconfigured model.
-            TurnFailedError: anything else that went wrong.
-        """
-        sampling = _sampling(max_tokens, temperature, top_p, top_k, stop)
-        build = self._builder(
-            messages=_chat(messages, system), prompt=None, model=model, sampling=sampling, tools=_tools(tools)
-        )
-        return await self._send(build)
-
-    async def send_prompt(
-        self,
-        prompt: str,
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] = (),
-        model: str | None = None,
-    ) -> TurnResult:
+    async def send_prompt(self, prompt: str, **options: Unpack[TurnOptions]) -> TurnResult:
         """Like :meth:`send` with raw prompt text (benchmarks, scenarios)."""
-        if not prompt:
-            raise ValueError("empty prompt")
-        sampling = _sampling(max_tokens, temperature, top_p, top_k, stop)
-        return await self._send(self._builder(messages=None, prompt=prompt, model=model, sampling=sampling))
+        return await self.run(self.turn(prompt=prompt, **options))
 
-    def stream(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] = (),
-        system: str | None = None,
-        model: str | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> TurnStream:
+    def stream(self, messages: Sequence[Mapping[str, Any]], **options: Unpack[TurnOptions]) -> TurnStream:
         """Like :meth:`send`, yielding text deltas (see :class:`TurnStream`)."""
-        sampling = _sampling(max_tokens, temperature, top_p, top_k, stop)
-        build = self._builder(
-            messages=_chat(messages, system), prompt=None, model=model, sampling=sampling, tools=_tools(tools)
-        )
-        return TurnStream(self._runtime, self.agent_id, build)
+        return self.open_stream(self.turn(messages=messages, **options))
 
-    def stream_prompt(
-        self,
-        prompt: str,
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] = (),
-        model: str | None = None,
-    ) -> TurnStream:
+    def stream_prompt(self, prompt: str, **options: Unpack[TurnOptions]) -> TurnStream:
         """Like :meth:`stream` with raw prompt text."""
-        if not prompt:
-            raise ValueError("empty prompt")
-        sampling = _sampling(max_tokens, temperature, top_p, top_k, stop)
-        build = self._builder(messages=None, prompt=prompt, model=model, sampling=sampling)
-        return TurnStream(self._runtime, self.agent_id, build)
+        return self.open_stream(self.turn(prompt=prompt, **options))
 
     async def forget(self) -> bool:
         """Delete the agent's cache (hot and on disk); True if there was one."""
         reply_send, reply_receive = trio.open_memory_channel[ForgetReply](1)
         async with reply_receive:
-            await self._runtime._deliver(self.agent_id, ForgetAgent(reply=reply_send))
+            await self._runtime.deliver(self.agent_id, ForgetAgent(reply=reply_send))
             reply = await reply_receive.receive()
         if isinstance(reply, Failed):
             raise_failed(reply)
         return reply.existed
-
-

@@ -1,16 +1,21 @@
-"""An agent's mailbox (:data:`AgentInbox`) and the public result of a turn.
+"""An agent's mailbox (:data:`AgentInbox`), the turn a client asks for, and the turn's result.
 
 Requests and their replies::
 
-    Turn(messages | prompt, sampling, ...)  -> TurnDone(result) | Failed   (+ text deltas on ``deltas``)
-    ForgetAgent()                           -> Forgot(existed)  | Failed
+    Turn(ChatTurn, ...)  -> TurnDone(result) | Failed   (+ text deltas on ``deltas``)
+    ForgetAgent()        -> Forgot(existed)  | Failed
 
-:class:`TurnResult` and :class:`TurnUsage` are what ``AgentHandle.send``
-returns; they encode to JSON with ``msgspec.json.encode`` unchanged.
+:class:`ChatTurn` is the one typed contract between clients (the HTTP gateway,
+the CLI, orchestration code through ``AgentHandle``) and the actors: the
+conversation or a raw prompt, sampling, tools, model and agent, checked once
+when it is built. :class:`TurnResult` and :class:`TurnUsage` are what
+``AgentHandle.send`` returns; they encode to JSON with ``msgspec.json.encode``
+unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -20,6 +25,9 @@ from actors.messages_common import Failed, Message
 from actors.messages_gpu import SamplingOptions, Tier
 
 __all__ = [
+    "ChatMessage",
+    "ChatTurn",
+    "chat_messages",
     "TurnUsage",
     "TurnResult",
     "Turn",
@@ -86,30 +94,127 @@ TurnReply = TurnDone | Failed
 ForgetReply = Forgot | Failed
 
 
-class Turn(Message, frozen=True, kw_only=True):
-    """One turn of the conversation: ``messages`` (rendered with the model's template) or a raw ``prompt``.
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One chat message as the model's template takes it.
+
+    ``tool_calls`` (an assistant's, OpenAI's shape) and ``tool_call_id`` (a
+    ``tool`` result's) are rendered by templates that support tools.
+    """
+
+    role: str
+    content: str
+    tool_calls: tuple[dict[str, Any], ...] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
+    """One turn as a client asks for it; checked when built (a bad value raises ``ValueError``).
 
     Attributes:
+        agent_id: whose turn it is (checked by ``Runtime.agent``, which hands out handles).
+        messages: the whole conversation, rendered with the model's template; or
+        prompt: raw prompt text instead (exactly one of the two).
+        tools: tool definitions (OpenAI ``{"type": "function", "function": ...}``),
+            rendered by the template (``messages`` only).
         model: a configured model name (None: the runtime's default).
-        share_prefix: start from another agent's cached prefix, and let others
-            start from this agent's cache.
+        sampling: length, randomness and stop strings.
+        share_prefix: start from another agent's cached prefix when this agent's
+            cache has nothing reusable, and let others start from this one's.
+    """
+
+    agent_id: str
+    messages: tuple[ChatMessage, ...] = ()
+    prompt: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    model: str | None = None
+    sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    share_prefix: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prompt is None and not self.messages:
+            raise ValueError("no messages")
+        if self.prompt is not None and self.messages:
+            raise ValueError("give messages or a prompt, not both")
+        if self.prompt == "":
+            raise ValueError("empty prompt")
+        if self.prompt is not None and self.tools:
+            raise ValueError("tools need messages, not a raw prompt")
+
+    @classmethod
+    def of(
+        cls,
+        agent_id: str,
+        *,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        prompt: str | None = None,
+        system: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        model: str | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: str | Sequence[str] = (),
+        share_prefix: bool = True,
+    ) -> ChatTurn:
+        """Build a turn from plain values: chat dicts (``role``, ``content``, ...) or a prompt.
+
+        ``system`` is put first unless the messages begin with a system message.
+        """
+        chat = chat_messages(messages or (), system if prompt is None else None)
+        sampling = SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                   stop=(stop,) if isinstance(stop, str) else tuple(stop))
+        return cls(agent_id=agent_id, messages=chat, prompt=prompt,
+                   tools=tuple(dict(t) for t in tools or ()), model=model, sampling=sampling,
+                   share_prefix=share_prefix)
+
+    def chat(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (plain dicts)."""
+        return [msgspec.to_builtins(m) for m in self.messages]
+
+    def tool_list(self) -> list[dict[str, Any]] | None:
+        """The tool definitions for the template (None: no tools)."""
+        return [dict(t) for t in self.tools] or None
+
+
+def chat_messages(
+    messages: Sequence[Mapping[str, Any] | ChatMessage], system: str | None = None
+) -> tuple[ChatMessage, ...]:
+    """Chat dicts (``role``, ``content``, ...) as messages; ``system`` first unless they begin with one."""
+    chat = [_chat_message(m) for m in messages]
+    if system is not None and (not chat or chat[0].role != "system"):
+        chat.insert(0, ChatMessage(role="system", content=system))
+    return tuple(chat)
+
+
+def _chat_message(m: Mapping[str, Any] | ChatMessage) -> ChatMessage:
+    if isinstance(m, ChatMessage):
+        return m
+    if not isinstance(m.get("role"), str) or "content" not in m:
+        raise ValueError("every message needs a 'role' and a 'content'")
+    try:
+        return msgspec.convert(dict(m), ChatMessage)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad message: {exc}") from None
+
+
+class Turn(Message, frozen=True, kw_only=True):
+    """Run ``turn`` for this agent.
+
+    Attributes:
+        request_id: the runtime's id for this request.
         submitted_at: ``time.perf_counter()`` at submission (queue wait, TTFT).
-        tools: tool definitions rendered by the model's chat template (``messages`` only).
         deltas: streamed text (None: not streaming); the agent closes it when
             the generation is over, then answers on ``reply``.
         reply: the one-shot reply. Closing its receive end cancels the turn.
     """
 
     request_id: int
-    messages: list[dict[str, Any]] | None
-    prompt: str | None
-    model: str | None
-    sampling: SamplingOptions
-    share_prefix: bool
+    turn: ChatTurn
     submitted_at: float
     deltas: trio.MemorySendChannel[str] | None
     reply: trio.MemorySendChannel[TurnReply]
-    tools: list[dict[str, Any]] | None = None
 
 
 class ForgetAgent(Message, frozen=True, kw_only=True):

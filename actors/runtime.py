@@ -57,10 +57,10 @@ import trio
 
 from actors.agent import AgentActor
 from actors.cache_store import CacheStoreActor, StoreStats
-from actors.client import AgentHandle, TurnFailedError, TurnStream, _chat, _tools, raise_failed
+from actors.client import AgentHandle, TurnFailedError, TurnStream, raise_failed
 from actors.gpu import GPUActor, GpuEvent, GpuStats
 from actors.mailbox import ask
-from actors.messages_agent import AgentInbox
+from actors.messages_agent import AgentInbox, chat_messages
 from actors.messages_common import Failed
 from actors.messages_gpu import GpuInbox, Render, RenderReply
 from actors.messages_store import AgentRecord, Flush, FlushReply, ListAgents, ListReply, StoreInbox
@@ -182,7 +182,9 @@ class Runtime:
             ValueError: bad messages, an unconfigured model, or tools the template cannot render.
             ModelError: the model cannot be loaded.
         """
-        chat = _chat(messages, system)
+        chat = [msgspec.to_builtins(m) for m in chat_messages(messages, system)]
+        if not chat:
+            raise ValueError("no messages")
         if self._closed:
             raise TurnFailedError("Closed", "the runtime is closed")
         grant: AcquireReply = await ask(self._registry_mailbox, lambda r: Acquire(model=model, reply=r))
@@ -192,7 +194,8 @@ class Runtime:
             rendered: RenderReply = await ask(
                 self._gpu_mailbox,
                 lambda r: Render(
-                    model_tag=grant.info.tag, messages=chat, tools=_tools(tools), count_tokens=True, reply=r
+                    model_tag=grant.info.tag, messages=chat, tools=[dict(t) for t in tools or ()] or None,
+                    count_tokens=True, reply=r,
                 ),
             )
         finally:
@@ -205,9 +208,10 @@ class Runtime:
             raise_failed(rendered)
         return rendered.num_tokens or 0
 
-    # -- internals used by handles -----------------------------------------------
+    # -- what handles call ----------------------------------------------------------
 
-    def _new_request_id(self) -> int:
+    def new_request_id(self) -> int:
+        """A fresh request id (handles number their turns with it)."""
         return next(self._request_ids)
 
     async def wait_idle(self) -> None:
@@ -220,7 +224,8 @@ class Runtime:
         while self._busy:
             await self._idle.wait()
 
-    async def _deliver(self, agent_id: str, message: AgentInbox) -> None:
+    async def deliver(self, agent_id: str, message: AgentInbox) -> None:
+        """Hand ``message`` to the agent's actor, starting it if needed (what handles send through)."""
         # No checkpoint between looking the mailbox up and sending (see _retire).
         mailbox = self._mailbox(agent_id)
         self._busy += 1

@@ -20,8 +20,8 @@ finish reason, and ``usage`` with ``tokens_reused`` / ``tokens_prefilled`` /
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -61,19 +61,10 @@ def _info(agent_id: str, record: AgentRecord | None, live: bool) -> AgentInfo:
                      updated_at=record.updated_at, live=live)
 
 
-def _turn_options(gw: Gateway, req: AgentTurnRequest) -> dict[str, Any]:
+def _max_tokens(gw: Gateway, req: AgentTurnRequest) -> int:
     if req.max_tokens is None:
-        max_tokens = min(gw.config.default_max_tokens, gw.config.max_tokens_limit)
-    else:
-        max_tokens = gw.check_max_tokens(req.max_tokens, param="max_tokens")
-    return {
-        "max_tokens": max_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "stop": tuple(req.stop),
-        "model": gw.model_for(req.model),
-    }
+        return min(gw.config.default_max_tokens, gw.config.max_tokens_limit)
+    return gw.check_max_tokens(req.max_tokens, param="max_tokens")
 
 
 def routes(gw: Gateway) -> list[Route]:
@@ -118,40 +109,35 @@ def routes(gw: Gateway) -> list[Route]:
         if req.prompt is not None and (req.tools or req.system is not None):
             raise ApiError(400, "invalid_request", "'system' and 'tools' need 'messages', not 'prompt'",
                            param="prompt")
-        options = _turn_options(gw, req)
+        max_tokens = _max_tokens(gw, req)
         with runtime_errors():
             handle = gw.rt.agent(agent_id, share_prefix=req.share_prefix)
-        messages = [
-            {k: v for k, v in (("role", m.role), ("content", m.content), ("tool_calls", m.tool_calls),
-                               ("tool_call_id", m.tool_call_id)) if v is not None}
-            for m in req.messages or ()
-        ]
-
-        def start_stream() -> Any:
-            if req.prompt is not None:
-                return handle.stream_prompt(req.prompt, **options)
-            return handle.stream(messages, system=req.system, tools=req.tools, **options)
-
+            turn = handle.turn(
+                messages=[msgspec.structs.asdict(m) for m in req.messages] if req.messages is not None else None,
+                prompt=req.prompt,
+                system=req.system,
+                tools=req.tools,
+                model=gw.model_for(req.model),
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                stop=tuple(req.stop),
+            )
         if not req.stream:
             with runtime_errors():
-                if req.prompt is not None:
-                    prompt = req.prompt
-                    result = await gw.unless_client_leaves(request, lambda: handle.send_prompt(prompt, **options))
-                else:
-                    result = await gw.unless_client_leaves(
-                        request, lambda: handle.send(messages, system=req.system, tools=req.tools, **options)
-                    )
+                result = await gw.unless_client_leaves(request, lambda: handle.run(turn))
             if result is None:
                 return Response(status_code=CLIENT_GONE)
             return gw.json(result, headers=kvmem_headers(result))
-        if req.tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+        if turn.tools or any(m.role == "tool" or m.tool_calls for m in turn.messages):
             with runtime_errors():  # a template without tool support: a 400 now, not an error event later
-                await gw.rt.count_tokens(messages, system=req.system, tools=req.tools, model=options["model"])
+                await gw.rt.count_tokens(turn.chat(), tools=turn.tools, model=turn.model)
         rid = request_id(request)
 
         async def produce(emit: Emit) -> None:
             try:
-                async with start_stream() as stream:
+                async with handle.open_stream(turn) as stream:
                     async for delta in stream:
                         await emit(sse("delta", TurnDelta(text=delta)))
             except Exception as exc:  # noqa: BLE001 - the stream has started: report it in the stream

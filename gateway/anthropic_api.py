@@ -175,19 +175,20 @@ def routes(gw: Gateway) -> list[Route]:
         )
         with runtime_errors():
             handle = gw.rt.agent(agent_id)
-        options: dict[str, Any] = {
-            "max_tokens": req.max_tokens,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
-            "top_k": req.top_k or 0,
-            "stop": tuple(req.stop_sequences or ()),
-            "system": system,
-            "model": model,
-            "tools": tools,
-        }
+            turn = handle.turn(
+                messages=chat,
+                system=system,
+                tools=tools,
+                model=model,
+                max_tokens=req.max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
+                stop=tuple(req.stop_sequences or ()),
+            )
         if not req.stream:
             with runtime_errors():
-                result = await gw.unless_client_leaves(request, lambda: handle.send(chat, **options))
+                result = await gw.unless_client_leaves(request, lambda: handle.run(turn))
             if result is None:
                 return Response(status_code=CLIENT_GONE)
             body = MessageResponse(
@@ -212,7 +213,7 @@ def routes(gw: Gateway) -> list[Route]:
                                                    "content_block": {"type": "text", "text": ""}}))
             await emit(sse("ping", {"type": "ping"}))
             try:
-                async with handle.stream(chat, **options) as stream:
+                async with handle.open_stream(turn) as stream:
                     async for delta in stream:
                         await emit(sse("content_block_delta", {"type": "content_block_delta", "index": 0,
                                                                "delta": {"type": "text_delta", "text": delta}}))

@@ -150,21 +150,21 @@ def routes(gw: Gateway) -> list[Route]:
                                     messages=chat)
         with runtime_errors():
             handle = gw.rt.agent(agent_id)
-        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        options: dict[str, Any] = {
-            "max_tokens": max_tokens,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
-            "top_k": req.top_k or 0,
-            "stop": stop,
-            "model": model,
-            "tools": tools,
-        }
+            turn = handle.turn(
+                messages=chat,
+                tools=tools,
+                model=model,
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
+                stop=req.stop or (),
+            )
         completion_id = "chatcmpl-" + secrets.token_hex(12)
         created = int(time.time())
         if not req.stream:
             with runtime_errors():
-                result = await gw.unless_client_leaves(request, lambda: handle.send(chat, **options))
+                result = await gw.unless_client_leaves(request, lambda: handle.run(turn))
             if result is None:
                 return Response(status_code=CLIENT_GONE)
             body = {
@@ -199,7 +199,7 @@ def routes(gw: Gateway) -> list[Route]:
         async def produce(emit: Emit) -> None:
             await emit(chunk(choice({"role": "assistant", "content": ""})))
             try:
-                async with handle.stream(chat, **options) as stream:
+                async with handle.open_stream(turn) as stream:
                     async for delta in stream:
                         await emit(chunk(choice({"content": delta})))
             except Exception as exc:  # noqa: BLE001 - the stream has started: report it in the stream

@@ -66,13 +66,30 @@ class HotCache(Protocol):
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """Sampling parameters as they travel to the engine (see ``runtime.sampling``)."""
+    """Sampling parameters as they travel to the engine (see ``runtime.sampling``); checked on construction.
+
+    ``temperature == 0`` is greedy; ``top_p`` / ``top_k`` follow mlx-lm's sampler;
+    ``stop`` strings end the reply (they are not part of it).
+
+    Raises:
+        ValueError: a value out of range (the message names it).
+    """
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, not {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, not {self.top_k}")
 
 
 # -- where a turn's cache comes from ----------------------------------------------
