@@ -68,8 +68,7 @@ from actors.messages_store import AgentRecord, Flush, FlushReply, ListAgents, Li
 from actors.metrics import MetricsSnapshot, RuntimeMetrics
 from actors.registry import Acquire, AcquireReply, ModelRegistry, RegistryInbox, RegistryStats, Release
 from runtime.home import KvmemHome
-from runtime.persist import CacheDirectory
-from runtime.persist_names import safe_agent_dirname
+from runtime.persist import CacheDirectory, safe_agent_dirname
 
 _MAILBOX_SIZE = 16
 
