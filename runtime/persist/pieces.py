@@ -118,12 +118,16 @@ def write_pieces(
     paths: CachePaths,
     agent_dir: Path,
     snapshot: CacheSnapshot,
+    *,
     chain: list[str],
     ranges: Sequence[PieceRange],
     tally: WriteTally,
     batch: AtomicBatch,
 ) -> list[Piece]:
-    """Store tokens ``ranges`` of ``snapshot`` as blocks and segments in ``batch``; return the pieces in order."""
+    """Store tokens ``ranges`` of ``snapshot`` as blocks and segments in ``batch``; return the pieces in order.
+
+    ``chain`` holds the snapshot's block hashes; ``tally`` counts what is written.
+    """
     sources = blocked_sources(snapshot.layers)
     layouts = {name: (array.dtype, array.shape) for name, array in sources.items()}
     pieces: list[Piece] = []
@@ -131,18 +135,26 @@ def write_pieces(
         start, tokens = run[0].start, run[0].end - run[0].start
         layout = piece_layout(layouts, tokens)
         if run[0].kind is PieceKind.BLOCK:
-            hashes = [chain[r.start // BLOCK_TOKENS] for r in run]
-            infos = [block_info(model_tag=snapshot.model_tag, block_hash=h) for h in hashes]
+            infos = [
+                block_info(model_tag=snapshot.model_tag, block_hash=chain[r.start // BLOCK_TOKENS])
+                for r in run
+            ]
         else:
             infos = [segment_info(model_tag=snapshot.model_tag, start=start, end=run[0].end)]
         files = encode_run(
             sources, layout, start=start, count=len(run), tokens=tokens, info=infos.__getitem__
         )
-        for piece_range, info, file in zip(run, infos, files, strict=True):
+        for piece_range, file in zip(run, files, strict=True):
+            piece: Piece
             if piece_range.kind is PieceKind.BLOCK:
                 piece, written = _store_block(
-                    paths, file, layout, model_tag=snapshot.model_tag, block_hash=info["block_hash"],
-                    start=piece_range.start, batch=batch,
+                    paths,
+                    file,
+                    layout,
+                    model_tag=snapshot.model_tag,
+                    block_hash=chain[piece_range.start // BLOCK_TOKENS],
+                    start=piece_range.start,
+                    batch=batch,
                 )
             else:
                 piece, written = _store_segment(agent_dir, file, piece_range, batch)
@@ -151,7 +163,7 @@ def write_pieces(
     return pieces
 
 
-def write_state(agent_dir: Path, data: bytes, tally: WriteTally, batch: AtomicBatch) -> StateRef:
+def write_state(agent_dir: Path, data: bytes, *, tally: WriteTally, batch: AtomicBatch) -> StateRef:
     """Store the state file ``data`` in ``batch`` (unless already there); return its ref."""
     sha = header_sha256(data)
     state = StateRef(name=state_name(sha), sha256=sha, size=len(data))

@@ -117,9 +117,11 @@ def save_cache(paths: CachePaths, agent_id: str, snapshot: CacheSnapshot) -> Sav
     wanted += plan.write
     with AtomicBatch(fsync=paths.fsync) as batch:
         ranges = [item for item in wanted if isinstance(item, PieceRange)]
-        written = iter(write_pieces(paths, agent_dir, snapshot, chain, ranges, tally, batch))
+        written = iter(
+            write_pieces(paths, agent_dir, snapshot, chain=chain, ranges=ranges, tally=tally, batch=batch)
+        )
         pieces = [next(written) if isinstance(item, PieceRange) else item for item in wanted]
-        state = write_state(agent_dir, state_data, tally, batch)
+        state = write_state(agent_dir, state_data, tally=tally, batch=batch)
         batch.commit()
 
     now = time.time()
