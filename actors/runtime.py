@@ -69,8 +69,7 @@ from actors.registry import Acquire, AcquireReply, ModelRegistry, RegistryInbox,
 from runtime.engine import Engine
 from runtime.home import KvmemHome
 from runtime.kv_manager import KVCacheManager
-from runtime.persist import CacheDirectory
-from runtime.persist_names import safe_agent_dirname
+from runtime.persist import CacheDirectory, safe_agent_dirname
 
 _MAILBOX_SIZE = 16
 

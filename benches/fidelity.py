@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import QuantizedKVCache
 
+    from runtime.kvformat import KVFormat
     from runtime.kvstate import ActiveKV, ParkedCache
     from runtime.models import load_model
     from runtime.persist import CacheDirectory
-    from runtime.spec import KVFormat
 
     args = harness.parser(__doc__).parse_args(argv)
     if not MODEL.exists() or not HELDOUT.exists():

@@ -36,9 +36,9 @@ def _dir_bytes(root: Path) -> int:
 def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
 
+    from runtime.kvformat import KVFormat
     from runtime.kvstate import ParkedCache
     from runtime.models import load_model
-    from runtime.spec import KVFormat
 
     args = harness.parser(__doc__, quick_repeats=1).parse_args(argv)
     counts = (1, 2, 4) if args.quick else (1, 2, 4, 8)

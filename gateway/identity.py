@@ -24,7 +24,7 @@ import msgspec
 
 from gateway.errors import ApiError
 from runtime.errors import InvalidAgentIdError
-from runtime.persist_names import safe_agent_dirname
+from runtime.persist import safe_agent_dirname
 
 __all__ = ["AGENT_HEADER", "resolve_agent_id", "conversation_id", "check_agent_id"]
 

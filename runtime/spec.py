@@ -4,6 +4,9 @@ kvmem never guesses a model's cache layout from its name. It asks the model
 for its caches (``model.make_cache()``), runs one token through them, and reads
 the shapes the attention layers actually wrote: kv heads, key and value head
 dims (which differ in DeepSeek-V2's MLA), and which layers are sliding windows.
+:class:`~runtime.kvformat.KVFormat` and :class:`~runtime.kvformat.LayerSpec`,
+plain data, live in :mod:`runtime.kvformat` (importable without MLX) and are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runtime.errors import UnsupportedModelError
+from runtime.kvformat import KVFormat, LayerSpec
 from runtime.snapshot import BLOCK_TOKENS, LayerKind
 
 __all__ = ["LayerSpec", "ModelCacheSpec", "KVFormat"]
@@ -25,46 +29,6 @@ __all__ = ["LayerSpec", "ModelCacheSpec", "KVFormat"]
 log = logging.getLogger("kvmem.spec")
 
 _DTYPE_BYTES = {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2}
-
-
-@dataclass(frozen=True)
-class KVFormat:
-    """How full-attention KV is stored at rest: ``bits=None`` keeps it in float."""
-
-    bits: int | None = 4
-    group_size: int = 64
-
-    def __post_init__(self) -> None:
-        if self.bits not in (None, 4, 8):
-            raise ValueError(f"kv bits must be 4, 8 or None (float), got {self.bits}")
-        if self.group_size not in (32, 64, 128):
-            raise ValueError(f"kv group size must be 32, 64 or 128, got {self.group_size}")
-
-    @property
-    def label(self) -> str:
-        return "float" if self.bits is None else f"q{self.bits}g{self.group_size}"
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """One attention layer's cache geometry."""
-
-    kind: Literal["full", "sliding"]
-    kv_heads: int
-    k_head_dim: int
-    v_head_dim: int
-    window: int | None = None
-    sinks: bool = False
-
-    def storage_kind(self, fmt: KVFormat) -> LayerKind:
-        """How this layer is held at rest under ``fmt``."""
-        if self.kind == "sliding":
-            return LayerKind.SLIDING
-        if fmt.bits is None:
-            return LayerKind.FLOAT
-        if self.k_head_dim % fmt.group_size or self.v_head_dim % fmt.group_size:
-            return LayerKind.FLOAT
-        return LayerKind.Q4
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 import runtime  # noqa: F401  (OpenBLAS before mlx)
 import pytest
 
+from runtime.kvformat import KVFormat
 from runtime.models import LoadedModel, load_model
-from runtime.spec import KVFormat
 
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gpt-oss", "tiny-deepseek-v2"]
 SHARED = Path(__file__).resolve().parents[2] / "shared"

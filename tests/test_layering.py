@@ -44,6 +44,29 @@ def test_packages_import_only_downstream(package):
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
+def test_actors_and_gateway_import_no_mlx_directly_or_at_start_up():
+    """Every module of ``actors`` and ``gateway`` imported in a fresh process leaves MLX unloaded.
+
+    MLX work lives in ``runtime`` (the engine, models, caches) and is imported on
+    the GPU actor's thread when a runtime starts, never when the HTTP layer or an
+    orchestrator merely imports kvmem.
+    """
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import actors, gateway\n"
+        "names = [info.name for pkg in (actors, gateway)\n"
+        "         for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.')]\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "    if 'mlx' in sys.modules or 'mlx_lm' in sys.modules:\n"
+        "        print(name)\n"
+        "        break\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         timeout=120)
+    assert out.stdout.strip() == "", f"importing {out.stdout.strip()} loads mlx"
+
+
 POLICY_MODULES = ["runtime.block_pool", "runtime.kv_manager", "runtime.turn_plan", "runtime.engine",
                   "actors.scheduler"]
 """Policy apart from mechanism (STYLE.md item 1): plain Python that imports neither trio nor mlx."""

@@ -21,11 +21,11 @@ from test_persist import (
     state_path,
 )
 
-import runtime.persist_load
+import runtime.persist.load
 from runtime.errors import CorruptCacheError
 from runtime.persist import CacheDirectory
-from runtime.persist_codec import FileLayout, encode_file, header_sha256, parse_file
-from runtime.persist_files import AtomicBatch, open_regular_file, read_exactly_into
+from runtime.persist.codec import FileLayout, encode_file, header_sha256, parse_file
+from runtime.persist.files import AtomicBatch, open_regular_file, read_exactly_into
 
 
 @pytest.fixture
@@ -119,7 +119,7 @@ def test_many_pieces_load_exactly_whatever_the_read_ahead(
     snapshot = make_snapshot(256 * 21 + 100)
     cache.save("a", snapshot)
     block_size = block_path(cache, "a", 0).stat().st_size
-    monkeypatch.setattr(runtime.persist_load, "READ_AHEAD_BYTES", block_size * ahead_blocks)
+    monkeypatch.setattr(runtime.persist.load, "READ_AHEAD_BYTES", block_size * ahead_blocks)
     assert_same(cache.load("a", model_tag=TAG), snapshot)
 
 
@@ -129,7 +129,7 @@ def test_a_damaged_block_late_in_a_long_cache_is_found(
     cache = CacheDirectory(tmp_path / "cache", fsync=False)
     cache.save("a", make_snapshot(256 * 12))
     monkeypatch.setattr(
-        runtime.persist_load, "READ_AHEAD_BYTES", block_path(cache, "a", 0).stat().st_size * 4
+        runtime.persist.load, "READ_AHEAD_BYTES", block_path(cache, "a", 0).stat().st_size * 4
     )
     _flip(block_path(cache, "a", 10), 0.5)
     with pytest.raises(CorruptCacheError):

@@ -11,14 +11,14 @@ statistics.
 
 from __future__ import annotations
 
-import os
 import secrets
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+
+from runtime.atomic import write_atomic
 
 __all__ = [
     "STATE_FILE",
@@ -164,17 +164,7 @@ _decoder = msgspec.json.Decoder(RunState)
 def save_state(run_dir: Path, state: RunState) -> None:
     """Write ``run_dir/state.json`` so a crash leaves the old file or the new one."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    data = msgspec.json.format(_encoder.encode(state), indent=1)
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".state.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, run_dir / STATE_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(run_dir / STATE_FILE, msgspec.json.format(_encoder.encode(state), indent=1))
 
 
 def load_state(run_dir: Path) -> RunState:

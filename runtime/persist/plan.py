@@ -1,7 +1,7 @@
 """Which pieces a save reuses and which token ranges it writes (pure policy, no I/O).
 
 An agent's blocked-layer KV is a list of pieces covering ``0:num_tokens``
-(see :mod:`runtime.persist_format`). A save keeps every piece of the previous
+(see :mod:`runtime.persist.format`). A save keeps every piece of the previous
 manifest that lies wholly inside the common token-id prefix of the old and new
 snapshots, and writes the rest, ``start:num_tokens``, as:
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.persist_format import BlockPiece, Piece
+from runtime.persist.format import BlockPiece, Piece
 from runtime.snapshot import BLOCK_TOKENS
 
 __all__ = [

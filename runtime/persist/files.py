@@ -1,11 +1,12 @@
-"""File-system steps of the cache directory: private dirs, atomic writes, safe reads.
+"""File-system steps of a cache directory: private folders, batches of atomic writes, safe reads.
 
-Every file is written as ``<name>.<random>.tmp`` in its final directory
-(created ``0o600``, exclusively, never through a symlink), flushed and fsynced,
-then renamed over ``<name>`` with :func:`os.replace`, and the directory is
-fsynced so the rename itself is durable. An ordinary exception removes the
-temporary file; a kill leaves it behind, and :func:`remove_temp_files` (run
-when a cache directory is opened) deletes it.
+Every file is written as :func:`runtime.atomic.write_atomic` writes one:
+``<name>.<random>.tmp`` in its final directory (``0o600``, exclusively, never
+through a symlink), flushed and fsynced, renamed over ``<name>``, and the
+directory fsynced. An :class:`AtomicBatch` does this for many files at once.
+An ordinary exception removes the temporary files; a kill leaves them behind,
+and :func:`remove_temp_files` (run when a cache directory is opened) deletes
+them. Reads never follow a symlink and never block on a FIFO.
 """
 
 from __future__ import annotations
@@ -14,18 +15,14 @@ import contextlib
 import errno
 import logging
 import os
-import secrets
-import shutil
 import stat
 from pathlib import Path
 
+from runtime.atomic import TEMP_SUFFIX, clear_directory, create_temp, fsync_dir
+
 __all__ = [
     "DIR_MODE",
-    "FILE_MODE",
-    "TEMP_SUFFIX",
     "ensure_private_dir",
-    "fsync_dir",
-    "write_atomic",
     "AtomicBatch",
     "read_regular_file",
     "open_regular_file",
@@ -40,17 +37,7 @@ __all__ = [
 log = logging.getLogger("kvmem.persist")
 
 DIR_MODE = 0o700
-FILE_MODE = 0o600
-TEMP_SUFFIX = ".tmp"
 
-_WRITE_FLAGS = (
-    os.O_WRONLY
-    | os.O_CREAT
-    | os.O_EXCL
-    | getattr(os, "O_NOFOLLOW", 0)
-    | getattr(os, "O_CLOEXEC", 0)
-    | getattr(os, "O_BINARY", 0)
-)
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 """Most buffers one ``preadv`` takes."""
 
@@ -63,25 +50,11 @@ _READ_FLAGS = (
 )
 
 
-def fsync_dir(path: Path) -> None:
-    """Make renames and creations inside ``path`` durable (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def ensure_private_dir(path: Path, *, fsync: bool) -> None:
     """Create ``path`` (mode ``0o700``) unless it is a directory already.
 
     Something else squatting on the name (a file, a symlink) is removed first:
-    only this module writes inside a cache directory.
+    only this package writes inside a cache directory.
     """
     try:
         info = os.lstat(path)
@@ -98,41 +71,8 @@ def ensure_private_dir(path: Path, *, fsync: bool) -> None:
         fsync_dir(path.parent)
 
 
-def _clear_target(path: Path) -> None:
-    """Remove a directory where a file is about to be written (os.replace cannot)."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(info.st_mode):
-        log.warning(
-            "removing directory %s that stands where a cache file belongs", path
-        )
-        shutil.rmtree(path)
-
-
-def write_atomic(path: Path, data: bytes | memoryview, *, fsync: bool) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves the old file or the new, whole."""
-    tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
-    fd = os.open(tmp, _WRITE_FLAGS, FILE_MODE)
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            if fsync:
-                os.fsync(file.fileno())
-        _clear_target(path)
-        os.replace(tmp, path)
-    except Exception:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if fsync:
-        fsync_dir(path.parent)
-
-
 class AtomicBatch:
-    """Files written as :func:`write_atomic` writes one, but made durable together.
+    """Files written as :func:`runtime.atomic.write_atomic` writes one, but made durable together.
 
     :meth:`write` writes ``<name>.<random>.tmp`` and has the kernel start
     writing it back at once (``POSIX_FADV_DONTNEED`` starts writeback of dirty
@@ -182,8 +122,7 @@ class AtomicBatch:
         """Write ``data`` to a temporary file that :meth:`commit` renames to ``path``."""
         if len(self._pending) >= self._max_pending:
             self.commit()
-        tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
-        fd = os.open(tmp, _WRITE_FLAGS, FILE_MODE)
+        fd, tmp = create_temp(path)
         self._pending.append((fd, tmp, path))
         view = memoryview(data).cast("B")
         written = 0
@@ -201,7 +140,7 @@ class AtomicBatch:
             fd, tmp, path = self._pending[0]
             os.close(fd)
             self._pending[0] = (-1, tmp, path)
-            _clear_target(path)
+            clear_directory(path)
             os.replace(tmp, path)
             self._pending.pop(0)
             self._dirs[path.parent] = None
@@ -211,16 +150,31 @@ class AtomicBatch:
         self._dirs.clear()
 
 
-def _open_for_reading(path: Path) -> int | None:
-    """A read-only descriptor of ``path``; None when it is absent or a symlink (refused by O_NOFOLLOW)."""
+def _open_regular(path: Path, *, size: int | None = None) -> int | None:
+    """A read-only descriptor of ``path`` if it is a regular file (of ``size`` bytes, when given), else None.
+
+    Symlinks are not followed (O_NOFOLLOW refuses them); absent is None too.
+
+    Raises:
+        OSError: the file exists but cannot be opened or examined.
+    """
     try:
-        return os.open(path, _READ_FLAGS)
+        fd = os.open(path, _READ_FLAGS)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             return None
         raise
+    try:
+        info = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if stat.S_ISREG(info.st_mode) and (size is None or info.st_size == size):
+        return fd
+    os.close(fd)
+    return None
 
 
 def read_regular_file(path: Path) -> bytes | None:
@@ -229,12 +183,10 @@ def read_regular_file(path: Path) -> bytes | None:
     Raises:
         OSError: the file exists but cannot be read.
     """
-    fd = _open_for_reading(path)
+    fd = _open_regular(path)
     if fd is None:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         chunks = []
         while chunk := os.read(fd, 1 << 24):
             chunks.append(chunk)
@@ -254,19 +206,13 @@ def open_regular_file(path: Path, *, size: int) -> int | None:
     Raises:
         OSError: the file exists but cannot be opened.
     """
-    fd = _open_for_reading(path)
-    if fd is None:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
-            os.close(fd)
-            return None
-        if hasattr(os, "posix_fadvise"):
+    fd = _open_regular(path, size=size)
+    if fd is not None and hasattr(os, "posix_fadvise"):
+        try:
             os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
-    except BaseException:
-        os.close(fd)
-        raise
+        except BaseException:
+            os.close(fd)
+            raise
     return fd
 
 
@@ -305,13 +251,12 @@ def read_header(path: Path, *, size: int, limit: int = 1 << 20) -> bytes | None:
     header fits in it and in ``limit``.
     """
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = _open_regular(path, size=size)
     except OSError:
         return None
+    if fd is None:
+        return None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
-            return None
         prefix = os.pread(fd, 8, 0)
         header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
         if not 0 <= header_len <= min(limit, size - 8):
@@ -340,7 +285,7 @@ def remove_file(path: Path) -> bool:
     except FileNotFoundError:
         return False
     except IsADirectoryError:  # a directory where a cache file belongs (EISDIR on Linux)
-        _clear_target(path)
+        clear_directory(path)
     return True
 
 

@@ -13,11 +13,13 @@ model tag, so two models' caches never name the same file; still, a file stays
 while *any* manifest of the directory lists it (:func:`kept_files`).
 
 A legacy ``manifest.json`` is read as that model's cache until the model saves
-again (:class:`runtime.persist.CacheDirectory` then removes it), so an upgrade
-keeps warm caches. It is only a fallback: a ``manifest-<digest>.json`` of the
-same model wins.
+again (:mod:`runtime.persist.save` then removes it), so an upgrade keeps warm
+caches. It is only a fallback: a ``manifest-<digest>.json`` of the same model
+wins (:func:`read_manifest_data`).
 
-Nothing here writes; :mod:`runtime.persist` owns every change to a directory.
+Nothing here writes: saves (:mod:`runtime.persist.save`), deletions
+(:mod:`runtime.persist.agents`) and garbage collection
+(:mod:`runtime.persist.gc`) make every change to a directory.
 """
 
 from __future__ import annotations
@@ -30,15 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import CorruptCacheError, FormatVersionError
-from runtime.persist_files import read_regular_file
-from runtime.persist_format import BlockPiece, Manifest, SegmentPiece
-from runtime.persist_load import decode_block_list, decode_manifest
+from runtime.persist.files import read_regular_file
+from runtime.persist.format import BlockPiece, Manifest, SegmentPiece
+from runtime.persist.verify import decode_block_list, decode_manifest
 
 __all__ = [
     "LEGACY_MANIFEST",
     "MANIFEST_NAME",
     "manifest_name",
     "manifest_names",
+    "read_manifest_data",
     "own_files",
     "Listing",
     "read_listing",
@@ -78,6 +81,18 @@ def manifest_names(agent_dir: Path) -> list[str]:
     except FileNotFoundError:
         return []
     return sorted(n for n in names if n == LEGACY_MANIFEST or MANIFEST_NAME.fullmatch(n))
+
+
+def read_manifest_data(agent_dir: Path, model_tag: str) -> bytes | None:
+    """The bytes of the agent's manifest for ``model_tag``, else of its pre-per-model one, else None.
+
+    Raises:
+        OSError: a manifest is there but cannot be read.
+    """
+    data = read_regular_file(agent_dir / manifest_name(model_tag))
+    if data is None:
+        data = read_regular_file(agent_dir / LEGACY_MANIFEST)
+    return data
 
 
 def own_files(manifest: Manifest) -> set[str]:

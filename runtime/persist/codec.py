@@ -40,6 +40,7 @@ import numpy as np
 __all__ = [
     "HEADER_LIMIT",
     "FileLayout",
+    "layout_of_entries",
     "ParsedFile",
     "crc32_hex",
     "header_sha256",
@@ -169,6 +170,19 @@ def _layout(tensors: tuple[tuple[str, str, tuple[int, ...]], ...]) -> FileLayout
     )
 
 
+def layout_of_entries(entries: dict[str, Any]) -> FileLayout:
+    """The canonical layout of the tensors a header's table lists (:meth:`ParsedFile.entries`; ValueError if malformed)."""
+    try:
+        return FileLayout.of(
+            {
+                name: (dtype_of_code(entry["dtype"]), tuple(entry["shape"]))
+                for name, entry in entries.items()
+            }
+        )
+    except (TypeError, KeyError) as exc:
+        raise ValueError(f"malformed tensor entry: {exc}") from exc
+
+
 class _MetadataOnly(msgspec.Struct):
     metadata: dict[str, str] = msgspec.field(name="__metadata__")
 
@@ -189,6 +203,10 @@ class ParsedFile:
     header: bytes
     data_start: int
     header_sha256: str
+
+    def has_info(self, expected: Mapping[str, str]) -> bool:
+        """Whether the metadata holds every field of ``expected`` with its value."""
+        return all(self.info.get(key) == value for key, value in expected.items())
 
     def matches(self, layout: FileLayout) -> bool:
         """Whether the header is exactly the canonical header of ``layout`` with this metadata."""

@@ -1,0 +1,206 @@
+"""The on-disk format of a cache directory: the manifest schema, file names and the block hash chain.
+
+Pure msgspec types and functions; nothing here touches the file system. What
+goes inside the files is :mod:`runtime.persist.tensors` (which tensors) and
+:mod:`runtime.persist.codec` (how they are encoded); the manifest's packed
+fields are :mod:`runtime.persist.packing`.
+
+* A **block** file (:class:`BlockPiece`) holds, for every blocked layer of a
+  snapshot, its arrays sliced on the token axis to one aligned
+  :data:`BLOCK_TOKENS`-token block, as tensors ``L{layer}.{key}``. It is named
+  by a hash chain (:func:`block_chain_hashes`), and its safetensors metadata
+  names the block (kind, format version, model tag, chain hash) and carries
+  the CRC-32 of its data, so a block file can be checked without a manifest.
+* A **segment** file (:class:`SegmentPiece`) holds the same tensors for any
+  other token range ``start:end``; its metadata records the range. It is named
+  by its checksum (``seg-<sha256>.safetensors``).
+* The **state** file (:class:`StateRef`, ``state-<sha256>.safetensors``) holds
+  every sliding layer whole and a zero-token slice of every blocked layer, so
+  the layout (dtype, heads, inner dims) of every layer is known even when no
+  piece exists.
+* Every file is canonical safetensors written by :mod:`runtime.persist.codec`.
+  Its **checksum** (``sha256`` in the manifest, and in an agent file's name) is
+  the SHA-256 of its header, which covers the data through the ``data_crc32``
+  it records: a file is checked with one SHA-256 over a few KiB and one CRC-32
+  over its data.
+* The **manifest** (:class:`Manifest`) is JSON. Text, token ids and offsets are
+  zlib-compressed then base64-encoded (ids as little-endian int32, offsets as
+  int32 deltas): about 6 bytes per token for English-like text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import Annotated
+
+import msgspec
+import numpy as np
+
+from runtime.snapshot import BLOCK_TOKENS, LayerKind
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAX_TOKEN_ID",
+    "BlockPiece",
+    "SegmentPiece",
+    "Piece",
+    "StateRef",
+    "LayerRecord",
+    "Manifest",
+    "FormatProbe",
+    "BlockListProbe",
+    "block_chain_hashes",
+    "segment_name",
+    "state_name",
+    "BLOCK_NAME",
+    "SEGMENT_NAME",
+    "STATE_NAME",
+    "AGENT_FILE_NAME",
+]
+
+FORMAT_VERSION = 3
+"""Version of the on-disk format; part of every block hash and manifest.
+
+Version 1 stored a whole partial tail block per save; version 2 stores pieces;
+version 3 checks files by the SHA-256 of their header and the CRC-32 of their
+data (:mod:`runtime.persist.codec`) instead of a SHA-256 over every byte.
+"""
+
+MAX_TOKEN_ID = 2**31 - 1
+
+BLOCK_NAME = re.compile(r"[0-9a-f]{64}\.safetensors")
+SEGMENT_NAME = re.compile(r"seg-[0-9a-f]{64}\.safetensors")
+STATE_NAME = re.compile(r"state-[0-9a-f]{64}\.safetensors")
+AGENT_FILE_NAME = re.compile(r"(?:seg|state|tail)-[0-9a-f]{64}\.safetensors")
+"""Files a save may leave in an agent directory (``tail-``: format 1)."""
+
+_Hex64 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+_Size = Annotated[int, msgspec.Meta(ge=0, le=2**48)]
+_Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+_End = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKEN_ID)]
+
+
+class _PieceFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What every piece records: its name, tokens ``start:end``, its file's checksum and size."""
+
+    name: str
+    start: _Tokens
+    end: _End
+    sha256: _Hex64
+    size: _Size
+
+
+class BlockPiece(_PieceFields, tag_field="kind", tag="block"):
+    """Tokens ``start:end`` (one aligned block): ``blocks/<name[:2]>/<name>.safetensors``.
+
+    ``name`` is the block's chain hash; ``sha256`` is the file's checksum (of
+    its header, which records the CRC-32 of its data), so a save can check
+    that the block on disk is still this one by reading its header alone.
+    """
+
+    name: _Hex64
+
+
+class SegmentPiece(_PieceFields, tag_field="kind", tag="segment"):
+    """Tokens ``start:end`` in the agent's own ``agents/<dir>/<name>``, ``name == seg-<sha256>.safetensors``."""
+
+    name: Annotated[str, msgspec.Meta(pattern=r"^seg-[0-9a-f]{64}\.safetensors$")]
+
+
+Piece = BlockPiece | SegmentPiece
+
+
+class StateRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The agent's state file, ``agents/<dir>/<name>``, ``name == state-<sha256>.safetensors``."""
+
+    name: Annotated[str, msgspec.Meta(pattern=r"^state-[0-9a-f]{64}\.safetensors$")]
+    sha256: _Hex64
+    size: _Size
+
+
+class LayerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A layer's kind and the keys of its arrays, in the snapshot's order."""
+
+    kind: LayerKind
+    keys: list[Annotated[str, msgspec.Meta(min_length=1)]]
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``agents/<dir>/manifest.json``: everything needed to rebuild a snapshot.
+
+    ``pieces`` cover tokens ``0:num_tokens`` in order, without gaps. ``text``,
+    ``token_ids`` and ``offsets`` are packed (:mod:`runtime.persist.packing`).
+    The manifest is rewritten on every save, so it stays compact: about 6
+    bytes per token plus ~200 bytes per piece.
+    """
+
+    format_version: int
+    model_tag: Annotated[str, msgspec.Meta(min_length=1)]
+    agent_id: str
+    num_tokens: _Tokens
+    text: str
+    token_ids: str
+    offsets: str
+    pieces: list[Piece]
+    state: StateRef
+    layers: list[LayerRecord]
+    meta: dict[str, int | str]
+    created_at: float
+    updated_at: float
+
+
+class FormatProbe(msgspec.Struct):
+    """Reads only the version of a manifest, whatever else it holds."""
+
+    format_version: int
+
+
+class _NamedPiece(msgspec.Struct):
+    kind: str
+    name: str
+
+
+class _HashOnly(msgspec.Struct):
+    hash: str
+
+
+class BlockListProbe(msgspec.Struct):
+    """Reads the shared blocks a manifest of format 2 (``pieces``) or 1 (``blocks``) lists."""
+
+    pieces: list[_NamedPiece] | None = None
+    blocks: list[_HashOnly] | None = None
+
+
+def block_chain_hashes(
+    model_tag: str, token_ids: Sequence[int] | np.ndarray
+) -> list[str]:
+    """SHA-256 hex of each full block: over (format version, model tag, previous hash, ids)."""
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() > MAX_TOKEN_ID):
+        raise ValueError("token id outside 0..2**31-1")
+    ids32 = ids.astype("<i4")
+    tag = model_tag.encode("utf-8")
+    hashes: list[str] = []
+    previous = b""
+    for start in range(0, (len(ids32) // BLOCK_TOKENS) * BLOCK_TOKENS, BLOCK_TOKENS):
+        h = hashlib.sha256(b"kvmem-block\0")
+        h.update(FORMAT_VERSION.to_bytes(4, "little"))
+        h.update(len(tag).to_bytes(8, "little") + tag)
+        h.update(len(previous).to_bytes(1, "little") + previous)
+        h.update(ids32[start : start + BLOCK_TOKENS].tobytes())
+        digest = h.hexdigest()
+        hashes.append(digest)
+        previous = digest.encode("ascii")
+    return hashes
+
+
+def segment_name(sha256: str) -> str:
+    """The file name of the segment whose checksum is ``sha256``."""
+    return f"seg-{sha256}.safetensors"
+
+
+def state_name(sha256: str) -> str:
+    """The file name of the state file whose checksum is ``sha256``."""
+    return f"state-{sha256}.safetensors"

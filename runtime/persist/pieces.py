@@ -1,0 +1,244 @@
+"""Writing a save's files: blocks, segments and the state file, each only where it is not on disk intact.
+
+The mechanism under :mod:`runtime.persist.save` (which decides what to write,
+with :mod:`runtime.persist.plan`, and owns manifests). Every file goes into an
+:class:`~runtime.persist.files.AtomicBatch`; a file already on disk with the
+right content is not written again. Consecutive whole blocks are encoded
+together, as one run (:func:`runtime.persist.codec.encode_run`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.persist.codec import FileLayout, encode_run, header_sha256, parse_file
+from runtime.persist.files import (
+    AtomicBatch,
+    read_header,
+    read_regular_file,
+    regular_file_size,
+    remove_file,
+)
+from runtime.persist.format import (
+    AGENT_FILE_NAME,
+    BlockPiece,
+    Piece,
+    SegmentPiece,
+    StateRef,
+    segment_name,
+    state_name,
+)
+from runtime.persist.paths import CachePaths
+from runtime.persist.plan import PieceKind, PieceRange
+from runtime.persist.tensors import block_info, blocked_sources, piece_layout, segment_info
+from runtime.persist.verify import block_is_intact
+from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot
+
+__all__ = [
+    "MAX_RUN_BLOCKS",
+    "WriteTally",
+    "piece_is_intact",
+    "write_pieces",
+    "write_state",
+    "remove_own_files",
+]
+
+log = logging.getLogger("kvmem.persist")
+
+MAX_RUN_BLOCKS = 16
+"""Blocks encoded in one buffer by a save (bounds its extra memory to ~16 blocks)."""
+
+
+@dataclass
+class WriteTally:
+    """What a save has written so far."""
+
+    block_bytes: int = 0
+    own_bytes: int = 0
+    blocks_written: int = 0
+    segments_written: int = 0
+    tokens_written: int = 0
+
+    def add(self, kind: PieceKind, *, written: int, tokens: int) -> None:
+        """Count a piece of ``kind`` and ``tokens`` tokens of which ``written`` bytes were written (0: kept)."""
+        if kind is PieceKind.BLOCK:
+            self.block_bytes += written
+            self.blocks_written += written > 0
+        else:
+            self.own_bytes += written
+            self.segments_written += written > 0
+        self.tokens_written += tokens if written else 0
+
+
+def _runs(ranges: Sequence[PieceRange]) -> list[list[PieceRange]]:
+    """``ranges`` cut into runs of adjacent blocks (at most MAX_RUN_BLOCKS) and single segments."""
+    runs: list[list[PieceRange]] = []
+    for piece_range in ranges:
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and piece_range.kind is PieceKind.BLOCK
+            and last[-1].kind is PieceKind.BLOCK
+            and last[-1].end == piece_range.start
+            and len(last) < MAX_RUN_BLOCKS
+        ):
+            last.append(piece_range)
+        else:
+            runs.append([piece_range])
+    return runs
+
+
+def piece_is_intact(paths: CachePaths, agent_dir: Path, piece: Piece) -> bool:
+    """Whether a piece a previous manifest lists is still that piece on disk.
+
+    Checks the file's size and its checksum, the SHA-256 of its header (a
+    small read), so a block that another agent's save replaced with other
+    bits is noticed and adopted, and a segment's range. Damage to the data
+    alone is caught by a load, which removes the damaged file
+    (:meth:`runtime.persist.reader.AgentPieces.reject`).
+    """
+    header = read_header(paths.piece_path(agent_dir, piece), size=piece.size)
+    if header is None or header_sha256(header) != piece.sha256:
+        return False
+    if isinstance(piece, BlockPiece):
+        return True
+    info = parse_file(header, size=piece.size).info
+    return (info.get("kind"), info.get("start"), info.get("end")) == (
+        "segment",
+        str(piece.start),
+        str(piece.end),
+    )
+
+
+def write_pieces(
+    paths: CachePaths,
+    agent_dir: Path,
+    snapshot: CacheSnapshot,
+    *,
+    chain: list[str],
+    ranges: Sequence[PieceRange],
+    tally: WriteTally,
+    batch: AtomicBatch,
+) -> list[Piece]:
+    """Store tokens ``ranges`` of ``snapshot`` as blocks and segments in ``batch``; return the pieces in order.
+
+    ``chain`` holds the snapshot's block hashes; ``tally`` counts what is written.
+    """
+    sources = blocked_sources(snapshot.layers)
+    layouts = {name: (array.dtype, array.shape) for name, array in sources.items()}
+    pieces: list[Piece] = []
+    for run in _runs(ranges):
+        start, tokens = run[0].start, run[0].end - run[0].start
+        layout = piece_layout(layouts, tokens)
+        if run[0].kind is PieceKind.BLOCK:
+            infos = [
+                block_info(model_tag=snapshot.model_tag, block_hash=chain[r.start // BLOCK_TOKENS])
+                for r in run
+            ]
+        else:
+            infos = [segment_info(model_tag=snapshot.model_tag, start=start, end=run[0].end)]
+        files = encode_run(
+            sources, layout, start=start, count=len(run), tokens=tokens, info=infos.__getitem__
+        )
+        for piece_range, file in zip(run, files, strict=True):
+            piece: Piece
+            if piece_range.kind is PieceKind.BLOCK:
+                piece, written = _store_block(
+                    paths,
+                    file,
+                    layout,
+                    model_tag=snapshot.model_tag,
+                    block_hash=chain[piece_range.start // BLOCK_TOKENS],
+                    start=piece_range.start,
+                    batch=batch,
+                )
+            else:
+                piece, written = _store_segment(agent_dir, file, piece_range, batch)
+            pieces.append(piece)
+            tally.add(piece_range.kind, written=written, tokens=tokens)
+    return pieces
+
+
+def write_state(agent_dir: Path, data: bytes, *, tally: WriteTally, batch: AtomicBatch) -> StateRef:
+    """Store the state file ``data`` in ``batch`` (unless already there); return its ref."""
+    sha = header_sha256(data)
+    state = StateRef(name=state_name(sha), sha256=sha, size=len(data))
+    tally.own_bytes += _store_own_file(agent_dir / state.name, data, batch)
+    return state
+
+
+def _store_block(
+    paths: CachePaths,
+    file: memoryview,
+    layout: FileLayout,
+    *,
+    model_tag: str,
+    block_hash: str,
+    start: int,
+    batch: AtomicBatch,
+) -> tuple[BlockPiece, int]:
+    """Make sure the block is on disk; return its piece and the bytes written.
+
+    A block file for the same tokens that is already there intact is kept
+    even if its bits differ from ours (the same model can compute the same
+    prefix slightly differently, e.g. batched vs alone); a damaged one is
+    replaced.
+    """
+
+    def piece(content: memoryview | bytes) -> BlockPiece:
+        return BlockPiece(
+            name=block_hash,
+            start=start,
+            end=start + BLOCK_TOKENS,
+            sha256=header_sha256(content),
+            size=len(content),
+        )
+
+    path = paths.block_path(block_hash)
+    existing = read_regular_file(path)
+    if existing is not None:
+        if existing == file:
+            return piece(file), 0
+        if block_is_intact(existing, model_tag=model_tag, block_hash=block_hash, like=layout):
+            log.debug("reusing block %s whose bits differ from ours", block_hash)
+            return piece(existing), 0
+        log.warning("block %s on disk is damaged; rewriting it", block_hash)
+    batch.ensure_dir(path.parent)
+    batch.write(path, file)
+    return piece(file), len(file)
+
+
+def _store_segment(
+    agent_dir: Path, file: memoryview, piece_range: PieceRange, batch: AtomicBatch
+) -> tuple[SegmentPiece, int]:
+    """Make sure the segment is in ``agent_dir``; return its piece and the bytes written."""
+    sha = header_sha256(file)
+    piece = SegmentPiece(
+        name=segment_name(sha), start=piece_range.start, end=piece_range.end, sha256=sha, size=len(file)
+    )
+    return piece, _store_own_file(agent_dir / piece.name, file, batch)
+
+
+def _store_own_file(path: Path, data: memoryview | bytes, batch: AtomicBatch) -> int:
+    """Write a content-named agent file unless it is there, intact; return the bytes written."""
+    if regular_file_size(path) == len(data) and read_regular_file(path) == data:
+        return 0
+    batch.write(path, data)
+    return len(data)
+
+
+def remove_own_files(agent_dir: Path, *, keep: Collection[str]) -> int:
+    """Remove segment, state and format-1 tail files of ``agent_dir`` not in ``keep``; return how many."""
+    removed = 0
+    try:
+        names = os.listdir(agent_dir)
+    except OSError:
+        return 0
+    for name in names:
+        if AGENT_FILE_NAME.fullmatch(name) and name not in keep:
+            removed += remove_file(agent_dir / name)
+    return removed
