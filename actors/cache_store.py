@@ -90,11 +90,12 @@ _Key = tuple[str, str]
 
 @dataclass(frozen=True)
 class _Pending:
-    """A hot cache not yet on disk: the cache and its numpy copy for the save."""
+    """A hot cache not yet on disk: the cache, its numpy copy for the save, its full blocks' hashes."""
 
     agent_id: str
     parked: HotCache
     snapshot: CacheSnapshot
+    block_hashes: list[str]  # computed once, for the hot tier's accounting and the save
 
 
 SAVE_RETRY_S = 5.0
@@ -279,7 +280,7 @@ class CacheStoreActor:
         self._manager.put(message.agent_id, parked, share=message.share_prefix, block_bytes=message.block_bytes,
                           block_hashes=hashes)
         self._dirty.pop(key, None)  # a newer Put supersedes an unwritten one
-        self._dirty[key] = _Pending(message.agent_id, parked, message.snapshot)
+        self._dirty[key] = _Pending(message.agent_id, parked, message.snapshot, hashes)
         self._wake.set()
 
     # -- writes ----------------------------------------------------------------
@@ -309,7 +310,8 @@ class CacheStoreActor:
             return False
         retry = False
         try:
-            report = await self._disk(self._directory.save, pending.agent_id, pending.snapshot)
+            report = await self._disk(self._directory.save, pending.agent_id, pending.snapshot,
+                                      block_hashes=pending.block_hashes)
         except (OSError, ValueError, InvalidAgentIdError) as exc:
             retry = isinstance(exc, OSError)  # a full or read-only disk may recover; a bad cache will not
             self._write_errors += 1

@@ -26,9 +26,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from actors.client import AgentHandle
+from actors.messages_agent import ChatTurn
 from actors.messages_store import AgentRecord
 from gateway.errors import ApiError, error_dict, from_exception
-from gateway.identity import check_agent_id
 from gateway.schemas_agents import (
     AgentInfo,
     AgentList,
@@ -70,8 +71,8 @@ def _max_tokens(gw: Gateway, req: AgentTurnRequest) -> int:
 def routes(gw: Gateway) -> list[Route]:
     """The agent routes, bound to ``gw``."""
 
-    def agent_id_of(request: Request) -> str:
-        return check_agent_id(request.path_params["agent_id"], param="agent_id")
+    def agent_of(request: Request) -> AgentHandle:
+        return gw.agent(request.path_params["agent_id"])  # checks the id
 
     async def list_agents(request: Request) -> Response:
         with runtime_errors():
@@ -83,7 +84,7 @@ def routes(gw: Gateway) -> list[Route]:
         return gw.json(AgentList(object="list", data=data))
 
     async def get_agent(request: Request) -> Response:
-        agent_id = agent_id_of(request)
+        agent_id = agent_of(request).agent_id
         with runtime_errors():
             records = await gw.rt.list_agents(agent_id)
         live = agent_id in gw.rt.live_agents()
@@ -92,15 +93,16 @@ def routes(gw: Gateway) -> list[Route]:
         return gw.json(_info(agent_id, records[0] if records else None, live))
 
     async def delete_agent(request: Request) -> Response:
-        agent_id = agent_id_of(request)
+        handle = agent_of(request)
+        agent_id = handle.agent_id
         with runtime_errors():
-            existed = await gw.rt.agent(agent_id).forget()
+            existed = await handle.forget()
         if not existed:
             raise ApiError(404, "not_found", f"agent {agent_id!r} has no cache", param="agent_id")
         return gw.json(Deleted(id=agent_id, object="agent", deleted=True))
 
     async def post_message(request: Request) -> Response | EventStreamResponse:
-        agent_id = agent_id_of(request)
+        handle = agent_of(request)
         req = await gw.decode(request, turn_decoder)
         if (req.messages is None) == (req.prompt is None):
             raise ApiError(400, "invalid_request", "give exactly one of 'messages' and 'prompt'", param="messages")
@@ -111,8 +113,9 @@ def routes(gw: Gateway) -> list[Route]:
                            param="prompt")
         max_tokens = _max_tokens(gw, req)
         with runtime_errors():
-            handle = gw.rt.agent(agent_id, share_prefix=req.share_prefix)
-            turn = handle.turn(
+            turn = ChatTurn.of(
+                handle.agent_id,
+                share_prefix=req.share_prefix,
                 messages=[msgspec.structs.asdict(m) for m in req.messages] if req.messages is not None else None,
                 prompt=req.prompt,
                 system=req.system,
@@ -147,7 +150,7 @@ def routes(gw: Gateway) -> list[Route]:
                 return
             await emit(sse("done", stream.result))
 
-        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": header_safe(agent_id)})
+        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": header_safe(handle.agent_id)})
 
     return [
         Route("/v1/agents", list_agents, methods=["GET"], name="agents"),

@@ -166,15 +166,15 @@ def routes(gw: Gateway) -> list[Route]:
         gw.check_max_tokens(req.max_tokens, param="max_tokens")
         model = gw.model_for(req.model)
         system, chat, tools = to_chat(req)
-        agent_id = resolve_agent_id(
+        ref = resolve_agent_id(
             request.headers,
             user_field=req.metadata.user_id if req.metadata else None,
             user_param="metadata.user_id",
             system=system,
             messages=chat,
         )
+        handle = gw.agent(ref.agent_id, param=ref.param)
         with runtime_errors():
-            handle = gw.rt.agent(agent_id)
             turn = handle.turn(
                 messages=chat,
                 system=system,
@@ -233,7 +233,7 @@ def routes(gw: Gateway) -> list[Route]:
             }))
             await emit(sse("message_stop", {"type": "message_stop"}))
 
-        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": header_safe(agent_id)})
+        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": header_safe(handle.agent_id)})
 
     async def count_tokens(request: Request) -> Response:
         req = await gw.decode(request, count_tokens_decoder)

@@ -12,21 +12,21 @@ different conversations can collide by concatenation). A client that re-sends
 a growing conversation keeps hitting the same agent, and two conversations
 share a cache only if they begin with the same system prompt *and* the same
 first message — in which case their prompts are identical up to there anyway.
+
+An id is checked once, where it enters the actors (``Runtime.agent``, through
+:meth:`gateway.state.Gateway.agent`, which names the header or field it came
+from in the 400): :class:`AgentRef` carries that name along.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
-from gateway.errors import ApiError
-from runtime.errors import InvalidAgentIdError
-from runtime.persist import safe_agent_dirname
-
-__all__ = ["AGENT_HEADER", "resolve_agent_id", "conversation_id", "check_agent_id"]
+__all__ = ["AGENT_HEADER", "AgentRef", "resolve_agent_id", "conversation_id"]
 
 AGENT_HEADER = "x-agent-id"
 HASH_PREFIX = "conv-"
@@ -41,14 +41,11 @@ def conversation_id(system: str | None, messages: Sequence[Mapping[str, Any]]) -
     return HASH_PREFIX + hashlib.sha256(payload).hexdigest()
 
 
-def check_agent_id(agent_id: str, *, param: str) -> str:
-    """``agent_id`` if it can name a cache, else a 400 naming where it came from."""
-    try:
-        safe_agent_dirname(agent_id)
-    except InvalidAgentIdError as exc:
-        raise ApiError(400, "invalid_request", f"invalid agent id in {param}: {exc}", param=param,
-                       code="invalid_agent_id") from None
-    return agent_id
+class AgentRef(NamedTuple):
+    """An agent id as a request gave it, and where (the JSON path or header, for a 400)."""
+
+    agent_id: str
+    param: str
 
 
 def resolve_agent_id(
@@ -58,8 +55,8 @@ def resolve_agent_id(
     user_param: str,
     system: str | None,
     messages: Sequence[Mapping[str, Any]],
-) -> str:
-    """The agent id for a chat request (see the module docstring).
+) -> AgentRef:
+    """The agent id for a chat request, and where it came from (see the module docstring).
 
     Args:
         headers: the request headers (case-insensitive mapping).
@@ -70,7 +67,7 @@ def resolve_agent_id(
     """
     header = headers.get(AGENT_HEADER)
     if header is not None:
-        return check_agent_id(header, param="X-Agent-ID")
+        return AgentRef(header, "X-Agent-ID")
     if user_field:
-        return check_agent_id(user_field, param=user_param)
-    return conversation_id(system, messages)
+        return AgentRef(user_field, user_param)
+    return AgentRef(conversation_id(system, messages), "messages")

@@ -146,10 +146,10 @@ def routes(gw: Gateway) -> list[Route]:
             raise ApiError(400, "invalid_request", "logprobs are not supported by kvmem", param="logprobs")
         chat, tools = to_chat(req)
         system = chat[0]["content"] if chat[0]["role"] == "system" else None
-        agent_id = resolve_agent_id(request.headers, user_field=req.user, user_param="user", system=system,
-                                    messages=chat)
+        ref = resolve_agent_id(request.headers, user_field=req.user, user_param="user", system=system,
+                               messages=chat)
+        handle = gw.agent(ref.agent_id, param=ref.param)
         with runtime_errors():
-            handle = gw.rt.agent(agent_id)
             turn = handle.turn(
                 messages=chat,
                 tools=tools,
@@ -214,7 +214,7 @@ def routes(gw: Gateway) -> list[Route]:
                 await emit(chunk([], usage=usage_of(result), kvmem=kvmem_extras(result)))
             await emit(sse_data(b"[DONE]"))
 
-        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": header_safe(agent_id)})
+        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": header_safe(handle.agent_id)})
 
     async def list_models(request: Request) -> Response:
         data = [_model_entry(gw, name) for name in gw.models]

@@ -24,9 +24,11 @@ from starlette.responses import Response
 
 from gateway.config import ServeConfig
 from gateway.errors import ApiError, from_decode_error, from_exception
+from runtime.errors import InvalidAgentIdError
 
 if TYPE_CHECKING:
     from actors.messages_agent import TurnResult
+    from actors.client import AgentHandle
     from actors.runtime import Runtime
 
 __all__ = [
@@ -136,6 +138,19 @@ class Gateway:
             param="model",
             code="model_not_found",
         )
+
+    def agent(self, agent_id: str, *, param: str = "agent_id", share_prefix: bool = True) -> AgentHandle:
+        """The runtime's handle on ``agent_id`` (where ids are checked, once).
+
+        Raises:
+            ApiError: 400 naming ``param`` (the header or field the id came from)
+                when the id cannot name a cache.
+        """
+        try:
+            return self.rt.agent(agent_id, share_prefix=share_prefix)
+        except InvalidAgentIdError as exc:
+            raise ApiError(400, "invalid_request", f"invalid agent id in {param}: {exc}", param=param,
+                           code="invalid_agent_id") from None
 
     def check_max_tokens(self, value: int, *, param: str) -> int:
         limit = self.config.max_tokens_limit

@@ -128,9 +128,9 @@ async def test_saves_are_write_behind_and_flushed_on_exit(tmp_path, monkeypatch)
     gate = threading.Event()
     real_save = CacheDirectory.save
 
-    def slow_save(self, agent_id, snapshot):
+    def slow_save(self, agent_id, snapshot, **kw):
         gate.wait(10)
-        return real_save(self, agent_id, snapshot)
+        return real_save(self, agent_id, snapshot, **kw)
 
     monkeypatch.setattr(CacheDirectory, "save", slow_save)
     async with _open(tmp_path) as rt:
@@ -298,3 +298,23 @@ async def test_a_default_model_that_does_not_load_fails_open_runtime(tmp_path):
     with pytest.raises(ModelError):
         async with open_runtime("not-a-fake", home=tmp_path, engine=FakeEngine(), handle_signals=False):
             pass
+
+
+async def test_a_turn_hashes_its_blocks_once_for_the_hot_tier_and_the_save(tmp_path, monkeypatch):
+    import runtime.persist.directory as directory_module
+    import runtime.persist.save as save_module
+
+    calls: list[int] = []
+    real = save_module.block_chain_hashes
+
+    def counting(model_tag, token_ids):
+        calls.append(len(token_ids))
+        return real(model_tag, token_ids)
+
+    monkeypatch.setattr(directory_module, "block_chain_hashes", counting)
+    monkeypatch.setattr(save_module, "block_chain_hashes", counting)
+    async with _open(tmp_path) as rt:
+        result = await rt.agent("hasher").send_prompt("x" * 600, max_tokens=4)
+        assert await rt.flush() == 1
+    assert calls == [600 + result.usage.tokens_generated - 1]  # the parked cache: prompt + fed reply tokens
+    assert _disk(tmp_path).load("hasher", model_tag=TAG).num_tokens == calls[0]

@@ -86,12 +86,24 @@ def test_conversation_id_is_a_full_sha256_of_system_and_first_user_message() -> 
 def test_explicit_identity_wins_over_the_hash() -> None:
     msgs = [{"role": "user", "content": "hi"}]
     kw = {"user_param": "user", "system": None, "messages": msgs}
-    assert resolve_agent_id({"x-agent-id": "h"}, user_field="u", **kw) == "h"  # type: ignore[arg-type]
-    assert resolve_agent_id({}, user_field="u", **kw) == "u"  # type: ignore[arg-type]
-    assert resolve_agent_id({}, user_field=None, **kw).startswith("conv-")  # type: ignore[arg-type]
-    with pytest.raises(ApiError) as bad:
-        resolve_agent_id({"x-agent-id": "a\x00b"}, user_field=None, **kw)  # type: ignore[arg-type]
-    assert bad.value.status == 400 and bad.value.param == "X-Agent-ID"
+    assert resolve_agent_id({"x-agent-id": "h"}, user_field="u", **kw) == ("h", "X-Agent-ID")  # type: ignore[arg-type]
+    assert resolve_agent_id({}, user_field="u", **kw) == ("u", "user")  # type: ignore[arg-type]
+    hashed = resolve_agent_id({}, user_field=None, **kw)  # type: ignore[arg-type]
+    assert hashed.agent_id.startswith("conv-") and hashed.param == "messages"
+
+
+async def test_an_id_that_cannot_name_a_cache_is_a_400_naming_where_it_came_from(tmp_path) -> None:
+    from actors import open_runtime
+    from fake_engine import FakeEngine
+    from gateway.config import ServeConfig
+    from gateway.state import Gateway
+
+    async with open_runtime("fake-a", home=tmp_path, engine=FakeEngine(), fsync=False, handle_signals=False) as rt:
+        gw = Gateway(rt=rt, config=ServeConfig(model="fake-a"), models=("fake-a",))
+        assert gw.agent("fine").agent_id == "fine"
+        with pytest.raises(ApiError) as bad:
+            gw.agent("a\x00b", param="X-Agent-ID")
+    assert bad.value.status == 400 and bad.value.param == "X-Agent-ID" and bad.value.code == "invalid_agent_id"
 
 
 # -- errors ------------------------------------------------------------------------

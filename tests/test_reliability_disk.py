@@ -52,11 +52,11 @@ def failing_disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int | No
     state: dict[str, int | None] = {"errno": None}
     real_save = CacheDirectory.save
 
-    def save(self: CacheDirectory, agent_id: str, snapshot: object) -> object:
+    def save(self: CacheDirectory, agent_id: str, snapshot: object, **kw: object) -> object:
         code = state["errno"]
         if code is not None:
             raise OSError(code, os.strerror(code), str(self.root))
-        return real_save(self, agent_id, snapshot)  # type: ignore[arg-type]
+        return real_save(self, agent_id, snapshot, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(CacheDirectory, "save", save)
     monkeypatch.setattr(actors.cache_store, "SAVE_RETRY_S", 0.3)

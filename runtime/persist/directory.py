@@ -46,7 +46,9 @@ class CacheDirectory:
         if removed:
             log.info("removed %d temporary files left by an interrupted save", removed)
 
-    def save(self, agent_id: str, snapshot: CacheSnapshot) -> SaveReport:
+    def save(
+        self, agent_id: str, snapshot: CacheSnapshot, *, block_hashes: Sequence[str] | None = None
+    ) -> SaveReport:
         """Store ``snapshot`` as ``agent_id``'s cache for its model, replacing that model's previous one.
 
         Writes only the tokens the previous save of the same model did not
@@ -54,12 +56,16 @@ class CacheDirectory:
         and the manifest. A needed piece that is missing or damaged on disk is
         written again. The agent's caches for other models stay as they are.
 
+        ``block_hashes``: the snapshot's full blocks' chain hashes when the caller
+        already has them (:meth:`block_hashes`; the cache store computes them once
+        per turn), so they are not computed twice.
+
         Raises:
             InvalidAgentIdError: ``agent_id`` cannot name a cache.
             ValueError: the snapshot is inconsistent (lengths, shapes, dtypes).
             OSError: the disk refused a write; the previous cache is untouched.
         """
-        return save_cache(self._paths, agent_id, snapshot)
+        return save_cache(self._paths, agent_id, snapshot, block_hashes=block_hashes)
 
     def load(self, agent_id: str, *, model_tag: str) -> CacheSnapshot:
         """Read and fully verify ``agent_id``'s cache for ``model_tag``.

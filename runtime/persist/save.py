@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,7 @@ from runtime.persist.pieces import (
 from runtime.persist.plan import PieceRange, common_prefix, plan_save, range_of
 from runtime.persist.tensors import blocked_sources, encode_state, validate_snapshot
 from runtime.persist.verify import check_manifest, decode_manifest
-from runtime.snapshot import CacheSnapshot
+from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot
 
 __all__ = ["SaveReport", "save_cache"]
 
@@ -90,7 +91,9 @@ class _Previous:
     pieces: list[Piece]
 
 
-def save_cache(paths: CachePaths, agent_id: str, snapshot: CacheSnapshot) -> SaveReport:
+def save_cache(
+    paths: CachePaths, agent_id: str, snapshot: CacheSnapshot, *, block_hashes: Sequence[str] | None = None
+) -> SaveReport:
     """Store ``snapshot`` as ``agent_id``'s cache for its model (see :meth:`runtime.persist.CacheDirectory.save`)."""
     agent_dir = paths.agent_dir(agent_id)
     validate_snapshot(snapshot)
@@ -99,7 +102,9 @@ def save_cache(paths: CachePaths, agent_id: str, snapshot: CacheSnapshot) -> Sav
     packed_ids = pack_token_ids(snapshot.token_ids)
     packed_offsets = pack_offsets(snapshot.offsets)
     token_ids = np.asarray(snapshot.token_ids, dtype=np.int64).reshape(-1)
-    chain = block_chain_hashes(model_tag, token_ids)
+    chain = list(block_hashes) if block_hashes is not None else block_chain_hashes(model_tag, token_ids)
+    if len(chain) != len(token_ids) // BLOCK_TOKENS:
+        raise ValueError(f"{len(chain)} block hashes for {len(token_ids)} tokens")
     records = [LayerRecord(kind=layer.kind, keys=list(layer.arrays)) for layer in snapshot.layers]
     state_data = encode_state(snapshot.layers, model_tag=model_tag)
     previous = _previous(agent_dir, agent_id, snapshot, records, state_data)
