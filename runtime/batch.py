@@ -2,7 +2,7 @@
 
 A :class:`DecodeBatch` holds one batch cache per layer (mlx-lm's
 ``BatchKVCache``/``BatchRotatingKVCache`` for float and sliding layers,
-:class:`runtime.q4_cache.BatchQuantizedKVCache` for Q4 layers under the native
+:class:`runtime.q4_batch_cache.BatchQuantizedKVCache` for Q4 layers under the native
 strategy). Each :meth:`step_once` feeds every member its next input token and
 samples one token per member; :meth:`remove` extracts a member's cache back
 into its own :class:`runtime.kvstate.ActiveKV` so it can be parked.
@@ -15,12 +15,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
-from runtime.q4_cache import (
-    BatchDequantizingQuantizedKVCache,
-    BatchQuantizedKVCache,
-    DequantizingQuantizedKVCache,
-    QuantizedKVCache,
-)
+from runtime.q4_batch_cache import BatchDequantizingQuantizedKVCache, BatchQuantizedKVCache
+from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.sequence import Sequence
 
 __all__ = ["DecodeBatch", "batch_cache_class"]

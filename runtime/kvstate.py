@@ -28,7 +28,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache, quantize_kv
+from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
+from runtime.q4_packing import quantize_kv
 from runtime.snapshot import CacheSnapshot, LayerKind, LayerSnapshot
 from runtime.spec import ModelCacheSpec
 
