@@ -12,11 +12,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gateway.config import ConfigError, ServeConfig, load_config
 from gateway.errors import ApiError, error_dict, from_decode_error
 from gateway.identity import conversation_id, resolve_agent_id
 from gateway.schemas_anthropic import messages_decoder
 from gateway.sse import sse, sse_data
+from runtime.config import Config, ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_config_defaults_bind_loopback() -> None:
     config = load_config({}, env={})
-    assert config == ServeConfig()
+    assert config == Config()
     assert config.host == "127.0.0.1" and config.port == 8000 and config.api_key is None
 
 
@@ -141,10 +141,10 @@ def test_gateway_never_imports_mlx() -> None:
 def test_model_names_unknown_ones_are_404_unless_any_model_is_accepted() -> None:
     from gateway.state import Gateway
 
-    strict = Gateway(rt=None, config=ServeConfig(), models=("m", "other"))  # type: ignore[arg-type]
+    strict = Gateway(rt=None, config=Config(), models=("m", "other"))  # type: ignore[arg-type]
     assert strict.model_for(None) is None and strict.model_for("m") is None and strict.model_for("other") == "other"
     with pytest.raises(ApiError) as unknown:
         strict.model_for("claude-x")
     assert unknown.value.status == 404 and unknown.value.code == "model_not_found"
-    lenient = Gateway(rt=None, config=ServeConfig(accept_any_model=True), models=("m",))  # type: ignore[arg-type]
+    lenient = Gateway(rt=None, config=Config(accept_any_model=True), models=("m",))  # type: ignore[arg-type]
     assert lenient.model_for("claude-x") is None
