@@ -342,8 +342,13 @@ async def open_runtime(
             f"open_runtime() takes a Config, not {type(config).__name__}; pass settings by name, e.g. model=..."
         )
     config = (config or Config()).replace(**overrides)  # validates the whole configuration
-    caches = config.caches_path
-    directory = await trio.to_thread.run_sync(lambda: CacheDirectory(caches, fsync=config.fsync))
+    caches, fsync = config.caches_path, config.fsync
+
+    def open_directory() -> CacheDirectory:
+        caches.mkdir(parents=True, exist_ok=True, mode=0o700)  # an unusable folder fails here, named
+        return CacheDirectory(caches, fsync=fsync)
+
+    directory = await trio.to_thread.run_sync(open_directory)
     if engine is None:
         from actors.mlx_engine import MlxEngine
 

@@ -264,7 +264,7 @@ def test_serve_logs_the_warning_before_anything_binds(monkeypatch: pytest.Monkey
     class Stop(Exception):
         pass
 
-    def refuse(**kwargs: Any) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
         raise Stop  # nothing is loaded or bound: this test never listens beyond loopback
 
     monkeypatch.setattr(actors, "open_runtime", refuse)
