@@ -90,9 +90,10 @@ class ModelRegistry:
         inbox: the registry mailbox.
         gpu: a clone of the GPU mailbox.
         store: a clone of the cache store mailbox.
-        default_model: loaded at start and used by requests that name no model.
+        default_model: used by requests that name no model (and loaded at start with ``preload``).
         models: other model names requests may ask for.
         idle_unload_s: unload the model after this long without a lease (None: never).
+        preload: load the default model before reporting started (False: at the first lease).
     """
 
     def __init__(
@@ -104,6 +105,7 @@ class ModelRegistry:
         default_model: str,
         models: Sequence[str] = (),
         idle_unload_s: float | None = None,
+        preload: bool = True,
     ) -> None:
         self._inbox = inbox
         self._gpu = gpu
@@ -111,6 +113,7 @@ class ModelRegistry:
         self._default = default_model
         self._configured = tuple(dict.fromkeys([default_model, *models]))
         self._idle_unload_s = idle_unload_s
+        self._preload = preload
         self._current: ModelInfo | None = None
         self._leases: set[int] = set()
         self._queue: deque[Acquire] = deque()
@@ -122,15 +125,16 @@ class ModelRegistry:
         return self._current
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Load the default model, then serve leases until the mailbox closes.
+        """Load the default model (with ``preload``), then serve leases until the mailbox closes.
 
         Raises:
-            runtime.errors.ModelError: the default model does not load.
+            runtime.errors.ModelError: the default model does not load (with ``preload``).
         """
         async with self._inbox, self._gpu, self._store:
-            failure = await self._switch_to(self._default)
-            if failure is not None:
-                raise ModelError(failure.error)
+            if self._preload:
+                failure = await self._switch_to(self._default)
+                if failure is not None:
+                    raise ModelError(failure.error)
             task_status.started()
             while True:
                 idle = self._idle_unload_s is not None and self._current is not None and not self._leases

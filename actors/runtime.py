@@ -49,7 +49,6 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -66,8 +65,8 @@ from actors.messages_gpu import GpuInbox, Render, RenderReply
 from actors.messages_store import AgentRecord, Flush, FlushReply, ListAgents, ListReply, StoreInbox
 from actors.metrics import MetricsSnapshot, RuntimeMetrics
 from actors.registry import Acquire, AcquireReply, ModelRegistry, RegistryInbox, RegistryStats, Release
+from runtime.config import Config
 from runtime.engine import Engine
-from runtime.home import KvmemHome
 from runtime.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory, safe_agent_dirname
 
@@ -314,91 +313,81 @@ async def _watch_signals(
 
 @asynccontextmanager
 async def open_runtime(
-    model: str = "kvmem-default",
+    config: Config | None = None,
     *,
-    home: Path | None = None,
-    kv_bits: int | None = 4,
-    kv_group_size: int = 64,
-    attention: str = "auto",
-    weights: str = "auto",
-    budget_mb: float = 2048,
-    hot_budget_mb: float = 512,
-    prewarm_mb: float = 512,
-    idle_timeout_s: float = 300.0,
-    model_idle_s: float | None = None,
-    models: Sequence[str] = (),
-    models_dir: Path | None = None,
-    max_batch: int = 32,
-    prefill_chunk: int | None = None,
-    fsync: bool = True,
-    handle_signals: bool = True,
-    trace: bool = False,
     engine: Engine | None = None,
+    trace: bool = False,
+    handle_signals: bool = True,
+    preload: bool = True,
+    **overrides: Any,
 ) -> AsyncIterator[Runtime]:
-    """Start kvmem's actors, load ``model``, and yield a :class:`Runtime`.
+    """Start kvmem's actors, load the default model, and yield a :class:`Runtime`.
+
+    ``open_runtime(load_config(...))`` at an edge that reads flags and the
+    environment; ``open_runtime(model="tiny-llama", home=tmp, kv_bits=4)`` in
+    Python (the defaults of :class:`runtime.config.Config` plus the overrides).
 
     Args:
-        model: the default model (tiny recipe name, folder or Hugging Face id).
-        home: the kvmem home (models/, caches/); default ``$KVMEM_HOME`` or
-            ``~/.local/share/kvmem``.
-        kv_bits: 4 or 8 (quantized KV at rest) or None (float KV).
-        kv_group_size: quantization group size.
-        attention: ``auto`` (at-rest on CPU, native on GPU backends), ``at-rest``
-            (float while active; fastest on CPU) or ``native``.
-        weights: how GGUF weights are held: ``auto`` (float32 on CPU, as stored
-            on GPU backends), ``float32``, ``float16``, ``bfloat16`` or ``quantized``.
-        budget_mb: KV memory for running sequences: admission and batch size.
-        hot_budget_mb: memory for parked caches in the hot tier.
-        prewarm_mb: memory touched once at the first model load and kept for activations,
-            so the first turn after a start is as fast as later ones (Linux; 0: off).
-        idle_timeout_s: an agent actor stops after this long without requests.
-        model_idle_s: unload the model after this long without requests (None: never).
-        models: other model names requests may name (they swap the loaded model).
-        models_dir: where tiny models are built (default ``home/models``).
-        max_batch: most sequences running at once.
-        prefill_chunk: tokens per prefill chunk (None: adaptive, 512/256/128 by context).
-        fsync: fsync cache files (turn off only for throwaway caches).
-        handle_signals: on SIGINT/SIGTERM flush and exit (main thread only).
+        config: the settings (default ``Config()``: defaults only; nothing is
+            read from the environment here but the home folder's default).
+        engine: the engine to run (default: MLX, configured from ``config``); tests pass ``FakeEngine``.
         trace: record the GPU actor's work log (``Runtime.gpu_events``).
-        engine: the engine to run (default: MLX); tests pass ``FakeEngine``.
+        handle_signals: on SIGINT/SIGTERM flush and exit (main thread only).
+        preload: load the default model before yielding (False: at the first
+            request that needs it; listing or forgetting agents needs none).
+        **overrides: :class:`runtime.config.Config` fields applied on top of ``config``.
+
+    Raises:
+        TypeError: an override that is not a setting, or a ``config`` that is not a ``Config``.
+        runtime.config.ConfigError: a bad setting (the message names it).
+        ModelError: the default model does not load (with ``preload``).
     """
-    if attention not in ("auto", "at-rest", "native"):
-        raise ValueError(f"attention must be 'auto', 'at-rest' or 'native', got {attention!r}")
-    kvhome = KvmemHome(home)
-    directory = await trio.to_thread.run_sync(lambda: CacheDirectory(kvhome.caches_dir, fsync=fsync))
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(
+            f"open_runtime() takes a Config, not {type(config).__name__}; pass settings by name, e.g. model=..."
+        )
+    config = (config or Config()).replace(**overrides)  # validates the whole configuration
+    caches, fsync = config.caches_path, config.fsync
+
+    def open_directory() -> CacheDirectory:
+        caches.mkdir(parents=True, exist_ok=True, mode=0o700)  # an unusable folder fails here, named
+        return CacheDirectory(caches, fsync=fsync)
+
+    directory = await trio.to_thread.run_sync(open_directory)
     if engine is None:
         from runtime.mlx_engine import MlxEngine  # imports mlx: only when the real engine runs
 
         engine = MlxEngine(
-            models_dir=models_dir or kvhome.models_dir,
-            kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
-            strategy=attention,
-            weights=weights,
-            prewarm_mb=prewarm_mb,
+            models_dir=config.models_path,
+            kv_bits=config.kv_bits,
+            kv_group_size=config.kv_group_size,
+            strategy=config.attention,
+            weights=config.weights,
+            prewarm_mb=config.prewarm_mb,
         )
     metrics = RuntimeMetrics()
     store_send, store_receive = trio.open_memory_channel[StoreInbox](_MAILBOX_SIZE)
     gpu_send, gpu_receive = trio.open_memory_channel[GpuInbox](_MAILBOX_SIZE)
     registry_send, registry_receive = trio.open_memory_channel[RegistryInbox](_MAILBOX_SIZE)
-    manager = KVCacheManager(hot_budget_bytes=int(hot_budget_mb * 2**20))
+    manager = KVCacheManager(hot_budget_bytes=int(config.hot_budget_mb * 2**20))
     store = CacheStoreActor(store_receive, directory=directory, manager=manager)
     gpu = GPUActor(
         gpu_receive,
         engine=engine,
         manager=manager,
-        budget_bytes=int(budget_mb * 2**20),
-        max_batch=max_batch,
-        prefill_chunk=prefill_chunk,
+        budget_bytes=int(config.budget_mb * 2**20),
+        max_batch=config.max_batch,
+        prefill_chunk=config.prefill_chunk,
         trace=trace,
     )
     registry = ModelRegistry(
         registry_receive,
         gpu=gpu_send.clone(),
         store=store_send.clone(),
-        default_model=model,
-        models=models,
-        idle_unload_s=model_idle_s,
+        default_model=config.model,
+        models=config.models,
+        idle_unload_s=config.model_idle_s,
+        preload=preload,
     )
     signals = _SignalState()
     watcher_scope = trio.CancelScope()
@@ -419,7 +408,7 @@ async def open_runtime(
                     registry_mailbox=registry_send,
                     agents_nursery=agents_nursery,
                     metrics=metrics,
-                    idle_timeout_s=idle_timeout_s,
+                    idle_timeout_s=config.idle_timeout_s,
                 )
                 try:
                     yield rt

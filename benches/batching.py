@@ -116,7 +116,7 @@ async def run_rounds(
 ) -> tuple[list[Round], str, dict[str, float | int | str]]:
     rounds: list[Round] = []
     info: dict[str, float | int | str] = {}
-    opened = open_runtime(model, home=home, models_dir=models_dir, fsync=False, trace=True, handle_signals=False,
+    opened = open_runtime(model=model, home=home, models_dir=models_dir, fsync=False, trace=True, handle_signals=False,
                           prewarm_mb=prewarm_mb)
     async with opened as rt:
         system = (CORPUS / "stories.txt").read_text()[: int(context * 4.4)]  # ~4.4 characters per token

@@ -42,7 +42,7 @@ MAX_TOKENS = 40
 async def _turn(home: Path, agent: str, messages: list[dict[str, str]]) -> Any:
     from actors import open_runtime
 
-    async with open_runtime("kvmem-default", home=home, models_dir=harness.BENCH_HOME / "models", prewarm_mb=0,
+    async with open_runtime(model="kvmem-default", home=home, models_dir=harness.BENCH_HOME / "models", prewarm_mb=0,
                             handle_signals=False) as rt:
         return await rt.agent(agent).send(messages, max_tokens=MAX_TOKENS)
 

@@ -42,7 +42,7 @@ async def _one(rt: Any, agent: str, prompt: str, delay: float, tokens: int, out:
 async def _pair(mode: str, home: Path, prompts: dict[str, str], tokens: int, gap: float) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     kwargs: dict[str, Any] = {"max_batch": 1} if mode == "sequential" else {}
-    opened = open_runtime("kvmem-default", home=home, models_dir=harness.BENCH_HOME / "models", fsync=False,
+    opened = open_runtime(model="kvmem-default", home=home, models_dir=harness.BENCH_HOME / "models", fsync=False,
                           handle_signals=False, **kwargs)
     async with opened as rt, trio.open_nursery() as nursery:
         nursery.start_soon(_one, rt, "A", prompts["A"], 0.0, tokens, out)

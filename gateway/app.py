@@ -41,11 +41,11 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import agents_api, anthropic_api, openai_api
-from gateway.config import ServeConfig
 from gateway.errors import ApiError, error_body, flavor_of
 from gateway.metrics import CONTENT_TYPE, render_metrics
 from gateway.openapi import openapi_document
 from gateway.state import REQUEST_ID_KEY, Gateway, request_id
+from runtime.config import Config
 
 if TYPE_CHECKING:
     from actors.runtime import Runtime
@@ -153,7 +153,7 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
     return _error_response(error, request.scope)
 
 
-def create_app(rt: Runtime, settings: ServeConfig, *, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
+def create_app(rt: Runtime, settings: Config, *, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
     """The HTTP app over ``rt``.
 
     Args:

@@ -38,10 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    from runtime.config import ConfigError
     from runtime.errors import KvmemError
 
     try:
         return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"kvmem {args.command}: {exc}", file=sys.stderr)
+        return 2
     except KvmemError as exc:
         print(f"kvmem: {exc}", file=sys.stderr)
         return 2

@@ -1,19 +1,63 @@
 """Local agents from the command line: ``kvmem chat``, ``kvmem agents``, ``kvmem forget``, ``kvmem build-model``.
 
 ``kvmem chat --agent NAME "message"`` talks to one agent whose conversation and
-KV cache persist across separate runs.
+KV cache persist across separate runs. The chat runs on the same in-process
+runtime as ``kvmem serve`` (:func:`actors.open_runtime`): one turn path, so the
+command line and the server agree on replies, tiers and token accounting.
+The conversation (the messages so far) is kept in the kvmem home
+(``conversations/<agent>.json``); the cache belongs to the runtime's store,
+which writes it to disk when the runtime closes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gateway.cli_common import add_model_options
+import msgspec
 
-__all__ = ["register"]
+from gateway.cli_common import add_model_options, config_from_args
+
+if TYPE_CHECKING:
+    from actors.messages_agent import TurnResult
+    from actors.messages_store import AgentRecord
+    from actors.runtime import Runtime
+    from runtime.config import Config
+    from runtime.home import KvmemHome
+
+__all__ = ["register", "TurnReport", "AgentSummary", "LineReader"]
+
+
+class TurnReport(msgspec.Struct, frozen=True, kw_only=True):
+    """One turn's reply and accounting: the ``kvmem chat --json`` object."""
+
+    agent: str
+    reply: str
+    tokens_reused: int
+    tokens_prefilled: int
+    tokens_generated: int
+    tier: str
+    ttft_ms: float
+    model: str
+    match: str
+    finish_reason: str
+
+
+class AgentSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """An agent known to the home folder (a ``kvmem agents --json`` row).
+
+    An agent keeps one cache per model: ``cached_tokens`` is the cache it used
+    last, ``disk_bytes`` counts all of them.
+    """
+
+    agent: str
+    model: str
+    turns: int
+    cached_tokens: int
+    disk_bytes: int
 
 
 def register(sub: Any) -> None:
@@ -45,25 +89,119 @@ def register(sub: Any) -> None:
     build.set_defaults(func=_build)
 
 
-def _session(args: argparse.Namespace) -> Any:
-    from runtime.chat import ChatSession
-    from runtime.home import KvmemHome, Settings
+# -- chat ---------------------------------------------------------------------------
 
-    kv_bits: Any = None
-    if args.kv_bits is not None:
-        kv_bits = 0 if args.kv_bits.lower() in ("float", "none", "0") else int(args.kv_bits)
-    settings = Settings.from_env(model=args.model, attention=args.attention, weights=args.weights)
-    if kv_bits is not None:
-        settings = Settings(**{**settings.__dict__, "kv_bits": kv_bits or None})
-    return ChatSession(KvmemHome(args.home), settings)
+CHAT_DEFAULTS: dict[str, Any] = {"prewarm_mb": 0}
+"""``kvmem chat``'s own defaults (below flags, environment and TOML). Pre-warming 512 MiB
+costs a one-shot chat process 0.4-2 s and ~500 MB of memory on a 2-core VM, more than it
+saves on a chat-sized turn; set ``prewarm_mb`` to pre-warm for long resumed conversations."""
 
 
-def _print_turn(report: Any, *, as_json: bool, streamed: bool) -> None:
+def _chat(args: argparse.Namespace) -> int:
+    import trio
+
+    config = config_from_args(args, **CHAT_DEFAULTS)
+    trio.run(_chat_session, args, config)
+    return 0
+
+
+async def _chat_session(args: argparse.Namespace, config: Config) -> None:
+    """One runtime for the whole session: later turns of an interactive chat are served hot."""
+    from actors import open_runtime
+    from runtime.home import KvmemHome
+
+    home = KvmemHome(config.home_path)
+    async with open_runtime(config) as rt:
+        if args.message is not None:
+            await _turn(rt, home, config, args, args.message)
+            return
+        stdin = LineReader(sys.stdin.fileno())
+        interactive = sys.stdin.isatty()
+        while True:
+            if interactive:
+                print(f"{args.agent}> ", end="", flush=True)
+            line = await stdin.readline()
+            if line is None or line.strip() in ("/exit", "/quit"):
+                return
+            if line.strip():
+                await _turn(rt, home, config, args, line)
+    # Leaving open_runtime has written every dirty cache to disk (also after Ctrl-C).
+
+
+class LineReader:
+    """Lines of text from a file descriptor, read without blocking the event loop.
+
+    Reading is no MLX work, so it runs on trio's thread pool. It uses
+    ``os.read`` rather than ``input()``: a read abandoned by Ctrl-C at the
+    prompt must not hold ``sys.stdin``'s lock, which the interpreter takes
+    again when it exits (a blocked ``input()`` there aborts the process).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buffer = b""
+        self._eof = False
+
+    async def readline(self) -> str | None:
+        """The next line without its line ending; None at end of input."""
+        import trio
+
+        while b"\n" not in self._buffer and not self._eof:
+            chunk = await trio.to_thread.run_sync(os.read, self._fd, 65536, abandon_on_cancel=True)
+            self._eof = not chunk
+            self._buffer += chunk
+        if not self._buffer:
+            return None
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.rstrip(b"\r").decode("utf-8", errors="replace")
+
+
+async def _turn(rt: Runtime, home: KvmemHome, config: Config, args: argparse.Namespace, message: str) -> None:
+    """Send ``message`` as the agent's next user turn; save the conversation; print the reply and accounting."""
+    from runtime.persist import safe_agent_dirname
+
+    name = safe_agent_dirname(args.agent)
+    convo = home.load_conversation(name)
+    messages: list[dict[str, Any]] = list(convo["messages"])
+    if args.system and not messages:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": message})
+    options: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    handle = rt.agent(args.agent)
+    if args.json:
+        result = await handle.send(messages, **options)
+    else:
+        async with handle.stream(messages, **options) as stream:
+            async for delta in stream:
+                print(delta, end="", flush=True)
+        print(flush=True)
+        assert stream.result is not None
+        result = stream.result
+    messages.append({"role": "assistant", "content": result.reply})
+    home.save_conversation(name, {"agent": args.agent, "model": config.model, "messages": messages})
+    _print_turn(_report(args.agent, result), as_json=args.json)
+
+
+def _report(agent: str, result: TurnResult) -> TurnReport:
+    u = result.usage
+    return TurnReport(
+        agent=agent,
+        reply=result.reply,
+        tokens_reused=u.tokens_reused,
+        tokens_prefilled=u.tokens_prefilled,
+        tokens_generated=u.tokens_generated,
+        tier=u.tier,
+        ttft_ms=round(u.ttft_ms, 2),
+        model=result.model,
+        match=u.match,
+        finish_reason=result.finish_reason,
+    )
+
+
+def _print_turn(report: TurnReport, *, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(report.to_json(), ensure_ascii=False), flush=True)
+        print(json.dumps(msgspec.to_builtins(report), ensure_ascii=False), flush=True)
         return
-    if not streamed:
-        print(report.reply)
     print(
         f"[{report.agent}] tier={report.tier} match={report.match} reused={report.tokens_reused} "
         f"prefilled={report.tokens_prefilled} generated={report.tokens_generated} "
@@ -73,38 +211,15 @@ def _print_turn(report: Any, *, as_json: bool, streamed: bool) -> None:
     )
 
 
-def _chat(args: argparse.Namespace) -> int:
-    from runtime.sampling import SamplingParams
-
-    session = _session(args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
-
-    def one(message: str) -> None:
-        stream = None if args.json else (lambda t: print(t, end="", flush=True))
-        report = session.turn(args.agent, message, system=args.system, params=params, on_text=stream)
-        if stream:
-            print(flush=True)
-        _print_turn(report, as_json=args.json, streamed=stream is not None)
-
-    if args.message is not None:
-        one(args.message)
-        return 0
-    interactive = sys.stdin.isatty()
-    while True:
-        try:
-            line = input(f"{args.agent}> " if interactive else "")
-        except EOFError:
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip():
-            one(line)
+# -- agents and forget ----------------------------------------------------------------
 
 
 def _agents(args: argparse.Namespace) -> int:
-    rows = _session(args).agents()
+    import trio
+
+    rows = trio.run(_list_agents, config_from_args(args))
     if args.json:
-        print(json.dumps([r.__dict__ for r in rows]))
+        print(json.dumps(msgspec.to_builtins(rows)))
         return 0
     if not rows:
         print("no agents yet")
@@ -115,21 +230,75 @@ def _agents(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _list_agents(config: Config) -> list[AgentSummary]:
+    from actors import open_runtime
+    from runtime.home import KvmemHome
+
+    async with open_runtime(config, preload=False) as rt:  # listing needs no model
+        records = await rt.list_agents()
+    return summarize_agents(KvmemHome(config.home_path), records)
+
+
+def summarize_agents(home: KvmemHome, records: list[AgentRecord]) -> list[AgentSummary]:
+    """Agents with a conversation in ``home`` or a cache among ``records`` (the store's, one per agent and model)."""
+    latest: dict[str, AgentRecord] = {}
+    disk_bytes: dict[str, int] = {}
+    for r in records:  # an agent's first record is the cache it used last
+        latest.setdefault(r.agent_id, r)
+        disk_bytes[r.agent_id] = disk_bytes.get(r.agent_id, 0) + r.disk_bytes
+    out = []
+    for path in sorted(home.root.joinpath("conversations").glob("*.json")):
+        convo = home.load_conversation(path.stem)
+        agent = str(convo.get("agent", path.stem))
+        record = latest.pop(agent, None)
+        turns = sum(1 for m in convo["messages"] if m.get("role") == "user")
+        out.append(AgentSummary(agent=agent, model=str(convo.get("model", "")), turns=turns,
+                                cached_tokens=record.num_tokens if record else 0,
+                                disk_bytes=disk_bytes.get(agent, 0)))
+    for agent, record in latest.items():
+        out.append(AgentSummary(agent=agent, model=record.model_tag, turns=0, cached_tokens=record.num_tokens,
+                                disk_bytes=disk_bytes[agent]))
+    return out
+
+
 def _forget(args: argparse.Namespace) -> int:
-    if _session(args).forget(args.agent):
+    import trio
+
+    if trio.run(_forget_agent, config_from_args(args), args.agent):
         print(f"forgot {args.agent}")
         return 0
     print(f"no agent named {args.agent!r}", file=sys.stderr)
     return 1
 
 
+async def _forget_agent(config: Config, agent: str) -> bool:
+    """Delete the agent's caches (every model's) and conversation; True if anything existed."""
+    import trio
+
+    from actors import open_runtime
+    from runtime.home import KvmemHome
+    from runtime.persist import CacheDirectory
+    from runtime.persist import safe_agent_dirname
+
+    name = safe_agent_dirname(agent)
+    async with open_runtime(config, preload=False) as rt:  # forgetting needs no model
+        had_cache = await rt.agent(agent).forget()
+    # The runtime is closed: nothing else in this process uses the cache directory now.
+    # Remove the blocks only the forgotten agent referenced (the store's Forget leaves them).
+    await trio.to_thread.run_sync(lambda: CacheDirectory(config.caches_path, fsync=config.fsync).collect_garbage())
+    return KvmemHome(config.home_path).delete_conversation(name) or had_cache
+
+
+# -- build-model ----------------------------------------------------------------------
+
+
 def _build(args: argparse.Namespace) -> int:
     from runtime.errors import ModelError
-    from runtime.home import KvmemHome
     from runtime.models import prepare_model_files
 
+    config = config_from_args(args)
     try:
-        print(prepare_model_files(args.name, KvmemHome(args.home).models_dir))
+        print(prepare_model_files(args.name, config.models_path))
     except ModelError as exc:
         print(f"kvmem: {exc}", file=sys.stderr)
         return 1

@@ -25,9 +25,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gateway.cli_common import add_model_options
+from gateway.cli_common import add_model_options, config_from_args
+
+if TYPE_CHECKING:
+    from runtime.config import Config
 
 __all__ = ["register"]
 
@@ -129,24 +132,24 @@ def _run(args: argparse.Namespace) -> int:
     if args.stop_after is not None and args.stop_after not in [p.name for p in spec.phases]:
         print(f"kvmem: --stop-after: no phase {args.stop_after!r} in {spec.name}", file=sys.stderr)
         return 2
-    settings = _settings(args)
-    home = KvmemHome(args.home)
+    config = config_from_args(args)
+    home = KvmemHome(config.home_path)
     options = RunOptions(
-        model=settings.model,
+        model=config.model,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         compare_cold=args.compare_cold,
         command=_command(),
     )
     state = new_run_state(spec, text, source=source, options=options)
-    state.environment = _environment(settings)
+    state.environment = _environment(config)
     run_dir = args.out or home.root / "scenarios" / state.run_id
     if (run_dir / STATE_FILE).exists():
         print(
             f"kvmem: {run_dir} already holds a run; continue it with: kvmem scenario resume {run_dir}", file=sys.stderr
         )
         return 2
-    return _drive(args, spec, state, run_dir, settings, fresh=args.fresh)
+    return _drive(args, spec, state, run_dir, config, fresh=args.fresh)
 
 
 def _resume(args: argparse.Namespace) -> int:
@@ -154,9 +157,10 @@ def _resume(args: argparse.Namespace) -> int:
     from actors.scenario.state import load_state
     from runtime.home import KvmemHome
 
+    config = config_from_args(args)
     run_dir = Path(args.run)
     if not run_dir.exists() and "/" not in args.run:
-        run_dir = KvmemHome(args.home).root / "scenarios" / args.run
+        run_dir = KvmemHome(config.home_path).root / "scenarios" / args.run
     try:
         state = load_state(run_dir)
     except FileNotFoundError:
@@ -169,35 +173,25 @@ def _resume(args: argparse.Namespace) -> int:
         write_outputs(run_dir, spec, state, plot=not args.no_plot)
         print(f"run {state.run_id} is already done (report: {run_dir / 'report.md'})")
         return 0
-    settings = _settings(args, default_model=state.options.model)
-    if settings.model != state.options.model:
+    if args.model is None:  # resume on the run's model, not on KVMEM_MODEL's or the TOML file's
+        config = config.replace(model=state.options.model)
+    if config.model != state.options.model:
         print(
-            f"warning: the run used model {state.options.model}, resuming on {settings.model}: "
+            f"warning: the run used model {state.options.model}, resuming on {config.model}: "
             "its caches will not match",
             file=sys.stderr,
         )
-        state.options.model = settings.model
+        state.options.model = config.model
     state.options.compare_cold = state.options.compare_cold or args.compare_cold
     state.sessions += 1
     state.environment[f"command (session {state.sessions})"] = _command()
-    return _drive(args, spec, state, run_dir, settings, fresh=False)
+    return _drive(args, spec, state, run_dir, config, fresh=False)
 
 
 # -- running ------------------------------------------------------------------
 
 
-def _settings(args: argparse.Namespace, default_model: str | None = None) -> Any:
-    from runtime.home import Settings
-
-    settings = Settings.from_env(model=args.model or default_model, attention=args.attention, weights=args.weights)
-    if args.kv_bits is not None:
-        raw = args.kv_bits.lower()
-        bits = None if raw in ("float", "none", "0") else int(raw)
-        settings = Settings(**{**settings.__dict__, "kv_bits": bits})
-    return settings
-
-
-def _drive(args: argparse.Namespace, spec: Any, state: Any, run_dir: Path, settings: Any, *, fresh: bool) -> int:
+def _drive(args: argparse.Namespace, spec: Any, state: Any, run_dir: Path, config: Config, *, fresh: bool) -> int:
     import trio
 
     from actors.scenario.report import build_report, write_outputs
@@ -208,13 +202,13 @@ def _drive(args: argparse.Namespace, spec: Any, state: Any, run_dir: Path, setti
         turns = sum(len(p.schedule()) for p in spec.phases)
         print(
             f"scenario {spec.name} ({spec.title or spec.name}): {len(spec.phases)} phases, {len(spec.agents)} agents, "
-            f"{turns} turns on {settings.model}",
+            f"{turns} turns on {config.model}",
             file=out,
         )
         print(f"run {state.run_id} -> {run_dir}", file=out, flush=True)
     interrupted = False
     try:
-        trio.run(_session, args, spec, state, run_dir, settings, fresh)
+        trio.run(_session, args, spec, state, run_dir, config, fresh)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -260,21 +254,11 @@ def _drive(args: argparse.Namespace, spec: Any, state: Any, run_dir: Path, setti
     return 0 if state.status in ("done", "stopped") else 1
 
 
-async def _session(args: argparse.Namespace, spec: Any, state: Any, run_dir: Path, settings: Any, fresh: bool) -> None:
+async def _session(args: argparse.Namespace, spec: Any, state: Any, run_dir: Path, config: Config, fresh: bool) -> None:
     from actors import open_runtime
     from actors.scenario.runner import ScenarioRunner, forget_permanent_agents
 
-    # "auto" (or an unset strategy) is the runtime's own default choice.
-    attention = {} if settings.attention in ("auto", None) else {"attention": settings.attention}
-    async with open_runtime(
-        settings.model,
-        home=args.home,
-        kv_bits=settings.kv_bits,
-        kv_group_size=settings.kv_group_size,
-        budget_mb=settings.budget_mb,
-        weights=settings.weights,
-        **attention,
-    ) as rt:
+    async with open_runtime(config) as rt:
         if fresh:
             for agent_id in await forget_permanent_agents(rt, spec):
                 if not args.json:
@@ -350,7 +334,7 @@ def _command() -> str:
     return "kvmem " + shlex.join(sys.argv[1:])
 
 
-def _environment(settings: Any) -> dict[str, Any]:
+def _environment(config: Config) -> dict[str, Any]:
     """The record of where and how a run was made (printed in its report)."""
     from importlib import metadata
 
@@ -387,16 +371,9 @@ def _environment(settings: Any) -> dict[str, Any]:
             env[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             pass
-    env["model"] = settings.model
-    kv = "float" if settings.kv_bits is None else f"Q{settings.kv_bits} (group {settings.kv_group_size})"
-    attention = settings.attention
-    if attention in ("auto", None):
-        import inspect
-
-        from actors.runtime import open_runtime
-
-        attention = f"{inspect.signature(open_runtime).parameters['attention'].default} (the runtime's default)"
-    env["kv"] = f"{kv}, attention {attention}"
+    env["model"] = config.model
+    kv = "float" if config.kv_bits is None else f"Q{config.kv_bits} (group {config.kv_group_size})"
+    env["kv"] = f"{kv}, attention {config.attention}"
     if "OPENBLAS_NUM_THREADS" in os.environ:
         env["OPENBLAS_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"]
     return env

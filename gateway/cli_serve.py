@@ -1,7 +1,7 @@
 """``kvmem serve``: the HTTP gateway (Anthropic, OpenAI and agent APIs) on one kvmem runtime.
 
 Settings come from flags > ``KVMEM_*`` environment variables > a TOML file
-(``--config``) > defaults; see :mod:`gateway.config`.
+(``--config``) > defaults; see :mod:`runtime.config`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from functools import partial
 from typing import Any
 
-from gateway.cli_common import add_model_options
+from gateway.cli_common import add_model_options, config_from_args
 
 __all__ = ["register"]
 
@@ -32,38 +32,15 @@ def register(sub: Any) -> None:
     p.add_argument("--api-key", help="require this key (x-api-key or Authorization: Bearer)")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")
     p.add_argument("--max-body-bytes", type=int, help="largest request body")
-    p.add_argument("--config", help="TOML file with settings (also $KVMEM_CONFIG)")
     p.set_defaults(func=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
     import trio
 
-    from gateway.config import ConfigError, load_config
     from gateway.server import ServerStarted, serve
 
-    cli = {
-        "model": args.model,
-        "models": args.models,
-        "host": args.host,
-        "port": args.port,
-        "home": str(args.home) if args.home else None,
-        "cache_dir": args.cache_dir,
-        "kv_bits": args.kv_bits,
-        "attention": args.attention,
-        "weights": args.weights,
-        "budget_mb": args.budget_mb,
-        "hot_budget_mb": args.hot_budget_mb,
-        "prewarm_mb": args.prewarm_mb,
-        "api_key": args.api_key,
-        "max_tokens_limit": args.max_tokens_limit,
-        "max_body_bytes": args.max_body_bytes,
-    }
-    try:
-        config = load_config(cli, config_file=args.config)
-    except ConfigError as exc:
-        print(f"kvmem serve: {exc}", file=sys.stderr)
-        return 2
+    config = config_from_args(args)  # a ConfigError is reported by gateway.cli
 
     def scenarios(rt: Any, nursery: trio.Nursery) -> list[Any]:
         from gateway.scenario_routes import scenario_routes

@@ -16,7 +16,6 @@ import logging
 import signal
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
@@ -26,7 +25,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from starlette.routing import BaseRoute
 
 from gateway.app import create_app
-from gateway.config import ServeConfig
+from runtime.config import Config
 
 if TYPE_CHECKING:
     from actors.runtime import Runtime
@@ -46,7 +45,7 @@ class ServerStarted(msgspec.Struct, frozen=True, kw_only=True):
         return self.urls[0]
 
 
-def hypercorn_config(config: ServeConfig) -> HypercornConfig:
+def hypercorn_config(config: Config) -> HypercornConfig:
     """Hypercorn settings for ``config`` (bind address, graceful timeout, quiet access log)."""
     hc = HypercornConfig()
     host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
@@ -58,7 +57,7 @@ def hypercorn_config(config: ServeConfig) -> HypercornConfig:
     return hc
 
 
-def exposure_warning(config: ServeConfig) -> str | None:
+def exposure_warning(config: Config) -> str | None:
     """A warning when ``config`` binds beyond loopback without an API key, else None."""
     if config.api_key:
         return None
@@ -86,7 +85,7 @@ RoutesFactory = Callable[["Runtime", trio.Nursery], Sequence[BaseRoute]]
 
 
 async def serve(
-    config: ServeConfig,
+    config: Config,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     extra_routes: RoutesFactory | None = None,
@@ -95,38 +94,22 @@ async def serve(
     """Run kvmem's HTTP server until shutdown (see the module docstring).
 
     Args:
-        config: the settings.
+        config: the settings (validated here).
         shutdown_trigger: returns when the server should stop (besides SIGINT/SIGTERM in the main thread).
         extra_routes: more routes for ``create_app`` (e.g. scenarios), built from the open runtime
             and a nursery that is cancelled when the HTTP server has stopped.
         task_status: started with a :class:`ServerStarted` once the port is open.
     """
-    from actors import (
-        open_runtime,  # the runtime loads MLX; the gateway modules never import it
-    )
-    from runtime.home import default_home
+    from actors import open_runtime  # the runtime loads MLX; the gateway modules never import it
 
+    config = config.replace()  # validated: tests and notebooks may construct a Config directly
     warning = exposure_warning(config)
     if warning:
         log.warning("%s", warning)
     shutdown = trio.Event()
-    home = config.home_path or default_home()
-    optional: dict[str, Any] = {"attention": config.attention} if config.attention is not None else {}
     async with open_runtime(
-        model=config.model,
-        models=config.models,
-        home=Path(config.cache_dir).expanduser() if config.cache_dir else home,
-        models_dir=home / "models",
-        kv_bits=config.kv_bits,
-        kv_group_size=config.kv_group_size,
-        weights=config.weights,
-        budget_mb=config.budget_mb,
-        hot_budget_mb=config.hot_budget_mb,
-        prewarm_mb=config.prewarm_mb,
-        idle_timeout_s=config.idle_timeout_s,
-        max_batch=config.max_batch,
+        config,
         handle_signals=False,
-        **optional,
     ) as rt:
         async with trio.open_nursery() as nursery:
             app = create_app(rt, config, extra_routes=extra_routes(rt, nursery) if extra_routes else ())

@@ -22,8 +22,8 @@ import trio
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.config import ServeConfig
 from gateway.errors import ApiError, from_decode_error, from_exception
+from runtime.config import Config
 from runtime.errors import InvalidAgentIdError
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class Gateway:
     """
 
     rt: Runtime
-    config: ServeConfig
+    config: Config
     models: tuple[str, ...]
     started_at: float = field(default_factory=time.time)
     http_requests: Counter[tuple[str, str, int]] = field(default_factory=Counter)

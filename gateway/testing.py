@@ -2,7 +2,7 @@
 
 ::
 
-    with ServerThread(ServeConfig(model="tiny-llama", port=0, cache_dir=tmp)) as server:
+    with ServerThread(Config(model="tiny-llama", port=0, cache_dir=tmp)) as server:
         httpx.get(server.url + "/healthz")
 
 The thread runs ``trio.run(serve, ...)``: hypercorn on a loopback port and the
@@ -20,8 +20,8 @@ from typing import Self
 
 import trio
 
-from gateway.config import ServeConfig
 from gateway.server import RoutesFactory, ServerStarted, serve
+from runtime.config import Config
 
 __all__ = ["ServerThread"]
 
@@ -36,7 +36,7 @@ class ServerThread:
     """
 
     def __init__(
-        self, config: ServeConfig, *, extra_routes: RoutesFactory | None = None, start_timeout_s: float = 120.0
+        self, config: Config, *, extra_routes: RoutesFactory | None = None, start_timeout_s: float = 120.0
     ) -> None:
         self.config = config
         self.extra_routes = extra_routes

@@ -26,7 +26,7 @@ TAG = "fake-a@0000/fake"
 
 def _open(tmp_path: Path, engine: FakeEngine | None = None, **kw):
     kw.setdefault("handle_signals", False)
-    return open_runtime("fake-a", home=tmp_path, engine=engine or FakeEngine(), fsync=False, **kw)
+    return open_runtime(model="fake-a", home=tmp_path, engine=engine or FakeEngine(), fsync=False, **kw)
 
 
 def _disk(tmp_path: Path) -> CacheDirectory:
@@ -169,7 +169,7 @@ async def test_cancelling_the_runtime_flushes_completed_turns(tmp_path):
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
 async def test_sigterm_flushes_and_exits(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
-        async with open_runtime("fake-a", home=tmp_path, engine=FakeEngine(), fsync=False) as rt:
+        async with open_runtime(model="fake-a", home=tmp_path, engine=FakeEngine(), fsync=False) as rt:
             await rt.agent("sig").send_prompt("before the signal", max_tokens=3)
             os.kill(os.getpid(), signal.SIGTERM)
             await trio.sleep(10)
@@ -296,7 +296,7 @@ async def test_a_default_model_that_does_not_load_fails_open_runtime(tmp_path):
     from runtime.errors import ModelError
 
     with pytest.raises(ModelError):
-        async with open_runtime("not-a-fake", home=tmp_path, engine=FakeEngine(), handle_signals=False):
+        async with open_runtime(model="not-a-fake", home=tmp_path, engine=FakeEngine(), handle_signals=False):
             pass
 
 

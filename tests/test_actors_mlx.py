@@ -33,7 +33,7 @@ TOPICS = [
 
 def _open(home: Path, model: str, **kw):
     kw.setdefault("handle_signals", False)
-    return open_runtime(model, home=home, models_dir=models_dir(), fsync=False, **kw)
+    return open_runtime(model=model, home=home, models_dir=models_dir(), fsync=False, **kw)
 
 
 def _conversation(i: int, reply: str | None) -> list[dict[str, str]]:

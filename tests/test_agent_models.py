@@ -39,7 +39,7 @@ TAG_B = "fake-b@0000/fake"
 
 def _fake_runtime(home: Path, engine: FakeEngine | None = None):
     return open_runtime(
-        "fake-a", home=home, engine=engine or FakeEngine(), fsync=False, handle_signals=False, models=["fake-b"]
+        model="fake-a", home=home, engine=engine or FakeEngine(), fsync=False, handle_signals=False, models=["fake-b"]
     )
 
 
@@ -160,7 +160,7 @@ async def test_the_hot_tier_keeps_one_cache_per_agent_and_model(tmp_path: Path) 
 
 def _mlx_runtime(home: Path):
     return open_runtime(
-        "tiny-llama", home=home, models_dir=models_dir(), fsync=False, handle_signals=False, models=["tiny-qwen2"]
+        model="tiny-llama", home=home, models_dir=models_dir(), fsync=False, handle_signals=False, models=["tiny-qwen2"]
     )
 
 

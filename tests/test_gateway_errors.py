@@ -12,8 +12,8 @@ import openai
 import pytest
 from conftest import models_dir
 
-from gateway.config import ServeConfig
 from gateway.testing import ServerThread
+from runtime.config import Config
 
 MODEL = "tiny-llama"
 LIMIT = 64 * 1024
@@ -22,7 +22,7 @@ MSG = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    config = ServeConfig(model=MODEL, port=0, home=str(models_dir().parent),
+    config = Config(model=MODEL, port=0, home=str(models_dir().parent),
                          cache_dir=str(tmp_path_factory.mktemp("caches")), max_tokens_limit=128,
                          max_body_bytes=LIMIT, graceful_timeout_s=1, budget_mb=1)  # 1 MiB: ~256 tokens
     with ServerThread(config) as running:

@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gateway.config import ServeConfig
 from gateway.testing import ServerThread
+from runtime.config import Config
 
 MODEL = "tiny-llama"
 KEY = "test-key"
@@ -46,7 +46,7 @@ def no_template_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, no_template_model: Path) -> Iterator[ServerThread]:
-    config = ServeConfig(
+    config = Config(
         model=MODEL,
         models=(str(no_template_model),),
         port=0,

@@ -1,4 +1,4 @@
-"""Gateway pieces without a server: configuration sources, identity, error shapes, SSE framing, imports."""
+"""Gateway pieces without a server: identity, error shapes, SSE framing, imports (configuration: test_config.py)."""
 
 from __future__ import annotations
 
@@ -12,59 +12,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gateway.config import ConfigError, ServeConfig, load_config
 from gateway.errors import ApiError, error_dict, from_decode_error
 from gateway.identity import conversation_id, resolve_agent_id
 from gateway.schemas_anthropic import messages_decoder
 from gateway.sse import sse, sse_data
+from runtime.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-# -- configuration -----------------------------------------------------------------
-
-
-def test_config_defaults_bind_loopback() -> None:
-    config = load_config({}, env={})
-    assert config == ServeConfig()
-    assert config.host == "127.0.0.1" and config.port == 8000 and config.api_key is None
-
-
-def test_config_precedence_flags_over_env_over_toml(tmp_path: Path) -> None:
-    toml = tmp_path / "kvmem.toml"
-    toml.write_text('model = "from-toml"\nport = 9001\nbudget_mb = 100\nmodels = ["a", "b"]\napi_key = "t"\n')
-    env = {"KVMEM_PORT": "9002", "KVMEM_BUDGET_MB": "200", "KVMEM_KV_BITS": "float", "KVMEM_CONFIG": str(toml)}
-    config = load_config({"port": 9003, "model": None}, env=env)
-    assert config.model == "from-toml"  # only the TOML names it (a None flag is "not given")
-    assert config.port == 9003  # flag > env > TOML
-    assert config.budget_mb == 200  # env > TOML
-    assert config.kv_bits is None and config.models == ("a", "b") and config.api_key == "t"
-    assert load_config({}, env={"KVMEM_MODELS": "x, y"}).models == ("x", "y")
-
-
-def test_config_toml_serve_table_and_explicit_file_wins_over_env_file(tmp_path: Path) -> None:
-    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
-    a.write_text("port = 1\n")
-    b.write_text("[serve]\nport = 2\n")
-    assert load_config({}, env={"KVMEM_CONFIG": str(a)}, config_file=b).port == 2
-
-
-@pytest.mark.parametrize(
-    ("toml", "env", "needle"),
-    [
-        ("port = 70000\n", {}, "port"),
-        ('port = "x"\n', {}, "port"),
-        ("colour = 1\n", {}, "colour"),
-        ("", {"KVMEM_KV_BITS": "3"}, "kv_bits"),
-        ("", {"KVMEM_ATTENTION": "fast"}, "attention"),
-        ("model = [\n", {}, "TOML"),
-    ],
-)
-def test_bad_settings_name_themselves(tmp_path: Path, toml: str, env: dict[str, str], needle: str) -> None:
-    path = tmp_path / "c.toml"
-    path.write_text(toml)
-    with pytest.raises(ConfigError, match=needle):
-        load_config({}, env=env, config_file=path)
 
 
 # -- identity --------------------------------------------------------------------
@@ -95,11 +49,11 @@ def test_explicit_identity_wins_over_the_hash() -> None:
 async def test_an_id_that_cannot_name_a_cache_is_a_400_naming_where_it_came_from(tmp_path) -> None:
     from actors import open_runtime
     from fake_engine import FakeEngine
-    from gateway.config import ServeConfig
+    from runtime.config import Config
     from gateway.state import Gateway
 
-    async with open_runtime("fake-a", home=tmp_path, engine=FakeEngine(), fsync=False, handle_signals=False) as rt:
-        gw = Gateway(rt=rt, config=ServeConfig(model="fake-a"), models=("fake-a",))
+    async with open_runtime(model="fake-a", home=tmp_path, engine=FakeEngine(), fsync=False, handle_signals=False) as rt:
+        gw = Gateway(rt=rt, config=Config(model="fake-a"), models=("fake-a",))
         assert gw.agent("fine").agent_id == "fine"
         with pytest.raises(ApiError) as bad:
             gw.agent("a\x00b", param="X-Agent-ID")
@@ -153,10 +107,10 @@ def test_gateway_never_imports_mlx() -> None:
 def test_model_names_unknown_ones_are_404_unless_any_model_is_accepted() -> None:
     from gateway.state import Gateway
 
-    strict = Gateway(rt=None, config=ServeConfig(), models=("m", "other"))  # type: ignore[arg-type]
+    strict = Gateway(rt=None, config=Config(), models=("m", "other"))  # type: ignore[arg-type]
     assert strict.model_for(None) is None and strict.model_for("m") is None and strict.model_for("other") == "other"
     with pytest.raises(ApiError) as unknown:
         strict.model_for("claude-x")
     assert unknown.value.status == 404 and unknown.value.code == "model_not_found"
-    lenient = Gateway(rt=None, config=ServeConfig(accept_any_model=True), models=("m",))  # type: ignore[arg-type]
+    lenient = Gateway(rt=None, config=Config(accept_any_model=True), models=("m",))  # type: ignore[arg-type]
     assert lenient.model_for("claude-x") is None

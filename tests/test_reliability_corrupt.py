@@ -21,14 +21,14 @@ import httpx
 import pytest
 from conftest import models_dir
 
-from gateway.config import ServeConfig
 from gateway.testing import ServerThread
+from runtime.config import Config
 
 MODEL = "tiny-llama"
 
 
-def _config(cache_dir: Path) -> ServeConfig:
-    return ServeConfig(model=MODEL, port=0, home=str(models_dir().parent), cache_dir=str(cache_dir),
+def _config(cache_dir: Path) -> Config:
+    return Config(model=MODEL, port=0, home=str(models_dir().parent), cache_dir=str(cache_dir),
                        budget_mb=128, hot_budget_mb=32, graceful_timeout_s=2)
 
 

@@ -20,15 +20,15 @@ import pytest
 from conftest import models_dir
 
 import actors.cache_store
-from gateway.config import ServeConfig
 from gateway.testing import ServerThread
+from runtime.config import Config
 from runtime.persist import CacheDirectory
 
 MODEL = "tiny-llama"
 
 
-def _config(cache_dir: Path) -> ServeConfig:
-    return ServeConfig(model=MODEL, port=0, home=str(models_dir().parent), cache_dir=str(cache_dir),
+def _config(cache_dir: Path) -> Config:
+    return Config(model=MODEL, port=0, home=str(models_dir().parent), cache_dir=str(cache_dir),
                        budget_mb=128, hot_budget_mb=32, graceful_timeout_s=2)
 
 

@@ -14,12 +14,12 @@ from conftest import models_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benches/ is not an installed package
 from benches.load import mismatches, reference, run_load, summary
-from gateway.config import ServeConfig
 from gateway.testing import ServerThread
+from runtime.config import Config
 
 
 def test_eight_concurrent_agents_get_their_own_replies(tmp_path: Path) -> None:
-    config = ServeConfig(model="tiny-llama", port=0, home=str(models_dir().parent), cache_dir=str(tmp_path),
+    config = Config(model="tiny-llama", port=0, home=str(models_dir().parent), cache_dir=str(tmp_path),
                          budget_mb=128, hot_budget_mb=32, graceful_timeout_s=2)
     with ServerThread(config) as server:
         ref = trio.run(lambda: reference(server.url, 8, 3, max_tokens=8))

@@ -17,7 +17,7 @@ MODEL = "tiny-llama"
 
 
 def _open(home: Path):
-    return open_runtime(MODEL, home=home, models_dir=models_dir(), fsync=False, handle_signals=False)
+    return open_runtime(model=MODEL, home=home, models_dir=models_dir(), fsync=False, handle_signals=False)
 
 
 def _client(app: Starlette) -> httpx.AsyncClient:

@@ -29,7 +29,7 @@ MODEL = "tiny-llama"
 
 
 def _open(home: Path, **kw: Any):
-    return open_runtime(MODEL, home=home, models_dir=models_dir(), fsync=False, handle_signals=False, **kw)
+    return open_runtime(model=MODEL, home=home, models_dir=models_dir(), fsync=False, handle_signals=False, **kw)
 
 
 class SpyRuntime:

@@ -32,10 +32,10 @@ import pytest
 from conftest import models_dir
 
 import gateway.app
-from gateway.config import ServeConfig
 from gateway.identity import conversation_id
 from gateway.server import exposure_warning
 from gateway.testing import ServerThread
+from runtime.config import Config
 
 MODEL = "tiny-llama"
 KEY = "security-key-0123456789"
@@ -48,7 +48,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(root: Path) -> Iterator[ServerThread]:
-    config = ServeConfig(model=MODEL, port=0, home=str(models_dir().parent), cache_dir=str(root / "kv"),
+    config = Config(model=MODEL, port=0, home=str(models_dir().parent), cache_dir=str(root / "kv"),
                          api_key=KEY, max_tokens_limit=64, budget_mb=128, hot_budget_mb=32, graceful_timeout_s=2)
     with ServerThread(config) as running:
         yield running
@@ -64,13 +64,13 @@ def http(server: ServerThread) -> Iterator[httpx.Client]:
 
 
 def test_the_default_bind_is_loopback_and_other_binds_without_a_key_warn() -> None:
-    assert ServeConfig().host == "127.0.0.1"
+    assert Config().host == "127.0.0.1"
     for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"):
-        assert exposure_warning(ServeConfig(host=host)) is None, host
+        assert exposure_warning(Config(host=host)) is None, host
     for host in ("0.0.0.0", "::", "192.168.1.10", "example.org"):
-        message = exposure_warning(ServeConfig(host=host))
+        message = exposure_warning(Config(host=host))
         assert message is not None and "API key" in message, host
-        assert exposure_warning(ServeConfig(host=host, api_key="k")) is None
+        assert exposure_warning(Config(host=host, api_key="k")) is None
 
 
 def _paths(http: httpx.Client) -> list[tuple[str, str]]:
@@ -264,15 +264,15 @@ def test_serve_logs_the_warning_before_anything_binds(monkeypatch: pytest.Monkey
     class Stop(Exception):
         pass
 
-    def refuse(**kwargs: Any) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
         raise Stop  # nothing is loaded or bound: this test never listens beyond loopback
 
     monkeypatch.setattr(actors, "open_runtime", refuse)
     caplog.set_level(logging.WARNING, logger="kvmem.server")
     with pytest.raises(Stop):
-        trio.run(serve, ServeConfig(host="0.0.0.0", port=0))
+        trio.run(serve, Config(host="0.0.0.0", port=0))
     assert "without an API key" in caplog.text
     caplog.clear()
     with pytest.raises(Stop):
-        trio.run(serve, ServeConfig(host="127.0.0.1", port=0))
+        trio.run(serve, Config(host="127.0.0.1", port=0))
     assert "without an API key" not in caplog.text

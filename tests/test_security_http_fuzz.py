@@ -25,9 +25,9 @@ from conftest import models_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.config import ServeConfig
 from gateway.state import DRAIN_BYTES
 from gateway.testing import ServerThread
+from runtime.config import Config
 
 MODEL = "tiny-llama"
 LIMIT = 64 * 1024
@@ -37,7 +37,7 @@ CASES = {"n": 0, "by_status": {}}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    config = ServeConfig(model=MODEL, port=0, home=str(models_dir().parent),
+    config = Config(model=MODEL, port=0, home=str(models_dir().parent),
                          cache_dir=str(tmp_path_factory.mktemp("fuzz")), max_tokens_limit=16,
                          default_max_tokens=8, max_body_bytes=LIMIT, budget_mb=128, hot_budget_mb=32,
                          graceful_timeout_s=2)

@@ -1,0 +1,256 @@
+"""kvmem's one configuration: :class:`Config`, read once at the edge and handed down.
+
+Every setting has one name, used as the TOML key, as the environment variable
+(``KVMEM_`` + the name in upper case) and, with dashes, as the command-line
+flag. :func:`load_config` merges the sources, highest first::
+
+    flags  >  KVMEM_* environment  >  TOML file  >  defaults
+
+    # kvmem.toml  (kvmem serve --config kvmem.toml, or KVMEM_CONFIG=kvmem.toml)
+    model = "kvmem-default"
+    models = ["tiny-llama"]          # KVMEM_MODELS=tiny-llama,tiny-qwen2
+    kv_bits = 4                      # 4, 8 or "float"
+    port = 8000
+    budget_mb = 2048
+    api_key = "secret"
+
+Keys may sit at the top level or under ``[serve]``. Values are validated with
+msgspec (types and ranges); a bad value or an unknown name is a
+:class:`ConfigError` that names the setting. ``kvmem serve``, ``kvmem chat``,
+``kvmem agents``, ``kvmem forget`` and ``kvmem scenario`` load a ``Config``
+once; ``actors.open_runtime(config, **overrides)`` and the HTTP gateway take it
+as it is. Python callers override single fields with :meth:`Config.replace`
+(validated the same way).
+
+This module imports msgspec and the standard library only (no mlx, no trio),
+so every layer can use it.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+__all__ = ["Config", "ConfigError", "load_config", "default_home", "FIELDS", "ENV_PREFIX", "CONFIG_ENV"]
+
+ENV_PREFIX = "KVMEM_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+"""The environment variable naming a TOML file (``--config`` wins over it)."""
+
+Attention = Literal["auto", "at-rest", "native"]
+Weights = Literal["auto", "float32", "float16", "bfloat16", "quantized"]
+
+
+class ConfigError(ValueError):
+    """A setting has a bad value or an unknown name, or the TOML file cannot be read."""
+
+
+def default_home() -> Path:
+    """``$KVMEM_HOME`` when set, else ``$XDG_DATA_HOME/kvmem`` (``~/.local/share/kvmem``)."""
+    if env := os.environ.get(ENV_PREFIX + "HOME"):
+        return Path(env).expanduser()
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "kvmem"
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Every kvmem setting: the runtime's and the HTTP server's.
+
+    Build one with :func:`load_config` (flags, environment, TOML) or
+    ``Config().replace(...)``; both validate. Constructing ``Config(...)``
+    directly does not check types (msgspec's rule): :func:`actors.open_runtime`
+    validates what it is given.
+
+    Attributes:
+        model: the default model: ``kvmem-default``, a ``.gguf`` file, a model
+            folder, a Hugging Face id or a tiny test model's name.
+        models: other models requests may name (the runtime swaps to them).
+        weights: how GGUF weights are held: ``auto`` (float32 on CPU, as stored on
+            GPU backends), ``float32``, ``float16``, ``bfloat16`` or ``quantized``.
+        model_idle_s: unload the model after this long without requests (None: never).
+        home: the kvmem home (built models, caches, conversations); None:
+            ``$KVMEM_HOME`` or ``~/.local/share/kvmem`` (:func:`default_home`).
+        cache_dir: a folder for the KV caches (``<cache_dir>/caches``) instead of the home.
+        models_dir: where models are built (default ``<home>/models``).
+        fsync: fsync cache files (turn off only for throwaway caches).
+        kv_bits: 4 or 8 (quantized KV at rest) or None (float KV; ``"float"`` in
+            the environment, TOML and flags).
+        kv_group_size: quantization group size.
+        attention: ``auto`` (at-rest on CPU, native on GPU backends), ``at-rest``
+            (Q4 at rest, float while a sequence runs; fastest on CPU) or
+            ``native`` (attend on packed Q4 with MLX's quantized SDPA).
+        budget_mb: KV memory for running sequences (admission, batch size), MiB.
+        hot_budget_mb: memory for idle caches kept in RAM (the hot tier), MiB.
+        prewarm_mb: memory touched once at the first model load and kept, so the
+            first turn after a start is as fast as later ones (Linux; 0: off).
+        max_batch: most sequences decoding at once.
+        prefill_chunk: tokens per prefill chunk (None: adaptive, 512/256/128 by context).
+        idle_timeout_s: an agent's actor stops after this long without requests.
+        host, port: where ``kvmem serve`` listens; loopback by default, port 0 picks a free port.
+        api_key: when set, every HTTP route but ``/healthz`` requires it
+            (``x-api-key: K`` or ``Authorization: Bearer K``).
+        accept_any_model: serve requests naming an unknown model with the default
+            model instead of answering 404 (for clients with a hard-coded model name).
+        max_body_bytes: request bodies above this get 413.
+        max_tokens_limit: requests asking for more new tokens get 400.
+        default_max_tokens: new tokens when an OpenAI request names no limit.
+        graceful_timeout_s: on shutdown, how long running requests may finish.
+    """
+
+    # -- models
+    model: str = "kvmem-default"
+    models: tuple[str, ...] = ()
+    weights: Weights = "auto"
+    model_idle_s: Annotated[float, Meta(gt=0)] | None = None
+    # -- where things live
+    home: str | None = None
+    cache_dir: str | None = None
+    models_dir: str | None = None
+    fsync: bool = True
+    # -- KV format
+    kv_bits: Literal[4, 8] | None = 4
+    kv_group_size: Literal[32, 64, 128] = 64
+    attention: Attention = "auto"
+    # -- memory and scheduling
+    budget_mb: Annotated[float, Meta(gt=0)] = 2048
+    hot_budget_mb: Annotated[float, Meta(gt=0)] = 512
+    prewarm_mb: Annotated[float, Meta(ge=0)] = 512
+    max_batch: Annotated[int, Meta(ge=1, le=1024)] = 32
+    prefill_chunk: Annotated[int, Meta(ge=1)] | None = None
+    idle_timeout_s: Annotated[float, Meta(gt=0)] = 300.0
+    # -- HTTP server
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8000
+    api_key: str | None = None
+    accept_any_model: bool = False
+    max_body_bytes: Annotated[int, Meta(ge=1024)] = 4 * 2**20
+    max_tokens_limit: Annotated[int, Meta(ge=1)] = 4096
+    default_max_tokens: Annotated[int, Meta(ge=1)] = 512
+    graceful_timeout_s: Annotated[float, Meta(ge=0)] = 10.0
+
+    @property
+    def home_path(self) -> Path:
+        """The home folder: ``home``, else :func:`default_home`."""
+        return Path(self.home).expanduser() if self.home else default_home()
+
+    @property
+    def models_path(self) -> Path:
+        """Where models are built: ``models_dir``, else ``<home>/models``."""
+        return Path(self.models_dir).expanduser() if self.models_dir else self.home_path / "models"
+
+    @property
+    def caches_path(self) -> Path:
+        """The cache directory: ``<cache_dir>/caches``, else ``<home>/caches``."""
+        return (Path(self.cache_dir).expanduser() if self.cache_dir else self.home_path) / "caches"
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` applied, all fields validated.
+
+        Values are normalized as from the environment (``kv_bits="float"`` or 0
+        is None, a path becomes its string, ``models="a,b"`` a tuple).
+
+        Raises:
+            TypeError: a name that is not a setting (the message names it).
+            ConfigError: a bad value (the message names the setting).
+        """
+        unknown = sorted(set(changes) - set(FIELDS))
+        if unknown:
+            raise TypeError(f"unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                            f"known: {', '.join(FIELDS)}")
+        return _validated({**msgspec.structs.asdict(self), **changes})
+
+
+FIELDS: tuple[str, ...] = Config.__struct_fields__
+_BOOLS = frozenset({"fsync", "accept_any_model"})
+_NONE_WORDS = ("", "none", "null")
+
+
+def _normalize(key: str, value: Any) -> Any:
+    """One normalization for every source: environment-style strings, paths, ``kv_bits`` spellings."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if key == "kv_bits":
+        if isinstance(value, str):
+            raw = value.strip().lower()
+            return None if raw in (*_NONE_WORDS, "float", "0") else raw
+        return None if value == 0 else value
+    if not isinstance(value, str):
+        return value
+    if key == "models":
+        return [m.strip() for m in value.split(",") if m.strip()]
+    if key in _BOOLS:
+        raw = value.strip().lower()
+        if raw in ("1", "true", "yes", "on"):
+            return True
+        if raw in ("0", "false", "no", "off"):
+            return False
+        return value  # validation names it
+    if key in ("model_idle_s", "prefill_chunk", "api_key") and value.strip().lower() in _NONE_WORDS:
+        return None
+    return value
+
+
+def _validated(values: Mapping[str, Any]) -> Config:
+    normalized = {k: _normalize(k, v) for k, v in values.items()}
+    try:
+        return msgspec.convert(normalized, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"bad setting: {exc}") from exc
+
+
+def _from_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    table = data["serve"] if isinstance(data.get("serve"), dict) else data
+    unknown = sorted(set(table) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown settings {unknown}; known: {sorted(FIELDS)}")
+    return dict(table)
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    return {key: env[ENV_PREFIX + key.upper()] for key in FIELDS if ENV_PREFIX + key.upper() in env}
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> Config:
+    """Merge the sources (flags > environment > TOML > defaults) into a validated :class:`Config`.
+
+    Args:
+        flags: values by setting name; None means "not given".
+        env: the environment (default ``os.environ``); ``KVMEM_CONFIG`` names a TOML file.
+        config_file: a TOML file (wins over ``KVMEM_CONFIG``); keys at the top level or under ``[serve]``.
+        defaults: a command's own defaults, below every source but above :class:`Config`'s
+            (``kvmem chat`` does not pre-warm memory unless told to).
+
+    Raises:
+        ConfigError: a bad value or an unknown name (the message names the setting), or an unreadable file.
+    """
+    env = os.environ if env is None else env
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    unknown = sorted((set(given) | set(defaults or {})) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown settings {unknown}; known: {sorted(FIELDS)}")
+    merged: dict[str, Any] = dict(defaults or {})
+    path = config_file or env.get(CONFIG_ENV)
+    if path:
+        merged.update(_from_toml(Path(path).expanduser()))
+    merged.update(_from_env(env))
+    merged.update(given)
+    return _validated(merged)
