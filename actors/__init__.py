@@ -7,7 +7,7 @@
     async with open_runtime(model="kvmem-default") as rt:
         result = await rt.agent("alice").send([{"role": "user", "content": "Hi"}])
 
-See :mod:`actors.runtime` for the API (streaming, cancellation, shutdown) and
+See :mod:`actors.supervisor` for the API (streaming, cancellation, shutdown) and
 each actor's module for its mailbox. Exports are loaded lazily, so importing a
 submodule such as :mod:`actors.scheduler` (plain Python) pulls in neither trio
 nor MLX.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from actors.client import AgentHandle, TurnFailedError, TurnStream
     from actors.messages_agent import TurnResult, TurnUsage
-    from actors.runtime import Runtime, RuntimeStats, open_runtime
+    from actors.supervisor import Runtime, RuntimeStats, open_runtime
 
 __all__ = [
     "open_runtime",
@@ -35,11 +35,11 @@ __all__ = [
 ]
 
 _EXPORTS = {
-    "open_runtime": "actors.runtime",
-    "Runtime": "actors.runtime",
+    "open_runtime": "actors.supervisor",
+    "Runtime": "actors.supervisor",
     "AgentHandle": "actors.client",
     "TurnStream": "actors.client",
-    "RuntimeStats": "actors.runtime",
+    "RuntimeStats": "actors.supervisor",
     "TurnFailedError": "actors.client",
     "TurnResult": "actors.messages_agent",
     "TurnUsage": "actors.messages_agent",

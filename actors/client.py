@@ -1,4 +1,4 @@
-"""The client side of a turn: ``AgentHandle`` and ``TurnStream`` (see :mod:`actors.runtime`).
+"""The client side of a turn: ``AgentHandle`` and ``TurnStream`` (see :mod:`actors.supervisor`).
 
 Handles build :class:`actors.messages_agent.Turn` messages, hand them to the
 runtime's agent mailboxes and turn ``Failed`` replies back into exceptions.

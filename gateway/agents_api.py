@@ -29,7 +29,9 @@ from starlette.routing import Route
 from actors.client import AgentHandle
 from actors.messages_agent import ChatTurn
 from actors.messages_store import AgentRecord
-from gateway.errors import ApiError, error_dict, from_exception
+from gateway.context import CLIENT_GONE, Gateway
+from gateway.errors import ApiError, error_dict, from_exception, runtime_errors
+from gateway.headers import header_safe, kvmem_headers, request_id
 from gateway.schemas_agents import (
     AgentInfo,
     AgentList,
@@ -39,14 +41,6 @@ from gateway.schemas_agents import (
     turn_decoder,
 )
 from gateway.sse import Emit, EventStreamResponse, sse
-from gateway.state import (
-    CLIENT_GONE,
-    Gateway,
-    header_safe,
-    kvmem_headers,
-    request_id,
-    runtime_errors,
-)
 
 __all__ = ["routes"]
 

@@ -41,21 +41,22 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import agents_api, anthropic_api, openai_api
+from gateway.context import Gateway
 from gateway.errors import ApiError, error_body, flavor_of
+from gateway.headers import REQUEST_ID_KEY, request_id
 from gateway.metrics import CONTENT_TYPE, render_metrics
 from gateway.openapi import openapi_document
-from gateway.state import REQUEST_ID_KEY, Gateway, request_id
 from runtime.config import Config
 
 if TYPE_CHECKING:
-    from actors.runtime import Runtime
+    from actors.supervisor import Runtime
 
 __all__ = ["create_app", "GATEWAY_KEY"]
 
 log = logging.getLogger("kvmem.gateway")
 
 GATEWAY_KEY = "kvmem_gateway"
-"""``app.state`` attribute holding the :class:`gateway.state.Gateway` (for extra routes)."""
+"""``app.state`` attribute holding the :class:`gateway.context.Gateway` (for extra routes)."""
 
 
 def _version() -> str:
@@ -160,7 +161,7 @@ def create_app(rt: Runtime, settings: Config, *, extra_routes: Sequence[BaseRout
         rt: an open runtime (``actors.open_runtime``); the app only calls its public API.
         settings: limits, the API key and the model names (``settings.model`` first).
         extra_routes: more routes (e.g. scenarios); ``request.app.state.kvmem_gateway`` is the
-            shared :class:`gateway.state.Gateway`.
+            shared :class:`gateway.context.Gateway`.
     """
     models = tuple(dict.fromkeys([settings.model, *settings.models]))
     gw = Gateway(rt=rt, config=settings, models=models)

@@ -24,7 +24,7 @@ from gateway.cli_common import add_model_options, config_from_args
 if TYPE_CHECKING:
     from actors.messages_agent import TurnResult
     from actors.messages_store import AgentRecord
-    from actors.runtime import Runtime
+    from actors.supervisor import Runtime
     from runtime.config import Config
     from runtime.home import KvmemHome
 

@@ -13,13 +13,24 @@ A ``msgspec.ValidationError`` becomes a 400 whose ``param`` is the JSON path it 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import msgspec
 
 from runtime.errors import BudgetExceededError, InvalidAgentIdError, ModelError
 
-__all__ = ["ApiError", "Flavor", "flavor_of", "error_dict", "error_body", "from_exception", "from_decode_error"]
+__all__ = [
+    "ApiError",
+    "Flavor",
+    "flavor_of",
+    "error_dict",
+    "error_body",
+    "from_exception",
+    "from_decode_error",
+    "runtime_errors",
+]
 
 Flavor = Literal["anthropic", "openai", "kvmem"]
 
@@ -125,3 +136,14 @@ def from_exception(exc: Exception) -> ApiError:
         if exc.kind.startswith("Template") or exc.kind == "UndefinedError":
             return ApiError(400, "invalid_request", f"the chat template cannot render these messages: {exc}")
     return ApiError(500, "api_error", f"internal error: {type(exc).__name__}: {exc}")
+
+
+@contextmanager
+def runtime_errors() -> Iterator[None]:
+    """Turn exceptions of a runtime call into :class:`ApiError` (4xx for the client's mistakes)."""
+    try:
+        yield
+    except ApiError:
+        raise
+    except Exception as exc:
+        raise from_exception(exc) from exc

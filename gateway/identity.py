@@ -14,7 +14,7 @@ share a cache only if they begin with the same system prompt *and* the same
 first message — in which case their prompts are identical up to there anyway.
 
 An id is checked once, where it enters the actors (``Runtime.agent``, through
-:meth:`gateway.state.Gateway.agent`, which names the header or field it came
+:meth:`gateway.context.Gateway.agent`, which names the header or field it came
 from in the 400): :class:`AgentRef` carries that name along.
 """
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from actors.metrics import HistogramSnapshot
 
 if TYPE_CHECKING:
-    from actors.runtime import RuntimeStats
+    from actors.supervisor import RuntimeStats
 
 __all__ = ["render_metrics", "CONTENT_TYPE"]
 

@@ -21,7 +21,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.errors import ApiError, error_dict, from_exception
+from gateway.context import CLIENT_GONE, Gateway
+from gateway.errors import ApiError, error_dict, from_exception, runtime_errors
+from gateway.headers import header_safe, kvmem_extras, kvmem_headers, request_id
 from gateway.identity import resolve_agent_id
 from gateway.schemas_openai import (
     AssistantMessage,
@@ -37,15 +39,6 @@ from gateway.schemas_openai import (
     chat_decoder,
 )
 from gateway.sse import Emit, EventStreamResponse, sse_data
-from gateway.state import (
-    CLIENT_GONE,
-    Gateway,
-    header_safe,
-    kvmem_extras,
-    kvmem_headers,
-    request_id,
-    runtime_errors,
-)
 
 __all__ = ["routes", "to_chat", "usage_of", "finish_reason_of"]
 

@@ -37,7 +37,7 @@ from actors.scenario.spec import ScenarioError
 if TYPE_CHECKING:
     import trio
 
-    from actors.runtime import Runtime
+    from actors.supervisor import Runtime
 
 __all__ = ["scenario_routes", "ScenarioRequest"]
 

@@ -24,11 +24,12 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 from starlette.routing import BaseRoute
 
+from actors.signals import watch_signals
 from gateway.app import create_app
 from runtime.config import Config
 
 if TYPE_CHECKING:
-    from actors.runtime import Runtime
+    from actors.supervisor import Runtime
 
 __all__ = ["serve", "ServerStarted", "RoutesFactory", "hypercorn_config", "exposure_warning"]
 
@@ -72,14 +73,6 @@ def exposure_warning(config: Config) -> str | None:
             "and overwrite every agent's cache; set --api-key (or KVMEM_API_KEY)")
 
 
-async def _watch_signals(shutdown: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            log.warning("received %s: shutting down", signal.Signals(signum).name)
-            shutdown.set()
-            return
-
-
 RoutesFactory = Callable[["Runtime", trio.Nursery], Sequence[BaseRoute]]
 """Makes extra routes once the runtime is open; the nursery runs their background work until shutdown."""
 
@@ -114,7 +107,11 @@ async def serve(
         async with trio.open_nursery() as nursery:
             app = create_app(rt, config, extra_routes=extra_routes(rt, nursery) if extra_routes else ())
             if threading.current_thread() is threading.main_thread():
-                nursery.start_soon(_watch_signals, shutdown)
+                def on_signal(signum: int) -> None:
+                    log.warning("received %s: shutting down", signal.Signals(signum).name)
+                    shutdown.set()
+
+                nursery.start_soon(watch_signals, on_signal)
             if shutdown_trigger is not None:
 
                 async def forward() -> None:

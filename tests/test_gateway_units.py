@@ -50,7 +50,7 @@ async def test_an_id_that_cannot_name_a_cache_is_a_400_naming_where_it_came_from
     from actors import open_runtime
     from fake_engine import FakeEngine
     from runtime.config import Config
-    from gateway.state import Gateway
+    from gateway.context import Gateway
 
     async with open_runtime(model="fake-a", home=tmp_path, engine=FakeEngine(), fsync=False, handle_signals=False) as rt:
         gw = Gateway(rt=rt, config=Config(model="fake-a"), models=("fake-a",))
@@ -105,7 +105,7 @@ def test_gateway_never_imports_mlx() -> None:
 
 
 def test_model_names_unknown_ones_are_404_unless_any_model_is_accepted() -> None:
-    from gateway.state import Gateway
+    from gateway.context import Gateway
 
     strict = Gateway(rt=None, config=Config(), models=("m", "other"))  # type: ignore[arg-type]
     assert strict.model_for(None) is None and strict.model_for("m") is None and strict.model_for("other") == "other"

@@ -25,7 +25,7 @@ from conftest import models_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.state import DRAIN_BYTES
+from gateway.context import DRAIN_BYTES
 from gateway.testing import ServerThread
 from runtime.config import Config
 

@@ -9,7 +9,7 @@
 * :mod:`actors.scenario.catalog` — the shipped scenarios.
 
 Importing this package pulls in neither MLX nor trio; the runner needs a
-:class:`actors.runtime.Runtime` (``open_runtime``).
+:class:`actors.supervisor.Runtime` (``open_runtime``).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from actors.scenario.state import (
 )
 
 if TYPE_CHECKING:
-    from actors.runtime import Runtime
+    from actors.supervisor import Runtime
 
 __all__ = [
     "ScenarioRunner",

@@ -27,7 +27,7 @@ from actors.scenario.spec import ScenarioError, ScenarioSpec, load_scenario
 from actors.scenario.state import RunOptions, RunState, load_state
 
 if TYPE_CHECKING:
-    from actors.runtime import Runtime
+    from actors.supervisor import Runtime
 
 __all__ = ["ScenarioService", "RunConflictError", "RunNotFoundError"]
 

@@ -1,9 +1,10 @@
-"""What every route shares: the runtime, the settings, and the request helpers.
+"""What every route handler shares: the :class:`Gateway` (runtime, settings, models) and its request helpers.
 
 Routes are thin: read the body (bounded), decode it with a prebuilt msgspec
-decoder, check limits and the model name, call the in-process runtime API, and
-encode the answer. Runtime exceptions become API errors here
-(:func:`gateway.errors.from_exception`).
+decoder, check limits, the model name and the agent id, call the in-process
+runtime API (giving up when the client leaves), and encode the answer.
+Response headers live in :mod:`gateway.headers`, error mapping in
+:mod:`gateway.errors`.
 """
 
 from __future__ import annotations
@@ -11,38 +12,24 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import quote
 
 import msgspec
 import trio
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import ApiError, from_decode_error, from_exception
+from gateway.errors import ApiError, from_decode_error
 from runtime.config import Config
 from runtime.errors import InvalidAgentIdError
 
 if TYPE_CHECKING:
-    from actors.messages_agent import TurnResult
     from actors.client import AgentHandle
-    from actors.runtime import Runtime
+    from actors.supervisor import Runtime
 
-__all__ = [
-    "Gateway",
-    "runtime_errors",
-    "kvmem_headers",
-    "kvmem_extras",
-    "request_id",
-    "REQUEST_ID_KEY",
-    "CLIENT_GONE",
-    "header_safe",
-]
-
-REQUEST_ID_KEY = "kvmem_request_id"
+__all__ = ["Gateway", "CLIENT_GONE"]
 
 DRAIN_BYTES = 64 * 2**20
 """How much of an oversize body is read (and dropped) so that the client sees the 413."""
@@ -53,48 +40,6 @@ log = logging.getLogger("kvmem.gateway")
 
 CLIENT_GONE = 499
 """Status logged for a request whose client left before the answer (nginx's convention; never seen by anyone)."""
-
-
-def request_id(request: Request) -> str:
-    """The id the gateway gave this request (also its ``request-id`` response header)."""
-    return str(request.scope.get(REQUEST_ID_KEY, "req_unknown"))
-
-
-@contextmanager
-def runtime_errors() -> Iterator[None]:
-    """Turn exceptions of a runtime call into :class:`ApiError` (4xx for the client's mistakes)."""
-    try:
-        yield
-    except ApiError:
-        raise
-    except Exception as exc:
-        raise from_exception(exc) from exc
-
-
-def kvmem_extras(result: TurnResult) -> dict[str, Any]:
-    """kvmem's own accounting of a turn (tier, prefix match, timings), for bodies and stream events."""
-    u = result.usage
-    return {
-        "agent_id": result.agent_id,
-        "tier": u.tier,
-        "match": u.match,
-        "tokens_reused": u.tokens_reused,
-        "tokens_prefilled": u.tokens_prefilled,
-        "tokens_generated": u.tokens_generated,
-        "queue_wait_ms": round(u.queue_wait_ms, 3),
-        "ttft_ms": round(u.ttft_ms, 3),
-        "decode_tps": round(u.decode_tps, 3),
-    }
-
-
-def header_safe(value: str) -> str:
-    """``value`` as an HTTP header value: percent-encoded (UTF-8) when it is not plain ASCII."""
-    return value if value.isascii() and value.isprintable() else quote(value, safe="")
-
-
-def kvmem_headers(result: TurnResult) -> dict[str, str]:
-    """The same accounting as ``x-kvmem-*`` response headers (a non-ASCII agent id percent-encoded)."""
-    return {f"x-kvmem-{k.replace('_', '-')}": header_safe(str(v)) for k, v in kvmem_extras(result).items()}
 
 
 @dataclass

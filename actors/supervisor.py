@@ -49,6 +49,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -65,6 +66,7 @@ from actors.messages_gpu import GpuInbox, Render, RenderReply
 from actors.messages_store import AgentRecord, Flush, FlushReply, ListAgents, ListReply, StoreInbox
 from actors.metrics import MetricsSnapshot, RuntimeMetrics
 from actors.registry import Acquire, AcquireReply, ModelRegistry, RegistryInbox, RegistryStats, Release
+from actors.signals import watch_signals
 from runtime.config import Config
 from runtime.engine import Engine
 from runtime.kv_manager import KVCacheManager
@@ -296,21 +298,6 @@ class _SignalState:
     signum: int | None = None
 
 
-async def _watch_signals(
-    runtime_scope: trio.CancelScope,
-    state: _SignalState,
-    watcher_scope: trio.CancelScope,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    with watcher_scope, trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
-        async for signum in signals:
-            state.signum = signum
-            runtime_scope.cancel()
-            return
-
-
 @asynccontextmanager
 async def open_runtime(
     config: Config | None = None,
@@ -394,7 +381,13 @@ async def open_runtime(
     try:
         async with trio.open_nursery() as nursery:
             if handle_signals and threading.current_thread() is threading.main_thread():
-                await nursery.start(_watch_signals, nursery.cancel_scope, signals, watcher_scope)
+                cancel_runtime = nursery.cancel_scope
+
+                def on_signal(signum: int) -> None:
+                    signals.signum = signum
+                    cancel_runtime.cancel()
+
+                await nursery.start(partial(watch_signals, on_signal, stop=watcher_scope))
             await nursery.start(store.run)
             await nursery.start(gpu.run)
             await nursery.start(registry.run)
