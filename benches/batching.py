@@ -169,7 +169,7 @@ def alone_baseline(
     import mlx.core as mx
 
     from runtime.generate import generate
-    from runtime.kvformat import KVFormat
+    from runtime.spec import KVFormat
     from runtime.kvstate import ParkedCache
     from runtime.models import load_model
     from runtime.persist import CacheDirectory

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from runtime.kvformat import KVFormat
+    from runtime.spec import KVFormat
     from runtime.kvstate import ActiveKV, ParkedCache
     from runtime.models import load_model
     from runtime.persist import CacheDirectory

@@ -41,7 +41,7 @@ MLX_LM_Q4 = "mlx-lm QuantizedKVCache q4"
 
 def specs_by_bits(spec: Any) -> dict[int | None, Any]:
     """The model's cache spec with float, Q8 and Q4 at-rest formats (one model load serves all three)."""
-    from runtime.kvformat import KVFormat
+    from runtime.spec import KVFormat
 
     return {bits: replace(spec, kv_format=KVFormat(bits=bits)) for bits in (None, 8, 4)}
 

@@ -36,7 +36,7 @@ def _dir_bytes(root: Path) -> int:
 def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
 
-    from runtime.kvformat import KVFormat
+    from runtime.spec import KVFormat
     from runtime.kvstate import ParkedCache
     from runtime.models import load_model
 

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
 
     from runtime.generate import generate
-    from runtime.kvformat import KVFormat
+    from runtime.spec import KVFormat
     from runtime.models import load_model
     from runtime.sampling import SamplingParams
 

@@ -60,7 +60,7 @@ def describe(topics: tuple[str, ...] = TOPICS) -> str:
 
 def load_default(bits: int | None = 4) -> Any:
     """``kvmem-default`` (SmolLM2-135M-Instruct) with at-rest KV format ``bits`` (None: float)."""
-    from runtime.kvformat import KVFormat
+    from runtime.spec import KVFormat
     from runtime.models import load_model
 
     return load_model("kvmem-default", kv_format=KVFormat(bits=bits), models_dir=harness.BENCH_HOME / "models")

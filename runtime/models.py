@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -21,15 +22,17 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.utils import load as mlx_load
 from mlx_lm.utils import load_tokenizer
 
 from runtime.default_model import DEFAULT_MODEL, default_model_file
-from runtime.errors import ModelError
+from runtime.errors import ModelError, UnsupportedModelError
 from runtime.gguf import is_gguf, prepare_gguf
-from runtime.spec import KVFormat, ModelCacheSpec
+from runtime.snapshot import LayerKind
+from runtime.spec import KVFormat, LayerSpec, ModelCacheSpec
 
-__all__ = ["LoadedModel", "load_model", "PLAIN_CHAT_TEMPLATE", "PLAIN_STOP"]
+__all__ = ["LoadedModel", "load_model", "read_cache_spec", "PLAIN_CHAT_TEMPLATE", "PLAIN_STOP"]
 
 log = logging.getLogger("kvmem.models")
 
@@ -166,7 +169,7 @@ def load_model(
             loaded, tokenizer, config = mlx_load(str(path), return_config=True)
         except Exception as exc:  # mlx-lm raises many kinds; the user needs one message
             raise ModelError(f"could not load model {name!r}: {exc}") from exc
-    spec = ModelCacheSpec.from_model(loaded, model_id=name, config=config, kv_format=kv_format)
+    spec = read_cache_spec(loaded, model_id=name, config=config, kv_format=kv_format)
     log.info("loaded %s: %d layers, tag %s", name, len(spec.layers), spec.tag)
     return LoadedModel(model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config)
 
@@ -213,3 +216,74 @@ def _is_tiny_recipe(name: str) -> bool:
 def describe(lm: LoadedModel) -> str:
     """One line about the model's cache geometry (for logs and benchmark headers)."""
     return json.dumps(lm.spec.to_json()["layers"][0]) + f" x{len(lm.spec.layers)}"
+
+
+_DTYPE_BYTES = {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2}
+
+
+def read_cache_spec(
+    model: Any, *, model_id: str, config: dict[str, Any], kv_format: KVFormat | None = None
+) -> ModelCacheSpec:
+    """Read the spec by running one token through ``model.make_cache()``.
+
+    Raises:
+        UnsupportedModelError: a layer's cache is not a plain or rotating KV cache
+            (SSM states, chunked or composite caches), or the model has no cache.
+    """
+    kv_format = kv_format or KVFormat()
+    make_cache = getattr(model, "make_cache", None)
+    caches = make_cache() if make_cache else [KVCache() for _ in model.layers]
+    for i, cache in enumerate(caches):
+        if type(cache) not in (KVCache, RotatingKVCache):
+            raise UnsupportedModelError(
+                f"layer {i} uses {type(cache).__name__}; kvmem caches only full-attention "
+                "(KVCache) and sliding-window (RotatingKVCache) layers"
+            )
+    model(mx.array([[0]]), cache=caches)
+    layers = []
+    dtype = None
+    for i, cache in enumerate(caches):
+        keys, values = cache.state[0], cache.state[1]
+        dtype = keys.dtype
+        sliding = isinstance(cache, RotatingKVCache)
+        layers.append(
+            LayerSpec(
+                kind="sliding" if sliding else "full",
+                kv_heads=int(keys.shape[1]),
+                k_head_dim=int(keys.shape[3]),
+                v_head_dim=int(values.shape[3]),
+                window=int(cache.max_size) if sliding else None,
+                sinks=_layer_has_sinks(model, i),
+            )
+        )
+    if not layers:
+        raise UnsupportedModelError("model has no attention layers to cache")
+    config_json = json.dumps(config, sort_keys=True, default=str).encode()
+    spec = ModelCacheSpec(
+        model_id=model_id,
+        config_hash=hashlib.sha256(config_json).hexdigest()[:16],
+        layers=tuple(layers),
+        dtype_bytes=_DTYPE_BYTES.get(dtype, 4),
+        kv_format=kv_format,
+    )
+    unpackable = [
+        i
+        for i, (layer, kind) in enumerate(zip(layers, spec.layer_kinds(), strict=True))
+        if layer.kind == "full" and kind is LayerKind.FLOAT and kv_format.bits is not None
+    ]
+    if unpackable:
+        log.warning(
+            "kv head dims %s are not divisible by group size %d: %d layer(s) keep float KV",
+            sorted({(layers[i].k_head_dim, layers[i].v_head_dim) for i in unpackable}),
+            kv_format.group_size,
+            len(unpackable),
+        )
+    return spec
+
+
+def _layer_has_sinks(model: Any, index: int) -> bool:
+    layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", [])
+    if index >= len(layers):
+        return False
+    attn = getattr(layers[index], "self_attn", None)
+    return getattr(attn, "sinks", None) is not None

@@ -1,34 +1,63 @@
-"""ModelCacheSpec: the KV geometry of a loaded model, read from the model itself.
+"""A model's KV geometry as plain data (no MLX): the at-rest format, each layer's shape, the cache tag.
 
-kvmem never guesses a model's cache layout from its name. It asks the model
-for its caches (``model.make_cache()``), runs one token through them, and reads
-the shapes the attention layers actually wrote: kv heads, key and value head
-dims (which differ in DeepSeek-V2's MLA), and which layers are sliding windows.
-:class:`~runtime.kvformat.KVFormat` and :class:`~runtime.kvformat.LayerSpec`,
-plain data, live in :mod:`runtime.kvformat` (importable without MLX) and are
-re-exported here.
+:class:`KVFormat` says how full-attention KV is stored at rest (Q4, Q8 or
+float), :class:`LayerSpec` one attention layer's geometry and
+:class:`ModelCacheSpec` the whole model's, plus the tag every saved cache
+carries. kvmem never guesses a model's cache layout from its name:
+:func:`runtime.models.read_cache_spec` asks the loaded model (MLX). Settings,
+the home folder, persistence and the actors use these types without importing
+MLX.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache
-
-from runtime.errors import UnsupportedModelError
-from runtime.kvformat import KVFormat, LayerSpec
 from runtime.snapshot import BLOCK_TOKENS, LayerKind
 
-__all__ = ["LayerSpec", "ModelCacheSpec", "KVFormat"]
+__all__ = ["KVFormat", "LayerSpec", "ModelCacheSpec"]
 
-log = logging.getLogger("kvmem.spec")
 
-_DTYPE_BYTES = {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2}
+@dataclass(frozen=True)
+class KVFormat:
+    """How full-attention KV is stored at rest: ``bits=None`` keeps it in float."""
+
+    bits: int | None = 4
+    group_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.bits not in (None, 4, 8):
+            raise ValueError(f"kv bits must be 4, 8 or None (float), got {self.bits}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"kv group size must be 32, 64 or 128, got {self.group_size}")
+
+    @property
+    def label(self) -> str:
+        """``float``, or ``q<bits>g<group>`` (part of every model tag)."""
+        return "float" if self.bits is None else f"q{self.bits}g{self.group_size}"
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One attention layer's cache geometry."""
+
+    kind: Literal["full", "sliding"]
+    kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    window: int | None = None
+    sinks: bool = False
+
+    def storage_kind(self, fmt: KVFormat) -> LayerKind:
+        """How this layer is held at rest under ``fmt``."""
+        if self.kind == "sliding":
+            return LayerKind.SLIDING
+        if fmt.bits is None:
+            return LayerKind.FLOAT
+        if self.k_head_dim % fmt.group_size or self.v_head_dim % fmt.group_size:
+            return LayerKind.FLOAT
+        return LayerKind.Q4
 
 
 @dataclass(frozen=True)
@@ -89,71 +118,3 @@ class ModelCacheSpec:
             "kv_format": self.kv_format.label,
             "layers": [layer.__dict__ for layer in self.layers],
         }
-
-    @classmethod
-    def from_model(
-        cls, model: Any, *, model_id: str, config: dict[str, Any], kv_format: KVFormat | None = None
-    ) -> ModelCacheSpec:
-        """Read the spec by running one token through ``model.make_cache()``.
-
-        Raises:
-            UnsupportedModelError: a layer's cache is not a plain or rotating KV cache
-                (SSM states, chunked or composite caches), or the model has no cache.
-        """
-        kv_format = kv_format or KVFormat()
-        make_cache = getattr(model, "make_cache", None)
-        caches = make_cache() if make_cache else [KVCache() for _ in model.layers]
-        for i, cache in enumerate(caches):
-            if type(cache) not in (KVCache, RotatingKVCache):
-                raise UnsupportedModelError(
-                    f"layer {i} uses {type(cache).__name__}; kvmem caches only full-attention "
-                    "(KVCache) and sliding-window (RotatingKVCache) layers"
-                )
-        model(mx.array([[0]]), cache=caches)
-        layers = []
-        dtype = None
-        for i, cache in enumerate(caches):
-            keys, values = cache.state[0], cache.state[1]
-            dtype = keys.dtype
-            sliding = isinstance(cache, RotatingKVCache)
-            layers.append(
-                LayerSpec(
-                    kind="sliding" if sliding else "full",
-                    kv_heads=int(keys.shape[1]),
-                    k_head_dim=int(keys.shape[3]),
-                    v_head_dim=int(values.shape[3]),
-                    window=int(cache.max_size) if sliding else None,
-                    sinks=_layer_has_sinks(model, i),
-                )
-            )
-        if not layers:
-            raise UnsupportedModelError("model has no attention layers to cache")
-        config_json = json.dumps(config, sort_keys=True, default=str).encode()
-        spec = cls(
-            model_id=model_id,
-            config_hash=hashlib.sha256(config_json).hexdigest()[:16],
-            layers=tuple(layers),
-            dtype_bytes=_DTYPE_BYTES.get(dtype, 4),
-            kv_format=kv_format,
-        )
-        unpackable = [
-            i
-            for i, (layer, kind) in enumerate(zip(layers, spec.layer_kinds(), strict=True))
-            if layer.kind == "full" and kind is LayerKind.FLOAT and kv_format.bits is not None
-        ]
-        if unpackable:
-            log.warning(
-                "kv head dims %s are not divisible by group size %d: %d layer(s) keep float KV",
-                sorted({(layers[i].k_head_dim, layers[i].v_head_dim) for i in unpackable}),
-                kv_format.group_size,
-                len(unpackable),
-            )
-        return spec
-
-
-def _layer_has_sinks(model: Any, index: int) -> bool:
-    layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", [])
-    if index >= len(layers):
-        return False
-    attn = getattr(layers[index], "self_attn", None)
-    return getattr(attn, "sinks", None) is not None

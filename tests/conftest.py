@@ -10,7 +10,7 @@ from pathlib import Path
 import runtime  # noqa: F401  (OpenBLAS before mlx)
 import pytest
 
-from runtime.kvformat import KVFormat
+from runtime.spec import KVFormat
 from runtime.models import LoadedModel, load_model
 
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gpt-oss", "tiny-deepseek-v2"]

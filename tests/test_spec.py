@@ -8,6 +8,7 @@ from mlx_lm.models.cache import ArraysCache
 from conftest import tiny
 from runtime.errors import UnsupportedModelError
 from runtime.snapshot import LayerKind
+from runtime.models import read_cache_spec
 from runtime.spec import KVFormat, ModelCacheSpec
 
 
@@ -57,7 +58,7 @@ class _SSMModel:
 
 def test_unsupported_cache_kind_fails_clearly():
     with pytest.raises(UnsupportedModelError, match="ArraysCache"):
-        ModelCacheSpec.from_model(_SSMModel(), model_id="ssm", config={}, kv_format=KVFormat())
+        read_cache_spec(_SSMModel(), model_id="ssm", config={}, kv_format=KVFormat())
 
 
 def test_invalid_kv_format_is_rejected():
