@@ -29,7 +29,7 @@ def test_home_and_persist_import_without_mlx() -> None:
 
 def test_kvformat_and_atomic_writes_import_without_mlx() -> None:
     _run(
-        "import runtime.kvformat, runtime.atomic\n"
+        "import runtime.kvformat, runtime.persist.files\n"
         "import sys\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'trio'))\n"
         "assert not bad, bad\n"
