@@ -72,7 +72,7 @@ def trace(root: Path) -> list[str]:
 def _rooms(modules: list[str]) -> dict[str, int]:
     rooms = {"gateway": 0, "actors": 0, "runtime (outside persistence)": 0, "persistence": 0}
     for m in modules:
-        if m.startswith("runtime/persist") or m == "runtime/atomic.py":
+        if m.startswith("runtime/persist"):
             rooms["persistence"] += 1
         elif m.startswith("runtime/"):
             rooms["runtime (outside persistence)"] += 1

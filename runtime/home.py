@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from runtime.atomic import write_atomic
 from runtime.config import default_home
+from runtime.persist.files import write_atomic
 
 __all__ = ["KvmemHome", "default_home"]
 

@@ -1,4 +1,4 @@
-"""write_atomic, the one atomic file replacement (cache manifests, conversations, scenario state)."""
+"""write_atomic (runtime.persist.files), the one atomic file replacement (cache manifests, conversations, scenario state)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.atomic import write_atomic
+from runtime.persist.files import write_atomic
 
 
 def test_write_atomic_replaces_the_file_whole_and_private(tmp_path: Path) -> None:

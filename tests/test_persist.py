@@ -36,7 +36,7 @@ from runtime.persist import (
     manifest_name,
     safe_agent_dirname,
 )
-from runtime.persist.packing import pack_text
+from runtime.persist.format import pack_text
 from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 
 TAG = "tiny-llama@0123abcd/q4g64"

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from runtime.atomic import write_atomic
+from runtime.persist.files import write_atomic
 
 __all__ = [
     "STATE_FILE",

@@ -14,11 +14,9 @@ import shutil
 import stat
 from dataclasses import dataclass
 
-from runtime.atomic import fsync_dir
-from runtime.persist.files import regular_file_size, remove_file
+from runtime.persist.files import fsync_dir, regular_file_size, remove_file
 from runtime.persist.manifests import LEGACY_MANIFEST, manifest_name, manifest_names, read_listings
-from runtime.persist.names import safe_agent_dirname
-from runtime.persist.paths import CachePaths
+from runtime.persist.paths import CachePaths, safe_agent_dirname
 
 __all__ = ["AgentEntry", "list_agents", "agent_exists", "delete_agent"]
 

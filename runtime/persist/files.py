@@ -1,12 +1,18 @@
-"""File-system steps of a cache directory: private folders, batches of atomic writes, safe reads.
+"""File-system steps: atomic file replacement, private folders, batches of atomic writes, safe reads.
 
-Every file is written as :func:`runtime.atomic.write_atomic` writes one:
-``<name>.<random>.tmp`` in its final directory (``0o600``, exclusively, never
-through a symlink), flushed and fsynced, renamed over ``<name>``, and the
-directory fsynced. An :class:`AtomicBatch` does this for many files at once.
-An ordinary exception removes the temporary files; a kill leaves them behind,
-and :func:`remove_temp_files` (run when a cache directory is opened) deletes
-them. Reads never follow a symlink and never block on a FIFO.
+:func:`write_atomic` is kvmem's one atomic, durable file replacement. A file is
+written as ``<name>.<random>.tmp`` in its final directory (created ``0o600``,
+exclusively, never through a symlink), flushed and fsynced, then renamed over
+``<name>`` with :func:`os.replace`, and the directory is fsynced so that the
+rename itself is durable. A crash leaves the old file or the new one, whole.
+It writes the cache directory's manifests, and outside the cache directory the
+home folder's conversations (:mod:`runtime.home`) and a scenario run's state.
+
+An :class:`AtomicBatch` takes the same steps for many files at once, and makes
+them durable together. An ordinary exception removes the temporary files; a
+kill leaves them behind, and :func:`remove_temp_files` (run when a cache
+directory is opened) deletes them. Reads never follow a symlink and never
+block on a FIFO.
 """
 
 from __future__ import annotations
@@ -15,13 +21,19 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
+import shutil
 import stat
 from pathlib import Path
 
-from runtime.atomic import TEMP_SUFFIX, clear_directory, create_temp, fsync_dir
-
 __all__ = [
+    "FILE_MODE",
     "DIR_MODE",
+    "TEMP_SUFFIX",
+    "create_temp",
+    "fsync_dir",
+    "clear_directory",
+    "write_atomic",
     "ensure_private_dir",
     "AtomicBatch",
     "read_regular_file",
@@ -36,10 +48,21 @@ __all__ = [
 
 log = logging.getLogger("kvmem.persist")
 
+FILE_MODE = 0o600
 DIR_MODE = 0o700
+TEMP_SUFFIX = ".tmp"
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 """Most buffers one ``preadv`` takes."""
+
+_WRITE_FLAGS = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_EXCL
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
 
 _READ_FLAGS = (
     os.O_RDONLY
@@ -48,6 +71,68 @@ _READ_FLAGS = (
     | getattr(os, "O_NONBLOCK", 0)  # a FIFO squatting on a name must not block the open
     | getattr(os, "O_BINARY", 0)
 )
+
+
+def create_temp(path: Path) -> tuple[int, Path]:
+    """Create ``<name>.<random>.tmp`` beside ``path`` (``0o600``, exclusively); return its descriptor and path."""
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
+    return os.open(tmp, _WRITE_FLAGS, FILE_MODE), tmp
+
+
+def fsync_dir(path: Path) -> None:
+    """Make renames and creations inside ``path`` durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def clear_directory(path: Path) -> None:
+    """Remove a directory that stands where a file is about to be renamed (os.replace cannot)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        log.warning("removing directory %s that stands where a file belongs", path)
+        shutil.rmtree(path)
+
+
+def write_atomic(
+    path: Path, data: bytes | memoryview, *, fsync: bool = True, replace_directory: bool = False
+) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old file or the new, whole.
+
+    Args:
+        path: the file to replace; its directory must exist.
+        data: the new content.
+        fsync: fsync the file and its directory (off only where durability
+            across power loss does not matter: tests, benchmarks).
+        replace_directory: remove a directory standing at ``path`` (for a
+            folder whose names only kvmem writes); otherwise the rename fails.
+    """
+    fd, tmp = create_temp(path)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            if fsync:
+                os.fsync(file.fileno())
+        if replace_directory:
+            clear_directory(path)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        fsync_dir(path.parent)
 
 
 def ensure_private_dir(path: Path, *, fsync: bool) -> None:
@@ -72,7 +157,7 @@ def ensure_private_dir(path: Path, *, fsync: bool) -> None:
 
 
 class AtomicBatch:
-    """Files written as :func:`runtime.atomic.write_atomic` writes one, but made durable together.
+    """Files written as :func:`write_atomic` writes one, but made durable together.
 
     :meth:`write` writes ``<name>.<random>.tmp`` and has the kernel start
     writing it back at once (``POSIX_FADV_DONTNEED`` starts writeback of dirty

@@ -5,7 +5,7 @@ another format version keeps the blocks and agent files it lists; if its
 layout is unknown, or a manifest cannot be read at all, no block is removed.
 An undecodable manifest of this version references nothing: its cache cannot
 load anyway. Temporary files are what a killed save left behind
-(:mod:`runtime.atomic`); opening a cache directory removes them too.
+(:func:`runtime.persist.files.write_atomic`); opening a cache directory removes them too.
 """
 
 from __future__ import annotations

@@ -1,28 +1,57 @@
 """Loading one agent's cache for a model: read and check its manifest and state file, then its pieces.
 
 :func:`load_cache` is :meth:`runtime.persist.CacheDirectory.load`. It checks
-the manifest against itself first (:mod:`runtime.persist.verify`), reads the
-state file whole, then each piece's file straight into the final arrays
-(:mod:`runtime.persist.arena`, :class:`runtime.persist.reader.AgentPieces`),
-checking every file's metadata, layout and CRC against the manifest. Any
-problem becomes a :class:`~runtime.errors.CacheMiss` (logged), never an
+the manifest against itself first (:func:`runtime.persist.manifests.check_manifest`),
+reads the state file whole, then each piece's file straight into the final
+arrays, checking every file's metadata, layout and CRC against the manifest.
+Any problem becomes a :class:`~runtime.errors.CacheMiss` (logged), never an
 uncaught error.
+
+Where the data lands: :func:`allocate` carves every blocked tensor's
+``num_tokens`` array from one buffer (an :class:`Arena`), and a
+:class:`Scatter` lists, for a piece of a given length, the byte range of the
+buffer each row of its file (one tensor, one head) lands in, so a file is read
+into its arrays without a copy after the kernel's.
+
+How the files are read: :class:`AgentPieces` reads a piece's file straight
+into those rows, and the state file whole. A file whose size or header
+checksum differs from the manifest is rejected
+(:class:`~runtime.errors.CorruptCacheError`); one that also fails its *own*
+check is removed, so that the next save writes it again instead of trusting it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
 from runtime.errors import CacheMiss, CorruptCacheError, FormatVersionError
-from runtime.persist.arena import Scatter, allocate
-from runtime.persist.codec import ParsedFile, decode_arrays, layout_of_entries
-from runtime.persist.format import BlockPiece, Manifest, Piece
-from runtime.persist.manifests import read_manifest_data
+from runtime.persist.codec import (
+    FileLayout,
+    ParsedFile,
+    data_is_intact,
+    decode_arrays,
+    layout_of_entries,
+    parse_file,
+)
+from runtime.persist.files import open_regular_file, read_exactly_into, read_regular_file, remove_file
+from runtime.persist.format import BlockPiece, Manifest, Piece, StateRef
+from runtime.persist.manifests import (
+    ManifestContents,
+    check_manifest,
+    decode_manifest,
+    read_manifest_data,
+)
 from runtime.persist.paths import CachePaths
-from runtime.persist.reader import AgentPieces
+from runtime.persist.pieces import block_is_intact
 from runtime.persist.tensors import (
     block_info,
     layout_problem,
@@ -31,10 +60,17 @@ from runtime.persist.tensors import (
     state_info,
     tensor_name,
 )
-from runtime.persist.verify import ManifestContents, check_manifest, decode_manifest
 from runtime.snapshot import CacheSnapshot, LayerKind, LayerSnapshot
 
-__all__ = ["READ_AHEAD_BYTES", "load_cache", "assemble_snapshot"]
+__all__ = [
+    "READ_AHEAD_BYTES",
+    "load_cache",
+    "assemble_snapshot",
+    "AgentPieces",
+    "Arena",
+    "Scatter",
+    "allocate",
+]
 
 log = logging.getLogger("kvmem.persist")
 
@@ -190,3 +226,177 @@ def assemble_snapshot(
         layers=layers,
         meta=dict(manifest.meta),
     )
+
+
+@dataclass(frozen=True)
+class Arena:
+    """The blocked arrays of a load, carved from one buffer, and where each lies in it."""
+
+    buffer: np.ndarray
+    arrays: dict[str, np.ndarray]
+    offsets: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """Where a piece's data goes: per row of (tensor, head) in file order, its place in the arena.
+
+    A ``tokens``-token piece at ``start`` fills, for each row, arena bytes
+    ``base + start * row : base + (start + tokens) * row``.
+    """
+
+    layout: FileLayout
+    bases: np.ndarray
+    rows: np.ndarray
+
+    @classmethod
+    def of(cls, layout: FileLayout, arena: Arena) -> Scatter:
+        """The rows of a piece laid out as ``layout``, placed in ``arena``."""
+        bases, rows = [], []
+        for name in layout.offsets:
+            array = arena.arrays[name]
+            row = array.strides[1]
+            for head in range(array.shape[0]):
+                bases.append(arena.offsets[name] + head * array.strides[0])
+                rows.append(row)
+        return cls(layout, np.array(bases, dtype=np.int64), np.array(rows, dtype=np.int64))
+
+    def regions(self, whole: memoryview, start: int, tokens: int) -> list[memoryview]:
+        """The views of ``whole`` (the arena's buffer) a ``tokens``-token piece at ``start`` fills, in file order."""
+        starts = (self.bases + start * self.rows).tolist()
+        sizes = (self.rows * tokens).tolist()
+        return [whole[at : at + size] for at, size in zip(starts, sizes, strict=True)]
+
+
+def allocate(
+    blocked: dict[str, tuple[np.dtype, tuple[int, ...]]], num_tokens: int
+) -> Arena:
+    """Empty ``num_tokens``-token arrays for the blocked tensors, carved from one allocation.
+
+    One large allocation is backed by huge pages where the kernel offers them
+    (numpy asks for it), so filling it costs a few page faults instead of one
+    per 4 KiB: for a large cache, faulting in fresh memory page by page costs
+    as much as reading it.
+    """
+    shapes = {
+        name: (dtype, (shape[0], num_tokens, *shape[2:]))
+        for name, (dtype, shape) in blocked.items()
+    }
+    sizes = {
+        name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in shapes.items()
+    }
+    # Each array starts on a 64-byte boundary, as numpy's own allocations do.
+    buffer = np.empty(sum(-(-size // 64) * 64 for size in sizes.values()), dtype=np.uint8)
+    arrays, offsets = {}, {}
+    position = 0
+    for name, (dtype, shape) in shapes.items():
+        arrays[name] = buffer[position : position + sizes[name]].view(dtype).reshape(shape)
+        offsets[name] = position
+        position += -(-sizes[name] // 64) * 64
+    return Arena(buffer, arrays, offsets)
+
+
+@dataclass(frozen=True)
+class AgentPieces:
+    """The files of one agent's cache for one model, as a load reads them.
+
+    Attributes:
+        paths: the cache directory.
+        agent_dir: the agent's folder.
+        model_tag: the model the cache is for (a block file records it).
+    """
+
+    paths: CachePaths
+    agent_dir: Path
+    model_tag: str
+
+    def prefetch(self, pieces: Sequence[Piece]) -> None:
+        """Have the kernel start reading the files of ``pieces`` ahead (missing ones are skipped)."""
+        for piece in pieces:
+            fd = open_regular_file(self.paths.piece_path(self.agent_dir, piece), size=piece.size)
+            if fd is not None:
+                os.close(fd)
+
+    def read_into(self, piece: Piece, header: bytearray, regions: list[memoryview]) -> ParsedFile:
+        """Read ``piece``'s file into ``header`` then ``regions`` (scattered, in file order).
+
+        The file must be exactly as long as they are together, and ``header``
+        must hold exactly its header, with the checksum the manifest records;
+        otherwise the file is handled as :meth:`reject` says. The data is not
+        checked here: the caller checks its CRC (regions may lie anywhere, in
+        the arrays the data belongs in, so it is read without a copy).
+        """
+        fd = open_regular_file(self.paths.piece_path(self.agent_dir, piece), size=piece.size)
+        if fd is None:
+            self.reject(piece)
+        try:
+            complete = read_exactly_into(fd, [memoryview(header), *regions])
+        finally:
+            os.close(fd)
+        if not complete:
+            self.reject(piece)
+        parsed = self._parsed(piece, header, size=piece.size)
+        if parsed.data_start != len(header):
+            self.reject(piece)
+        return parsed
+
+    def read_state(self, state: StateRef) -> tuple[bytes, ParsedFile]:
+        """The bytes of the state file and its parsed header, if they match ``state``, else CorruptCacheError."""
+        fd = open_regular_file(self.agent_dir / state.name, size=state.size)
+        data = bytearray(state.size)
+        try:
+            if fd is None or not read_exactly_into(fd, [memoryview(data)]):
+                self.reject(state)
+        finally:
+            if fd is not None:
+                os.close(fd)
+        parsed = self._parsed(state, data)
+        if not data_is_intact(data, parsed):
+            self.reject(state)
+        return bytes(data), parsed
+
+    def _parsed(
+        self, ref: Piece | StateRef, data: bytearray, *, size: int | None = None
+    ) -> ParsedFile:
+        """The parsed header of ``data`` (a whole file, or its header and ``size``) if it has ``ref``'s checksum."""
+        try:
+            parsed = parse_file(data, size=size)
+        except ValueError:
+            self.reject(ref)
+        if parsed.header_sha256 != ref.sha256:
+            self.reject(ref)
+        return parsed
+
+    def reject(self, ref: Piece | StateRef) -> NoReturn:
+        """Raise CorruptCacheError for a file that does not match ``ref``, removing it if damaged.
+
+        A file that fails its own check is removed, so that the next save
+        rewrites it instead of trusting it: a block by its header's metadata
+        and data CRC, an agent file (``<kind>-<sha256>.safetensors``) by the
+        checksum in its name and the CRC of its data. A file that is intact
+        but not the one the manifest lists stays.
+        """
+        if isinstance(ref, StateRef):
+            path = self.agent_dir / ref.name
+        else:
+            path = self.paths.piece_path(self.agent_dir, ref)
+        raw = read_regular_file(path)
+        if raw is None:
+            raise CorruptCacheError(f"{path.name} is missing")
+        if isinstance(ref, BlockPiece):
+            damaged = not block_is_intact(raw, model_tag=self.model_tag, block_hash=ref.name, like=None)
+        else:
+            damaged = not _agent_file_is_intact(path.name, raw)
+        if damaged:
+            log.warning("removing damaged cache file %s", path)
+            remove_file(path)
+        raise CorruptCacheError(f"{path.name}: size or checksum differs from the manifest")
+
+
+def _agent_file_is_intact(name: str, raw: bytes) -> bool:
+    """Whether an agent file has the checksum its name records and the data its header does."""
+    try:
+        parsed = parse_file(raw)
+    except ValueError:
+        return False
+    return name.endswith(f"-{parsed.header_sha256}.safetensors") and data_is_intact(raw, parsed)

@@ -1,4 +1,4 @@
-"""An agent directory's manifests: one per model tag, plus the single manifest of older kvmem.
+"""An agent directory's manifests (one per model tag, plus the single one of older kvmem), and their checks.
 
 An agent keeps one cache per model it has talked to, so that a turn with model
 B never replaces its model-A cache::
@@ -17,6 +17,15 @@ again (:mod:`runtime.persist.save` then removes it), so an upgrade keeps warm
 caches. It is only a fallback: a ``manifest-<digest>.json`` of the same model
 wins (:func:`read_manifest_data`).
 
+A manifest is checked here too, without reading any other file:
+:func:`decode_manifest` decodes one of this format version strictly, and
+:func:`check_manifest` checks it against itself (packed fields, counts,
+offsets, pieces against the block hash chain, file names). A load runs both
+before it reads any piece, and a save before it reuses the previous
+manifest's pieces; garbage collection and the agent listing decode each
+manifest (:func:`read_listing`) to tell which files it holds on to. Both
+checks raise a :class:`~runtime.errors.CacheMiss` subclass.
+
 Nothing here writes: saves (:mod:`runtime.persist.save`), deletions
 (:mod:`runtime.persist.agents`) and garbage collection
 (:mod:`runtime.persist.gc`) make every change to a directory.
@@ -27,14 +36,31 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.errors import CorruptCacheError, FormatVersionError
+import msgspec
+import numpy as np
+
+from runtime.errors import CorruptCacheError, ForeignModelError, FormatVersionError
 from runtime.persist.files import read_regular_file
-from runtime.persist.format import BlockPiece, Manifest, SegmentPiece
-from runtime.persist.verify import decode_block_list, decode_manifest
+from runtime.persist.format import (
+    FORMAT_VERSION,
+    BlockListProbe,
+    BlockPiece,
+    FormatProbe,
+    Manifest,
+    Piece,
+    SegmentPiece,
+    block_chain_hashes,
+    segment_name,
+    state_name,
+    unpack_offsets,
+    unpack_text,
+    unpack_token_ids,
+)
+from runtime.snapshot import BLOCK_TOKENS
 
 __all__ = [
     "LEGACY_MANIFEST",
@@ -47,6 +73,10 @@ __all__ = [
     "read_listing",
     "read_listings",
     "kept_files",
+    "decode_manifest",
+    "decode_block_list",
+    "ManifestContents",
+    "check_manifest",
 ]
 
 LEGACY_MANIFEST = "manifest.json"
@@ -56,6 +86,10 @@ MANIFEST_NAME = re.compile(r"manifest-[0-9a-f]{32}\.json")
 """A per-model manifest (:func:`manifest_name`)."""
 
 _DIGEST_HEX = 32
+
+_manifest_decoder = msgspec.json.Decoder(Manifest)
+_probe_decoder = msgspec.json.Decoder(FormatProbe)
+_block_list_decoder = msgspec.json.Decoder(BlockListProbe)
 
 
 def manifest_name(model_tag: str) -> str:
@@ -99,6 +133,113 @@ def own_files(manifest: Manifest) -> set[str]:
     """The agent-directory files ``manifest`` lists: its segments and state file."""
     names = {piece.name for piece in manifest.pieces if isinstance(piece, SegmentPiece)}
     return names | {manifest.state.name}
+
+
+def decode_manifest(data: bytes) -> Manifest:
+    """Strictly decode a manifest of this format version.
+
+    Raises:
+        FormatVersionError: the manifest has another ``format_version``.
+        CorruptCacheError: it is not a valid manifest.
+    """
+    try:
+        version = _probe_decoder.decode(data).format_version
+    except msgspec.DecodeError as exc:
+        raise CorruptCacheError(f"manifest does not decode: {exc}") from exc
+    if version != FORMAT_VERSION:
+        raise FormatVersionError(
+            f"manifest has format {version}; this kvmem reads {FORMAT_VERSION}"
+        )
+    try:
+        return _manifest_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise CorruptCacheError(f"manifest does not decode: {exc}") from exc
+
+
+def decode_block_list(data: bytes) -> list[str] | None:
+    """Shared-block hashes of a manifest of format 2 or 1, or None for an unknown layout."""
+    try:
+        probe = _block_list_decoder.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if probe.pieces is not None:
+        return [piece.name for piece in probe.pieces if piece.kind == "block"]
+    if probe.blocks is not None:
+        return [block.hash for block in probe.blocks]
+    return None
+
+
+@dataclass(frozen=True)
+class ManifestContents:
+    """What a checked manifest's packed fields hold."""
+
+    text: str
+    token_ids: np.ndarray
+    offsets: np.ndarray
+
+
+def _check_pieces(pieces: Sequence[Piece], num_tokens: int, chain: list[str]) -> None:
+    position = 0
+    for piece in pieces:
+        where = f"piece {piece.start}:{piece.end}"
+        if piece.start != position or piece.end <= piece.start:
+            raise CorruptCacheError(
+                f"{where} leaves a gap or overlaps at token {position}"
+            )
+        if piece.end > num_tokens:
+            raise CorruptCacheError(f"{where} runs past {num_tokens} tokens")
+        if isinstance(piece, BlockPiece):
+            if piece.start % BLOCK_TOKENS or piece.end - piece.start != BLOCK_TOKENS:
+                raise CorruptCacheError(f"block {where} is not one aligned block")
+            if piece.name != chain[piece.start // BLOCK_TOKENS]:
+                raise CorruptCacheError(
+                    f"block {where} is not the block of these tokens"
+                )
+        elif piece.name != segment_name(piece.sha256):
+            raise CorruptCacheError(f"segment {where} is not named by its checksum")
+        position = piece.end
+    if position != num_tokens:
+        raise CorruptCacheError(f"pieces cover {position} of {num_tokens} tokens")
+
+
+def check_manifest(
+    manifest: Manifest, *, agent_id: str, model_tag: str
+) -> ManifestContents:
+    """Check a manifest against itself, without reading other files.
+
+    Raises:
+        ForeignModelError: made by another model.
+        CorruptCacheError: the packed fields, counts, offsets, pieces (gaps,
+            block names against the hash chain) or file names disagree.
+    """
+    if manifest.model_tag != model_tag:
+        raise ForeignModelError(
+            f"cache made by model {manifest.model_tag!r}, not {model_tag!r}"
+        )
+    if manifest.agent_id != agent_id:
+        raise CorruptCacheError(f"manifest names agent {manifest.agent_id!r}")
+    num_tokens = manifest.num_tokens
+    try:
+        text = unpack_text(manifest.text)
+        token_ids = unpack_token_ids(manifest.token_ids, num_tokens)
+        offsets = unpack_offsets(manifest.offsets, num_tokens)
+    except ValueError as exc:
+        raise CorruptCacheError(f"text, token ids or offsets: {exc}") from exc
+    if num_tokens and offsets[-1] > len(text):
+        raise CorruptCacheError("offsets run past the text")
+    if num_tokens and token_ids.min() < 0:
+        raise CorruptCacheError("negative token id")
+    _check_pieces(manifest.pieces, num_tokens, block_chain_hashes(model_tag, token_ids))
+    if manifest.state.name != state_name(manifest.state.sha256):
+        raise CorruptCacheError("state file is not named by its checksum")
+    keys = [
+        (index, key)
+        for index, record in enumerate(manifest.layers)
+        for key in record.keys
+    ]
+    if len(set(keys)) != len(keys):
+        raise CorruptCacheError("a layer lists a key twice")
+    return ManifestContents(text=text, token_ids=token_ids, offsets=offsets)
 
 
 @dataclass(frozen=True)

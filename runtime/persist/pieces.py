@@ -5,6 +5,12 @@ with :mod:`runtime.persist.plan`, and owns manifests). Every file goes into an
 :class:`~runtime.persist.files.AtomicBatch`; a file already on disk with the
 right content is not written again. Consecutive whole blocks are encoded
 together, as one run (:func:`runtime.persist.codec.encode_run`).
+
+Whether a file on disk is still the piece it should be is decided here too:
+:func:`piece_is_intact` for a piece a previous manifest lists (by its header),
+:func:`block_is_intact` for a block file on its own (by its metadata and data
+CRC), which a save asks before it adopts a block already there and a load
+before it removes a block that failed against its manifest.
 """
 
 from __future__ import annotations
@@ -14,8 +20,16 @@ import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from runtime.persist.codec import FileLayout, encode_run, header_sha256, parse_file
+from runtime.persist.codec import (
+    FileLayout,
+    data_is_intact,
+    encode_run,
+    header_sha256,
+    layout_of_entries,
+    parse_file,
+)
 from runtime.persist.files import (
     AtomicBatch,
     read_header,
@@ -35,13 +49,13 @@ from runtime.persist.format import (
 from runtime.persist.paths import CachePaths
 from runtime.persist.plan import PieceKind, PieceRange
 from runtime.persist.tensors import block_info, blocked_sources, piece_layout, segment_info
-from runtime.persist.verify import block_is_intact
 from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot
 
 __all__ = [
     "MAX_RUN_BLOCKS",
     "WriteTally",
     "piece_is_intact",
+    "block_is_intact",
     "write_pieces",
     "write_state",
     "remove_own_files",
@@ -99,7 +113,7 @@ def piece_is_intact(paths: CachePaths, agent_dir: Path, piece: Piece) -> bool:
     small read), so a block that another agent's save replaced with other
     bits is noticed and adopted, and a segment's range. Damage to the data
     alone is caught by a load, which removes the damaged file
-    (:meth:`runtime.persist.reader.AgentPieces.reject`).
+    (:meth:`runtime.persist.load.AgentPieces.reject`).
     """
     header = read_header(paths.piece_path(agent_dir, piece), size=piece.size)
     if header is None or header_sha256(header) != piece.sha256:
@@ -112,6 +126,30 @@ def piece_is_intact(paths: CachePaths, agent_dir: Path, piece: Piece) -> bool:
         str(piece.start),
         str(piece.end),
     )
+
+
+def block_is_intact(
+    data: Any, *, model_tag: str, block_hash: str, like: FileLayout | None
+) -> bool:
+    """Whether ``data`` is a whole block file for ``block_hash`` (laid out as ``like``).
+
+    Checks the block's own metadata and the CRC of its data, no manifest needed.
+    """
+    try:
+        parsed = parse_file(data)
+    except ValueError:
+        return False
+    if not parsed.has_info(block_info(model_tag=model_tag, block_hash=block_hash)):
+        return False
+    if not data_is_intact(data, parsed):
+        return False
+    layout = like
+    if layout is None:
+        try:
+            layout = layout_of_entries(parsed.entries())
+        except ValueError:
+            return False
+    return parsed.matches(layout) and len(data) == parsed.data_start + layout.data_size
 
 
 def write_pieces(

@@ -21,10 +21,16 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from runtime.atomic import fsync_dir, write_atomic
 from runtime.errors import CacheMiss
 from runtime.persist.codec import read_tensor_entries
-from runtime.persist.files import AtomicBatch, ensure_private_dir, read_header, remove_file
+from runtime.persist.files import (
+    AtomicBatch,
+    ensure_private_dir,
+    fsync_dir,
+    read_header,
+    remove_file,
+    write_atomic,
+)
 from runtime.persist.format import (
     FORMAT_VERSION,
     BlockPiece,
@@ -32,9 +38,14 @@ from runtime.persist.format import (
     Manifest,
     Piece,
     block_chain_hashes,
+    pack_offsets,
+    pack_text,
+    pack_token_ids,
 )
 from runtime.persist.manifests import (
     LEGACY_MANIFEST,
+    check_manifest,
+    decode_manifest,
     kept_files,
     manifest_name,
     own_files,
@@ -42,7 +53,6 @@ from runtime.persist.manifests import (
     read_listings,
     read_manifest_data,
 )
-from runtime.persist.packing import pack_offsets, pack_text, pack_token_ids
 from runtime.persist.paths import CachePaths
 from runtime.persist.pieces import (
     WriteTally,
@@ -53,7 +63,6 @@ from runtime.persist.pieces import (
 )
 from runtime.persist.plan import PieceRange, common_prefix, plan_save, range_of
 from runtime.persist.tensors import blocked_sources, encode_state, validate_snapshot
-from runtime.persist.verify import check_manifest, decode_manifest
 from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot
 
 __all__ = ["SaveReport", "save_cache"]
