@@ -92,7 +92,7 @@ def register(sub: Any) -> None:
     build.set_defaults(func=_build)
 
 
-# -- chat ---------------------------------------------------------------------------
+# -- the runtime ----------------------------------------------------------------------
 
 
 @asynccontextmanager
@@ -106,6 +106,9 @@ async def _open_runtime(config: Config, *, preload: bool = True) -> AsyncIterato
         # and the engine runs one when it unloads the model at exit).
         gc.freeze()
         yield rt
+
+
+# -- chat ---------------------------------------------------------------------------
 
 CHAT_DEFAULTS: dict[str, Any] = {"prewarm_mb": 0}
 """``kvmem chat``'s own defaults (below flags, environment and TOML). Pre-warming 512 MiB
