@@ -12,9 +12,12 @@ which writes it to disk when the runtime closes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -89,6 +92,22 @@ def register(sub: Any) -> None:
     build.set_defaults(func=_build)
 
 
+# -- the runtime ----------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def _open_runtime(config: Config, *, preload: bool = True) -> AsyncIterator[Runtime]:
+    """``open_runtime(config)`` for a command that runs until its process exits."""
+    from actors import open_runtime
+
+    async with open_runtime(config, preload=preload) as rt:
+        # What is imported and loaded by now lives until exit: keep it out of later garbage
+        # collections (a full one walks mlx-lm's and transformers' objects: ~90 ms here,
+        # and the engine runs one when it unloads the model at exit).
+        gc.freeze()
+        yield rt
+
+
 # -- chat ---------------------------------------------------------------------------
 
 CHAT_DEFAULTS: dict[str, Any] = {"prewarm_mb": 0}
@@ -107,11 +126,10 @@ def _chat(args: argparse.Namespace) -> int:
 
 async def _chat_session(args: argparse.Namespace, config: Config) -> None:
     """One runtime for the whole session: later turns of an interactive chat are served hot."""
-    from actors import open_runtime
     from runtime.home import KvmemHome
 
     home = KvmemHome(config.home_path)
-    async with open_runtime(config) as rt:
+    async with _open_runtime(config) as rt:
         if args.message is not None:
             await _turn(rt, home, config, args, args.message)
             return
@@ -231,10 +249,9 @@ def _agents(args: argparse.Namespace) -> int:
 
 
 async def _list_agents(config: Config) -> list[AgentSummary]:
-    from actors import open_runtime
     from runtime.home import KvmemHome
 
-    async with open_runtime(config, preload=False) as rt:  # listing needs no model
+    async with _open_runtime(config, preload=False) as rt:  # listing needs no model
         records = await rt.list_agents()
     return summarize_agents(KvmemHome(config.home_path), records)
 
@@ -275,13 +292,12 @@ async def _forget_agent(config: Config, agent: str) -> bool:
     """Delete the agent's caches (every model's) and conversation; True if anything existed."""
     import trio
 
-    from actors import open_runtime
     from runtime.home import KvmemHome
     from runtime.persist import CacheDirectory
     from runtime.persist import safe_agent_dirname
 
     name = safe_agent_dirname(agent)
-    async with open_runtime(config, preload=False) as rt:  # forgetting needs no model
+    async with _open_runtime(config, preload=False) as rt:  # forgetting needs no model
         had_cache = await rt.agent(agent).forget()
     # The runtime is closed: nothing else in this process uses the cache directory now.
     # Remove the blocks only the forgotten agent referenced (the store's Forget leaves them).
