@@ -17,19 +17,14 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
-import signal
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 from conftest import models_dir
+from serve_process import kvmem_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"
@@ -51,34 +46,6 @@ def _chat(home: Path, *, message: str | None = None, stdin: str | None = None) -
                           input=stdin, capture_output=True, text=True, env=_env(home), cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-
-
-@contextmanager
-def _serve(home: Path) -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--model", MODEL, "--port", "0"],
-        cwd=ROOT, env=_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-
-    def drain() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.put(line)
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        url = None
-        while url is None:
-            found = re.search(r"serving \S+ on (http://\S+)", lines.get(timeout=120))
-            url = found.group(1) if found else None
-        yield url
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _completion(url: str, messages: list[dict[str, str]]) -> dict[str, Any]:
@@ -114,7 +81,8 @@ def test_chat_and_serve_give_the_same_turns_cold_warm_and_hot(tmp_path: Path) ->
     served: list[dict[str, Any]] = []
     messages = [{"role": "system", "content": SYSTEM}]
     for run in (MESSAGES[:1], MESSAGES[1:]):  # a restart between turn 1 and turn 2
-        with _serve(tmp_path / "serve") as url:
+        with kvmem_serve("--model", MODEL, "--port", "0", env=_env(tmp_path / "serve")) as server:
+            url = server.url
             for text in run:
                 messages.append({"role": "user", "content": text})
                 served.append(_completion(url, messages))

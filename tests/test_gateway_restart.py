@@ -3,57 +3,20 @@
 from __future__ import annotations
 
 import os
-import queue
-import re
-import signal
-import subprocess
-import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
 import openai
 from conftest import models_dir
+from serve_process import ServeProcess, kvmem_serve
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = "restart-secret"
 
 
-@contextmanager
-def _kvmem_serve(cache_dir: Path, config_file: Path) -> Iterator[tuple[str, list[str]]]:
+def _kvmem_serve(cache_dir: Path, config_file: Path) -> AbstractContextManager[ServeProcess]:
     env = {**os.environ, "KVMEM_HOME": str(models_dir().parent), "KVMEM_PORT": "0", "KVMEM_API_KEY": KEY}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--model", "tiny-llama", "--cache-dir", str(cache_dir),
-         "--config", str(config_file)],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    log: list[str] = []
-
-    def drain() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.put(line)
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        url = None
-        while url is None:
-            line = lines.get(timeout=120)
-            log.append(line)
-            found = re.search(r"serving \S+ on (http://\S+)", line)
-            url = found.group(1) if found else None
-        yield url, log
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        while not lines.empty():
-            log.append(lines.get())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    return kvmem_serve("--model", "tiny-llama", "--cache-dir", str(cache_dir), "--config", str(config_file), env=env)
 
 
 def test_sigterm_flushes_and_a_restarted_server_serves_the_agent_from_disk(tmp_path: Path) -> None:
@@ -64,7 +27,8 @@ def test_sigterm_flushes_and_a_restarted_server_serves_the_agent_from_disk(tmp_p
     messages: list[dict] = [{"role": "system", "content": "You remember things."},
                             {"role": "user", "content": "My name is Ada. Remember it."}]
 
-    with _kvmem_serve(caches, config) as (url, log):
+    with _kvmem_serve(caches, config) as server:
+        url, log = server.url, server.log
         health = httpx.get(url + "/healthz").json()
         assert health["model"] == "tiny-llama"
         assert httpx.post(url + "/v1/messages", json={}).status_code == 401
@@ -80,7 +44,8 @@ def test_sigterm_flushes_and_a_restarted_server_serves_the_agent_from_disk(tmp_p
 
     messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
                  {"role": "user", "content": "What is my name?"}]
-    with _kvmem_serve(caches, config) as (url, _log):
+    with _kvmem_serve(caches, config) as server:
+        url = server.url
         headers = {"x-api-key": KEY}
         info = httpx.get(url + "/v1/agents/returning", headers=headers).json()
         assert info["on_disk"] and not info["hot"] and info["cached_tokens"] > 0
