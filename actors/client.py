@@ -25,6 +25,7 @@ from actors.messages_agent import (
     TurnResult,
 )
 from actors.messages_common import Failed
+from actors.messages_gpu import TurnStarted
 from runtime.errors import (
     BudgetExceededError,
     InvalidAgentIdError,
@@ -35,7 +36,7 @@ from runtime.errors import (
 
 __all__ = ["AgentHandle", "TurnOptions", "TurnStream", "TurnFailedError", "raise_failed"]
 
-TurnBuilder = Callable[[trio.MemorySendChannel[str] | None, trio.MemorySendChannel[TurnReply]], Turn]
+TurnBuilder = Callable[[trio.MemorySendChannel[str | TurnStarted] | None, trio.MemorySendChannel[TurnReply]], Turn]
 
 
 class Dispatcher(Protocol):
@@ -74,6 +75,10 @@ def raise_failed(failed: Failed) -> NoReturn:
 class TurnStream:
     """One streaming turn: an async context manager and an async iterator of text deltas.
 
+    ``await stream.start_info()`` (optional, before iterating) waits until the
+    turn's prefill begins and gives its :class:`actors.messages_gpu.TurnStarted`
+    accounting (tokens reused and prefilled, tier), also kept as :attr:`started`.
+
     After iteration ends, :attr:`result` is the turn's :class:`TurnResult`.
     Failures raise from the iteration (``BudgetExceededError``, ``ModelError``, ...).
     """
@@ -82,11 +87,13 @@ class TurnStream:
         self._runtime = runtime
         self._agent_id = agent_id
         self._build = build
-        self._deltas: trio.MemoryReceiveChannel[str] | None = None
+        self._deltas: trio.MemoryReceiveChannel[str | TurnStarted] | None = None
+        self._early: str | None = None  # text received while waiting for the start (not expected)
         self._reply: trio.MemoryReceiveChannel[TurnReply] | None = None
         self._streamed = 0
         self._done = False
         self.result: TurnResult | None = None
+        self.started: TurnStarted | None = None
 
     async def __aenter__(self) -> TurnStream:
         await self._open()
@@ -101,7 +108,7 @@ class TurnStream:
     async def _open(self) -> None:
         if self._reply is not None:
             return
-        deltas_send, self._deltas = trio.open_memory_channel[str](64)
+        deltas_send, self._deltas = trio.open_memory_channel[str | TurnStarted](64)
         reply_send, self._reply = trio.open_memory_channel[TurnReply](1)
         try:
             await self._runtime.deliver(self._agent_id, self._build(deltas_send, reply_send))
@@ -109,14 +116,41 @@ class TurnStream:
             await self.aclose()
             raise
 
+    async def start_info(self) -> TurnStarted | None:
+        """Wait until the turn's prefill begins and return what it reuses and prefills.
+
+        None when the turn ended before that (it failed, or was cancelled while
+        queued): iterating then raises or ends as usual.
+        """
+        await self._open()
+        assert self._deltas is not None
+        while self.started is None and self._early is None:
+            try:
+                item = await self._deltas.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return None
+            if isinstance(item, TurnStarted):
+                self.started = item
+            else:
+                self._early = item
+        return self.started
+
     async def __anext__(self) -> str:
         if self._done:
             raise StopAsyncIteration
+        if self._early is not None:
+            delta, self._early = self._early, None
+            self._streamed += len(delta)
+            return delta
         try:
             await self._open()
             assert self._deltas is not None and self._reply is not None
             try:
-                delta = await self._deltas.receive()
+                item = await self._deltas.receive()
+                while isinstance(item, TurnStarted):
+                    self.started = item
+                    item = await self._deltas.receive()
+                delta = item
             except trio.EndOfChannel:
                 reply = await self._reply.receive()
                 self._done = True
@@ -206,7 +240,9 @@ class AgentHandle:
         request_id = self._runtime.new_request_id()
         submitted_at = time.perf_counter()
 
-        def build(deltas: trio.MemorySendChannel[str] | None, reply: trio.MemorySendChannel[TurnReply]) -> Turn:
+        def build(
+            deltas: trio.MemorySendChannel[str | TurnStarted] | None, reply: trio.MemorySendChannel[TurnReply]
+        ) -> Turn:
             return Turn(request_id=request_id, turn=turn, submitted_at=submitted_at, deltas=deltas, reply=reply)
 
         return build

@@ -39,6 +39,7 @@ from actors.messages_gpu import (
     ModelReady,
     Render,
     Rendered,
+    TurnStarted,
     Unloaded,
     UnloadModel,
 )
@@ -47,7 +48,7 @@ from actors.mlx_thread import MlxThread
 from actors.scheduler import Scheduler
 from runtime.engine import Engine, Finished, ModelInfo, Started
 from runtime.kv_manager import KVCacheManager
-from runtime.turn_plan import Tier, Tokenized
+from runtime.turn_plan import FromShared, Tier, Tokenized
 
 __all__ = ["GPUActor", "GpuStats", "GpuEvent"]
 
@@ -102,6 +103,8 @@ class _Request:
     client_gone: bool = False
     to_prefill: int | None = None  # prompt tokens to prefill when it started (None: not started)
     adopted: bool = False  # started from a prefix of another agent's turn in flight
+    started: Started | None = None
+    announced: bool = False  # the TurnStarted went out
 
 
 
@@ -298,6 +301,7 @@ class GPUActor:
             return
         self._manager.begin(request_id, agent_id=req.msg.agent_id, model_tag=req.msg.model_tag,
                             token_ids=started.token_ids, reused=started.tokens_reused, share=req.msg.share_prefix)
+        req.started = started
         req.to_prefill = started.tokens_to_prefill
         assert self._sched is not None
         self._sched.to_prefill(request_id, started.tokens_to_prefill)
@@ -315,6 +319,7 @@ class GPUActor:
     async def _prefill(self, request_id: int, chunk: int | None) -> None:
         assert self._sched is not None
         adopt = self._manager.adopt(request_id)  # first chunk only: a donor's blocks, if they cover more
+        self._announce(request_id, adopt)
         try:
             result = await self._job(partial(self._engine.prefill, adopt=adopt), request_id, chunk)
         except Exception as exc:  # noqa: BLE001
@@ -359,6 +364,26 @@ class GPUActor:
         for token in reversed(tokens):
             if token.finished:
                 await self._complete(token.request_id)
+
+    def _announce(self, request_id: int, adopt: FromShared | None) -> None:
+        """Before the first prefill chunk: tell a streaming client what the turn reuses and prefills."""
+        req = self._requests[request_id]
+        if req.announced or req.started is None:
+            return
+        req.announced = True
+        if req.msg.deltas is None:
+            return
+        started = req.started
+        reused = adopt.keep_tokens if adopt is not None else started.tokens_reused
+        tier: Tier = "cold" if not reused else ("shared" if adopt is not None else req.msg.plan.tier)
+        announcement = TurnStarted(tokens_reused=reused, tokens_prefilled=len(started.token_ids) - reused, tier=tier,
+                                   match="extend" if adopt is not None else started.match)
+        try:
+            req.msg.deltas.send_nowait(announcement)
+        except trio.WouldBlock:
+            pass  # not possible: it is the first item on the channel
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            req.client_gone = True
 
     def _deliver(self, request_id: int, text: str) -> None:
         req = self._requests[request_id]

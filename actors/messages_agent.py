@@ -22,7 +22,7 @@ import msgspec
 import trio
 
 from actors.messages_common import Failed, Message
-from actors.messages_gpu import SamplingOptions, Tier
+from actors.messages_gpu import SamplingOptions, Tier, TurnStarted
 
 __all__ = [
     "ChatMessage",
@@ -205,15 +205,16 @@ class Turn(Message, frozen=True, kw_only=True):
     Attributes:
         request_id: the runtime's id for this request.
         submitted_at: ``time.perf_counter()`` at submission (queue wait, TTFT).
-        deltas: streamed text (None: not streaming); the agent closes it when
-            the generation is over, then answers on ``reply``.
+        deltas: a :class:`actors.messages_gpu.TurnStarted` when prefill begins, then
+            the streamed text (None: not streaming); the agent closes it when the
+            generation is over, then answers on ``reply``.
         reply: the one-shot reply. Closing its receive end cancels the turn.
     """
 
     request_id: int
     turn: ChatTurn
     submitted_at: float
-    deltas: trio.MemorySendChannel[str] | None
+    deltas: trio.MemorySendChannel[str | TurnStarted] | None
     reply: trio.MemorySendChannel[TurnReply]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import trio
 
 from actors.messages_common import Failed, HotCache, Message
@@ -35,6 +36,7 @@ __all__ = [
     "Unloaded",
     "Rendered",
     "Generated",
+    "TurnStarted",
     "GpuInbox",
     "LoadReply",
     "UnloadReply",
@@ -56,6 +58,20 @@ class Unloaded(Message, frozen=True, kw_only=True):
 class Rendered(Message, frozen=True, kw_only=True):
     prompt: str
     num_tokens: int | None = None  # set when the Render asked for a token count
+
+
+class TurnStarted(msgspec.Struct, frozen=True, kw_only=True):
+    """A turn's accounting once its prefill begins: the first item on a streaming turn's ``deltas`` channel.
+
+    Known before any token is generated, so a streaming API can report it up
+    front (Anthropic's ``message_start`` usage). ``tier`` and ``match`` as in
+    :class:`Generated`; ``tokens_prefilled``: prompt tokens this turn runs through the model.
+    """
+
+    tokens_reused: int
+    tokens_prefilled: int
+    tier: Tier
+    match: str
 
 
 class Generated(Message, frozen=True, kw_only=True):
@@ -127,8 +143,9 @@ class Generate(Message, frozen=True, kw_only=True):
     """Generate a reply to ``prompt`` as ``plan`` says (what is reused, from where).
 
     Attributes:
-        deltas: where streamable text goes (``send_nowait``; text that does not
-            fit is coalesced into the next delta). The GPU actor never closes it.
+        deltas: where a :class:`TurnStarted` goes when prefill begins, then the
+            streamable text (``send_nowait``; text that does not fit is coalesced
+            into the next delta). The GPU actor never closes it.
         client: the caller's own reply channel. When its receive end is closed
             (the client left), the generation is cancelled; nothing is sent on it.
         submitted_at: ``time.perf_counter()`` when the client submitted the turn.
@@ -143,7 +160,7 @@ class Generate(Message, frozen=True, kw_only=True):
     plan: TurnPlan
     sampling: SamplingOptions
     submitted_at: float
-    deltas: trio.MemorySendChannel[str] | None
+    deltas: trio.MemorySendChannel[str | TurnStarted] | None
     client: trio.MemorySendChannel[Any] | None
     reply: trio.MemorySendChannel[GenerateReply]
     share_prefix: bool = False

@@ -1,17 +1,19 @@
 """Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
-Usage, with every prompt token counted exactly once (Anthropic's rule: the
-prompt is ``input_tokens + cache_creation_input_tokens + cache_read_input_tokens``):
+Usage as Anthropic, llama.cpp and vLLM report it, every prompt token counted
+once (the prompt is ``input_tokens + cache_creation_input_tokens +
+cache_read_input_tokens``):
 
+* ``input_tokens`` — prompt tokens prefilled this turn (not read from the cache);
 * ``cache_read_input_tokens`` — tokens reused from the agent's KV cache;
-* ``cache_creation_input_tokens`` — tokens prefilled this turn, all of which
-  are written to the agent's cache (kvmem caches every prompt, no
-  ``cache_control`` needed);
-* ``input_tokens`` — prompt tokens neither read from nor written to a cache:
-  always 0 here;
+* ``cache_creation_input_tokens`` — 0: Anthropic counts here the tokens a
+  ``cache_control`` breakpoint writes (billed at a premium); kvmem caches every
+  turn without breakpoints and at no extra cost, so nothing is counted as a
+  cache write (``cache_control`` is accepted and has no effect);
 * ``output_tokens`` — tokens generated.
 
-Streaming sends ``message_start``, ``content_block_start``, ``ping``, the
+Streaming sends ``message_start`` (once the turn's prefill begins, with its
+input, cache-read and creation counts), ``content_block_start``, ``ping``, the
 ``content_block_delta`` events, ``content_block_stop``, ``message_delta``
 (stop reason and the final usage, plus kvmem's own accounting under
 ``kvmem``) and ``message_stop``. An error after the stream started is an
@@ -29,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from actors.client import TurnStream
 from gateway.context import CLIENT_GONE, Gateway
 from gateway.errors import ApiError, error_dict, from_exception, runtime_errors
 from gateway.headers import header_safe, kvmem_extras, kvmem_headers, request_id
@@ -135,8 +138,8 @@ def _uses_tools(chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None) 
 def usage_of(result: Any) -> Usage:
     """Anthropic usage of a :class:`TurnResult` (see the module docstring)."""
     u = result.usage
-    return Usage(input_tokens=0, output_tokens=u.tokens_generated,
-                 cache_creation_input_tokens=u.tokens_prefilled, cache_read_input_tokens=u.tokens_reused)
+    return Usage(input_tokens=u.tokens_prefilled, output_tokens=u.tokens_generated,
+                 cache_creation_input_tokens=0, cache_read_input_tokens=u.tokens_reused)
 
 
 def stop_reason_of(result: Any) -> str:
@@ -197,16 +200,21 @@ def routes(gw: Gateway) -> list[Route]:
         message_id = _message_id()
         model_name = model or gw.default_model
 
-        async def produce(emit: Emit) -> None:
-            start: dict[str, Any] = {"id": message_id, "type": "message", "role": "assistant", "model": model_name, "content": [],
-                     "stop_reason": None, "stop_sequence": None,
-                     "usage": {"input_tokens": 0, "output_tokens": 0}}
-            await emit(sse("message_start", {"type": "message_start", "message": start}))
+        async def start(stream: TurnStream, emit: Emit) -> None:
+            started = await stream.start_info()  # the queue wait: nothing to say before it
+            usage = Usage(input_tokens=started.tokens_prefilled if started else 0, output_tokens=0,
+                          cache_creation_input_tokens=0, cache_read_input_tokens=started.tokens_reused if started else 0)
+            message = {"id": message_id, "type": "message", "role": "assistant", "model": model_name, "content": [],
+                       "stop_reason": None, "stop_sequence": None, "usage": usage}
+            await emit(sse("message_start", {"type": "message_start", "message": message}))
             await emit(sse("content_block_start", {"type": "content_block_start", "index": 0,
                                                    "content_block": {"type": "text", "text": ""}}))
             await emit(sse("ping", {"type": "ping"}))
+
+        async def produce(emit: Emit) -> None:
             try:
                 async with handle.open_stream(turn) as stream:
+                    await start(stream, emit)
                     async for delta in stream:
                         await emit(sse("content_block_delta", {"type": "content_block_delta", "index": 0,
                                                                "delta": {"type": "text_delta", "text": delta}}))

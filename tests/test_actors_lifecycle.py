@@ -318,3 +318,29 @@ async def test_a_turn_hashes_its_blocks_once_for_the_hot_tier_and_the_save(tmp_p
         assert await rt.flush() == 1
     assert calls == [600 + result.usage.tokens_generated - 1]  # the parked cache: prompt + fed reply tokens
     assert _disk(tmp_path).load("hasher", model_tag=TAG).num_tokens == calls[0]
+
+
+async def test_a_streaming_turn_announces_its_accounting_before_the_first_token(tmp_path):
+    async with _open(tmp_path) as rt:
+        handle = rt.agent("announcer")
+        async with handle.stream_prompt("tell me", max_tokens=4) as stream:
+            started = await stream.start_info()
+            deltas = [d async for d in stream]
+        assert started is not None and stream.started is started
+        first = stream.result
+        assert (started.tier, started.tokens_reused, started.tokens_prefilled) == ("cold", 0, len("tell me"))
+        assert "".join(deltas) == first.reply
+
+        async with handle.stream_prompt("tell me" + first.reply + " more", max_tokens=4) as stream:
+            started = await stream.start_info()
+            async for _ in stream:
+                pass
+        usage = stream.result.usage
+        assert (started.tier, started.tokens_reused, started.tokens_prefilled) == (
+            usage.tier, usage.tokens_reused, usage.tokens_prefilled) == ("hot", usage.tokens_reused, 5 + 1)
+        # a turn that fails before it starts announces nothing
+        async with handle.stream_prompt("x", max_tokens=4, model="not-configured") as stream:
+            assert await stream.start_info() is None
+            with pytest.raises(ValueError):
+                async for _ in stream:
+                    pass

@@ -108,8 +108,8 @@ def test_anthropic_conversation_reuses_the_cache_on_turn_2(claude: anthropic.Ant
     assert first.stop_reason in ("max_tokens", "end_turn")
     u1 = first.usage
     prompt1 = _count(claude, messages, system=system)
-    assert u1.cache_read_input_tokens == 0 and u1.input_tokens == 0
-    assert u1.cache_creation_input_tokens == prompt1  # the whole prompt was prefilled and cached
+    # As Anthropic reports it: input = prefilled, cache read = reused, no breakpoint writes.
+    assert (u1.input_tokens, u1.cache_read_input_tokens, u1.cache_creation_input_tokens) == (prompt1, 0, 0)
     assert 1 <= u1.output_tokens <= 12
 
     messages += [{"role": "assistant", "content": first.content[0].text},
@@ -122,7 +122,8 @@ def test_anthropic_conversation_reuses_the_cache_on_turn_2(claude: anthropic.Ant
     prompt2 = _count(claude, messages, system=system)
     assert raw.headers["x-kvmem-tier"] == "hot"
     assert u2.cache_read_input_tokens >= prompt1  # turn 1's prompt and reply
-    assert u2.cache_creation_input_tokens < prompt2 - prompt1  # only the new part is prefilled
+    assert u2.input_tokens < prompt2 - prompt1  # only the new part is prefilled
+    assert u2.cache_creation_input_tokens == 0
     # (reused + prefilled can differ from prompt2 by a few tokens: the reply's generated token ids
     # are not always how the tokenizer would split the same text)
 
@@ -131,20 +132,28 @@ def test_anthropic_streaming_text_and_usage(claude: anthropic.Anthropic) -> None
     messages: list[dict] = [{"role": "user", "content": "Stream me a story."}]
     headers = {"X-Agent-ID": "anthropic-streamer"}
     with claude.messages.stream(model=MODEL, max_tokens=10, messages=messages, extra_headers=headers) as stream:
+        start = next(event for event in stream if event.type == "message_start")
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text and final.content[0].text == text
-    assert final.usage.cache_read_input_tokens == 0
-    assert final.usage.cache_creation_input_tokens == _count(claude, messages)
+    # message_start already carries the turn's input and cache counts, as the final usage does.
+    prompt = _count(claude, messages)
+    assert (start.message.usage.input_tokens, start.message.usage.cache_read_input_tokens) == (prompt, 0)
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens) == (prompt, 0)
+    assert final.usage.cache_creation_input_tokens == 0
     assert final.usage.output_tokens <= 10
 
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}]
     with claude.messages.stream(model=MODEL, max_tokens=10, messages=messages, extra_headers=headers) as stream:
+        start2 = next(event for event in stream if event.type == "message_start")
         text2 = "".join(stream.text_stream)
         final2 = stream.get_final_message()
     assert final2.content[0].text == text2
-    assert final2.usage.cache_read_input_tokens > final.usage.cache_creation_input_tokens
-    assert final2.usage.cache_creation_input_tokens < _count(claude, messages) - _count(claude, messages[:1])
+    assert final2.usage.cache_read_input_tokens > final.usage.input_tokens
+    assert final2.usage.input_tokens < _count(claude, messages) - _count(claude, messages[:1])
+    started2 = start2.message.usage
+    assert (started2.input_tokens, started2.cache_read_input_tokens) == (final2.usage.input_tokens,
+                                                                        final2.usage.cache_read_input_tokens)
 
 
 def test_anthropic_stream_event_sequence(http: httpx.Client) -> None:
@@ -186,7 +195,7 @@ def test_anthropic_tools_are_rendered_by_the_chat_template(claude: anthropic.Ant
     with_tools = _count(claude, messages, tools=tools)
     assert with_tools > _count(claude, messages[:1]) + 20
     reply = claude.messages.create(model=MODEL, max_tokens=8, tools=tools, messages=messages)  # type: ignore[arg-type]
-    assert reply.usage.cache_creation_input_tokens == with_tools
+    assert reply.usage.input_tokens == with_tools
 
 
 def test_tools_on_a_model_without_tool_support_are_a_400(
@@ -401,7 +410,7 @@ def test_client_disconnect_cancels_generation_and_keeps_the_cache_consistent(htt
     assert again.status_code == 200, again.text
     assert again.headers["x-kvmem-tier"] == "hot", again.headers
     usage = again.json()["usage"]
-    assert usage["cache_read_input_tokens"] >= prompt_tokens - 2 and usage["cache_creation_input_tokens"] <= 2
+    assert usage["cache_read_input_tokens"] >= prompt_tokens - 2 and usage["input_tokens"] <= 2
 
 
 def test_extra_routes_share_the_middleware_and_the_openapi_document(server: ServerThread, http: httpx.Client) -> None:
