@@ -85,8 +85,23 @@ def _authorized(scope: Scope, api_key: str) -> bool:
     return given is not None and secrets.compare_digest(given.encode(), api_key.encode())
 
 
+def _has_body(scope: Scope) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return value.strip() not in (b"0", b"")
+        if name == b"transfer-encoding":
+            return True
+    return False
+
+
 class GatewayMiddleware:
-    """Request ids, the API key check and the per-route response counters."""
+    """Request ids, the API key check, keep-alive safety and the per-route response counters.
+
+    A response sent before the request body was read to its end (a 401, a 413 that
+    stopped reading, a 400 or 404 decided before the body) says ``Connection: close``:
+    the server cannot read the next request on that connection, and a keep-alive
+    client that reused it would see it dropped.
+    """
 
     def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
         self.app = app
@@ -99,12 +114,23 @@ class GatewayMiddleware:
         rid = "req_" + secrets.token_hex(12)
         scope[REQUEST_ID_KEY] = rid
         status = 500
+        body_read = not _has_body(scope)
+
+        async def receive_tracked() -> Message:
+            nonlocal body_read
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                body_read = True
+            return message
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"request-id", rid.encode())]
+                headers = [*message.get("headers", []), (b"request-id", rid.encode())]
+                if not body_read and not any(name.lower() == b"connection" for name, _ in headers):
+                    headers.append((b"connection", b"close"))
+                message["headers"] = headers
             await send(message)
 
         api_key = self.gateway.config.api_key
@@ -112,13 +138,9 @@ class GatewayMiddleware:
             if api_key and scope["path"] != "/healthz" and not _authorized(scope, api_key):
                 error = ApiError(401, "authentication", "invalid or missing API key (x-api-key or "
                                  "Authorization: Bearer)", code="invalid_api_key")
-                # The body is never read, so the server cannot reuse this connection: say so,
-                # or a keep-alive client may send its next request into a closing socket.
-                response = _error_response(error, scope)
-                response.headers["connection"] = "close"
-                await response(scope, receive, send_with_id)
+                await _error_response(error, scope)(scope, receive_tracked, send_with_id)  # body unread: closes
                 return
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive_tracked, send_with_id)
         finally:
             route = scope.get("route")
             label = route.path if isinstance(route, Route) else "unmatched"

@@ -32,6 +32,7 @@ import pytest
 from conftest import models_dir
 
 import gateway.app
+from gateway.context import DRAIN_BYTES
 from gateway.identity import conversation_id
 from gateway.server import exposure_warning
 from gateway.testing import ServerThread
@@ -100,15 +101,26 @@ def test_every_route_but_healthz_needs_the_key(server: ServerThread, http: httpx
 
 
 def test_rejected_and_accepted_requests_share_one_keep_alive_client(server: ServerThread) -> None:
-    # A 401 is sent without reading the body, so it must say Connection: close;
-    # otherwise the client's next request can land on a socket the server is closing.
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        for i in range(40):
-            bad = client.post("/v1/messages/count_tokens", headers={"x-api-key": "wrong"},
-                              json={"model": "tiny-llama", "messages": [{"role": "user", "content": "x" * i}]})
-            assert bad.status_code == 401 and bad.headers["connection"] == "close"
-            good = client.get("/v1/models", headers={"x-api-key": KEY})
-            assert good.status_code == 200
+    # Every answer sent before the body was read to its end (401, 400 on a bad agent id in the path,
+    # 404 / 405 with a body, a 413 that stops reading) must say Connection: close; otherwise the
+    # client's next request can land on a socket the server is closing.
+    key = {"x-api-key": KEY}
+    count = {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}]}
+    rejected = [
+        ("POST", "/v1/messages/count_tokens", {"x-api-key": "wrong"}, count, 401),
+        ("POST", "/v1/agents/%00bad/messages", key, {"prompt": "x", "max_tokens": 1}, 400),
+        ("POST", "/no/such/route", key, count, 404),
+        ("PUT", "/v1/models", key, count, 405),
+    ]
+    huge = ("POST", "/v1/messages/count_tokens", key, {"pad": "x" * (DRAIN_BYTES + 4096)}, 413)  # not read to its end
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for i in range(8):
+            for method, path, headers, body, status in rejected if i else [*rejected, huge]:
+                bad = client.request(method, path, headers=headers, json=body)
+                assert bad.status_code == status, (path, bad.status_code, bad.text)
+                assert bad.headers.get("connection") == "close", (path, bad.headers)  # each left its body unread
+                good = client.post("/v1/messages/count_tokens", headers=key, json=count)
+                assert good.status_code == 200, (i, path, good.text)
 
 
 def test_the_key_is_compared_in_constant_time(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
