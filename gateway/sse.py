@@ -8,6 +8,10 @@ producer is cancelled: the cancellation arrives inside it as ``trio.Cancelled``
 a turn in ``async with handle.stream(...)`` tells the GPU actor by leaving that
 block. No async generator sits in between (trio cannot cancel one that is
 suspended at a ``yield``), so nothing is left waiting for the garbage collector.
+
+A stream that has been silent for :data:`KEEPALIVE_S` (a long prompt being
+prefilled, a turn waiting for memory) gets an SSE comment, ``: keep-alive``,
+which every SSE parser skips: proxies and SDK read timeouts keep seeing bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import msgspec
 import trio
 from starlette.types import Receive, Scope, Send
 
-__all__ = ["Emit", "Producer", "EventStreamResponse", "sse", "sse_data", "SSE_HEADERS"]
+__all__ = ["Emit", "Producer", "EventStreamResponse", "sse", "sse_data", "SSE_HEADERS", "KEEPALIVE_S"]
 
 Emit = Callable[[bytes], Awaitable[None]]
 Producer = Callable[[Emit], Awaitable[None]]
@@ -31,6 +35,11 @@ SSE_HEADERS = {
 }
 
 _encoder = msgspec.json.Encoder()
+
+KEEPALIVE_S = 10.0
+"""Seconds of silence after which a stream gets a ``: keep-alive`` comment."""
+
+KEEPALIVE = b": keep-alive\n\n"
 
 
 def sse(event: str, data: Any) -> bytes:
@@ -67,11 +76,24 @@ class EventStreamResponse:
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(watch_disconnect)
+            sending = trio.Lock()  # the producer and the keep-alive write one stream
+            last_sent = trio.current_time()
 
             async def emit(chunk: bytes) -> None:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                nonlocal last_sent
+                async with sending:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    last_sent = trio.current_time()
+
+            async def keep_alive() -> None:
+                while True:
+                    await trio.sleep_until(last_sent + KEEPALIVE_S)
+                    if trio.current_time() >= last_sent + KEEPALIVE_S:
+                        await emit(KEEPALIVE)
 
             await send({"type": "http.response.start", "status": self.status_code, "headers": raw_headers})
+            nursery.start_soon(keep_alive)
             await self.producer(emit)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            async with sending:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
             nursery.cancel_scope.cancel()

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+import gateway.sse
 from gateway.testing import ServerThread
 from runtime.config import Config
 
@@ -168,6 +169,28 @@ def test_anthropic_stream_event_sequence(http: httpx.Client) -> None:
     assert events[:3] == ["message_start", "content_block_start", "ping"]
     assert set(events[3:-3]) <= {"content_block_delta"} and len(events) > 6
     assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+
+def test_keep_alive_comments_in_a_stream_are_invisible_to_both_sdks(
+    claude: anthropic.Anthropic, gpt: openai.OpenAI, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A silent stream gets ": keep-alive" comments (a long prefill); here every pause is long enough.
+    monkeypatch.setattr(gateway.sse, "KEEPALIVE_S", 0.0005)
+    messages = [{"role": "user", "content": "Keep me alive."}]
+    greedy = {"temperature": 0}
+    plain = claude.messages.create(model=MODEL, max_tokens=8, messages=messages, extra_body=greedy,
+                                   extra_headers={"X-Agent-ID": "alive-plain"}).content[0].text
+    with http.stream("POST", "/v1/messages", json={"model": MODEL, "max_tokens": 8, "stream": True, **greedy,
+                                                   "messages": messages},
+                     headers={"X-Agent-ID": "alive-raw"}) as response:
+        lines = list(response.iter_lines())
+    assert ": keep-alive" in lines
+    with claude.messages.stream(model=MODEL, max_tokens=8, messages=messages, extra_body=greedy,  # type: ignore[arg-type]
+                                extra_headers={"X-Agent-ID": "alive-sdk"}) as stream:
+        assert "".join(stream.text_stream) == plain
+    chunks = gpt.chat.completions.create(model=MODEL, max_tokens=8, messages=messages, stream=True,  # type: ignore[arg-type]
+                                         temperature=0, extra_headers={"X-Agent-ID": "alive-oa"})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain
 
 
 def test_anthropic_stop_sequence_is_reported(claude: anthropic.Anthropic) -> None:

@@ -114,3 +114,33 @@ def test_model_names_unknown_ones_are_404_unless_any_model_is_accepted() -> None
     assert unknown.value.status == 404 and unknown.value.code == "model_not_found"
     lenient = Gateway(rt=None, config=Config(accept_any_model=True), models=("m",))  # type: ignore[arg-type]
     assert lenient.model_for("claude-x") is None
+
+
+async def test_a_silent_event_stream_gets_keep_alive_comments(autojump_clock, monkeypatch) -> None:
+    import trio
+
+    import gateway.sse
+    from gateway.sse import EventStreamResponse
+
+    monkeypatch.setattr(gateway.sse, "KEEPALIVE_S", 1.0)
+    sent: list[tuple[float, bytes]] = []
+
+    async def receive():
+        await trio.sleep_forever()
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            sent.append((trio.current_time(), message["body"]))
+
+    async def producer(emit):
+        await emit(b"data: 1\n\n")
+        await trio.sleep(3.5)  # a long prefill
+        await emit(b"data: 2\n\n")
+        await trio.sleep(0.5)  # shorter than the interval: no comment
+        await emit(b"data: 3\n\n")
+
+    start = trio.current_time()
+    await EventStreamResponse(producer)({"type": "http"}, receive, send)
+    bodies = [b for _t, b in sent]
+    assert bodies == [b"data: 1\n\n", *[b": keep-alive\n\n"] * 3, b"data: 2\n\n", b"data: 3\n\n", b""]
+    assert [round(t - start, 1) for t, b in sent if b.startswith(b":")] == [1.0, 2.0, 3.0]
