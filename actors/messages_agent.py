@@ -83,10 +83,14 @@ class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TurnDone(Message, frozen=True, kw_only=True):
+    """Reply to a :class:`Turn`: the finished turn's :class:`TurnResult` (reply, stop reason, usage)."""
+
     result: TurnResult
 
 
 class Forgot(Message, frozen=True, kw_only=True):
+    """Reply to :class:`ForgetAgent`: the agent's caches are deleted; ``existed``: whether it had any."""
+
     existed: bool
 
 

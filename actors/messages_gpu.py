@@ -44,18 +44,22 @@ __all__ = [
     "GenerateReply",
 ]
 
-# -- requests ------------------------------------------------------------------
+# -- replies -------------------------------------------------------------------
 
 
 class ModelReady(Message, frozen=True, kw_only=True):
+    """Reply to :class:`LoadModel`: the model is loaded; ``info`` is its name, tag and sizes."""
+
     info: ModelInfo
 
 
 class Unloaded(Message, frozen=True, kw_only=True):
-    pass
+    """Reply to :class:`UnloadModel`: no model is loaded now."""
 
 
 class Rendered(Message, frozen=True, kw_only=True):
+    """Reply to :class:`Render`: the prompt text the template made (and its token count, when asked)."""
+
     prompt: str
     num_tokens: int | None = None  # set when the Render asked for a token count
 
@@ -111,6 +115,8 @@ UnloadReply = Unloaded | Failed
 RenderReply = Rendered | Failed
 GenerateReply = Generated | Failed
 
+# -- requests ------------------------------------------------------------------
+
 
 class LoadModel(Message, frozen=True, kw_only=True):
     """Unload the current model (if any) and load ``name``."""
@@ -120,6 +126,8 @@ class LoadModel(Message, frozen=True, kw_only=True):
 
 
 class UnloadModel(Message, frozen=True, kw_only=True):
+    """Unload the current model (the registry's idle unload); fails while generations are running."""
+
     reply: trio.MemorySendChannel[UnloadReply]
 
 

@@ -52,14 +52,20 @@ class Planned(Message, frozen=True, kw_only=True):
 
 
 class Forgotten(Message, frozen=True, kw_only=True):
+    """Reply to :class:`Forget`: the agent's caches are deleted; ``existed``: whether it had any (hot or on disk)."""
+
     existed: bool
 
 
 class Evicted(Message, frozen=True, kw_only=True):
+    """Reply to :class:`Evict`: the model's hot caches are dropped; ``written``: dirty ones saved to disk first."""
+
     written: int
 
 
 class Flushed(Message, frozen=True, kw_only=True):
+    """Reply to :class:`Flush`: ``written`` dirty caches were saved to disk."""
+
     written: int
 
 
@@ -84,6 +90,8 @@ class AgentRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class AgentsListed(Message, frozen=True, kw_only=True):
+    """Reply to :class:`ListAgents`: the caches, in the order described there."""
+
     agents: tuple[AgentRecord, ...]
 
 
@@ -132,11 +140,18 @@ class Forget(Message, frozen=True, kw_only=True):
 
 
 class Evict(Message, frozen=True, kw_only=True):
+    """Before a model swap or unload: write ``model_tag``'s dirty caches to disk, then drop its hot caches.
+
+    The agents' caches of that model stay on disk and load again (warm) when it returns.
+    """
+
     model_tag: str
     reply: trio.MemorySendChannel[EvictReply]
 
 
 class Flush(Message, frozen=True, kw_only=True):
+    """Write every dirty hot cache to disk now (``Runtime.flush``, e.g. at the end of each scenario phase)."""
+
     reply: trio.MemorySendChannel[FlushReply]
 
 

@@ -65,6 +65,8 @@ class Acquire(Message, frozen=True, kw_only=True):
 
 
 class Release(Message, frozen=True, kw_only=True):
+    """Give back the lease ``lease_id`` (no reply); with none left, a queued request for another model swaps."""
+
     lease_id: int
 
 
@@ -72,6 +74,20 @@ RegistryInbox = Acquire | Release
 
 
 class RegistryStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The registry's state and counters (``Runtime.stats().registry``).
+
+    Attributes:
+        model: the loaded model's name (None: none loaded).
+        model_tag: its tag (model + KV format; None: none loaded).
+        default_model: the model of requests that name none.
+        configured: every model requests may ask for, the default first.
+        leases: leases held now (turns running on the loaded model).
+        queued: lease requests waiting (behind a swap or for the current leases).
+        loads: models loaded since start.
+        swaps: loads that replaced another loaded model.
+        idle_unloads: unloads after ``idle_unload_s`` without a lease.
+    """
+
     model: str | None
     model_tag: str | None
     default_model: str

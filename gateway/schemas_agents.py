@@ -60,17 +60,23 @@ class AgentInfo(Struct, kw_only=True):
 
 
 class AgentList(Struct, kw_only=True):
+    """``GET /v1/agents``: every agent with a cache (hot or on disk) or a running actor, by id."""
+
     object: Literal["list"]
     data: list[AgentInfo]
 
 
 class Deleted(Struct, kw_only=True):
+    """``DELETE /v1/agents/{id}``: the agent's caches (every model's, hot and on disk) were deleted."""
+
     id: str
     object: Literal["agent"]
     deleted: bool
 
 
 class TurnDelta(Struct, kw_only=True):
+    """A ``delta`` event of a streamed ``POST /v1/agents/{id}/messages``: the next piece of the reply text."""
+
     text: str
 
 

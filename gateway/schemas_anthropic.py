@@ -34,16 +34,22 @@ NonEmpty = Annotated[str, Meta(min_length=1)]
 
 
 class TextBlock(Struct, tag="text", tag_field="type", kw_only=True):
+    """Anthropic's ``text`` content block (``cache_control`` is accepted and has no effect)."""
+
     text: str
     cache_control: dict[str, Any] | None = None
 
 
 class ImageBlock(Struct, tag="image", tag_field="type", kw_only=True):
+    """Anthropic's ``image`` content block: decoded only so that the 400 can say images are not supported."""
+
     source: dict[str, Any]
     cache_control: dict[str, Any] | None = None
 
 
 class ToolUseBlock(Struct, tag="tool_use", tag_field="type", kw_only=True):
+    """Anthropic's ``tool_use`` content block (assistant messages): a call, rendered as an OpenAI-shaped tool call."""
+
     id: NonEmpty
     name: NonEmpty
     input: dict[str, Any]
@@ -51,6 +57,11 @@ class ToolUseBlock(Struct, tag="tool_use", tag_field="type", kw_only=True):
 
 
 class ToolResultBlock(Struct, tag="tool_result", tag_field="type", kw_only=True):
+    """Anthropic's ``tool_result`` content block (user messages): rendered as a ``tool`` message.
+
+    Its text is prefixed ``Error:`` when ``is_error``; image content is refused.
+    """
+
     tool_use_id: NonEmpty
     content: str | list[TextBlock | ImageBlock] = ""
     is_error: bool = False
@@ -61,6 +72,8 @@ ContentBlock = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock
 
 
 class MessageParam(Struct, kw_only=True):
+    """Anthropic's input message (``MessageParam``): a user or assistant turn, as text or content blocks."""
+
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
@@ -76,6 +89,8 @@ class Tool(Struct, kw_only=True):
 
 
 class Metadata(Struct, kw_only=True):
+    """Anthropic's request ``metadata``: ``user_id`` names the agent (and so the cache) when no header does."""
+
     user_id: Annotated[str, Meta(max_length=256)] | None = None
 
 
@@ -119,11 +134,15 @@ class Usage(Struct, kw_only=True):
 
 
 class ResponseText(Struct, kw_only=True):
+    """Anthropic's ``text`` content block in a response: the whole reply."""
+
     type: Literal["text"]
     text: str
 
 
 class MessageResponse(Struct, kw_only=True):
+    """Anthropic's ``Message`` object: the answer to a non-streaming ``POST /v1/messages``."""
+
     id: str
     type: Literal["message"]
     role: Literal["assistant"]

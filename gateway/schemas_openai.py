@@ -31,10 +31,14 @@ NonEmpty = Annotated[str, Meta(min_length=1)]
 
 
 class TextPart(Struct, tag="text", tag_field="type", kw_only=True):
+    """OpenAI's ``text`` content part; a message's parts are joined with newlines."""
+
     text: str
 
 
 class ImageUrlPart(Struct, tag="image_url", tag_field="type", kw_only=True):
+    """OpenAI's ``image_url`` content part: decoded only so that the 400 can say images are not supported."""
+
     image_url: dict[str, Any]
 
 
@@ -43,32 +47,44 @@ Content = str | list[Part]
 
 
 class FunctionCall(Struct, kw_only=True):
+    """OpenAI's ``function`` of an assistant's tool call: the name and the arguments as a JSON string."""
+
     name: NonEmpty
     arguments: str
 
 
 class ToolCall(Struct, kw_only=True):
+    """OpenAI's assistant ``tool_calls`` item (a function call), passed to the chat template."""
+
     id: NonEmpty
     function: FunctionCall
     type: Literal["function"] = "function"
 
 
 class SystemMessage(Struct, tag="system", tag_field="role", kw_only=True):
+    """OpenAI's ``system`` message (``name`` is accepted and ignored)."""
+
     content: Content
     name: str | None = None
 
 
 class DeveloperMessage(Struct, tag="developer", tag_field="role", kw_only=True):
+    """OpenAI's ``developer`` message: rendered as a system message (``name`` is ignored)."""
+
     content: Content
     name: str | None = None
 
 
 class UserMessage(Struct, tag="user", tag_field="role", kw_only=True):
+    """OpenAI's ``user`` message (``name`` is accepted and ignored)."""
+
     content: Content
     name: str | None = None
 
 
 class AssistantMessage(Struct, tag="assistant", tag_field="role", kw_only=True):
+    """OpenAI's ``assistant`` message: text and/or tool calls (``name`` and ``refusal`` are ignored)."""
+
     content: Content | None = None
     tool_calls: list[ToolCall] | None = None
     name: str | None = None
@@ -76,6 +92,8 @@ class AssistantMessage(Struct, tag="assistant", tag_field="role", kw_only=True):
 
 
 class ToolMessage(Struct, tag="tool", tag_field="role", kw_only=True):
+    """OpenAI's ``tool`` message: a tool call's result, answering ``tool_call_id``."""
+
     content: Content
     tool_call_id: NonEmpty
 
@@ -84,6 +102,8 @@ ChatMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage 
 
 
 class FunctionDef(Struct, kw_only=True):
+    """OpenAI's function definition (``ToolDef.function``); ``strict`` is accepted and ignored."""
+
     name: NonEmpty
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -91,11 +111,15 @@ class FunctionDef(Struct, kw_only=True):
 
 
 class ToolDef(Struct, kw_only=True):
+    """OpenAI's ``tools`` item: a function the model may call, rendered by the chat template."""
+
     function: FunctionDef
     type: Literal["function"] = "function"
 
 
 class StreamOptions(Struct, kw_only=True):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a final chunk with the usage before ``[DONE]``."""
+
     include_usage: bool = False
 
 

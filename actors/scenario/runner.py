@@ -60,6 +60,15 @@ __all__ = [
 
 
 class PhaseStarted(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A phase begins (a :data:`ScenarioEvent`).
+
+    Attributes:
+        label: the phase's title (its label, else its name).
+        index: the phase's position in the scenario (from 0), of ``count`` phases.
+        agents: the scenario agents taking part.
+        rounds: how many rounds they speak.
+    """
+
     phase: str
     label: str
     index: int
@@ -69,6 +78,8 @@ class PhaseStarted(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class TurnStarted(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """An agent's turn begins: ``round`` counts from 1, ``index`` is the turn's number in the run."""
+
     phase: str
     round: int
     agent: str
@@ -76,10 +87,18 @@ class TurnStarted(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class TurnFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A turn is done; ``record`` is its reply and cache statistics (as saved in the run state)."""
+
     record: TurnRecord
 
 
 class PhaseFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A phase is done and its caches are flushed to disk.
+
+    ``turns``, the token totals and ``wall_s`` (the turns' wall times added up) cover every turn of the
+    phase, those of an earlier session of a resumed run included.
+    """
+
     phase: str
     turns: int
     tokens_reused: int
@@ -88,10 +107,18 @@ class PhaseFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class ColdTurnFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A turn was replayed from no cache (``compare_cold``); ``record.cold`` holds the cold numbers."""
+
     record: TurnRecord
 
 
 class RunFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The run is done; ``status`` is ``done`` (not sent when it stops after a phase, fails or is interrupted).
+
+    ``wall_s``: the cached turns' wall times added up; ``cold_wall_s``: the same for the cold replays
+    (None: no ``compare_cold``).
+    """
+
     status: str
     wall_s: float
     cold_wall_s: float | None
