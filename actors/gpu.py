@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, assert_never
 
-import msgspec
 import trio
 
 from actors.mailbox import receiver_left, send_reply
@@ -43,14 +42,14 @@ from actors.messages_gpu import (
     Unloaded,
     UnloadModel,
 )
-from actors.metrics import MemorySnapshot, PoolSnapshot
+from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, PoolSnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
 from actors.scheduler import Scheduler
 from runtime.engine import Engine, Finished, ModelInfo, Started
 from runtime.kv_manager import KVCacheManager
 from runtime.turn_plan import FromShared, Tier, Tokenized
 
-__all__ = ["GPUActor", "GpuStats", "GpuEvent"]
+__all__ = ["GPUActor"]
 
 log = logging.getLogger("kvmem.gpu")
 
@@ -60,36 +59,6 @@ conversation) prefill before the next decode step instead of one chunk per step.
 A step reads the weights once for all rows, so an agent that joins now rides along
 in every following step instead of waiting through several of them; the stall this
 causes is a few short chunks. Longer prompts keep one chunk per step."""
-
-
-class GpuStats(msgspec.Struct, frozen=True, kw_only=True):
-    """What the GPU actor is doing: batch size, queues, the admission pool and memory."""
-
-    model: str | None
-    model_tag: str | None
-    batch_size: int
-    prefilling: int
-    waiting: int
-    waiting_for_memory: int
-    admitted_total: int
-    memory_waits_total: int
-    steps: int
-    prefill_chunks: int
-    pool: PoolSnapshot
-    memory: MemorySnapshot
-
-
-class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """One unit of GPU work, recorded when it completed (when tracing).
-
-    ``kind``: ``admit`` (sequence built: prefix match, tokenization, cache activation),
-    ``chunk`` (one prefill chunk), ``step`` (one decode step of the batch; ``request_ids``
-    are its members), ``finish`` (left the batch, parked).
-    """
-
-    kind: str
-    request_ids: tuple[int, ...]
-    at: float
 
 
 @dataclass
@@ -105,6 +74,10 @@ class _Request:
     adopted: bool = False  # started from a prefix of another agent's turn in flight
     started: Started | None = None
     announced: bool = False  # the TurnStarted went out
+    reused: int = 0  # tokens the turn started from (after an adoption)
+    to_prefill_total: int = 0
+    prefilled: int = 0
+    generated: int = 0
 
 
 
@@ -329,6 +302,7 @@ class GPUActor:
             self._requests[request_id].adopted = True
         self._chunks += 1
         self._event("chunk", request_id)
+        self._requests[request_id].prefilled = self._requests[request_id].to_prefill_total - result.remaining
         self._sched.to_prefill(request_id, result.remaining)
         if result.text is None:
             return
@@ -371,10 +345,11 @@ class GPUActor:
         if req.announced or req.started is None:
             return
         req.announced = True
-        if req.msg.deltas is None:
-            return
         started = req.started
         reused = adopt.keep_tokens if adopt is not None else started.tokens_reused
+        req.reused, req.to_prefill_total = reused, len(started.token_ids) - reused
+        if req.msg.deltas is None:
+            return
         tier: Tier = "cold" if not reused else ("shared" if adopt is not None else req.msg.plan.tier)
         announcement = TurnStarted(tokens_reused=reused, tokens_prefilled=len(started.token_ids) - reused, tier=tier,
                                    match="extend" if adopt is not None else started.match)
@@ -386,7 +361,9 @@ class GPUActor:
             req.client_gone = True
 
     def _deliver(self, request_id: int, text: str) -> None:
+        """One sampled token's streamable text (possibly empty) goes to the client."""
         req = self._requests[request_id]
+        req.generated += 1
         now = time.perf_counter()
         if req.first_token_at is None:
             req.first_token_at = now
@@ -474,4 +451,25 @@ class GPUActor:
             prefill_chunks=self._chunks,
             pool=PoolSnapshot.of(sched.pool if sched else None),
             memory=MemorySnapshot(active=mem.active, peak=mem.peak, baseline=mem.baseline, model=mem.model),
+            turns=tuple(self._running(rid, req) for rid, req in self._requests.items()),
+        )
+
+    @staticmethod
+    def _running(request_id: int, req: _Request) -> RunningTurn:
+        if not req.announced:
+            phase = "queued"
+        elif req.prefilled < req.to_prefill_total:
+            phase = "prefill"
+        else:
+            phase = "decode"
+        return RunningTurn(
+            agent_id=req.msg.agent_id,
+            request_id=request_id,
+            phase=phase,
+            tokens_reused=req.reused,
+            tokens_prefilled=req.prefilled,
+            tokens_to_prefill=req.to_prefill_total,
+            tokens_generated=req.generated,
+            max_tokens=req.msg.sampling.max_tokens,
+            elapsed_ms=(time.perf_counter() - req.msg.submitted_at) * 1000.0,
         )

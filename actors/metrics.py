@@ -1,4 +1,4 @@
-"""Runtime-wide counters and fixed-bucket histograms, ready for a Prometheus endpoint.
+"""Runtime-wide counters, fixed-bucket histograms and the GPU actor's statistics, ready for a Prometheus endpoint.
 
 :class:`RuntimeMetrics` is updated by the agent actors as turns complete and
 read through ``Runtime.stats()``. Histograms use fixed buckets (upper bounds in
@@ -24,6 +24,9 @@ __all__ = [
     "RuntimeMetrics",
     "PoolSnapshot",
     "MemorySnapshot",
+    "GpuStats",
+    "GpuEvent",
+    "RunningTurn",
 ]
 
 TTFT_BUCKETS_MS: tuple[float, ...] = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, math.inf)
@@ -179,3 +182,54 @@ class MemorySnapshot(_Snapshot, frozen=True, kw_only=True):
     peak: int
     baseline: int
     model: int
+
+
+class RunningTurn(msgspec.Struct, frozen=True, kw_only=True):
+    """One turn on the GPU right now, and how far it got.
+
+    ``phase``: ``queued`` (waiting for admission: memory, batch size),
+    ``prefill`` (``tokens_prefilled`` of ``tokens_to_prefill`` done) or
+    ``decode`` (``tokens_generated`` of at most ``max_tokens``).
+    ``elapsed_ms``: since the client submitted it.
+    """
+
+    agent_id: str
+    request_id: int
+    phase: str
+    tokens_reused: int
+    tokens_prefilled: int
+    tokens_to_prefill: int
+    tokens_generated: int
+    max_tokens: int
+    elapsed_ms: float
+
+
+class GpuStats(msgspec.Struct, frozen=True, kw_only=True):
+    """What the GPU actor is doing: batch size, queues, the admission pool, memory, and each running turn."""
+
+    model: str | None
+    model_tag: str | None
+    batch_size: int
+    prefilling: int
+    waiting: int
+    waiting_for_memory: int
+    admitted_total: int
+    memory_waits_total: int
+    steps: int
+    prefill_chunks: int
+    pool: PoolSnapshot
+    memory: MemorySnapshot
+    turns: tuple[RunningTurn, ...] = ()
+
+
+class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One unit of GPU work, recorded when it completed (when tracing).
+
+    ``kind``: ``admit`` (sequence built: prefix match, tokenization, cache activation),
+    ``chunk`` (one prefill chunk), ``step`` (one decode step of the batch; ``request_ids``
+    are its members), ``finish`` (left the batch, parked).
+    """
+
+    kind: str
+    request_ids: tuple[int, ...]
+    at: float

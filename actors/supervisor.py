@@ -58,13 +58,13 @@ import trio
 from actors.agent import AgentActor
 from actors.cache_store import CacheStoreActor, StoreStats
 from actors.client import AgentHandle, TurnFailedError, TurnStream, raise_failed
-from actors.gpu import GPUActor, GpuEvent, GpuStats
+from actors.gpu import GPUActor
 from actors.mailbox import ask
 from actors.messages_agent import AgentInbox, chat_messages
 from actors.messages_common import Failed
 from actors.messages_gpu import GpuInbox, Render, RenderReply
 from actors.messages_store import AgentRecord, Flush, FlushReply, ListAgents, ListReply, StoreInbox
-from actors.metrics import MetricsSnapshot, RuntimeMetrics
+from actors.metrics import GpuEvent, GpuStats, MetricsSnapshot, RunningTurn, RuntimeMetrics
 from actors.registry import Acquire, AcquireReply, ModelRegistry, RegistryInbox, RegistryStats, Release
 from actors.signals import watch_signals
 from runtime.config import Config
@@ -140,6 +140,10 @@ class Runtime:
             store=self._store.statistics(),
             registry=self._registry.statistics(),
         )
+
+    def running_turns(self) -> list[RunningTurn]:
+        """The turns on the GPU right now (queued, prefilling or decoding), each with its progress."""
+        return list(self._gpu.statistics().turns)
 
     def live_agents(self) -> list[str]:
         """Ids of the agents whose actor is running."""

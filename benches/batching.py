@@ -42,7 +42,7 @@ from runtime import blas
 import trio
 
 from actors import Runtime, TurnResult, open_runtime
-from actors.gpu import GpuEvent
+from actors.metrics import GpuEvent
 from benches.harness import git_revision
 from runtime.home import KvmemHome
 

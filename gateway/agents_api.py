@@ -29,6 +29,7 @@ from starlette.routing import Route
 from actors.client import AgentHandle
 from actors.messages_agent import ChatTurn
 from actors.messages_store import AgentRecord
+from actors.metrics import RunningTurn
 from gateway.context import CLIENT_GONE, Gateway
 from gateway.errors import ApiError, error_dict, from_exception, runtime_errors
 from gateway.headers import header_safe, kvmem_headers, request_id
@@ -47,13 +48,13 @@ __all__ = ["routes"]
 log = logging.getLogger("kvmem.gateway")
 
 
-def _info(agent_id: str, record: AgentRecord | None, live: bool) -> AgentInfo:
+def _info(agent_id: str, record: AgentRecord | None, live: bool, turn: RunningTurn | None = None) -> AgentInfo:
     if record is None:
         return AgentInfo(id=agent_id, object="agent", model_tag=None, cached_tokens=0, hot=False, on_disk=False,
-                         dirty=False, disk_bytes=0, updated_at=None, live=live)
+                         dirty=False, disk_bytes=0, updated_at=None, live=live, turn=turn)
     return AgentInfo(id=agent_id, object="agent", model_tag=record.model_tag, cached_tokens=record.num_tokens,
                      hot=record.hot, on_disk=record.on_disk, dirty=record.dirty, disk_bytes=record.disk_bytes,
-                     updated_at=record.updated_at, live=live)
+                     updated_at=record.updated_at, live=live, turn=turn)
 
 
 def _max_tokens(gw: Gateway, req: AgentTurnRequest) -> int:
@@ -84,7 +85,8 @@ def routes(gw: Gateway) -> list[Route]:
         live = agent_id in gw.rt.live_agents()
         if not records and not live:
             raise ApiError(404, "not_found", f"agent {agent_id!r} not found", param="agent_id")
-        return gw.json(_info(agent_id, records[0] if records else None, live))
+        turn = next((t for t in gw.rt.running_turns() if t.agent_id == agent_id), None)
+        return gw.json(_info(agent_id, records[0] if records else None, live, turn))
 
     async def delete_agent(request: Request) -> Response:
         handle = agent_of(request)

@@ -189,15 +189,58 @@ async def _turn(rt: Runtime, home: KvmemHome, config: Config, args: argparse.Nam
     if args.json:
         result = await handle.send(messages, **options)
     else:
-        async with handle.stream(messages, **options) as stream:
+        import trio
+
+        progress = PrefillProgress(rt, args.agent)
+        async with handle.stream(messages, **options) as stream, trio.open_nursery() as nursery:
+            if sys.stderr.isatty():
+                nursery.start_soon(progress.show)
             async for delta in stream:
+                progress.stop()  # the reply begins: the progress line goes first
                 print(delta, end="", flush=True)
+            progress.stop()
+            nursery.cancel_scope.cancel()
         print(flush=True)
         assert stream.result is not None
         result = stream.result
     messages.append({"role": "assistant", "content": result.reply})
     home.save_conversation(name, {"agent": args.agent, "model": config.model, "messages": messages})
     _print_turn(_report(args.agent, result), as_json=args.json)
+
+
+class PrefillProgress:
+    """On a terminal, ``[prefill 1,024/4,096 tokens (180 tok/s)]`` on stderr until the reply begins.
+
+    Only with a TTY and without ``--json``: piped output and JSON stay exactly the
+    reply and the report. :meth:`stop` erases the line at once (no checkpoint in
+    between), so the reply never lands behind it.
+    """
+
+    EVERY_S = 0.5
+
+    def __init__(self, rt: Runtime, agent: str) -> None:
+        self._rt = rt
+        self._agent = agent
+        self._shown = False
+        self._stopped = False
+
+    async def show(self) -> None:
+        import trio
+
+        while not self._stopped:
+            await trio.sleep(self.EVERY_S)
+            turn = next((t for t in self._rt.running_turns() if t.agent_id == self._agent), None)
+            if self._stopped or turn is None or turn.phase != "prefill":
+                continue
+            rate = turn.tokens_prefilled / max(turn.elapsed_ms / 1000.0, 1e-9)
+            print(f"\r[prefill {turn.tokens_prefilled:,}/{turn.tokens_to_prefill:,} tokens ({rate:,.0f} tok/s)]",
+                  end="", file=sys.stderr, flush=True)
+            self._shown = True
+
+    def stop(self) -> None:
+        if not self._stopped and self._shown:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+        self._stopped = True
 
 
 def _report(agent: str, result: TurnResult) -> TurnReport:

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from actors.messages_agent import TurnResult
+from actors.metrics import RunningTurn
 
 __all__ = ["AgentMessage", "AgentTurnRequest", "AgentInfo", "AgentList", "Deleted", "turn_decoder"]
 
@@ -45,7 +46,11 @@ class AgentTurnRequest(Struct, kw_only=True):
 
 
 class AgentInfo(Struct, kw_only=True):
-    """An agent: its cache (hot tier, disk) and whether its actor is running."""
+    """An agent: its cache (hot tier, disk), whether its actor is running, and its turn on the GPU if one runs.
+
+    ``turn`` shows a long prefill's progress (``tokens_prefilled`` of ``tokens_to_prefill``)
+    and then the decode (``tokens_generated``); None when no turn of the agent is running.
+    """
 
     id: str
     object: Literal["agent"]
@@ -57,6 +62,7 @@ class AgentInfo(Struct, kw_only=True):
     disk_bytes: int
     updated_at: float | None
     live: bool
+    turn: RunningTurn | None = None
 
 
 class AgentList(Struct, kw_only=True):

@@ -344,3 +344,54 @@ async def test_a_streaming_turn_announces_its_accounting_before_the_first_token(
             with pytest.raises(ValueError):
                 async for _ in stream:
                     pass
+
+
+async def test_a_long_prefill_shows_its_progress_in_the_runtime_and_the_agent_api(tmp_path):
+    import httpx
+
+    from gateway.app import create_app
+    from runtime.config import Config
+
+    engine = FakeEngine(chunk_delay_s=0.05, default_chunk=16)
+    prompt = "p" * 400  # 25 chunks of 16 tokens
+    async with _open(tmp_path, engine) as rt:
+        app = create_app(rt, Config(model="fake-a"))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvmem.test") as http:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: rt.agent("slow").send_prompt(prompt, max_tokens=3))
+                seen = []
+                for _ in range(100):
+                    await trio.sleep(0.1)
+                    info = (await http.get("/v1/agents/slow")).json()
+                    if info.get("turn") and info["turn"]["phase"] == "prefill" and info["turn"]["tokens_prefilled"]:
+                        seen.append(info["turn"])
+                    if len(seen) >= 2:
+                        break
+            assert seen, "no prefill progress was visible"
+            assert all(t["tokens_to_prefill"] == len(prompt) and 0 < t["tokens_prefilled"] < len(prompt) for t in seen)
+            assert seen[0]["tokens_prefilled"] <= seen[-1]["tokens_prefilled"]
+            assert rt.running_turns() == []
+            assert (await http.get("/v1/agents/slow")).json()["turn"] is None
+
+
+def test_the_cli_progress_line_is_erased_before_the_reply(capsys):
+    from actors.metrics import RunningTurn
+    from gateway.cli_chat import PrefillProgress
+
+    class Runtime:
+        def running_turns(self):
+            return [RunningTurn(agent_id="a", request_id=1, phase="prefill", tokens_reused=0, tokens_prefilled=1024,
+                                tokens_to_prefill=4096, tokens_generated=0, max_tokens=8, elapsed_ms=2000.0)]
+
+    progress = PrefillProgress(Runtime(), "a")  # type: ignore[arg-type]
+    progress.EVERY_S = 0.01
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(progress.show)
+            await trio.sleep(0.05)
+            progress.stop()
+
+    trio.run(run)
+    err = capsys.readouterr().err
+    assert "[prefill 1,024/4,096 tokens (512 tok/s)]" in err and err.endswith("\r\033[K")
