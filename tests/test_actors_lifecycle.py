@@ -106,8 +106,17 @@ async def test_cancel_during_prefill_keeps_the_prefilled_part(tmp_path):
     engine = FakeEngine(chunk_delay_s=0.01, default_chunk=16)
     prompt = "p" * 400
     async with _open(tmp_path, engine) as rt:
-        with trio.move_on_after(0.08):
-            await rt.agent("slow").send_prompt(prompt, max_tokens=3)
+        client = trio.CancelScope()
+
+        async def turn() -> None:
+            with client:
+                await rt.agent("slow").send_prompt(prompt, max_tokens=3)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(turn)
+            while not any(t.tokens_prefilled for t in rt.running_turns()):  # a few chunks in, not a clock
+                await trio.sleep(0.005)
+            client.cancel()
         await rt.wait_idle()
         await rt.flush()
         snap = _disk(tmp_path).load("slow", model_tag=TAG)
