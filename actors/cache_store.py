@@ -18,7 +18,7 @@
   dirty cache, shielded from the cancellation, before it returns.
 * Caches carry their model tag; a plan only ever uses caches made by the model asked for. An agent has one cache per
   model, on disk too (:class:`runtime.persist.CacheDirectory`); :class:`Forget`
-  removes them all.
+  removes them all, and the blocks no other agent's cache references.
 
 Parked caches hold MLX arrays; the store and the manager only hold references
 and read their plain attributes (text, token ids, offsets, size).
@@ -266,6 +266,8 @@ class CacheStoreActor:
         try:
             existed = await self._disk(self._directory.exists, message.agent_id) or existed
             await self._disk(self._directory.delete, message.agent_id)
+            # The blocks only this agent referenced go too (one directory scan; forgetting is rare).
+            await self._disk(self._directory.collect_garbage)
         except (InvalidAgentIdError, OSError) as exc:
             send_reply(message.reply, failed_from(exc))
             return

@@ -333,18 +333,12 @@ def _forget(args: argparse.Namespace) -> int:
 
 async def _forget_agent(config: Config, agent: str) -> bool:
     """Delete the agent's caches (every model's) and conversation; True if anything existed."""
-    import trio
-
     from runtime.home import KvmemHome
-    from runtime.persist import CacheDirectory
     from runtime.persist import safe_agent_dirname
 
     name = safe_agent_dirname(agent)
     async with _open_runtime(config, preload=False) as rt:  # forgetting needs no model
-        had_cache = await rt.agent(agent).forget()
-    # The runtime is closed: nothing else in this process uses the cache directory now.
-    # Remove the blocks only the forgotten agent referenced (the store's Forget leaves them).
-    await trio.to_thread.run_sync(lambda: CacheDirectory(config.caches_path, fsync=config.fsync).collect_garbage())
+        had_cache = await rt.agent(agent).forget()  # its caches, and blocks no other agent references
     return KvmemHome(config.home_path).delete_conversation(name) or had_cache
 
 

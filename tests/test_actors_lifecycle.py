@@ -246,6 +246,22 @@ async def test_forget_deletes_hot_and_warm_cache(tmp_path):
         assert again.usage.tier == "cold"
 
 
+async def test_forget_removes_the_blocks_only_that_agent_used(tmp_path):
+    def blocks() -> set[str]:
+        return {p.name for p in (tmp_path / "caches" / "blocks").rglob("*.safetensors")}
+
+    shared = "s" * 600  # two whole blocks in both agents' caches
+    async with _open(tmp_path) as rt:
+        await rt.agent("keeper").send_prompt(shared + " keeper", max_tokens=2)
+        await rt.agent("leaver").send_prompt(shared + " leaver" + "l" * 300, max_tokens=2)
+        await rt.flush()
+        before = blocks()
+        assert await rt.agent("leaver").forget() is True
+        after = blocks()
+    assert after and after < before  # the leaver's own blocks went, the shared ones stayed
+    assert _disk(tmp_path).load("keeper", model_tag=TAG).text.startswith(shared)
+
+
 async def test_shared_prefix_is_content_addressed_and_opt_out(tmp_path):
     system = "s" * 700
     async with _open(tmp_path) as rt:
