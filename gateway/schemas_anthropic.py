@@ -95,7 +95,11 @@ class Metadata(Struct, kw_only=True):
 
 
 class MessagesRequest(Struct, kw_only=True):
-    """``POST /v1/messages``. ``max_tokens`` is also checked against the server's limit."""
+    """``POST /v1/messages``. ``max_tokens`` is also checked against the server's limit.
+
+    ``thinking`` (extended thinking) is accepted and declined: the reply is an ordinary
+    answer without ``thinking`` blocks, as a model without that feature gives.
+    """
 
     model: NonEmpty
     messages: Annotated[list[MessageParam], Meta(min_length=1)]
@@ -109,6 +113,7 @@ class MessagesRequest(Struct, kw_only=True):
     stream: bool = False
     tools: list[Tool] | None = None
     tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
 
 
 class CountTokensRequest(Struct, kw_only=True):

@@ -7,6 +7,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
@@ -455,3 +456,73 @@ def test_a_client_that_leaves_a_non_streaming_request_cancels_it(server: ServerT
         assert time.monotonic() < deadline, "the generation was not cancelled"
         time.sleep(0.05)
     assert _metric(http, "kvmem_batch_size") == 0
+
+
+def _tool(name: str, what: str, **properties: str) -> dict[str, Any]:
+    return {"name": name, "description": what,
+            "input_schema": {"type": "object", "required": list(properties)[:1],
+                             "properties": {k: {"type": "string", "description": v} for k, v in properties.items()}}}
+
+
+CODING_TOOLS = [
+    _tool("Bash", "Run a shell command in the working directory and return its output.",
+          command="the command line", description="what it does, in a few words"),
+    _tool("Read", "Read a file from the local filesystem.", file_path="absolute path", offset="first line",
+          limit="number of lines"),
+    _tool("Write", "Write a file to the local filesystem, replacing it.", file_path="absolute path",
+          content="the new contents"),
+    _tool("Edit", "Replace one exact string in a file.", file_path="absolute path", old_string="text to replace",
+          new_string="replacement"),
+    _tool("Glob", "Find files by glob pattern.", pattern="a glob such as **/*.py", path="directory to search"),
+    _tool("Grep", "Search file contents with a regular expression.", pattern="the regex", path="file or folder",
+          glob="file filter"),
+    _tool("TodoWrite", "Update the session's task list.", todos="the list as JSON"),
+    _tool("WebFetch", "Fetch a URL and answer a question about it.", url="the URL", prompt="the question"),
+]
+
+
+def test_a_claude_code_shaped_session_reuses_the_agent_cache_every_turn(claude: anthropic.Anthropic) -> None:
+    """System as blocks with cache_control, a realistic tools list, tool_use / tool_result history,
+    anthropic-beta / anthropic-version headers, count_tokens before each turn, thinking requested."""
+    headers = {"X-Agent-ID": "claude-code", "anthropic-beta": "prompt-caching-2024-07-31,interleaved-thinking-2025-05-14"}
+    system = [
+        {"type": "text", "text": "You are an interactive CLI tool that helps users with software engineering tasks.",
+         "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "<env>\nWorking directory: /repo\nIs directory a git repo: Yes\nPlatform: linux\n</env>"},
+    ]
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "The test in tests/test_math.py fails. Fix it."}]},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me read the test first."},
+            {"type": "tool_use", "id": "toolu_01", "name": "Read", "input": {"file_path": "/repo/tests/test_math.py"}},
+        ]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01", "content": "def test_add():\n    assert add(2, 2) == 5\n"},
+            {"type": "text", "text": "Go on.", "cache_control": {"type": "ephemeral"}},
+        ]},
+    ]
+    follow_ups = ["Run the tests now.", "Summarize what you changed."]
+    seen = []
+    for turn in range(1 + len(follow_ups)):
+        counted = claude.messages.count_tokens(model=MODEL, system=system, tools=CODING_TOOLS,  # type: ignore[arg-type]
+                                               messages=messages, extra_headers=headers).input_tokens  # type: ignore[arg-type]
+        raw = claude.messages.with_raw_response.create(
+            model=MODEL, max_tokens=12, system=system, tools=CODING_TOOLS, messages=messages,  # type: ignore[arg-type]
+            thinking={"type": "enabled", "budget_tokens": 1024}, extra_headers=headers)
+        reply = raw.parse()
+        # thinking is declined cleanly: an ordinary answer, no thinking blocks
+        assert [block.type for block in reply.content] == ["text"]
+        usage = reply.usage
+        seen.append((raw.headers["x-kvmem-tier"], usage.input_tokens, usage.cache_read_input_tokens, counted))
+        # every prompt token is either prefilled or read (a reply's own token split may differ by a few)
+        assert abs(usage.input_tokens + usage.cache_read_input_tokens - counted) <= 3, seen
+        if turn:
+            previous = seen[-2]
+            assert raw.headers["x-kvmem-tier"] == "hot", seen
+            assert usage.cache_read_input_tokens >= previous[1] + previous[2], seen  # all of the last prompt...
+            assert usage.input_tokens < 40, seen  # ...and only the new reply and message prefilled
+        if turn < len(follow_ups):
+            messages += [{"role": "assistant", "content": [{"type": "text", "text": reply.content[0].text}]},
+                         {"role": "user", "content": [{"type": "text", "text": follow_ups[turn],
+                                                       "cache_control": {"type": "ephemeral"}}]}]
+    assert seen[0][0] == "cold" and seen[0][3] > 300  # the tools list is most of the first prompt
