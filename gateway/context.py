@@ -140,6 +140,9 @@ class Gateway:
             return decoder.decode(body)
         except msgspec.DecodeError as exc:
             raise from_decode_error(exc) from None
+        except UnicodeDecodeError as exc:  # msgspec raises it for bytes that are not UTF-8 inside a string
+            raise ApiError(400, "invalid_request", f"the request body is not valid UTF-8 ({exc.reason} at byte "
+                           f"{exc.start})", code="invalid_json") from None
 
     async def unless_client_leaves(self, request: Request, call: Callable[[], Awaitable[T]]) -> T | None:
         """``await call()``, cancelled (None) if the client disconnects first.

@@ -79,6 +79,8 @@ def scenario_routes(rt: Runtime, *, home: Path, nursery: trio.Nursery | None = N
             return _error(400, "invalid_request", str(exc))
         except msgspec.DecodeError as exc:
             return _error(400, "invalid_request", f"body is not JSON: {exc}")
+        except UnicodeDecodeError as exc:  # bytes that are not UTF-8 inside a JSON string
+            return _error(400, "invalid_request", f"body is not valid UTF-8 ({exc.reason} at byte {exc.start})")
         given = [k for k in ("name", "yaml", "resume") if getattr(body, k) is not None]
         if len(given) != 1:
             return _error(400, "invalid_request", "give exactly one of 'name', 'yaml' or 'resume'")

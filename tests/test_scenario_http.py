@@ -76,6 +76,8 @@ async def test_invalid_requests_and_scenarios_are_rejected_with_the_problem(tmp_
             assert (await client.post("/v1/scenarios", json={"name": "gossip", "yaml": bad})).status_code == 400
             assert (await client.post("/v1/scenarios", json={"nme": "gossip"})).status_code == 400
             assert (await client.post("/v1/scenarios", content=b"{nope")).status_code == 400
+            not_utf8 = await client.post("/v1/scenarios", content=b'{"name": "go\xffssip"}')
+            assert not_utf8.status_code == 400 and "UTF-8" in not_utf8.json()["error"]["message"]
             assert (await client.post("/v1/scenarios", json={"name": "nope"})).status_code == 404
             assert (await client.post("/v1/scenarios", json={"resume": "nope"})).status_code == 404
             assert (await client.get("/v1/scenarios/nope")).status_code == 404

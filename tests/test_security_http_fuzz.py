@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import resource
 import socket
 import threading
@@ -145,6 +146,48 @@ def test_fuzzed_path_ids_never_get_a_5xx(http: httpx.Client, agent: str) -> None
         _check(http.request(method, "/v1/agents/" + quote(agent, safe="")), agent)
     _check(http.post("/v1/agents/" + quote(agent, safe="") + "/messages", json={"prompt": "hi", "max_tokens": 1}),
            agent)
+
+
+VALID = {
+    "/v1/messages": {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi é"}]},
+    "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/chat/completions": {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/agents/fuzz-bytes/messages": {"prompt": "hi", "max_tokens": 2},
+}
+
+
+def _mutations(path: str) -> Iterator[tuple[str, bytes, str]]:
+    """Byte-level damage to a valid body: every truncation, bad UTF-8, duplicate keys, huge numbers, deep nesting."""
+    body = json.dumps(VALID[path], ensure_ascii=False).encode()
+    for cut in range(len(body)):
+        yield f"truncated at {cut}", body[:cut], "application/json"
+    for bad in (b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x00"):
+        yield f"bytes {bad!r} in a string", body.replace(b"hi", b"h" + bad, 1), "application/json"
+    key = b'"max_tokens"' if b'"max_tokens"' in body else b'"model"'
+    yield "duplicate keys", body[:-1] + b"," + key + b": 1" + body[-1:], "application/json"
+    for number in (b"1e400", b"-1e400", b"99999999999999999999999999999", b"1.5", b"-0", b"NaN", b"Infinity"):
+        yield f"number {number!r}", body.replace(b": 2", b": " + number, 1), "application/json"
+    yield "deep nesting", b'{"messages": ' + b"[" * 20000 + b"]" * 20000 + b"}", "application/json"
+    yield "a bare string", b'"hello"', "application/json"
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""):
+        yield f"content type {ctype!r}", body, ctype
+
+
+@pytest.mark.parametrize("path", list(VALID))
+def test_damaged_bytes_of_valid_bodies_get_a_4xx_in_the_apis_shape(http: httpx.Client, path: str) -> None:
+    flavor = "anthropic" if path.startswith("/v1/messages") else "openai" if "chat" in path else "kvmem"
+    for what, raw, ctype in _mutations(path):
+        response = http.post(path, content=raw, headers={"content-type": ctype} if ctype else {})
+        _check(response, (path, what))
+        if response.status_code >= 400:
+            error = response.json()
+            if flavor == "anthropic":
+                assert error["type"] == "error" and error["error"]["type"], (what, error)
+            else:
+                assert error["error"]["message"], (what, error)
+            assert "Traceback" not in response.text, what
+    # and the server still serves this route
+    assert http.post(path, json=VALID[path]).status_code == 200
 
 
 def test_memory_stays_bounded_over_the_fuzzing(http: httpx.Client) -> None:
