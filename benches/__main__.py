@@ -24,6 +24,7 @@ BENCHES = {
     "vs_llama_cpp": "llama.cpp's server on the same GGUF: prompt token ids, 20 greedy continuations, top-2 margins",
     "recall": "10 fact kinds told, restart, asked warm on kvmem-default, next to a float-cache mlx-lm reference",
     "overhead": "E2E through HTTP gateway + actors vs runtime.generate directly",
+    "fuzz": "a live kvmem serve fuzzed for a time budget with damaged requests on every POST route: 5xx (goal 0)",
     "request_walk": "the kvmem modules one streaming OpenAI request runs through, traced (--compare an older checkout)",
     "attention_strategy": "at-rest vs native quantized SDPA (existing)",
     "batching": "system tok/s for 1, 2, 4, 8 agents (existing)",

@@ -190,6 +190,15 @@ def test_damaged_bytes_of_valid_bodies_get_a_4xx_in_the_apis_shape(http: httpx.C
     assert http.post(path, json=VALID[path]).status_code == 200
 
 
+def test_a_fixed_budget_of_random_damage_never_gets_a_5xx(server: ServerThread) -> None:
+    from benches.fuzz import fuzz
+
+    report = fuzz(server.url, seconds=10.0, seed=1)
+    assert report.cases > 50 and report.liveness_checks >= 2
+    assert report.failures == [], report.failures[:5]
+    CASES["n"] += report.cases
+
+
 def test_memory_stays_bounded_over_the_fuzzing(http: httpx.Client) -> None:
     """Runs after the fuzzers (file order): the server survived them and memory did not balloon."""
     assert http.get("/healthz").status_code == 200
