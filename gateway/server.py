@@ -54,8 +54,23 @@ def hypercorn_config(config: Config) -> HypercornConfig:
     hc.graceful_timeout = config.graceful_timeout_s
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
-    hc.keep_alive_timeout = 30
+    # Hypercorn closes a connection its client has already closed only when this idle timer ends
+    # (the socket waits in CLOSE_WAIT meanwhile): a long timer turns a stream of short-lived client
+    # connections into thousands of open sockets. 5 s (Hypercorn's default) bounds that; a client
+    # idle longer simply reconnects.
+    hc.keep_alive_timeout = 5
     return hc
+
+
+def raise_open_file_limit() -> int:
+    """Lift the soft limit on open files to the hard limit (servers hold one per connection); returns it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
+    return soft
 
 
 def exposure_warning(config: Config) -> str | None:
@@ -96,6 +111,7 @@ async def serve(
     from actors import open_runtime  # the runtime loads MLX; the gateway modules never import it
 
     config = config.replace()  # validated: tests and notebooks may construct a Config directly
+    log.debug("open-file limit: %d", raise_open_file_limit())
     warning = exposure_warning(config)
     if warning:
         log.warning("%s", warning)

@@ -300,3 +300,24 @@ def test_a_client_that_never_reads_its_stream_does_not_block_other_agents(server
     finally:
         for sock in stalled:
             sock.close()
+
+
+def test_connections_clients_close_are_released_soon(server: ServerThread) -> None:
+    # Hypercorn keeps a socket its client closed until the keep-alive timer ends: that timer must be
+    # short, or clients that open a connection per request exhaust the server's file descriptors.
+    import os
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))  # the server runs in this process (ServerThread)
+
+    limits = httpx.Limits(max_keepalive_connections=0)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT, limits=limits) as client:
+        time.sleep(6)
+        before = open_fds()
+        for _ in range(200):
+            assert client.post("/v1/messages/count_tokens", json=body).status_code == 200
+    deadline = time.monotonic() + 12
+    while open_fds() > before + 10 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert open_fds() <= before + 10, (before, open_fds())
