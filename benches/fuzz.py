@@ -111,18 +111,25 @@ def fuzz(url: str, *, seconds: float, seed: int = 0, headers: dict[str, str] | N
             agent = rng.choice(AGENT_IDS)
             if agent is not None and agent.isprintable() and agent.isascii() and agent == agent.strip():
                 request_headers["x-agent-id"] = agent
-            response = client.post(path, content=raw, headers=request_headers)
             report.cases += 1
+            try:
+                response = client.post(path, content=raw, headers=request_headers)
+            except httpx.TransportError as exc:  # refused, reset, timed out: the server is in trouble
+                report.failures.append(f"{path}: {type(exc).__name__}: {exc}")
+                continue
             report.by_status[response.status_code] += 1
             report.by_route[path] += 1
             if response.status_code >= 500 or (response.status_code >= 400 and not _shape_ok(path, response)):
                 report.failures.append(f"{path} {response.status_code} {raw[:120]!r}: {response.text[:200]}")
             if time.monotonic() >= next_check:
                 report.liveness_checks += 1
-                ok = client.post("/v1/messages/count_tokens", json=VALID["/v1/messages/count_tokens"],
-                                 headers=headers or {})
-                if ok.status_code != 200:
-                    report.failures.append(f"liveness check: {ok.status_code} {ok.text[:200]}")
+                try:
+                    ok = client.post("/v1/messages/count_tokens", json=VALID["/v1/messages/count_tokens"],
+                                     headers=headers or {})
+                    if ok.status_code != 200:
+                        report.failures.append(f"liveness check: {ok.status_code} {ok.text[:200]}")
+                except httpx.TransportError as exc:
+                    report.failures.append(f"liveness check: {type(exc).__name__}: {exc}")
                 next_check = time.monotonic() + 2.0
     return report
 
