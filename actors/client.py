@@ -88,7 +88,6 @@ class TurnStream:
         self._agent_id = agent_id
         self._build = build
         self._deltas: trio.MemoryReceiveChannel[str | TurnStarted] | None = None
-        self._early: str | None = None  # text received while waiting for the start (not expected)
         self._reply: trio.MemoryReceiveChannel[TurnReply] | None = None
         self._streamed = 0
         self._done = False
@@ -124,24 +123,18 @@ class TurnStream:
         """
         await self._open()
         assert self._deltas is not None
-        while self.started is None and self._early is None:
+        if self.started is None:
             try:
                 item = await self._deltas.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 return None
-            if isinstance(item, TurnStarted):
-                self.started = item
-            else:
-                self._early = item
+            assert isinstance(item, TurnStarted), "the GPU actor announces a turn before any text"
+            self.started = item
         return self.started
 
     async def __anext__(self) -> str:
         if self._done:
             raise StopAsyncIteration
-        if self._early is not None:
-            delta, self._early = self._early, None
-            self._streamed += len(delta)
-            return delta
         try:
             await self._open()
             assert self._deltas is not None and self._reply is not None

@@ -61,6 +61,13 @@ in every following step instead of waiting through several of them; the stall th
 causes is a few short chunks. Longer prompts keep one chunk per step."""
 
 
+def _tier(req: _Request, reused: int) -> Tier:
+    """Where a turn's reused cache came from: its plan's tier, ``shared`` after an adoption, ``cold`` if nothing."""
+    if not reused:
+        return "cold"
+    return "shared" if req.adopted else req.msg.plan.tier
+
+
 @dataclass
 class _Request:
     msg: Generate
@@ -292,14 +299,14 @@ class GPUActor:
     async def _prefill(self, request_id: int, chunk: int | None) -> None:
         assert self._sched is not None
         adopt = self._manager.adopt(request_id)  # first chunk only: a donor's blocks, if they cover more
+        if adopt is not None:
+            self._requests[request_id].adopted = True
         self._announce(request_id, adopt)
         try:
             result = await self._job(partial(self._engine.prefill, adopt=adopt), request_id, chunk)
         except Exception as exc:  # noqa: BLE001
             await self._fail(request_id, exc)
             return
-        if adopt is not None:
-            self._requests[request_id].adopted = True
         self._chunks += 1
         self._event("chunk", request_id)
         self._requests[request_id].prefilled = self._requests[request_id].to_prefill_total - result.remaining
@@ -350,9 +357,8 @@ class GPUActor:
         req.reused, req.to_prefill_total = reused, len(started.token_ids) - reused
         if req.msg.deltas is None:
             return
-        tier: Tier = "cold" if not reused else ("shared" if adopt is not None else req.msg.plan.tier)
-        announcement = TurnStarted(tokens_reused=reused, tokens_prefilled=len(started.token_ids) - reused, tier=tier,
-                                   match="extend" if adopt is not None else started.match)
+        announcement = TurnStarted(tokens_reused=reused, tokens_prefilled=req.to_prefill_total,
+                                   tier=_tier(req, reused), match="extend" if adopt is not None else started.match)
         try:
             req.msg.deltas.send_nowait(announcement)
         except trio.WouldBlock:
@@ -401,8 +407,7 @@ class GPUActor:
         generated = fin.tokens_generated if fin is not None else 0
         decode_s = (last - first) if first is not None and last is not None else 0.0
         reason = "cancelled" if cancelled else (fin.finish_reason if fin is not None and fin.finish_reason else "stop")
-        reused = fin.tokens_reused if fin is not None else 0
-        tier: Tier = "cold" if not reused else ("shared" if req.adopted else req.msg.plan.tier)
+        tier = _tier(req, fin.tokens_reused if fin is not None else 0)
         return Generated(
             request_id=req.msg.request_id,
             reply=fin.reply if fin is not None else "",
@@ -451,8 +456,12 @@ class GPUActor:
             prefill_chunks=self._chunks,
             pool=PoolSnapshot.of(sched.pool if sched else None),
             memory=MemorySnapshot(active=mem.active, peak=mem.peak, baseline=mem.baseline, model=mem.model),
-            turns=tuple(self._running(rid, req) for rid, req in self._requests.items()),
+            turns=tuple(self.running_turns()),
         )
+
+    def running_turns(self) -> list[RunningTurn]:
+        """The turns on the GPU right now, each with its phase and progress."""
+        return [self._running(rid, req) for rid, req in self._requests.items()]
 
     @staticmethod
     def _running(request_id: int, req: _Request) -> RunningTurn:

@@ -143,7 +143,7 @@ class Runtime:
 
     def running_turns(self) -> list[RunningTurn]:
         """The turns on the GPU right now (queued, prefilling or decoding), each with its progress."""
-        return list(self._gpu.statistics().turns)
+        return self._gpu.running_turns()
 
     def live_agents(self) -> list[str]:
         """Ids of the agents whose actor is running."""

@@ -135,11 +135,16 @@ def _uses_tools(chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None) 
     return bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in chat)
 
 
+def _usage(*, prefilled: int, reused: int, generated: int) -> Usage:
+    """Anthropic usage (see the module docstring): nothing is ever counted as a cache write."""
+    return Usage(input_tokens=prefilled, output_tokens=generated, cache_creation_input_tokens=0,
+                 cache_read_input_tokens=reused)
+
+
 def usage_of(result: Any) -> Usage:
-    """Anthropic usage of a :class:`TurnResult` (see the module docstring)."""
+    """Anthropic usage of a :class:`TurnResult`."""
     u = result.usage
-    return Usage(input_tokens=u.tokens_prefilled, output_tokens=u.tokens_generated,
-                 cache_creation_input_tokens=0, cache_read_input_tokens=u.tokens_reused)
+    return _usage(prefilled=u.tokens_prefilled, reused=u.tokens_reused, generated=u.tokens_generated)
 
 
 def stop_reason_of(result: Any) -> str:
@@ -202,8 +207,8 @@ def routes(gw: Gateway) -> list[Route]:
 
         async def start(stream: TurnStream, emit: Emit) -> None:
             started = await stream.start_info()  # the queue wait: nothing to say before it
-            usage = Usage(input_tokens=started.tokens_prefilled if started else 0, output_tokens=0,
-                          cache_creation_input_tokens=0, cache_read_input_tokens=started.tokens_reused if started else 0)
+            usage = _usage(prefilled=started.tokens_prefilled if started else 0,
+                           reused=started.tokens_reused if started else 0, generated=0)
             message = {"id": message_id, "type": "message", "role": "assistant", "model": model_name, "content": [],
                        "stop_reason": None, "stop_sequence": None, "usage": usage}
             await emit(sse("message_start", {"type": "message_start", "message": message}))

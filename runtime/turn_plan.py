@@ -149,16 +149,6 @@ class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
         """The part of ``prompt`` to tokenize and prefill."""
         return prompt[self.reuse_chars :]
 
-    def reused_token_ids(self) -> tuple[int, ...]:
-        """The token ids the turn keeps from its source."""
-        match self.source:
-            case FromHot(parked=cache) | FromShared(parked=cache):
-                return tuple(cache.token_ids[: self.reuse_tokens])
-            case FromWarm(snapshot=snapshot):
-                return tuple(snapshot.token_ids[: self.reuse_tokens])
-            case _:
-                return ()
-
 
 COLD = TurnPlan(tier="cold", source=ColdStart(), match=MatchKind.EMPTY.value, reuse_tokens=0, reuse_chars=0)
 """The plan of a turn with nothing cached."""

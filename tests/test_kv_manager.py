@@ -68,7 +68,7 @@ def test_a_prompt_that_extends_the_hot_cache_reuses_all_of_it():
                                                                              len(parked.text))
     assert isinstance(plan.source, FromHot) and plan.source.parked is parked
     assert plan.suffix(parked.text + "\nuser: more") == "\nuser: more"
-    assert plan.reused_token_ids() == parked.token_ids
+    assert plan.source.parked.token_ids[: plan.reuse_tokens] == parked.token_ids
 
 
 def test_the_same_prompt_again_recomputes_the_last_token():
