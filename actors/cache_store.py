@@ -3,7 +3,7 @@
 * **Hot tier** and **plans**: a :class:`runtime.kv_manager.KVCacheManager` (shared
   with the GPU actor) holds every agent's latest parked cache per model, its block
   accounting and the shared-prefix index, and decides each turn's
-  :class:`runtime.turn_plan.TurnPlan`. The store feeds it: a :class:`PlanTurn`
+  :class:`runtime.engine.TurnPlan`. The store feeds it: a :class:`PlanTurn`
   for an agent without a hot cache first reads the agent's disk cache, then asks
   the manager; a :class:`Put` makes a cache hot; a completed save tells the
   manager the cache may now be dropped from RAM.
@@ -51,11 +51,11 @@ from actors.messages_store import (
     StoreInbox,
 )
 from actors.metrics import PoolSnapshot
+from runtime.engine import TurnPlan
 from runtime.errors import CacheMiss, InvalidAgentIdError
 from runtime.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
-from runtime.snapshot import CacheSnapshot
-from runtime.turn_plan import TurnPlan
+from runtime.spec import CacheSnapshot
 
 __all__ = ["CacheStoreActor", "StoreStats"]
 

@@ -45,9 +45,8 @@ from actors.messages_gpu import (
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, PoolSnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
 from actors.scheduler import Scheduler
-from runtime.engine import Engine, Finished, ModelInfo, Started
+from runtime.engine import Engine, Finished, FromShared, ModelInfo, Started, Tier, Tokenized
 from runtime.kv_manager import KVCacheManager
-from runtime.turn_plan import FromShared, Tier, Tokenized
 
 __all__ = ["GPUActor"]
 

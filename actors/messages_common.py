@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from runtime.turn_plan import HotCache
+from runtime.engine import HotCache
 
 __all__ = ["Failed", "HotCache", "failed_from", "Message"]
 

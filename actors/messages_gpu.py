@@ -7,7 +7,7 @@ Requests (:data:`GpuInbox`)::
     Render(messages)       -> Rendered(prompt)  | Failed
     Generate(prompt, ...)  -> Generated(...)    | Failed    (+ text deltas on ``deltas``)
 
-A :class:`Generate` carries its turn's :class:`runtime.turn_plan.TurnPlan`: what
+A :class:`Generate` carries its turn's :class:`runtime.engine.TurnPlan`: what
 it reuses and from where (the agent's own hot or warm cache, a prefix of another
 agent's, or none), decided once by the cache manager before the GPU sees it.
 """
@@ -20,9 +20,8 @@ import msgspec
 import trio
 
 from actors.messages_common import Failed, HotCache, Message
-from runtime.engine import ModelInfo
-from runtime.snapshot import CacheSnapshot
-from runtime.turn_plan import SamplingOptions, Tier, TurnPlan
+from runtime.engine import ModelInfo, SamplingOptions, Tier, TurnPlan
+from runtime.spec import CacheSnapshot
 
 __all__ = [
     "SamplingOptions",

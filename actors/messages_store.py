@@ -20,8 +20,8 @@ import trio
 import msgspec
 
 from actors.messages_common import Failed, HotCache, Message
-from runtime.snapshot import CacheSnapshot
-from runtime.turn_plan import TurnPlan
+from runtime.engine import TurnPlan
+from runtime.spec import CacheSnapshot
 
 __all__ = [
     "PlanTurn",

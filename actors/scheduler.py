@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from runtime.block_pool import BlockPool, PoolStats
 from runtime.errors import BudgetExceededError
-from runtime.snapshot import BLOCK_TOKENS
+from runtime.spec import BLOCK_TOKENS
 
 __all__ = ["Scheduler", "Plan", "SchedulerStats"]
 

@@ -169,11 +169,11 @@ def alone_baseline(
     import mlx.core as mx
 
     from runtime.generate import generate
-    from runtime.spec import KVFormat
     from runtime.kvstate import ParkedCache
     from runtime.models import load_model
     from runtime.persist import CacheDirectory
-    from runtime.sampling import SamplingParams
+    from runtime.sequence import SamplingParams
+    from runtime.spec import KVFormat
 
     kvhome = KvmemHome(home)
     lm = load_model(model, kv_format=KVFormat(bits=4), models_dir=models_dir)

@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
 
     from runtime.generate import generate
-    from runtime.spec import KVFormat
     from runtime.models import load_model
-    from runtime.sampling import SamplingParams
+    from runtime.sequence import SamplingParams
+    from runtime.spec import KVFormat
 
     p = harness.parser(__doc__)
     p.add_argument("--context", type=int, default=512, help="tokens of turn 1")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.snapshot import CacheSnapshot, LayerKind, LayerSnapshot
+from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 

@@ -30,9 +30,8 @@ from actors.client import AgentHandle
 from actors.messages_agent import ChatTurn
 from actors.messages_store import AgentRecord
 from actors.metrics import RunningTurn
-from gateway.context import CLIENT_GONE, Gateway
+from gateway.context import CLIENT_GONE, Gateway, header_safe, kvmem_headers, request_id
 from gateway.errors import ApiError, error_dict, from_exception, runtime_errors
-from gateway.headers import header_safe, kvmem_headers, request_id
 from gateway.schemas_agents import (
     AgentInfo,
     AgentList,

@@ -32,10 +32,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from actors.client import TurnStream
-from gateway.context import CLIENT_GONE, Gateway
+from gateway.context import (
+    CLIENT_GONE,
+    Gateway,
+    header_safe,
+    kvmem_extras,
+    kvmem_headers,
+    request_id,
+    resolve_agent_id,
+)
 from gateway.errors import ApiError, error_dict, from_exception, runtime_errors
-from gateway.headers import header_safe, kvmem_extras, kvmem_headers, request_id
-from gateway.identity import resolve_agent_id
 from gateway.schemas_anthropic import (
     CountTokensRequest,
     ImageBlock,

@@ -41,9 +41,8 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import agents_api, anthropic_api, openai_api
-from gateway.context import Gateway
+from gateway.context import REQUEST_ID_KEY, Gateway, request_id
 from gateway.errors import ApiError, error_body, flavor_of
-from gateway.headers import REQUEST_ID_KEY, request_id
 from gateway.metrics import CONTENT_TYPE, render_metrics
 from gateway.openapi import openapi_document
 from runtime.config import Config

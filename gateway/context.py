@@ -1,20 +1,45 @@
-"""What every route handler shares: the :class:`Gateway` (runtime, settings, models) and its request helpers.
+"""What every route handler shares: the :class:`Gateway`, which agent a request names, its answer's headers.
 
 Routes are thin: read the body (bounded), decode it with a prebuilt msgspec
 decoder, check limits, the model name and the agent id, call the in-process
-runtime API (giving up when the client leaves), and encode the answer.
-Response headers live in :mod:`gateway.headers`, error mapping in
-:mod:`gateway.errors`.
+runtime API (giving up when the client leaves), and encode the answer. Error
+mapping lives in :mod:`gateway.errors`.
+
+**Which agent** (and so which KV cache) a request belongs to
+(:func:`resolve_agent_id`). Explicit identity wins, in this order:
+
+1. the ``X-Agent-ID`` header (any API);
+2. the API's own user field: OpenAI ``user``, Anthropic ``metadata.user_id``
+   (the direct agent API names the agent in its path instead);
+
+otherwise the agent is named by a content hash: ``conv-`` + the full SHA-256 of
+the system prompt and the first user message (JSON-encoded, so no two
+different conversations can collide by concatenation). A client that re-sends
+a growing conversation keeps hitting the same agent, and two conversations
+share a cache only if they begin with the same system prompt *and* the same
+first message — in which case their prompts are identical up to there anyway.
+
+An id is checked once, where it enters the actors (``Runtime.agent``, through
+:meth:`Gateway.agent`, which names the header or field it came from in the
+400): :class:`AgentRef` carries that name along.
+
+**Response headers**: every response carries ``request-id``
+(:func:`request_id`); a turn's answer also carries its accounting as
+``x-kvmem-*`` headers (tier, prefix match, tokens, timings,
+:func:`kvmem_headers`), the same numbers a body or stream event gives under
+``kvmem`` (:func:`kvmem_extras`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from urllib.parse import quote
 
 import msgspec
 import trio
@@ -27,9 +52,22 @@ from runtime.errors import InvalidAgentIdError
 
 if TYPE_CHECKING:
     from actors.client import AgentHandle
+    from actors.messages_agent import TurnResult
     from actors.supervisor import Runtime
 
-__all__ = ["Gateway", "CLIENT_GONE"]
+__all__ = [
+    "Gateway",
+    "CLIENT_GONE",
+    "AGENT_HEADER",
+    "AgentRef",
+    "resolve_agent_id",
+    "conversation_id",
+    "REQUEST_ID_KEY",
+    "request_id",
+    "kvmem_extras",
+    "kvmem_headers",
+    "header_safe",
+]
 
 DRAIN_BYTES = 64 * 2**20
 """How much of an oversize body is read (and dropped) so that the client sees the 413."""
@@ -40,6 +78,93 @@ log = logging.getLogger("kvmem.gateway")
 
 CLIENT_GONE = 499
 """Status logged for a request whose client left before the answer (nginx's convention; never seen by anyone)."""
+
+
+# -- which agent ---------------------------------------------------------------
+
+AGENT_HEADER = "x-agent-id"
+HASH_PREFIX = "conv-"
+
+
+def conversation_id(system: str | None, messages: Sequence[Mapping[str, Any]]) -> str:
+    """``conv-<sha256>`` of the system prompt and the first user message."""
+    first_user = next((m for m in messages if m.get("role") == "user"), None)
+    payload = msgspec.json.encode(
+        {"system": system or "", "first_user": first_user.get("content") if first_user else None}
+    )
+    return HASH_PREFIX + hashlib.sha256(payload).hexdigest()
+
+
+class AgentRef(NamedTuple):
+    """An agent id as a request gave it, and where (the JSON path or header, for a 400)."""
+
+    agent_id: str
+    param: str
+
+
+def resolve_agent_id(
+    headers: Mapping[str, str],
+    *,
+    user_field: str | None,
+    user_param: str,
+    system: str | None,
+    messages: Sequence[Mapping[str, Any]],
+) -> AgentRef:
+    """The agent id for a chat request, and where it came from (see the module docstring).
+
+    Args:
+        headers: the request headers (case-insensitive mapping).
+        user_field: the API's user field value (OpenAI ``user``, Anthropic ``metadata.user_id``).
+        user_param: its JSON path, for error messages.
+        system: the system prompt text.
+        messages: the conversation as chat dicts (``role``, ``content``).
+    """
+    header = headers.get(AGENT_HEADER)
+    if header is not None:
+        return AgentRef(header, "X-Agent-ID")
+    if user_field:
+        return AgentRef(user_field, user_param)
+    return AgentRef(conversation_id(system, messages), "messages")
+
+
+# -- response headers ----------------------------------------------------------
+
+REQUEST_ID_KEY = "kvmem_request_id"
+"""Where the gateway's middleware keeps a request's id in the ASGI scope."""
+
+
+def request_id(request: Request) -> str:
+    """The id the gateway gave this request (also its ``request-id`` response header)."""
+    return str(request.scope.get(REQUEST_ID_KEY, "req_unknown"))
+
+
+def kvmem_extras(result: TurnResult) -> dict[str, Any]:
+    """kvmem's own accounting of a turn (tier, prefix match, timings), for bodies and stream events."""
+    u = result.usage
+    return {
+        "agent_id": result.agent_id,
+        "tier": u.tier,
+        "match": u.match,
+        "tokens_reused": u.tokens_reused,
+        "tokens_prefilled": u.tokens_prefilled,
+        "tokens_generated": u.tokens_generated,
+        "queue_wait_ms": round(u.queue_wait_ms, 3),
+        "ttft_ms": round(u.ttft_ms, 3),
+        "decode_tps": round(u.decode_tps, 3),
+    }
+
+
+def header_safe(value: str) -> str:
+    """``value`` as an HTTP header value: percent-encoded (UTF-8) when it is not plain ASCII."""
+    return value if value.isascii() and value.isprintable() else quote(value, safe="")
+
+
+def kvmem_headers(result: TurnResult) -> dict[str, str]:
+    """The same accounting as ``x-kvmem-*`` response headers (a non-ASCII agent id percent-encoded)."""
+    return {f"x-kvmem-{k.replace('_', '-')}": header_safe(str(v)) for k, v in kvmem_extras(result).items()}
+
+
+# -- the shared state ----------------------------------------------------------
 
 
 @dataclass

@@ -21,10 +21,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.context import CLIENT_GONE, Gateway
+from gateway.context import (
+    CLIENT_GONE,
+    Gateway,
+    header_safe,
+    kvmem_extras,
+    kvmem_headers,
+    request_id,
+    resolve_agent_id,
+)
 from gateway.errors import ApiError, error_dict, from_exception, runtime_errors
-from gateway.headers import header_safe, kvmem_extras, kvmem_headers, request_id
-from gateway.identity import resolve_agent_id
 from gateway.schemas_openai import (
     AssistantMessage,
     ChatCompletionRequest,

@@ -1,7 +1,7 @@
 """Memory accounting for KV caches in 256-token blocks (mechanism, not policy).
 
 A :class:`BlockPool` turns a byte budget into ``budget_bytes // bytes_per_block``
-blocks of :data:`~runtime.snapshot.BLOCK_TOKENS` tokens. Owners (agents) hold
+blocks of :data:`~runtime.spec.BLOCK_TOKENS` tokens. Owners (agents) hold
 two kinds of blocks:
 
 * **private** blocks, grown by :meth:`BlockPool.reserve` to cover an owner's
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from runtime.errors import BudgetExceededError
-from runtime.snapshot import BLOCK_TOKENS
+from runtime.spec import BLOCK_TOKENS
 
 __all__ = ["PoolStats", "BlockPool"]
 

@@ -1,17 +1,25 @@
-"""The synchronous generation engine the GPU actor drives, one job at a time.
+"""The engine's contract: the plan a turn hands it, what the GPU actor asks of it, and what it reports back.
 
-An :class:`Engine` holds the loaded model, the running sequences and the
-decode batch. Every method runs on the MLX thread (:mod:`actors.mlx_thread`)
-and does one bounded piece of work — tokenize a turn's new text, build a
-sequence, one prefill chunk, one decode step for the whole batch, park a
-finished sequence — so the GPU actor can interleave agents token by token.
+**The plan.** A :class:`TurnPlan` says what one turn reuses, from where
+(:data:`CacheSource`), and what it prefills. It is decided once per turn by
+:class:`runtime.kv_manager.KVCacheManager` (prefix match against the agent's
+own cache, else a whole-block prefix of another agent's) and then carried,
+unchanged, by the agent actor to the GPU actor and the engine: nobody
+downstream matches the prompt again. The engine tokenizes only
+``plan.suffix(prompt)``, once (:class:`Tokenized`).
 
-The engine executes decisions made elsewhere: what a turn reuses comes in its
-:class:`runtime.turn_plan.TurnPlan`, and a donor prefix to adopt from
+**The engine.** An :class:`Engine` holds the loaded model, the running
+sequences and the decode batch. Every method runs on the MLX thread
+(:mod:`actors.mlx_thread`) and does one bounded piece of work — tokenize a
+turn's new text, build a sequence, one prefill chunk, one decode step for the
+whole batch, park a finished sequence — so the GPU actor can interleave agents
+token by token. It executes decisions made elsewhere: what a turn reuses comes
+in its plan, and a donor prefix to adopt from
 :meth:`runtime.kv_manager.KVCacheManager.adopt`; it never matches prompts itself.
 
-This module is pure (no mlx): the GPU actor imports the protocol and its result
-types. Implementations: :class:`runtime.mlx_engine.MlxEngine` (the real one) and
+This module is pure (msgspec and the standard library; no trio, no mlx): the
+manager, the actors and the engines all import it. Implementations:
+:class:`runtime.mlx_engine.MlxEngine` (the real one) and
 ``tests/fake_engine.py`` (deterministic, no MLX; actor tests use it to pin down
 scheduling and lifecycle quickly).
 """
@@ -19,14 +27,168 @@ scheduling and lifecycle quickly).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 
-from runtime.snapshot import CacheSnapshot
-from runtime.turn_plan import FromShared, HotCache, SamplingOptions, Tokenized, TurnPlan
+from runtime.prefix import MatchKind
+from runtime.spec import CacheSnapshot
 
-__all__ = ["Engine", "ModelInfo", "Started", "PrefillResult", "StepToken", "Finished", "MemoryReading"]
+__all__ = [
+    # the plan
+    "HotCache",
+    "SamplingOptions",
+    "Tier",
+    "ColdStart",
+    "FromHot",
+    "FromWarm",
+    "FromShared",
+    "CacheSource",
+    "TurnPlan",
+    "Tokenized",
+    "COLD",
+    # the engine
+    "Engine",
+    "ModelInfo",
+    "Started",
+    "PrefillResult",
+    "StepToken",
+    "Finished",
+    "MemoryReading",
+]
+
+
+# -- the plan: what a turn reuses, and what it prefills ------------------------
+
+Tier = Literal["hot", "warm", "shared", "cold"]
+"""Where a turn's starting cache came from: the agent's hot (RAM) or warm (disk)
+cache, another agent's cache via a shared prefix, or nothing."""
+
+
+class HotCache(Protocol):
+    """What code off the MLX thread may read of a parked cache.
+
+    :class:`runtime.kvstate.ParkedCache` satisfies it; the arrays it holds are
+    MLX arrays that only the MLX thread computes with. Everything else only passes
+    the object along and reads these plain attributes.
+    """
+
+    @property
+    def model_tag(self) -> str: ...
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Sampling parameters as they travel to the engine (see ``runtime.sequence``); checked on construction.
+
+    ``temperature == 0`` is greedy; ``top_p`` / ``top_k`` follow mlx-lm's sampler;
+    ``stop`` strings end the reply (they are not part of it).
+
+    Raises:
+        ValueError: a value out of range (the message names it).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, not {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, not {self.top_k}")
+
+
+# -- where a turn's cache comes from -------------------------------------------
+
+
+class ColdStart(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """No cache: prefill the whole prompt."""
+
+
+class FromHot(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The agent's own parked cache from the hot tier."""
+
+    parked: HotCache
+
+
+class FromWarm(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The agent's own cache read from disk (numpy); restored on the MLX thread."""
+
+    snapshot: CacheSnapshot
+
+
+class FromShared(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The first ``keep_tokens`` tokens (whole blocks) of another agent's cache.
+
+    ``donor`` is that agent; ``parked`` its hot cache, or the prompt of its turn
+    still in flight. Only text the requesting agent sent itself is covered: the
+    donor's text up to ``keep_tokens`` is a prefix of the new prompt.
+    """
+
+    parked: HotCache
+    keep_tokens: int
+    donor: str
+
+
+CacheSource = ColdStart | FromHot | FromWarm | FromShared
+
+
+class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """One turn's reuse decision.
+
+    Attributes:
+        tier: where the reused cache comes from (``cold`` when nothing is reused).
+        source: the cache itself.
+        match: how the prompt matched it (:class:`runtime.prefix.MatchKind` value).
+        reuse_tokens: leading tokens of ``source`` the turn keeps.
+        reuse_chars: characters of the prompt those tokens cover; the rest,
+            ``prompt[reuse_chars:]``, is tokenized and prefilled.
+    """
+
+    tier: Tier
+    source: CacheSource
+    match: str
+    reuse_tokens: int
+    reuse_chars: int
+
+    def suffix(self, prompt: str) -> str:
+        """The part of ``prompt`` to tokenize and prefill."""
+        return prompt[self.reuse_chars :]
+
+
+COLD = TurnPlan(tier="cold", source=ColdStart(), match=MatchKind.EMPTY.value, reuse_tokens=0, reuse_chars=0)
+"""The plan of a turn with nothing cached."""
+
+
+class Tokenized(msgspec.Struct, frozen=True, kw_only=True):
+    """A plan's suffix, tokenized once: token ids and each token's end offset in the suffix."""
+
+    ids: tuple[int, ...]
+    ends: tuple[int, ...]
+
+
+# -- the engine: what the GPU actor asks of it, and what it reports ------------
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,8 +9,7 @@ import mlx.core as mx
 
 from runtime.kvstate import ParkedCache, Strategy
 from runtime.models import LoadedModel
-from runtime.sampling import SamplingParams
-from runtime.sequence import Sequence, TurnStats
+from runtime.sequence import SamplingParams, Sequence, TurnStats
 
 __all__ = ["generate", "GenerationResult", "decode_alone"]
 

@@ -17,7 +17,7 @@ the actors execute it. It owns
 
 and answers the question of every turn (:meth:`KVCacheManager.plan`): given this
 agent's cache and this prompt, what is reused, from where, and what is prefilled.
-The answer, a :class:`runtime.turn_plan.TurnPlan`, travels to the engine unchanged.
+The answer, a :class:`runtime.engine.TurnPlan`, travels to the engine unchanged.
 A turn that began cold can still adopt a donor's whole blocks before its first
 prefill chunk (:meth:`KVCacheManager.adopt`): agents that arrive together with the
 same system prompt then prefill it once.
@@ -33,10 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from runtime.block_pool import BlockPool, PoolStats
+from runtime.engine import COLD, FromHot, FromShared, FromWarm, HotCache, Tier, TurnPlan
 from runtime.errors import BudgetExceededError
 from runtime.prefix import MatchKind, common_prefix_length, match_prefix
-from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot
-from runtime.turn_plan import COLD, FromHot, FromShared, FromWarm, HotCache, Tier, TurnPlan
+from runtime.spec import BLOCK_TOKENS, CacheSnapshot
 
 __all__ = ["KVCacheManager", "HotEntry", "HotTierStats", "PARTIAL_THRESHOLD"]
 

@@ -30,8 +30,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.q4_packing import quantize_kv
-from runtime.snapshot import CacheSnapshot, LayerKind, LayerSnapshot
-from runtime.spec import ModelCacheSpec
+from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot, ModelCacheSpec
 
 __all__ = ["ParkedCache", "ParkedLayer", "ActiveKV", "Strategy", "SLIDING_SLACK", "resolve_strategy"]
 

@@ -29,8 +29,7 @@ from mlx_lm.utils import load_tokenizer
 from runtime.default_model import DEFAULT_MODEL, default_model_file
 from runtime.errors import ModelError, UnsupportedModelError
 from runtime.gguf import is_gguf, prepare_gguf
-from runtime.snapshot import LayerKind
-from runtime.spec import KVFormat, LayerSpec, ModelCacheSpec
+from runtime.spec import KVFormat, LayerKind, LayerSpec, ModelCacheSpec
 
 __all__ = ["LoadedModel", "load_model", "read_cache_spec", "PLAIN_CHAT_TEMPLATE", "PLAIN_STOP"]
 

@@ -5,7 +5,7 @@ fixed function of the prompt text: ``max_tokens`` letters chosen from a hash of
 the prompt, so batching, ordering or caching can never change it, and tests can
 compute the expected reply with :func:`fake_reply`. Caches are
 :class:`FakeParked` objects; their snapshots are real
-:class:`runtime.snapshot.CacheSnapshot` objects (one float layer holding the
+:class:`runtime.spec.CacheSnapshot` objects (one float layer holding the
 token ids), so the cache store persists them with the real ``CacheDirectory``.
 
 Model names starting with ``fake`` load instantly; anything else fails like an
@@ -22,10 +22,20 @@ from typing import Any
 
 import numpy as np
 
-from runtime.engine import Finished, MemoryReading, ModelInfo, PrefillResult, Started, StepToken
+from runtime.engine import (
+    Finished,
+    FromShared,
+    MemoryReading,
+    ModelInfo,
+    PrefillResult,
+    SamplingOptions,
+    Started,
+    StepToken,
+    Tokenized,
+    TurnPlan,
+)
 from runtime.errors import ModelError
-from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
-from runtime.turn_plan import FromShared, SamplingOptions, Tokenized, TurnPlan
+from runtime.spec import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 
 __all__ = ["FakeEngine", "FakeParked", "fake_reply", "fake_render", "FAKE_TOKEN_BYTES"]
 

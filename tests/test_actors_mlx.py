@@ -16,7 +16,7 @@ from conftest import models_dir, tiny
 from actors import open_runtime
 from runtime.generate import generate
 from runtime.persist import CacheDirectory
-from runtime.sampling import SamplingParams
+from runtime.sequence import SamplingParams
 
 CORPUS = Path(__file__).resolve().parents[1] / "runtime" / "corpus" / "stories.txt"
 TOPICS = [

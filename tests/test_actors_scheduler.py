@@ -10,7 +10,7 @@ import pytest
 import runtime  # noqa: F401  (OpenBLAS before mlx)
 from actors.scheduler import Scheduler
 from runtime.errors import BudgetExceededError
-from runtime.snapshot import BLOCK_TOKENS
+from runtime.spec import BLOCK_TOKENS
 
 TOKEN_BYTES = 1024  # one 256-token block = 256 KiB
 BLOCK = TOKEN_BYTES * BLOCK_TOKENS
@@ -131,7 +131,7 @@ def _inboxes():
     from actors.messages_gpu import GpuInbox
     from actors.messages_store import StoreInbox
     from actors.registry import RegistryInbox
-    from runtime.turn_plan import CacheSource
+    from runtime.engine import CacheSource
 
     return [AgentInbox, GpuInbox, StoreInbox, RegistryInbox, CacheSource]
 

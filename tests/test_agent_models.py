@@ -31,7 +31,7 @@ from actors.messages_store import (
 )
 from runtime.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
-from runtime.snapshot import BLOCK_TOKENS
+from runtime.spec import BLOCK_TOKENS
 
 TAG_A = "fake-a@0000/fake"
 TAG_B = "fake-b@0000/fake"

@@ -6,7 +6,7 @@ import pytest
 
 from runtime.block_pool import BlockPool, PoolStats
 from runtime.errors import BudgetExceededError, KvmemError
-from runtime.snapshot import BLOCK_TOKENS
+from runtime.spec import BLOCK_TOKENS
 
 BPB = 1000  # bytes per block in these tests
 

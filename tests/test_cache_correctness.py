@@ -18,12 +18,11 @@ import pytest
 
 from conftest import ARCHS, tiny
 from reference import cold_generate, teacher_forced_logits, top1_margin
-from runtime.batch import DecodeBatch
 from runtime.generate import decode_alone, generate
 from runtime.kvstate import ParkedCache
+from runtime.mlx_engine import DecodeBatch
 from runtime.persist import CacheDirectory
-from runtime.sampling import SamplingParams
-from runtime.sequence import Sequence
+from runtime.sequence import SamplingParams, Sequence
 
 FLOAT_TOL = 2e-3
 STEPS = 8

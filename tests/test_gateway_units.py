@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from gateway.errors import ApiError, error_dict, from_decode_error
-from gateway.identity import conversation_id, resolve_agent_id
+from gateway.context import conversation_id, resolve_agent_id
 from gateway.schemas_anthropic import messages_decoder
 from gateway.sse import sse, sse_data
 from runtime.config import Config

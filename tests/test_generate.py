@@ -6,8 +6,7 @@ import mlx.core as mx
 
 from conftest import tiny
 from runtime.generate import generate
-from runtime.sampling import SamplingParams, StopMatcher
-from runtime.sequence import prefill_chunk_size
+from runtime.sequence import SamplingParams, StopMatcher, prefill_chunk_size
 
 PROMPT_MSGS = [{"role": "user", "content": "Write about the sea and the ships."}]
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from runtime.engine import ColdStart, FromHot, FromShared, FromWarm
 from runtime.kv_manager import KVCacheManager
-from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
-from runtime.turn_plan import ColdStart, FromHot, FromShared, FromWarm
+from runtime.spec import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 
 TAG = "m@1"
 OTHER_TAG = "m@2"

@@ -6,8 +6,7 @@ import mlx.core as mx
 
 from conftest import tiny
 from runtime.generate import decode_alone, generate
-from runtime.sampling import SamplingParams
-from runtime.sequence import Sequence
+from runtime.sequence import SamplingParams, Sequence
 
 SYSTEM = "You are a helpful assistant."
 Q1 = "Describe the old mill by the river in two sentences."

@@ -37,7 +37,7 @@ from runtime.persist import (
     safe_agent_dirname,
 )
 from runtime.persist.format import pack_text
-from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
+from runtime.spec import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 
 TAG = "tiny-llama@0123abcd/q4g64"
 HEADS = 2

@@ -7,7 +7,7 @@ from pathlib import Path
 from conftest import tiny
 from runtime.generate import generate
 from runtime.persist import CacheDirectory
-from runtime.sampling import SamplingParams
+from runtime.sequence import SamplingParams
 
 SYSTEM = " ".join(f"Rule {i}: answer briefly, cite the harbour log, and keep the ledger tidy." for i in range(60))
 

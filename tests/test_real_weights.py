@@ -14,9 +14,8 @@ from reference import cold_generate
 from runtime.generate import decode_alone, generate
 from runtime.kvstate import ActiveKV, ParkedCache
 from runtime.persist import CacheDirectory
-from runtime.sampling import SamplingParams
-from runtime.sequence import Sequence
-from runtime.snapshot import LayerKind
+from runtime.sequence import SamplingParams, Sequence
+from runtime.spec import LayerKind
 
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play in the park with her dog."
 

@@ -32,8 +32,7 @@ import pytest
 from conftest import models_dir
 
 import gateway.app
-from gateway.context import DRAIN_BYTES
-from gateway.identity import conversation_id
+from gateway.context import DRAIN_BYTES, conversation_id
 from gateway.server import exposure_warning
 from gateway.testing import ServerThread
 from runtime.config import Config

@@ -7,9 +7,8 @@ from mlx_lm.models.cache import ArraysCache
 
 from conftest import tiny
 from runtime.errors import UnsupportedModelError
-from runtime.snapshot import LayerKind
 from runtime.models import read_cache_spec
-from runtime.spec import KVFormat, ModelCacheSpec
+from runtime.spec import KVFormat, LayerKind, ModelCacheSpec
 
 
 def test_llama_layers_are_full_attention_q4():

@@ -57,22 +57,22 @@ save rewrites it. Files are ``0o600``, directories ``0o700``.
 Where each part lives:
 
 ==============  ==============================================================
-``directory``   :class:`CacheDirectory`, the facade that delegates to:
+``directory``   :class:`CacheDirectory`, the facade that delegates to the
+                modules below; the folders and file names of an open cache
+                directory, agent ids to safe folder names
 ``save``        a save: plan, write pieces, replace the manifest, tidy up
 ``load``        a load: check the manifest, read the state and the pieces'
                 files straight into one allocation
 ``gc``          garbage collection and leftover temporary files
 ``agents``      listing stored caches, ``exists``, deleting an agent
-``plan``        which pieces a save keeps and which ranges it writes (policy)
-``pieces``      writing block, segment and state files; whether one on disk
-                is intact
+``pieces``      which pieces a save keeps and which ranges it writes (the
+                plan, pure policy); writing block, segment and state files;
+                whether one on disk is intact
 ``manifests``   an agent folder's manifests (one per model, plus legacy),
                 decoding them and checking each against itself
-``paths``       the folders and file names of an open cache directory, agent
-                ids to safe folder names
 ``format``      manifest schema and its packed text, token ids and offsets,
-                file names, block hash chain
-``tensors``     which tensors the files hold, file metadata
+                file names, block hash chain, which tensors the files hold,
+                file metadata
 ``codec``       canonical safetensors encoding with CRC-32
 ``files``       atomic file replacement (``write_atomic``), private folders,
                 batches of atomic writes, safe reads
@@ -80,10 +80,9 @@ Where each part lives:
 """
 
 from runtime.persist.agents import AgentEntry
-from runtime.persist.directory import CacheDirectory
+from runtime.persist.directory import MAX_AGENT_ID_CHARS, CacheDirectory, safe_agent_dirname
 from runtime.persist.format import FORMAT_VERSION
 from runtime.persist.manifests import manifest_name
-from runtime.persist.paths import MAX_AGENT_ID_CHARS, safe_agent_dirname
 from runtime.persist.save import SaveReport
 
 __all__ = [

@@ -13,10 +13,13 @@ import os
 import shutil
 import stat
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from runtime.persist.files import fsync_dir, regular_file_size, remove_file
 from runtime.persist.manifests import LEGACY_MANIFEST, manifest_name, manifest_names, read_listings
-from runtime.persist.paths import CachePaths, safe_agent_dirname
+
+if TYPE_CHECKING:
+    from runtime.persist.directory import CachePaths
 
 __all__ = ["AgentEntry", "list_agents", "agent_exists", "delete_agent"]
 
@@ -58,7 +61,7 @@ def list_agents(paths: CachePaths) -> list[AgentEntry]:
             if manifest is None:
                 log.warning("skipping unreadable manifest %s: %s", path, listing.problem)
                 continue
-            if safe_agent_dirname(manifest.agent_id) != agent_dir.name:
+            if paths.agent_dir(manifest.agent_id).name != agent_dir.name:
                 log.warning("skipping manifest %s: it names agent %r", path, manifest.agent_id)
                 continue
             if listing.name == LEGACY_MANIFEST and manifest_name(manifest.model_tag) in current:

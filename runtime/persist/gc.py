@@ -13,12 +13,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from runtime.persist.files import remove_file, remove_temp_files
 from runtime.persist.format import BLOCK_NAME
 from runtime.persist.manifests import kept_files, read_listings
-from runtime.persist.paths import CachePaths
 from runtime.persist.pieces import remove_own_files
+
+if TYPE_CHECKING:
+    from runtime.persist.directory import CachePaths
 
 __all__ = ["collect_garbage", "remove_leftover_temp_files"]
 

@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -43,16 +43,11 @@ from runtime.persist.codec import (
     parse_file,
 )
 from runtime.persist.files import open_regular_file, read_exactly_into, read_regular_file, remove_file
-from runtime.persist.format import BlockPiece, Manifest, Piece, StateRef
-from runtime.persist.manifests import (
-    ManifestContents,
-    check_manifest,
-    decode_manifest,
-    read_manifest_data,
-)
-from runtime.persist.paths import CachePaths
-from runtime.persist.pieces import block_is_intact
-from runtime.persist.tensors import (
+from runtime.persist.format import (
+    BlockPiece,
+    Manifest,
+    Piece,
+    StateRef,
     block_info,
     layout_problem,
     piece_layout,
@@ -60,7 +55,17 @@ from runtime.persist.tensors import (
     state_info,
     tensor_name,
 )
-from runtime.snapshot import CacheSnapshot, LayerKind, LayerSnapshot
+from runtime.persist.manifests import (
+    ManifestContents,
+    check_manifest,
+    decode_manifest,
+    read_manifest_data,
+)
+from runtime.persist.pieces import block_is_intact
+from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot
+
+if TYPE_CHECKING:
+    from runtime.persist.directory import CachePaths
 
 __all__ = [
     "READ_AHEAD_BYTES",

@@ -60,7 +60,7 @@ from runtime.persist.format import (
     unpack_text,
     unpack_token_ids,
 )
-from runtime.snapshot import BLOCK_TOKENS
+from runtime.spec import BLOCK_TOKENS
 
 __all__ = [
     "LEGACY_MANIFEST",

@@ -2,9 +2,9 @@
 
 :func:`save_cache` is :meth:`runtime.persist.CacheDirectory.save`. It plans
 which pieces of the previous manifest of the same model it keeps
-(:mod:`runtime.persist.plan`), writes the new blocks, segments and the state
-file in one :class:`~runtime.persist.files.AtomicBatch`
-(:mod:`runtime.persist.pieces`), replaces the model's manifest atomically,
+(:func:`runtime.persist.pieces.plan_save`), writes the new blocks, segments
+and the state file in one :class:`~runtime.persist.files.AtomicBatch`
+(:mod:`runtime.persist.pieces` too), replaces the model's manifest atomically,
 retires a pre-per-model ``manifest.json`` it supersedes, and removes the
 agent's files that no manifest of the agent lists any more. A kill at any
 point leaves the old manifest with everything it needs, or the new one.
@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -38,9 +39,12 @@ from runtime.persist.format import (
     Manifest,
     Piece,
     block_chain_hashes,
+    blocked_sources,
+    encode_state,
     pack_offsets,
     pack_text,
     pack_token_ids,
+    validate_snapshot,
 )
 from runtime.persist.manifests import (
     LEGACY_MANIFEST,
@@ -53,17 +57,21 @@ from runtime.persist.manifests import (
     read_listings,
     read_manifest_data,
 )
-from runtime.persist.paths import CachePaths
 from runtime.persist.pieces import (
+    PieceRange,
     WriteTally,
+    common_prefix,
     piece_is_intact,
+    plan_save,
+    range_of,
     remove_own_files,
     write_pieces,
     write_state,
 )
-from runtime.persist.plan import PieceRange, common_prefix, plan_save, range_of
-from runtime.persist.tensors import blocked_sources, encode_state, validate_snapshot
-from runtime.snapshot import BLOCK_TOKENS, CacheSnapshot
+from runtime.spec import BLOCK_TOKENS, CacheSnapshot
+
+if TYPE_CHECKING:
+    from runtime.persist.directory import CachePaths
 
 __all__ = ["SaveReport", "save_cache"]
 
