@@ -355,6 +355,7 @@ async def open_runtime(
             strategy=config.attention,
             weights=config.weights,
             prewarm_mb=config.prewarm_mb,
+            numpy_attention=config.numpy_attention,
         )
     metrics = RuntimeMetrics()
     store_send, store_receive = trio.open_memory_channel[StoreInbox](_MAILBOX_SIZE)

@@ -13,7 +13,7 @@ __all__ = ["add_model_options", "config_from_args"]
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
-    """--model, --kv-bits, --attention, --weights, --home and --config.
+    """--model, --kv-bits, --attention, --numpy-attention, --weights, --home and --config.
 
     A flag's destination is the setting's name (``--kv-bits`` → ``kv_bits``):
     :func:`config_from_args` relies on it.
@@ -21,6 +21,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="tiny model name, model folder, or Hugging Face id (default: kvmem-default)")
     p.add_argument("--kv-bits", help="4, 8, or 'float' for unquantized KV (default 4)")
     p.add_argument("--attention", choices=("auto", "at-rest", "native"), help="attention strategy for Q4 KV (default auto)")
+    p.add_argument(
+        "--numpy-attention",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="on CPU, attend in NumPy (runtime.cpu_attention; default on); --no-numpy-attention: MLX's own",
+    )
     p.add_argument(
         "--weights",
         choices=("auto", "float32", "float16", "bfloat16", "quantized"),

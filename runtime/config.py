@@ -85,6 +85,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         attention: ``auto`` (at-rest on CPU, native on GPU backends), ``at-rest``
             (Q4 at rest, float while a sequence runs; fastest on CPU) or
             ``native`` (attend on packed Q4 with MLX's quantized SDPA).
+        numpy_attention: on the CPU backend, float attention of llama and qwen2
+            models runs in NumPy (:mod:`runtime.cpu_attention`: 4-6x faster
+            than MLX's there); off: MLX's own attention everywhere.
         budget_mb: KV memory for running sequences (admission, batch size), MiB.
         hot_budget_mb: memory for idle caches kept in RAM (the hot tier), MiB.
         prewarm_mb: memory touched once at the first model load and kept, so the
@@ -117,6 +120,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     kv_bits: Literal[4, 8] | None = 4
     kv_group_size: Literal[32, 64, 128] = 64
     attention: Attention = "auto"
+    numpy_attention: bool = True
     # -- memory and scheduling
     budget_mb: Annotated[float, Meta(gt=0)] = 2048
     hot_budget_mb: Annotated[float, Meta(gt=0)] = 512
@@ -167,7 +171,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 
 FIELDS: tuple[str, ...] = Config.__struct_fields__
-_BOOLS = frozenset({"fsync", "accept_any_model"})
+_BOOLS = frozenset({"fsync", "accept_any_model", "numpy_attention"})
 _NONE_WORDS = ("", "none", "null")
 
 

@@ -33,7 +33,7 @@ def decode_alone(seq: Sequence) -> Iterator[str]:
     if first:
         yield first
     while seq.next_input is not None:
-        logits = seq.lm.model(mx.array([[seq.next_input]]), cache=seq.kv.caches)[:, -1, :]
+        logits = seq.lm.forward(mx.array([[seq.next_input]]), seq.kv.caches)[:, -1, :]
         seq.observe(logits)
         token = seq.sample(logits)
         mx.eval(token)

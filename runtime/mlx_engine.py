@@ -106,6 +106,7 @@ class MlxEngine:
         weights: how GGUF weights are held (:data:`runtime.gguf.WEIGHT_MODES`).
         prewarm_mb: memory to touch once when the first model loads and keep for
             activations (see :mod:`runtime.warmup`); 0 turns it off.
+        numpy_attention: attend through :mod:`runtime.cpu_attention` where it applies.
     """
 
     def __init__(
@@ -117,7 +118,9 @@ class MlxEngine:
         strategy: str,
         weights: str = "auto",
         prewarm_mb: float = 0,
+        numpy_attention: bool = True,
     ) -> None:
+        self._numpy_attention = numpy_attention
         self._models_dir = models_dir
         self._weights = weights
         self._prewarm_mb = prewarm_mb
@@ -161,7 +164,13 @@ class MlxEngine:
             self._prewarm_mb = 0  # the process keeps it: once is enough
         self._baseline = mx.get_active_memory()
         mx.reset_peak_memory()
-        lm = load_model(name, kv_format=self._kv_format, models_dir=self._models_dir, weights=self._weights)
+        lm = load_model(
+            name,
+            kv_format=self._kv_format,
+            models_dir=self._models_dir,
+            weights=self._weights,
+            numpy_attention=self._numpy_attention,
+        )
         self._lm = lm
         self._strategy = resolve_strategy(self._attention)
         weights = tree_flatten(lm.model.parameters(), destination={})
@@ -419,7 +428,7 @@ class DecodeBatch:
         if not self.members:
             return []
         inputs = mx.array([[s.next_input] for s in self.members])
-        logits = self.members[0].lm.model(inputs, cache=self.caches)[:, -1, :]
+        logits = self.members[0].lm.forward(inputs, self.caches)[:, -1, :]
         for i, s in enumerate(self.members):
             if s.logits_trace is not None:
                 s.observe(logits[i : i + 1])

@@ -26,6 +26,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.utils import load as mlx_load
 from mlx_lm.utils import load_tokenizer
 
+from runtime import cpu_attention
 from runtime.default_model import DEFAULT_MODEL, default_model_file
 from runtime.errors import ModelError, UnsupportedModelError
 from runtime.gguf import is_gguf, prepare_gguf
@@ -59,6 +60,13 @@ class LoadedModel:
     spec: ModelCacheSpec
     model_id: str
     config: dict[str, Any]
+    cpu_attention: bool = False
+    """Whether :meth:`forward` attends through :mod:`runtime.cpu_attention`."""
+
+    def forward(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        """Logits of ``inputs`` over ``cache``: every forward pass kvmem runs goes through here."""
+        with cpu_attention.active(self.cpu_attention):
+            return self.model(inputs, cache=cache)
 
     @property
     def vocab_limit(self) -> int:
@@ -150,11 +158,14 @@ def load_model(
     kv_format: KVFormat | None = None,
     models_dir: Path | None = None,
     weights: str = "auto",
+    numpy_attention: bool = True,
 ) -> LoadedModel:
     """Load ``model``: ``kvmem-default``, a GGUF file, a tiny recipe name, a folder or a Hugging Face id.
 
     ``weights`` applies to GGUF files (:data:`runtime.gguf.WEIGHT_MODES`):
     ``auto`` dequantizes to float32 on CPU and keeps the file's quantization on GPUs.
+    ``numpy_attention`` lets :meth:`LoadedModel.forward` use :mod:`runtime.cpu_attention`
+    where it applies (llama and qwen2 models on the CPU backend).
     """
     name = str(model)
     path = _source(name, models_dir)
@@ -169,8 +180,12 @@ def load_model(
         except Exception as exc:  # mlx-lm raises many kinds; the user needs one message
             raise ModelError(f"could not load model {name!r}: {exc}") from exc
     spec = read_cache_spec(loaded, model_id=name, config=config, kv_format=kv_format)
-    log.info("loaded %s: %d layers, tag %s", name, len(spec.layers), spec.tag)
-    return LoadedModel(model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config)
+    fast_attention = numpy_attention and cpu_attention.install(type(loaded).__module__)
+    log.info("loaded %s: %d layers, tag %s, attention %s", name, len(spec.layers), spec.tag,
+             "numpy (runtime.cpu_attention)" if fast_attention else "mlx")
+    return LoadedModel(
+        model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config, cpu_attention=fast_attention
+    )
 
 
 def prepare_model_files(name: str, models_dir: Path) -> Path:

@@ -236,7 +236,7 @@ class Sequence:
         t0 = time.perf_counter()
         size = chunk or prefill_chunk_size(self.context)
         piece = self.pending[self._prefilled : self._prefilled + size]
-        logits = self.lm.model(mx.array([piece]), cache=self.kv.caches)
+        logits = self.lm.forward(mx.array([piece]), self.kv.caches)
         self._prefilled += len(piece)
         if not self.prefill_done:
             mx.eval([c.state for c in self.kv.caches])

@@ -9,14 +9,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
 from conftest import models_dir, tiny
+from reference import first_split_is_a_near_tie, top1_margin
 
 from actors import open_runtime
-from runtime.generate import generate
+
+from runtime.generate import decode_alone, generate
 from runtime.persist import CacheDirectory
-from runtime.sequence import SamplingParams
+from runtime.sequence import SamplingParams, Sequence
 
 CORPUS = Path(__file__).resolve().parents[1] / "runtime" / "corpus" / "stories.txt"
 TOPICS = [
@@ -46,20 +49,35 @@ def _conversation(i: int, reply: str | None) -> list[dict[str, str]]:
     return messages
 
 
+def _alone(lm, prompt: str, cache, params: SamplingParams):
+    """The reference turn, decoded on its own, with each token's text and top-1 margin."""
+    seq = Sequence(lm, prompt, cache, params)
+    seq.logits_trace = []
+    for _ in decode_alone(seq):
+        pass
+    tokens = list(seq.generated)
+    texts = [lm.tokenizer.decode(tokens[: k + 1]) for k in range(len(tokens))]
+    pieces = [b[len(a):] for a, b in zip(["", *texts], texts, strict=False)]
+    margins = [float(m) for m in top1_margin(np.concatenate([np.array(t) for t in seq.logits_trace]))]
+    return seq.reply, seq.park(), pieces, margins
+
+
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
 async def test_eight_concurrent_agents_reply_exactly_as_each_conversation_alone(model, tmp_path):
-    """Reference: the same two-turn conversation through ``runtime.generate.generate``
-    on its own, outside the runtime — turn 1 from no cache, turn 2 from turn 1's
-    cache (the agent's memory) — float KV, greedy, 24 tokens. The runtime batches
-    the 8 agents together (prefills interleaved, merge/extend/filter as they come
-    and go); every reply text must be identical."""
+    """Reference: the same two-turn conversation decoded on its own, outside the
+    runtime — turn 1 from no cache, turn 2 from turn 1's cache (the agent's
+    memory) — float KV, greedy, 24 tokens. The runtime batches the 8 agents
+    together (prefills interleaved, merge/extend/filter as they come and go).
+    Every reply must be the reference's text, except that it may depart from it
+    at a near tie (top-1 margin < ``NEAR_TIE``: batching moves logits by ~2e-5);
+    an agent that departed in turn 1 is not compared in turn 2 (its prompt differs)."""
     lm = tiny(model, bits=None)
     params = SamplingParams(max_tokens=24)
     expected = {}
     for i in range(8):
-        first = generate(lm, lm.render(_conversation(i, None)), None, params)
-        second = generate(lm, lm.render(_conversation(i, first.reply)), first.cache, params)
-        expected[i] = (first.reply, second.reply)
+        first, cache, pieces1, margins1 = _alone(lm, lm.render(_conversation(i, None)), None, params)
+        second, _, pieces2, margins2 = _alone(lm, lm.render(_conversation(i, first)), cache, params)
+        expected[i] = ((first, pieces1, margins1), (second, pieces2, margins2))
 
     got: dict[int, tuple[str, str]] = {}
     async with _open(tmp_path, model, kv_bits=None) as rt:
@@ -75,7 +93,15 @@ async def test_eight_concurrent_agents_reply_exactly_as_each_conversation_alone(
             for i in range(8):
                 nursery.start_soon(agent, i)
         assert rt.stats().gpu.steps < 2 * 8 * 24  # they really decoded together
-    assert got == expected
+    identical = 0
+    for i in range(8):
+        for turn in (0, 1):
+            reply, pieces, margins = expected[i][turn]
+            assert first_split_is_a_near_tie(got[i][turn], reply, pieces, margins), (i, turn, got[i][turn], reply)
+            identical += got[i][turn] == reply
+            if got[i][turn] != reply:
+                break
+    assert identical >= 12, f"only {identical} of 16 replies identical: near ties should be rare"
 
 
 async def test_two_requests_for_one_agent_run_in_order_and_the_second_reuses_the_first(tmp_path):

@@ -1,0 +1,239 @@
+"""Attention for MLX's CPU backend, computed in NumPy: the one mlx-lm symbol kvmem replaces.
+
+Why. On MLX's CPU backend the softmax is most of a long prefill: ``mx.exp``
+runs at about 13 ns per element on this machine, NumPy's at about 0.9 ns, and a
+4K-token prefill of the default model takes about 2.5 billion exponentials
+(``benches/results/cpu_attention.md`` has the measurements). MLX's own
+attention on CPU also repeats each KV head for its query heads. Here the query
+heads that share a KV head are folded into one matrix product per KV head, and
+the softmax runs in NumPy, in place.
+
+What it replaces, and only these:
+
+* ``mlx_lm.models.llama.scaled_dot_product_attention``
+* ``mlx_lm.models.qwen2.scaled_dot_product_attention``
+
+Both are names each model module imported from ``mlx_lm.models.base``.
+:func:`install` rebinds them to :func:`_attention`, which runs
+:func:`numpy_attention` only inside :func:`active` — opened by
+:meth:`runtime.models.LoadedModel.forward` around kvmem's own forward passes —
+and calls mlx-lm's untouched function everywhere else. Plain mlx-lm in the same
+process (the tests' references, the benchmarks' baselines) is unaffected.
+
+When it is on: the mlx-lm version is one this module was tested with
+(:data:`TESTED_MLX_LM`) and the replaced name is still mlx-lm's own function
+with the expected parameters; the default device is the CPU (on GPUs MLX's
+fused kernels win); and per call, the cache is a float cache (quantized caches
+keep MLX's quantized attention), there are no attention sinks and the inputs
+are float32. Otherwise the call goes to mlx-lm's function.
+
+NumPy needs evaluated inputs, so each layer's queries, keys and values are
+evaluated where attention runs; kvmem evaluates every forward pass right after
+it anyway, and the measurements include that.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import base
+
+__all__ = ["REPLACED", "TESTED_MLX_LM", "install", "active", "numpy_attention", "is_installed"]
+
+log = logging.getLogger("kvmem.cpu_attention")
+
+REPLACED = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
+"""Model modules whose ``scaled_dot_product_attention`` name :func:`install` rebinds."""
+
+TESTED_MLX_LM = ((0, 32),)
+"""mlx-lm ``(major, minor)`` releases the replacement was tested against."""
+
+_ORIGINAL = base.scaled_dot_product_attention
+_EXPECTED_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
+_scope = threading.local()
+
+
+def _mlx_lm_release() -> tuple[int, int] | None:
+    try:
+        major, minor = version("mlx-lm").split(".")[:2]
+        return int(major), int(minor)
+    except (PackageNotFoundError, ValueError):
+        return None
+
+
+def _why_not() -> str | None:
+    """Why the replacement cannot be installed in this environment, or None."""
+    release = _mlx_lm_release()
+    if release not in TESTED_MLX_LM:
+        return f"mlx-lm {release} is not a tested release {TESTED_MLX_LM}"
+    if tuple(inspect.signature(_ORIGINAL).parameters) != _EXPECTED_PARAMS:
+        return "mlx_lm.models.base.scaled_dot_product_attention has other parameters"
+    if mx.default_device() != mx.cpu:
+        return "the default device is not the CPU"
+    return None
+
+
+def install(model_module: str) -> bool:
+    """Rebind ``model_module``'s attention to kvmem's dispatcher; True when it is in place.
+
+    Idempotent. Returns False (and logs why once) for modules outside
+    :data:`REPLACED`, untested mlx-lm releases and non-CPU devices.
+    """
+    if model_module not in REPLACED:
+        return False
+    reason = _why_not()
+    if reason is not None:
+        log.info("kvmem CPU attention off: %s", reason)
+        return False
+    module = importlib.import_module(model_module)
+    current = getattr(module, "scaled_dot_product_attention", None)
+    if current is _attention:
+        return True
+    if current is not _ORIGINAL:
+        log.warning("kvmem CPU attention off: %s.scaled_dot_product_attention is not mlx-lm's", model_module)
+        return False
+    module.scaled_dot_product_attention = _attention  # type: ignore[attr-defined]
+    return True
+
+
+def is_installed(model_module: str) -> bool:
+    """Whether ``model_module``'s attention is kvmem's dispatcher."""
+    module = importlib.import_module(model_module)
+    return getattr(module, "scaled_dot_product_attention", None) is _attention
+
+
+@contextmanager
+def active(on: bool = True) -> Iterator[None]:
+    """Within this block, on this thread, installed models attend through :func:`numpy_attention`."""
+    before = getattr(_scope, "on", False)
+    _scope.on = on
+    try:
+        yield
+    finally:
+        _scope.on = before
+
+
+def _attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """mlx-lm's ``scaled_dot_product_attention``, through NumPy inside :func:`active`."""
+    if (
+        getattr(_scope, "on", False)
+        and sinks is None
+        and not hasattr(cache, "bits")
+        and queries.dtype == keys.dtype == values.dtype == mx.float32
+    ):
+        return numpy_attention(queries, keys, values, scale=scale, mask=mask)
+    return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+_upper_triangles: dict[int, np.ndarray] = {}
+
+
+def _causal_block(n: int) -> np.ndarray:
+    """``n x n`` additive mask: 0 on and below the diagonal, -inf above."""
+    tri = _upper_triangles.get(n)
+    if tri is None:
+        tri = np.triu(np.full((n, n), -np.inf, np.float32), 1)
+        if n <= 4096:
+            _upper_triangles[n] = tri
+    return tri
+
+
+def numpy_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Any) -> mx.array:
+    """Softmax attention with grouped KV heads, as ``mx.fast.scaled_dot_product_attention`` computes it.
+
+    The two matrix products run in MLX (on the BLAS kvmem loads for it); the
+    masked softmax runs in NumPy, in place on the evaluated scores. NumPy does
+    no matrix products here: its own OpenBLAS would start a second thread pool
+    that competes with MLX's for the same cores.
+
+    Args:
+        queries: ``(B, heads, L, D)``; keys, values: ``(B, kv_heads, S, D)``
+            with ``heads`` a multiple of ``kv_heads`` (query head ``h`` attends
+            with KV head ``h // (heads // kv_heads)``).
+        mask: None, ``"causal"`` (the last ``L`` keys are the queries' own
+            positions), a boolean array (True attends) or an additive array,
+            broadcastable to ``(B, heads, L, S)``.
+
+    A batch is attended row by row, each row over its own keys only (where a
+    boolean mask pads rows on the left, as kvmem's decode batch does): the
+    same products, of the same shapes, as that row alone, so a reply does not
+    depend on which other agents share its batch (MLX's own attention does not
+    promise that: ``tests/test_cpu_attention.py``).
+    """
+    if queries.shape[0] > 1:
+        return _row_by_row(queries, keys, values, scale=scale, mask=mask)
+    return _attend(queries, keys, values, scale=scale, mask=mask)
+
+
+def _row_by_row(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Any) -> mx.array:
+    per_row = isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[0] > 1
+    padded = per_row and mask.dtype == mx.bool_
+    attends = np.asarray(mask).any(axis=(1, 2)) if padded else None  # (B, S): keys the row's queries see
+    outs = []
+    for b in range(queries.shape[0]):
+        start, row_mask = 0, mask
+        if per_row:
+            row_mask = mask[b : b + 1]
+        if attends is not None:
+            row = attends[b]
+            start = int(row.argmax()) if row.any() else 0  # the row's left padding ends here
+            row_mask = None if queries.shape[2] == 1 and row[start:].all() else mask[b : b + 1, :, :, start:]
+        outs.append(_attend(queries[b : b + 1], keys[b : b + 1, :, start:], values[b : b + 1, :, start:],
+                            scale=scale, mask=row_mask))
+    return mx.concatenate(outs, axis=0)
+
+
+def _attend(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Any) -> mx.array:
+    batch, heads, length, dim = queries.shape
+    kv_heads, span = keys.shape[1], keys.shape[2]
+    rows = (heads // kv_heads) * length
+    # Query heads sharing a KV head become one (rows x D) matrix: one product per KV head.
+    q = (queries * scale).reshape(batch, kv_heads, rows, dim)
+    scores = q @ keys.swapaxes(-1, -2)
+    mx.eval(scores)
+    # ``scores`` is this call's own fresh, evaluated array: nothing else holds it,
+    # so the softmax may overwrite it through NumPy's view of its memory.
+    weights = np.asarray(scores)
+    by_head = weights.reshape(batch, heads, length, span)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        if length > 1:
+            by_head[..., span - length :] += _causal_block(length)
+    elif mask is not None:
+        m = np.asarray(mask)
+        if m.dtype == np.bool_:
+            np.copyto(by_head, np.float32(-np.inf), where=~m)
+        else:
+            by_head += m.astype(np.float32, copy=False)
+    peak = weights.max(axis=-1, keepdims=True)
+    peak[~np.isfinite(peak)] = 0.0  # a row with every key masked: its weights become 0, not NaN
+    np.subtract(weights, peak, out=weights)
+    np.exp(weights, out=weights)
+    # The weights' row sums come out of the same product as the output (a column of
+    # ones beside the values): summed in the product's order, which keys a batch
+    # pads with (weight 0) do not change, where NumPy's pairwise sum would.
+    # Normalizing the (rows x D) output instead of the (rows x S) weights: one pass fewer.
+    dim_v = values.shape[-1]
+    ones = mx.ones((*values.shape[:-1], 1), dtype=values.dtype)
+    both = scores @ mx.concatenate([values, ones], axis=-1)
+    total = both[..., dim_v:]
+    out = both[..., :dim_v] / mx.where(total > 0, total, 1)  # fully masked rows stay 0
+    return out.reshape(batch, heads, length, dim_v)
