@@ -26,6 +26,7 @@ BENCHES = {
     "overhead": "E2E through HTTP gateway + actors vs runtime.generate directly",
     "fuzz": "a live kvmem serve fuzzed for a time budget with damaged requests on every POST route: 5xx (goal 0)",
     "request_walk": "the kvmem modules one streaming OpenAI request runs through, traced (--compare an older checkout)",
+    "cpu_attention": "kvmem's NumPy attention vs MLX's on CPU: one layer, cold prefill vs plain mlx-lm, chunk sizes, decode",
     "attention_strategy": "at-rest vs native quantized SDPA (existing)",
     "batching": "system tok/s for 1, 2, 4, 8 agents (existing)",
 }

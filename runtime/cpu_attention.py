@@ -20,8 +20,10 @@ Both are names each model module imported from ``mlx_lm.models.base``.
 and calls mlx-lm's untouched function everywhere else. Plain mlx-lm in the same
 process (the tests' references, the benchmarks' baselines) is unaffected.
 
-When it is on: the mlx-lm version is one this module was tested with
-(:data:`TESTED_MLX_LM`) and the replaced name is still mlx-lm's own function
+When it is on: for calls with at least :data:`MIN_QUERIES` query positions
+(prefill chunks; a decode step's single query is faster in MLX, whose fixed
+cost per call is lower), where the mlx-lm version is one this module was
+tested with (:data:`TESTED_MLX_LM`) and the replaced name is still mlx-lm's own function
 with the expected parameters; the default device is the CPU (on GPUs MLX's
 fused kernels win); and per call, the cache is a float cache (quantized caches
 keep MLX's quantized attention), there are no attention sinks and the inputs
@@ -56,6 +58,10 @@ REPLACED = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
 
 TESTED_MLX_LM = ((0, 32),)
 """mlx-lm ``(major, minor)`` releases the replacement was tested against."""
+
+MIN_QUERIES = 4
+"""Fewest query positions per call that go to NumPy: measured faster from 4 at every
+context from 256 to 8192 tokens, slower at 1 (``benches/results/cpu_attention.md``)."""
 
 _ORIGINAL = base.scaled_dot_product_attention
 _EXPECTED_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
@@ -134,6 +140,7 @@ def _attention(
     """mlx-lm's ``scaled_dot_product_attention``, through NumPy inside :func:`active`."""
     if (
         getattr(_scope, "on", False)
+        and queries.shape[2] >= MIN_QUERIES
         and sinks is None
         and not hasattr(cache, "bits")
         and queries.dtype == keys.dtype == values.dtype == mx.float32

@@ -97,7 +97,7 @@ def test_replaces_only_inside_active_and_only_for_float_caches(monkeypatch: pyte
     assert cpu_attention.is_installed("mlx_lm.models.llama")
     calls = _Calls()
     monkeypatch.setattr(cpu_attention, "numpy_attention", calls)
-    q, k, v = _qkv(1, 4, 2, 3, 10)
+    q, k, v = _qkv(1, 4, 2, cpu_attention.MIN_QUERIES, 10)
     dispatch = mlx_llama.scaled_dot_product_attention
     dispatch(q, k, v, KVCache(), 0.5, "causal")
     assert calls.numpy == 0, "outside active(): mlx-lm's own attention"
@@ -113,6 +113,8 @@ def test_replaces_only_inside_active_and_only_for_float_caches(monkeypatch: pyte
         dispatch(q, k, v, KVCache(), 0.5, "causal", sinks=mx.zeros((4,)))
         dispatch(q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16), KVCache(), 0.5, "causal")
         assert calls.numpy == 1, "quantized caches, sinks and non-float32 inputs keep mlx-lm's attention"
+        dispatch(q[:, :, :1], k, v, KVCache(), 0.5, None)
+        assert calls.numpy == 1, "a decode step (one query) keeps mlx-lm's attention"
         with cpu_attention.active(False):
             dispatch(q, k, v, KVCache(), 0.5, "causal")
         assert calls.numpy == 1
