@@ -178,7 +178,8 @@ class AgentActor:
         if prompt is None:
             rendered: RenderReply = await ask(
                 self._gpu,
-                lambda r: Render(model_tag=info.tag, messages=request.chat(), tools=request.tool_list(), reply=r),
+                lambda r: Render(model_tag=info.tag, messages=request.chat(), tools=request.tool_list(),
+                                 tool_choice=request.tool_choice if request.tools else None, reply=r),
             )
             if isinstance(rendered, Failed):
                 return rendered
@@ -198,7 +199,7 @@ class AgentActor:
                 model_tag=info.tag,
                 prompt=prompt,
                 plan=planned.plan,
-                sampling=request.sampling,
+                sampling=request.engine_sampling(),
                 submitted_at=turn.submitted_at,
                 deltas=turn.deltas,
                 client=turn.reply,
@@ -251,5 +252,7 @@ class AgentActor:
             finish_reason=generated.finish_reason,
             usage=usage,
             stop_sequence=generated.stop_sequence,
+            content=generated.content,
+            tool_calls=generated.tool_calls,
         )
         return TurnDone(result=result)

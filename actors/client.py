@@ -7,6 +7,7 @@ runtime's agent mailboxes and turn ``Failed`` replies back into exceptions.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypedDict
 
@@ -20,12 +21,14 @@ from actors.messages_agent import (
     ChatTurn,
     ForgetAgent,
     ForgetReply,
+    ToolCall,
+    ToolChoice,
     Turn,
     TurnReply,
     TurnResult,
 )
 from actors.messages_common import Failed
-from actors.messages_gpu import TurnStarted
+from actors.messages_gpu import StreamItem, TurnStarted
 from runtime.errors import (
     BudgetExceededError,
     InvalidAgentIdError,
@@ -34,9 +37,9 @@ from runtime.errors import (
     UnsupportedModelError,
 )
 
-__all__ = ["AgentHandle", "TurnOptions", "TurnStream", "TurnFailedError", "raise_failed"]
+__all__ = ["AgentHandle", "TurnOptions", "TurnStream", "TurnEvents", "TurnFailedError", "raise_failed"]
 
-TurnBuilder = Callable[[trio.MemorySendChannel[str | TurnStarted] | None, trio.MemorySendChannel[TurnReply]], Turn]
+TurnBuilder = Callable[[trio.MemorySendChannel[StreamItem] | None, trio.MemorySendChannel[TurnReply]], Turn]
 
 
 class Dispatcher(Protocol):
@@ -79,6 +82,10 @@ class TurnStream:
     turn's prefill begins and gives its :class:`actors.messages_gpu.TurnStarted`
     accounting (tokens reused and prefilled, tier), also kept as :attr:`started`.
 
+    Iterating yields the reply's content text; in a turn with tools,
+    ``async for item in stream.events()`` yields the text and each
+    :class:`ToolCall` once complete, in order (iterate one or the other).
+
     After iteration ends, :attr:`result` is the turn's :class:`TurnResult`.
     Failures raise from the iteration (``BudgetExceededError``, ``ModelError``, ...).
     """
@@ -87,9 +94,11 @@ class TurnStream:
         self._runtime = runtime
         self._agent_id = agent_id
         self._build = build
-        self._deltas: trio.MemoryReceiveChannel[str | TurnStarted] | None = None
+        self._deltas: trio.MemoryReceiveChannel[StreamItem] | None = None
         self._reply: trio.MemoryReceiveChannel[TurnReply] | None = None
-        self._streamed = 0
+        self._streamed = 0  # content characters delivered
+        self._calls = 0  # tool calls delivered
+        self._tail: deque[str | ToolCall] = deque()  # what the final reply has and the deltas did not
         self._done = False
         self.result: TurnResult | None = None
         self.started: TurnStarted | None = None
@@ -107,7 +116,7 @@ class TurnStream:
     async def _open(self) -> None:
         if self._reply is not None:
             return
-        deltas_send, self._deltas = trio.open_memory_channel[str | TurnStarted](64)
+        deltas_send, self._deltas = trio.open_memory_channel[StreamItem](64)
         reply_send, self._reply = trio.open_memory_channel[TurnReply](1)
         try:
             await self._runtime.deliver(self._agent_id, self._build(deltas_send, reply_send))
@@ -133,6 +142,19 @@ class TurnStream:
         return self.started
 
     async def __anext__(self) -> str:
+        while True:
+            item = await self.next_event()
+            if isinstance(item, str):
+                return item
+
+    def events(self) -> TurnEvents:
+        """The turn's text deltas and tool calls, in order (see the class docstring)."""
+        return TurnEvents(self)
+
+    async def next_event(self) -> str | ToolCall:
+        """The next text delta or completed tool call; ``StopAsyncIteration`` at the end."""
+        if self._tail:
+            return self._tail.popleft()
         if self._done:
             raise StopAsyncIteration
         try:
@@ -143,23 +165,29 @@ class TurnStream:
                 while isinstance(item, TurnStarted):
                     self.started = item
                     item = await self._deltas.receive()
-                delta = item
             except trio.EndOfChannel:
                 reply = await self._reply.receive()
                 self._done = True
                 if isinstance(reply, Failed):
                     raise_failed(reply)
-                self.result = reply.result
-                rest = reply.result.reply[self._streamed :]
-                if rest:
-                    self._streamed += len(rest)
-                    return rest
+                self.result = result = reply.result
+                # What the deltas did not carry (a full channel, or content after a call at the very end).
+                rest = result.content[self._streamed :]
+                self._streamed += len(rest)
+                self._tail.extend([rest] if rest else [])
+                self._tail.extend(result.tool_calls[self._calls :])
+                self._calls = len(result.tool_calls)
+                if self._tail:
+                    return self._tail.popleft()
                 raise StopAsyncIteration from None
         except BaseException:
             await self.aclose()  # when the turn is still running, this tells the GPU actor: the client left
             raise
-        self._streamed += len(delta)
-        return delta
+        if isinstance(item, ToolCall):
+            self._calls += 1
+        else:
+            self._streamed += len(item)
+        return item
 
     async def aclose(self) -> None:
         """Stop the turn if it is still running (closing our ends is the signal)."""
@@ -167,6 +195,19 @@ class TurnStream:
         for channel in (self._deltas, self._reply):
             if channel is not None:
                 channel.close()
+
+
+class TurnEvents:
+    """``stream.events()``: an async iterator of a turn's text deltas and :class:`ToolCall` s."""
+
+    def __init__(self, stream: TurnStream) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> TurnEvents:
+        return self
+
+    async def __anext__(self) -> str | ToolCall:
+        return await self._stream.next_event()
 
 
 class TurnOptions(TypedDict, total=False):
@@ -183,6 +224,9 @@ class TurnOptions(TypedDict, total=False):
             dicts) rendered by the model's chat template; messages may then
             carry ``tool_calls`` (assistant) and ``role: "tool"`` results. A
             template without tool support fails the turn with ``ValueError``.
+            The reply's tool calls come back in ``TurnResult.tool_calls``.
+        tool_choice: ``"auto"`` (default), ``"none"``, ``"required"`` or
+            ``{"name": f}``; one the model cannot honour fails with ``ValueError``.
     """
 
     max_tokens: int
@@ -193,6 +237,7 @@ class TurnOptions(TypedDict, total=False):
     system: str | None
     model: str | None
     tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | ToolChoice | None
 
 
 class AgentHandle:
@@ -233,9 +278,7 @@ class AgentHandle:
         request_id = self._runtime.new_request_id()
         submitted_at = time.perf_counter()
 
-        def build(
-            deltas: trio.MemorySendChannel[str | TurnStarted] | None, reply: trio.MemorySendChannel[TurnReply]
-        ) -> Turn:
+        def build(deltas: trio.MemorySendChannel[StreamItem] | None, reply: trio.MemorySendChannel[TurnReply]) -> Turn:
             return Turn(request_id=request_id, turn=turn, submitted_at=submitted_at, deltas=deltas, reply=reply)
 
         return build

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, assert_never
 
@@ -45,7 +45,7 @@ from actors.messages_gpu import (
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, PoolSnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
 from actors.scheduler import Scheduler
-from runtime.engine import Engine, Finished, FromShared, ModelInfo, Started, Tier, Tokenized
+from runtime.engine import Engine, Finished, FromShared, ModelInfo, Started, Tier, Tokenized, ToolCall
 from runtime.kv_manager import KVCacheManager
 
 __all__ = ["GPUActor"]
@@ -74,7 +74,7 @@ class _Request:
     admitted_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    pending_text: str = ""
+    pending: list[str | ToolCall] = field(default_factory=list)  # what the client's channel had no room for
     client_gone: bool = False
     to_prefill: int | None = None  # prompt tokens to prefill when it started (None: not started)
     adopted: bool = False  # started from a prefix of another agent's turn in flight
@@ -84,8 +84,6 @@ class _Request:
     to_prefill_total: int = 0
     prefilled: int = 0
     generated: int = 0
-
-
 
 
 class GPUActor:
@@ -204,7 +202,7 @@ class GPUActor:
                     send_reply(reply, Failed(kind="ModelError", error=f"model {tag!r} is not loaded"))
                     return
                 try:
-                    prompt = await self._job(self._engine.render, messages, tools)
+                    prompt = await self._job(self._engine.render, messages, tools, message.tool_choice)
                     count = await self._job(self._engine.count_tokens, prompt) if message.count_tokens else None
                 except Exception as exc:  # noqa: BLE001 - a bad message list is the client's error
                     send_reply(reply, failed_from(exc))
@@ -312,7 +310,7 @@ class GPUActor:
         self._sched.to_prefill(request_id, result.remaining)
         if result.text is None:
             return
-        self._deliver(request_id, result.text)
+        self._deliver(request_id, result.text, result.tool_calls)
         if result.finished:
             await self._complete(request_id)
             return
@@ -339,7 +337,7 @@ class GPUActor:
         self._steps += 1
         self._event("step", *(t.request_id for t in tokens))
         for token in tokens:
-            self._deliver(token.request_id, token.text)
+            self._deliver(token.request_id, token.text, token.tool_calls)
         # Last row first: dropping a batch's last row is a view, any other row a copy of the rest.
         for token in reversed(tokens):
             if token.finished:
@@ -365,25 +363,33 @@ class GPUActor:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             req.client_gone = True
 
-    def _deliver(self, request_id: int, text: str) -> None:
-        """One sampled token's streamable text (possibly empty) goes to the client."""
+    def _deliver(self, request_id: int, text: str, tool_calls: tuple[ToolCall, ...] = ()) -> None:
+        """One sampled token's streamable text (possibly empty), then the tool calls it completed, go to the client."""
         req = self._requests[request_id]
         req.generated += 1
         now = time.perf_counter()
         if req.first_token_at is None:
             req.first_token_at = now
         req.last_token_at = now
-        req.pending_text += text
         deltas = req.msg.deltas
-        if deltas is None or not req.pending_text:
+        if deltas is None:
             return
-        try:
-            deltas.send_nowait(req.pending_text)
-            req.pending_text = ""
-        except trio.WouldBlock:
-            pass  # coalesced into the next delta
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            req.client_gone = True
+        pending = req.pending
+        if text:
+            if pending and isinstance(pending[-1], str):
+                pending[-1] += text  # coalesced with the text the channel had no room for
+            else:
+                pending.append(text)
+        pending.extend(tool_calls)
+        while pending:
+            try:
+                deltas.send_nowait(pending[0])
+            except trio.WouldBlock:
+                return  # the rest waits for the next token (the final reply carries everything)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                req.client_gone = True
+                return
+            del pending[0]
 
     async def _complete(self, request_id: int, *, cancelled: bool = False) -> None:
         assert self._sched is not None
@@ -422,6 +428,8 @@ class GPUActor:
             parked=fin.parked if fin is not None else None,
             snapshot=fin.snapshot if fin is not None else None,
             stop_sequence=fin.stop_sequence if fin is not None and not cancelled else None,
+            content=(fin.reply if fin.content is None else fin.content) if fin is not None else "",
+            tool_calls=fin.tool_calls if fin is not None else (),
         )
 
     async def _fail(self, request_id: int, exc: BaseException) -> None:

@@ -22,11 +22,14 @@ import msgspec
 import trio
 
 from actors.messages_common import Failed, Message
-from actors.messages_gpu import SamplingOptions, Tier, TurnStarted
+from actors.messages_gpu import SamplingOptions, StreamItem, Tier
+from runtime.engine import ToolCall, ToolChoice, ToolUse
 
 __all__ = [
     "ChatMessage",
     "ChatTurn",
+    "ToolCall",
+    "ToolChoice",
     "chat_messages",
     "TurnUsage",
     "TurnResult",
@@ -67,10 +70,18 @@ class TurnUsage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
-    """A finished turn: the reply, why it stopped (``stop``, ``length``, ``cancelled``), usage.
+    """A finished turn: the reply, its tool calls, why it stopped, usage.
 
-    ``stop_sequence`` is the caller's stop string that ended the reply (not part
-    of ``reply``); None when the turn stopped at end-of-sequence or for another reason.
+    Attributes:
+        reply: the text as the model generated it (tool-call markup included):
+            what the agent's cache now holds.
+        content: the reply without its tool calls (in a turn without tools, or
+            without calls, the reply itself).
+        tool_calls: the calls the model's mlx-lm tool parser read out of the reply.
+        finish_reason: ``stop``, ``tool_calls`` (stopped after calling tools),
+            ``length`` or ``cancelled``.
+        stop_sequence: the caller's stop string that ended the reply (not part
+            of ``reply``); None when the turn stopped at end-of-sequence or for another reason.
     """
 
     agent_id: str
@@ -80,6 +91,19 @@ class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str
     usage: TurnUsage
     stop_sequence: str | None = None
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+
+    def assistant_message(self) -> dict[str, Any]:
+        """The reply as the next turn's assistant message: its content and, if any, its tool calls.
+
+        Rendered by the chat template, it is the text the model generated (when the
+        model wrote its call as the template writes one), so the next turn extends the cache.
+        """
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        return message
 
 
 class TurnDone(Message, frozen=True, kw_only=True):
@@ -120,7 +144,10 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         messages: the whole conversation, rendered with the model's template; or
         prompt: raw prompt text instead (exactly one of the two).
         tools: tool definitions (OpenAI ``{"type": "function", "function": ...}``),
-            rendered by the template (``messages`` only).
+            rendered by the template (``messages`` only); tool calls in the reply
+            are parsed out of it (``TurnResult.tool_calls``).
+        tool_choice: what the model may do with them (``auto``; ``none``;
+            ``required``, optionally naming the one function to call).
         model: a configured model name (None: the runtime's default).
         sampling: length, randomness and stop strings.
         share_prefix: start from another agent's cached prefix when this agent's
@@ -131,6 +158,7 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     messages: tuple[ChatMessage, ...] = ()
     prompt: str | None = None
     tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
     model: str | None = None
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     share_prefix: bool = True
@@ -144,6 +172,12 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("empty prompt")
         if self.prompt is not None and self.tools:
             raise ValueError("tools need messages, not a raw prompt")
+        choice = self.tool_choice
+        if choice.mode == "required" and not self.tools:
+            raise ValueError("tool_choice requires a tool call, but no tools were given")
+        names = {(t.get("function") or t).get("name") for t in self.tools}
+        if choice.name is not None and choice.name not in names:
+            raise ValueError(f"tool_choice names {choice.name!r}, which is not one of the tools given")
 
     @classmethod
     def of(
@@ -154,6 +188,7 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         prompt: str | None = None,
         system: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | ToolChoice | None = None,
         model: str | None = None,
         max_tokens: int = 256,
         temperature: float = 0.0,
@@ -165,13 +200,14 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         """Build a turn from plain values: chat dicts (``role``, ``content``, ...) or a prompt.
 
         ``system`` is put first unless the messages begin with a system message.
+        ``tool_choice``: ``"auto"`` (default), ``"none"``, ``"required"`` or ``{"name": f}``.
         """
         chat = chat_messages(messages or (), system if prompt is None else None)
         sampling = SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                    stop=(stop,) if isinstance(stop, str) else tuple(stop))
         return cls(agent_id=agent_id, messages=chat, prompt=prompt,
-                   tools=tuple(dict(t) for t in tools or ()), model=model, sampling=sampling,
-                   share_prefix=share_prefix)
+                   tools=tuple(dict(t) for t in tools or ()), tool_choice=ToolChoice.of(tool_choice), model=model,
+                   sampling=sampling, share_prefix=share_prefix)
 
     def chat(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (plain dicts)."""
@@ -180,6 +216,12 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     def tool_list(self) -> list[dict[str, Any]] | None:
         """The tool definitions for the template (None: no tools)."""
         return [dict(t) for t in self.tools] or None
+
+    def engine_sampling(self) -> SamplingOptions:
+        """The sampling options as the engine takes them: with the tools and ``tool_choice`` when there are tools."""
+        if not self.tools or self.prompt is not None:
+            return self.sampling
+        return msgspec.structs.replace(self.sampling, tool_use=ToolUse(tools=self.tools, choice=self.tool_choice))
 
 
 def chat_messages(
@@ -210,15 +252,15 @@ class Turn(Message, frozen=True, kw_only=True):
         request_id: the runtime's id for this request.
         submitted_at: ``time.perf_counter()`` at submission (queue wait, TTFT).
         deltas: a :class:`actors.messages_gpu.TurnStarted` when prefill begins, then
-            the streamed text (None: not streaming); the agent closes it when the
-            generation is over, then answers on ``reply``.
+            the streamed text and tool calls (None: not streaming); the agent closes
+            it when the generation is over, then answers on ``reply``.
         reply: the one-shot reply. Closing its receive end cancels the turn.
     """
 
     request_id: int
     turn: ChatTurn
     submitted_at: float
-    deltas: trio.MemorySendChannel[str | TurnStarted] | None
+    deltas: trio.MemorySendChannel[StreamItem] | None
     reply: trio.MemorySendChannel[TurnReply]
 
 

@@ -5,7 +5,7 @@ Requests (:data:`GpuInbox`)::
     LoadModel(name)        -> ModelReady(info)  | Failed
     UnloadModel()          -> Unloaded()        | Failed
     Render(messages)       -> Rendered(prompt)  | Failed
-    Generate(prompt, ...)  -> Generated(...)    | Failed    (+ text deltas on ``deltas``)
+    Generate(prompt, ...)  -> Generated(...)    | Failed    (+ text and tool calls on ``deltas``)
 
 A :class:`Generate` carries its turn's :class:`runtime.engine.TurnPlan`: what
 it reuses and from where (the agent's own hot or warm cache, a prefix of another
@@ -20,7 +20,7 @@ import msgspec
 import trio
 
 from actors.messages_common import Failed, HotCache, Message
-from runtime.engine import ModelInfo, SamplingOptions, Tier, TurnPlan
+from runtime.engine import ModelInfo, SamplingOptions, Tier, ToolCall, ToolChoice, TurnPlan
 from runtime.spec import CacheSnapshot
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "Rendered",
     "Generated",
     "TurnStarted",
+    "StreamItem",
     "GpuInbox",
     "LoadReply",
     "UnloadReply",
@@ -77,11 +78,19 @@ class TurnStarted(msgspec.Struct, frozen=True, kw_only=True):
     match: str
 
 
+StreamItem = str | TurnStarted | ToolCall
+"""What a streaming turn's ``deltas`` channel carries: a :class:`TurnStarted` first, then
+reply text and, in a turn with tools, each :class:`runtime.engine.ToolCall` once complete."""
+
+
 class Generated(Message, frozen=True, kw_only=True):
     """A finished (or cancelled) generation and the agent's updated cache.
 
     Attributes:
-        finish_reason: ``stop``, ``length`` or ``cancelled``.
+        reply: the text as generated (tool-call markup included): what the cache holds.
+        content: the reply without its tool calls (the reply itself when the turn has no tools).
+        tool_calls: the calls parsed out of the reply (``runtime.tool_calls``).
+        finish_reason: ``stop``, ``tool_calls``, ``length`` or ``cancelled``.
         tier: where the reused cache came from: the plan's tier, ``shared`` when the
             turn adopted a prefix of another agent's turn in flight, ``cold`` when
             nothing was reused.
@@ -107,6 +116,8 @@ class Generated(Message, frozen=True, kw_only=True):
     parked: HotCache | None
     snapshot: CacheSnapshot | None
     stop_sequence: str | None = None
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 LoadReply = ModelReady | Failed
@@ -136,6 +147,8 @@ class Render(Message, frozen=True, kw_only=True):
     Attributes:
         tools: tool definitions for templates that support them (a template
             that does not makes the render fail with ``ValueError``).
+        tool_choice: what the turn lets the model do with them; one the model
+            cannot honour makes the render fail with ``ValueError``.
         count_tokens: also count the prompt's tokens (``Rendered.num_tokens``).
     """
 
@@ -143,6 +156,7 @@ class Render(Message, frozen=True, kw_only=True):
     messages: list[dict[str, Any]]
     reply: trio.MemorySendChannel[RenderReply]
     tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None
     count_tokens: bool = False
 
 
@@ -151,8 +165,8 @@ class Generate(Message, frozen=True, kw_only=True):
 
     Attributes:
         deltas: where a :class:`TurnStarted` goes when prefill begins, then the
-            streamable text (``send_nowait``; text that does not fit is coalesced
-            into the next delta). The GPU actor never closes it.
+            streamable text and tool calls (:data:`StreamItem`; ``send_nowait``: what
+            does not fit waits for the next token, text coalesced). The GPU actor never closes it.
         client: the caller's own reply channel. When its receive end is closed
             (the client left), the generation is cancelled; nothing is sent on it.
         submitted_at: ``time.perf_counter()`` when the client submitted the turn.
@@ -167,7 +181,7 @@ class Generate(Message, frozen=True, kw_only=True):
     plan: TurnPlan
     sampling: SamplingOptions
     submitted_at: float
-    deltas: trio.MemorySendChannel[str | TurnStarted] | None
+    deltas: trio.MemorySendChannel[StreamItem] | None
     client: trio.MemorySendChannel[Any] | None
     reply: trio.MemorySendChannel[GenerateReply]
     share_prefix: bool = False

@@ -68,7 +68,7 @@ from actors.metrics import GpuEvent, GpuStats, MetricsSnapshot, RunningTurn, Run
 from actors.registry import Acquire, AcquireReply, ModelRegistry, RegistryInbox, RegistryStats, Release
 from actors.signals import watch_signals
 from runtime.config import Config
-from runtime.engine import Engine
+from runtime.engine import Engine, ToolChoice
 from runtime.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory, safe_agent_dirname
 
@@ -178,12 +178,14 @@ class Runtime:
         *,
         system: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | ToolChoice | None = None,
         model: str | None = None,
     ) -> int:
         """Tokens of the prompt ``messages`` render to with ``model``'s template (what a cold turn prefills).
 
         Raises:
-            ValueError: bad messages, an unconfigured model, or tools the template cannot render.
+            ValueError: bad messages, an unconfigured model, tools the template cannot
+                render, or a ``tool_choice`` the model cannot honour.
             ModelError: the model cannot be loaded.
         """
         chat = [msgspec.to_builtins(m) for m in chat_messages(messages, system)]
@@ -199,7 +201,7 @@ class Runtime:
                 self._gpu_mailbox,
                 lambda r: Render(
                     model_tag=grant.info.tag, messages=chat, tools=[dict(t) for t in tools or ()] or None,
-                    count_tokens=True, reply=r,
+                    tool_choice=ToolChoice.of(tool_choice) if tools else None, count_tokens=True, reply=r,
                 ),
             )
         finally:

@@ -13,8 +13,11 @@ A turn answers with the runtime's ``TurnResult`` as JSON: the reply, the
 finish reason, and ``usage`` with ``tokens_reused`` / ``tokens_prefilled`` /
 ``tokens_generated``, the cache ``tier`` (hot, warm, shared, cold), the prefix
 ``match``, ``queue_wait_ms``, ``ttft_ms`` and ``decode_tps``. Streaming
-(``"stream": true``) sends ``event: delta`` (``{"text": ...}``) events and one
-``event: done`` with the ``TurnResult`` (or ``event: error``).
+(``"stream": true``) sends ``event: delta`` (``{"text": ...}``) events, an
+``event: tool_call`` (``{"id", "name", "arguments"}``) for each tool call once the
+model has written it, and one ``event: done`` with the ``TurnResult`` (or
+``event: error``). A result's ``reply`` is the text as generated; ``content`` is
+that without its tool calls, which are in ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ def routes(gw: Gateway) -> list[Route]:
                 prompt=req.prompt,
                 system=req.system,
                 tools=req.tools,
+                tool_choice=msgspec.to_builtins(req.tool_choice),
                 model=gw.model_for(req.model),
                 max_tokens=max_tokens,
                 temperature=req.temperature,
@@ -130,14 +134,15 @@ def routes(gw: Gateway) -> list[Route]:
             return gw.json(result, headers=kvmem_headers(result))
         if turn.tools or any(m.role == "tool" or m.tool_calls for m in turn.messages):
             with runtime_errors():  # a template without tool support: a 400 now, not an error event later
-                await gw.rt.count_tokens(turn.chat(), tools=turn.tools, model=turn.model)
+                await gw.rt.count_tokens(turn.chat(), tools=turn.tools, tool_choice=turn.tool_choice, model=turn.model)
         rid = request_id(request)
 
         async def produce(emit: Emit) -> None:
             try:
                 async with handle.open_stream(turn) as stream:
-                    async for delta in stream:
-                        await emit(sse("delta", TurnDelta(text=delta)))
+                    async for item in stream.events():
+                        event = sse("delta", TurnDelta(text=item)) if isinstance(item, str) else sse("tool_call", item)
+                        await emit(event)
             except Exception as exc:  # noqa: BLE001 - the stream has started: report it in the stream
                 error = from_exception(exc)
                 log.warning("stream %s failed: %s", rid, error.message)

@@ -19,6 +19,13 @@ input, cache-read and creation counts), ``content_block_start``, ``ping``, the
 ``kvmem``) and ``message_stop``. An error after the stream started is an
 ``error`` event. Tool definitions, ``tool_use`` and ``tool_result`` blocks are
 rendered by the model's chat template; a template without tool support is a 400.
+
+Tool calls the model makes come back as ``tool_use`` blocks after the text, with
+``stop_reason: "tool_use"``. Streamed, content blocks open as the reply needs them
+(in a turn without tools the text block opens at once, as before): each call is a
+``content_block_start`` (``tool_use``, empty ``input``), an ``input_json_delta``
+with its arguments, and a ``content_block_stop``. ``tool_choice`` (``auto``, ``any``,
+``tool``, ``none``) is honoured or refused with a 400 (see ``runtime.tool_calls``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from actors.client import TurnStream
+from actors.messages_agent import ToolCall, ToolChoice
 from gateway.context import (
     CLIENT_GONE,
     Gateway,
@@ -49,8 +57,10 @@ from gateway.schemas_anthropic import (
     MessageResponse,
     MessagesRequest,
     ResponseText,
+    ResponseToolUse,
     TextBlock,
     Tool,
+    ToolChoiceParam,
     ToolResultBlock,
     ToolUseBlock,
     Usage,
@@ -59,7 +69,7 @@ from gateway.schemas_anthropic import (
 )
 from gateway.sse import Emit, EventStreamResponse, sse
 
-__all__ = ["routes", "to_chat", "usage_of", "stop_reason_of"]
+__all__ = ["routes", "to_chat", "tool_choice_of", "usage_of", "stop_reason_of"]
 
 log = logging.getLogger("kvmem.gateway")
 
@@ -137,6 +147,68 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> tuple[str | None, list
     return system, chat, _tools(req.tools)
 
 
+def tool_choice_of(choice: ToolChoiceParam | None) -> ToolChoice:
+    """Anthropic's ``tool_choice`` in kvmem's shape (``any`` is ``required``; ``tool`` names the function)."""
+    if choice is None or choice.type == "auto":
+        return ToolChoice()
+    if choice.type == "tool":
+        if choice.name is None:
+            raise ApiError(400, "invalid_request", "tool_choice.name: Field required for type 'tool'",
+                           param="tool_choice.name")
+        return ToolChoice(mode="required", name=choice.name)
+    return ToolChoice(mode="required" if choice.type == "any" else "none")
+
+
+def _content(result: Any) -> list[ResponseText | ResponseToolUse]:
+    """A result's content blocks: its text (none when it is empty and tools were called), then its tool calls."""
+    blocks: list[ResponseText | ResponseToolUse] = []
+    if result.content or not result.tool_calls:
+        blocks.append(ResponseText(type="text", text=result.content))
+    blocks += [ResponseToolUse(type="tool_use", id=c.id, name=c.name, input=c.input()) for c in result.tool_calls]
+    return blocks
+
+
+class _Blocks:
+    """A streamed message's content blocks, opened in order as the reply needs them."""
+
+    def __init__(self, emit: Emit) -> None:
+        self._emit = emit
+        self._index = -1
+        self._open: str | None = None  # the type of the block that is open
+
+    async def text(self, delta: str) -> None:
+        if self._open != "text":
+            await self._start({"type": "text", "text": ""})
+        if delta:
+            await self._emit(sse("content_block_delta", {"type": "content_block_delta", "index": self._index,
+                                                         "delta": {"type": "text_delta", "text": delta}}))
+
+    async def tool_use(self, call: ToolCall) -> None:
+        await self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        await self._emit(sse("content_block_delta", {"type": "content_block_delta", "index": self._index,
+                                                     "delta": {"type": "input_json_delta",
+                                                               "partial_json": call.arguments}}))
+        await self._stop()
+
+    async def finish(self) -> None:
+        """Close the open block; a message that had none gets an empty text block."""
+        if self._index < 0:
+            await self.text("")
+        await self._stop()
+
+    async def _start(self, block: dict[str, Any]) -> None:
+        await self._stop()
+        self._index += 1
+        self._open = block["type"]
+        await self._emit(sse("content_block_start", {"type": "content_block_start", "index": self._index,
+                                                     "content_block": block}))
+
+    async def _stop(self) -> None:
+        if self._open is not None:
+            self._open = None
+            await self._emit(sse("content_block_stop", {"type": "content_block_stop", "index": self._index}))
+
+
 def _uses_tools(chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
     return bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in chat)
 
@@ -156,6 +228,8 @@ def usage_of(result: Any) -> Usage:
 def stop_reason_of(result: Any) -> str:
     if result.finish_reason == "length":
         return "max_tokens"
+    if result.finish_reason == "tool_calls":
+        return "tool_use"
     if result.stop_sequence is not None:
         return "stop_sequence"
     return "end_turn"
@@ -173,6 +247,7 @@ def routes(gw: Gateway) -> list[Route]:
         gw.check_max_tokens(req.max_tokens, param="max_tokens")
         model = gw.model_for(req.model)
         system, chat, tools = to_chat(req)
+        tool_choice = tool_choice_of(req.tool_choice)
         ref = resolve_agent_id(
             request.headers,
             user_field=req.metadata.user_id if req.metadata else None,
@@ -186,6 +261,7 @@ def routes(gw: Gateway) -> list[Route]:
                 messages=chat,
                 system=system,
                 tools=tools,
+                tool_choice=tool_choice,
                 model=model,
                 max_tokens=req.max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
@@ -200,35 +276,35 @@ def routes(gw: Gateway) -> list[Route]:
                 return Response(status_code=CLIENT_GONE)
             body = MessageResponse(
                 id=_message_id(), type="message", role="assistant", model=result.model,
-                content=[ResponseText(type="text", text=result.reply)],
+                content=_content(result),
                 stop_reason=stop_reason_of(result), stop_sequence=result.stop_sequence, usage=usage_of(result),
             )
             return gw.json(body, headers=kvmem_headers(result))
         if _uses_tools(chat, tools):
             with runtime_errors():  # a template without tool support: a 400 now, not an error event later
-                await gw.rt.count_tokens(chat, system=system, tools=tools, model=model)
+                await gw.rt.count_tokens(chat, system=system, tools=tools, tool_choice=tool_choice, model=model)
         rid = request_id(request)
         message_id = _message_id()
         model_name = model or gw.default_model
 
-        async def start(stream: TurnStream, emit: Emit) -> None:
+        async def start(stream: TurnStream, emit: Emit, blocks: _Blocks) -> None:
             started = await stream.start_info()  # the queue wait: nothing to say before it
             usage = _usage(prefilled=started.tokens_prefilled if started else 0,
                            reused=started.tokens_reused if started else 0, generated=0)
             message = {"id": message_id, "type": "message", "role": "assistant", "model": model_name, "content": [],
                        "stop_reason": None, "stop_sequence": None, "usage": usage}
             await emit(sse("message_start", {"type": "message_start", "message": message}))
-            await emit(sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                                   "content_block": {"type": "text", "text": ""}}))
+            if not tools:  # no tool calls can come: the text block opens now
+                await blocks.text("")
             await emit(sse("ping", {"type": "ping"}))
 
         async def produce(emit: Emit) -> None:
+            blocks = _Blocks(emit)
             try:
                 async with handle.open_stream(turn) as stream:
-                    await start(stream, emit)
-                    async for delta in stream:
-                        await emit(sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                               "delta": {"type": "text_delta", "text": delta}}))
+                    await start(stream, emit, blocks)
+                    async for item in stream.events():
+                        await (blocks.text(item) if isinstance(item, str) else blocks.tool_use(item))
             except Exception as exc:  # noqa: BLE001 - the stream has started: report it in the stream
                 error = from_exception(exc)
                 log.warning("stream %s failed: %s", rid, error.message)
@@ -236,7 +312,7 @@ def routes(gw: Gateway) -> list[Route]:
                 return
             result = stream.result
             assert result is not None
-            await emit(sse("content_block_stop", {"type": "content_block_stop", "index": 0}))
+            await blocks.finish()
             await emit(sse("message_delta", {
                 "type": "message_delta",
                 "delta": {"stop_reason": stop_reason_of(result), "stop_sequence": result.stop_sequence},
@@ -252,7 +328,8 @@ def routes(gw: Gateway) -> list[Route]:
         model = gw.model_for(req.model)
         system, chat, tools = to_chat(req)
         with runtime_errors():
-            n = await gw.rt.count_tokens(chat, system=system, tools=tools, model=model)
+            n = await gw.rt.count_tokens(chat, system=system, tools=tools, tool_choice=tool_choice_of(req.tool_choice),
+                                         model=model)
         return gw.json({"input_tokens": n})
 
     return [

@@ -1,5 +1,12 @@
 """OpenAI Chat Completions: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``.
 
+Tool calls the model makes come back as ``message.tool_calls`` (``content`` then null
+when there is no other text) with ``finish_reason: "tool_calls"``; streamed, each call
+is a ``delta.tool_calls`` chunk with its ``index``, ``id``, ``type``, ``name`` and empty
+``arguments``, then a chunk with the ``arguments``. ``tool_choice`` (``none``,
+``auto``, ``required``, a named function) is honoured or refused with a 400 (see
+``runtime.tool_calls``).
+
 Usage: ``prompt_tokens`` = tokens reused from the agent's cache + tokens
 prefilled; ``prompt_tokens_details.cached_tokens`` = the reused ones;
 ``completion_tokens`` = tokens generated. Streaming sends
@@ -12,6 +19,7 @@ then ``data: [DONE]``. The model list also carries Anthropic's fields
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -21,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from actors.messages_agent import ToolCall, ToolChoice
 from gateway.context import (
     CLIENT_GONE,
     Gateway,
@@ -46,7 +55,7 @@ from gateway.schemas_openai import (
 )
 from gateway.sse import Emit, EventStreamResponse, sse_data
 
-__all__ = ["routes", "to_chat", "usage_of", "finish_reason_of"]
+__all__ = ["routes", "to_chat", "tool_choice_of", "usage_of", "finish_reason_of"]
 
 log = logging.getLogger("kvmem.gateway")
 FINGERPRINT = "kvmem"
@@ -76,13 +85,43 @@ def _message(i: int, m: ChatMessage) -> dict[str, Any]:
             if m.tool_calls:
                 out["tool_calls"] = [
                     {"id": c.id, "type": "function", "function": {"name": c.function.name,
-                                                                  "arguments": c.function.arguments}}
+                                                                  "arguments": _arguments(c.function.arguments)}}
                     for c in m.tool_calls
                 ]
             return out
         case ToolMessage():
             return {"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m.content, where)}
     raise AssertionError(m)  # pragma: no cover - the union is closed
+
+
+def _arguments(text: str) -> dict[str, Any] | str:
+    """A call's arguments as an object for the chat template (as mlx-lm's server passes them); text if not one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def tool_choice_of(req: ChatCompletionRequest) -> ToolChoice:
+    """The request's ``tool_choice``: ``none``, ``auto``, ``required`` or ``{"type": "function", ...}``."""
+    choice = req.tool_choice
+    if choice is None or choice in ("none", "auto", "required"):
+        return ToolChoice.of(choice)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if isinstance(name, str) and name:
+            return ToolChoice(mode="required", name=name)
+        raise ApiError(400, "invalid_request", "tool_choice.function.name: a function name is required",
+                       param="tool_choice.function.name")
+    kind = choice.get("type") if isinstance(choice, dict) else choice
+    raise ApiError(400, "invalid_request", f"tool_choice {kind!r} is not supported by kvmem: give 'none', 'auto', "
+                   "'required' or {'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _tools(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
@@ -110,7 +149,7 @@ def usage_of(result: Any) -> dict[str, Any]:
 
 
 def finish_reason_of(result: Any) -> str:
-    return "length" if result.finish_reason == "length" else "stop"
+    return result.finish_reason if result.finish_reason in ("length", "tool_calls") else "stop"
 
 
 def _max_tokens(gw: Gateway, req: ChatCompletionRequest) -> int:
@@ -144,6 +183,7 @@ def routes(gw: Gateway) -> list[Route]:
         if req.logprobs:
             raise ApiError(400, "invalid_request", "logprobs are not supported by kvmem", param="logprobs")
         chat, tools = to_chat(req)
+        tool_choice = tool_choice_of(req)
         system = chat[0]["content"] if chat[0]["role"] == "system" else None
         ref = resolve_agent_id(request.headers, user_field=req.user, user_param="user", system=system,
                                messages=chat)
@@ -152,6 +192,7 @@ def routes(gw: Gateway) -> list[Route]:
             turn = handle.turn(
                 messages=chat,
                 tools=tools,
+                tool_choice=tool_choice,
                 model=model,
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
@@ -166,20 +207,24 @@ def routes(gw: Gateway) -> list[Route]:
                 result = await gw.unless_client_leaves(request, lambda: handle.run(turn))
             if result is None:
                 return Response(status_code=CLIENT_GONE)
+            message: dict[str, Any] = {"role": "assistant", "content": result.content, "refusal": None}
+            if result.tool_calls:
+                message["tool_calls"] = [_tool_call(call) for call in result.tool_calls]
+                message["content"] = result.content or None
             body = {
                 "id": completion_id,
                 "object": "chat.completion",
                 "created": created,
                 "model": result.model,
                 "system_fingerprint": FINGERPRINT,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": result.reply, "refusal": None},
-                             "logprobs": None, "finish_reason": finish_reason_of(result)}],
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": finish_reason_of(result)}],
                 "usage": usage_of(result),
             }
             return gw.json(body, headers=kvmem_headers(result))
         if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in chat):
             with runtime_errors():  # a template without tool support: a 400 now, not an error chunk later
-                await gw.rt.count_tokens(chat, tools=tools, model=model)
+                await gw.rt.count_tokens(chat, tools=tools, tool_choice=tool_choice, model=model)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         rid = request_id(request)
         model_name = model or gw.default_model
@@ -197,10 +242,19 @@ def routes(gw: Gateway) -> list[Route]:
 
         async def produce(emit: Emit) -> None:
             await emit(chunk(choice({"role": "assistant", "content": ""})))
+            calls = 0
             try:
                 async with handle.open_stream(turn) as stream:
-                    async for delta in stream:
-                        await emit(chunk(choice({"content": delta})))
+                    async for item in stream.events():
+                        if isinstance(item, str):
+                            await emit(chunk(choice({"content": item})))
+                            continue
+                        start = {"index": calls, "id": item.id, "type": "function",
+                                 "function": {"name": item.name, "arguments": ""}}
+                        await emit(chunk(choice({"tool_calls": [start]})))
+                        await emit(chunk(choice({"tool_calls": [{"index": calls,
+                                                                 "function": {"arguments": item.arguments}}]})))
+                        calls += 1
             except Exception as exc:  # noqa: BLE001 - the stream has started: report it in the stream
                 error = from_exception(exc)
                 log.warning("stream %s failed: %s", rid, error.message)

@@ -22,10 +22,18 @@ class AgentMessage(Struct, kw_only=True):
     tool_call_id: str | None = None
 
 
+class NamedTool(Struct, kw_only=True):
+    """A ``tool_choice`` naming the one function the model must call."""
+
+    name: Annotated[str, Meta(min_length=1)]
+
+
 class AgentTurnRequest(Struct, kw_only=True):
     """``POST /v1/agents/{id}/messages``: the whole conversation (``messages``) or raw ``prompt`` text.
 
     Attributes:
+        tools: OpenAI-shaped tool definitions; the reply's calls come back in ``tool_calls``.
+        tool_choice: ``auto`` (default), ``none``, ``required`` or ``{"name": ...}``.
         model: a configured model (None: the default).
         max_tokens: new tokens at most (None: the server's ``default_max_tokens``).
         share_prefix: start from another agent's cached prefix when this agent has nothing to reuse.
@@ -41,6 +49,7 @@ class AgentTurnRequest(Struct, kw_only=True):
     top_k: Annotated[int, Meta(ge=0)] = 0
     stop: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)] = []
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedTool | None = None
     stream: bool = False
     share_prefix: bool = True
 

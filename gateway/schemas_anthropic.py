@@ -20,11 +20,13 @@ __all__ = [
     "ContentBlock",
     "MessageParam",
     "Tool",
+    "ToolChoiceParam",
     "Metadata",
     "MessagesRequest",
     "CountTokensRequest",
     "Usage",
     "ResponseText",
+    "ResponseToolUse",
     "MessageResponse",
     "messages_decoder",
     "count_tokens_decoder",
@@ -88,6 +90,17 @@ class Tool(Struct, kw_only=True):
     cache_control: dict[str, Any] | None = None
 
 
+class ToolChoiceParam(Struct, kw_only=True):
+    """Anthropic's ``tool_choice``: ``auto``, ``any`` (call some tool), ``tool`` (call ``name``) or ``none``.
+
+    ``disable_parallel_tool_use`` is accepted and not enforced (the model may write several calls).
+    """
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: NonEmpty | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
 class Metadata(Struct, kw_only=True):
     """Anthropic's request ``metadata``: ``user_id`` names the agent (and so the cache) when no header does."""
 
@@ -112,7 +125,7 @@ class MessagesRequest(Struct, kw_only=True):
     metadata: Metadata | None = None
     stream: bool = False
     tools: list[Tool] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tool_choice: ToolChoiceParam | None = None
     thinking: dict[str, Any] | None = None
 
 
@@ -123,7 +136,7 @@ class CountTokensRequest(Struct, kw_only=True):
     messages: Annotated[list[MessageParam], Meta(min_length=1)]
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tool_choice: ToolChoiceParam | None = None
 
 
 # -- responses -------------------------------------------------------------------
@@ -139,10 +152,19 @@ class Usage(Struct, kw_only=True):
 
 
 class ResponseText(Struct, kw_only=True):
-    """Anthropic's ``text`` content block in a response: the whole reply."""
+    """Anthropic's ``text`` content block in a response: the reply's text (without its tool calls)."""
 
     type: Literal["text"]
     text: str
+
+
+class ResponseToolUse(Struct, kw_only=True):
+    """Anthropic's ``tool_use`` content block in a response: one tool call the model made."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
 
 
 class MessageResponse(Struct, kw_only=True):
@@ -152,7 +174,7 @@ class MessageResponse(Struct, kw_only=True):
     type: Literal["message"]
     role: Literal["assistant"]
     model: str
-    content: list[ResponseText]
+    content: list[ResponseText | ResponseToolUse]
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage

@@ -30,6 +30,7 @@ from runtime.config import Config
 
 if TYPE_CHECKING:
     from actors.supervisor import Runtime
+    from runtime.engine import Engine
 
 __all__ = ["serve", "ServerStarted", "RoutesFactory", "hypercorn_config", "exposure_warning"]
 
@@ -97,6 +98,7 @@ async def serve(
     *,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     extra_routes: RoutesFactory | None = None,
+    engine: Engine | None = None,
     task_status: trio.TaskStatus[ServerStarted] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run kvmem's HTTP server until shutdown (see the module docstring).
@@ -106,6 +108,7 @@ async def serve(
         shutdown_trigger: returns when the server should stop (besides SIGINT/SIGTERM in the main thread).
         extra_routes: more routes for ``create_app`` (e.g. scenarios), built from the open runtime
             and a nursery that is cancelled when the HTTP server has stopped.
+        engine: the engine to run (default: MLX, configured from ``config``; tests pass their own).
         task_status: started with a :class:`ServerStarted` once the port is open.
     """
     from actors import open_runtime  # the runtime loads MLX; the gateway modules never import it
@@ -118,6 +121,7 @@ async def serve(
     shutdown = trio.Event()
     async with open_runtime(
         config,
+        engine=engine,
         handle_signals=False,
     ) as rt:
         async with trio.open_nursery() as nursery:

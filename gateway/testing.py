@@ -16,12 +16,15 @@ from __future__ import annotations
 import threading
 from functools import partial
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import trio
 
 from gateway.server import RoutesFactory, ServerStarted, serve
 from runtime.config import Config
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine
 
 __all__ = ["ServerThread"]
 
@@ -31,15 +34,17 @@ class ServerThread:
 
     Args:
         config: the settings (``port=0`` picks a free port).
-        extra_routes: passed to :func:`gateway.server.serve`.
+        extra_routes, engine: passed to :func:`gateway.server.serve`.
         start_timeout_s: how long to wait for the model to load and the port to open.
     """
 
     def __init__(
-        self, config: Config, *, extra_routes: RoutesFactory | None = None, start_timeout_s: float = 120.0
+        self, config: Config, *, extra_routes: RoutesFactory | None = None, engine: Engine | None = None,
+        start_timeout_s: float = 120.0,
     ) -> None:
         self.config = config
         self.extra_routes = extra_routes
+        self.engine = engine
         self.start_timeout_s = start_timeout_s
         self.url = ""
         self.error: BaseException | None = None
@@ -54,7 +59,8 @@ class ServerThread:
             self._stop = trio.Event()
             async with trio.open_nursery() as nursery:
                 started: ServerStarted = await nursery.start(
-                    partial(serve, self.config, shutdown_trigger=self._stop.wait, extra_routes=self.extra_routes)
+                    partial(serve, self.config, shutdown_trigger=self._stop.wait, extra_routes=self.extra_routes,
+                            engine=self.engine)
                 )
                 self.url = started.url
                 self._ready.set()

@@ -26,6 +26,9 @@ scheduling and lifecycle quickly).
 
 from __future__ import annotations
 
+import json
+import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -47,6 +50,10 @@ __all__ = [
     "TurnPlan",
     "Tokenized",
     "COLD",
+    # tool calls
+    "ToolChoice",
+    "ToolUse",
+    "ToolCall",
     # the engine
     "Engine",
     "ModelInfo",
@@ -92,11 +99,93 @@ class HotCache(Protocol):
     def nbytes(self) -> int: ...
 
 
+# -- tool calls: what a turn lets the model do with its tools, and what comes out --
+
+
+class ToolChoice(msgspec.Struct, frozen=True, kw_only=True):
+    """What a turn with tools lets the model do (OpenAI's and Anthropic's ``tool_choice``, one shape).
+
+    Attributes:
+        mode: ``auto`` (call or answer), ``none`` (answer, never call) or
+            ``required`` (call a tool).
+        name: with ``required``, the one function to call (None: any).
+
+    Raises:
+        ValueError: an unknown mode, or a name with a mode other than ``required``.
+    """
+
+    mode: Literal["auto", "none", "required"] = "auto"
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "none", "required"):
+            raise ValueError(f"tool_choice must be 'auto', 'none' or 'required', not {self.mode!r}")
+        if self.name is not None and (self.mode != "required" or not self.name):
+            raise ValueError("tool_choice: a function name goes with mode 'required'")
+
+    @classmethod
+    def of(cls, value: str | Mapping[str, Any] | ToolChoice | None) -> ToolChoice:
+        """``"auto"`` / ``"none"`` / ``"required"``, ``{"name": "f"}`` (call ``f``) or a ``ToolChoice``."""
+        if value is None:
+            return cls()
+        if isinstance(value, ToolChoice):
+            return value
+        if isinstance(value, str):
+            return cls(mode=value)  # type: ignore[arg-type]  # checked in __post_init__
+        name = value.get("name")
+        if not isinstance(name, str) or set(value) != {"name"}:
+            raise ValueError("tool_choice must be 'auto', 'none', 'required' or {'name': <function name>}")
+        return cls(mode="required", name=name)
+
+
+class ToolUse(msgspec.Struct, frozen=True, kw_only=True):
+    """A turn's tool definitions (OpenAI ``{"type": "function", "function": ...}``) and its :class:`ToolChoice`.
+
+    The engine renders the definitions and parses the reply's tool calls with the
+    model's mlx-lm tool parser (``runtime.tool_calls``).
+    """
+
+    tools: tuple[dict[str, Any], ...]
+    choice: ToolChoice = ToolChoice()
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One tool call parsed out of a reply by the model's mlx-lm tool parser.
+
+    Attributes:
+        id: the model's own id when its format writes one, else ``call_`` + 24 hex digits.
+        name: the function to call.
+        arguments: its arguments, a JSON object as text (OpenAI's ``function.arguments``).
+    """
+
+    id: str
+    name: str
+    arguments: str
+
+    @staticmethod
+    def new_id() -> str:
+        return "call_" + secrets.token_hex(12)
+
+    def input(self) -> dict[str, Any]:
+        """The arguments as an object (Anthropic's ``tool_use.input``)."""
+        value = json.loads(self.arguments)
+        return value if isinstance(value, dict) else {}
+
+    def for_template(self) -> dict[str, Any]:
+        """The call as an assistant message's ``tool_calls`` item for the chat template.
+
+        OpenAI's shape with the arguments as an object, as mlx-lm's server hands them to templates.
+        """
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.input()}}
+
+
 class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     """Sampling parameters as they travel to the engine (see ``runtime.sequence``); checked on construction.
 
     ``temperature == 0`` is greedy; ``top_p`` / ``top_k`` follow mlx-lm's sampler;
-    ``stop`` strings end the reply (they are not part of it).
+    ``stop`` strings end the reply (they are not part of it). ``tool_use``: the
+    turn's tools; the engine then enforces its ``tool_choice`` while sampling and
+    parses tool calls out of the reply (None: the reply is plain text).
 
     Raises:
         ValueError: a value out of range (the message names it).
@@ -107,6 +196,7 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float = 1.0
     top_k: int = 0
     stop: tuple[str, ...] = ()
+    tool_use: ToolUse | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -239,26 +329,40 @@ class Started:
 @dataclass(frozen=True)
 class PrefillResult:
     """One prefill chunk: ``text`` is None until the last chunk samples the first token;
-    ``remaining`` is how many prompt tokens are still to prefill."""
+    ``remaining`` is how many prompt tokens are still to prefill. ``text`` and
+    ``tool_calls`` as in :class:`StepToken`."""
 
     text: str | None
     finished: bool
     context: int
     remaining: int = 0
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
 class StepToken:
-    """One batch member's result of a decode step."""
+    """One batch member's result of a decode step.
+
+    ``text`` is the reply's new streamable text; in a turn with tools, only its
+    content (tool-call markup held back), followed by the ``tool_calls`` completed
+    at this step.
+    """
 
     request_id: int
     text: str
     finished: bool
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
 class Finished:
-    """A sequence out of the batch, parked (when anything new was computed)."""
+    """A sequence out of the batch, parked (when anything new was computed).
+
+    ``reply`` is the text as generated, tool-call markup included (what the cache
+    holds); ``content`` the reply without its tool calls (None: the turn parsed
+    none, the content is the reply) and ``tool_calls`` the calls parsed out of it.
+    ``finish_reason`` is ``tool_calls`` when the reply stopped after calling tools.
+    """
 
     reply: str
     finish_reason: str | None
@@ -269,6 +373,8 @@ class Finished:
     parked: HotCache | None
     snapshot: CacheSnapshot | None
     stop_sequence: str | None = None  # the caller's stop string that ended the reply
+    content: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class Engine(Protocol):
@@ -286,8 +392,13 @@ class Engine(Protocol):
     def close(self) -> None:
         """Unload and release the thread's resources; the last call on the thread."""
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        """Chat messages (and tool definitions) → prompt text (the model's template)."""
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+    ) -> str:
+        """Chat messages (and tool definitions) → prompt text (the model's template).
+
+        A ``tool_choice`` the model cannot honour raises ``ValueError``."""
 
     def count_tokens(self, text: str) -> int:
         """How many tokens ``text`` is, for the loaded model."""

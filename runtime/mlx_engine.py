@@ -44,6 +44,8 @@ from runtime.engine import (
     Started,
     StepToken,
     Tokenized,
+    ToolChoice,
+    ToolUse,
     TurnPlan,
 )
 from runtime.errors import ModelError
@@ -54,6 +56,7 @@ from runtime.q4_batch_cache import BatchDequantizingQuantizedKVCache, BatchQuant
 from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.sequence import SamplingParams, Sequence, StartFrom
 from runtime.spec import KVFormat, LayerKind, ModelCacheSpec
+from runtime.tool_calls import reply_rules
 from runtime.warmup import prewarm_memory
 
 __all__ = ["MlxEngine", "active_token_bytes", "sequence_bytes", "DecodeBatch", "batch_cache_class"]
@@ -200,7 +203,13 @@ class MlxEngine:
         self.unload()
         mx.clear_streams()  # MLX's recommended cleanup at the end of a thread
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+    ) -> str:
+        if tools and tool_choice is not None:
+            rules = reply_rules(self.lm, ToolUse(tools=tuple(tools), choice=tool_choice))  # raises if it cannot
+            tools = tools if rules.render_tools else None
         return self.lm.render(messages, tools=tools)
 
     def count_tokens(self, text: str) -> int:
@@ -237,13 +246,9 @@ class MlxEngine:
     ) -> Started:
         if not prompt:
             raise ValueError("empty prompt")
-        params = SamplingParams(
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            stop=tuple(sampling.stop),
-        )
+        params = self.sampling_params(sampling)
+        use = sampling.tool_use
+        splitter = reply_rules(self.lm, use).splitter(use) if use is not None else None
         base = self._base(plan) if plan.reuse_tokens else None
         if base is not None:
             start = StartFrom(base, plan.match, plan.reuse_chars, list(tokens.ids), list(tokens.ends))
@@ -253,7 +258,7 @@ class MlxEngine:
             start = StartFrom(ParkedCache.empty(self.lm.spec), MatchKind.DIVERGE.value, 0, ids, ends)
         else:
             start = StartFrom(ParkedCache.empty(self.lm.spec), plan.match, 0, list(tokens.ids), list(tokens.ends))
-        seq = Sequence(self.lm, prompt, None, params, strategy=self._strategy, start=start)
+        seq = Sequence(self.lm, prompt, None, params, strategy=self._strategy, start=start, tool_calls=splitter)
         self._seqs[request_id] = seq
         self._ids[id(seq)] = request_id
         self._sample_memory()
@@ -264,6 +269,16 @@ class MlxEngine:
             token_ids=tuple(seq.token_ids),
         )
 
+    def sampling_params(self, sampling: SamplingOptions) -> SamplingParams:
+        """How a turn's sequence samples: its options, plus what its ``tool_choice`` enforces."""
+        params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                                top_p=sampling.top_p, top_k=sampling.top_k, stop=tuple(sampling.stop))
+        if sampling.tool_use is None:
+            return params
+        rules = reply_rules(self.lm, sampling.tool_use)
+        return replace(params, forced=tuple(self.lm.tokenize(rules.forced)[0]),
+                       logit_bias={token: float("-inf") for token in rules.banned})
+
     def prefill(self, request_id: int, chunk: int | None, *, adopt: FromShared | None = None) -> PrefillResult:
         seq = self._seqs[request_id]
         if adopt is not None and not seq.prefill_started:
@@ -273,9 +288,8 @@ class MlxEngine:
                 seq.adopt(replace(base, meta={}))  # a shared prefix starts the new agent's own history
         text = seq.prefill_step(chunk)
         self._sample_memory()
-        return PrefillResult(
-            text=text, finished=seq.finish_reason is not None, context=seq.context, remaining=seq.to_prefill
-        )
+        return PrefillResult(text=text, finished=seq.finish_reason is not None, context=seq.context,
+                             remaining=seq.to_prefill, tool_calls=seq.take_tool_calls())
 
     def park_prompt(self, request_id: int) -> ParkedCache | None:
         seq = self._seqs[request_id]
@@ -292,7 +306,8 @@ class MlxEngine:
         results = self._batch.step_once()
         self._sample_memory()
         return [
-            StepToken(request_id=self._ids[id(seq)], text=text, finished=seq.finish_reason is not None)
+            StepToken(request_id=self._ids[id(seq)], text=text, finished=seq.finish_reason is not None,
+                      tool_calls=seq.take_tool_calls())
             for seq, text in results
         ]
 
@@ -331,6 +346,8 @@ class MlxEngine:
             parked=parked,
             snapshot=snapshot,
             stop_sequence=seq.stop_sequence,
+            content=seq.content,
+            tool_calls=tuple(seq.tool_calls),
         )
 
     def discard(self, request_id: int) -> None:
@@ -455,7 +472,7 @@ def _keep_rows(cache: Any, keep: list[int]) -> None:
 
 def _sample_rows(members: list[Sequence], logits: mx.array) -> mx.array:
     """One token per row; greedy rows share one argmax, the others sample alone."""
-    greedy = [s.params.greedy and not s.params.logit_bias for s in members]
+    greedy = [not s.samples_alone for s in members]
     if all(greedy):
         return members[0].sample(logits)
     rows = [

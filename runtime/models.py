@@ -97,20 +97,27 @@ class LoadedModel:
     def float_dtype(self) -> mx.Dtype:
         return {4: mx.float32, 2: mx.float16}[self.spec.dtype_bytes]
 
-    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> str:
-        """Render chat messages to prompt text, ending with the assistant's turn.
+    def check_tools(self) -> None:
+        """Raise ``ValueError`` unless the chat template renders tools (:attr:`supports_tools`)."""
+        if not self.supports_tools:
+            raise ValueError(
+                f"model {self.model_id!r} has no chat template that supports tools: "
+                "requests with tool definitions, tool calls or tool results cannot be rendered"
+            )
+
+    def render(
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """Render chat messages to prompt text, ending with the assistant's turn (unless told not to).
 
         Raises:
             ValueError: ``tools``, tool calls or tool results were given and the
                 model's chat template cannot render them (:attr:`supports_tools`).
         """
-        uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
-        if uses_tools and not self.supports_tools:
-            raise ValueError(
-                f"model {self.model_id!r} has no chat template that supports tools: "
-                "requests with tool definitions, tool calls or tool results cannot be rendered"
-            )
-        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+        if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+            self.check_tools()
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
         if tools:
             kwargs["tools"] = tools
         if self.has_chat_template:

@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
+from runtime.engine import ToolCall
 from runtime.kvstate import ActiveKV, ParkedCache, Strategy
 from runtime.models import LoadedModel
 from runtime.prefix import MatchKind, PrefixMatch, match_prefix
+from runtime.tool_calls import ToolCallSplitter
 
 __all__ = ["SamplingParams", "StopMatcher", "build_sampler", "Sequence", "StartFrom", "TurnStats", "prefill_chunk_size"]
 
@@ -38,6 +40,8 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_p`` / ``top_k`` follow mlx-lm's sampler.
     ``logit_bias`` adds to the logits of the given token ids before sampling.
+    ``forced``: token ids the reply starts with, whatever the model predicts (the
+    opening of a tool call a ``tool_choice`` requires; tests force whole replies).
     """
 
     max_tokens: int = 256
@@ -46,6 +50,7 @@ class SamplingParams:
     top_k: int = 0
     stop: tuple[str, ...] = field(default_factory=tuple)
     logit_bias: dict[int, float] = field(default_factory=dict)
+    forced: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -147,6 +152,9 @@ class Sequence:
         partial_threshold: PARTIAL match threshold (fraction of cached text).
         start: a turn planned by :class:`runtime.kv_manager.KVCacheManager`
             (``parked`` must then be None): no matching, no tokenizing here.
+        tool_calls: splits the reply into content and tool calls (a turn with
+            tools): :meth:`accept` then returns content only, and the calls
+            collect in :attr:`tool_calls`.
     """
 
     def __init__(
@@ -159,6 +167,7 @@ class Sequence:
         strategy: Strategy = "at-rest",
         partial_threshold: float = 0.8,
         start: StartFrom | None = None,
+        tool_calls: ToolCallSplitter | None = None,
     ) -> None:
         self.lm = lm
         self.prompt = prompt
@@ -194,6 +203,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.next_input: int | None = None
         self.logits_trace: list[mx.array] | None = None  # set to [] to record each step's logits
+        self._splitter = tool_calls
+        self.tool_calls: list[ToolCall] = []
+        self._calls_taken = 0
 
     def adopt(self, base: ParkedCache) -> None:
         """Start from ``base`` instead: a cache whose tokens are this prompt's first tokens.
@@ -255,8 +267,16 @@ class Sequence:
         if self.logits_trace is not None:
             self.logits_trace.append(logits.astype(mx.float32))
 
+    @property
+    def samples_alone(self) -> bool:
+        """Whether this sequence's next token cannot come from a batch's shared greedy argmax."""
+        return not self.params.greedy or bool(self.params.logit_bias) or len(self.generated) < len(self.params.forced)
+
     def sample(self, logits: mx.array) -> mx.array:
         """Sample one token per row from last-position logits ``(B, V)``."""
+        step = len(self.generated)
+        if step < len(self.params.forced):
+            return mx.array([self.params.forced[step]] * logits.shape[0])
         limit = self.lm.vocab_limit
         if logits.shape[-1] > limit:
             logits = logits[..., :limit]
@@ -323,7 +343,33 @@ class Sequence:
             safe = self._stops.safe_length(self.reply)
         delta = self.reply[self._streamed : safe]
         self._streamed = max(self._streamed, safe)
-        return delta
+        return delta if self._splitter is None else self._split(delta, final=final)
+
+    # -- tool calls ---------------------------------------------------------------
+    @property
+    def content(self) -> str | None:
+        """The reply without its tool calls (None: this turn does not parse them)."""
+        return self._splitter.content if self._splitter is not None else None
+
+    def take_tool_calls(self) -> tuple[ToolCall, ...]:
+        """The tool calls completed since the last call, in order (after the text :meth:`accept` returned)."""
+        new = tuple(self.tool_calls[self._calls_taken :])
+        self._calls_taken = len(self.tool_calls)
+        return new
+
+    def _split(self, delta: str, *, final: bool) -> str:
+        assert self._splitter is not None
+        text, calls = self._splitter.feed(delta)
+        if final:
+            rest, more = self._splitter.finish()
+            if not calls:
+                text += rest
+            # else: ``rest`` follows a call; it is in ``content``, which a stream's end delivers after the calls
+            calls += more
+            if (calls or self.tool_calls) and self.finish_reason == "stop":
+                self.finish_reason = "tool_calls"
+        self.tool_calls.extend(calls)
+        return text
 
     # -- parking ----------------------------------------------------------------
     def park(self) -> ParkedCache | None:

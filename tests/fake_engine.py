@@ -32,6 +32,7 @@ from runtime.engine import (
     Started,
     StepToken,
     Tokenized,
+    ToolChoice,
     TurnPlan,
 )
 from runtime.errors import ModelError
@@ -154,7 +155,8 @@ class FakeEngine:
     def close(self) -> None:
         self.unload()
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               tool_choice: ToolChoice | None = None) -> str:
         self.tag  # noqa: B018 - raises when no model is loaded
         return fake_render(messages)
 
