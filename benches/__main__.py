@@ -28,6 +28,7 @@ BENCHES = {
     "request_walk": "the kvmem modules one streaming OpenAI request runs through, traced (--compare an older checkout)",
     "attention_strategy": "at-rest vs native quantized SDPA (existing)",
     "batching": "system tok/s for 1, 2, 4, 8 agents (existing)",
+    "race": "kvmem vs llama-server (built-in cache; slot files) vs mlx_lm.server: cold/hot/restart, multi-agent, tok/s",
 }
 
 
