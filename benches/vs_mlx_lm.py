@@ -27,6 +27,7 @@ reports in ``usage``; totals: summed TTFT and wall time, with the ratio.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -75,25 +76,38 @@ class Server(Protocol):
 
 @dataclass
 class Target:
-    """One server under test and how to address an agent on it."""
+    """One server under test and how to address an agent on it.
+
+    ``body`` gives server-specific request fields for an agent (llama.cpp's
+    ``id_slot``); ``warm_up`` sends a throwaway request after every (re)start
+    (for servers that load their model on the first request, or pay first-touch
+    costs there).
+    """
 
     name: str
     server: Server
     model: str
     agent_header: bool
+    body: Callable[[int], dict[str, Any]] | None = None
+    warm_up: bool = True
     turns: dict[int, list[ChatTurn]] = field(default_factory=dict)
     walls: dict[int, float] = field(default_factory=dict)
 
     def headers(self, agent: int) -> dict[str, str]:
         return {"X-Agent-ID": f"vs-agent-{agent}"} if self.agent_header else {}
 
+    def extra(self, agent: int) -> dict[str, Any]:
+        return self.body(agent) if self.body else {}
 
-async def _round(target: Target, histories: list[list[dict[str, str]]], max_tokens: int) -> tuple[list[ChatTurn], float]:
+
+async def send_round(target: Target, histories: list[list[dict[str, str]]],
+                     max_tokens: int) -> tuple[list[ChatTurn], float]:
+    """Agent ``i`` sends ``histories[i]``, all at once; their turns in agent order, and the round's wall time."""
     turns: list[ChatTurn | None] = [None] * len(histories)
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         turns[i] = await stream_chat(client, target.server.url, histories[i], max_tokens=max_tokens,
-                                     model=target.model, headers=target.headers(i))
+                                     model=target.model, headers=target.headers(i), extra=target.extra(i))
 
     t0 = trio.current_time()
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client, trio.open_nursery() as nursery:
@@ -103,32 +117,36 @@ async def _round(target: Target, histories: list[list[dict[str, str]]], max_toke
     return [t for t in turns if t is not None], wall
 
 
-async def _warm_up(target: Target) -> None:
+async def send_warm_up(target: Target) -> None:
+    """A throwaway request (agent ``vs-warm-up``) if the target wants one (``Target.warm_up``)."""
+    if not target.warm_up:
+        return
     async with httpx.AsyncClient() as client:
         await stream_chat(client, target.server.url, [{"role": "user", "content": "Hello there."}], max_tokens=2,
                           model=target.model, headers={"X-Agent-ID": "vs-warm-up"} if target.agent_header else {})
 
 
-def run_workload(target: Target, wl: Workload, folder: Path, repeat: int, res: ResultFile) -> None:
-    """All rounds of ``wl`` against ``target`` (started here, stopped at the end)."""
+def run_workload(target: Target, wl: Workload, folder: Path, repeat: int, res: ResultFile,
+                 tags: dict[str, Any] | None = None) -> None:
+    """All rounds of ``wl`` against ``target`` (started here, stopped at the end); ``tags`` go into every record."""
     system = wl.system_prompt(folder)
     histories = [[{"role": "system", "content": system}] for _ in range(wl.agents)]
     target.server.start()
     try:
-        trio.run(_warm_up, target)
+        trio.run(send_warm_up, target)
         for rnd in range(wl.rounds):
             if rnd == wl.restart_after:
                 took = target.server.restart()
-                trio.run(_warm_up, target)
+                trio.run(send_warm_up, target)
                 log(f"{target.name}: restarted in {took:.1f} s")
             for i, h in enumerate(histories):
                 h.append({"role": "user", "content": wl.message(folder, i, rnd)})
-            turns, wall = trio.run(_round, target, histories, wl.output_tokens)
+            turns, wall = trio.run(send_round, target, histories, wl.output_tokens)
             for i, (h, t) in enumerate(zip(histories, turns, strict=True)):
                 h.append({"role": "assistant", "content": t.text})
-                res.record(server=target.name, repeat=repeat, round=rnd + 1, agent=i, ttft_ms=t.ttft_ms,
-                           e2e_ms=t.e2e_ms, prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens,
-                           completion_tokens=t.completion_tokens)
+                res.record(**(tags or {}), server=target.name, repeat=repeat, round=rnd + 1, agent=i,
+                           ttft_ms=t.ttft_ms, e2e_ms=t.e2e_ms, prompt_tokens=t.prompt_tokens,
+                           cached_tokens=t.cached_tokens, completion_tokens=t.completion_tokens)
             target.turns.setdefault(rnd, []).extend(turns)
             target.walls.setdefault(rnd, 0.0)
             target.walls[rnd] += wall
