@@ -121,7 +121,8 @@ class SharedTier:
         if held is None or held.turns > 0 or self._dirty(agent_id):
             return
         del self._leases[agent_id]
-        await self._disk(self.remote.release, held.lease)
+        with trio.CancelScope(shield=True):  # off the books: given back even if the store is stopping now
+            await self._disk(self.remote.release, held.lease)
 
     async def release_all(self) -> None:
         """On shutdown, after the last saves: give back every lease still held."""

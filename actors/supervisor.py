@@ -351,7 +351,7 @@ async def open_runtime(
     if config.store is not None:
         from runtime.persist.remote import RemoteTier  # the redis client: only when a shared tier is set
 
-        remote = RemoteTier(config.store, directory.paths)
+        remote = RemoteTier(config.store, directory.paths, lease_ms=int(config.lease_s * 1000))
     if engine is None:
         from runtime.mlx_engine import MlxEngine  # imports mlx: only when the real engine runs
 

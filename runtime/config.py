@@ -84,6 +84,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             TLS): the local cache directory stays the fast tier, Redis holds every
             node's caches so any node serves any agent (:mod:`runtime.persist.remote`).
             None: this node's disk only.
+        lease_s: with a ``store``, how long an agent's cluster lease lasts unless
+            given back (a node that dies holds its agents this long).
         kv_bits: 4 or 8 (quantized KV at rest) or None (float KV; ``"float"`` in
             the environment, TOML and flags).
         kv_group_size: quantization group size.
@@ -122,6 +124,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     models_dir: str | None = None
     fsync: bool = True
     store: Annotated[str, Meta(pattern=r"^(redis|rediss|unix)://")] | None = None
+    lease_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     # -- KV format
     kv_bits: Literal[4, 8] | None = 4
     kv_group_size: Literal[32, 64, 128] = 64

@@ -279,3 +279,53 @@ async def test_two_live_nodes_take_turns_and_each_continues_from_the_others_last
                          {"role": "user", "content": f"Go on ({turn})."}]
     assert tiers == ["cold", "remote", "remote", "remote"]
     assert reused[1] < reused[2] < reused[3]
+
+
+def _chat(url: str, messages: list[dict[str, str]], *, max_tokens: int = 6, tries: int = 20) -> httpx.Response:
+    """One turn of agent ``keeper``; a 429 (the agent's lease is held elsewhere) is retried after its Retry-After."""
+    import time
+
+    for _ in range(tries):
+        response = httpx.post(url + "/v1/chat/completions", headers={"x-agent-id": "keeper"}, timeout=120,
+                              json={"model": "tiny-llama", "max_tokens": max_tokens, "messages": messages})
+        if response.status_code != 429:
+            return response
+        time.sleep(float(response.headers["retry-after"]))
+    raise AssertionError("the agent stayed busy")
+
+
+def test_two_kvmem_serve_processes_share_an_agent_and_a_killed_node_loses_no_completed_turn(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    import os
+
+    from serve_process import kvmem_serve
+
+    env = {**os.environ, "KVMEM_HOME": str(models_dir().parent), "KVMEM_PORT": "0", "KVMEM_FSYNC": "false",
+           "KVMEM_STORE": redis_server.url, "KVMEM_LEASE_S": "2"}
+    with kvmem_serve("--model", "tiny-llama", "--cache-dir", str(tmp_path / "a"), env=env) as a, \
+            kvmem_serve("--model", "tiny-llama", "--cache-dir", str(tmp_path / "b"), env=env) as b:
+        first = _chat(a.url, MESSAGES)
+        assert first.status_code == 200 and first.headers["x-kvmem-tier"] == "cold"
+        messages = _second_turn(first.json()["choices"][0]["message"]["content"])
+        second = _chat(b.url, messages)
+        assert second.status_code == 200 and second.headers["x-kvmem-tier"] == "remote"
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        messages += [{"role": "assistant", "content": second.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Tell me everything again, slowly."}]
+
+        # Node B dies in the middle of turn 3 (kill -9): its lease expires, node A serves the agent
+        # from the last manifest B published (turn 2), never from a half-written one.
+        assert b.process is not None
+        with httpx.stream("POST", b.url + "/v1/chat/completions", headers={"x-agent-id": "keeper"}, timeout=120,
+                          json={"model": "tiny-llama", "max_tokens": 400, "stream": True,
+                                "messages": messages}) as streaming:
+            assert streaming.status_code == 200
+            next(streaming.iter_lines())
+            b.process.kill()
+            b.process.wait()
+        third = _chat(a.url, messages)
+        assert third.status_code == 200 and third.headers["x-kvmem-tier"] == "remote"
+        cached = third.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= second.json()["usage"]["prompt_tokens"]  # turn 2 was not lost
+        assert httpx.get(a.url + "/healthz").json()["store"]["up"] is True

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +71,10 @@ TIMEOUT_S = 2.0
 
 LEASE_MS = 30_000
 """How long a lease lasts unless renewed or released (a dead node's lease expires)."""
+
+RETRY_S = 5.0
+"""After a call fails, further calls answer at once as if Redis had nothing for this long (but a ping
+tries), so a Redis that does not answer costs one timeout per :data:`RETRY_S`, not one per call."""
 
 _PUBLISH_MANIFEST = """
 local current = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -120,9 +125,13 @@ class RemoteTier:
         paths: this node's cache directory.
         prefix: the first part of every key.
         timeout_s: connect and read timeout of each call.
+        lease_ms: how long a lease lasts unless renewed or given back.
     """
 
-    def __init__(self, url: str, paths: CachePaths, *, prefix: str = "kvmem", timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(
+        self, url: str, paths: CachePaths, *, prefix: str = "kvmem", timeout_s: float = TIMEOUT_S,
+        lease_ms: int = LEASE_MS,
+    ) -> None:
         self.url = redacted_url(url)
         self._paths = paths
         self._prefix = prefix
@@ -132,6 +141,8 @@ class RemoteTier:
         self._release = self._redis.register_script(_RELEASE)
         self._renew = self._redis.register_script(_RENEW)
         self._node = secrets.token_hex(8)
+        self._lease_ms = lease_ms
+        self._down_until = float("-inf")
         self._seen: dict[str, int] = {}  # manifest key -> fence of the manifest this node last published or pulled
         self.up = True
         self.errors = 0
@@ -164,6 +175,8 @@ class RemoteTier:
 
     def _call(self, what: str, fn: Callable[[], _T], default: _T) -> _T:
         """``fn()``; on a Redis error the tier is down (logged once per outage) and the answer ``default``."""
+        if not self.up and what != "ping" and time.monotonic() < self._down_until:
+            return default
         try:
             result = fn()
         except (RedisError, OSError) as exc:
@@ -172,6 +185,7 @@ class RemoteTier:
                 log.warning("Redis at %s is unreachable (%s: %s); serving from the local tier", self.url,
                             what, exc)
             self.up = False
+            self._down_until = time.monotonic() + RETRY_S
             return default
         except CacheMiss as exc:  # a local manifest that does not decode: nothing to publish
             log.warning("Redis %s skipped: %s", what, exc)
@@ -330,7 +344,7 @@ class RemoteTier:
 
     # -- leases ------------------------------------------------------------------
 
-    def lease(self, agent_id: str, *, lease_ms: int = LEASE_MS) -> Lease | None:
+    def lease(self, agent_id: str, *, lease_ms: int | None = None) -> Lease | None:
         """Take the agent's lease for this node; None when another node holds it.
 
         Redis down: a lease that fences nothing (``fence`` 0), so the node serves
@@ -342,19 +356,20 @@ class RemoteTier:
             key = self._agent_key(agent_dir, "lease")
             fence = int(self._redis.incr(self._agent_key(agent_dir, "fence")))
             token = f"{self._node}:{fence}"
-            if not self._redis.set(key, token, nx=True, px=lease_ms):
+            if not self._redis.set(key, token, nx=True, px=lease_ms or self._lease_ms):
                 return None
             return Lease(agent_id, token, fence)
 
         unfenced: Lease | None = Lease(agent_id, "", 0)
         return self._call("lease", take, unfenced)
 
-    def renew(self, lease: Lease, *, lease_ms: int = LEASE_MS) -> bool:
+    def renew(self, lease: Lease, *, lease_ms: int | None = None) -> bool:
         """Extend ``lease``; False when it expired and someone else may hold it."""
         if not lease.token:
             return True
         key = self._agent_key(self._paths.agent_dir(lease.agent_id), "lease")
-        return self._call("renew", lambda: bool(self._renew(keys=[key], args=[lease.token, lease_ms])), True)
+        args = [lease.token, lease_ms or self._lease_ms]
+        return self._call("renew", lambda: bool(self._renew(keys=[key], args=args)), True)
 
     def release(self, lease: Lease) -> None:
         """Give ``lease`` back (only if it is still ours)."""
