@@ -31,7 +31,7 @@ import httpx
 
 import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness
-from benches.harness import ResultFile, log, median, table
+from benches.harness import ResultFile, log, table
 from benches.prompts import context_text
 from benches.server import KvmemServer, Turn, run_turn
 
