@@ -163,6 +163,7 @@ class CacheStoreActor:
                 nursery.start_soon(self._writer)
                 if self.shared is not None:
                     nursery.start_soon(self.shared.republisher)
+                    nursery.start_soon(self.shared.renewer)
                 task_status.started()
                 async for message in self._inbox:
                     await self._handle(message)

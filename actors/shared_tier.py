@@ -9,7 +9,8 @@ its own tasks; every Redis call goes through the store's one disk thread
   (:meth:`take_lease`), waiting up to :data:`LEASE_WAIT_S` while another node
   holds it. The store gives it back (:meth:`release`) once the turn has ended
   and its cache is saved and published, under the lease's fence, so a node
-  whose lease expired cannot publish over its successor's manifest.
+  whose lease expired cannot publish over its successor's manifest;
+  :meth:`renewer` keeps held leases alive meanwhile (a long prefill).
 * **Publishing** (:meth:`publish`, after each disk save): when Redis is down,
   the cache is remembered and :meth:`republisher` tries again every
   :data:`REPUBLISH_S` until Redis answers.
@@ -21,6 +22,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import logging
+
 import msgspec
 import trio
 
@@ -28,6 +31,8 @@ if TYPE_CHECKING:
     from runtime.persist.remote import Lease, RemoteTier
 
 __all__ = ["SharedTier", "RemoteStats", "LEASE_WAIT_S", "REPUBLISH_S"]
+
+log = logging.getLogger("kvmem.store")
 
 LEASE_WAIT_S = 2.0
 """How long a turn waits for an agent's lease that another node holds before it fails as ``AgentBusy``."""
@@ -64,6 +69,7 @@ class _Held:
 
     lease: Lease
     turns: int
+    lost: bool = False  # a renewal found it expired (logged once)
 
 
 class SharedTier:
@@ -123,6 +129,16 @@ class SharedTier:
         del self._leases[agent_id]
         with trio.CancelScope(shield=True):  # off the books: given back even if the store is stopping now
             await self._disk(self.remote.release, held.lease)
+
+    async def renewer(self) -> None:
+        """Keep the leases held renewed (every third of their length), so a long turn keeps its agent."""
+        while True:
+            await trio.sleep(self.remote.lease_ms / 3000)
+            for agent_id, held in list(self._leases.items()):
+                if not await self._disk(self.remote.renew, held.lease) and not held.lost:
+                    held.lost = True
+                    log.warning("the lease of agent %r expired during its turn; its save will not be published "
+                                "over a newer one", agent_id)
 
     async def release_all(self) -> None:
         """On shutdown, after the last saves: give back every lease still held."""

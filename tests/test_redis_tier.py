@@ -329,3 +329,33 @@ def test_two_kvmem_serve_processes_share_an_agent_and_a_killed_node_loses_no_com
         cached = third.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= second.json()["usage"]["prompt_tokens"]  # turn 2 was not lost
         assert httpx.get(a.url + "/healthz").json()["store"]["up"] is True
+
+
+async def test_a_lease_held_through_a_long_turn_is_renewed_and_expires_once_its_holder_stops(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    from actors.shared_tier import SharedTier
+
+    paths = CacheDirectory(tmp_path / "node", fsync=False).paths
+    holder = RemoteTier(redis_server.url, paths, lease_ms=1500)
+    other = RemoteTier(redis_server.url, CacheDirectory(tmp_path / "other", fsync=False).paths)
+
+    async def disk(fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    shared = SharedTier(holder, disk=disk, dirty=lambda agent_id: False)
+    assert await shared.take_lease("keeper")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shared.renewer)
+        await trio.sleep(3.5)  # more than twice the lease's length
+        assert other.lease("keeper") is None
+        assert shared.statistics().leases == 1
+        nursery.cancel_scope.cancel()  # the holder stops renewing (a dead node)
+    for _ in range(50):  # Redis expires it within the lease's length
+        if other.lease("keeper") is not None:
+            break
+        await trio.sleep(0.1)
+    else:
+        raise AssertionError("the lease did not expire")
+    holder.close()
+    other.close()

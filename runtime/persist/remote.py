@@ -141,7 +141,7 @@ class RemoteTier:
         self._release = self._redis.register_script(_RELEASE)
         self._renew = self._redis.register_script(_RENEW)
         self._node = secrets.token_hex(8)
-        self._lease_ms = lease_ms
+        self.lease_ms = lease_ms
         self._down_until = float("-inf")
         self._seen: dict[str, int] = {}  # manifest key -> fence of the manifest this node last published or pulled
         self.up = True
@@ -356,7 +356,7 @@ class RemoteTier:
             key = self._agent_key(agent_dir, "lease")
             fence = int(self._redis.incr(self._agent_key(agent_dir, "fence")))
             token = f"{self._node}:{fence}"
-            if not self._redis.set(key, token, nx=True, px=lease_ms or self._lease_ms):
+            if not self._redis.set(key, token, nx=True, px=lease_ms or self.lease_ms):
                 return None
             return Lease(agent_id, token, fence)
 
@@ -368,7 +368,7 @@ class RemoteTier:
         if not lease.token:
             return True
         key = self._agent_key(self._paths.agent_dir(lease.agent_id), "lease")
-        args = [lease.token, lease_ms or self._lease_ms]
+        args = [lease.token, lease_ms or self.lease_ms]
         return self._call("renew", lambda: bool(self._renew(keys=[key], args=args)), True)
 
     def release(self, lease: Lease) -> None:
