@@ -50,6 +50,7 @@ from actors.messages_gpu import (
     RenderReply,
 )
 from actors.messages_store import (
+    EndTurn,
     Forget,
     ForgetReply,
     PlanReply,
@@ -59,6 +60,7 @@ from actors.messages_store import (
 )
 from actors.metrics import RuntimeMetrics
 from actors.registry import Acquire, AcquireReply, RegistryInbox, Release
+from runtime.engine import TurnPlan
 
 __all__ = ["AgentActor", "CacheHandle"]
 
@@ -191,6 +193,17 @@ class AgentActor:
         )
         if isinstance(planned, Failed):
             return planned
+        try:
+            return await self._generate(turn, info, prompt, planned.plan)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                try:
+                    await self._store.send(EndTurn(agent_id=self.agent_id))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+
+    async def _generate(self, turn: Turn, info: ModelInfo, prompt: str, plan: TurnPlan) -> TurnReply:
+        request = turn.turn
         generated: GenerateReply = await ask(
             self._gpu,
             lambda r: Generate(
@@ -198,7 +211,7 @@ class AgentActor:
                 agent_id=self.agent_id,
                 model_tag=info.tag,
                 prompt=prompt,
-                plan=planned.plan,
+                plan=plan,
                 sampling=request.engine_sampling(),
                 submitted_at=turn.submitted_at,
                 deltas=turn.deltas,

@@ -16,6 +16,17 @@
 * **Shutdown**: on normal exit or cancellation (SIGINT/SIGTERM cancel the
   runtime), the store picks up any Put still in its mailbox and writes every
   dirty cache, shielded from the cancellation, before it returns.
+* **Shared tier** (``store = "redis://..."``): a :class:`runtime.persist.remote.RemoteTier`
+  on the same disk thread. A load first pulls the agent's cache from Redis onto
+  the disk when Redis holds another one than the disk (the turn's tier is then
+  ``remote``); each save is then published to Redis. Redis down: loads and
+  saves use the disk alone, and caches saved meanwhile are published when it
+  answers again (tried every :data:`actors.shared_tier.REPUBLISH_S`).
+* **Leases**: with a shared tier, every :class:`PlanTurn` first takes the
+  agent's cluster lease (:meth:`runtime.persist.remote.RemoteTier.lease`), waiting up
+  to :data:`actors.shared_tier.LEASE_WAIT_S` while another node holds it, then answers
+  ``Failed(kind="AgentBusy")``. The lease is given back after the turn's
+  :class:`EndTurn` once its cache is published, under the lease's fence.
 * Caches carry their model tag; a plan only ever uses caches made by the model asked for. An agent has one cache per
   model, on disk too (:class:`runtime.persist.CacheDirectory`); :class:`Forget`
   removes them all, and the blocks no other agent's cache references.
@@ -28,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, assert_never
+from typing import TYPE_CHECKING, Any, assert_never
 
 import msgspec
 import trio
@@ -38,6 +49,7 @@ from actors.messages_common import Failed, HotCache, failed_from
 from actors.messages_store import (
     AgentRecord,
     AgentsListed,
+    EndTurn,
     Evict,
     Evicted,
     Flush,
@@ -51,11 +63,15 @@ from actors.messages_store import (
     StoreInbox,
 )
 from actors.metrics import PoolSnapshot
-from runtime.engine import TurnPlan
+from actors.shared_tier import RemoteStats, SharedTier
+from runtime.engine import Tier, TurnPlan
 from runtime.errors import CacheMiss, InvalidAgentIdError
 from runtime.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
 from runtime.spec import CacheSnapshot
+
+if TYPE_CHECKING:
+    from runtime.persist.remote import RemoteTier
 
 __all__ = ["CacheStoreActor", "StoreStats"]
 
@@ -82,6 +98,7 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     prefix_hits: int
     demotions: int
     pools: dict[str, PoolSnapshot]
+    remote: RemoteStats | None = None
 
 
 _Key = tuple[str, str]
@@ -101,7 +118,6 @@ class _Pending:
 SAVE_RETRY_S = 5.0
 """After a save fails with an OSError (disk full, read-only), dirty caches wait this long or for the next turn."""
 
-
 class CacheStoreActor:
     """Owns the cache directory and feeds the cache manager (see the module docstring).
 
@@ -109,10 +125,16 @@ class CacheStoreActor:
         inbox: the store mailbox (:data:`actors.messages_store.StoreInbox`).
         directory: the warm tier.
         manager: the hot tier and the planner (shared with the GPU actor).
+        remote: the shared tier (None: this node's disk only).
     """
 
     def __init__(
-        self, inbox: trio.MemoryReceiveChannel[StoreInbox], *, directory: CacheDirectory, manager: KVCacheManager
+        self,
+        inbox: trio.MemoryReceiveChannel[StoreInbox],
+        *,
+        directory: CacheDirectory,
+        manager: KVCacheManager,
+        remote: RemoteTier | None = None,
     ) -> None:
         self._inbox = inbox
         self._directory = directory
@@ -127,6 +149,9 @@ class CacheStoreActor:
         self.retry_delay_s = SAVE_RETRY_S
         self._retry_at = float("-inf")
         self._warm_loads = self._misses = 0
+        self._remote = remote
+        self.shared = None if remote is None else SharedTier(
+            remote, disk=self._disk, dirty=lambda agent_id: any(key[0] == agent_id for key in self._dirty))
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -136,6 +161,9 @@ class CacheStoreActor:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._writer)
+                if self.shared is not None:
+                    nursery.start_soon(self.shared.republisher)
+                    nursery.start_soon(self.shared.renewer)
                 task_status.started()
                 async for message in self._inbox:
                     await self._handle(message)
@@ -146,6 +174,8 @@ class CacheStoreActor:
                 written = await self._flush_all()
                 if written:
                     log.info("flushed %d dirty caches on shutdown", written)
+                if self.shared is not None:
+                    await self.shared.release_all()
 
     def _drain(self) -> None:
         """Take the Puts still queued (a turn that completed just before shutdown)."""
@@ -156,6 +186,8 @@ class CacheStoreActor:
                 break
             if isinstance(message, Put):
                 self._put(message)
+            elif isinstance(message, EndTurn):
+                pass  # its lease goes with the others after the last saves
             else:
                 send_reply(message.reply, Failed(kind="Cancelled", error="the cache store is shutting down"))
         self._inbox.close()
@@ -168,13 +200,16 @@ class CacheStoreActor:
     async def _handle(self, message: StoreInbox) -> None:
         match message:
             case PlanTurn(agent_id=agent_id, model_tag=tag):
-                if self._manager.needs_disk(agent_id, tag):
+                if self.shared is not None or self._manager.needs_disk(agent_id, tag):
                     assert self._nursery is not None
                     self._nursery.start_soon(self._plan_after_load, message)
                 else:
                     send_reply(message.reply, Planned(plan=self._plan(message, None)))
             case Put():
                 self._put(message)
+            case EndTurn(agent_id=agent_id):
+                if self.shared is not None:
+                    self.shared.end_turn(agent_id, self._nursery)
             case Forget():
                 await self._forget(message)
             case Evict(model_tag=tag, reply=reply):
@@ -191,16 +226,28 @@ class CacheStoreActor:
             case _:
                 assert_never(message)
 
-    def _plan(self, message: PlanTurn, warm: CacheSnapshot | None) -> TurnPlan:
+    def _plan(self, message: PlanTurn, warm: CacheSnapshot | None, tier: Tier = "warm") -> TurnPlan:
         return self._manager.plan(message.agent_id, message.model_tag, message.prompt, share=message.share,
-                                  warm=warm)
+                                  warm=warm, warm_tier=tier)
 
     async def _plan_after_load(self, message: PlanTurn) -> None:
-        """Read the agent's disk cache, then plan (a cache that cannot be read is a logged miss)."""
+        """Take the agent's lease (shared tier), read its disk cache, then plan (an unreadable cache: a logged miss)."""
         warm: CacheSnapshot | None = None
+        tier: Tier = "warm"
         self._loads_waiting += 1
         try:
-            warm = await self._disk(self._directory.load, message.agent_id, model_tag=message.model_tag)
+            if self.shared is not None and not await self.shared.take_lease(message.agent_id):
+                send_reply(message.reply, Failed(
+                    kind="AgentBusy", error=f"agent {message.agent_id!r} is in a turn on another node; retry shortly"))
+                return
+            key = (message.agent_id, message.model_tag)
+            if self.shared is not None and not self._manager.needs_disk(*key) and key not in self._dirty \
+                    and await self._disk(self.shared.remote.served_elsewhere, *key):
+                self._manager.drop(*key)  # another node served the agent since: Redis has more of it
+            if not self._manager.needs_disk(*key):
+                send_reply(message.reply, Planned(plan=self._plan(message, None)))
+                return
+            warm, tier = await self._disk(self._load, message.agent_id, message.model_tag)
             self._warm_loads += 1
         except InvalidAgentIdError as exc:
             send_reply(message.reply, failed_from(exc))
@@ -214,7 +261,12 @@ class CacheStoreActor:
             self._loads_waiting -= 1
             if not self._loads_waiting:
                 self._no_loads.set()
-        send_reply(message.reply, Planned(plan=self._plan(message, warm)))
+        send_reply(message.reply, Planned(plan=self._plan(message, warm, tier)))
+
+    def _load(self, agent_id: str, model_tag: str) -> tuple[CacheSnapshot, Tier]:
+        """On the disk thread: pull the agent's cache from the shared tier if it has another one, then load it."""
+        pulled = self._remote is not None and self._remote.pull(agent_id, model_tag)
+        return self._directory.load(agent_id, model_tag=model_tag), "remote" if pulled else "warm"
 
     async def _list(self, message: ListAgents) -> None:
         try:
@@ -268,6 +320,8 @@ class CacheStoreActor:
             await self._disk(self._directory.delete, message.agent_id)
             # The blocks only this agent referenced go too (one directory scan; forgetting is rare).
             await self._disk(self._directory.collect_garbage)
+            if self.shared is not None:
+                existed = await self.shared.forget(message.agent_id) or existed
         except (InvalidAgentIdError, OSError) as exc:
             send_reply(message.reply, failed_from(exc))
             return
@@ -323,6 +377,8 @@ class CacheStoreActor:
         if report is not None:
             self._writes += 1
             self._bytes_written += report.bytes_written
+            if self.shared is not None:
+                await self.shared.publish(key)
         if self._dirty.get(key) is not pending:
             return report is not None  # superseded or forgotten meanwhile
         if report is None and retry:
@@ -333,6 +389,8 @@ class CacheStoreActor:
         del self._dirty[key]
         if report is not None:
             self._manager.saved(pending.agent_id, pending.parked)
+        if self.shared is not None:
+            await self.shared.release(pending.agent_id)  # if its turns are over
         return report is not None
 
     async def _flush_all(self, model_tag: str | None = None) -> int:
@@ -360,4 +418,5 @@ class CacheStoreActor:
             prefix_hits=hot.prefix_hits,
             demotions=hot.demotions,
             pools={tag: PoolSnapshot.of(pool) for tag, pool in hot.pools.items()},
+            remote=None if self.shared is None else self.shared.statistics(),
         )

@@ -4,6 +4,7 @@ Requests and their replies::
 
     PlanTurn(agent_id, model_tag, prompt, share) -> Planned(plan)   what the turn reuses, from where
     Put(agent_id, parked, snapshot)   (no reply: write-behind, the turn never waits for disk)
+    EndTurn(agent_id)                 (no reply: the agent's turn is over; its lease goes once the cache is published)
     Forget(agent_id)                  -> Forgotten(existed)   every model's cache of the agent
     Evict(model_tag)                  -> Evicted(written)     flush dirty caches of a model, drop its hot caches
     Flush()                           -> Flushed(written)     write every dirty cache now
@@ -27,6 +28,7 @@ __all__ = [
     "PlanTurn",
     "Planned",
     "Put",
+    "EndTurn",
     "Forget",
     "Evict",
     "Flush",
@@ -107,7 +109,9 @@ class PlanTurn(Message, frozen=True, kw_only=True):
 
     See :meth:`runtime.kv_manager.KVCacheManager.plan`. ``share``: the agent may
     start from another sharing agent's prefix. A disk cache that cannot be read is
-    a logged miss (the turn starts cold); only a bad agent id fails.
+    a logged miss (the turn starts cold); only a bad agent id fails, and, with a
+    shared tier, an agent whose lease another node holds (``AgentBusy``, after a
+    short wait). Every PlanTurn is followed by an :class:`EndTurn`.
     """
 
     agent_id: str
@@ -130,6 +134,16 @@ class Put(Message, frozen=True, kw_only=True):
     snapshot: CacheSnapshot
     block_bytes: int
     share_prefix: bool
+
+
+class EndTurn(Message, frozen=True, kw_only=True):
+    """The turn :class:`PlanTurn` planned is over (done or failed; after its :class:`Put`, if any).
+
+    With a shared tier the store then gives the agent's cluster lease back,
+    once the turn's cache is published.
+    """
+
+    agent_id: str
 
 
 class Forget(Message, frozen=True, kw_only=True):
@@ -167,4 +181,4 @@ class ListAgents(Message, frozen=True, kw_only=True):
     reply: trio.MemorySendChannel[ListReply]
 
 
-StoreInbox = PlanTurn | Put | Forget | Evict | Flush | ListAgents
+StoreInbox = PlanTurn | Put | EndTurn | Forget | Evict | Flush | ListAgents

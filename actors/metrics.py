@@ -96,7 +96,7 @@ class RuntimeMetrics:
         self.tokens_reused = 0
         self.tokens_prefilled = 0
         self.tokens_generated = 0
-        self.hits: dict[str, int] = {"hot": 0, "warm": 0, "shared": 0, "cold": 0}
+        self.hits: dict[str, int] = {"hot": 0, "warm": 0, "remote": 0, "shared": 0, "cold": 0}
         self.ttft = Histogram(TTFT_BUCKETS_MS)
         self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS_MS)
 

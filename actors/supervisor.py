@@ -347,6 +347,11 @@ async def open_runtime(
         return CacheDirectory(caches, fsync=fsync)
 
     directory = await trio.to_thread.run_sync(open_directory)
+    remote = None
+    if config.store is not None:
+        from runtime.persist.remote import RemoteTier  # the redis client: only when a shared tier is set
+
+        remote = RemoteTier(config.store, directory.paths, lease_ms=int(config.lease_s * 1000))
     if engine is None:
         from runtime.mlx_engine import MlxEngine  # imports mlx: only when the real engine runs
 
@@ -364,7 +369,7 @@ async def open_runtime(
     gpu_send, gpu_receive = trio.open_memory_channel[GpuInbox](_MAILBOX_SIZE)
     registry_send, registry_receive = trio.open_memory_channel[RegistryInbox](_MAILBOX_SIZE)
     manager = KVCacheManager(hot_budget_bytes=int(config.hot_budget_mb * 2**20))
-    store = CacheStoreActor(store_receive, directory=directory, manager=manager)
+    store = CacheStoreActor(store_receive, directory=directory, manager=manager, remote=remote)
     gpu = GPUActor(
         gpu_receive,
         engine=engine,
@@ -425,6 +430,9 @@ async def open_runtime(
         if only is None:
             raise
         raise only from None
+    finally:
+        if remote is not None:
+            remote.close()
     if signals.signum == signal.SIGINT:
         raise KeyboardInterrupt
     if signals.signum is not None:

@@ -29,6 +29,7 @@ BENCHES = {
     "cpu_attention": "kvmem's NumPy attention vs MLX's on CPU: one layer, cold prefill vs plain mlx-lm, chunk sizes, decode",
     "attention_strategy": "at-rest vs native quantized SDPA (existing)",
     "batching": "system tok/s for 1, 2, 4, 8 agents (existing)",
+    "redis_tier": "two kvmem serve nodes + redis-server: TTFT remote vs warm vs hot vs cold at 1K/4K, bytes moved, Redis memory",
     "race": "kvmem vs llama-server (built-in cache; slot files) vs mlx_lm.server: cold/hot/restart, multi-agent, tok/s",
 }
 

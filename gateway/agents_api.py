@@ -11,7 +11,7 @@ An agent keeps one cache per model; it is listed once, with the cache it used la
 
 A turn answers with the runtime's ``TurnResult`` as JSON: the reply, the
 finish reason, and ``usage`` with ``tokens_reused`` / ``tokens_prefilled`` /
-``tokens_generated``, the cache ``tier`` (hot, warm, shared, cold), the prefix
+``tokens_generated``, the cache ``tier`` (hot, warm, remote, shared, cold), the prefix
 ``match``, ``queue_wait_ms``, ``ttft_ms`` and ``decode_tps``. Streaming
 (``"stream": true``) sends ``event: delta`` (``{"text": ...}``) events, an
 ``event: tool_call`` (``{"id", "name", "arguments"}``) for each tool call once the

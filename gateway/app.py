@@ -30,7 +30,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -68,6 +68,8 @@ def _version() -> str:
 def _error_response(error: ApiError, scope: Scope) -> Response:
     rid = str(scope.get(REQUEST_ID_KEY, ""))
     headers = {"x-should-retry": "false"} if error.status < 500 else None
+    if error.retry_after_s is not None:
+        headers = {"retry-after": str(error.retry_after_s), "x-should-retry": "true"}
     return Response(error_body(error, flavor_of(scope["path"]), request_id=rid), status_code=error.status,
                     headers=headers, media_type="application/json")
 
@@ -189,10 +191,17 @@ def create_app(rt: Runtime, settings: Config, *, extra_routes: Sequence[BaseRout
     version = _version()
 
     async def healthz(request: Request) -> Response:
-        reg = rt.stats().registry
-        return gw.json({"status": "ok", "model": reg.model, "default_model": reg.default_model,
-                        "models": list(gw.models), "uptime_s": round(time.time() - gw.started_at, 3),
-                        "version": version})
+        stats = rt.stats()
+        reg, remote = stats.registry, stats.store.remote
+        body: dict[str, Any] = {
+            "status": "ok", "model": reg.model, "default_model": reg.default_model, "models": list(gw.models),
+            "uptime_s": round(time.time() - gw.started_at, 3), "version": version,
+        }
+        if remote is not None:  # Redis down is a degraded mode, not an outage: still 200
+            body["store"] = {"url": remote.url, "up": remote.up, "unpublished": remote.unpublished}
+            if not remote.up:
+                body["status"] = "degraded"
+        return gw.json(body)
 
     async def metrics(request: Request) -> Response:
         return Response(render_metrics(rt.stats(), gw.http_requests), media_type=CONTENT_TYPE)

@@ -24,6 +24,8 @@ def register(sub: Any) -> None:
     p.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--cache-dir", help="folder for the KV caches (default: the kvmem home)")
+    p.add_argument("--store", help="shared tier for several nodes: redis://HOST:PORT/DB (default: this disk only)")
+    p.add_argument("--lease-s", type=float, help="with --store: how long an agent's cluster lease lasts (s)")
     p.add_argument("--budget-mb", type=float, help="KV memory budget for running sequences (MiB)")
     p.add_argument("--hot-budget-mb", type=float, help="memory for idle caches kept in RAM (MiB)")
     p.add_argument(

@@ -41,6 +41,7 @@ _TYPES: dict[str, tuple[str, str]] = {
     "not_found": ("not_found_error", "invalid_request_error"),
     "request_too_large": ("request_too_large", "invalid_request_error"),
     "overloaded": ("overloaded_error", "server_error"),
+    "rate_limit": ("rate_limit_error", "rate_limit_error"),
     "api_error": ("api_error", "server_error"),
 }
 
@@ -59,6 +60,7 @@ class ApiError(Exception):
         *,
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         assert kind in _TYPES, kind
@@ -67,6 +69,7 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
 
 
 def flavor_of(path: str) -> Flavor:
@@ -133,6 +136,9 @@ def from_exception(exc: Exception) -> ApiError:
     if isinstance(exc, TurnFailedError):
         if exc.kind in ("Closed", "Cancelled"):
             return ApiError(503, "overloaded", "kvmem is shutting down")
+        if exc.kind == "AgentBusy":  # another node runs a turn of this agent (its lease in the shared tier)
+            return ApiError(429, "rate_limit", str(exc).removeprefix("AgentBusy: "), code="agent_busy",
+                            retry_after_s=1)
         if exc.kind.startswith("Template") or exc.kind == "UndefinedError":
             return ApiError(400, "invalid_request", f"the chat template cannot render these messages: {exc}")
     return ApiError(500, "api_error", f"internal error: {type(exc).__name__}: {exc}")

@@ -82,7 +82,7 @@ def render_metrics(stats: RuntimeStats, http_requests: Counter[tuple[str, str, i
     w.metric("kvmem_tokens_prefilled_total", "counter", "Prompt tokens run through the model.", m.tokens_prefilled)
     w.metric("kvmem_tokens_generated_total", "counter", "Tokens generated.", m.tokens_generated)
     w.family("kvmem_cache_hits_total", "counter", "Turns by where their starting cache came from (cold: none).")
-    for tier in ("hot", "warm", "shared", "cold"):
+    for tier in ("hot", "warm", "remote", "shared", "cold"):
         w.sample("kvmem_cache_hits_total", m.hits.get(tier, 0), {"tier": tier})
     w.histogram_ms("kvmem_ttft_seconds", "Time from submission to the first token.", m.ttft_ms)
     w.histogram_ms("kvmem_queue_wait_seconds", "Time from submission until the GPU admitted the turn.",
@@ -112,6 +112,22 @@ def render_metrics(stats: RuntimeStats, http_requests: Counter[tuple[str, str, i
     w.metric("kvmem_cache_warm_loads_total", "counter", "Caches loaded from disk.", store.warm_loads)
     w.metric("kvmem_cache_misses_total", "counter", "Cache lookups that found nothing usable.", store.misses)
     w.metric("kvmem_cache_demotions_total", "counter", "Hot caches dropped to the warm tier.", store.demotions)
+
+    if (remote := store.remote) is not None:
+        w.family("kvmem_remote_up", "gauge", "Whether the shared tier (Redis) answered its last call (0: degraded).")
+        w.sample("kvmem_remote_up", int(remote.up), {"url": remote.url})
+        w.metric("kvmem_remote_pulls_total", "counter", "Caches brought from Redis onto this disk.", remote.pulls)
+        w.metric("kvmem_remote_publishes_total", "counter", "Caches published to Redis.", remote.publishes)
+        w.metric("kvmem_remote_stale_publishes_total", "counter",
+                 "Publishes refused because a newer lease holder had published.", remote.stale_publishes)
+        w.metric("kvmem_remote_unpublished", "gauge", "Caches saved while Redis was down, not yet published.",
+                 remote.unpublished)
+        w.metric("kvmem_remote_corrupt_total", "counter", "Caches in Redis that failed verification.",
+                 remote.corrupt)
+        w.metric("kvmem_remote_errors_total", "counter", "Redis calls that failed.", remote.errors)
+        w.metric("kvmem_remote_bytes_sent_total", "counter", "Bytes sent to Redis.", remote.bytes_sent)
+        w.metric("kvmem_remote_bytes_received_total", "counter", "Bytes received from Redis.",
+                 remote.bytes_received)
 
     w.metric("kvmem_model_loads_total", "counter", "Model loads.", reg.loads)
     w.metric("kvmem_model_swaps_total", "counter", "Model swaps.", reg.swaps)

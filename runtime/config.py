@@ -13,6 +13,7 @@ flag. :func:`load_config` merges the sources, highest first::
     port = 8000
     budget_mb = 2048
     api_key = "secret"
+    store = "redis://127.0.0.1:6379/0"   # the shared tier: several nodes serve any agent
 
 Keys may sit at the top level or under ``[serve]``. Values are validated with
 msgspec (types and ranges); a bad value or an unknown name is a
@@ -79,6 +80,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         cache_dir: a folder for the KV caches (``<cache_dir>/caches``) instead of the home.
         models_dir: where models are built (default ``<home>/models``).
         fsync: fsync cache files (turn off only for throwaway caches).
+        store: the shared tier, ``redis://[:PASSWORD@]HOST:PORT/DB`` (``rediss://`` for
+            TLS): the local cache directory stays the fast tier, Redis holds every
+            node's caches so any node serves any agent (:mod:`runtime.persist.remote`).
+            None: this node's disk only.
+        lease_s: with a ``store``, how long an agent's cluster lease lasts unless
+            given back (a node that dies holds its agents this long).
         kv_bits: 4 or 8 (quantized KV at rest) or None (float KV; ``"float"`` in
             the environment, TOML and flags).
         kv_group_size: quantization group size.
@@ -116,6 +123,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     cache_dir: str | None = None
     models_dir: str | None = None
     fsync: bool = True
+    store: Annotated[str, Meta(pattern=r"^(redis|rediss|unix)://")] | None = None
+    lease_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     # -- KV format
     kv_bits: Literal[4, 8] | None = 4
     kv_group_size: Literal[32, 64, 128] = 64
@@ -195,7 +204,7 @@ def _normalize(key: str, value: Any) -> Any:
         if raw in ("0", "false", "no", "off"):
             return False
         return value  # validation names it
-    if key in ("model_idle_s", "prefill_chunk", "api_key") and value.strip().lower() in _NONE_WORDS:
+    if key in ("model_idle_s", "prefill_chunk", "api_key", "store") and value.strip().lower() in _NONE_WORDS:
         return None
     return value
 

@@ -67,9 +67,10 @@ __all__ = [
 
 # -- the plan: what a turn reuses, and what it prefills ------------------------
 
-Tier = Literal["hot", "warm", "shared", "cold"]
+Tier = Literal["hot", "warm", "remote", "shared", "cold"]
 """Where a turn's starting cache came from: the agent's hot (RAM) or warm (disk)
-cache, another agent's cache via a shared prefix, or nothing."""
+cache, its cache another node published in the shared tier (remote: Redis),
+another agent's cache via a shared prefix, or nothing."""
 
 
 class HotCache(Protocol):

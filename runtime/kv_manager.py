@@ -119,12 +119,20 @@ class KVCacheManager:
         return (agent_id, model_tag) not in self._entries
 
     def plan(
-        self, agent_id: str, model_tag: str, prompt: str, *, share: bool, warm: CacheSnapshot | None = None
+        self,
+        agent_id: str,
+        model_tag: str,
+        prompt: str,
+        *,
+        share: bool,
+        warm: CacheSnapshot | None = None,
+        warm_tier: Tier = "warm",
     ) -> TurnPlan:
         """What this turn reuses, from where, and what it prefills.
 
         The agent's own cache first: its hot cache, else ``warm`` (its cache read
-        from disk, when :meth:`needs_disk` said so). When nothing of it is reusable
+        from disk, when :meth:`needs_disk` said so; ``warm_tier`` names where the
+        disk got it: ``remote`` when it was just pulled from the shared tier). When nothing of it is reusable
         and the agent shares prefixes, the longest whole-block prefix another
         sharing agent's hot cache or turn in flight covers. Else cold.
         """
@@ -133,7 +141,7 @@ class KVCacheManager:
             self._touch(entry)
             plan = self._own(entry.parked.text, entry.parked.offsets, prompt, "hot", FromHot(parked=entry.parked))
         elif warm is not None and warm.model_tag == model_tag:
-            plan = self._own(warm.text, warm.offsets, prompt, "warm", FromWarm(snapshot=warm))
+            plan = self._own(warm.text, warm.offsets, prompt, warm_tier, FromWarm(snapshot=warm))
         else:
             plan = None
         if plan is not None:
@@ -284,6 +292,13 @@ class KVCacheManager:
         for entry in entries:
             self._drop(entry)
         return len(entries)
+
+    def drop(self, agent_id: str, model_tag: str) -> bool:
+        """Drop the agent's hot cache for that model (another node has served the agent since); whether it had one."""
+        entry = self._entries.get((agent_id, model_tag))
+        if entry is not None:
+            self._drop(entry)
+        return entry is not None
 
     def drop_model(self, model_tag: str) -> None:
         """Drop every hot cache of a model and its pool (the model was unloaded)."""

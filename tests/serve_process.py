@@ -22,11 +22,13 @@ class ServeProcess:
 
     url: str
     log: list[str] = field(default_factory=list)
+    process: subprocess.Popen[str] | None = None
 
 
 @contextmanager
 def kvmem_serve(*args: str, env: Mapping[str, str]) -> Iterator[ServeProcess]:
-    """Start ``kvmem serve ARGS`` and yield once it listens; on exit SIGTERM must stop it with status 0.
+    """Start ``kvmem serve ARGS`` and yield once it listens; on exit SIGTERM must stop it with status 0
+    (unless the test killed it with SIGKILL: ``server.process.kill()``).
 
     The rest of its log is collected into ``log`` after it stops (the flush on shutdown is logged).
     """
@@ -48,8 +50,10 @@ def kvmem_serve(*args: str, env: Mapping[str, str]) -> Iterator[ServeProcess]:
             line = lines.get(timeout=120)
             log.append(line)
             found = re.search(r"serving \S+ on (http://\S+)", line)
-            server = ServeProcess(found.group(1), log) if found else None
+            server = ServeProcess(found.group(1), log, proc) if found else None
         yield server
+        if proc.poll() is not None and proc.returncode == -signal.SIGKILL:
+            return  # the test killed it
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         reader.join(timeout=10)

@@ -76,6 +76,9 @@ Where each part lives:
 ``codec``       canonical safetensors encoding with CRC-32
 ``files``       atomic file replacement (``write_atomic``), private folders,
                 batches of atomic writes, safe reads
+``remote``      the shared tier: these files mirrored in Redis, pulled onto
+                the disk (checked) before a load, published after a save;
+                cluster leases (imported only when a ``store`` is set)
 ==============  ==============================================================
 """
 

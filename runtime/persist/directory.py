@@ -197,6 +197,7 @@ class CacheDirectory:
     def __init__(self, root: Path, *, fsync: bool = True) -> None:
         self._paths = CachePaths.open(Path(root), fsync=fsync)
         self.root = self._paths.root
+        self.paths = self._paths
         removed = remove_leftover_temp_files(self._paths)
         if removed:
             log.info("removed %d temporary files left by an interrupted save", removed)

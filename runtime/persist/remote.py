@@ -1,0 +1,380 @@
+"""The shared tier: the cache directory's files mirrored in Redis, so any node serves any agent.
+
+:class:`RemoteTier` copies an agent's cache between this node's cache directory
+(the fast tier) and a Redis server (the shared tier), file by file, as the
+very bytes the directory holds: canonical safetensors files with their CRC-32
+and manifests that record each file's checksum. Keys (``<dir>`` is
+:func:`~runtime.persist.directory.safe_agent_dirname` of the agent id; the
+braces keep an agent's keys in one Redis Cluster slot)::
+
+    kvmem:block:<hash>                 a shared 256-token block, stored once for the cluster (SET NX)
+    kvmem:agent:{<dir>}:<file>         the agent's segments and state files (content-named, SET NX)
+    kvmem:agent:{<dir>}:manifest-<d>   the agent's manifest for a model: replaced by one SET, last
+    kvmem:agent:{<dir>}:fence-manifest-<d>   the lease fence the manifest was published under
+    kvmem:agent:{<dir>}:lease          the agent's lease: ``<node>:<fence>``, expiring
+    kvmem:agent:{<dir>}:fence          the agent's lease counter (INCR)
+
+* :meth:`RemoteTier.publish` (after a disk save, write-behind) sends the files
+  Redis lacks, then the manifest in one SET, so a reader sees the old manifest
+  or the new one, each with every file it names. With a fence (a lease's
+  counter), a Lua script refuses to replace a manifest published under a newer
+  fence: a holder whose lease expired cannot publish over its successor.
+* :meth:`RemoteTier.pull` (before a load, for an agent with no hot cache)
+  compares Redis's manifest with the local one; when they differ it checks
+  the manifest (:func:`~runtime.persist.manifests.check_manifest`), fetches the
+  files the disk lacks, checks each one's size, header checksum and data CRC,
+  writes them atomically and the manifest last. The caller then loads from
+  disk, which verifies everything again (:func:`~runtime.persist.load.load_cache`).
+  Anything wrong in Redis is a logged miss, never an error.
+* :meth:`RemoteTier.lease` / :meth:`RemoteTier.release`: one holder per agent
+  across the cluster (``SET NX PX``, fenced by ``INCR``).
+
+Redis down or slow is not an error either: every call catches the client's
+errors, marks the tier unavailable (:attr:`RemoteTier.up`, logged once per
+outage) and answers as if Redis had nothing; the node serves from its own
+disk. Not thread-safe: the cache store calls it from its one disk thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import redis
+from redis.exceptions import RedisError
+
+from runtime.errors import CacheMiss, CorruptCacheError
+from runtime.persist.codec import data_is_intact, header_sha256, parse_file
+from runtime.persist.files import AtomicBatch, read_header, read_regular_file, write_atomic
+from runtime.persist.format import BlockPiece, Piece, StateRef
+from runtime.persist.manifests import check_manifest, decode_manifest, manifest_name
+from runtime.persist.pieces import block_is_intact
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from runtime.persist.directory import CachePaths
+
+__all__ = ["RemoteTier", "Lease", "redacted_url"]
+
+log = logging.getLogger("kvmem.remote")
+
+_T = TypeVar("_T")
+
+TIMEOUT_S = 2.0
+"""Connect and read timeout of each Redis call: a slow Redis is a down Redis."""
+
+LEASE_MS = 30_000
+"""How long a lease lasts unless renewed or released (a dead node's lease expires)."""
+
+RETRY_S = 5.0
+"""After a call fails, further calls answer at once as if Redis had nothing for this long (but a ping
+tries), so a Redis that does not answer costs one timeout per :data:`RETRY_S`, not one per call."""
+
+_PUBLISH_MANIFEST = """
+local current = tonumber(redis.call('GET', KEYS[2]) or '0')
+local fence = tonumber(ARGV[2])
+if fence < current then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SET', KEYS[2], ARGV[2])
+return 1
+"""
+"""Replace the manifest unless it was published under a newer fence (KEYS: manifest, its fence)."""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+"""Delete the lease only if it is still ours."""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+
+def redacted_url(url: str) -> str:
+    """``url`` without its password (for logs, ``/healthz`` and ``/metrics``)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+@dataclass(frozen=True)
+class Lease:
+    """An agent's lease, held by this node: ``fence`` orders holders (a newer one is larger)."""
+
+    agent_id: str
+    token: str
+    fence: int
+
+
+class RemoteTier:
+    """An agent cache mirror in Redis at ``url`` for the cache directory ``paths`` (see the module docstring).
+
+    Args:
+        url: ``redis://[:PASSWORD@]HOST:PORT/DB`` or ``rediss://`` (TLS), as the client takes it.
+        paths: this node's cache directory.
+        prefix: the first part of every key.
+        timeout_s: connect and read timeout of each call.
+        lease_ms: how long a lease lasts unless renewed or given back.
+    """
+
+    def __init__(
+        self, url: str, paths: CachePaths, *, prefix: str = "kvmem", timeout_s: float = TIMEOUT_S,
+        lease_ms: int = LEASE_MS,
+    ) -> None:
+        self.url = redacted_url(url)
+        self._paths = paths
+        self._prefix = prefix
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           health_check_interval=0)
+        self._publish_manifest = self._redis.register_script(_PUBLISH_MANIFEST)
+        self._release = self._redis.register_script(_RELEASE)
+        self._renew = self._redis.register_script(_RENEW)
+        self._node = secrets.token_hex(8)
+        self.lease_ms = lease_ms
+        self._down_until = float("-inf")
+        self._seen: dict[str, int] = {}  # manifest key -> fence of the manifest this node last published or pulled
+        self.up = True
+        self.errors = 0
+        self.pulls = 0
+        self.publishes = 0
+        self.stale_publishes = 0
+        self.corrupt = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def close(self) -> None:
+        """Close the client's connections."""
+        self._redis.close()
+
+    # -- keys --------------------------------------------------------------------
+
+    def _agent_key(self, agent_dir: Path, name: str) -> str:
+        return f"{self._prefix}:agent:{{{agent_dir.name}}}:{name}"
+
+    def _block_key(self, block_hash: str) -> str:
+        return f"{self._prefix}:block:{block_hash}"
+
+    def _key(self, agent_dir: Path, ref: Piece | StateRef) -> str:
+        return self._block_key(ref.name) if isinstance(ref, BlockPiece) else self._agent_key(agent_dir, ref.name)
+
+    def _path(self, agent_dir: Path, ref: Piece | StateRef) -> Path:
+        return agent_dir / ref.name if isinstance(ref, StateRef) else self._paths.piece_path(agent_dir, ref)
+
+    # -- availability ------------------------------------------------------------
+
+    def _call(self, what: str, fn: Callable[[], _T], default: _T) -> _T:
+        """``fn()``; on a Redis error the tier is down (logged once per outage) and the answer ``default``."""
+        if not self.up and what != "ping" and time.monotonic() < self._down_until:
+            return default
+        try:
+            result = fn()
+        except (RedisError, OSError) as exc:
+            self.errors += 1
+            if self.up:
+                log.warning("Redis at %s is unreachable (%s: %s); serving from the local tier", self.url,
+                            what, exc)
+            self.up = False
+            self._down_until = time.monotonic() + RETRY_S
+            return default
+        except CacheMiss as exc:  # a local manifest that does not decode: nothing to publish
+            log.warning("Redis %s skipped: %s", what, exc)
+            return default
+        if not self.up:
+            log.warning("Redis at %s is reachable again", self.url)
+        self.up = True
+        return result
+
+    def ping(self) -> bool:
+        """Whether Redis answers (and :attr:`up` updated)."""
+        return self._call("ping", lambda: bool(self._redis.ping()), False)
+
+    # -- publish -----------------------------------------------------------------
+
+    def publish(self, agent_id: str, model_tag: str, *, fence: int | None = None) -> bool | None:
+        """Send the agent's cache for ``model_tag`` from disk to Redis: missing files, then the manifest.
+
+        Returns:
+            True when published (or already there), False when a newer fence's
+            manifest is there (nothing replaced), None when Redis is down or
+            there is no local cache to publish.
+        """
+        return self._call("publish", lambda: self._publish(agent_id, model_tag, fence), None)
+
+    def _publish(self, agent_id: str, model_tag: str, fence: int | None) -> bool | None:
+        agent_dir = self._paths.agent_dir(agent_id)
+        name = manifest_name(model_tag)
+        data = read_regular_file(agent_dir / name)
+        if data is None:
+            return None
+        manifest = decode_manifest(data)
+        refs: list[Piece | StateRef] = [*manifest.pieces, manifest.state]
+        keys = [self._key(agent_dir, ref) for ref in refs]
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        present = pipe.execute()
+        pipe = self._redis.pipeline(transaction=False)
+        for ref, key, there in zip(refs, keys, present, strict=True):
+            if there:
+                continue
+            raw = read_regular_file(self._path(agent_dir, ref))
+            if raw is None or len(raw) != ref.size:
+                log.warning("not publishing the cache of %r: %s is missing locally", agent_id, ref.name)
+                return None
+            pipe.set(key, raw, nx=True)
+            self.bytes_sent += len(raw)
+        pipe.execute()
+        manifest_key = self._agent_key(agent_dir, name)
+        fence_key = self._agent_key(agent_dir, "fence-" + name)
+        ok = self._publish_manifest(keys=[manifest_key, fence_key], args=[data, fence or 0])
+        self.bytes_sent += len(data)
+        if not ok:
+            self.stale_publishes += 1
+            log.warning("not publishing the cache of %r: a newer lease holder published since", agent_id)
+            return False
+        self._seen[manifest_key] = fence or 0
+        self.publishes += 1
+        return True
+
+    # -- pull --------------------------------------------------------------------
+
+    def pull(self, agent_id: str, model_tag: str) -> bool:
+        """Bring Redis's cache of the agent for ``model_tag`` onto the disk when it differs from the local one.
+
+        Returns:
+            True when the local directory now holds Redis's (newer) cache; False
+            when Redis has none, the same one, a damaged one (logged) or is down.
+        """
+        return self._call("pull", lambda: self._pull(agent_id, model_tag), False)
+
+    def _pull(self, agent_id: str, model_tag: str) -> bool:
+        agent_dir = self._paths.agent_dir(agent_id)
+        name = manifest_name(model_tag)
+        manifest_key = self._agent_key(agent_dir, name)
+        data, fence = self._redis.mget([manifest_key, self._agent_key(agent_dir, "fence-" + name)])
+        if data is None:
+            return False
+        self._seen[manifest_key] = int(fence or 0)
+        if data == read_regular_file(agent_dir / name):
+            return False
+        assert isinstance(data, bytes)
+        try:
+            manifest = decode_manifest(data)
+            check_manifest(manifest, agent_id=agent_id, model_tag=model_tag)
+            refs = [ref for ref in (*manifest.pieces, manifest.state) if not self._on_disk(agent_dir, ref)]
+            raws = self._redis.mget([self._key(agent_dir, ref) for ref in refs]) if refs else []
+            for ref, raw in zip(refs, raws, strict=True):
+                self._check_file(ref, raw, model_tag)
+        except CacheMiss as exc:
+            self.corrupt += 1
+            log.warning("the cache of %r in Redis is unusable: %s", agent_id, exc)
+            return False
+        with AtomicBatch(fsync=self._paths.fsync) as batch:
+            batch.ensure_dir(agent_dir)
+            for ref, raw in zip(refs, raws, strict=True):
+                path = self._path(agent_dir, ref)
+                batch.ensure_dir(path.parent)
+                batch.write(path, raw)
+                self.bytes_received += len(raw)
+            batch.commit()
+        write_atomic(agent_dir / name, data, fsync=self._paths.fsync)
+        self.bytes_received += len(data)
+        self.pulls += 1
+        return True
+
+    def served_elsewhere(self, agent_id: str, model_tag: str) -> bool:
+        """Whether another node published the agent's cache for ``model_tag`` since this node last synced it.
+
+        A hot cache is then older than Redis's (still correct to reuse, but it
+        covers less of the conversation): the caller drops it and pulls.
+        """
+        agent_dir = self._paths.agent_dir(agent_id)
+        name = manifest_name(model_tag)
+
+        def newer() -> bool:
+            fence = self._redis.get(self._agent_key(agent_dir, "fence-" + name))
+            return fence is not None and int(fence) > self._seen.get(self._agent_key(agent_dir, name), 0)
+
+        return self._call("check", newer, False)
+
+    def _on_disk(self, agent_dir: Path, ref: Piece | StateRef) -> bool:
+        header = read_header(self._path(agent_dir, ref), size=ref.size)
+        return header is not None and header_sha256(header) == ref.sha256
+
+    @staticmethod
+    def _check_file(ref: Piece | StateRef, raw: Any, model_tag: str) -> None:
+        """CorruptCacheError unless ``raw`` is the whole file ``ref`` names: size, header checksum, data CRC."""
+        if not isinstance(raw, bytes) or len(raw) != ref.size:
+            raise CorruptCacheError(f"{ref.name} is missing or has the wrong size")
+        try:
+            parsed = parse_file(raw)
+        except ValueError as exc:
+            raise CorruptCacheError(f"{ref.name}: {exc}") from exc
+        if parsed.header_sha256 != ref.sha256 or not data_is_intact(raw, parsed):
+            raise CorruptCacheError(f"{ref.name}: checksum differs from the manifest")
+        if isinstance(ref, BlockPiece) and not block_is_intact(raw, model_tag=model_tag, block_hash=ref.name,
+                                                               like=None):
+            raise CorruptCacheError(f"block {ref.name} is not the block its name says")
+
+    # -- forget ------------------------------------------------------------------
+
+    def forget(self, agent_id: str) -> bool:
+        """Delete the agent's manifests and files in Redis (its blocks stay: other agents may share them)."""
+        def delete() -> bool:
+            agent_dir = self._paths.agent_dir(agent_id)
+            counter = self._agent_key(agent_dir, "fence").encode()  # fences stay increasing
+            keys = [k for k in self._redis.scan_iter(match=self._agent_key(agent_dir, "*"), count=500)
+                    if k != counter]
+            if keys:
+                self._redis.delete(*keys)
+            return bool(keys)
+
+        return self._call("forget", delete, False)
+
+    # -- leases ------------------------------------------------------------------
+
+    def lease(self, agent_id: str, *, lease_ms: int | None = None) -> Lease | None:
+        """Take the agent's lease for this node; None when another node holds it.
+
+        Redis down: a lease that fences nothing (``fence`` 0), so the node serves
+        from its local tier instead of refusing the turn.
+        """
+        agent_dir = self._paths.agent_dir(agent_id)
+
+        def take() -> Lease | None:
+            key = self._agent_key(agent_dir, "lease")
+            fence = int(self._redis.incr(self._agent_key(agent_dir, "fence")))
+            token = f"{self._node}:{fence}"
+            if not self._redis.set(key, token, nx=True, px=lease_ms or self.lease_ms):
+                return None
+            return Lease(agent_id, token, fence)
+
+        unfenced: Lease | None = Lease(agent_id, "", 0)
+        return self._call("lease", take, unfenced)
+
+    def renew(self, lease: Lease, *, lease_ms: int | None = None) -> bool:
+        """Extend ``lease``; False when it expired and someone else may hold it."""
+        if not lease.token:
+            return True
+        key = self._agent_key(self._paths.agent_dir(lease.agent_id), "lease")
+        args = [lease.token, lease_ms or self.lease_ms]
+        return self._call("renew", lambda: bool(self._renew(keys=[key], args=args)), True)
+
+    def release(self, lease: Lease) -> None:
+        """Give ``lease`` back (only if it is still ours)."""
+        if not lease.token:
+            return
+        key = self._agent_key(self._paths.agent_dir(lease.agent_id), "lease")
+        self._call("release", lambda: self._release(keys=[key], args=[lease.token]), 0)
+
