@@ -18,11 +18,10 @@ its own tasks; every Redis call goes through the store's one disk thread
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import logging
 
 import msgspec
 import trio
