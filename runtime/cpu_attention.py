@@ -149,17 +149,24 @@ def _attention(
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 
-_upper_triangles: dict[int, np.ndarray] = {}
+_CACHED_TRIANGLE_MAX = 4096
+_triangle = np.zeros((0, 0), np.float32)  # the largest causal block needed so far, up to the max
 
 
 def _causal_block(n: int) -> np.ndarray:
-    """``n x n`` additive mask: 0 on and below the diagonal, -inf above."""
-    tri = _upper_triangles.get(n)
-    if tri is None:
-        tri = np.triu(np.full((n, n), -np.inf, np.float32), 1)
-        if n <= 4096:
-            _upper_triangles[n] = tri
-    return tri
+    """``n x n`` additive mask: 0 on and below the diagonal, -inf above.
+
+    One triangle is kept and sliced: the top-left ``n x n`` of a larger one is
+    the smaller one, so every chunk length shares it (one per length would keep
+    a matrix for each prompt's last, odd-sized chunk).
+    """
+    global _triangle
+    if n > _triangle.shape[0]:
+        block = np.triu(np.full((n, n), -np.inf, np.float32), 1)
+        if n > _CACHED_TRIANGLE_MAX:
+            return block
+        _triangle = block
+    return _triangle[:n, :n]
 
 
 def numpy_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Any) -> mx.array:
@@ -179,10 +186,12 @@ def numpy_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scal
             broadcastable to ``(B, heads, L, S)``.
 
     A batch is attended row by row, each row over its own keys only (where a
-    boolean mask pads rows on the left, as kvmem's decode batch does): the
-    same products, of the same shapes, as that row alone, so a reply does not
-    depend on which other agents share its batch (MLX's own attention does not
-    promise that: ``tests/test_cpu_attention.py``).
+    boolean mask pads rows on the left, as a decode batch does): the same
+    products, of the same shapes, as that row alone, so a row's result does not
+    depend on the other rows (MLX's own attention does not promise that:
+    ``tests/test_cpu_attention.py``). kvmem's own batches are decode steps,
+    which :data:`MIN_QUERIES` leaves on MLX's attention; the row-by-row path
+    serves callers that batch several query positions.
     """
     if queries.shape[0] > 1:
         return _row_by_row(queries, keys, values, scale=scale, mask=mask)

@@ -170,3 +170,11 @@ def test_a_batch_row_is_bitwise_the_row_alone(lengths: tuple[int, ...]) -> None:
     for i in range(len(lengths)):
         alone = cpu_attention.numpy_attention(qs[i], ks[i], vs[i], scale=0.125, mask=None)
         assert mx.array_equal(batched[i : i + 1], alone).item()
+
+
+def test_causal_blocks_of_every_length_share_one_triangle() -> None:
+    """A shorter chunk after a longer one gets the right triangle, and no per-length copy is kept."""
+    big, small = cpu_attention._causal_block(7), cpu_attention._causal_block(3)
+    expected = np.triu(np.full((3, 3), -np.inf, np.float32), 1)
+    assert np.array_equal(small, expected)
+    assert np.shares_memory(big, small)
