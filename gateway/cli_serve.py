@@ -34,6 +34,7 @@ def register(sub: Any) -> None:
     p.add_argument("--api-key", help="require this key (x-api-key or Authorization: Bearer)")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")
     p.add_argument("--max-body-bytes", type=int, help="largest request body")
+    p.add_argument("--body-timeout-s", type=float, help="seconds a request body may take to arrive (then 408)")
     p.set_defaults(func=_serve)
 
 

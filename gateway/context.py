@@ -235,6 +235,11 @@ class Gateway:
         The rest of an oversize body is read and dropped (up to :data:`DRAIN_BYTES`) before
         answering: a server that answers and closes while the client is still sending makes
         the client's TCP stack reset the connection, and the client never sees the 413.
+
+        A body still arriving ``body_timeout_s`` after the route started reading it is a 408:
+        Hypercorn bounds how long headers may take (its keep-alive timer) but not a body, so
+        without this a client trickling bytes (a slow-loris upload) holds its connection and
+        buffers forever. The body is then unread, so the app's middleware closes the connection.
         """
         limit = self.config.max_body_bytes
         too_large = ApiError(413, "request_too_large", f"request body is larger than {limit} bytes",
@@ -244,14 +249,21 @@ class Gateway:
             raise too_large
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                chunks.clear()
-                if size > DRAIN_BYTES:
-                    break
-                continue
-            chunks.append(chunk)
+        with trio.move_on_after(self.config.body_timeout_s) as deadline:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    chunks.clear()
+                    if size > DRAIN_BYTES:
+                        break
+                    continue
+                chunks.append(chunk)
+        if deadline.cancelled_caught:
+            log.info("request %s: the body took longer than %s s; answering 408", request_id(request),
+                     self.config.body_timeout_s)
+            raise ApiError(408, "invalid_request",
+                           f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                           code="request_timeout")
         if size > limit:
             raise too_large
         return b"".join(chunks)

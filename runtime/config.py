@@ -108,6 +108,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         accept_any_model: serve requests naming an unknown model with the default
             model instead of answering 404 (for clients with a hard-coded model name).
         max_body_bytes: request bodies above this get 413.
+        body_timeout_s: a request body still arriving this long after its headers gets
+            408 and the connection is closed (slow-upload clients cannot hold it open).
         max_tokens_limit: requests asking for more new tokens get 400.
         default_max_tokens: new tokens when an OpenAI request names no limit.
         graceful_timeout_s: on shutdown, how long running requests may finish.
@@ -143,6 +145,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     api_key: str | None = None
     accept_any_model: bool = False
     max_body_bytes: Annotated[int, Meta(ge=1024)] = 4 * 2**20
+    body_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     max_tokens_limit: Annotated[int, Meta(ge=1)] = 4096
     default_max_tokens: Annotated[int, Meta(ge=1)] = 512
     graceful_timeout_s: Annotated[float, Meta(ge=0)] = 10.0
