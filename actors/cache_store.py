@@ -63,6 +63,7 @@ from actors.messages_store import (
     StoreInbox,
 )
 from actors.metrics import PoolSnapshot
+from actors.prefetch import Prefetcher
 from actors.shared_tier import RemoteStats, SharedTier
 from runtime.engine import Tier, TurnPlan
 from runtime.errors import CacheMiss, InvalidAgentIdError
@@ -99,6 +100,9 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     demotions: int
     pools: dict[str, PoolSnapshot]
     remote: RemoteStats | None = None
+    prefetched: int = 0  # caches read ahead at start (actors/prefetch.py)
+    prefetch_hits: int = 0  # turns that took a prefetched cache instead of reading the disk
+    prefetch_held_bytes: int = 0  # prefetched caches still waiting for their turn
 
 
 _Key = tuple[str, str]
@@ -135,6 +139,7 @@ class CacheStoreActor:
         directory: CacheDirectory,
         manager: KVCacheManager,
         remote: RemoteTier | None = None,
+        prefetch_bytes: int = 0,
     ) -> None:
         self._inbox = inbox
         self._directory = directory
@@ -152,6 +157,9 @@ class CacheStoreActor:
         self._remote = remote
         self.shared = None if remote is None else SharedTier(
             remote, disk=self._disk, dirty=lambda agent_id: any(key[0] == agent_id for key in self._dirty))
+        # Not with a shared tier: another node may publish a newer cache after the read.
+        self.prefetch = Prefetcher(directory, self._disk, budget_bytes=prefetch_bytes) \
+            if prefetch_bytes > 0 and remote is None else None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -161,6 +169,8 @@ class CacheStoreActor:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._writer)
+                if self.prefetch is not None:
+                    nursery.start_soon(self.prefetch.run)
                 if self.shared is not None:
                     nursery.start_soon(self.shared.republisher)
                     nursery.start_soon(self.shared.renewer)
@@ -217,6 +227,8 @@ class CacheStoreActor:
                 for key in [k for k in self._dirty if k[1] == tag]:
                     del self._dirty[key]
                 self._manager.drop_model(tag)
+                if self.prefetch is not None:
+                    self.prefetch.drop_model(tag)
                 send_reply(reply, Evicted(written=written))
             case Flush(reply=reply):
                 send_reply(reply, Flushed(written=await self._flush_all()))
@@ -247,7 +259,9 @@ class CacheStoreActor:
             if not self._manager.needs_disk(*key):
                 send_reply(message.reply, Planned(plan=self._plan(message, None)))
                 return
-            warm, tier = await self._disk(self._load, message.agent_id, message.model_tag)
+            warm = None if self.prefetch is None else await self.prefetch.take(*key)
+            if warm is None:
+                warm, tier = await self._disk(self._load, message.agent_id, message.model_tag)
             self._warm_loads += 1
         except InvalidAgentIdError as exc:
             send_reply(message.reply, failed_from(exc))
@@ -312,6 +326,8 @@ class CacheStoreActor:
         send_reply(message.reply, AgentsListed(agents=tuple(records)))
 
     async def _forget(self, message: Forget) -> None:
+        if self.prefetch is not None:
+            self.prefetch.drop(message.agent_id)
         existed = self._manager.forget(message.agent_id) > 0
         for key in [k for k in self._dirty if k[0] == message.agent_id]:
             del self._dirty[key]
@@ -419,4 +435,7 @@ class CacheStoreActor:
             demotions=hot.demotions,
             pools={tag: PoolSnapshot.of(pool) for tag, pool in hot.pools.items()},
             remote=None if self.shared is None else self.shared.statistics(),
+            prefetched=0 if self.prefetch is None else self.prefetch.read,
+            prefetch_hits=0 if self.prefetch is None else self.prefetch.taken,
+            prefetch_held_bytes=0 if self.prefetch is None else self.prefetch.held_bytes,
         )

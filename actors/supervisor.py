@@ -369,7 +369,8 @@ async def open_runtime(
     gpu_send, gpu_receive = trio.open_memory_channel[GpuInbox](_MAILBOX_SIZE)
     registry_send, registry_receive = trio.open_memory_channel[RegistryInbox](_MAILBOX_SIZE)
     manager = KVCacheManager(hot_budget_bytes=int(config.hot_budget_mb * 2**20))
-    store = CacheStoreActor(store_receive, directory=directory, manager=manager, remote=remote)
+    store = CacheStoreActor(store_receive, directory=directory, manager=manager, remote=remote,
+                            prefetch_bytes=int(config.prefetch_mb * 2**20))
     gpu = GPUActor(
         gpu_receive,
         engine=engine,

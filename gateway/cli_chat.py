@@ -110,10 +110,11 @@ async def _open_runtime(config: Config, *, preload: bool = True) -> AsyncIterato
 
 # -- chat ---------------------------------------------------------------------------
 
-CHAT_DEFAULTS: dict[str, Any] = {"prewarm_mb": 0}
+CHAT_DEFAULTS: dict[str, Any] = {"prewarm_mb": 0, "prefetch_mb": 0}
 """``kvmem chat``'s own defaults (below flags, environment and TOML). Pre-warming 512 MiB
 costs a one-shot chat process 0.4-2 s and ~500 MB of memory on a 2-core VM, more than it
-saves on a chat-sized turn; set ``prewarm_mb`` to pre-warm for long resumed conversations."""
+saves on a chat-sized turn; set ``prewarm_mb`` to pre-warm for long resumed conversations.
+A chat process serves one agent, so it reads no other agent's cache ahead (``prefetch_mb``)."""
 
 
 def _chat(args: argparse.Namespace) -> int:

@@ -97,6 +97,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             than MLX's there); off: MLX's own attention everywhere.
         budget_mb: KV memory for running sequences (admission, batch size), MiB.
         hot_budget_mb: memory for idle caches kept in RAM (the hot tier), MiB.
+        prefetch_mb: at start, the most recently saved caches are read from disk while the
+            model loads, up to this many MiB, so their agents' first turns wait for no disk
+            (0: off; not with a shared ``store``).
         prewarm_mb: memory touched once at the first model load and kept, so the
             first turn after a start is as fast as later ones (Linux; 0: off).
         max_batch: most sequences decoding at once.
@@ -135,6 +138,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # -- memory and scheduling
     budget_mb: Annotated[float, Meta(gt=0)] = 2048
     hot_budget_mb: Annotated[float, Meta(gt=0)] = 512
+    prefetch_mb: Annotated[float, Meta(ge=0)] = 256
     prewarm_mb: Annotated[float, Meta(ge=0)] = 512
     max_batch: Annotated[int, Meta(ge=1, le=1024)] = 32
     prefill_chunk: Annotated[int, Meta(ge=1)] | None = None
