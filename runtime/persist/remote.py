@@ -9,7 +9,7 @@ braces keep an agent's keys in one Redis Cluster slot)::
 
     kvmem:block:<hash>                 a shared 256-token block, stored once for the cluster (SET NX)
     kvmem:agent:{<dir>}:<file>         the agent's segments and state files (content-named, SET NX)
-    kvmem:agent:{<dir>}:manifest-<d>   the agent's manifest for a model: replaced by one SET, last
+    kvmem:agent:{<dir>}:manifest-<d>   the agent's manifest for a model: replaced last, by one script
     kvmem:agent:{<dir>}:fence-manifest-<d>   the lease fence the manifest was published under
     kvmem:agent:{<dir>}:files-manifest-<d>   the keys of the files the manifest names (for reference counts)
     kvmem:agent:{<dir>}:manifests      the agent's manifest keys (a set: what forgetting drops)
@@ -19,10 +19,12 @@ braces keep an agent's keys in one Redis Cluster slot)::
     kvmem:refs                         how many current manifests name each file key (a hash)
 
 * :meth:`RemoteTier.publish` (after a disk save, write-behind) sends the files
-  Redis lacks, then the manifest in one SET, so a reader sees the old manifest
-  or the new one, each with every file it names. With a fence (a lease's
-  counter), a Lua script refuses to replace a manifest published under a newer
-  fence: a holder whose lease expired cannot publish over its successor.
+  Redis lacks, then swaps the manifest in with one Lua script, so a reader sees
+  the old manifest or the new one, each with every file it names (the script
+  checks they exist). With a fence (a lease's counter), the script refuses to
+  replace a manifest published under a newer fence, or to publish under a fence
+  older than the agent's tombstone: a holder whose lease expired cannot publish
+  over its successor, nor bring back a forgotten agent.
 * :meth:`RemoteTier.pull` (before a load, for an agent with no hot cache)
   compares Redis's manifest with the local one; when they differ it checks
   the manifest (:func:`~runtime.persist.manifests.check_manifest`), fetches the
