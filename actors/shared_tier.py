@@ -174,7 +174,7 @@ class SharedTier:
         self._unpublished = {k: None for k in self._unpublished if k[0] != agent_id}
 
     async def forget(self, agent_id: str) -> bool:
-        """Forget the agent cluster-wide (a tombstone other nodes heed, see ``RemoteTier.forget``); whether Redis had it."""
+        """Forget the agent cluster-wide (a tombstone other nodes heed: ``RemoteTier.forget``); whether Redis had it."""
         self.drop_unpublished(agent_id)
         return bool(await self._disk(self.remote.forget, agent_id))
 
