@@ -340,11 +340,11 @@ class CacheStoreActor:
             del self._dirty[key]
         if self.shared is not None:
             self.shared.drop_unpublished(agent_id)
-        existed = await self._disk(self._directory.exists, agent_id) or existed
+        on_disk = await self._disk(self._directory.exists, agent_id)
         await self._disk(self._directory.delete, agent_id)
-        # The blocks only this agent referenced go too (one directory scan; forgetting is rare).
-        await self._disk(self._directory.collect_garbage)
-        return existed
+        if on_disk:  # the blocks only this agent referenced go too (one directory scan; forgetting is rare)
+            await self._disk(self._directory.collect_garbage)
+        return on_disk or existed
 
     # -- hot tier --------------------------------------------------------------
 
