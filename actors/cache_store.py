@@ -29,7 +29,10 @@
   :class:`EndTurn` once its cache is published, under the lease's fence.
 * Caches carry their model tag; a plan only ever uses caches made by the model asked for. An agent has one cache per
   model, on disk too (:class:`runtime.persist.CacheDirectory`); :class:`Forget`
-  removes them all, and the blocks no other agent's cache references.
+  removes them all, and the blocks no other agent's cache references. With a
+  shared tier, forgetting is cluster-wide: Redis keeps a tombstone, and a node
+  whose lease check (:meth:`runtime.persist.remote.RemoteTier.check`) finds one
+  newer than its copies drops them before planning the turn.
 
 Parked caches hold MLX arrays; the store and the manager only hold references
 and read their plain attributes (text, token ids, offsets, size).
@@ -253,9 +256,14 @@ class CacheStoreActor:
                     kind="AgentBusy", error=f"agent {message.agent_id!r} is in a turn on another node; retry shortly"))
                 return
             key = (message.agent_id, message.model_tag)
-            if self.shared is not None and not self._manager.needs_disk(*key) and key not in self._dirty \
-                    and await self._disk(self.shared.remote.served_elsewhere, *key):
-                self._manager.drop(*key)  # another node served the agent since: Redis has more of it
+            if self.shared is not None:
+                match await self._disk(self.shared.remote.check, *key):
+                    case "forgotten":  # on another node, since this node last held the agent: drop every copy
+                        await self._forget_here(message.agent_id)
+                    case "newer" if not self._manager.needs_disk(*key) and key not in self._dirty:
+                        self._manager.drop(*key)  # another node served the agent since: Redis has more of it
+                    case _:
+                        pass
             if not self._manager.needs_disk(*key):
                 send_reply(message.reply, Planned(plan=self._plan(message, None)))
                 return
@@ -326,22 +334,33 @@ class CacheStoreActor:
         send_reply(message.reply, AgentsListed(agents=tuple(records)))
 
     async def _forget(self, message: Forget) -> None:
-        if self.prefetch is not None:
-            self.prefetch.drop(message.agent_id)
-        existed = self._manager.forget(message.agent_id) > 0
-        for key in [k for k in self._dirty if k[0] == message.agent_id]:
-            del self._dirty[key]
         try:
-            existed = await self._disk(self._directory.exists, message.agent_id) or existed
-            await self._disk(self._directory.delete, message.agent_id)
-            # The blocks only this agent referenced go too (one directory scan; forgetting is rare).
-            await self._disk(self._directory.collect_garbage)
+            existed = await self._forget_here(message.agent_id)
             if self.shared is not None:
                 existed = await self.shared.forget(message.agent_id) or existed
         except (InvalidAgentIdError, OSError) as exc:
             send_reply(message.reply, failed_from(exc))
             return
         send_reply(message.reply, Forgotten(existed=existed))
+
+    async def _forget_here(self, agent_id: str) -> bool:
+        """Drop this node's copies of the agent: hot, unsaved and on disk; whether there were any.
+
+        Raises:
+            InvalidAgentIdError, OSError: from the cache directory.
+        """
+        if self.prefetch is not None:
+            self.prefetch.drop(agent_id)
+        existed = self._manager.forget(agent_id) > 0
+        for key in [k for k in self._dirty if k[0] == agent_id]:
+            del self._dirty[key]
+        if self.shared is not None:
+            self.shared.drop_unpublished(agent_id)
+        on_disk = await self._disk(self._directory.exists, agent_id)
+        await self._disk(self._directory.delete, agent_id)
+        if on_disk:  # the blocks only this agent referenced go too (one directory scan; forgetting is rare)
+            await self._disk(self._directory.collect_garbage)
+        return on_disk or existed
 
     # -- hot tier --------------------------------------------------------------
 
@@ -393,7 +412,8 @@ class CacheStoreActor:
         if report is not None:
             self._writes += 1
             self._bytes_written += report.bytes_written
-            if self.shared is not None:
+            if self.shared is not None and self._dirty.get(key) is pending:
+                # Not a superseded cache (the newer one is published soon) nor a forgotten one (never again).
                 await self.shared.publish(key)
         if self._dirty.get(key) is not pending:
             return report is not None  # superseded or forgotten meanwhile

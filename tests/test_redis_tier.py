@@ -217,6 +217,8 @@ def test_store_setting_from_flag_environment_and_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="store"):
         load_config({"store": "http://cache:6379"})
     assert redacted_url("redis://:secret@cache:6379/0") == "redis://:***@cache:6379/0"
+    assert redacted_url("rediss://cache:6380/0?password=secret&ssl_ca_certs=/etc/ca.pem") == \
+        "rediss://cache:6380/0?password=***&ssl_ca_certs=/etc/ca.pem"
 
 
 def test_a_turn_for_an_agent_leased_by_another_node_gets_429_with_retry_after(
