@@ -461,3 +461,27 @@ async def test_new_agents_admitted_at_once_cannot_all_pass_the_limit() -> None:
             nursery.start_soon(create, i)
     assert sorted(outcomes) == ["in", "in", *["tenant_agent_limit"] * 4]
     await tenant.admit(rt, namespaced("tiny", admitted[0]))  # type: ignore[arg-type]  # an existing agent goes on
+
+
+def test_the_cli_lists_and_forgets_a_tenants_agents(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    keys = _key_file(tmp_path / "keys.toml")
+    config = Config(model=MODEL, port=0, home=str(tmp_path / "home"), cache_dir=str(tmp_path), api_keys=str(keys),
+                    fsync=False, max_tokens_limit=64, graceful_timeout_s=2)
+    with ServerThread(config, engine=FakeEngine()) as server, _client(server, KEY_A) as acme:
+        assert _openai(acme, agent="kept").status_code == 200
+        assert _openai(acme, agent="dropped").status_code == 200
+    settings = tmp_path / "kvmem.toml"
+    settings.write_text(f'cache_dir = "{tmp_path}"\nhome = "{tmp_path / "home"}"\nfsync = false\n')
+    where = ["--config", str(settings)]
+    assert main(["agents", "--json", "--tenant", "acme", *where]) == 0
+    assert sorted(a["agent"] for a in json.loads(capsys.readouterr().out)) == ["dropped", "kept"]
+    assert main(["agents", "--json", *where]) == 0
+    assert json.loads(capsys.readouterr().out) == []  # the keyless namespace holds none of them
+    assert main(["forget", "dropped", "--tenant", "globex", *where]) == 1  # another tenant's: not found
+    assert main(["forget", "dropped", "--tenant", "acme", *where]) == 0
+    assert capsys.readouterr().out.strip() == "forgot dropped"
+    assert main(["agents", "--json", "--tenant", "acme", *where]) == 0
+    assert [a["agent"] for a in json.loads(capsys.readouterr().out)] == ["kept"]
+    assert main(["agents", "--tenant", "Bad Name", *where]) == 2
