@@ -71,11 +71,24 @@ from actors.messages_store import (
     ListReply,
     StoreInbox,
     Usage,
-    Used,
     UsageReply,
+    Used,
 )
-from actors.metrics import GpuEvent, GpuStats, MetricsSnapshot, RunningTurn, RuntimeMetrics
-from actors.registry import Acquire, AcquireReply, ModelRegistry, RegistryInbox, RegistryStats, Release
+from actors.metrics import (
+    GpuEvent,
+    GpuStats,
+    MetricsSnapshot,
+    RunningTurn,
+    RuntimeMetrics,
+)
+from actors.registry import (
+    Acquire,
+    AcquireReply,
+    ModelRegistry,
+    RegistryInbox,
+    RegistryStats,
+    Release,
+)
 from actors.signals import watch_signals
 from runtime.config import Config
 from runtime.engine import Engine, ToolChoice
@@ -385,11 +398,15 @@ async def open_runtime(
     directory = await trio.to_thread.run_sync(open_directory)
     remote = None
     if config.store is not None:
-        from runtime.persist.remote import RemoteTier  # the redis client: only when a shared tier is set
+        from runtime.persist.remote import (
+            RemoteTier,  # the redis client: only when a shared tier is set
+        )
 
         remote = RemoteTier(config.store, directory.paths, lease_ms=int(config.lease_s * 1000))
     if engine is None:
-        from runtime.mlx_engine import MlxEngine  # imports mlx: only when the real engine runs
+        from runtime.mlx_engine import (
+            MlxEngine,  # imports mlx: only when the real engine runs
+        )
 
         engine = MlxEngine(
             models_dir=config.models_path,

@@ -323,7 +323,9 @@ def summarize_agents(home: KvmemHome | None, records: list[AgentRecord]) -> list
         latest.setdefault(r.agent_id, r)
         disk_bytes[r.agent_id] = disk_bytes.get(r.agent_id, 0) + r.disk_bytes
     out = []
+    # A tenant's agents (home None) have no `kvmem chat` conversations.
     for path in sorted(home.root.joinpath("conversations").glob("*.json")) if home else ():
+        assert home is not None
         convo = home.load_conversation(path.stem)
         agent = str(convo.get("agent", path.stem))
         record = latest.pop(agent, None)

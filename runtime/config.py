@@ -188,6 +188,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 FIELDS: tuple[str, ...] = Config.__struct_fields__
 _BOOLS = frozenset({"fsync", "accept_any_model", "numpy_attention"})
 _NONE_WORDS = ("", "none", "null")
+_NONE_ALLOWED = frozenset({"model_idle_s", "prefill_chunk", "api_key", "api_keys", "store"})
 
 
 def _normalize(key: str, value: Any) -> Any:
@@ -210,7 +211,7 @@ def _normalize(key: str, value: Any) -> Any:
         if raw in ("0", "false", "no", "off"):
             return False
         return value  # validation names it
-    if key in ("model_idle_s", "prefill_chunk", "api_key", "api_keys", "store") and value.strip().lower() in _NONE_WORDS:
+    if key in _NONE_ALLOWED and value.strip().lower() in _NONE_WORDS:
         return None
     return value
 

@@ -24,8 +24,8 @@ import httpx
 import pytest
 from fake_engine import FakeEngine
 
-from gateway.testing import ServerThread
 from gateway.tenants import Limits, Tenant, load_tenant_keys
+from gateway.testing import ServerThread
 from runtime.config import Config, ConfigError, load_config
 from runtime.engine import HotCache
 from runtime.kv_manager import KVCacheManager
