@@ -68,6 +68,9 @@ log = logging.getLogger("kvmem.gateway")
 HASHED_PREFIX = "sha256:"
 """A key file entry that starts with this is the key's SHA-256 (64 hex digits), not the key."""
 
+MIN_KEY_CHARS = 16
+"""A key as is shorter than this is accepted with a warning."""
+
 OPERATOR_PATHS = ("/metrics", "/v1/scenarios")
 """With tenants, only operator tenants reach these (they see every tenant's load, and scenarios' agents)."""
 
@@ -183,7 +186,7 @@ class TenantKeys:
         return None if found is None else self.tenants[found]
 
 
-def _entry_digest(key: str, path: Path) -> bytes:
+def _entry_digest(key: str, tenant: str, path: Path) -> bytes:
     if key.startswith(HASHED_PREFIX):
         hexdigest = key[len(HASHED_PREFIX):].lower()
         if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
@@ -191,6 +194,9 @@ def _entry_digest(key: str, path: Path) -> bytes:
         return bytes.fromhex(hexdigest)
     if not key or key != key.strip() or any(c.isspace() for c in key):
         raise ConfigError(f"key file {path}: a key is empty or holds white space")
+    if len(key) < MIN_KEY_CHARS:  # unauthenticated requests are not rate limited: a short key can be guessed
+        log.warning("key file %s: a key of tenant %r has %d characters; use %d or more (e.g. openssl rand -hex 24)",
+                    path, tenant, len(key), MIN_KEY_CHARS)
     return _digest(key)
 
 
@@ -231,7 +237,7 @@ def load_tenant_keys(path: str | os.PathLike[str], *, clock: Callable[[], float]
     entries: list[tuple[bytes, str]] = []
     seen: dict[bytes, str] = {}
     for key, name in parsed.keys.items():
-        digest = _entry_digest(key, path)
+        digest = _entry_digest(key, name, path)
         if digest in seen:
             raise ConfigError(f"key file {path}: one key is given twice (as is and hashed), for tenants "
                               f"{seen[digest]!r} and {name!r}")

@@ -375,6 +375,17 @@ def test_a_bad_key_file_is_a_config_error_naming_the_problem(tmp_path: Path, tex
         load_tenant_keys(path)
 
 
+def test_short_keys_and_a_key_file_others_can_read_are_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text('[keys]\n"short" = "a"\n')
+    path.chmod(0o644)
+    with caplog.at_level("WARNING", logger="kvmem.gateway"):
+        load_tenant_keys(path)
+    assert "5 characters" in caplog.text and "chmod 600" in caplog.text
+
+
 def test_api_key_and_api_keys_together_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="api_key and api_keys"):
         load_config({"api_key": "k", "api_keys": str(tmp_path / "keys.toml")}, env={})
