@@ -27,6 +27,9 @@
   to :data:`actors.shared_tier.LEASE_WAIT_S` while another node holds it, then answers
   ``Failed(kind="AgentBusy")``. The lease is given back after the turn's
   :class:`EndTurn` once its cache is published, under the lease's fence.
+* **Tenants**: an agent id that names a tenant (:mod:`runtime.tenancy`) keeps its caches in
+  that tenant's subtree of the cache directory (:class:`runtime.persist.tenants.TenantDirectories`);
+  a listing is one tenant's, and :class:`Usage` is what one tenant holds (for its limits).
 * Caches carry their model tag; a plan only ever uses caches made by the model asked for. An agent has one cache per
   model, on disk too (:class:`runtime.persist.CacheDirectory`); :class:`Forget`
   removes them all, and the blocks no other agent's cache references. With a
@@ -64,6 +67,8 @@ from actors.messages_store import (
     PlanTurn,
     Put,
     StoreInbox,
+    Usage,
+    Used,
 )
 from actors.metrics import PoolSnapshot
 from actors.prefetch import Prefetcher
@@ -71,8 +76,10 @@ from actors.shared_tier import RemoteStats, SharedTier
 from runtime.engine import Tier, TurnPlan
 from runtime.errors import CacheMiss, InvalidAgentIdError
 from runtime.kv_manager import KVCacheManager
-from runtime.persist import CacheDirectory
+from runtime.persist import CacheDirectory, safe_agent_dirname
+from runtime.persist.tenants import TenantDirectories
 from runtime.spec import CacheSnapshot
+from runtime.tenancy import local_id, tenant_of
 
 if TYPE_CHECKING:
     from runtime.persist.remote import RemoteTier
@@ -130,7 +137,7 @@ class CacheStoreActor:
 
     Args:
         inbox: the store mailbox (:data:`actors.messages_store.StoreInbox`).
-        directory: the warm tier.
+        directory: the warm tier (the tenants' subtrees are inside it).
         manager: the hot tier and the planner (shared with the GPU actor).
         remote: the shared tier (None: this node's disk only).
     """
@@ -145,7 +152,7 @@ class CacheStoreActor:
         prefetch_bytes: int = 0,
     ) -> None:
         self._inbox = inbox
-        self._directory = directory
+        self._directory = TenantDirectories(directory)
         self._manager = manager
         self._limiter = trio.CapacityLimiter(1)
         self._dirty: dict[_Key, _Pending] = {}  # oldest first
@@ -161,8 +168,8 @@ class CacheStoreActor:
         self.shared = None if remote is None else SharedTier(
             remote, disk=self._disk, dirty=lambda agent_id: any(key[0] == agent_id for key in self._dirty))
         # Not with a shared tier: another node may publish a newer cache after the read.
-        self.prefetch = Prefetcher(directory, self._disk, budget_bytes=prefetch_bytes) \
-            if prefetch_bytes > 0 and remote is None else None
+        self.prefetch = Prefetcher(self._directory.list_all_agents, self._directory.load, self._disk,
+                                   budget_bytes=prefetch_bytes) if prefetch_bytes > 0 and remote is None else None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -238,6 +245,9 @@ class CacheStoreActor:
             case ListAgents():
                 assert self._nursery is not None
                 self._nursery.start_soon(self._list, message)
+            case Usage():
+                assert self._nursery is not None
+                self._nursery.start_soon(self._usage, message)
             case _:
                 assert_never(message)
 
@@ -291,12 +301,13 @@ class CacheStoreActor:
         return self._directory.load(agent_id, model_tag=model_tag), "remote" if pulled else "warm"
 
     async def _list(self, message: ListAgents) -> None:
+        wanted = message.agent_id
+        tenant = message.tenant if wanted is None else tenant_of(wanted)
         try:
-            stored = await self._disk(self._directory.list_agents)
-        except OSError as exc:
+            stored = await self._disk(self._directory.list_agents, tenant)
+        except (OSError, ValueError) as exc:
             send_reply(message.reply, failed_from(exc))
             return
-        wanted = message.agent_id
         on_disk = {
             (e.agent_id, e.model_tag): AgentRecord(
                 agent_id=e.agent_id,
@@ -313,7 +324,7 @@ class CacheStoreActor:
         }
         hot: list[AgentRecord] = []  # most recently used first
         for entry in reversed(self._manager.entries()):
-            if wanted is not None and entry.agent_id != wanted:
+            if (wanted is not None and entry.agent_id != wanted) or tenant_of(entry.agent_id) != tenant:
                 continue
             disk = on_disk.pop(entry.key, None)
             hot.append(
@@ -332,6 +343,16 @@ class CacheStoreActor:
         # Stable: by agent id; an agent's hot caches first, most recently used first, then the newest on disk.
         records = sorted([*hot, *cold], key=lambda r: r.agent_id)
         send_reply(message.reply, AgentsListed(agents=tuple(records)))
+
+    async def _usage(self, message: Usage) -> None:
+        try:
+            disk = await self._disk(self._directory.usage, message.tenant)
+        except (OSError, ValueError) as exc:
+            send_reply(message.reply, failed_from(exc))
+            return
+        in_ram = {e.agent_id for e in self._manager.entries()} | {key[0] for key in self._dirty}
+        dirs = {safe_agent_dirname(local_id(a)) for a in in_ram if tenant_of(a) == message.tenant}
+        send_reply(message.reply, Used(agent_dirs=disk.agent_dirs | dirs, disk_bytes=disk.disk_bytes))
 
     async def _forget(self, message: Forget) -> None:
         try:
@@ -357,9 +378,8 @@ class CacheStoreActor:
         if self.shared is not None:
             self.shared.drop_unpublished(agent_id)
         on_disk = await self._disk(self._directory.exists, agent_id)
+        # The blocks only this agent referenced go too (one scan of its directory; forgetting is rare).
         await self._disk(self._directory.delete, agent_id)
-        if on_disk:  # the blocks only this agent referenced go too (one directory scan; forgetting is rare)
-            await self._disk(self._directory.collect_garbage)
         return on_disk or existed
 
     # -- hot tier --------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Any
 import trio
 
 from runtime.errors import CacheMiss
-from runtime.persist import CacheDirectory
+from runtime.persist.agents import AgentEntry
 from runtime.spec import CacheSnapshot
 
 __all__ = ["Prefetcher", "PREFETCH_KEEP_S"]
@@ -46,7 +46,8 @@ class Prefetcher:
     """The caches read ahead at start, by (agent id, model tag); see the module docstring.
 
     Args:
-        directory: the cache directory to read.
+        list_agents: every stored cache, with its size and time (``TenantDirectories.list_all_agents``).
+        load: reads and verifies one (``load(agent_id, model_tag=...)``).
         disk: runs a function on the store's disk thread (``CacheStoreActor._disk``).
         budget_bytes: most bytes of caches held (their size on disk, about their size in RAM).
         keep_s: unused snapshots are dropped this long after the prefetch finished.
@@ -54,13 +55,15 @@ class Prefetcher:
 
     def __init__(
         self,
-        directory: CacheDirectory,
+        list_agents: Callable[[], list[AgentEntry]],
+        load: Callable[..., CacheSnapshot],
         disk: Callable[..., Awaitable[Any]],
         *,
         budget_bytes: int,
         keep_s: float = PREFETCH_KEEP_S,
     ) -> None:
-        self._directory = directory
+        self._list_agents = list_agents
+        self._load = load
         self._disk = disk
         self._budget = budget_bytes
         self._keep_s = keep_s
@@ -92,7 +95,7 @@ class Prefetcher:
         if self._budget <= 0:
             return
         try:
-            entries = await self._disk(self._directory.list_agents)
+            entries = await self._disk(self._list_agents)
         except OSError as exc:
             log.warning("listing the cache directory for the prefetch failed: %s", exc)
             return
@@ -111,7 +114,7 @@ class Prefetcher:
                 self._reading.pop(key).set()
                 continue
             try:
-                snapshot = await self._disk(self._directory.load, entry.agent_id, model_tag=entry.model_tag)
+                snapshot = await self._disk(self._load, entry.agent_id, model_tag=entry.model_tag)
             except (CacheMiss, OSError, ValueError) as exc:
                 # The turn's own load meets the same problem and logs it as a miss.
                 log.debug("prefetching %r skipped: %s", entry.agent_id, exc)

@@ -34,6 +34,7 @@ def register(sub: Any) -> None:
     p.add_argument("--prefetch-mb", type=float,
                    help="at start, read the newest caches from disk while the model loads (MiB; 0: off)")
     p.add_argument("--api-key", help="require this key (x-api-key or Authorization: Bearer)")
+    p.add_argument("--api-keys", help="TOML file of keys, each naming a tenant, and tenant limits (not with --api-key)")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")
     p.add_argument("--max-body-bytes", type=int, help="largest request body")
     p.add_argument("--body-timeout-s", type=float, help="seconds a request body may take to arrive (then 408)")
@@ -46,6 +47,10 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.server import ServerStarted, serve
 
     config = config_from_args(args)  # a ConfigError is reported by gateway.cli
+    if config.api_keys is not None:
+        from gateway.tenants import load_tenant_keys
+
+        load_tenant_keys(config.api_keys)  # a bad key file: one line now, before the model loads
 
     def scenarios(rt: Any, nursery: trio.Nursery) -> list[Any]:
         from gateway.scenario_routes import scenario_routes

@@ -106,11 +106,11 @@ async def test_the_budget_takes_the_newest_caches_first(tmp_path: Path) -> None:
         return fn(*args, **kwargs)
 
     budget = entries["newest"].disk_bytes + entries["middle"].disk_bytes + entries["oldest"].disk_bytes // 2
-    prefetcher = Prefetcher(directory, disk, budget_bytes=budget, keep_s=0.0)
+    prefetcher = Prefetcher(directory.list_agents, directory.load, disk, budget_bytes=budget, keep_s=0.0)
     await prefetcher.run()  # keep_s = 0: reads, then drops what no turn took
     assert prefetcher.read == 2
 
-    prefetcher = Prefetcher(directory, disk, budget_bytes=budget, keep_s=60.0)
+    prefetcher = Prefetcher(directory.list_agents, directory.load, disk, budget_bytes=budget, keep_s=60.0)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(prefetcher.run)
         await prefetcher.done.wait()
@@ -132,3 +132,16 @@ async def test_caches_larger_than_the_budget_are_not_read(tmp_path: Path, budget
         resumed = await rt.agent("big").send_prompt(f"big: {STORY} And?", max_tokens=4)
         store = rt.stats().store
     assert resumed.usage.tier == "warm" and store.prefetched == 0
+
+
+async def test_tenants_agents_are_prefetched_from_their_own_subtrees(tmp_path: Path) -> None:
+    from runtime.tenancy import namespaced
+
+    acme_bob = namespaced("acme", "bob")
+    await _first_turns(tmp_path, tmp_path / "caches", [acme_bob, "plain"])
+    assert (tmp_path / "caches" / "caches" / "tenants" / "acme").is_dir()
+    async with _open(tmp_path, tmp_path / "caches", prefetch_mb=64) as rt:
+        await _prefetched(rt, 2)
+        resumed = await rt.agent(acme_bob).send_prompt(f"{acme_bob}: {STORY} Who?", max_tokens=4)
+        store = rt.stats().store
+    assert resumed.usage.tier == "warm" and resumed.usage.tokens_reused > 0 and store.prefetch_hits == 1
