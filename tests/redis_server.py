@@ -12,13 +12,22 @@ import socket
 import subprocess
 import time
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
+from conftest import models_dir
 
-__all__ = ["RedisServer", "TlsFiles", "make_tls_files"]
+from actors import open_runtime
+
+__all__ = ["RedisServer", "TlsFiles", "make_tls_files", "redis_server", "open_node", "second_turn", "MESSAGES"]
+
+MESSAGES = [{"role": "system", "content": "You are a storyteller who remembers."},
+            {"role": "user", "content": "Tell me about the lighthouse keeper and her cat."}]
+"""The first turn the shared-tier tests give an agent."""
 
 
 def _free_port() -> int:
@@ -123,3 +132,25 @@ class RedisServer:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh ``redis-server`` for one test."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def open_node(home: Path, store: str | None, **kw: Any):  # noqa: ANN201 - open_runtime's context manager
+    """One in-process node (a runtime on ``tiny-llama``) against ``store``."""
+    return open_runtime(model="tiny-llama", home=home, models_dir=models_dir(), fsync=False, store=store,
+                        handle_signals=False, **kw)
+
+
+def second_turn(reply: str) -> list[dict[str, str]]:
+    """:data:`MESSAGES`, the agent's ``reply`` and a follow-up question."""
+    return [*MESSAGES, {"role": "assistant", "content": reply}, {"role": "user", "content": "What was her name?"}]

@@ -9,44 +9,22 @@ from __future__ import annotations
 
 import logging
 import urllib.parse
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import models_dir
-from redis_server import RedisServer, make_tls_files
+from redis_server import MESSAGES, RedisServer, make_tls_files, redis_server  # noqa: F401 - redis_server is a fixture
+from redis_server import open_node as _open
+from redis_server import second_turn as _second_turn
 
-from actors import open_runtime
 from gateway.testing import ServerThread
 from runtime.config import Config
 from runtime.persist import CacheDirectory
 from runtime.persist.manifests import decode_manifest
 from runtime.persist.remote import RemoteTier
 
-MESSAGES = [{"role": "system", "content": "You are a storyteller who remembers."},
-            {"role": "user", "content": "Tell me about the lighthouse keeper and her cat."}]
-
 PASSWORD = "correct-horse:battery/staple"  # with characters a URL must escape
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def _open(home: Path, store: str | None, **kw):
-    return open_runtime(model="tiny-llama", home=home, models_dir=models_dir(), fsync=False, store=store,
-                        handle_signals=False, **kw)
-
-
-def _second_turn(reply: str) -> list[dict[str, str]]:
-    return [*MESSAGES, {"role": "assistant", "content": reply}, {"role": "user", "content": "What was her name?"}]
 
 
 def _agent_keys(client, agent: str) -> set[str]:
