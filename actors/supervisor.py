@@ -416,6 +416,7 @@ async def open_runtime(
             weights=config.weights,
             prewarm_mb=config.prewarm_mb,
             numpy_attention=config.numpy_attention,
+            keep_float_mb=config.keep_float_mb,
         )
     metrics = RuntimeMetrics()
     store_send, store_receive = trio.open_memory_channel[StoreInbox](_MAILBOX_SIZE)

@@ -31,6 +31,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--prewarm-mb", type=float, help="memory touched at start and kept, so the first turn is fast (MiB; 0: off)"
     )
+    p.add_argument("--keep-float-mb", type=float,
+                   help="float KV kept after turns so the next hot turn skips dequantizing (MiB; 0: off)")
     p.add_argument("--prefetch-mb", type=float,
                    help="at start, read the newest caches from disk while the model loads (MiB; 0: off)")
     p.add_argument("--api-key", help="require this key (x-api-key or Authorization: Bearer)")

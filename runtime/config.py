@@ -98,6 +98,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             than MLX's there); off: MLX's own attention everywhere.
         budget_mb: KV memory for running sequences (admission, batch size), MiB.
         hot_budget_mb: memory for idle caches kept in RAM (the hot tier), MiB.
+        keep_float_mb: memory for the float KV of recently finished turns (``at-rest``),
+            so an agent's next hot turn skips dequantizing its Q4 cache, MiB (0: off).
         prefetch_mb: at start, the most recently saved caches are read from disk while the
             model loads, up to this many MiB, so their agents' first turns wait for no disk
             (0: off; not with a shared ``store``).
@@ -144,6 +146,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     budget_mb: Annotated[float, Meta(gt=0)] = 2048
     hot_budget_mb: Annotated[float, Meta(gt=0)] = 512
     prefetch_mb: Annotated[float, Meta(ge=0)] = 256
+    keep_float_mb: Annotated[float, Meta(ge=0)] = 1024
     prewarm_mb: Annotated[float, Meta(ge=0)] = 512
     max_batch: Annotated[int, Meta(ge=1, le=1024)] = 32
     prefill_chunk: Annotated[int, Meta(ge=1)] | None = None

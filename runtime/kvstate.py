@@ -28,8 +28,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from runtime.float_resident import FloatResident, LayerKV
 from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
-from runtime.q4_packing import quantize_kv
+from runtime.q4_packing import dequantize_kv, quantize_kv
 from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot, ModelCacheSpec
 
 __all__ = ["ParkedCache", "ParkedLayer", "ActiveKV", "Strategy", "SLIDING_SLACK", "resolve_strategy"]
@@ -122,6 +123,8 @@ class ParkedCache:
     offsets: tuple[int, ...]
     layers: tuple[ParkedLayer, ...]
     meta: dict[str, Any] = field(default_factory=dict)
+    # The float buffers its last turn left (runtime.float_resident): a cache of the activation only.
+    resident: FloatResident | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -215,26 +218,43 @@ class ActiveKV:
         self.base = parked
         self.spec = spec
         self.strategy = resolve_strategy(strategy)
+        kept: list[LayerKV | None] | None = None
+        if parked.resident is not None and self.strategy == "at-rest":
+            kept = parked.resident.take(parked.num_tokens)
+        self.resumed_float = kept is not None  # the activation was skipped (runtime.float_resident)
         self.caches: list[Any] = [
-            _activate_layer(layer, lspec, spec, self.strategy, parked.num_tokens)
-            for layer, lspec in zip(parked.layers, spec.layers, strict=True)
+            _activate_layer(layer, lspec, spec, self.strategy, parked.num_tokens, kept[i] if kept else None)
+            for i, (layer, lspec) in enumerate(zip(parked.layers, spec.layers, strict=True))
         ]
 
-    def park(self, *, text: str, token_ids: list[int], offsets: list[int]) -> ParkedCache | None:
+    def park(self, *, text: str, token_ids: list[int], offsets: list[int],
+             keep_float: bool = False) -> ParkedCache | None:
         """Freeze the first ``len(token_ids)`` tokens back into a parked cache.
 
+        With ``keep_float`` (``at-rest`` only) the parked cache also keeps these float
+        buffers as its :class:`~runtime.float_resident.FloatResident`, the tokens this
+        turn added overwritten by their dequantized Q4: the sequence must not run again.
         Returns None if a sliding layer cannot be trimmed that far (the caller then
         drops the cache and the next turn starts cold).
         """
         keep = len(token_ids)
         n_base = self.base.num_tokens
-        layers = []
+        keep_float = keep_float and self.strategy == "at-rest"
+        layers, floats = [], []
         for cache, base, lspec in zip(self.caches, self.base.layers, self.spec.layers, strict=True):
-            layer = _park_layer(cache, base, lspec, self.spec, self.strategy, n_base=n_base, keep=keep)
-            if layer is None:
+            parked = _park_layer(cache, base, lspec, self.spec, self.strategy, n_base=n_base, keep=keep,
+                                 keep_float=keep_float)
+            if parked is None:
                 return None
+            layer, kept = parked
             layers.append(layer)
-        mx.eval([a for layer in layers for chunk in layer.chunks for a in chunk.values()])
+            floats.append(kept)
+        pending = [a for layer in layers for chunk in layer.chunks for a in chunk.values()]
+        resident = None
+        if keep_float and any(kv is not None for kv in floats):
+            resident = FloatResident(floats, keep)
+            pending += [a for kv in floats if kv is not None for a in kv]
+        mx.eval(pending)
         return ParkedCache(
             model_tag=self.spec.tag,
             text=text,
@@ -242,10 +262,12 @@ class ActiveKV:
             offsets=tuple(offsets),
             layers=tuple(layers),
             meta=dict(self.base.meta),
+            resident=resident,
         )
 
 
-def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, strategy: Strategy, offset: int) -> Any:
+def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, strategy: Strategy, offset: int,
+                    kept: LayerKV | None = None) -> Any:
     fmt = spec.kv_format
     a = layer.arrays
     if layer.kind is LayerKind.SLIDING:
@@ -268,6 +290,11 @@ def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, strate
             return cls(group_size=group, bits=bits)
         return cls.from_packed(*packed, group_size=group, bits=bits)
     cache = KVCache()
+    if kept is not None and offset:
+        # The float buffers of this cache's last turn: the same values the dequantization below makes.
+        cache.keys, cache.values = kept
+        cache.offset = offset
+        return cache
     if packed is not None:
         q = QuantizedKVCache.from_packed(*packed, group_size=group, bits=bits)
         keys, values = q.dequantized(_float_dtype(spec))
@@ -306,9 +333,11 @@ def _park_layer(
     *,
     n_base: int,
     keep: int,
-) -> ParkedLayer | None:
+    keep_float: bool = False,
+) -> tuple[ParkedLayer, LayerKV | None] | None:
+    """The parked layer, and (``keep_float``, Q4 at-rest layers) the float buffers to keep beside it."""
     if keep == 0:
-        return ParkedLayer(base.kind)
+        return ParkedLayer(base.kind), None
     if base.kind is LayerKind.SLIDING:
         keys, values = _kv_of(cache)
         total = int(cache.offset)
@@ -317,22 +346,34 @@ def _park_layer(
         if stored < min(keep, lspec.window or 0):
             return None
         start = max(0, stored - ((lspec.window or 0) + SLIDING_SLACK))
-        return ParkedLayer.of(base.kind, {"k": keys[:, :, start:stored], "v": values[:, :, start:stored]})
+        return ParkedLayer.of(base.kind, {"k": keys[:, :, start:stored], "v": values[:, :, start:stored]}), None
     if base.kind is LayerKind.FLOAT:
         keys, values = _kv_of(cache)
-        return ParkedLayer.of(base.kind, {"k": keys[:, :, :keep], "v": values[:, :, :keep]})
+        return ParkedLayer.of(base.kind, {"k": keys[:, :, :keep], "v": values[:, :, :keep]}), None
     start = min(n_base, keep)
     if strategy == "native" and keep > start:
         (kw, ks, kb), (vw, vs, vb) = cache.packed()
         arrays = dict(zip(_Q4_KEYS, (kw, ks, kb, vw, vs, vb), strict=True))
         # Only the new tokens become a chunk (compacted, so it keeps no view of the rest).
         new = ParkedLayer.of(base.kind, {k: mx.contiguous(v[:, :, start:keep]) for k, v in arrays.items()})
-        return base.sliced(0, start).appended(new)
+        return base.sliced(0, start).appended(new), None
     kept = base.sliced(0, start)
+    kept_float = keep_float and type(cache) is KVCache and cache.keys is not None
     if keep == start:
-        return kept
+        return kept, (cache.keys, cache.values) if kept_float else None
     keys, values = _kv_of(cache)
     fmt = spec.kv_format
-    kq = quantize_kv(keys[:, :, start:keep], fmt.group_size, fmt.bits or 4)
-    vq = quantize_kv(values[:, :, start:keep], fmt.group_size, fmt.bits or 4)
-    return kept.appended(ParkedLayer.of(base.kind, dict(zip(_Q4_KEYS, (*kq, *vq), strict=True))))
+    bits = fmt.bits or 4
+    kq = quantize_kv(keys[:, :, start:keep], fmt.group_size, bits)
+    vq = quantize_kv(values[:, :, start:keep], fmt.group_size, bits)
+    layer = kept.appended(ParkedLayer.of(base.kind, dict(zip(_Q4_KEYS, (*kq, *vq), strict=True))))
+    if not kept_float:
+        return layer, None
+    # Quantized first, and no view of the buffers left, so that MLX overwrites them in place below.
+    mx.eval(kq, vq)
+    del keys, values
+    # What activating the parked layer would give for these tokens: their Q4, dequantized.
+    dtype = _float_dtype(spec)
+    cache.keys[..., start:keep, :] = dequantize_kv(kq, fmt.group_size, bits, dtype)
+    cache.values[..., start:keep, :] = dequantize_kv(vq, fmt.group_size, bits, dtype)
+    return layer, (cache.keys, cache.values)

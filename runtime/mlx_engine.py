@@ -49,6 +49,7 @@ from runtime.engine import (
     TurnPlan,
 )
 from runtime.errors import ModelError
+from runtime.float_resident import ResidentPool, extract_with_room
 from runtime.kvstate import SLIDING_SLACK, ParkedCache, Strategy, resolve_strategy
 from runtime.models import LoadedModel, load_model
 from runtime.prefix import MatchKind
@@ -110,6 +111,8 @@ class MlxEngine:
         prewarm_mb: memory to touch once when the first model loads and keep for
             activations (see :mod:`runtime.warmup`); 0 turns it off.
         numpy_attention: attend through :mod:`runtime.cpu_attention` where it applies.
+        keep_float_mb: float KV kept after turns so the next hot turn skips dequantizing
+            (:mod:`runtime.float_resident`); 0 turns it off.
     """
 
     def __init__(
@@ -122,8 +125,10 @@ class MlxEngine:
         weights: str = "auto",
         prewarm_mb: float = 0,
         numpy_attention: bool = True,
+        keep_float_mb: float = 0,
     ) -> None:
         self._numpy_attention = numpy_attention
+        self._residents = ResidentPool(int(keep_float_mb * 2**20))
         self._models_dir = models_dir
         self._weights = weights
         self._prewarm_mb = prewarm_mb
@@ -238,7 +243,7 @@ class MlxEngine:
             return None
         base = cache.truncated(plan.reuse_tokens, lm.spec)
         if base is not None and isinstance(plan.source, FromShared):
-            base = replace(base, meta={})  # a shared prefix starts the new agent's own history
+            base = replace(base, meta={}, resident=None)  # a shared prefix starts the new agent's own history
         return base
 
     def start(
@@ -285,7 +290,7 @@ class MlxEngine:
             assert isinstance(adopt.parked, ParkedCache)
             base = adopt.parked.truncated(adopt.keep_tokens, self.lm.spec)
             if base is not None:
-                seq.adopt(replace(base, meta={}))  # a shared prefix starts the new agent's own history
+                seq.adopt(replace(base, meta={}, resident=None))  # a shared prefix starts the new agent's own history
         text = seq.prefill_step(chunk)
         self._sample_memory()
         return PrefillResult(text=text, finished=seq.finish_reason is not None, context=seq.context,
@@ -322,7 +327,9 @@ class MlxEngine:
         seq = self._leave(request_id)
         parked: ParkedCache | None
         if seq.prefill_done:
-            parked = seq.park()
+            parked = seq.park(keep_float=self._residents.max_bytes > 0)
+            if parked is not None and parked.resident is not None:
+                self._residents.add(parked.resident)
         elif seq.context > seq.stats.tokens_reused:
             # Cancelled mid-prefill: keep the part of the prompt whose KV exists.
             ctx = seq.context
@@ -426,7 +433,7 @@ class DecodeBatch:
             self.pending = [p for p in self.pending if p is not seq]
             return
         idx = self.members.index(seq)
-        seq.kv.caches = [c.extract(idx) for c in self.caches]
+        seq.kv.caches = [extract_with_room(c, idx) for c in self.caches]
         keep = [i for i in range(len(self.members)) if i != idx]
         self.members.pop(idx)
         if self.members:

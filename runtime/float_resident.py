@@ -1,0 +1,129 @@
+"""An agent's float KV kept after its turn, so its next hot turn skips dequantizing the Q4 cache.
+
+Under ``at-rest`` attention a turn starts by dequantizing the agent's whole
+parked Q4 cache into float (about 120 ms for 4K tokens of kvmem-default on a
+2-core CPU, 250 ms for 8K), although the turn before had exactly that float
+cache in memory a moment ago. :class:`FloatResident` keeps it: when a turn
+parks, the float buffers of its Q4 layers stay with the parked cache, with the
+tokens this turn added overwritten by ``dequantize(quantize(new))``. That is
+what dequantizing the parked Q4 cache gives, element for element (the same
+functions on the same values), so a turn that starts from the resident floats
+computes bit for bit what a turn that dequantizes would: the resident is a
+cache of the activation, never a second version of the agent's memory.
+
+A resident serves one turn: :meth:`FloatResident.take` hands its buffers over
+(the turn writes its new tokens into them) and leaves it empty, so a turn that
+fails or a second reader simply dequantizes. Memory is bounded by
+:class:`ResidentPool` (``keep_float_mb``): the least recently parked residents
+are dropped first; a resident also goes when its parked cache does.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+__all__ = ["FloatResident", "ResidentPool", "HEADROOM_TOKENS", "extract_with_room"]
+
+HEADROOM_TOKENS = 256
+"""Room kept past a resident's tokens, so the next turn's first tokens do not grow (copy) the buffers."""
+
+LayerKV = tuple[mx.array, mx.array]
+
+
+class FloatResident:
+    """The float keys and values ``(1, H, capacity, D)`` of a parked cache's Q4 layers (None elsewhere).
+
+    Args:
+        layers: per layer, the float buffers or None (layers kept some other way).
+        tokens: how many leading tokens of the buffers are the parked cache's.
+    """
+
+    def __init__(self, layers: list[LayerKV | None], tokens: int) -> None:
+        self._layers: list[LayerKV | None] | None = layers
+        self.tokens = tokens
+        self.nbytes = sum(k.nbytes + v.nbytes for kv in layers if kv is not None for k, v in [kv])
+        self._on_empty: weakref.finalize | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._layers is not None
+
+    def take(self, tokens: int) -> list[LayerKV | None] | None:
+        """The buffers, once, for a turn that starts from the first ``tokens`` tokens (None: already taken)."""
+        layers = self._layers
+        if layers is None or tokens > self.tokens:
+            return None
+        self.drop()
+        return layers
+
+    def drop(self) -> None:
+        """Free the buffers (the next turn dequantizes)."""
+        self._layers = None
+        if self._on_empty is not None:
+            self._on_empty()
+
+
+class ResidentPool:
+    """At most ``max_bytes`` of residents, the least recently parked dropped first.
+
+    Runs on the MLX thread only (as everything that touches the residents), so it takes no lock.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        # Weak: a resident whose parked cache is gone (evicted, forgotten) frees itself.
+        self._held: OrderedDict[int, tuple[weakref.ref[FloatResident], int]] = OrderedDict()
+        self.bytes = 0
+        self.dropped = 0
+
+    def add(self, resident: FloatResident) -> bool:
+        """Keep ``resident`` (dropping older ones to make room); False (and dropped) if it cannot fit."""
+        if not resident.held:
+            return False
+        if resident.nbytes > self.max_bytes:
+            resident.drop()
+            return False
+        key = id(resident)
+        self._held[key] = (weakref.ref(resident), resident.nbytes)
+        self.bytes += resident.nbytes
+        resident._on_empty = weakref.finalize(resident, self._forget, key)
+        while self.bytes > self.max_bytes and self._held:
+            ref, _ = next(iter(self._held.values()))
+            oldest = ref()
+            if oldest is None:  # gone, its finalizer not yet run: forget it here (the finalizer then finds nothing)
+                self._forget(next(iter(self._held)))
+                continue
+            oldest.drop()
+            self.dropped += 1
+        return True
+
+    def _forget(self, key: int) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            self.bytes -= held[1]
+
+
+def extract_with_room(cache: Any, idx: int) -> Any:
+    """``cache.extract(idx)``, with :data:`HEADROOM_TOKENS` of room past the row's tokens for a float batch cache.
+
+    mlx-lm's ``BatchKVCache.extract`` copies the row to an array exactly as long as
+    its tokens, so the next turn's first token would grow (copy) every layer again;
+    this copies it once into a buffer with room, as ``KVCache`` itself grows.
+    """
+    if type(cache) is not BatchKVCache or cache.keys is None:
+        return cache.extract(idx)
+    padding = cache.left_padding.tolist()[idx]
+    n = cache._idx - padding
+    room = -(-(n + HEADROOM_TOKENS) // KVCache.step) * KVCache.step
+    row = KVCache()
+    row.keys = mx.zeros((1, cache.keys.shape[1], room, cache.keys.shape[3]), cache.keys.dtype)
+    row.values = mx.zeros((1, cache.values.shape[1], room, cache.values.shape[3]), cache.values.dtype)
+    row.keys[..., :n, :] = cache.keys[idx : idx + 1, :, padding : cache._idx]
+    row.values[..., :n, :] = cache.values[idx : idx + 1, :, padding : cache._idx]
+    row.offset = n
+    return row

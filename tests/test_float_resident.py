@@ -1,0 +1,122 @@
+"""The float KV kept after a turn (runtime/float_resident.py) is a cache of the activation, nothing more.
+
+The tests that can fail: a turn that starts from the kept float buffers holds, layer by layer,
+exactly the floats that dequantizing the parked Q4 cache gives (bitwise), and computes exactly
+the same logits; the buffers serve one turn only; the pool's budget drops the oldest; and a
+runtime with the buffers kept replies as one without them, through the decode batch.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import runtime  # noqa: F401
+from actors import open_runtime
+from conftest import models_dir, tiny
+from runtime.float_resident import FloatResident, ResidentPool
+from runtime.kvstate import ActiveKV
+from runtime.sequence import SamplingParams, Sequence
+
+PROMPT = "The lighthouse keeper counted the ships every evening and wrote their names in a green book."
+FOLLOW_UP = " One night a ship with no name came past the rocks, and he wrote a question mark instead."
+
+
+def _turn(lm, prompt: str, parked=None, *, tokens: int = 6) -> Sequence:
+    seq = Sequence(lm, prompt, parked, SamplingParams(max_tokens=tokens))
+    while seq.prefill_step() is None:
+        pass
+    while seq.next_input is not None:
+        logits = lm.forward(mx.array([[seq.next_input]]), seq.kv.caches)[:, -1, :]
+        seq.accept(int(seq.sample(logits).item()))
+    return seq
+
+
+def _layer_floats(kv: ActiveKV) -> list[tuple[mx.array, mx.array]]:
+    return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in kv.caches]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
+def test_kept_floats_are_bitwise_the_dequantized_parked_cache(model: str) -> None:
+    lm = tiny(model)
+    first = _turn(lm, PROMPT)
+    parked = first.park(keep_float=True)
+    assert parked is not None and parked.resident is not None and parked.resident.held
+    without = replace(parked, resident=None)  # the same Q4 layers: the ordinary activation
+
+    kept_kv = ActiveKV(parked, lm.spec, "at-rest")
+    assert kept_kv.resumed_float and not parked.resident.held  # taken, once
+    fresh_kv = ActiveKV(without, lm.spec, "at-rest")
+    assert not fresh_kv.resumed_float
+    compared = 0
+    for (k1, v1), (k2, v2) in zip(_layer_floats(kept_kv), _layer_floats(fresh_kv), strict=True):
+        assert k1.shape == k2.shape and mx.array_equal(k1, k2).item() and mx.array_equal(v1, v2).item()
+        compared += 1
+    assert compared == len(lm.spec.layers)
+    assert not ActiveKV(parked, lm.spec, "at-rest").resumed_float  # a second reader dequantizes
+
+
+def test_a_turn_from_kept_floats_computes_the_same_logits_over_several_turns() -> None:
+    lm = tiny("tiny-llama")
+    kept = without = None
+    prompt = PROMPT
+    for turn in range(3):
+        a = Sequence(lm, prompt, kept, SamplingParams(max_tokens=4))
+        b = Sequence(lm, prompt, without, SamplingParams(max_tokens=4))
+        assert a.kv.resumed_float == (turn > 0) and not b.kv.resumed_float
+        a.logits_trace, b.logits_trace = [], []
+        for seq in (a, b):
+            while seq.prefill_step() is None:
+                pass
+            while seq.next_input is not None:
+                logits = lm.forward(mx.array([[seq.next_input]]), seq.kv.caches)[:, -1, :]
+                seq.observe(logits)
+                seq.accept(int(seq.sample(logits).item()))
+        assert a.generated == b.generated
+        for x, y in zip(a.logits_trace, b.logits_trace, strict=True):
+            assert mx.array_equal(x, y).item()
+        kept, without = a.park(keep_float=True), b.park()
+        assert kept is not None and without is not None and without.resident is None
+        prompt = kept.text + FOLLOW_UP
+
+
+def test_the_pool_keeps_the_newest_within_its_budget_and_forgets_the_dead() -> None:
+    def resident(tokens: int) -> FloatResident:
+        k = mx.zeros((1, 2, tokens, 8))
+        mx.eval(k)
+        return FloatResident([(k, k)], tokens)
+
+    one = resident(16).nbytes
+    pool = ResidentPool(max_bytes=2 * one)
+    a, b, c = resident(16), resident(16), resident(16)
+    assert pool.add(a) and pool.add(b) and pool.bytes == 2 * one
+    assert pool.add(c)  # over budget: the oldest (a) goes
+    assert not a.held and b.held and c.held and pool.bytes == 2 * one and pool.dropped == 1
+    assert b.take(16) is not None and not b.held and pool.bytes == one  # taken: no longer counted
+    del c
+    gc.collect()
+    assert pool.bytes == 0  # its parked cache is gone, so is it
+    big = resident(64)
+    assert not pool.add(big) and not big.held  # larger than the whole budget
+
+
+async def test_a_runtime_keeping_floats_replies_as_one_that_does_not(tmp_path: Path) -> None:
+    conversation = [{"role": "user", "content": PROMPT}]
+    results = {}
+    for keep in (0, 256):
+        async with open_runtime(model="tiny-llama", home=tmp_path / str(keep), models_dir=models_dir(),
+                                fsync=False, handle_signals=False, keep_float_mb=keep) as rt:
+            messages = list(conversation)
+            seen = []
+            for turn in range(3):
+                result = await rt.agent("keeper").send(messages, max_tokens=8)
+                seen.append((result.reply, result.usage.tier, result.usage.tokens_reused))
+                messages += [{"role": "assistant", "content": result.reply},
+                             {"role": "user", "content": f"And then? ({turn})"}]
+            results[keep] = seen
+    assert [tier for _, tier, _ in results[256]] == ["cold", "hot", "hot"]
+    assert results[256] == results[0]
