@@ -20,6 +20,7 @@ are dropped first; a resident also goes when its parked cache does.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -71,7 +72,8 @@ class FloatResident:
 class ResidentPool:
     """At most ``max_bytes`` of residents, the least recently parked dropped first.
 
-    Runs on the MLX thread only (as everything that touches the residents), so it takes no lock.
+    Residents are added on the MLX thread, but a resident is forgotten on whichever thread drops
+    its parked cache's last reference (the hot tier lives with the actors), hence the lock.
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -80,6 +82,7 @@ class ResidentPool:
         self._held: OrderedDict[int, tuple[weakref.ref[FloatResident], int]] = OrderedDict()
         self.bytes = 0
         self.dropped = 0
+        self._lock = threading.RLock()  # re-entered: dropping a resident forgets it
 
     def add(self, resident: FloatResident) -> bool:
         """Keep ``resident`` (dropping older ones to make room); False (and dropped) if it cannot fit."""
@@ -88,6 +91,10 @@ class ResidentPool:
         if resident.nbytes > self.max_bytes:
             resident.drop()
             return False
+        with self._lock:
+            return self._add(resident)
+
+    def _add(self, resident: FloatResident) -> bool:
         key = id(resident)
         self._held[key] = (weakref.ref(resident), resident.nbytes)
         self.bytes += resident.nbytes
@@ -103,9 +110,10 @@ class ResidentPool:
         return True
 
     def _forget(self, key: int) -> None:
-        held = self._held.pop(key, None)
-        if held is not None:
-            self.bytes -= held[1]
+        with self._lock:
+            held = self._held.pop(key, None)
+            if held is not None:
+                self.bytes -= held[1]
 
 
 def extract_with_room(cache: Any, idx: int) -> Any:
