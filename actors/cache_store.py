@@ -73,7 +73,7 @@ from actors.messages_store import (
 from actors.metrics import PoolSnapshot
 from actors.prefetch import Prefetcher
 from actors.shared_tier import RemoteStats, SharedTier
-from runtime.engine import Tier, TurnPlan
+from runtime.engine import FromWarm, Tier, TurnPlan
 from runtime.errors import CacheMiss, InvalidAgentIdError
 from runtime.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory, safe_agent_dirname
@@ -113,6 +113,7 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     prefetched: int = 0  # caches read ahead at start (actors/prefetch.py)
     prefetch_hits: int = 0  # turns that took a prefetched cache instead of reading the disk
     prefetch_held_bytes: int = 0  # prefetched caches still waiting for their turn
+    prefetch_restored: int = 0  # of those read ahead, restored on the MLX thread before serving
 
 
 _Key = tuple[str, str]
@@ -258,6 +259,7 @@ class CacheStoreActor:
     async def _plan_after_load(self, message: PlanTurn) -> None:
         """Take the agent's lease (shared tier), read its disk cache, then plan (an unreadable cache: a logged miss)."""
         warm: CacheSnapshot | None = None
+        prepared: Any = None  # the prefetched cache restored at start (actors/prefetch.py)
         tier: Tier = "warm"
         self._loads_waiting += 1
         try:
@@ -277,9 +279,11 @@ class CacheStoreActor:
             if not self._manager.needs_disk(*key):
                 send_reply(message.reply, Planned(plan=self._plan(message, None)))
                 return
-            warm = None if self.prefetch is None else await self.prefetch.take(*key)
-            if warm is None:
+            taken = None if self.prefetch is None else await self.prefetch.take(*key)
+            if taken is None:
                 warm, tier = await self._disk(self._load, message.agent_id, message.model_tag)
+            else:
+                warm, prepared = taken
             self._warm_loads += 1
         except InvalidAgentIdError as exc:
             send_reply(message.reply, failed_from(exc))
@@ -293,7 +297,10 @@ class CacheStoreActor:
             self._loads_waiting -= 1
             if not self._loads_waiting:
                 self._no_loads.set()
-        send_reply(message.reply, Planned(plan=self._plan(message, warm, tier)))
+        plan = self._plan(message, warm, tier)
+        if prepared is not None and isinstance(plan.source, FromWarm):
+            plan = msgspec.structs.replace(plan, source=FromWarm(snapshot=plan.source.snapshot, prepared=prepared))
+        send_reply(message.reply, Planned(plan=plan))
 
     def _load(self, agent_id: str, model_tag: str) -> tuple[CacheSnapshot, Tier]:
         """On the disk thread: pull the agent's cache from the shared tier if it has another one, then load it."""
@@ -478,4 +485,5 @@ class CacheStoreActor:
             prefetched=0 if self.prefetch is None else self.prefetch.read,
             prefetch_hits=0 if self.prefetch is None else self.prefetch.taken,
             prefetch_held_bytes=0 if self.prefetch is None else self.prefetch.held_bytes,
+            prefetch_restored=0 if self.prefetch is None else self.prefetch.prepared,
         )

@@ -36,6 +36,8 @@ from actors.messages_gpu import (
     GpuInbox,
     LoadModel,
     ModelReady,
+    Prepare,
+    Prepared,
     Render,
     Rendered,
     TurnStarted,
@@ -210,6 +212,11 @@ class GPUActor:
                 send_reply(reply, Rendered(prompt=prompt, num_tokens=count))
             case Generate():
                 await self._submit(message)
+            case Prepare(snapshot=snapshot, reply=reply):
+                try:
+                    send_reply(reply, Prepared(parked=await self._job(self._engine.prepare, snapshot)))
+                except Exception as exc:  # noqa: BLE001 - the turn then restores it itself
+                    send_reply(reply, failed_from(exc))
             case _:
                 assert_never(message)
 

@@ -6,6 +6,7 @@ Requests (:data:`GpuInbox`)::
     UnloadModel()          -> Unloaded()        | Failed
     Render(messages)       -> Rendered(prompt)  | Failed
     Generate(prompt, ...)  -> Generated(...)    | Failed    (+ text and tool calls on ``deltas``)
+    Prepare(snapshot)      -> Prepared(parked)  | Failed    (a cache read at start, restored ahead)
 
 A :class:`Generate` carries its turn's :class:`runtime.engine.TurnPlan`: what
 it reuses and from where (the agent's own hot or warm cache, a prefix of another
@@ -42,6 +43,9 @@ __all__ = [
     "UnloadReply",
     "RenderReply",
     "GenerateReply",
+    "Prepare",
+    "Prepared",
+    "PrepareReply",
 ]
 
 # -- replies -------------------------------------------------------------------
@@ -120,10 +124,17 @@ class Generated(Message, frozen=True, kw_only=True):
     tool_calls: tuple[ToolCall, ...] = ()
 
 
+class Prepared(Message, frozen=True, kw_only=True):
+    """The snapshot restored on the MLX thread (None: not the loaded model's)."""
+
+    parked: HotCache | None
+
+
 LoadReply = ModelReady | Failed
 UnloadReply = Unloaded | Failed
 RenderReply = Rendered | Failed
 GenerateReply = Generated | Failed
+PrepareReply = Prepared | Failed
 
 # -- requests ------------------------------------------------------------------
 
@@ -187,4 +198,11 @@ class Generate(Message, frozen=True, kw_only=True):
     share_prefix: bool = False
 
 
-GpuInbox = LoadModel | UnloadModel | Render | Generate
+class Prepare(Message, frozen=True, kw_only=True):
+    """Restore a cache read from disk at start ahead of its turn (:meth:`runtime.engine.Engine.prepare`)."""
+
+    snapshot: CacheSnapshot
+    reply: trio.MemorySendChannel[PrepareReply]
+
+
+GpuInbox = LoadModel | UnloadModel | Render | Generate | Prepare

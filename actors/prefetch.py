@@ -9,9 +9,13 @@ asked for: :class:`Prefetcher` lists the cache directory and reads the newest
 saved caches first, until ``budget_bytes`` (``prefetch_mb``) of them are in
 memory, verified exactly as a turn's own load verifies them.
 
-A turn whose agent was prefetched takes the snapshot instead of reading the
-disk; one that arrives while its agent's read is under way waits for that read
-rather than starting a second. A snapshot serves one turn (the turn's cache
+Once the model is loaded, :meth:`Prefetcher.prepare` has the MLX thread restore
+the newest of them ahead of their turns (``Engine.prepare``: the Q4 arrays, and
+their float where ``keep_float_mb`` has room), before ``open_runtime`` yields, so
+before a server listens: the first turn after a restart then costs what a hot
+turn does. A turn whose agent was prefetched takes the snapshot (and what was
+restored of it) instead of reading the disk; one that arrives while its agent's
+read is under way waits for that read rather than starting a second. A snapshot serves one turn (the turn's cache
 then lives in the hot tier), forgetting the agent drops it, and snapshots no
 turn asked for within ``keep_s`` are dropped to give the memory back.
 
@@ -28,16 +32,21 @@ from typing import Any
 
 import trio
 
+from actors.mailbox import ask
+from actors.messages_gpu import GpuInbox, Prepare, Prepared
 from runtime.errors import CacheMiss
 from runtime.persist.agents import AgentEntry
 from runtime.spec import CacheSnapshot
 
-__all__ = ["Prefetcher", "PREFETCH_KEEP_S"]
+__all__ = ["Prefetcher", "PREFETCH_KEEP_S", "PREPARE_WITHIN_S", "restorer"]
 
 log = logging.getLogger("kvmem.store")
 
 PREFETCH_KEEP_S = 600.0
 """How long a prefetched snapshot no turn asked for is kept."""
+
+PREPARE_WITHIN_S = 10.0
+"""The most time a start spends restoring prefetched caches ahead of their turns."""
 
 _Key = tuple[str, str]
 
@@ -67,11 +76,12 @@ class Prefetcher:
         self._disk = disk
         self._budget = budget_bytes
         self._keep_s = keep_s
-        self._ready: dict[_Key, CacheSnapshot] = {}
+        self._ready: dict[_Key, CacheSnapshot] = {}  # newest first
+        self._prepared: dict[_Key, Any] = {}  # what Engine.prepare made of them
         self._reading: dict[_Key, trio.Event] = {}
         self._dropped: set[str] = set()  # agents forgotten while their read was under way
         self.done = trio.Event()
-        self.read = self.taken = 0
+        self.read = self.taken = self.prepared = 0
         self.read_bytes = 0
         self.seconds = 0.0
 
@@ -90,6 +100,25 @@ class Prefetcher:
         if self._ready:
             log.info("dropping %d prefetched caches no turn asked for", len(self._ready))
         self._ready.clear()
+        self._prepared.clear()
+
+    async def prepare(self, restore: Callable[[CacheSnapshot], Awaitable[Any]],
+                      within_s: float = PREPARE_WITHIN_S) -> None:
+        """Have ``restore`` (the MLX thread) restore the read caches, newest first, within ``within_s``."""
+        with trio.move_on_after(within_s):
+            await self.done.wait()
+            started = time.perf_counter()
+            for key in list(self._ready):
+                snapshot = self._ready.get(key)
+                if snapshot is None:  # taken or dropped meanwhile
+                    continue
+                restored = await restore(snapshot)
+                if restored is not None and key in self._ready:
+                    self._prepared[key] = restored
+                    self.prepared += 1
+            if self.prepared:
+                log.info("restored %d prefetched caches ahead of their turns in %.0f ms", self.prepared,
+                         (time.perf_counter() - started) * 1000)
 
     async def _read_newest(self) -> None:
         if self._budget <= 0:
@@ -126,29 +155,45 @@ class Prefetcher:
             finally:
                 self._reading.pop(key).set()
 
-    async def take(self, agent_id: str, model_tag: str) -> CacheSnapshot | None:
-        """The agent's prefetched cache (waiting for its read if under way), once; None if there is none."""
+    async def take(self, agent_id: str, model_tag: str) -> tuple[CacheSnapshot, Any] | None:
+        """The agent's prefetched cache and what was restored of it (or None), once; None if there is none.
+
+        Waits for the agent's read if it is under way.
+        """
         key = (agent_id, model_tag)
         reading = self._reading.get(key)
         if reading is not None:
             await reading.wait()
         snapshot = self._ready.pop(key, None)
-        if snapshot is not None:
-            self.taken += 1
-        return snapshot
+        if snapshot is None:
+            return None
+        self.taken += 1
+        return snapshot, self._prepared.pop(key, None)
 
     def drop(self, agent_id: str) -> None:
         """Forget the agent's prefetched caches (and any still being read)."""
         self._dropped.add(agent_id)
         for key in [k for k in self._ready if k[0] == agent_id]:
             del self._ready[key]
+            self._prepared.pop(key, None)
 
     def drop_model(self, model_tag: str) -> None:
         """Forget the prefetched caches of one model (its caches were evicted)."""
         for key in [k for k in self._ready if k[1] == model_tag]:
             del self._ready[key]
+            self._prepared.pop(key, None)
 
     @property
     def held_bytes(self) -> int:
         """Bytes of prefetched caches still waiting for their turn."""
         return sum(snapshot.nbytes for snapshot in self._ready.values())
+
+
+def restorer(gpu: trio.MemorySendChannel[GpuInbox]) -> Callable[[CacheSnapshot], Awaitable[Any]]:
+    """:meth:`Prefetcher.prepare`'s ``restore``: the GPU actor's :class:`Prepare` (None where it fails)."""
+
+    async def restore(snapshot: CacheSnapshot) -> Any:
+        answer = await ask(gpu, lambda reply: Prepare(snapshot=snapshot, reply=reply))
+        return answer.parked if isinstance(answer, Prepared) else None
+
+    return restore

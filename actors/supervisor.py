@@ -57,6 +57,7 @@ import trio
 
 from actors.agent import AgentActor
 from actors.cache_store import CacheStoreActor, StoreStats
+from actors.prefetch import restorer
 from actors.client import AgentHandle, TurnFailedError, TurnStream, raise_failed
 from actors.gpu import GPUActor
 from actors.mailbox import ask
@@ -458,6 +459,8 @@ async def open_runtime(
             await nursery.start(store.run)
             await nursery.start(gpu.run)
             await nursery.start(registry.run)
+            if preload and store.prefetch is not None:  # the newest caches ready before anyone is served
+                await store.prefetch.prepare(restorer(gpu_send))
             async with trio.open_nursery() as agents_nursery:
                 rt = Runtime(
                     gpu=gpu,

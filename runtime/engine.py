@@ -224,9 +224,13 @@ class FromHot(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class FromWarm(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """The agent's own cache read from disk (numpy); restored on the MLX thread."""
+    """The agent's own cache read from disk (numpy); restored on the MLX thread.
+
+    ``prepared``: the same cache already restored (:meth:`Engine.prepare`, at start), or None.
+    """
 
     snapshot: CacheSnapshot
+    prepared: HotCache | None = None
 
 
 class FromShared(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -417,6 +421,9 @@ class Engine(Protocol):
 
         ``adopt`` (first chunk only): start from these whole blocks of a donor's
         prompt instead; they are this prompt's first tokens."""
+
+    def prepare(self, snapshot: CacheSnapshot) -> HotCache | None:
+        """``snapshot`` restored ahead of its turn (float kept where there is room); None: not this model's."""
 
     def park_prompt(self, request_id: int) -> HotCache | None:
         """Right after prefill: park the prompt's KV (a donor for turns that share it)."""

@@ -84,6 +84,10 @@ class ResidentPool:
         self.dropped = 0
         self._lock = threading.RLock()  # re-entered: dropping a resident forgets it
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit without dropping a resident."""
+        return self.bytes + nbytes <= self.max_bytes
+
     def add(self, resident: FloatResident) -> bool:
         """Keep ``resident`` (dropping older ones to make room); False (and dropped) if it cannot fit."""
         if not resident.held:

@@ -28,12 +28,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from runtime.float_resident import FloatResident, LayerKV
+from runtime.float_resident import HEADROOM_TOKENS, FloatResident, LayerKV
 from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.q4_packing import dequantize_kv, quantize_kv
 from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot, ModelCacheSpec
 
-__all__ = ["ParkedCache", "ParkedLayer", "ActiveKV", "Strategy", "SLIDING_SLACK", "resolve_strategy"]
+__all__ = ["ParkedCache", "ParkedLayer", "ActiveKV", "Strategy", "SLIDING_SLACK", "resolve_strategy", "with_kept_float"]
 
 Strategy = Literal["at-rest", "native"]
 
@@ -377,3 +377,28 @@ def _park_layer(
     cache.keys[..., start:keep, :] = dequantize_kv(kq, fmt.group_size, bits, dtype)
     cache.values[..., start:keep, :] = dequantize_kv(vq, fmt.group_size, bits, dtype)
     return layer, (cache.keys, cache.values)
+
+def with_kept_float(parked: ParkedCache, spec: ModelCacheSpec) -> ParkedCache:
+    """``parked`` with the float buffers a turn would leave it (:mod:`runtime.float_resident`), made now.
+
+    For a cache restored from disk ahead of its turn: its Q4 layers dequantized (as
+    :class:`ActiveKV` would) into buffers with room for the turn's first tokens.
+    """
+    kv = ActiveKV(replace(parked, resident=None), spec, "at-rest")
+    n = parked.num_tokens
+    room = -(-(n + HEADROOM_TOKENS) // KVCache.step) * KVCache.step
+    floats: list[LayerKV | None] = []
+    for cache, layer in zip(kv.caches, parked.layers, strict=True):
+        if layer.kind in (LayerKind.SLIDING, LayerKind.FLOAT) or type(cache) is not KVCache or cache.keys is None:
+            floats.append(None)
+            continue
+        buffers = []
+        for a in (cache.keys, cache.values):
+            b = mx.zeros((*a.shape[:2], room, a.shape[3]), a.dtype)
+            b[..., :n, :] = a[..., :n, :]
+            buffers.append(b)
+        floats.append((buffers[0], buffers[1]))
+    mx.eval([a for kv_pair in floats if kv_pair is not None for a in kv_pair])
+    if all(f is None for f in floats):
+        return parked
+    return replace(parked, resident=FloatResident(floats, n))

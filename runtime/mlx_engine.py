@@ -1,12 +1,9 @@
 """The real engine on the MLX thread: ``runtime`` sequences, and the decode batch they step in together.
 
-Every method here calls MLX and must run on the GPU actor's MLX thread
-(:class:`actors.mlx_thread.MlxThread`; the GPU actor guarantees it). Memory is read with the backend-neutral
-``mx.get_active_memory`` / ``mx.get_peak_memory``, never ``mx.metal``.
-
-:class:`MlxEngine` does what :class:`runtime.engine.Engine` asks: load a model,
-render a prompt, tokenize a turn's new text once, build its sequence from the
-plan's cache, prefill, step, park.
+Every method here calls MLX and must run on the GPU actor's MLX thread (the GPU actor guarantees it);
+memory is read with the backend-neutral ``mx.get_active_memory`` / ``mx.get_peak_memory``.
+:class:`MlxEngine` does what :class:`runtime.engine.Engine` asks: load a model, render a prompt,
+tokenize a turn's new text once, build its sequence from the plan's cache, prefill, step, park.
 
 **Batched decoding.** Sequences that have finished prefill join a
 :class:`DecodeBatch` (``merge``/``extend``), step together, and leave by
@@ -50,13 +47,13 @@ from runtime.engine import (
 )
 from runtime.errors import ModelError
 from runtime.float_resident import ResidentPool, extract_with_room
-from runtime.kvstate import SLIDING_SLACK, ParkedCache, Strategy, resolve_strategy
+from runtime.kvstate import SLIDING_SLACK, ParkedCache, Strategy, resolve_strategy, with_kept_float
 from runtime.models import LoadedModel, load_model
 from runtime.prefix import MatchKind
 from runtime.q4_batch_cache import BatchDequantizingQuantizedKVCache, BatchQuantizedKVCache
 from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.sequence import SamplingParams, Sequence, StartFrom
-from runtime.spec import KVFormat, LayerKind, ModelCacheSpec
+from runtime.spec import CacheSnapshot, KVFormat, LayerKind, ModelCacheSpec
 from runtime.tool_calls import reply_rules
 from runtime.warmup import prewarm_memory
 
@@ -235,10 +232,11 @@ class MlxEngine:
             case FromHot(parked=parked) | FromShared(parked=parked):
                 assert isinstance(parked, ParkedCache)
                 cache = parked
-            case FromWarm(snapshot=snapshot):
+            case FromWarm(snapshot=snapshot, prepared=prepared):
                 if snapshot.model_tag != lm.spec.tag:
                     return None
-                cache = ParkedCache.from_snapshot(snapshot, float_dtype=lm.float_dtype)
+                cache = prepared if isinstance(prepared, ParkedCache) else \
+                    ParkedCache.from_snapshot(snapshot, float_dtype=lm.float_dtype)
         if cache.model_tag != lm.spec.tag:
             return None
         base = cache.truncated(plan.reuse_tokens, lm.spec)
@@ -295,6 +293,16 @@ class MlxEngine:
         self._sample_memory()
         return PrefillResult(text=text, finished=seq.finish_reason is not None, context=seq.context,
                              remaining=seq.to_prefill, tool_calls=seq.take_tool_calls())
+
+    def prepare(self, snapshot: CacheSnapshot) -> ParkedCache | None:
+        lm = self.lm
+        if snapshot.model_tag != lm.spec.tag:
+            return None
+        parked = ParkedCache.from_snapshot(snapshot, float_dtype=lm.float_dtype)
+        if self._strategy != "at-rest" or not self._residents.fits(8 * parked.nbytes):  # ~float's size
+            return parked
+        kept = with_kept_float(parked, lm.spec)
+        return kept if kept.resident is not None and self._residents.add(kept.resident) else parked
 
     def park_prompt(self, request_id: int) -> ParkedCache | None:
         seq = self._seqs[request_id]

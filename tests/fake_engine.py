@@ -179,6 +179,9 @@ class FakeEngine:
         return Started(tokens_reused=reused, tokens_to_prefill=len(tokens.ids), match=plan.match,
                        token_ids=tuple(ord(c) for c in prompt))
 
+    def prepare(self, snapshot: Any) -> None:
+        return None  # the fake keeps nothing ahead: a prefetched cache is planned from its snapshot
+
     def park_prompt(self, request_id: int) -> FakeParked:
         return _parked(self.tag, self._seqs[request_id].prompt)
 

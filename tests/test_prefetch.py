@@ -71,6 +71,7 @@ async def test_a_prefetched_agent_resumes_without_reading_the_disk_and_replies_a
         resumed = await rt.agent("keeper").send_prompt(follow_up, max_tokens=8)
         store = rt.stats().store
     assert resumed.usage.tier == "warm" and store.prefetch_hits == 1 and store.prefetch_held_bytes == 0
+    assert store.prefetch_restored == 1  # restored on the MLX thread before the runtime was handed out
     assert (resumed.reply, resumed.usage.tokens_reused, resumed.usage.tokens_prefilled) == \
         (from_disk.reply, from_disk.usage.tokens_reused, from_disk.usage.tokens_prefilled)
 
@@ -117,7 +118,7 @@ async def test_the_budget_takes_the_newest_caches_first(tmp_path: Path) -> None:
         tag = entries["newest"].model_tag
         assert await prefetcher.take("oldest", tag) is None
         newest = await prefetcher.take("newest", tag)
-        assert newest is not None and newest.num_tokens == entries["newest"].num_tokens
+        assert newest is not None and newest[0].num_tokens == entries["newest"].num_tokens and newest[1] is None
         assert await prefetcher.take("newest", tag) is None  # one turn only
         assert (await prefetcher.take("middle", tag)) is not None
         assert prefetcher.held_bytes == 0
