@@ -110,6 +110,7 @@ class MlxEngine:
         prewarm_mb: memory to touch once when the first model loads and keep for
             activations (see :mod:`runtime.warmup`); 0 turns it off.
         numpy_attention: attend through :mod:`runtime.cpu_attention` where it applies.
+        group: an ``mx.distributed`` group: load this rank's tensor-parallel part of each model.
     """
 
     def __init__(
@@ -122,8 +123,10 @@ class MlxEngine:
         weights: str = "auto",
         prewarm_mb: float = 0,
         numpy_attention: bool = True,
+        group: Any = None,
     ) -> None:
         self._numpy_attention = numpy_attention
+        self._group = group
         self._models_dir = models_dir
         self._weights = weights
         self._prewarm_mb = prewarm_mb
@@ -173,6 +176,7 @@ class MlxEngine:
             models_dir=self._models_dir,
             weights=self._weights,
             numpy_attention=self._numpy_attention,
+            group=self._group,
         )
         self._lm = lm
         self._strategy = resolve_strategy(self._attention)
