@@ -27,5 +27,11 @@ so the collectives inside each forward pass (mlx-lm's sharded layers
 call before it makes it, never waits for a follower during engine work, and
 greedy sampling picks the same token on every rank because the logits after the
 last ``all_sum`` are the same. Sampling with a temperature draws from MLX's
-random generator, seeded alike on every rank at launch.
+random generator, which is per thread: rank 0 sends a seed with each model
+load, and every rank seeds the thread that makes its engine calls with it.
+
+Not handled: a rank that hangs or dies mid-call leaves the others waiting in a
+collective (``mlx.launch`` stops every rank when one exits with an error); a
+follower does its disk work between engine calls, so rank 0's next forward
+pass waits for a follower's save.
 """

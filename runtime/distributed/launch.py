@@ -63,7 +63,12 @@ def rank_cache_dir(caches: Path, *, rank: int, size: int) -> Path:
 
 
 def leader_host() -> str:
-    """Rank 0's address: its first address in the ring backend's hostfile, else ``KVMEM_LEADER_HOST`` or loopback."""
+    """Rank 0's address, as the backend's launch named it.
+
+    The ring backend's hostfile (``MLX_HOSTFILE``: rank 0's first ``ip:port``), else
+    the JACCL coordinator (``MLX_JACCL_COORDINATOR``, rank 0's address), else
+    ``KVMEM_LEADER_HOST``, else loopback.
+    """
     path = os.environ.get("MLX_HOSTFILE")
     if path:
         try:
@@ -71,6 +76,9 @@ def leader_host() -> str:
             return str(hosts[0][0]).rpartition(":")[0]
         except (OSError, ValueError, IndexError, KeyError, TypeError) as exc:
             log.warning("cannot read rank 0's address from %s: %s", path, exc)
+    coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
+    if coordinator:
+        return coordinator.rpartition(":")[0]
     return os.environ.get("KVMEM_LEADER_HOST", "127.0.0.1")
 
 
