@@ -41,7 +41,8 @@ from benches.harness import BENCH_HOME, ResultFile, log, median, table
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 DECODE_STEPS = 32
-CONFIGS = (("1 process, 1 BLAS thread", 1, 1), ("1 process, 2 BLAS threads", 1, 2), ("2 ranks, 1 BLAS thread each", 2, 1))
+CONFIGS = (("1 process, 1 BLAS thread", 1, 1), ("1 process, 2 BLAS threads", 1, 2),
+           ("2 ranks, 1 BLAS thread each", 2, 1))
 
 
 def even_model_dir() -> Path:

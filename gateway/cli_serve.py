@@ -49,7 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.server import ServerStarted, serve
 
     config = config_from_args(args)  # a ConfigError is reported by gateway.cli
-    engine, directory, rank = None, None, None
+    engine, directory, leader = None, None, None
     if args.distributed:
         from runtime.distributed.launch import LeaderRank, open_rank  # imports MLX: only for distributed runs
         from runtime.errors import KvmemError
@@ -61,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         if not isinstance(rank, LeaderRank):
             return _follow(rank)
-        engine, directory = rank.engine, rank.directory
+        engine, directory, leader = rank.engine, rank.directory, rank
 
     def scenarios(rt: Any, nursery: trio.Nursery) -> list[Any]:
         from gateway.scenario_routes import scenario_routes
@@ -85,8 +85,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvmem serve: {cause}", file=sys.stderr, flush=True)
         return 1
     finally:
-        if rank is not None:
-            rank.close()  # after the flush: the other ranks saved their parts of every cache
+        if leader is not None:
+            leader.close()  # after the flush: the other ranks saved their parts of every cache
     print("kvmem: stopped; caches flushed", file=sys.stderr, flush=True)
     return 0
 

@@ -27,8 +27,8 @@ from runtime.distributed.directory import fingerprint
 from runtime.distributed.shard import rank_tag
 from runtime.distributed.wire import (
     CloseEngine,
-    CollectGarbage,
     ColdWire,
+    CollectGarbage,
     Command,
     ConnectionLost,
     DeletePart,

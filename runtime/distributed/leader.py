@@ -72,6 +72,7 @@ from runtime.engine import (
     ToolChoice,
     TurnPlan,
 )
+from runtime.kvstate import ParkedCache
 from runtime.mlx_engine import MlxEngine
 
 __all__ = ["Handles", "Leader", "LeaderEngine"]
@@ -280,7 +281,7 @@ class LeaderEngine:
         self._leader.send(Prefill(request_id=request_id, chunk=chunk, adopt=wire))
         return self._inner.prefill(request_id, chunk, adopt=adopt)
 
-    def park_prompt(self, request_id: int) -> Any:
+    def park_prompt(self, request_id: int) -> ParkedCache | None:
         handle = self._leader.handles.new()
         self._leader.send(ParkPrompt(request_id=request_id, handle=handle))
         try:

@@ -203,8 +203,8 @@ class PartDone(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 Reply = PartLoaded | PartDone
 
 _encoder = msgspec.msgpack.Encoder()
-_commands = msgspec.msgpack.Decoder(Command)
-_replies = msgspec.msgpack.Decoder(Reply)
+_commands: msgspec.msgpack.Decoder[Command] = msgspec.msgpack.Decoder(Command)
+_replies: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)
 _hello = msgspec.msgpack.Decoder(Hello)
 
 
