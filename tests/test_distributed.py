@@ -210,3 +210,46 @@ def test_distributed_outside_mlx_launch_says_how_to_start_it(tmp_path: Path) -> 
                           cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "runs under mlx.launch" in proc.stderr
+
+
+def test_a_handle_is_released_when_rank_0_has_dropped_every_object_it_names() -> None:
+    import gc
+
+    from runtime.distributed.leader import Handles
+
+    class Part:  # stands for a parked cache or a snapshot
+        pass
+
+    handles = Handles()
+    parked, snapshot = Part(), Part()
+    handle = handles.new()
+    handles.bind(parked, handle)
+    handles.bind(snapshot, handle)  # a finished turn: its parked cache and its snapshot, one handle
+    handles.settle(handle)
+    assert handles.of(parked) == handles.of(snapshot) == handle
+    del snapshot
+    gc.collect()
+    assert handles.take_released() == ()  # the parked cache still needs the followers' parts
+    del parked
+    gc.collect()
+    assert handles.take_released() == (handle,)
+    unused = handles.new()
+    handles.settle(unused)  # a call that parked nothing
+    assert handles.take_released() == (unused,)
+    with pytest.raises(ValueError, match="no kvmem rank holds a part"):
+        handles.of(Part())
+
+
+def test_commands_cross_the_wire_unchanged() -> None:
+    from runtime.distributed.wire import HotWire, Start, WirePlan, recv_command, send_frame
+    from runtime.engine import SamplingOptions, Tokenized, ToolChoice, ToolUse
+
+    tools = ToolUse(tools=({"type": "function", "function": {"name": "f", "parameters": {}}},),
+                    choice=ToolChoice(mode="required", name="f"))
+    start = Start(request_id=7, prompt="Hi", tokens=Tokenized(ids=(1, 2), ends=(1, 2)),
+                  plan=WirePlan(tier="hot", source=HotWire(3), match="extend", reuse_tokens=5, reuse_chars=9),
+                  sampling=SamplingOptions(max_tokens=4, temperature=0.5, stop=("x",), tool_use=tools))
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, start)
+        assert recv_command(b) == start
