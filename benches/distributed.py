@@ -86,6 +86,8 @@ def worker(args: argparse.Namespace) -> int:
     rank = None
     engine: Any
     all_sum_ms = _all_sum_latency(hidden) if args.ranks > 1 else None
+    plain = _plain_decode(folder, context_text(folder, args.prompts[0], label="plain"), args.decode,
+                          sharded=args.ranks > 1)
     if args.ranks > 1:
         from runtime.distributed.launch import LeaderRank, open_rank
 
@@ -99,7 +101,8 @@ def worker(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
         engine.load(args.model)
-        runs: list[dict[str, Any]] = [{"load_s": time.perf_counter() - t0, "all_sum_ms": all_sum_ms}]
+        runs: list[dict[str, Any]] = [{"load_s": time.perf_counter() - t0, "all_sum_ms": all_sum_ms,
+                                       "plain_steps_s": plain}]
         request_id = 0
         for repeat in range(args.repeats):
             for tokens in args.prompts:
@@ -126,6 +129,37 @@ def _all_sum_latency(hidden: int, calls: int = 200) -> float:
     for _ in range(calls):
         mx.eval(mx.distributed.all_sum(x, group=group))
     return (time.perf_counter() - t0) / calls * 1e3
+
+
+def _plain_decode(folder: Path, prompt: str, steps: int, *, sharded: bool) -> list[float]:
+    """Plain mlx-lm, no kvmem: the same model (this rank's shard), the prompt at once, then greedy steps (s each).
+
+    Every rank runs it at once; it separates MLX's own cost of the sharded forward
+    pass from what kvmem's engine and command channel add."""
+    import gc
+
+    import mlx.core as mx
+    from mlx_lm import load as mlx_load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = mlx_load(str(folder))[:2]
+    if sharded:
+        model.shard(mx.distributed.init(strict=True))
+        mx.eval(model.parameters())
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([tokenizer.encode(prompt)]), cache=cache)
+    token = mx.argmax(logits[:, -1, :], axis=-1)
+    mx.eval(token)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        token = mx.argmax(model(token[:, None], cache=cache)[:, -1, :], axis=-1)
+        mx.eval(token)
+        times.append(time.perf_counter() - t)
+    del model, cache, logits, token
+    gc.collect()
+    mx.clear_cache()
+    return times
 
 
 def _one_turn(engine: Any, request_id: int, prompt: str, decode: int) -> dict[str, Any]:
@@ -210,19 +244,24 @@ def main(argv: list[str]) -> None:
                 for run in runs:
                     res.record(model=name, config=label, ranks=ranks, blas_threads=threads, **run)
                 load_s = runs[0]["load_s"]
+                plain_ms = median(t * 1e3 for t in runs[0]["plain_steps_s"][1:])
                 if runs[0].get("all_sum_ms") is not None:
                     latency[name] = runs[0]["all_sum_ms"]
                 for tokens in prompts:
                     mine = [r for r in runs[1:] if r["prompt_tokens"] == tokens]
                     prefill_tps = median(r["prefilled"] / r["prefill_s"] for r in mine)
                     step_ms = median(s * 1e3 for r in mine for s in r["steps_s"][1:])  # the first step merges the batch
+                    plain_cell = f"{plain_ms:.1f}" if tokens == prompts[0] else ""
                     rows.append([name, label, tokens, f"{prefill_tps:.0f}", f"{step_ms:.1f}", f"{1e3 / step_ms:.1f}",
-                                 f"{load_s:.1f}"])
+                                 plain_cell, f"{load_s:.1f}"])
                     curves.setdefault(f"{name}, {tokens}-token prompt", {})[label] = step_ms
                     log(f"  {tokens} tokens: prefill {prefill_tps:.0f} tok/s, decode {step_ms:.1f} ms/token")
     res.body += ["## Prefill and decode per configuration (medians)", ""]
     res.body += table(["model", "configuration", "prompt tokens", "prefill tok/s", "decode ms/token", "decode tok/s",
-                       "load s"], rows, "llrrrrr")
+                       "plain mlx-lm decode ms/token", "load s"], rows, "llrrrrrr")
+    res.body += ["", "*plain mlx-lm*: the same model (each rank its shard) decoded by mlx-lm's forward pass alone, "
+                 "no kvmem engine or command channel, after the first prompt length; measured in the same processes "
+                 "before kvmem loads."]
     res.body += [""]
     res.body += ["## What a decode step waits for: one `all_sum` between the ranks", "",
                  "Each layer of a sharded llama sums its attention output and its MLP output over the ranks: "
