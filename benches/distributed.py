@@ -254,7 +254,7 @@ def main(argv: list[str]) -> None:
                     plain_cell = f"{plain_ms:.1f}" if tokens == prompts[0] else ""
                     rows.append([name, label, tokens, f"{prefill_tps:.0f}", f"{step_ms:.1f}", f"{1e3 / step_ms:.1f}",
                                  plain_cell, f"{load_s:.1f}"])
-                    curves.setdefault(f"{name}, {tokens}-token prompt", {})[label] = step_ms
+                    curves.setdefault(f"{name}\n{tokens}-token prompt", {})[label] = step_ms
                     log(f"  {tokens} tokens: prefill {prefill_tps:.0f} tok/s, decode {step_ms:.1f} ms/token")
     res.body += ["## Prefill and decode per configuration (medians)", ""]
     res.body += table(["model", "configuration", "prompt tokens", "prefill tok/s", "decode ms/token", "decode tok/s",
@@ -286,7 +286,8 @@ def _plot(res: ResultFile, curves: dict[str, dict[str, float]]) -> None:
         ax.bar([g + i * width for g in range(len(groups))], [curves[k].get(label, 0) for k in groups], width,
                label=label)
     ax.set_xticks([g + width * (len(labels) - 1) / 2 for g in range(len(groups))], groups, fontsize=8)
-    ax.set_ylabel("decode ms per token (lower is better)")
+    ax.set_yscale("log")
+    ax.set_ylabel("decode ms per token (log scale; lower is better)")
     ax.set_title("kvmem decode cost: 1 process vs 2 ranks on one 2-core machine")
     ax.legend(fontsize=8)
     harness.save_figure(res, fig)

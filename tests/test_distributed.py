@@ -19,6 +19,7 @@ and ``--distributed`` outside ``mlx.launch``.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -47,7 +48,32 @@ MAX_TOKENS = 12
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 TURNS = ["Remember the number 7 and the colour blue.", "Which number did I give you?", "And the colour?"]
 
-needs_launch = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed beside this Python")
+PROBE = "import mlx.core as mx; g = mx.distributed.init(strict=True); print(mx.distributed.all_sum(mx.ones(1), group=g).item())"
+
+
+@functools.cache
+def _ring_works() -> str | None:
+    """Why two ranks cannot run here (None: an ``all_sum`` over two loopback ranks works)."""
+    if not LAUNCH.exists():
+        return "mlx.launch is not installed beside this Python"
+    try:
+        proc = subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()),
+                               "--python", sys.executable, "-c", PROBE], cwd=ROOT, env=_env(Path(".")),
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired:
+        return "mlx.launch's ring backend did not answer on loopback within 60 s"
+    if proc.returncode != 0 or proc.stdout.split() != ["2.0", "2.0"]:
+        return f"mlx.launch's ring backend does not run here: {proc.stderr.strip()[-300:]}"
+    return None
+
+
+@pytest.fixture
+def ring() -> None:
+    """Skip unless two ranks of the ring backend run on loopback here."""
+    why = _ring_works()
+    if why:
+        pytest.skip(why)
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -142,8 +168,7 @@ def _conversation(url: str, agent: str, n: int, replies: list[str]) -> list[dict
     return out
 
 
-@needs_launch
-def test_two_ranks_answer_as_one_process_and_resume_warm_after_both_restart(tmp_path: Path) -> None:
+def test_two_ranks_answer_as_one_process_and_resume_warm_after_both_restart(tmp_path: Path, ring: None) -> None:
     # The reference: one process, the whole conversation (turn 3 from its hot cache: the same Q4 parts as warm).
     with kvmem_serve("--model", MODEL, "--port", "0", env=_env(tmp_path / "one")) as one:
         expected = _conversation(one.url, "alice", 3, [])
@@ -175,8 +200,7 @@ def test_two_ranks_answer_as_one_process_and_resume_warm_after_both_restart(tmp_
     assert carol_next["tier"] == "warm"  # the sampled turn's parts agree: both ranks drew the same tokens
 
 
-@needs_launch
-def test_a_model_whose_heads_do_not_divide_is_refused_on_every_rank(tmp_path: Path) -> None:
+def test_a_model_whose_heads_do_not_divide_is_refused_on_every_rank(tmp_path: Path, ring: None) -> None:
     # tiny-qwen2: 2 attention heads and 1 key-value head: the key-value head cannot be split over 2 ranks.
     command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()),
                "--python", sys.executable, "-m", "gateway.cli", "serve", "--distributed", "--model", "tiny-qwen2",

@@ -6,8 +6,9 @@ ordinary :class:`runtime.persist.CacheDirectory`. :class:`ShardedDirectory`
 is that class on rank 0, with each call also sent to the followers:
 
 * **save**: each follower saves its part of the same turn's cache (the snapshot
-  travels as a handle); the save fails (``OSError``, retried by the store) if any
-  rank's failed.
+  travels as a handle); the save fails if any rank's failed: ``OSError`` (the
+  store retries) for a disk error, ``ValueError`` (not retried) when a rank holds
+  no part of that cache.
 * **load**: each follower reads its part while rank 0 reads its own; the load is a
   hit only if every rank read its part and all parts cover the same tokens and
   text (their fingerprints agree). Otherwise it is a :class:`CacheMiss` on
@@ -68,6 +69,9 @@ class ShardedDirectory(CacheDirectory):
             replies = self._leader.ask_finish()
         failed = [f"rank {rank}: {r.error}" for rank, r in enumerate(replies, 1)
                   if not isinstance(r, PartDone) or r.error is not None]
+        if any(isinstance(r, PartDone) and r.missing for r in replies):
+            # No retry can help: the rank never computed its part (its engine call failed).
+            raise ValueError(f"saving {agent_id!r}: another rank has no part of this cache ({'; '.join(failed)})")
         if failed:
             raise OSError(f"saving {agent_id!r} failed on another rank ({'; '.join(failed)})")
         return report

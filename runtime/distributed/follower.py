@@ -206,7 +206,7 @@ class Follower:
             case SavePart(agent_id=agent_id, handle=handle):
                 held = self._snapshots.get(handle)
                 if held is None:
-                    return PartDone(error=f"rank {self.rank} holds no part of cache {handle}")
+                    return PartDone(error=f"rank {self.rank} holds no part of cache {handle}", missing=True)
                 return PartDone(error=self._disk_call(self._directory.save, agent_id, held))
             case DeletePart(agent_id=agent_id):
                 return PartDone(error=self._disk_call(self._directory.delete, agent_id))

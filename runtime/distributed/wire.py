@@ -195,9 +195,10 @@ class PartLoaded(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class PartDone(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """A save or delete finished (``error``: it failed, and why)."""
+    """A save or delete finished (``error``: it failed, and why; ``missing``: the rank holds no part to save)."""
 
     error: str | None = None
+    missing: bool = False
 
 
 Reply = PartLoaded | PartDone
