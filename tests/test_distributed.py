@@ -48,7 +48,8 @@ MAX_TOKENS = 12
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 TURNS = ["Remember the number 7 and the colour blue.", "Which number did I give you?", "And the colour?"]
 
-PROBE = "import mlx.core as mx; g = mx.distributed.init(strict=True); print(mx.distributed.all_sum(mx.ones(1), group=g).item())"
+PROBE = ("import mlx.core as mx; g = mx.distributed.init(strict=True); "
+         "print(mx.distributed.all_sum(mx.ones(1), group=g).item())")
 
 
 @functools.cache
