@@ -278,3 +278,65 @@ def test_commands_cross_the_wire_unchanged() -> None:
     with a, b:
         send_frame(a, start)
         assert recv_command(b) == start
+
+
+class _PartEngine:
+    """A follower's engine that only finishes turns: each ``finish`` hands out the next prepared snapshot."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+
+    def finish(self, request_id: int) -> Any:
+        from runtime.engine import Finished
+
+        return Finished(reply="", finish_reason="stop", match="empty", tokens_reused=0, tokens_prefilled=0,
+                        tokens_generated=0, parked=None, snapshot=self.parts.pop(0))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_load_needs_every_ranks_part_covering_the_same_tokens(tmp_path: Path) -> None:
+    """Rank 0's directory with one follower (a thread, over a socket pair): hit, mismatched part, missing part."""
+    from test_persist import make_snapshot
+
+    from runtime.distributed.directory import ShardedDirectory
+    from runtime.distributed.follower import Follower
+    from runtime.distributed.leader import Leader
+    from runtime.distributed.wire import Finish
+    from runtime.errors import CacheMiss
+    from runtime.persist import CacheDirectory
+
+    tags = [f"tiny-llama+tp{rank}of2@0123abcd/q4g64" for rank in (0, 1)]
+    ours, theirs = make_snapshot(300, model_tag=tags[0], salt=0), make_snapshot(300, model_tag=tags[1], salt=1)
+    a, b = socket.socketpair()
+    follower_dir = CacheDirectory(tmp_path / "rank1", fsync=False)
+    follower = Follower(b, engine=_PartEngine([theirs]), directory=follower_dir, rank=1,  # type: ignore[arg-type]
+                        size=2)
+    thread = threading.Thread(target=follower.run, daemon=True)
+    thread.start()
+    leader = Leader([a], size=2)
+    directory = ShardedDirectory(tmp_path / "rank0", fsync=False, leader=leader)
+    try:
+        handle = leader.handles.new()
+        leader.send(Finish(request_id=1, handle=handle))  # the follower keeps its part of this turn's cache
+        leader.handles.bind(ours, handle)
+        directory.save("alice", ours)
+        assert follower_dir.load("alice", model_tag=tags[1]).token_ids == theirs.token_ids
+        assert directory.load("alice", model_tag=tags[0]).token_ids == ours.token_ids  # every part agrees: a hit
+
+        # rank 1's part of another turn (other tokens): a miss on every rank, not rank 0's part alone
+        follower_dir.save("alice", make_snapshot(280, model_tag=tags[1]))
+        with pytest.raises(CacheMiss, match="rank 1's part covers other tokens"):
+            directory.load("alice", model_tag=tags[0])
+
+        directory.delete("alice")  # forgets every rank's part
+        assert not follower_dir.exists("alice")
+        directory.save("bob", ours)
+        follower_dir.delete("bob")
+        with pytest.raises(CacheMiss, match="rank 1 has no part"):
+            directory.load("bob", model_tag=tags[0])
+    finally:
+        leader.close()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
