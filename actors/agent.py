@@ -133,6 +133,11 @@ class AgentActor:
                     await self._handle(message)
                 finally:
                     self._handled()
+                # A forgotten agent has nothing left to keep: its actor stops (it no longer counts
+                # as live, e.g. against a tenant's agent limit) unless messages are waiting.
+                if isinstance(message, ForgetAgent) and self.handle is None and self._retire(self):
+                    log.debug("agent %s forgotten: stopping", self.agent_id)
+                    return
 
     async def _handle(self, message: AgentInbox) -> None:
         match message:

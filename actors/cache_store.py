@@ -27,9 +27,15 @@
   to :data:`actors.shared_tier.LEASE_WAIT_S` while another node holds it, then answers
   ``Failed(kind="AgentBusy")``. The lease is given back after the turn's
   :class:`EndTurn` once its cache is published, under the lease's fence.
+* **Tenants**: an agent id that names a tenant (:mod:`runtime.tenancy`) keeps its caches in
+  that tenant's subtree of the cache directory (:class:`runtime.persist.tenants.TenantDirectories`);
+  a listing is one tenant's, and :class:`Usage` is what one tenant holds (for its limits).
 * Caches carry their model tag; a plan only ever uses caches made by the model asked for. An agent has one cache per
   model, on disk too (:class:`runtime.persist.CacheDirectory`); :class:`Forget`
-  removes them all, and the blocks no other agent's cache references.
+  removes them all, and the blocks no other agent's cache references. With a
+  shared tier, forgetting is cluster-wide: Redis keeps a tombstone, and a node
+  whose lease check (:meth:`runtime.persist.remote.RemoteTier.check`) finds one
+  newer than its copies drops them before planning the turn.
 
 Parked caches hold MLX arrays; the store and the manager only hold references
 and read their plain attributes (text, token ids, offsets, size).
@@ -61,14 +67,19 @@ from actors.messages_store import (
     PlanTurn,
     Put,
     StoreInbox,
+    Usage,
+    Used,
 )
 from actors.metrics import PoolSnapshot
+from actors.prefetch import Prefetcher
 from actors.shared_tier import RemoteStats, SharedTier
 from runtime.engine import Tier, TurnPlan
 from runtime.errors import CacheMiss, InvalidAgentIdError
 from runtime.kv_manager import KVCacheManager
-from runtime.persist import CacheDirectory
+from runtime.persist import CacheDirectory, safe_agent_dirname
+from runtime.persist.tenants import TenantDirectories
 from runtime.spec import CacheSnapshot
+from runtime.tenancy import local_id, tenant_of
 
 if TYPE_CHECKING:
     from runtime.persist.remote import RemoteTier
@@ -99,6 +110,9 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     demotions: int
     pools: dict[str, PoolSnapshot]
     remote: RemoteStats | None = None
+    prefetched: int = 0  # caches read ahead at start (actors/prefetch.py)
+    prefetch_hits: int = 0  # turns that took a prefetched cache instead of reading the disk
+    prefetch_held_bytes: int = 0  # prefetched caches still waiting for their turn
 
 
 _Key = tuple[str, str]
@@ -123,7 +137,7 @@ class CacheStoreActor:
 
     Args:
         inbox: the store mailbox (:data:`actors.messages_store.StoreInbox`).
-        directory: the warm tier.
+        directory: the warm tier (the tenants' subtrees are inside it).
         manager: the hot tier and the planner (shared with the GPU actor).
         remote: the shared tier (None: this node's disk only).
     """
@@ -135,9 +149,10 @@ class CacheStoreActor:
         directory: CacheDirectory,
         manager: KVCacheManager,
         remote: RemoteTier | None = None,
+        prefetch_bytes: int = 0,
     ) -> None:
         self._inbox = inbox
-        self._directory = directory
+        self._directory = TenantDirectories(directory)
         self._manager = manager
         self._limiter = trio.CapacityLimiter(1)
         self._dirty: dict[_Key, _Pending] = {}  # oldest first
@@ -152,6 +167,9 @@ class CacheStoreActor:
         self._remote = remote
         self.shared = None if remote is None else SharedTier(
             remote, disk=self._disk, dirty=lambda agent_id: any(key[0] == agent_id for key in self._dirty))
+        # Not with a shared tier: another node may publish a newer cache after the read.
+        self.prefetch = Prefetcher(self._directory.list_all_agents, self._directory.load, self._disk,
+                                   budget_bytes=prefetch_bytes) if prefetch_bytes > 0 and remote is None else None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -161,6 +179,8 @@ class CacheStoreActor:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._writer)
+                if self.prefetch is not None:
+                    nursery.start_soon(self.prefetch.run)
                 if self.shared is not None:
                     nursery.start_soon(self.shared.republisher)
                     nursery.start_soon(self.shared.renewer)
@@ -217,12 +237,17 @@ class CacheStoreActor:
                 for key in [k for k in self._dirty if k[1] == tag]:
                     del self._dirty[key]
                 self._manager.drop_model(tag)
+                if self.prefetch is not None:
+                    self.prefetch.drop_model(tag)
                 send_reply(reply, Evicted(written=written))
             case Flush(reply=reply):
                 send_reply(reply, Flushed(written=await self._flush_all()))
             case ListAgents():
                 assert self._nursery is not None
                 self._nursery.start_soon(self._list, message)
+            case Usage():
+                assert self._nursery is not None
+                self._nursery.start_soon(self._usage, message)
             case _:
                 assert_never(message)
 
@@ -241,13 +266,20 @@ class CacheStoreActor:
                     kind="AgentBusy", error=f"agent {message.agent_id!r} is in a turn on another node; retry shortly"))
                 return
             key = (message.agent_id, message.model_tag)
-            if self.shared is not None and not self._manager.needs_disk(*key) and key not in self._dirty \
-                    and await self._disk(self.shared.remote.served_elsewhere, *key):
-                self._manager.drop(*key)  # another node served the agent since: Redis has more of it
+            if self.shared is not None:
+                match await self._disk(self.shared.remote.check, *key):
+                    case "forgotten":  # on another node, since this node last held the agent: drop every copy
+                        await self._forget_here(message.agent_id)
+                    case "newer" if not self._manager.needs_disk(*key) and key not in self._dirty:
+                        self._manager.drop(*key)  # another node served the agent since: Redis has more of it
+                    case _:
+                        pass
             if not self._manager.needs_disk(*key):
                 send_reply(message.reply, Planned(plan=self._plan(message, None)))
                 return
-            warm, tier = await self._disk(self._load, message.agent_id, message.model_tag)
+            warm = None if self.prefetch is None else await self.prefetch.take(*key)
+            if warm is None:
+                warm, tier = await self._disk(self._load, message.agent_id, message.model_tag)
             self._warm_loads += 1
         except InvalidAgentIdError as exc:
             send_reply(message.reply, failed_from(exc))
@@ -269,12 +301,13 @@ class CacheStoreActor:
         return self._directory.load(agent_id, model_tag=model_tag), "remote" if pulled else "warm"
 
     async def _list(self, message: ListAgents) -> None:
+        wanted = message.agent_id
+        tenant = message.tenant if wanted is None else tenant_of(wanted)
         try:
-            stored = await self._disk(self._directory.list_agents)
-        except OSError as exc:
+            stored = await self._disk(self._directory.list_agents, tenant)
+        except (OSError, ValueError) as exc:
             send_reply(message.reply, failed_from(exc))
             return
-        wanted = message.agent_id
         on_disk = {
             (e.agent_id, e.model_tag): AgentRecord(
                 agent_id=e.agent_id,
@@ -291,7 +324,7 @@ class CacheStoreActor:
         }
         hot: list[AgentRecord] = []  # most recently used first
         for entry in reversed(self._manager.entries()):
-            if wanted is not None and entry.agent_id != wanted:
+            if (wanted is not None and entry.agent_id != wanted) or tenant_of(entry.agent_id) != tenant:
                 continue
             disk = on_disk.pop(entry.key, None)
             hot.append(
@@ -311,21 +344,43 @@ class CacheStoreActor:
         records = sorted([*hot, *cold], key=lambda r: r.agent_id)
         send_reply(message.reply, AgentsListed(agents=tuple(records)))
 
-    async def _forget(self, message: Forget) -> None:
-        existed = self._manager.forget(message.agent_id) > 0
-        for key in [k for k in self._dirty if k[0] == message.agent_id]:
-            del self._dirty[key]
+    async def _usage(self, message: Usage) -> None:
         try:
-            existed = await self._disk(self._directory.exists, message.agent_id) or existed
-            await self._disk(self._directory.delete, message.agent_id)
-            # The blocks only this agent referenced go too (one directory scan; forgetting is rare).
-            await self._disk(self._directory.collect_garbage)
+            disk = await self._disk(self._directory.usage, message.tenant)
+        except (OSError, ValueError) as exc:
+            send_reply(message.reply, failed_from(exc))
+            return
+        in_ram = {e.agent_id for e in self._manager.entries()} | {key[0] for key in self._dirty}
+        dirs = {safe_agent_dirname(local_id(a)) for a in in_ram if tenant_of(a) == message.tenant}
+        send_reply(message.reply, Used(agent_dirs=disk.agent_dirs | dirs, disk_bytes=disk.disk_bytes))
+
+    async def _forget(self, message: Forget) -> None:
+        try:
+            existed = await self._forget_here(message.agent_id)
             if self.shared is not None:
                 existed = await self.shared.forget(message.agent_id) or existed
         except (InvalidAgentIdError, OSError) as exc:
             send_reply(message.reply, failed_from(exc))
             return
         send_reply(message.reply, Forgotten(existed=existed))
+
+    async def _forget_here(self, agent_id: str) -> bool:
+        """Drop this node's copies of the agent: hot, unsaved and on disk; whether there were any.
+
+        Raises:
+            InvalidAgentIdError, OSError: from the cache directory.
+        """
+        if self.prefetch is not None:
+            self.prefetch.drop(agent_id)
+        existed = self._manager.forget(agent_id) > 0
+        for key in [k for k in self._dirty if k[0] == agent_id]:
+            del self._dirty[key]
+        if self.shared is not None:
+            self.shared.drop_unpublished(agent_id)
+        on_disk = await self._disk(self._directory.exists, agent_id)
+        # The blocks only this agent referenced go too (one scan of its directory; forgetting is rare).
+        await self._disk(self._directory.delete, agent_id)
+        return on_disk or existed
 
     # -- hot tier --------------------------------------------------------------
 
@@ -377,7 +432,8 @@ class CacheStoreActor:
         if report is not None:
             self._writes += 1
             self._bytes_written += report.bytes_written
-            if self.shared is not None:
+            if self.shared is not None and self._dirty.get(key) is pending:
+                # Not a superseded cache (the newer one is published soon) nor a forgotten one (never again).
                 await self.shared.publish(key)
         if self._dirty.get(key) is not pending:
             return report is not None  # superseded or forgotten meanwhile
@@ -419,4 +475,7 @@ class CacheStoreActor:
             demotions=hot.demotions,
             pools={tag: PoolSnapshot.of(pool) for tag, pool in hot.pools.items()},
             remote=None if self.shared is None else self.shared.statistics(),
+            prefetched=0 if self.prefetch is None else self.prefetch.read,
+            prefetch_hits=0 if self.prefetch is None else self.prefetch.taken,
+            prefetch_held_bytes=0 if self.prefetch is None else self.prefetch.held_bytes,
         )

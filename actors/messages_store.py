@@ -8,7 +8,8 @@ Requests and their replies::
     Forget(agent_id)                  -> Forgotten(existed)   every model's cache of the agent
     Evict(model_tag)                  -> Evicted(written)     flush dirty caches of a model, drop its hot caches
     Flush()                           -> Flushed(written)     write every dirty cache now
-    ListAgents(agent_id | None)       -> AgentsListed(agents) hot and on-disk caches (of one agent, or all)
+    ListAgents(agent_id | None, tenant) -> AgentsListed(agents) hot and on-disk caches (of one agent, or a tenant's)
+    Usage(tenant)                     -> Used(agent_dirs, disk_bytes)   what a tenant holds (its limits)
 
 An agent has one cache per model (keyed by agent id and model tag): a turn with
 model B never replaces the agent's model-A cache.
@@ -33,6 +34,9 @@ __all__ = [
     "Evict",
     "Flush",
     "ListAgents",
+    "Usage",
+    "Used",
+    "UsageReply",
     "AgentRecord",
     "AgentsListed",
     "ListReply",
@@ -97,11 +101,25 @@ class AgentsListed(Message, frozen=True, kw_only=True):
     agents: tuple[AgentRecord, ...]
 
 
+class Used(Message, frozen=True, kw_only=True):
+    """Reply to :class:`Usage`.
+
+    Attributes:
+        agent_dirs: the folder name of each agent of the tenant with a cache, hot or on
+            disk (:func:`runtime.persist.safe_agent_dirname` of the id it gave: one per agent).
+        disk_bytes: every file of the tenant's cache subtree (not yet its dirty caches).
+    """
+
+    agent_dirs: frozenset[str]
+    disk_bytes: int
+
+
 PlanReply = Planned | Failed
 ForgetReply = Forgotten | Failed
 EvictReply = Evicted | Failed
 FlushReply = Flushed | Failed
 ListReply = AgentsListed | Failed
+UsageReply = Used | Failed
 
 
 class PlanTurn(Message, frozen=True, kw_only=True):
@@ -170,7 +188,7 @@ class Flush(Message, frozen=True, kw_only=True):
 
 
 class ListAgents(Message, frozen=True, kw_only=True):
-    """The caches, one per agent and model (only ``agent_id``'s when given).
+    """The caches, one per agent and model: ``tenant``'s (None: agents without a tenant), or only ``agent_id``'s.
 
     Sorted by agent id; an agent's hot caches come first, most recently used
     first, then its caches on disk, newest first: an agent's first record is
@@ -179,6 +197,14 @@ class ListAgents(Message, frozen=True, kw_only=True):
 
     agent_id: str | None
     reply: trio.MemorySendChannel[ListReply]
+    tenant: str | None = None  # ignored when agent_id is given (its own tenant)
 
 
-StoreInbox = PlanTurn | Put | EndTurn | Forget | Evict | Flush | ListAgents
+class Usage(Message, frozen=True, kw_only=True):
+    """What ``tenant`` holds: its agents with a cache (hot, dirty or on disk) and its bytes on disk."""
+
+    tenant: str
+    reply: trio.MemorySendChannel[UsageReply]
+
+
+StoreInbox = PlanTurn | Put | EndTurn | Forget | Evict | Flush | ListAgents | Usage

@@ -11,6 +11,9 @@ its own tasks; every Redis call goes through the store's one disk thread
   and its cache is saved and published, under the lease's fence, so a node
   whose lease expired cannot publish over its successor's manifest;
   :meth:`renewer` keeps held leases alive meanwhile (a long prefill).
+* **Forgetting** (:meth:`forget`) is cluster-wide: Redis records a tombstone;
+  a node that next takes the agent's lease finds it newer than its copies and
+  drops them (the cache store does, before it plans the turn).
 * **Publishing** (:meth:`publish`, after each disk save): when Redis is down,
   the cache is remembered and :meth:`republisher` tries again every
   :data:`REPUBLISH_S` until Redis answers.
@@ -166,9 +169,13 @@ class SharedTier:
                     if not self.remote.up:
                         break
 
-    async def forget(self, agent_id: str) -> bool:
-        """Delete the agent's caches in Redis; whether there were any."""
+    def drop_unpublished(self, agent_id: str) -> None:
+        """The agent's local copies are gone (forgotten): nothing of it waits to be published."""
         self._unpublished = {k: None for k in self._unpublished if k[0] != agent_id}
+
+    async def forget(self, agent_id: str) -> bool:
+        """Forget the agent cluster-wide (a tombstone other nodes heed: ``RemoteTier.forget``); whether Redis had it."""
+        self.drop_unpublished(agent_id)
         return bool(await self._disk(self.remote.forget, agent_id))
 
     def statistics(self) -> RemoteStats:

@@ -63,14 +63,39 @@ from actors.mailbox import ask
 from actors.messages_agent import AgentInbox, chat_messages
 from actors.messages_common import Failed
 from actors.messages_gpu import GpuInbox, Render, RenderReply
-from actors.messages_store import AgentRecord, Flush, FlushReply, ListAgents, ListReply, StoreInbox
-from actors.metrics import GpuEvent, GpuStats, MetricsSnapshot, RunningTurn, RuntimeMetrics
-from actors.registry import Acquire, AcquireReply, ModelRegistry, RegistryInbox, RegistryStats, Release
+from actors.messages_store import (
+    AgentRecord,
+    Flush,
+    FlushReply,
+    ListAgents,
+    ListReply,
+    StoreInbox,
+    Usage,
+    UsageReply,
+    Used,
+)
+from actors.metrics import (
+    GpuEvent,
+    GpuStats,
+    MetricsSnapshot,
+    RunningTurn,
+    RuntimeMetrics,
+)
+from actors.registry import (
+    Acquire,
+    AcquireReply,
+    ModelRegistry,
+    RegistryInbox,
+    RegistryStats,
+    Release,
+)
 from actors.signals import watch_signals
 from runtime.config import Config
 from runtime.engine import Engine, ToolChoice
 from runtime.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory, safe_agent_dirname
+from runtime.persist.tenants import check_agent_id
+from runtime.tenancy import local_id, tenant_of
 
 _MAILBOX_SIZE = 16
 
@@ -125,11 +150,22 @@ class Runtime:
     def agent(self, agent_id: str, *, share_prefix: bool = True) -> AgentHandle:
         """A handle on agent ``agent_id`` (its actor starts on the first request).
 
+        ``agent_id`` may name a tenant (:func:`runtime.tenancy.namespaced`): its
+        caches, its prefix sharing and its listing then stay within that tenant.
+
         Raises:
             InvalidAgentIdError: ``agent_id`` cannot name a cache.
         """
-        safe_agent_dirname(agent_id)
+        check_agent_id(agent_id)
         return AgentHandle(self, agent_id, share_prefix=share_prefix)
+
+    def start(self, agent_id: str) -> None:
+        """Start the actor of a checked ``agent_id`` now, before its first turn arrives.
+
+        A gateway that counts a tenant's agents against a limit counts this one from
+        here on (:meth:`live_agents`), so requests racing to create agents cannot all pass.
+        """
+        self._mailbox(agent_id)
 
     def stats(self) -> RuntimeStats:
         """Counters, histograms, batch size, queues, pools and memory, right now."""
@@ -160,17 +196,30 @@ class Runtime:
             raise_failed(reply)
         return reply.written
 
-    async def list_agents(self, agent_id: str | None = None) -> list[AgentRecord]:
-        """Caches in the hot tier or on disk, one per agent and model, sorted by agent id (only ``agent_id``'s when given).
+    async def list_agents(self, agent_id: str | None = None, *, tenant: str | None = None) -> list[AgentRecord]:
+        """Caches in the hot tier or on disk, one per agent and model, sorted by agent id.
 
-        An agent's first record is the cache it used last (see :class:`actors.messages_store.ListAgents`).
+        Only ``agent_id``'s when given, else every agent of ``tenant`` (None: the
+        agents without a tenant). An agent's first record is the cache it used last
+        (see :class:`actors.messages_store.ListAgents`).
         """
         if self._closed:
             raise TurnFailedError("Closed", "the runtime is closed")
-        reply: ListReply = await ask(self._store_mailbox, lambda r: ListAgents(agent_id=agent_id, reply=r))
+        reply: ListReply = await ask(self._store_mailbox,
+                                     lambda r: ListAgents(agent_id=agent_id, tenant=tenant, reply=r))
         if isinstance(reply, Failed):
             raise_failed(reply)
         return list(reply.agents)
+
+    async def tenant_usage(self, tenant: str) -> Used:
+        """What ``tenant`` holds: its agents (with a cache or a running actor) as folder names, its disk bytes."""
+        if self._closed:
+            raise TurnFailedError("Closed", "the runtime is closed")
+        reply: UsageReply = await ask(self._store_mailbox, lambda r: Usage(tenant=tenant, reply=r))
+        if isinstance(reply, Failed):
+            raise_failed(reply)
+        live = {safe_agent_dirname(local_id(a)) for a in self._agents if tenant_of(a) == tenant}
+        return Used(agent_dirs=reply.agent_dirs | live, disk_bytes=reply.disk_bytes)
 
     async def count_tokens(
         self,
@@ -352,11 +401,15 @@ async def open_runtime(
         directory = await trio.to_thread.run_sync(open_directory)
     remote = None
     if config.store is not None:
-        from runtime.persist.remote import RemoteTier  # the redis client: only when a shared tier is set
+        from runtime.persist.remote import (
+            RemoteTier,  # the redis client: only when a shared tier is set
+        )
 
         remote = RemoteTier(config.store, directory.paths, lease_ms=int(config.lease_s * 1000))
     if engine is None:
-        from runtime.mlx_engine import MlxEngine  # imports mlx: only when the real engine runs
+        from runtime.mlx_engine import (
+            MlxEngine,  # imports mlx: only when the real engine runs
+        )
 
         engine = MlxEngine(
             models_dir=config.models_path,
@@ -372,7 +425,8 @@ async def open_runtime(
     gpu_send, gpu_receive = trio.open_memory_channel[GpuInbox](_MAILBOX_SIZE)
     registry_send, registry_receive = trio.open_memory_channel[RegistryInbox](_MAILBOX_SIZE)
     manager = KVCacheManager(hot_budget_bytes=int(config.hot_budget_mb * 2**20))
-    store = CacheStoreActor(store_receive, directory=directory, manager=manager, remote=remote)
+    store = CacheStoreActor(store_receive, directory=directory, manager=manager, remote=remote,
+                            prefetch_bytes=int(config.prefetch_mb * 2**20))
     gpu = GPUActor(
         gpu_receive,
         engine=engine,

@@ -25,6 +25,7 @@ BENCHES = {
     "recall": "10 fact kinds told, restart, asked warm on kvmem-default, next to a float-cache mlx-lm reference",
     "overhead": "E2E through HTTP gateway + actors vs runtime.generate directly",
     "fuzz": "a live kvmem serve fuzzed for a time budget with damaged requests on every POST route: 5xx (goal 0)",
+    "tenants": "tenants of one kvmem serve --api-keys tried against each other (read, list, delete, continue, cached_tokens): leaks (goal 0)",
     "request_walk": "the kvmem modules one streaming OpenAI request runs through, traced (--compare an older checkout)",
     "cpu_attention": "kvmem's NumPy attention vs MLX's on CPU: one layer, cold prefill vs plain mlx-lm, chunk sizes, decode",
     "attention_strategy": "at-rest vs native quantized SDPA (existing)",

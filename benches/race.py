@@ -75,12 +75,24 @@ def parse_sections(text: str) -> tuple[str, ...]:
     return chosen
 
 
+def parse_contenders(text: str) -> tuple[str, ...]:
+    """``"kvmem,llama.cpp + slot files"`` -> those names, in the race's own order."""
+    chosen = {s.strip() for s in text.split(",") if s.strip()}
+    unknown = chosen - set(CONTENDERS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown contender(s) {', '.join(sorted(unknown))}; "
+                                         f"choose from {', '.join(CONTENDERS)}")
+    return tuple(name for name in CONTENDERS if name in chosen)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = harness.parser(__doc__)
     add_binary_option(p)
     p.add_argument("--contexts", type=parse_contexts,
                    help="single-agent sizes, at most 8K (default 1K,2K,4K,8K; 1K with --quick)")
     p.add_argument("--only", type=parse_sections, default=SECTIONS, help="sections: single,multi,throughput")
+    p.add_argument("--contenders", type=parse_contenders, default=CONTENDERS,
+                   help=f"servers to run, comma-separated (default all: {', '.join(CONTENDERS)})")
     p.add_argument("--tokens", type=int, default=32, help="reply tokens per single-agent turn")
     p.add_argument("--throughput-context", type=int, help="shared prompt tokens (default 1024; 256 with --quick)")
     p.add_argument("--throughput-tokens", type=int, help="tokens each agent decodes (default 32; 16 with --quick)")
@@ -111,13 +123,13 @@ def main(argv: list[str] | None = None) -> None:
         if "single" in args.only:
             for r in range(reps):
                 # Alternate the order so that no server always runs on the warmer (or busier) machine.
-                for name in CONTENDERS if r % 2 == 0 else CONTENDERS[::-1]:
+                for name in args.contenders if r % 2 == 0 else args.contenders[::-1]:
                     for c in contexts:
                         single.append(measure(Contender(name), setup, c, r, tokens=args.tokens, res=res))
         if "multi" in args.only:
-            multis = [run_multi(spec, setup, reps, res) for spec in specs(args.quick)]
+            multis = [run_multi(spec, setup, reps, res, only=args.contenders) for spec in specs(args.quick)]
         if "throughput" in args.only:
-            for name in (KVMEM, LLAMA, MLX_LM):
+            for name in [n for n in (KVMEM, LLAMA, MLX_LM) if n in args.contenders]:
                 log(f"throughput: {name}")
                 bursts += run_throughput(Contender(name), setup, context=tp_context, tokens=tp_tokens, reps=reps,
                                          res=res)

@@ -87,9 +87,10 @@ class MultiResult:
         return sum(w for t in self.runs[name] for w in t.walls.values()) / len(self.runs[name])
 
 
-def run_multi(spec: MultiSpec, setup: Setup, reps: int, res: ResultFile) -> MultiResult:
+def run_multi(spec: MultiSpec, setup: Setup, reps: int, res: ResultFile,
+              only: tuple[str, ...] | None = None) -> MultiResult:
     out = MultiResult(spec)
-    contenders = [Contender(n) for n in spec.contenders]
+    contenders = [Contender(n) for n in spec.contenders if only is None or n in only]
     for r in range(reps):
         for c in contenders if r % 2 == 0 else contenders[::-1]:
             cap = spec.slots if spec.cap_kvmem and c.engine == KVMEM else None

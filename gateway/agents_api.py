@@ -18,6 +18,10 @@ finish reason, and ``usage`` with ``tokens_reused`` / ``tokens_prefilled`` /
 model has written it, and one ``event: done`` with the ``TurnResult`` (or
 ``event: error``). A result's ``reply`` is the text as generated; ``content`` is
 that without its tool calls, which are in ``tool_calls``.
+
+With tenants (:mod:`gateway.tenants`) every route sees the request's tenant's
+agents only: ids are the tenant's own, a listing holds its agents alone, and an
+agent of another tenant of the same id is another agent (404 when it has no cache here).
 """
 
 from __future__ import annotations
@@ -33,7 +37,15 @@ from actors.client import AgentHandle
 from actors.messages_agent import ChatTurn
 from actors.messages_store import AgentRecord
 from actors.metrics import RunningTurn
-from gateway.context import CLIENT_GONE, Gateway, header_safe, kvmem_headers, request_id
+from gateway.context import (
+    CLIENT_GONE,
+    Gateway,
+    header_safe,
+    kvmem_headers,
+    public_result,
+    request_id,
+    tenant_of_request,
+)
 from gateway.errors import ApiError, error_dict, from_exception, runtime_errors
 from gateway.schemas_agents import (
     AgentInfo,
@@ -44,6 +56,7 @@ from gateway.schemas_agents import (
     turn_decoder,
 )
 from gateway.sse import Emit, EventStreamResponse, sse
+from runtime.tenancy import local_id, tenant_of
 
 __all__ = ["routes"]
 
@@ -51,6 +64,9 @@ log = logging.getLogger("kvmem.gateway")
 
 
 def _info(agent_id: str, record: AgentRecord | None, live: bool, turn: RunningTurn | None = None) -> AgentInfo:
+    agent_id = local_id(agent_id)  # as its tenant knows it
+    if turn is not None:
+        turn = msgspec.structs.replace(turn, agent_id=agent_id)
     if record is None:
         return AgentInfo(id=agent_id, object="agent", model_tag=None, cached_tokens=0, hot=False, on_disk=False,
                          dirty=False, disk_bytes=0, updated_at=None, live=live, turn=turn)
@@ -69,14 +85,17 @@ def routes(gw: Gateway) -> list[Route]:
     """The agent routes, bound to ``gw``."""
 
     def agent_of(request: Request) -> AgentHandle:
-        return gw.agent(request.path_params["agent_id"])  # checks the id
+        # checks the id, and names it in the request's tenant
+        return gw.agent(request.path_params["agent_id"], tenant=tenant_of_request(request))
 
     async def list_agents(request: Request) -> Response:
+        tenant = tenant_of_request(request)
+        name = tenant.name if tenant else None
         with runtime_errors():
             records: dict[str, AgentRecord] = {}
-            for record in await gw.rt.list_agents():  # one per model; an agent's first is its latest
+            for record in await gw.rt.list_agents(tenant=name):  # one per model; an agent's first is its latest
                 records.setdefault(record.agent_id, record)
-        live = set(gw.rt.live_agents())
+        live = {a for a in gw.rt.live_agents() if tenant_of(a) == name}
         data = [_info(a, records.get(a), a in live) for a in sorted(records.keys() | live)]
         return gw.json(AgentList(object="list", data=data))
 
@@ -86,7 +105,7 @@ def routes(gw: Gateway) -> list[Route]:
             records = await gw.rt.list_agents(agent_id)
         live = agent_id in gw.rt.live_agents()
         if not records and not live:
-            raise ApiError(404, "not_found", f"agent {agent_id!r} not found", param="agent_id")
+            raise ApiError(404, "not_found", f"agent {local_id(agent_id)!r} not found", param="agent_id")
         turn = next((t for t in gw.rt.running_turns() if t.agent_id == agent_id), None)
         return gw.json(_info(agent_id, records[0] if records else None, live, turn))
 
@@ -96,8 +115,8 @@ def routes(gw: Gateway) -> list[Route]:
         with runtime_errors():
             existed = await handle.forget()
         if not existed:
-            raise ApiError(404, "not_found", f"agent {agent_id!r} has no cache", param="agent_id")
-        return gw.json(Deleted(id=agent_id, object="agent", deleted=True))
+            raise ApiError(404, "not_found", f"agent {local_id(agent_id)!r} has no cache", param="agent_id")
+        return gw.json(Deleted(id=local_id(agent_id), object="agent", deleted=True))
 
     async def post_message(request: Request) -> Response | EventStreamResponse:
         handle = agent_of(request)
@@ -126,12 +145,13 @@ def routes(gw: Gateway) -> list[Route]:
                 top_k=req.top_k,
                 stop=tuple(req.stop),
             )
+            await gw.admit(handle, tenant_of_request(request))  # the tenant's limits: agents, disk
         if not req.stream:
             with runtime_errors():
                 result = await gw.unless_client_leaves(request, lambda: handle.run(turn))
             if result is None:
                 return Response(status_code=CLIENT_GONE)
-            return gw.json(result, headers=kvmem_headers(result))
+            return gw.json(public_result(result), headers=kvmem_headers(result))
         if turn.tools or any(m.role == "tool" or m.tool_calls for m in turn.messages):
             with runtime_errors():  # a template without tool support: a 400 now, not an error event later
                 await gw.rt.count_tokens(turn.chat(), tools=turn.tools, tool_choice=turn.tool_choice, model=turn.model)
@@ -148,9 +168,9 @@ def routes(gw: Gateway) -> list[Route]:
                 log.warning("stream %s failed: %s", rid, error.message)
                 await emit(sse("error", error_dict(error, "kvmem", request_id=rid)))
                 return
-            await emit(sse("done", stream.result))
+            await emit(sse("done", stream.result and public_result(stream.result)))
 
-        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": header_safe(handle.agent_id)})
+        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": header_safe(local_id(handle.agent_id))})
 
     return [
         Route("/v1/agents", list_agents, methods=["GET"], name="agents"),

@@ -48,6 +48,7 @@ from gateway.context import (
     kvmem_headers,
     request_id,
     resolve_agent_id,
+    tenant_of_request,
 )
 from gateway.errors import ApiError, error_dict, from_exception, runtime_errors
 from gateway.schemas_anthropic import (
@@ -68,6 +69,7 @@ from gateway.schemas_anthropic import (
     messages_decoder,
 )
 from gateway.sse import Emit, EventStreamResponse, sse
+from runtime.tenancy import local_id
 
 __all__ = ["routes", "to_chat", "tool_choice_of", "usage_of", "stop_reason_of"]
 
@@ -255,7 +257,8 @@ def routes(gw: Gateway) -> list[Route]:
             system=system,
             messages=chat,
         )
-        handle = gw.agent(ref.agent_id, param=ref.param)
+        tenant = tenant_of_request(request)
+        handle = gw.agent(ref.agent_id, param=ref.param, tenant=tenant)
         with runtime_errors():
             turn = handle.turn(
                 messages=chat,
@@ -269,6 +272,7 @@ def routes(gw: Gateway) -> list[Route]:
                 top_k=req.top_k or 0,
                 stop=tuple(req.stop_sequences or ()),
             )
+            await gw.admit(handle, tenant)  # the tenant's limits: agents, disk
         if not req.stream:
             with runtime_errors():
                 result = await gw.unless_client_leaves(request, lambda: handle.run(turn))
@@ -321,7 +325,8 @@ def routes(gw: Gateway) -> list[Route]:
             }))
             await emit(sse("message_stop", {"type": "message_stop"}))
 
-        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": header_safe(handle.agent_id)})
+        headers = {"x-kvmem-agent-id": header_safe(local_id(handle.agent_id))}
+        return EventStreamResponse(produce, headers=headers)
 
     async def count_tokens(request: Request) -> Response:
         req = await gw.decode(request, count_tokens_decoder)

@@ -18,6 +18,11 @@ Routes::
     GET    /metrics                     Prometheus text
     GET    /openapi.json                OpenAPI 3.1 of all of the above
 
+With ``api_keys`` (tenants, :mod:`gateway.tenants`) the key names a tenant: the
+middleware keeps it in the scope (:func:`gateway.context.tenant_of_request`), counts
+the request against the tenant's rate, and keeps ``/metrics`` and scenarios to
+operator tenants; routes name agents in the tenant's namespace.
+
 Every response carries a ``request-id`` header. Errors use the shape of the API
 the path belongs to (:mod:`gateway.errors`), also for unknown routes, a
 missing API key and bodies over the size limit.
@@ -41,10 +46,11 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import agents_api, anthropic_api, openai_api
-from gateway.context import REQUEST_ID_KEY, Gateway, request_id
+from gateway.context import REQUEST_ID_KEY, TENANT_KEY, Gateway, request_id
 from gateway.errors import ApiError, error_body, flavor_of
 from gateway.metrics import CONTENT_TYPE, render_metrics
 from gateway.openapi import openapi_document
+from gateway.tenants import OPERATOR_PATHS, TenantKeys, load_tenant_keys, retry_after
 from runtime.config import Config
 
 if TYPE_CHECKING:
@@ -74,7 +80,7 @@ def _error_response(error: ApiError, scope: Scope) -> Response:
                     headers=headers, media_type="application/json")
 
 
-def _authorized(scope: Scope, api_key: str) -> bool:
+def _given_key(scope: Scope) -> str | None:
     given = None
     for name, value in scope["headers"]:
         if name == b"x-api-key":
@@ -83,7 +89,33 @@ def _authorized(scope: Scope, api_key: str) -> bool:
             scheme, _, token = value.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer":
                 given = token.strip()
+    return given
+
+
+def _authorized(scope: Scope, api_key: str) -> bool:
+    given = _given_key(scope)
     return given is not None and secrets.compare_digest(given.encode(), api_key.encode())
+
+
+_UNAUTHORIZED = ApiError(401, "authentication", "invalid or missing API key (x-api-key or Authorization: Bearer)",
+                         code="invalid_api_key")
+
+
+def _tenant_refusal(scope: Scope, keys: TenantKeys) -> ApiError | None:
+    """Who the key names (kept in the scope), or why the request stops here: 401, 403, 429."""
+    tenant = keys.resolve(_given_key(scope))
+    if tenant is None:
+        return _UNAUTHORIZED
+    scope[TENANT_KEY] = tenant
+    if scope["path"].startswith(OPERATOR_PATHS) and not tenant.operator:
+        return ApiError(403, "permission", f"{scope['path']} is for operators: tenant {tenant.name!r} is not one",
+                        code="operator_only")
+    wait = tenant.take_request()
+    if wait is not None:
+        return ApiError(429, "rate_limit", f"tenant {tenant.name!r} is over its limit of "
+                        f"{tenant.limits.requests_per_minute} requests per minute", code="tenant_rate_limit",
+                        retry_after_s=retry_after(wait))
+    return None
 
 
 def _has_body(scope: Scope) -> bool:
@@ -134,11 +166,16 @@ class GatewayMiddleware:
                 message["headers"] = headers
             await send(message)
 
-        api_key = self.gateway.config.api_key
+        api_key, keys = self.gateway.config.api_key, self.gateway.tenants
         try:
-            if api_key and scope["path"] != "/healthz" and not _authorized(scope, api_key):
-                error = ApiError(401, "authentication", "invalid or missing API key (x-api-key or "
-                                 "Authorization: Bearer)", code="invalid_api_key")
+            error = None
+            if scope["path"] == "/healthz":
+                pass
+            elif keys is not None:
+                error = _tenant_refusal(scope, keys)
+            elif api_key and not _authorized(scope, api_key):
+                error = _UNAUTHORIZED
+            if error is not None:
                 await _error_response(error, scope)(scope, receive_tracked, send_with_id)  # body unread: closes
                 return
             await self.app(scope, receive_tracked, send_with_id)
@@ -177,17 +214,25 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
     return _error_response(error, request.scope)
 
 
-def create_app(rt: Runtime, settings: Config, *, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
+def create_app(
+    rt: Runtime, settings: Config, *, extra_routes: Sequence[BaseRoute] = (), tenants: TenantKeys | None = None
+) -> Starlette:
     """The HTTP app over ``rt``.
 
     Args:
         rt: an open runtime (``actors.open_runtime``); the app only calls its public API.
-        settings: limits, the API key and the model names (``settings.model`` first).
+        settings: limits, the API key or key file, and the model names (``settings.model`` first).
         extra_routes: more routes (e.g. scenarios); ``request.app.state.kvmem_gateway`` is the
             shared :class:`gateway.context.Gateway`.
+        tenants: the key file, loaded (default: read from ``settings.api_keys`` when set).
+
+    Raises:
+        runtime.config.ConfigError: the key file cannot be used.
     """
     models = tuple(dict.fromkeys([settings.model, *settings.models]))
-    gw = Gateway(rt=rt, config=settings, models=models)
+    if tenants is None and settings.api_keys is not None:
+        tenants = load_tenant_keys(settings.api_keys)
+    gw = Gateway(rt=rt, config=settings, models=models, tenants=tenants)
     version = _version()
 
     async def healthz(request: Request) -> Response:

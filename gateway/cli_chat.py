@@ -78,11 +78,13 @@ def register(sub: Any) -> None:
 
     agents = sub.add_parser("agents", help="list agents and their cache sizes")
     agents.add_argument("--json", action="store_true")
+    agents.add_argument("--tenant", help="a tenant's agents (kvmem serve --api-keys) instead of the keyless ones")
     add_model_options(agents)
     agents.set_defaults(func=_agents)
 
     forget = sub.add_parser("forget", help="delete an agent's conversation and cache")
     forget.add_argument("agent")
+    forget.add_argument("--tenant", help="the agent of this tenant (kvmem serve --api-keys)")
     add_model_options(forget)
     forget.set_defaults(func=_forget)
 
@@ -110,10 +112,11 @@ async def _open_runtime(config: Config, *, preload: bool = True) -> AsyncIterato
 
 # -- chat ---------------------------------------------------------------------------
 
-CHAT_DEFAULTS: dict[str, Any] = {"prewarm_mb": 0}
+CHAT_DEFAULTS: dict[str, Any] = {"prewarm_mb": 0, "prefetch_mb": 0}
 """``kvmem chat``'s own defaults (below flags, environment and TOML). Pre-warming 512 MiB
 costs a one-shot chat process 0.4-2 s and ~500 MB of memory on a 2-core VM, more than it
-saves on a chat-sized turn; set ``prewarm_mb`` to pre-warm for long resumed conversations."""
+saves on a chat-sized turn; set ``prewarm_mb`` to pre-warm for long resumed conversations.
+A chat process serves one agent, so it reads no other agent's cache ahead (``prefetch_mb``)."""
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -278,7 +281,7 @@ def _print_turn(report: TurnReport, *, as_json: bool) -> None:
 def _agents(args: argparse.Namespace) -> int:
     import trio
 
-    rows = trio.run(_list_agents, config_from_args(args))
+    rows = trio.run(_list_agents, config_from_args(args), _tenant_arg(args))
     if args.json:
         print(json.dumps(msgspec.to_builtins(rows)))
         return 0
@@ -291,15 +294,29 @@ def _agents(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _list_agents(config: Config) -> list[AgentSummary]:
+def _tenant_arg(args: argparse.Namespace) -> str | None:
+    """``--tenant``, checked (a bad name is a ConfigError: one line, no traceback)."""
+    from runtime.config import ConfigError
+    from runtime.tenancy import check_tenant_name
+
+    try:
+        return None if args.tenant is None else check_tenant_name(args.tenant)
+    except ValueError as exc:
+        raise ConfigError(f"--tenant: {exc}") from None
+
+
+async def _list_agents(config: Config, tenant: str | None = None) -> list[AgentSummary]:
     from runtime.home import KvmemHome
+    from runtime.tenancy import local_id
 
     async with _open_runtime(config, preload=False) as rt:  # listing needs no model
-        records = await rt.list_agents()
+        records = await rt.list_agents(tenant=tenant)
+    if tenant is not None:  # a tenant's agents have no `kvmem chat` conversations in the home
+        return summarize_agents(None, [msgspec.structs.replace(r, agent_id=local_id(r.agent_id)) for r in records])
     return summarize_agents(KvmemHome(config.home_path), records)
 
 
-def summarize_agents(home: KvmemHome, records: list[AgentRecord]) -> list[AgentSummary]:
+def summarize_agents(home: KvmemHome | None, records: list[AgentRecord]) -> list[AgentSummary]:
     """Agents with a conversation in ``home`` or a cache among ``records`` (the store's, one per agent and model)."""
     latest: dict[str, AgentRecord] = {}
     disk_bytes: dict[str, int] = {}
@@ -307,7 +324,9 @@ def summarize_agents(home: KvmemHome, records: list[AgentRecord]) -> list[AgentS
         latest.setdefault(r.agent_id, r)
         disk_bytes[r.agent_id] = disk_bytes.get(r.agent_id, 0) + r.disk_bytes
     out = []
-    for path in sorted(home.root.joinpath("conversations").glob("*.json")):
+    # A tenant's agents (home None) have no `kvmem chat` conversations.
+    for path in sorted(home.root.joinpath("conversations").glob("*.json")) if home else ():
+        assert home is not None
         convo = home.load_conversation(path.stem)
         agent = str(convo.get("agent", path.stem))
         record = latest.pop(agent, None)
@@ -324,22 +343,24 @@ def summarize_agents(home: KvmemHome, records: list[AgentRecord]) -> list[AgentS
 def _forget(args: argparse.Namespace) -> int:
     import trio
 
-    if trio.run(_forget_agent, config_from_args(args), args.agent):
+    if trio.run(_forget_agent, config_from_args(args), args.agent, _tenant_arg(args)):
         print(f"forgot {args.agent}")
         return 0
     print(f"no agent named {args.agent!r}", file=sys.stderr)
     return 1
 
 
-async def _forget_agent(config: Config, agent: str) -> bool:
+async def _forget_agent(config: Config, agent: str, tenant: str | None = None) -> bool:
     """Delete the agent's caches (every model's) and conversation; True if anything existed."""
     from runtime.home import KvmemHome
     from runtime.persist import safe_agent_dirname
+    from runtime.tenancy import namespaced
 
     name = safe_agent_dirname(agent)
     async with _open_runtime(config, preload=False) as rt:  # forgetting needs no model
-        had_cache = await rt.agent(agent).forget()  # its caches, and blocks no other agent references
-    return KvmemHome(config.home_path).delete_conversation(name) or had_cache
+        # its caches, and blocks no other agent (of its tenant) references
+        had_cache = await rt.agent(namespaced(tenant, agent)).forget()
+    return had_cache if tenant else KvmemHome(config.home_path).delete_conversation(name) or had_cache
 
 
 # -- build-model ----------------------------------------------------------------------

@@ -35,9 +35,13 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--prewarm-mb", type=float, help="memory touched at start and kept, so the first turn is fast (MiB; 0: off)"
     )
+    p.add_argument("--prefetch-mb", type=float,
+                   help="at start, read the newest caches from disk while the model loads (MiB; 0: off)")
     p.add_argument("--api-key", help="require this key (x-api-key or Authorization: Bearer)")
+    p.add_argument("--api-keys", help="TOML file of keys, each naming a tenant, and tenant limits (not with --api-key)")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")
     p.add_argument("--max-body-bytes", type=int, help="largest request body")
+    p.add_argument("--body-timeout-s", type=float, help="seconds a request body may take to arrive (then 408)")
     p.add_argument("--distributed", action="store_true",
                    help="one model over the ranks mlx.launch started (tensor parallel; see the README)")
     p.set_defaults(func=_serve)
@@ -49,6 +53,10 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.server import ServerStarted, serve
 
     config = config_from_args(args)  # a ConfigError is reported by gateway.cli
+    if config.api_keys is not None:
+        from gateway.tenants import load_tenant_keys
+
+        load_tenant_keys(config.api_keys)  # a bad key file: one line now, before the model loads
     engine, directory, leader = None, None, None
     if args.distributed:
         from runtime.distributed.launch import LeaderRank, open_rank  # imports MLX: only for distributed runs

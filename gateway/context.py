@@ -21,7 +21,9 @@ first message — in which case their prompts are identical up to there anyway.
 
 An id is checked once, where it enters the actors (``Runtime.agent``, through
 :meth:`Gateway.agent`, which names the header or field it came from in the
-400): :class:`AgentRef` carries that name along.
+400): :class:`AgentRef` carries that name along. With tenants, :meth:`Gateway.agent`
+names the agent in the request's tenant's namespace (:mod:`runtime.tenancy`), and
+answers show the id as the tenant gave it (:func:`public_result`).
 
 **Response headers**: every response carries ``request-id``
 (:func:`request_id`); a turn's answer also carries its accounting as
@@ -49,11 +51,14 @@ from starlette.responses import Response
 from gateway.errors import ApiError, from_decode_error
 from runtime.config import Config
 from runtime.errors import InvalidAgentIdError
+from runtime.persist import safe_agent_dirname
+from runtime.tenancy import local_id, namespaced
 
 if TYPE_CHECKING:
     from actors.client import AgentHandle
     from actors.messages_agent import TurnResult
     from actors.supervisor import Runtime
+    from gateway.tenants import Tenant, TenantKeys
 
 __all__ = [
     "Gateway",
@@ -67,6 +72,9 @@ __all__ = [
     "kvmem_extras",
     "kvmem_headers",
     "header_safe",
+    "TENANT_KEY",
+    "tenant_of_request",
+    "public_result",
 ]
 
 DRAIN_BYTES = 64 * 2**20
@@ -138,11 +146,26 @@ def request_id(request: Request) -> str:
     return str(request.scope.get(REQUEST_ID_KEY, "req_unknown"))
 
 
+TENANT_KEY = "kvmem_tenant"
+"""Where the gateway's middleware keeps the request's :class:`gateway.tenants.Tenant` in the ASGI scope."""
+
+
+def tenant_of_request(request: Request) -> Tenant | None:
+    """The tenant the request's key names (None: no tenants, one key or none)."""
+    return request.scope.get(TENANT_KEY)
+
+
+def public_result(result: TurnResult) -> TurnResult:
+    """``result`` with the agent id as its tenant gave it (the same result without tenants)."""
+    public = local_id(result.agent_id)
+    return result if public == result.agent_id else msgspec.structs.replace(result, agent_id=public)
+
+
 def kvmem_extras(result: TurnResult) -> dict[str, Any]:
     """kvmem's own accounting of a turn (tier, prefix match, timings), for bodies and stream events."""
     u = result.usage
     return {
-        "agent_id": result.agent_id,
+        "agent_id": local_id(result.agent_id),
         "tier": u.tier,
         "match": u.match,
         "tokens_reused": u.tokens_reused,
@@ -175,12 +198,14 @@ class Gateway:
         rt: the running kvmem runtime.
         config: the server's settings.
         models: the model names requests may use (the default first).
+        tenants: the key file's tenants (None: one key or none).
         http_requests: responses by (route, method, status), for ``/metrics``.
     """
 
     rt: Runtime
     config: Config
     models: tuple[str, ...]
+    tenants: TenantKeys | None = None
     started_at: float = field(default_factory=time.time)
     http_requests: Counter[tuple[str, str, int]] = field(default_factory=Counter)
     encoder: msgspec.json.Encoder = field(default_factory=msgspec.json.Encoder)
@@ -209,18 +234,29 @@ class Gateway:
             code="model_not_found",
         )
 
-    def agent(self, agent_id: str, *, param: str = "agent_id", share_prefix: bool = True) -> AgentHandle:
+    def agent(self, agent_id: str, *, param: str = "agent_id", share_prefix: bool = True,
+              tenant: Tenant | None = None) -> AgentHandle:
         """The runtime's handle on ``agent_id`` (where ids are checked, once).
+
+        With a ``tenant`` (:func:`tenant_of_request`) the handle is on the agent of that
+        id in the tenant's namespace. The id is checked as the client gave it first, so
+        that it cannot carry a namespace of its own.
 
         Raises:
             ApiError: 400 naming ``param`` (the header or field the id came from)
                 when the id cannot name a cache.
         """
         try:
-            return self.rt.agent(agent_id, share_prefix=share_prefix)
+            safe_agent_dirname(agent_id)
+            return self.rt.agent(namespaced(tenant.name if tenant else None, agent_id), share_prefix=share_prefix)
         except InvalidAgentIdError as exc:
             raise ApiError(400, "invalid_request", f"invalid agent id in {param}: {exc}", param=param,
                            code="invalid_agent_id") from None
+
+    async def admit(self, handle: AgentHandle, tenant: Tenant | None) -> None:
+        """Before a turn: refuse it (429) when it would take ``tenant`` over its agents or disk limit."""
+        if tenant is not None:
+            await tenant.admit(self.rt, handle.agent_id)
 
     def check_max_tokens(self, value: int, *, param: str) -> int:
         limit = self.config.max_tokens_limit
@@ -235,6 +271,11 @@ class Gateway:
         The rest of an oversize body is read and dropped (up to :data:`DRAIN_BYTES`) before
         answering: a server that answers and closes while the client is still sending makes
         the client's TCP stack reset the connection, and the client never sees the 413.
+
+        A body still arriving ``body_timeout_s`` after the route started reading it is a 408:
+        Hypercorn bounds how long headers may take (its keep-alive timer) but not a body, so
+        without this a client trickling bytes (a slow-loris upload) holds its connection and
+        buffers forever. The body is then unread, so the app's middleware closes the connection.
         """
         limit = self.config.max_body_bytes
         too_large = ApiError(413, "request_too_large", f"request body is larger than {limit} bytes",
@@ -244,14 +285,21 @@ class Gateway:
             raise too_large
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                chunks.clear()
-                if size > DRAIN_BYTES:
-                    break
-                continue
-            chunks.append(chunk)
+        with trio.move_on_after(self.config.body_timeout_s) as deadline:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    chunks.clear()
+                    if size > DRAIN_BYTES:
+                        break
+                    continue
+                chunks.append(chunk)
+        if deadline.cancelled_caught:
+            log.info("request %s: the body took longer than %s s; answering 408", request_id(request),
+                     self.config.body_timeout_s)
+            raise ApiError(408, "invalid_request",
+                           f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                           code="request_timeout")
         if size > limit:
             raise too_large
         return b"".join(chunks)

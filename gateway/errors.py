@@ -38,6 +38,7 @@ Flavor = Literal["anthropic", "openai", "kvmem"]
 _TYPES: dict[str, tuple[str, str]] = {
     "invalid_request": ("invalid_request_error", "invalid_request_error"),
     "authentication": ("authentication_error", "invalid_request_error"),
+    "permission": ("permission_error", "invalid_request_error"),
     "not_found": ("not_found_error", "invalid_request_error"),
     "request_too_large": ("request_too_large", "invalid_request_error"),
     "overloaded": ("overloaded_error", "server_error"),

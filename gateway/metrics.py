@@ -112,6 +112,11 @@ def render_metrics(stats: RuntimeStats, http_requests: Counter[tuple[str, str, i
     w.metric("kvmem_cache_warm_loads_total", "counter", "Caches loaded from disk.", store.warm_loads)
     w.metric("kvmem_cache_misses_total", "counter", "Cache lookups that found nothing usable.", store.misses)
     w.metric("kvmem_cache_demotions_total", "counter", "Hot caches dropped to the warm tier.", store.demotions)
+    w.metric("kvmem_cache_prefetched_total", "counter", "Caches read ahead from disk at start.", store.prefetched)
+    w.metric("kvmem_cache_prefetch_hits_total", "counter", "Turns that took a cache read ahead at start.",
+             store.prefetch_hits)
+    w.metric("kvmem_cache_prefetch_held_bytes", "gauge", "Bytes of caches read ahead and not yet taken.",
+             store.prefetch_held_bytes)
 
     if (remote := store.remote) is not None:
         w.family("kvmem_remote_up", "gauge", "Whether the shared tier (Redis) answered its last call (0: degraded).")

@@ -38,6 +38,7 @@ from gateway.context import (
     kvmem_headers,
     request_id,
     resolve_agent_id,
+    tenant_of_request,
 )
 from gateway.errors import ApiError, error_dict, from_exception, runtime_errors
 from gateway.schemas_openai import (
@@ -54,6 +55,7 @@ from gateway.schemas_openai import (
     chat_decoder,
 )
 from gateway.sse import Emit, EventStreamResponse, sse_data
+from runtime.tenancy import local_id
 
 __all__ = ["routes", "to_chat", "tool_choice_of", "usage_of", "finish_reason_of"]
 
@@ -187,7 +189,8 @@ def routes(gw: Gateway) -> list[Route]:
         system = chat[0]["content"] if chat[0]["role"] == "system" else None
         ref = resolve_agent_id(request.headers, user_field=req.user, user_param="user", system=system,
                                messages=chat)
-        handle = gw.agent(ref.agent_id, param=ref.param)
+        tenant = tenant_of_request(request)
+        handle = gw.agent(ref.agent_id, param=ref.param, tenant=tenant)
         with runtime_errors():
             turn = handle.turn(
                 messages=chat,
@@ -200,6 +203,7 @@ def routes(gw: Gateway) -> list[Route]:
                 top_k=req.top_k or 0,
                 stop=req.stop or (),
             )
+            await gw.admit(handle, tenant)  # the tenant's limits: agents, disk
         completion_id = "chatcmpl-" + secrets.token_hex(12)
         created = int(time.time())
         if not req.stream:
@@ -267,7 +271,8 @@ def routes(gw: Gateway) -> list[Route]:
                 await emit(chunk([], usage=usage_of(result), kvmem=kvmem_extras(result)))
             await emit(sse_data(b"[DONE]"))
 
-        return EventStreamResponse(produce, headers={"x-kvmem-agent-id": header_safe(handle.agent_id)})
+        headers = {"x-kvmem-agent-id": header_safe(local_id(handle.agent_id))}
+        return EventStreamResponse(produce, headers=headers)
 
     async def list_models(request: Request) -> Response:
         data = [_model_entry(gw, name) for name in gw.models]

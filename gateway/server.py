@@ -26,6 +26,7 @@ from starlette.routing import BaseRoute
 
 from actors.signals import watch_signals
 from gateway.app import create_app
+from gateway.tenants import load_tenant_keys
 from runtime.config import Config
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ def raise_open_file_limit() -> int:
 
 def exposure_warning(config: Config) -> str | None:
     """A warning when ``config`` binds beyond loopback without an API key, else None."""
-    if config.api_key:
+    if config.api_key or config.api_keys:
         return None
     host = config.host.strip("[]")
     try:
@@ -121,6 +122,10 @@ async def serve(
     warning = exposure_warning(config)
     if warning:
         log.warning("%s", warning)
+    # A bad key file fails now, before the model loads, naming the problem.
+    tenants = load_tenant_keys(config.api_keys) if config.api_keys is not None else None
+    if tenants is not None:
+        log.info("%d tenants from %s", len(tenants.tenants), config.api_keys)
     shutdown = trio.Event()
     async with open_runtime(
         config,
@@ -129,7 +134,8 @@ async def serve(
         handle_signals=False,
     ) as rt:
         async with trio.open_nursery() as nursery:
-            app = create_app(rt, config, extra_routes=extra_routes(rt, nursery) if extra_routes else ())
+            app = create_app(rt, config, extra_routes=extra_routes(rt, nursery) if extra_routes else (),
+                             tenants=tenants)
             if threading.current_thread() is threading.main_thread():
                 def on_signal(signum: int) -> None:
                     log.warning("received %s: shutting down", signal.Signals(signum).name)

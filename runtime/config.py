@@ -12,7 +12,8 @@ flag. :func:`load_config` merges the sources, highest first::
     kv_bits = 4                      # 4, 8 or "float"
     port = 8000
     budget_mb = 2048
-    api_key = "secret"
+    api_key = "secret"               # one key, one namespace; or, for tenants:
+    # api_keys = "/etc/kvmem/keys.toml"  (gateway.tenants: key -> tenant, limits)
     store = "redis://127.0.0.1:6379/0"   # the shared tier: several nodes serve any agent
 
 Keys may sit at the top level or under ``[serve]``. Values are validated with
@@ -97,6 +98,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             than MLX's there); off: MLX's own attention everywhere.
         budget_mb: KV memory for running sequences (admission, batch size), MiB.
         hot_budget_mb: memory for idle caches kept in RAM (the hot tier), MiB.
+        prefetch_mb: at start, the most recently saved caches are read from disk while the
+            model loads, up to this many MiB, so their agents' first turns wait for no disk
+            (0: off; not with a shared ``store``).
         prewarm_mb: memory touched once at the first model load and kept, so the
             first turn after a start is as fast as later ones (Linux; 0: off).
         max_batch: most sequences decoding at once.
@@ -105,9 +109,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         host, port: where ``kvmem serve`` listens; loopback by default, port 0 picks a free port.
         api_key: when set, every HTTP route but ``/healthz`` requires it
             (``x-api-key: K`` or ``Authorization: Bearer K``).
+        api_keys: a TOML file of keys, each naming a tenant, with the tenants' limits
+            (:mod:`gateway.tenants`): each tenant has its own agents, cache subtree
+            and prefix sharing. Not together with ``api_key`` (one key file or one
+            key), nor with ``store`` (yet).
         accept_any_model: serve requests naming an unknown model with the default
             model instead of answering 404 (for clients with a hard-coded model name).
         max_body_bytes: request bodies above this get 413.
+        body_timeout_s: a request body still arriving this long after its headers gets
+            408 and the connection is closed (slow-upload clients cannot hold it open).
         max_tokens_limit: requests asking for more new tokens get 400.
         default_max_tokens: new tokens when an OpenAI request names no limit.
         graceful_timeout_s: on shutdown, how long running requests may finish.
@@ -133,6 +143,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # -- memory and scheduling
     budget_mb: Annotated[float, Meta(gt=0)] = 2048
     hot_budget_mb: Annotated[float, Meta(gt=0)] = 512
+    prefetch_mb: Annotated[float, Meta(ge=0)] = 256
     prewarm_mb: Annotated[float, Meta(ge=0)] = 512
     max_batch: Annotated[int, Meta(ge=1, le=1024)] = 32
     prefill_chunk: Annotated[int, Meta(ge=1)] | None = None
@@ -141,8 +152,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     api_key: str | None = None
+    api_keys: str | None = None
     accept_any_model: bool = False
     max_body_bytes: Annotated[int, Meta(ge=1024)] = 4 * 2**20
+    body_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     max_tokens_limit: Annotated[int, Meta(ge=1)] = 4096
     default_max_tokens: Annotated[int, Meta(ge=1)] = 512
     graceful_timeout_s: Annotated[float, Meta(ge=0)] = 10.0
@@ -182,6 +195,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 FIELDS: tuple[str, ...] = Config.__struct_fields__
 _BOOLS = frozenset({"fsync", "accept_any_model", "numpy_attention"})
 _NONE_WORDS = ("", "none", "null")
+_NONE_ALLOWED = frozenset({"model_idle_s", "prefill_chunk", "api_key", "api_keys", "store"})
 
 
 def _normalize(key: str, value: Any) -> Any:
@@ -204,7 +218,7 @@ def _normalize(key: str, value: Any) -> Any:
         if raw in ("0", "false", "no", "off"):
             return False
         return value  # validation names it
-    if key in ("model_idle_s", "prefill_chunk", "api_key", "store") and value.strip().lower() in _NONE_WORDS:
+    if key in _NONE_ALLOWED and value.strip().lower() in _NONE_WORDS:
         return None
     return value
 
@@ -212,9 +226,16 @@ def _normalize(key: str, value: Any) -> Any:
 def _validated(values: Mapping[str, Any]) -> Config:
     normalized = {k: _normalize(k, v) for k, v in values.items()}
     try:
-        return msgspec.convert(normalized, Config, strict=False)
+        config = msgspec.convert(normalized, Config, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"bad setting: {exc}") from exc
+    if config.api_keys is not None and config.api_key is not None:
+        # Which wins would be a guess: one key for everyone, or a tenant per key. Say so instead.
+        raise ConfigError("api_key and api_keys are both set: give one key (one namespace) or a key file "
+                          "(a tenant per key), not both")
+    if config.api_keys is not None and config.store is not None:
+        raise ConfigError("api_keys (tenants) and store (the shared tier) are not supported together yet")
+    return config
 
 
 def _from_toml(path: Path) -> dict[str, Any]:

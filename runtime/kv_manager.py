@@ -11,7 +11,8 @@ the actors execute it. It owns
   (demoted to the warm tier); one that still does not fit stays until its save
   completes, and is then dropped;
 * the **shared-prefix index**: which hot caches and which turns in flight other
-  agents may start from (agents that opted in);
+  agents may start from (agents that opted in, of the same tenant: a tenant's
+  agents never start from another tenant's prefix, :mod:`runtime.tenancy`);
 * the **turns in flight**: their token ids, what they reused, and the prompt a
   running turn parked for others to start from (a *donor*).
 
@@ -37,6 +38,7 @@ from runtime.engine import COLD, FromHot, FromShared, FromWarm, HotCache, Tier, 
 from runtime.errors import BudgetExceededError
 from runtime.prefix import MatchKind, common_prefix_length, match_prefix
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot
+from runtime.tenancy import pool_key, tenant_of
 
 __all__ = ["KVCacheManager", "HotEntry", "HotTierStats", "PARTIAL_THRESHOLD"]
 
@@ -165,10 +167,13 @@ class KVCacheManager:
 
     def _shared(self, agent_id: str, model_tag: str, prompt: str) -> TurnPlan | None:
         """The longest whole-block prefix of ``prompt`` another sharing agent's cache covers."""
+        tenant = tenant_of(agent_id)
         candidates = [(e.agent_id, e.parked, e) for e in self._entries.values()
-                      if e.share and e.model_tag == model_tag and e.agent_id != agent_id]
+                      if e.share and e.model_tag == model_tag and e.agent_id != agent_id
+                      and tenant_of(e.agent_id) == tenant]
         candidates += [(f.agent_id, f.donor, None) for f in self._inflight.values()
-                       if f.donor is not None and f.model_tag == model_tag and f.agent_id != agent_id]
+                       if f.donor is not None and f.model_tag == model_tag and f.agent_id != agent_id
+                       and tenant_of(f.agent_id) == tenant]
         best: tuple[int, str, HotCache, HotEntry | None] | None = None
         for donor, parked, entry in candidates:
             assert parked is not None
@@ -208,8 +213,10 @@ class KVCacheManager:
         if not turn.share:
             return None
         best: tuple[int, _InFlight] | None = None
+        tenant = tenant_of(turn.agent_id)
         for other_id, other in self._inflight.items():
-            if other_id == request_id or other.donor is None or other.model_tag != turn.model_tag:
+            if other_id == request_id or other.donor is None or other.model_tag != turn.model_tag \
+                    or tenant_of(other.agent_id) != tenant:
                 continue
             keep = min(self._shared_blocks(other.donor.token_ids, turn), _whole_blocks(len(turn.token_ids) - 1))
             if keep > turn.reused and (best is None or keep > best[0]):
@@ -227,8 +234,10 @@ class KVCacheManager:
         turn = self._inflight.get(request_id)
         if turn is None or not turn.share:
             return False
+        tenant = tenant_of(turn.agent_id)
         return any(
             other.share and not other.prefill_started and other.model_tag == turn.model_tag
+            and tenant_of(other.agent_id) == tenant
             and self._shared_blocks(turn.token_ids, other) > other.reused
             for other_id, other in self._inflight.items()
             if other_id != request_id
@@ -333,7 +342,8 @@ class KVCacheManager:
         demoted: list[HotEntry] = []
         while True:
             try:
-                pool.share(entry.agent_id, block_hashes)
+                # Named within the tenant: the pool's dedup must not tell one tenant what another holds.
+                pool.share(entry.agent_id, [pool_key(entry.agent_id, h) for h in block_hashes])
                 pool.reserve(entry.agent_id, entry.parked.num_tokens)
                 entry.accounted = True
                 return demoted

@@ -102,8 +102,9 @@ def _free_port_pair() -> int:
 def two_ranks(home: Path, *args: str, model: str = MODEL) -> Iterator[str]:
     """``mlx.launch -n 2 --backend ring ... kvmem serve --distributed``; yields rank 0's URL.
 
-    On exit: SIGINT to the launch's process group (rank 0 shuts down and flushes, rank 1
+    On exit: SIGINT to both ranks, as Ctrl-C sends it (rank 0 shuts down and flushes, rank 1
     ignores it and exits when rank 0 tells it to); SIGKILL to the group if it outlives 60 s.
+    ``mlx.launch`` itself is left running, so it forwards the ranks' logs to the end.
     """
     command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()),
                "--python", sys.executable, "-m", "gateway.cli", "serve", "--distributed", "--model", model,
@@ -130,8 +131,12 @@ def two_ranks(home: Path, *args: str, model: str = MODEL) -> Iterator[str]:
         found.wait(timeout=180)
         assert url, "the two ranks did not start:\n" + "".join(log)
         yield url[0]
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
+        for rank in _children(proc.pid):
+            os.kill(rank, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the ranks did not stop within 60 s of SIGINT:\n" + "".join(log[-40:])) from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -141,6 +146,19 @@ def two_ranks(home: Path, *args: str, model: str = MODEL) -> Iterator[str]:
                 os.killpg(proc.pid, signal.SIGKILL)  # a rank the launcher left behind
             except ProcessLookupError:
                 pass
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the ranks ``mlx.launch`` started), from ``/proc``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
 
 
 def _turn(url: str, agent: str, turns: list[str], replies: list[str], *, temperature: float = 0) -> dict[str, Any]:

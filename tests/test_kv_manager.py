@@ -194,3 +194,23 @@ def test_forget_and_a_model_swap_drop_hot_caches():
     assert m.forget("a") == 2 and m.needs_disk("a", TAG) and m.needs_disk("a", OTHER_TAG)
     m.drop_model(TAG)
     assert m.entries() == [] and TAG not in m.stats().pools
+
+
+def test_turns_in_flight_donate_within_their_tenant_only():
+    from runtime.tenancy import namespaced
+
+    m = _manager()
+    a1, a2, b1 = namespaced("acme", "a1"), namespaced("acme", "a2"), namespaced("globex", "b1")
+    ids = [ord(c) for c in SYSTEM + "first"]
+    m.begin(1, agent_id=a1, model_tag=TAG, token_ids=ids, reused=0, share=True)
+    m.begin(2, agent_id=b1, model_tag=TAG, token_ids=ids, reused=0, share=True)
+    assert m.adopt(1) is None
+    assert not m.wants_donor(1)  # only another tenant's turn waits: nobody of acme would reuse it
+    m.begin(3, agent_id=a2, model_tag=TAG, token_ids=ids, reused=0, share=True)
+    assert m.wants_donor(1)  # acme's second turn would
+    m.add_donor(1, Parked(TAG, SYSTEM + "first"))
+    assert m.adopt(2) is None  # globex's turn does not start from acme's prompt
+    adopted = m.adopt(3)
+    assert adopted is not None and adopted.donor == a1
+    assert m.plan(b1, TAG, SYSTEM + "third", share=True).tier == "cold"  # nor plans from it
+    assert m.plan(namespaced("acme", "a3"), TAG, SYSTEM + "third", share=True).tier == "shared"

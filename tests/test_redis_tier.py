@@ -13,42 +13,20 @@ stale lease holder.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
 from conftest import models_dir
-from redis_server import RedisServer
+from redis_server import MESSAGES, RedisServer, redis_server  # noqa: F401 - redis_server is a fixture
+from redis_server import open_node as _open
+from redis_server import second_turn as _second_turn
 
-from actors import open_runtime
 from gateway.testing import ServerThread
 from runtime.config import Config, ConfigError, load_config
 from runtime.persist import CacheDirectory
 from runtime.persist.remote import RemoteTier, redacted_url
-
-MESSAGES = [{"role": "system", "content": "You are a storyteller who remembers."},
-            {"role": "user", "content": "Tell me about the lighthouse keeper and her cat."}]
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def _open(home: Path, store: str | None, **kw):
-    return open_runtime(model="tiny-llama", home=home, models_dir=models_dir(), fsync=False, store=store,
-                        handle_signals=False, **kw)
-
-
-def _second_turn(reply: str) -> list[dict[str, str]]:
-    return [*MESSAGES, {"role": "assistant", "content": reply}, {"role": "user", "content": "What was her name?"}]
 
 
 async def test_a_turn_on_another_node_loads_the_agent_from_redis_and_replies_as_one_node_would(
@@ -217,6 +195,8 @@ def test_store_setting_from_flag_environment_and_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="store"):
         load_config({"store": "http://cache:6379"})
     assert redacted_url("redis://:secret@cache:6379/0") == "redis://:***@cache:6379/0"
+    assert redacted_url("rediss://cache:6380/0?password=secret&ssl_ca_certs=/etc/ca.pem") == \
+        "rediss://cache:6380/0?password=***&ssl_ca_certs=/etc/ca.pem"
 
 
 def test_a_turn_for_an_agent_leased_by_another_node_gets_429_with_retry_after(

@@ -10,7 +10,7 @@ Trust model pinned down here (see benches/results/reliability.md):
   ``<cache>/agents`` or is refused with a 400: nothing is ever written outside the cache directory.
 * Cache directories are 0700 and files 0600.
 * Anyone holding the key may *name* any agent id (ids are the client's own namespace; isolation
-  between mutually untrusting clients needs separate servers). What one id cannot do is *read*
+  between mutually untrusting clients needs a tenant each, ``--api-keys``: tests/test_tenants.py). What one id cannot do is *read*
   another conversation: a cache is never returned over HTTP, it is reused only for a prompt whose
   text is identical up to the reuse point, and greedy output depends on the prompt alone, so naming
   ``conv-<hash of someone else's conversation>`` yields exactly the cold reply to one's own prompt.

@@ -7,7 +7,9 @@
 * Limits: bodies over ``max_body_bytes`` get 413 (declared or chunked), oversized headers are
   refused without harm.
 * Slow clients: one that sends its headers and trickles the body, and one that never reads its
-  SSE stream, do not block another agent's turn.
+  SSE stream, do not block another agent's turn; a body slower than ``body_timeout_s`` gets a 408
+  and its connection is closed; connections that trickle their headers (slow-loris) are closed
+  by Hypercorn's keep-alive timer while other agents are served.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from runtime.config import Config
 MODEL = "tiny-llama"
 LIMIT = 64 * 1024
 TIMEOUT = httpx.Timeout(30, connect=5)
+BODY_TIMEOUT_S = 3.0
 CASES = {"n": 0, "by_status": {}}
 
 
@@ -41,7 +44,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     config = Config(model=MODEL, port=0, home=str(models_dir().parent),
                          cache_dir=str(tmp_path_factory.mktemp("fuzz")), max_tokens_limit=16,
                          default_max_tokens=8, max_body_bytes=LIMIT, budget_mb=128, hot_budget_mb=32,
-                         graceful_timeout_s=2)
+                         graceful_timeout_s=2, body_timeout_s=BODY_TIMEOUT_S)
     with ServerThread(config) as running:
         yield running
 
@@ -278,6 +281,98 @@ def test_a_client_trickling_its_body_does_not_block_other_agents(server: ServerT
         stop.set()
         thread.join(5)
         slow.close()
+
+
+def _read_until_closed(sock: socket.socket, within_s: float) -> tuple[bytes, bool]:
+    """Everything the server sends until it closes the connection (or ``within_s`` passes)."""
+    sock.settimeout(0.5)
+    data, deadline = b"", time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            piece = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return data, True
+        if not piece:
+            return data, True
+        data += piece
+    return data, False
+
+
+def test_a_body_slower_than_the_body_timeout_gets_408_and_the_connection_closes(server: ServerThread) -> None:
+    body = b'{"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "slow"}]}'
+    slow = _raw_connection(server.url)
+    slow.sendall(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:5])
+    stop = threading.Event()
+
+    def trickle() -> None:  # one byte a second: the whole body would take over a minute
+        for byte in body[5:]:
+            if stop.wait(1.0):
+                return
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:
+                return
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    started = time.monotonic()
+    thread.start()
+    try:
+        answer, closed = _read_until_closed(slow, BODY_TIMEOUT_S + 10)
+    finally:
+        stop.set()
+        thread.join(5)
+        slow.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"connection: close" in head.lower()
+    error = json.loads(payload)
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"  # Anthropic's shape
+    assert "did not arrive within" in error["error"]["message"]
+    assert closed and BODY_TIMEOUT_S - 0.5 <= time.monotonic() - started < BODY_TIMEOUT_S + 10
+
+
+def test_slow_loris_connections_are_closed_while_other_agents_are_served(server: ServerThread,
+                                                                        http: httpx.Client) -> None:
+    # Each connection sends a request line and then one header byte every half second, never
+    # finishing its headers. Hypercorn's keep-alive timer (5 s, gateway/server.py) runs until a
+    # request's headers are complete, so it closes them; meanwhile the server keeps serving.
+    loris = [_raw_connection(server.url) for _ in range(40)]
+    stop = threading.Event()
+
+    def trickle() -> None:
+        header = b"x-slow: " + b"a" * 200
+        for byte in header:
+            if stop.wait(0.5):
+                return
+            for sock in loris:
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    pass
+
+    for sock in loris:
+        sock.sendall(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\n")
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        for j in range(2):
+            started = time.monotonic()
+            other = http.post(f"/v1/agents/patient-{j}/messages", json={"prompt": "still served", "max_tokens": 2})
+            assert other.status_code == 200 and time.monotonic() - started < 10
+        deadline = time.monotonic() + 12
+        still_open = list(loris)
+        while still_open and time.monotonic() < deadline:
+            still_open = [sock for sock in still_open if not _read_until_closed(sock, 0.2)[1]]
+        assert not still_open, f"{len(still_open)} of {len(loris)} slow-loris connections still open"
+        assert http.get("/healthz").status_code == 200
+    finally:
+        stop.set()
+        thread.join(5)
+        for sock in loris:
+            sock.close()
 
 
 def test_a_client_that_never_reads_its_stream_does_not_block_other_agents(server: ServerThread,

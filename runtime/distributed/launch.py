@@ -94,6 +94,9 @@ def open_rank(config: Config) -> LeaderRank | Follower:
 
     if config.store is not None:
         raise DistributedError("--distributed does not support a shared tier (--store)")
+    if config.api_keys is not None:
+        # Tenants keep caches in subtrees the ranks' directories do not mirror yet.
+        raise DistributedError("--distributed does not support tenants (--api-keys)")
     if "MLX_RANK" not in os.environ:
         raise DistributedError("--distributed runs under mlx.launch (e.g. mlx.launch -n 2 --backend ring "
                                "--python $(which python) -m gateway.cli serve --distributed ...)")

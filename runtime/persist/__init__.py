@@ -8,6 +8,9 @@
       agents/<dir>/manifest-<digest>.json     what the agent's cache for one model is made of
       agents/<dir>/seg-<sha256>.safetensors   the agent's own pieces (any token range)
       agents/<dir>/state-<sha256>.safetensors sliding layers + every layer's layout
+      tenants/<tenant>/                       the same layout, once per tenant (``--api-keys``;
+                                              :mod:`runtime.persist.tenants`): a tenant's agents
+                                              and blocks, deduplicated within the tenant only
 
 An agent has **one cache per model tag** (:attr:`runtime.spec.ModelCacheSpec.tag`):
 ``<digest>`` is a digest of the tag (:func:`manifest_name`), so a turn with
@@ -76,6 +79,8 @@ Where each part lives:
 ``codec``       canonical safetensors encoding with CRC-32
 ``files``       atomic file replacement (``write_atomic``), private folders,
                 batches of atomic writes, safe reads
+``tenants``     which cache directory an agent id names: the default one, or
+                its tenant's subtree (:class:`TenantDirectories`)
 ``remote``      the shared tier: these files mirrored in Redis, pulled onto
                 the disk (checked) before a load, published after a save;
                 cluster leases (imported only when a ``store`` is set)

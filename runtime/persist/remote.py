@@ -9,16 +9,22 @@ braces keep an agent's keys in one Redis Cluster slot)::
 
     kvmem:block:<hash>                 a shared 256-token block, stored once for the cluster (SET NX)
     kvmem:agent:{<dir>}:<file>         the agent's segments and state files (content-named, SET NX)
-    kvmem:agent:{<dir>}:manifest-<d>   the agent's manifest for a model: replaced by one SET, last
+    kvmem:agent:{<dir>}:manifest-<d>   the agent's manifest for a model: replaced last, by one script
     kvmem:agent:{<dir>}:fence-manifest-<d>   the lease fence the manifest was published under
+    kvmem:agent:{<dir>}:files-manifest-<d>   the keys of the files the manifest names (for reference counts)
+    kvmem:agent:{<dir>}:manifests      the agent's manifest keys (a set: what forgetting drops)
     kvmem:agent:{<dir>}:lease          the agent's lease: ``<node>:<fence>``, expiring
     kvmem:agent:{<dir>}:fence          the agent's lease counter (INCR)
+    kvmem:agent:{<dir>}:forgotten      the fence the agent was last forgotten at (its tombstone)
+    kvmem:refs                         how many current manifests name each file key (a hash)
 
 * :meth:`RemoteTier.publish` (after a disk save, write-behind) sends the files
-  Redis lacks, then the manifest in one SET, so a reader sees the old manifest
-  or the new one, each with every file it names. With a fence (a lease's
-  counter), a Lua script refuses to replace a manifest published under a newer
-  fence: a holder whose lease expired cannot publish over its successor.
+  Redis lacks, then swaps the manifest in with one Lua script, so a reader sees
+  the old manifest or the new one, each with every file it names (the script
+  checks they exist). With a fence (a lease's counter), the script refuses to
+  replace a manifest published under a newer fence, or to publish under a fence
+  older than the agent's tombstone: a holder whose lease expired cannot publish
+  over its successor, nor bring back a forgotten agent.
 * :meth:`RemoteTier.pull` (before a load, for an agent with no hot cache)
   compares Redis's manifest with the local one; when they differ it checks
   the manifest (:func:`~runtime.persist.manifests.check_manifest`), fetches the
@@ -28,6 +34,10 @@ braces keep an agent's keys in one Redis Cluster slot)::
   Anything wrong in Redis is a logged miss, never an error.
 * :meth:`RemoteTier.lease` / :meth:`RemoteTier.release`: one holder per agent
   across the cluster (``SET NX PX``, fenced by ``INCR``).
+* Garbage collection and forgetting across nodes: reference counts kept by the
+  manifest swap, and a fenced tombstone (:mod:`runtime.persist.remote_scripts`).
+  :meth:`RemoteTier.check` tells the lease holder whether its own copy of an
+  agent is older than Redis's or was forgotten since.
 
 Redis down or slow is not an error either: every call catches the client's
 errors, marks the tier unavailable (:attr:`RemoteTier.up`, logged once per
@@ -43,7 +53,7 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import redis
 from redis.exceptions import RedisError
@@ -54,13 +64,22 @@ from runtime.persist.files import AtomicBatch, read_header, read_regular_file, w
 from runtime.persist.format import BlockPiece, Piece, StateRef
 from runtime.persist.manifests import check_manifest, decode_manifest, manifest_name
 from runtime.persist.pieces import block_is_intact
+from runtime.persist.remote_scripts import (
+    DELETE_UNREFERENCED,
+    FORGET,
+    PUBLISH_MANIFEST,
+    PUBLISHED,
+    RELEASE,
+    RENEW,
+    STALE,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from runtime.persist.directory import CachePaths
 
-__all__ = ["RemoteTier", "Lease", "redacted_url"]
+__all__ = ["RemoteTier", "Lease", "Freshness", "redacted_url"]
 
 log = logging.getLogger("kvmem.remote")
 
@@ -76,36 +95,25 @@ RETRY_S = 5.0
 """After a call fails, further calls answer at once as if Redis had nothing for this long (but a ping
 tries), so a Redis that does not answer costs one timeout per :data:`RETRY_S`, not one per call."""
 
-_PUBLISH_MANIFEST = """
-local current = tonumber(redis.call('GET', KEYS[2]) or '0')
-local fence = tonumber(ARGV[2])
-if fence < current then return 0 end
-redis.call('SET', KEYS[1], ARGV[1])
-redis.call('SET', KEYS[2], ARGV[2])
-return 1
-"""
-"""Replace the manifest unless it was published under a newer fence (KEYS: manifest, its fence)."""
+PUBLISH_TRIES = 3
+"""How often a publish sends files again that vanished before its manifest went in (collected meanwhile)."""
 
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-"""Delete the lease only if it is still ours."""
-
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
+Freshness = Literal["current", "newer", "forgotten"]
+"""What :meth:`RemoteTier.check` finds: this node's copy of an agent is Redis's latest, older, or forgotten since."""
 
 
 def redacted_url(url: str) -> str:
-    """``url`` without its password (for logs, ``/healthz`` and ``/metrics``)."""
+    """``url`` without its password (for logs, ``/healthz`` and ``/metrics``), in the netloc or the query."""
     parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    if parts.password is not None:
+        host = parts.hostname or ""
+        netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+        parts = parts._replace(netloc=netloc)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    if any(name == "password" for name, _ in query):
+        redacted = [(name, "***" if name == "password" else value) for name, value in query]
+        parts = parts._replace(query=urllib.parse.urlencode(redacted, safe="/*"))
+    return urllib.parse.urlunsplit(parts)
 
 
 @dataclass(frozen=True)
@@ -137,13 +145,16 @@ class RemoteTier:
         self._prefix = prefix
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                            health_check_interval=0)
-        self._publish_manifest = self._redis.register_script(_PUBLISH_MANIFEST)
-        self._release = self._redis.register_script(_RELEASE)
-        self._renew = self._redis.register_script(_RENEW)
+        self._publish_manifest = self._redis.register_script(PUBLISH_MANIFEST)
+        self._forget = self._redis.register_script(FORGET)
+        self._delete_unreferenced = self._redis.register_script(DELETE_UNREFERENCED)
+        self._release = self._redis.register_script(RELEASE)
+        self._renew = self._redis.register_script(RENEW)
         self._node = secrets.token_hex(8)
         self.lease_ms = lease_ms
         self._down_until = float("-inf")
         self._seen: dict[str, int] = {}  # manifest key -> fence of the manifest this node last published or pulled
+        self._checked: dict[str, int] = {}  # agent dir -> the tombstone this node's copies of the agent are past
         self.up = True
         self.errors = 0
         self.pulls = 0
@@ -161,6 +172,9 @@ class RemoteTier:
 
     def _agent_key(self, agent_dir: Path, name: str) -> str:
         return f"{self._prefix}:agent:{{{agent_dir.name}}}:{name}"
+
+    def _refs_key(self) -> str:
+        return f"{self._prefix}:refs"
 
     def _block_key(self, block_hash: str) -> str:
         return f"{self._prefix}:block:{block_hash}"
@@ -181,9 +195,9 @@ class RemoteTier:
             result = fn()
         except (RedisError, OSError) as exc:
             self.errors += 1
-            if self.up:
-                log.warning("Redis at %s is unreachable (%s: %s); serving from the local tier", self.url,
-                            what, exc)
+            if self.up:  # the client's messages name host and port, never the password
+                log.warning("Redis at %s is unreachable (%s: %s: %s); serving from the local tier", self.url,
+                            what, type(exc).__name__, exc)
             self.up = False
             self._down_until = time.monotonic() + RETRY_S
             return default
@@ -218,33 +232,47 @@ class RemoteTier:
         if data is None:
             return None
         manifest = decode_manifest(data)
-        refs: list[Piece | StateRef] = [*manifest.pieces, manifest.state]
-        keys = [self._key(agent_dir, ref) for ref in refs]
+        by_key: dict[str, Piece | StateRef] = {self._key(agent_dir, ref): ref for ref in (*manifest.pieces,
+                                                                                          manifest.state)}
+        keys = list(by_key)
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
             pipe.exists(key)
-        present = pipe.execute()
+        missing = [key for key, there in zip(keys, pipe.execute(), strict=True) if not there]
+        manifest_key = self._agent_key(agent_dir, name)
+        script_keys = [manifest_key, *(self._agent_key(agent_dir, f"{what}-{name}") for what in ("fence", "files")),
+                       self._agent_key(agent_dir, "forgotten"), self._refs_key(),
+                       self._agent_key(agent_dir, "manifests")]
+        for _ in range(PUBLISH_TRIES):
+            if not self._send(agent_id, agent_dir, [(key, by_key[key]) for key in missing]):
+                return None
+            answer = self._publish_manifest(keys=script_keys, args=[data, fence or 0, *keys])
+            self.bytes_sent += len(data)
+            if answer == STALE:  # this node's next turn of the agent finds why in check(): newer or forgotten
+                self.stale_publishes += 1
+                log.warning("not publishing the cache of %r: a newer lease holder published (or forgot it) since",
+                            agent_id)
+                return False
+            if answer == PUBLISHED:
+                self._seen[manifest_key] = fence or 0
+                self.publishes += 1
+                return True
+            missing = [key.decode() if isinstance(key, bytes) else str(key) for key in answer]  # collected meanwhile
+        log.warning("not publishing the cache of %r: its files kept vanishing from Redis", agent_id)
+        return None
+
+    def _send(self, agent_id: str, agent_dir: Path, files: list[tuple[str, Piece | StateRef]]) -> bool:
+        """``SET NX`` each of ``files`` from the disk; False (logged) when one is missing locally."""
         pipe = self._redis.pipeline(transaction=False)
-        for ref, key, there in zip(refs, keys, present, strict=True):
-            if there:
-                continue
+        for key, ref in files:
             raw = read_regular_file(self._path(agent_dir, ref))
             if raw is None or len(raw) != ref.size:
                 log.warning("not publishing the cache of %r: %s is missing locally", agent_id, ref.name)
-                return None
+                return False
             pipe.set(key, raw, nx=True)
             self.bytes_sent += len(raw)
-        pipe.execute()
-        manifest_key = self._agent_key(agent_dir, name)
-        fence_key = self._agent_key(agent_dir, "fence-" + name)
-        ok = self._publish_manifest(keys=[manifest_key, fence_key], args=[data, fence or 0])
-        self.bytes_sent += len(data)
-        if not ok:
-            self.stale_publishes += 1
-            log.warning("not publishing the cache of %r: a newer lease holder published since", agent_id)
-            return False
-        self._seen[manifest_key] = fence or 0
-        self.publishes += 1
+        if files:
+            pipe.execute()
         return True
 
     # -- pull --------------------------------------------------------------------
@@ -293,20 +321,29 @@ class RemoteTier:
         self.pulls += 1
         return True
 
-    def served_elsewhere(self, agent_id: str, model_tag: str) -> bool:
-        """Whether another node published the agent's cache for ``model_tag`` since this node last synced it.
+    def check(self, agent_id: str, model_tag: str) -> Freshness:
+        """Whether this node's copy of the agent (hot or on disk) is still Redis's latest, for the lease holder.
 
-        A hot cache is then older than Redis's (still correct to reuse, but it
-        covers less of the conversation): the caller drops it and pulls.
+        ``"forgotten"``: the agent was forgotten (on any node) since this node
+        last checked: the caller drops every local copy of it, hot and on disk.
+        ``"newer"``: another node published the agent's cache for ``model_tag``
+        since this node last published or pulled it: a hot cache is older than
+        Redis's (still correct to reuse, but it covers less of the
+        conversation), so the caller drops it and pulls. ``"current"`` otherwise,
+        and when Redis does not answer.
         """
         agent_dir = self._paths.agent_dir(agent_id)
-        name = manifest_name(model_tag)
+        manifest_key = self._agent_key(agent_dir, manifest_name(model_tag))
 
-        def newer() -> bool:
-            fence = self._redis.get(self._agent_key(agent_dir, "fence-" + name))
-            return fence is not None and int(fence) > self._seen.get(self._agent_key(agent_dir, name), 0)
+        def ask() -> Freshness:
+            tombstone, fence = self._redis.mget([self._agent_key(agent_dir, "forgotten"),
+                                                 self._agent_key(agent_dir, "fence-" + manifest_name(model_tag))])
+            if tombstone is not None and int(tombstone) > self._checked.get(agent_dir.name, 0):
+                self._checked[agent_dir.name] = int(tombstone)  # the caller drops its copies now
+                return "forgotten"
+            return "newer" if fence is not None and int(fence) > self._seen.get(manifest_key, 0) else "current"
 
-        return self._call("check", newer, False)
+        return self._call("check", ask, "current")
 
     def _on_disk(self, agent_dir: Path, ref: Piece | StateRef) -> bool:
         header = read_header(self._path(agent_dir, ref), size=ref.size)
@@ -330,15 +367,26 @@ class RemoteTier:
     # -- forget ------------------------------------------------------------------
 
     def forget(self, agent_id: str) -> bool:
-        """Delete the agent's manifests and files in Redis (its blocks stay: other agents may share them)."""
+        """Forget the agent cluster-wide: a tombstone, its manifests gone, and every file no other manifest names.
+
+        Other nodes drop their own copies when they next take the agent's lease
+        (:meth:`check`). Returns whether Redis held any cache of the agent.
+        """
+        agent_dir = self._paths.agent_dir(agent_id)
+
         def delete() -> bool:
-            agent_dir = self._paths.agent_dir(agent_id)
-            counter = self._agent_key(agent_dir, "fence").encode()  # fences stay increasing
-            keys = [k for k in self._redis.scan_iter(match=self._agent_key(agent_dir, "*"), count=500)
-                    if k != counter]
-            if keys:
-                self._redis.delete(*keys)
-            return bool(keys)
+            script_keys = [self._agent_key(agent_dir, what) for what in ("fence", "forgotten")]
+            tombstone, deleted = self._forget(keys=[*script_keys, self._refs_key(),
+                                                    self._agent_key(agent_dir, "manifests")], args=["fence-", "files-"])
+            self._checked[agent_dir.name] = int(tombstone)
+            # Files of publishes that never reached a manifest (no references: safe to delete at any time).
+            pattern = [self._agent_key(agent_dir, f"{kind}-*") for kind in ("seg", "state")]
+            orphans = [k for match in pattern for k in self._redis.scan_iter(match=match, count=500)]
+            if orphans:
+                self._delete_unreferenced(keys=[self._refs_key(), *orphans])
+            for key in [k for k in self._seen if k.startswith(self._agent_key(agent_dir, ""))]:
+                del self._seen[key]
+            return bool(deleted or orphans)
 
         return self._call("forget", delete, False)
 
