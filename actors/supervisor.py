@@ -359,6 +359,7 @@ async def open_runtime(
     config: Config | None = None,
     *,
     engine: Engine | None = None,
+    directory: CacheDirectory | None = None,
     trace: bool = False,
     handle_signals: bool = True,
     preload: bool = True,
@@ -374,6 +375,7 @@ async def open_runtime(
         config: the settings (default ``Config()``: defaults only; nothing is
             read from the environment here but the home folder's default).
         engine: the engine to run (default: MLX, configured from ``config``); tests pass ``FakeEngine``.
+        directory: the warm tier (default: ``config``'s cache folder; a distributed rank 0 passes its own).
         trace: record the GPU actor's work log (``Runtime.gpu_events``).
         handle_signals: on SIGINT/SIGTERM flush and exit (main thread only).
         preload: load the default model before yielding (False: at the first
@@ -396,7 +398,8 @@ async def open_runtime(
         caches.mkdir(parents=True, exist_ok=True, mode=0o700)  # an unusable folder fails here, named
         return CacheDirectory(caches, fsync=fsync)
 
-    directory = await trio.to_thread.run_sync(open_directory)
+    if directory is None:
+        directory = await trio.to_thread.run_sync(open_directory)
     remote = None
     if config.store is not None:
         from runtime.persist.remote import (

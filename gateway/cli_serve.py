@@ -2,6 +2,10 @@
 
 Settings come from flags > ``KVMEM_*`` environment variables > a TOML file
 (``--config``) > defaults; see :mod:`runtime.config`.
+
+``--distributed`` (under ``mlx.launch``): every rank runs this command; rank 0
+serves, with its engine and cache directory extended to the other ranks, and
+every other rank follows it (:mod:`runtime.distributed`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def register(sub: Any) -> None:
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")
     p.add_argument("--max-body-bytes", type=int, help="largest request body")
     p.add_argument("--body-timeout-s", type=float, help="seconds a request body may take to arrive (then 408)")
+    p.add_argument("--distributed", action="store_true",
+                   help="one model over the ranks mlx.launch started (tensor parallel; see the README)")
     p.set_defaults(func=_serve)
 
 
@@ -53,6 +59,19 @@ def _serve(args: argparse.Namespace) -> int:
         from gateway.tenants import load_tenant_keys
 
         load_tenant_keys(config.api_keys)  # a bad key file: one line now, before the model loads
+    engine, directory, leader = None, None, None
+    if args.distributed:
+        from runtime.distributed.launch import LeaderRank, open_rank  # imports MLX: only for distributed runs
+        from runtime.errors import KvmemError
+
+        try:
+            rank = open_rank(config)
+        except (KvmemError, OSError) as exc:
+            print(f"kvmem serve: {exc}", file=sys.stderr, flush=True)
+            return 2
+        if not isinstance(rank, LeaderRank):
+            return _follow(rank)
+        engine, directory, leader = rank.engine, rank.directory, rank
 
     def scenarios(rt: Any, nursery: trio.Nursery) -> list[Any]:
         from gateway.scenario_routes import scenario_routes
@@ -62,7 +81,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            started: ServerStarted = await nursery.start(partial(serve, config, extra_routes=scenarios))
+            started: ServerStarted = await nursery.start(
+                partial(serve, config, extra_routes=scenarios, engine=engine, directory=directory))
             print(f"kvmem: serving {config.model} on {started.url}", file=sys.stderr, flush=True)
 
     try:
@@ -74,8 +94,27 @@ def _serve(args: argparse.Namespace) -> int:
         # an unusable cache directory or home, a port in use: one clear line, not a traceback
         print(f"kvmem serve: {cause}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        if leader is not None:
+            leader.close()  # after the flush: the other ranks saved their parts of every cache
     print("kvmem: stopped; caches flushed", file=sys.stderr, flush=True)
     return 0
+
+
+def _follow(follower: Any) -> int:
+    """A rank other than 0: follow rank 0 until it stops. Signals are rank 0's to handle.
+
+    SIGINT (Ctrl-C reaches every local rank) is ignored: rank 0 shuts down,
+    flushes every cache (this rank saves its parts then) and says when to exit.
+    SIGTERM (``mlx.launch`` sends it when another rank failed) leaves 30 s for that.
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: signal.alarm(30))
+    print(f"kvmem: rank {follower.rank} of {follower.size} following rank 0", file=sys.stderr, flush=True)
+    code: int = follower.run()
+    return code
 
 
 def _first_os_error(exc: BaseException) -> OSError | None:

@@ -32,6 +32,7 @@ from runtime.config import Config
 if TYPE_CHECKING:
     from actors.supervisor import Runtime
     from runtime.engine import Engine
+    from runtime.persist import CacheDirectory
 
 __all__ = ["serve", "ServerStarted", "RoutesFactory", "hypercorn_config", "exposure_warning"]
 
@@ -100,6 +101,7 @@ async def serve(
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     extra_routes: RoutesFactory | None = None,
     engine: Engine | None = None,
+    directory: CacheDirectory | None = None,
     task_status: trio.TaskStatus[ServerStarted] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run kvmem's HTTP server until shutdown (see the module docstring).
@@ -110,6 +112,7 @@ async def serve(
         extra_routes: more routes for ``create_app`` (e.g. scenarios), built from the open runtime
             and a nursery that is cancelled when the HTTP server has stopped.
         engine: the engine to run (default: MLX, configured from ``config``; tests pass their own).
+        directory: the cache directory (default: ``config``'s; ``kvmem serve --distributed`` passes rank 0's).
         task_status: started with a :class:`ServerStarted` once the port is open.
     """
     from actors import open_runtime  # the runtime loads MLX; the gateway modules never import it
@@ -127,6 +130,7 @@ async def serve(
     async with open_runtime(
         config,
         engine=engine,
+        directory=directory,
         handle_signals=False,
     ) as rt:
         async with trio.open_nursery() as nursery:

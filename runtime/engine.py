@@ -19,7 +19,9 @@ in its plan, and a donor prefix to adopt from
 
 This module is pure (msgspec and the standard library; no trio, no mlx): the
 manager, the actors and the engines all import it. Implementations:
-:class:`runtime.mlx_engine.MlxEngine` (the real one) and
+:class:`runtime.mlx_engine.MlxEngine` (the real one),
+:class:`runtime.distributed.leader.LeaderEngine` (rank 0 of ``kvmem serve --distributed``: the
+real one, each call also sent to the other ranks) and
 ``tests/fake_engine.py`` (deterministic, no MLX; actor tests use it to pin down
 scheduling and lifecycle quickly).
 """

@@ -10,6 +10,7 @@
     │   ├── ForeignModelError          made by another model (tag mismatch)
     │   └── FormatVersionError         written by an incompatible format version
     ├── BudgetExceededError            the memory budget cannot hold a request
+    ├── DistributedError               ranks of a --distributed server that cannot start or reach each other
     └── InvalidAgentIdError            an agent id that cannot name a cache
 """
 
@@ -46,6 +47,10 @@ class FormatVersionError(CacheMiss):
 
 class BudgetExceededError(KvmemError):
     """A request needs more cache memory than the whole budget."""
+
+
+class DistributedError(KvmemError):
+    """The ranks of a distributed server cannot start or reach each other."""
 
 
 class InvalidAgentIdError(KvmemError, ValueError):

@@ -110,6 +110,7 @@ class MlxEngine:
         numpy_attention: attend through :mod:`runtime.cpu_attention` where it applies.
         keep_float_mb: float KV kept after turns so the next hot turn skips dequantizing
             (:mod:`runtime.float_resident`); 0 turns it off.
+        group: an ``mx.distributed`` group: load this rank's tensor-parallel part of each model.
     """
 
     def __init__(
@@ -123,9 +124,11 @@ class MlxEngine:
         prewarm_mb: float = 0,
         numpy_attention: bool = True,
         keep_float_mb: float = 0,
+        group: Any = None,
     ) -> None:
         self._numpy_attention = numpy_attention
         self._residents = ResidentPool(int(keep_float_mb * 2**20))
+        self._group = group
         self._models_dir = models_dir
         self._weights = weights
         self._prewarm_mb = prewarm_mb
@@ -145,12 +148,8 @@ class MlxEngine:
         return self._memory
 
     def _sample_memory(self) -> None:
-        self._memory = MemoryReading(
-            active=mx.get_active_memory(),
-            peak=mx.get_peak_memory(),
-            baseline=self._baseline,
-            model=self._model_bytes,
-        )
+        self._memory = MemoryReading(active=mx.get_active_memory(), peak=mx.get_peak_memory(),
+                                     baseline=self._baseline, model=self._model_bytes)
 
     @property
     def lm(self) -> LoadedModel:
@@ -175,6 +174,7 @@ class MlxEngine:
             models_dir=self._models_dir,
             weights=self._weights,
             numpy_attention=self._numpy_attention,
+            group=self._group,
         )
         self._lm = lm
         self._strategy = resolve_strategy(self._attention)

@@ -27,6 +27,7 @@ from mlx_lm.utils import load as mlx_load
 from mlx_lm.utils import load_tokenizer
 
 from runtime import cpu_attention
+from runtime.distributed.shard import shard_model, shard_model_id
 from runtime.default_model import DEFAULT_MODEL, default_model_file
 from runtime.errors import ModelError, UnsupportedModelError
 from runtime.gguf import is_gguf, prepare_gguf
@@ -166,6 +167,7 @@ def load_model(
     models_dir: Path | None = None,
     weights: str = "auto",
     numpy_attention: bool = True,
+    group: Any = None,
 ) -> LoadedModel:
     """Load ``model``: ``kvmem-default``, a GGUF file, a tiny recipe name, a folder or a Hugging Face id.
 
@@ -173,6 +175,8 @@ def load_model(
     ``auto`` dequantizes to float32 on CPU and keeps the file's quantization on GPUs.
     ``numpy_attention`` lets :meth:`LoadedModel.forward` use :mod:`runtime.cpu_attention`
     where it applies (llama and qwen2 models on the CPU backend).
+    ``group``: an ``mx.distributed`` group of more than one rank keeps this rank's
+    tensor-parallel part of the model (:mod:`runtime.distributed.shard`).
     """
     name = str(model)
     path = _source(name, models_dir)
@@ -186,7 +190,11 @@ def load_model(
             loaded, tokenizer, config = mlx_load(str(path), return_config=True)
         except Exception as exc:  # mlx-lm raises many kinds; the user needs one message
             raise ModelError(f"could not load model {name!r}: {exc}") from exc
-    spec = read_cache_spec(loaded, model_id=name, config=config, kv_format=kv_format)
+    model_id = name
+    if group is not None and group.size() > 1:
+        shard_model(loaded, config, group, name=name)
+        model_id = shard_model_id(name, group.rank(), group.size())  # a rank's cache holds only its heads
+    spec = read_cache_spec(loaded, model_id=model_id, config=config, kv_format=kv_format)
     fast_attention = numpy_attention and cpu_attention.install(type(loaded).__module__)
     log.info("loaded %s: %d layers, tag %s, attention %s", name, len(spec.layers), spec.tag,
              "numpy (runtime.cpu_attention)" if fast_attention else "mlx")
