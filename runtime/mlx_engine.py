@@ -55,7 +55,7 @@ from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.sequence import SamplingParams, Sequence, StartFrom
 from runtime.spec import CacheSnapshot, KVFormat, LayerKind, ModelCacheSpec
 from runtime.tool_calls import reply_rules
-from runtime.warmup import prewarm_memory
+from runtime.warmup import prewarm_memory, warm_up
 
 __all__ = ["MlxEngine", "active_token_bytes", "sequence_bytes", "DecodeBatch", "batch_cache_class"]
 
@@ -105,8 +105,8 @@ class MlxEngine:
         kv_group_size: quantization group size.
         strategy: ``auto``, ``at-rest`` or ``native`` attention on Q4 caches.
         weights: how GGUF weights are held (:data:`runtime.gguf.WEIGHT_MODES`).
-        prewarm_mb: memory to touch once when the first model loads and keep for
-            activations (see :mod:`runtime.warmup`); 0 turns it off.
+        prewarm_mb: memory to touch once when the first model loads and keep for activations,
+            and a throwaway turn at each load (:mod:`runtime.warmup`); 0 turns both off.
         numpy_attention: attend through :mod:`runtime.cpu_attention` where it applies.
         keep_float_mb: float KV kept after turns so the next hot turn skips dequantizing
             (:mod:`runtime.float_resident`); 0 turns it off.
@@ -132,6 +132,7 @@ class MlxEngine:
         self._models_dir = models_dir
         self._weights = weights
         self._prewarm_mb = prewarm_mb
+        self._warm_up = prewarm_mb > 0  # a throwaway turn at each model load (runtime.warmup.warm_up)
         self._kv_format = KVFormat(bits=kv_bits, group_size=kv_group_size)
         self._attention = strategy  # "auto" is resolved on the MLX thread when a model loads
         self._strategy: Strategy = "at-rest"
@@ -161,7 +162,7 @@ class MlxEngine:
 
     def load(self, name: str) -> ModelInfo:
         if self._lm is not None:
-            self.unload()  # a full collection: ~90 ms with everything imported, so not on a first load
+            self.unload()  # a full collection (~90 ms), so not on a first load
         if self._prewarm_mb > 0:
             seconds = prewarm_memory(self._prewarm_mb)
             log.info("pre-touched %g MB of activation memory in %.2f s", self._prewarm_mb, seconds)
@@ -178,18 +179,15 @@ class MlxEngine:
         )
         self._lm = lm
         self._strategy = resolve_strategy(self._attention)
+        if self._warm_up:
+            log.info("warmed %s up in %.2f s", name, warm_up(lm, self._strategy))
         weights = tree_flatten(lm.model.parameters(), destination={})
         assert isinstance(weights, dict)
         self._model_bytes = sum(int(v.nbytes) for v in weights.values())
         self._sample_memory()
-        return ModelInfo(
-            name=name,
-            tag=lm.spec.tag,
-            block_bytes=lm.spec.bytes_per_block(),
-            active_token_bytes=active_token_bytes(lm.spec, self._strategy),
-            sequence_bytes=sequence_bytes(lm.spec),
-            model_bytes=self._model_bytes,
-        )
+        return ModelInfo(name=name, tag=lm.spec.tag, block_bytes=lm.spec.bytes_per_block(),
+                         active_token_bytes=active_token_bytes(lm.spec, self._strategy),
+                         sequence_bytes=sequence_bytes(lm.spec), model_bytes=self._model_bytes)
 
     def unload(self) -> None:
         self._seqs.clear()

@@ -13,7 +13,9 @@ with the thresholds fixed and 400 MB pre-touched, the first turn took the same
 the process, as MLX's Metal buffer cache keeps its buffers) and touches that
 memory once at start. A throwaway warm-up turn at model load (first calls
 through every code path) was measured too and made no difference once the
-memory was pre-touched.
+memory was pre-touched; that was before NumPy attention (``runtime.cpu_attention``), and
+since then :func:`warm_up` at model load is what makes a restored agent's first turn as fast as
+a hot one.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import ctypes
 import ctypes.util
 import sys
 import time
+from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["keep_freed_memory", "prewarm_memory"]
+__all__ = ["keep_freed_memory", "prewarm_memory", "warm_up"]
 
 # mallopt parameters (malloc.h). 32 MiB is the largest mmap threshold glibc accepts on 64-bit;
 # the trim threshold is an int, so 2 GiB - 1 is the most it can say.
@@ -72,4 +75,33 @@ def prewarm_memory(megabytes: float) -> float:
     buffers = [mx.ones((_TOUCH_BUFFER_BYTES // 4,), dtype=mx.float32) for _ in range(count)]
     mx.eval(buffers)
     del buffers
+    return time.perf_counter() - started
+
+
+WARM_UP_PROMPT = "Warm up. " * 40
+"""The throwaway turn's prompt: about 120 tokens, so prefill takes the NumPy attention path."""
+
+
+def warm_up(lm: Any, strategy: str) -> float:
+    """Run a throwaway turn and a continuation of it through ``lm``; returns the seconds it took.
+
+    A restarted server's first turn otherwise pays for every code path's first run
+    (prefill and NumPy attention over a cache, activation, parking, the buffers they
+    allocate): measured at 4K tokens, the first turn after a restart took 40-60 ms
+    longer than the same turn hot even with its cache restored ahead; with this at
+    model load, 0.91-1.11x hot (``benches/results/README.md``). Must run on the model's thread.
+    """
+    from runtime.sequence import SamplingParams, Sequence
+
+    started = time.perf_counter()
+    first = Sequence(lm, WARM_UP_PROMPT, None, SamplingParams(max_tokens=1), strategy=strategy)
+    while first.prefill_step() is None:
+        pass
+    parked = first.park()
+    if parked is not None:
+        # Four tokens or more, as a turn's new text usually is: prefill over a cache through NumPy attention.
+        again = Sequence(lm, parked.text + " Once more, the warm up.", parked, SamplingParams(max_tokens=1),
+                         strategy=strategy)
+        while again.prefill_step() is None:
+            pass
     return time.perf_counter() - started
