@@ -412,16 +412,7 @@ async def open_runtime(
             MlxEngine,  # imports mlx: only when the real engine runs
         )
 
-        engine = MlxEngine(
-            models_dir=config.models_path,
-            kv_bits=config.kv_bits,
-            kv_group_size=config.kv_group_size,
-            strategy=config.attention,
-            weights=config.weights,
-            prewarm_mb=config.prewarm_mb,
-            numpy_attention=config.numpy_attention,
-            keep_float_mb=config.keep_float_mb,
-        )
+        engine = MlxEngine.from_config(config)
     metrics = RuntimeMetrics()
     store_send, store_receive = trio.open_memory_channel[StoreInbox](_MAILBOX_SIZE)
     gpu_send, gpu_receive = trio.open_memory_channel[GpuInbox](_MAILBOX_SIZE)

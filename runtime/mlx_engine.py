@@ -83,14 +83,8 @@ def active_token_bytes(spec: ModelCacheSpec, strategy: Strategy) -> int:
 
 def sequence_bytes(spec: ModelCacheSpec) -> int:
     """Fixed bytes per running sequence: its sliding-window layers, full (window + slack)."""
-    return sum(
-        layer.kv_heads
-        * (layer.k_head_dim + layer.v_head_dim)
-        * spec.dtype_bytes
-        * ((layer.window or 0) + SLIDING_SLACK)
-        for layer in spec.layers
-        if layer.kind == "sliding"
-    )
+    return sum(layer.kv_heads * (layer.k_head_dim + layer.v_head_dim) * spec.dtype_bytes
+               * ((layer.window or 0) + SLIDING_SLACK) for layer in spec.layers if layer.kind == "sliding")
 
 
 # -- the engine ----------------------------------------------------------------
@@ -101,15 +95,13 @@ class MlxEngine:
 
     Args:
         models_dir: where tiny models are built.
-        kv_bits: 4 or 8 (Q4/Q8 KV at rest) or None (float KV).
-        kv_group_size: quantization group size.
-        strategy: ``auto``, ``at-rest`` or ``native`` attention on Q4 caches.
-        weights: how GGUF weights are held (:data:`runtime.gguf.WEIGHT_MODES`).
+        kv_bits, kv_group_size: 4 or 8 (Q4/Q8 KV at rest) or None (float KV); the quantization group.
+        strategy, weights: ``auto``, ``at-rest`` or ``native`` attention on Q4 caches; how GGUF
+            weights are held (:data:`runtime.gguf.WEIGHT_MODES`).
         prewarm_mb: memory to touch once when the first model loads and keep for activations,
             and a throwaway turn at each load (:mod:`runtime.warmup`); 0 turns both off.
         numpy_attention: attend through :mod:`runtime.cpu_attention` where it applies.
-        keep_float_mb: float KV kept after turns so the next hot turn skips dequantizing
-            (:mod:`runtime.float_resident`); 0 turns it off.
+        keep_float_mb: float KV kept after turns for the next hot turn (:mod:`runtime.float_resident`; 0: off).
         group: an ``mx.distributed`` group: load this rank's tensor-parallel part of each model.
     """
 
@@ -140,9 +132,15 @@ class MlxEngine:
         self._seqs: dict[int, Sequence] = {}
         self._ids: dict[int, int] = {}  # id(seq) -> request id
         self._batch = DecodeBatch()
-        self._model_bytes = 0
-        self._baseline = 0
+        self._model_bytes = self._baseline = 0
         self._memory = MemoryReading()
+
+    @classmethod
+    def from_config(cls, config: Any, group: Any = None) -> MlxEngine:
+        """The engine a :class:`runtime.config.Config` describes (``group``: this rank's, under ``--distributed``)."""
+        return cls(models_dir=config.models_path, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
+                   strategy=config.attention, weights=config.weights, prewarm_mb=config.prewarm_mb,
+                   numpy_attention=config.numpy_attention, keep_float_mb=config.keep_float_mb, group=group)
 
     @property
     def memory(self) -> MemoryReading:

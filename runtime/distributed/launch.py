@@ -105,16 +105,7 @@ def open_rank(config: Config) -> LeaderRank | Follower:
     if size < 2:
         raise DistributedError(f"--distributed needs two ranks or more; mlx.launch started {size}")
     _check_model(config, size)
-    engine = MlxEngine(
-        models_dir=config.models_path,
-        kv_bits=config.kv_bits,
-        kv_group_size=config.kv_group_size,
-        strategy=config.attention,
-        weights=config.weights,
-        prewarm_mb=config.prewarm_mb,
-        numpy_attention=config.numpy_attention,
-        group=group,
-    )
+    engine = MlxEngine.from_config(config, group)
     root = rank_cache_dir(config.caches_path, rank=rank, size=size)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     if rank == 0:
