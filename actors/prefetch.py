@@ -25,6 +25,7 @@ a newer cache after the read, so the store does not prefetch there.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -115,6 +116,8 @@ class Prefetcher:
                 restored = await restore(snapshot)
                 if restored is not None and key in self._ready:
                     self._prepared[key] = restored
+                    # The plan needs its text and tokens only; the arrays now live in ``restored``.
+                    self._ready[key] = dataclasses.replace(snapshot, layers=[])
                     self.prepared += 1
             if self.prepared:
                 log.info("restored %d prefetched caches ahead of their turns in %.0f ms", self.prepared,
@@ -186,7 +189,8 @@ class Prefetcher:
     @property
     def held_bytes(self) -> int:
         """Bytes of prefetched caches still waiting for their turn."""
-        return sum(snapshot.nbytes for snapshot in self._ready.values())
+        return sum(snapshot.nbytes for snapshot in self._ready.values()) + \
+            sum(restored.nbytes for restored in self._prepared.values())
 
 
 def restorer(gpu: trio.MemorySendChannel[GpuInbox]) -> Callable[[CacheSnapshot], Awaitable[Any]]:
