@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-__all__ = ["FloatResident", "ResidentPool", "HEADROOM_TOKENS", "extract_with_room"]
+__all__ = ["FloatResident", "ResidentPool", "HEADROOM_TOKENS", "extract_with_room", "with_room"]
 
 HEADROOM_TOKENS = 256
 """Room kept past a resident's tokens, so the next turn's first tokens do not grow (copy) the buffers."""
@@ -47,7 +47,7 @@ class FloatResident:
     def __init__(self, layers: list[LayerKV | None], tokens: int) -> None:
         self._layers: list[LayerKV | None] | None = layers
         self.tokens = tokens
-        self.nbytes = sum(k.nbytes + v.nbytes for kv in layers if kv is not None for k, v in [kv])
+        self.nbytes = sum(k.nbytes + v.nbytes for k, v in filter(None, layers))
         self._on_empty: weakref.finalize | None = None
 
     @property
@@ -120,8 +120,18 @@ class ResidentPool:
                 self.bytes -= held[1]
 
 
+def with_room(tokens: mx.array) -> mx.array:
+    """``tokens`` ``(B, H, T, D)`` copied into a buffer with :data:`HEADROOM_TOKENS` of room past ``T``,
+    rounded to ``KVCache``'s growth step, so a turn's first tokens do not grow (copy) it again."""
+    n = tokens.shape[2]
+    room = -(-(n + HEADROOM_TOKENS) // KVCache.step) * KVCache.step
+    buffer = mx.zeros((*tokens.shape[:2], room, tokens.shape[3]), tokens.dtype)
+    buffer[..., :n, :] = tokens
+    return buffer
+
+
 def extract_with_room(cache: Any, idx: int) -> Any:
-    """``cache.extract(idx)``, with :data:`HEADROOM_TOKENS` of room past the row's tokens for a float batch cache.
+    """``cache.extract(idx)``, with room past the row's tokens for a float batch cache (:func:`with_room`).
 
     mlx-lm's ``BatchKVCache.extract`` copies the row to an array exactly as long as
     its tokens, so the next turn's first token would grow (copy) every layer again;
@@ -130,12 +140,8 @@ def extract_with_room(cache: Any, idx: int) -> Any:
     if type(cache) is not BatchKVCache or cache.keys is None:
         return cache.extract(idx)
     padding = cache.left_padding.tolist()[idx]
-    n = cache._idx - padding
-    room = -(-(n + HEADROOM_TOKENS) // KVCache.step) * KVCache.step
     row = KVCache()
-    row.keys = mx.zeros((1, cache.keys.shape[1], room, cache.keys.shape[3]), cache.keys.dtype)
-    row.values = mx.zeros((1, cache.values.shape[1], room, cache.values.shape[3]), cache.values.dtype)
-    row.keys[..., :n, :] = cache.keys[idx : idx + 1, :, padding : cache._idx]
-    row.values[..., :n, :] = cache.values[idx : idx + 1, :, padding : cache._idx]
-    row.offset = n
+    row.keys = with_room(cache.keys[idx : idx + 1, :, padding : cache._idx])
+    row.values = with_room(cache.values[idx : idx + 1, :, padding : cache._idx])
+    row.offset = cache._idx - padding
     return row

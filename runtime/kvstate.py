@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from runtime.float_resident import HEADROOM_TOKENS, FloatResident, LayerKV
+from runtime.float_resident import FloatResident, LayerKV, with_room
 from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.q4_packing import dequantize_kv, quantize_kv
 from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot, ModelCacheSpec
@@ -386,18 +386,12 @@ def with_kept_float(parked: ParkedCache, spec: ModelCacheSpec) -> ParkedCache:
     """
     kv = ActiveKV(replace(parked, resident=None), spec, "at-rest")
     n = parked.num_tokens
-    room = -(-(n + HEADROOM_TOKENS) // KVCache.step) * KVCache.step
     floats: list[LayerKV | None] = []
     for cache, layer in zip(kv.caches, parked.layers, strict=True):
         if layer.kind in (LayerKind.SLIDING, LayerKind.FLOAT) or type(cache) is not KVCache or cache.keys is None:
             floats.append(None)
             continue
-        buffers = []
-        for a in (cache.keys, cache.values):
-            b = mx.zeros((*a.shape[:2], room, a.shape[3]), a.dtype)
-            b[..., :n, :] = a[..., :n, :]
-            buffers.append(b)
-        floats.append((buffers[0], buffers[1]))
+        floats.append((with_room(cache.keys[..., :n, :]), with_room(cache.values[..., :n, :])))
     mx.eval([a for kv_pair in floats if kv_pair is not None for a in kv_pair])
     if all(f is None for f in floats):
         return parked
