@@ -145,9 +145,8 @@ async def _forget_reaches_a_disk_only_copy(tmp_path: Path, redis_server: RedisSe
     assert turn.usage.tier == "cold" and turn.usage.tokens_reused == 0
 
 
-def test_a_node_that_served_an_agent_before_it_was_forgotten_cannot_publish_it_again(
-    tmp_path: Path, redis_server: RedisServer
-) -> None:
+def _keeper_saved_alone(tmp_path: Path) -> tuple[CacheDirectory, str]:
+    """One turn of agent ``keeper`` on a node without Redis: its cache directory and model tag."""
     import trio
 
     async def talk() -> None:
@@ -157,6 +156,13 @@ def test_a_node_that_served_an_agent_before_it_was_forgotten_cannot_publish_it_a
     trio.run(talk)
     directory = CacheDirectory(tmp_path / "node" / "caches", fsync=False)
     (tag,) = {e.model_tag for e in directory.list_agents()}
+    return directory, tag
+
+
+def test_a_node_that_served_an_agent_before_it_was_forgotten_cannot_publish_it_again(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    directory, tag = _keeper_saved_alone(tmp_path)
     node = RemoteTier(redis_server.url, directory.paths)
     elsewhere = RemoteTier(redis_server.url, CacheDirectory(tmp_path / "elsewhere", fsync=False).paths)
     lease = node.lease("keeper")
@@ -240,15 +246,7 @@ def test_a_publish_whose_files_are_collected_before_its_manifest_sends_them_agai
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     """Files go before the manifest; a collection in between must not leave a manifest naming a missing file."""
-    import trio
-
-    async def talk() -> None:
-        async with _open(tmp_path / "node", None) as rt:
-            await rt.agent("keeper").send(MESSAGES, max_tokens=4)
-
-    trio.run(talk)
-    directory = CacheDirectory(tmp_path / "node" / "caches", fsync=False)
-    (tag,) = {e.model_tag for e in directory.list_agents()}
+    directory, tag = _keeper_saved_alone(tmp_path)
     collected: list[str] = []
 
     class RacedTier(RemoteTier):
