@@ -28,6 +28,7 @@ BENCHES = {
     "tenants": "tenants of one kvmem serve --api-keys tried against each other (read, list, delete, continue, cached_tokens): leaks (goal 0)",
     "request_walk": "the kvmem modules one streaming OpenAI request runs through, traced (--compare an older checkout)",
     "cpu_attention": "kvmem's NumPy attention vs MLX's on CPU: one layer, cold prefill vs plain mlx-lm, chunk sizes, decode",
+    "decode_attention": "kvmem's decode-step attention vs MLX's on CPU: one layer, whole steps at 1-8 rows x 1K/4K",
     "attention_strategy": "at-rest vs native quantized SDPA (existing)",
     "batching": "system tok/s for 1, 2, 4, 8 agents (existing)",
     "redis_tier": "two kvmem serve nodes + redis-server: TTFT remote vs warm vs hot vs cold at 1K/4K, bytes moved, Redis memory",

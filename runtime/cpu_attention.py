@@ -21,8 +21,10 @@ and calls mlx-lm's untouched function everywhere else. Plain mlx-lm in the same
 process (the tests' references, the benchmarks' baselines) is unaffected.
 
 When it is on: for calls with at least :data:`MIN_QUERIES` query positions
-(prefill chunks; a decode step's single query is faster in MLX, whose fixed
-cost per call is lower), where the mlx-lm version is one this module was
+(prefill chunks, :func:`numpy_attention`), and for decode steps (one query
+per row) attending at least :data:`MIN_DECODE_KEYS` keys over the batch
+(:func:`decode_attention`: a batch of agents, or one agent's long context;
+below that MLX's lower fixed cost per call wins), where the mlx-lm version is one this module was
 tested with (:data:`TESTED_MLX_LM`) and the replaced name is still mlx-lm's own function
 with the expected parameters; the default device is the CPU (on GPUs MLX's
 fused kernels win); and per call, the cache is a float cache (quantized caches
@@ -49,7 +51,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base
 
-__all__ = ["REPLACED", "TESTED_MLX_LM", "install", "active", "numpy_attention", "is_installed"]
+__all__ = ["REPLACED", "TESTED_MLX_LM", "install", "active", "numpy_attention", "decode_attention", "is_installed"]
 
 log = logging.getLogger("kvmem.cpu_attention")
 
@@ -62,6 +64,10 @@ TESTED_MLX_LM = ((0, 32),)
 MIN_QUERIES = 4
 """Fewest query positions per call that go to NumPy: measured faster from 4 at every
 context from 256 to 8192 tokens, slower at 1 (``benches/results/cpu_attention.md``)."""
+
+MIN_DECODE_KEYS = 2048
+"""Fewest keys a decode step attends over its whole batch (rows x keys) for :func:`decode_attention`:
+measured about even with MLX at one row of 1K keys, faster from there (``benches/results/cpu_attention.md``)."""
 
 _ORIGINAL = base.scaled_dot_product_attention
 _EXPECTED_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
@@ -140,12 +146,14 @@ def _attention(
     """mlx-lm's ``scaled_dot_product_attention``, through NumPy inside :func:`active`."""
     if (
         getattr(_scope, "on", False)
-        and queries.shape[2] >= MIN_QUERIES
         and sinks is None
         and not hasattr(cache, "bits")
         and queries.dtype == keys.dtype == values.dtype == mx.float32
     ):
-        return numpy_attention(queries, keys, values, scale=scale, mask=mask)
+        if queries.shape[2] >= MIN_QUERIES:
+            return numpy_attention(queries, keys, values, scale=scale, mask=mask)
+        if queries.shape[2] == 1 and queries.shape[0] * keys.shape[2] >= MIN_DECODE_KEYS:
+            return decode_attention(queries, keys, values, scale=scale, mask=mask)
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -190,8 +198,8 @@ def numpy_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scal
     products, of the same shapes, as that row alone, so a row's result does not
     depend on the other rows (MLX's own attention does not promise that:
     ``tests/test_cpu_attention.py``). kvmem's own batches are decode steps,
-    which :data:`MIN_QUERIES` leaves on MLX's attention; the row-by-row path
-    serves callers that batch several query positions.
+    which go to :func:`decode_attention`; the row-by-row path serves callers
+    that batch several query positions.
     """
     if queries.shape[0] > 1:
         return _row_by_row(queries, keys, values, scale=scale, mask=mask)
@@ -253,3 +261,51 @@ def _attend(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float
     total = both[..., dim_v:]
     out = both[..., :dim_v] / mx.where(total > 0, total, 1)  # fully masked rows stay 0
     return out.reshape(batch, heads, length, dim_v)
+
+
+def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Any) -> mx.array:
+    """One query per row (a decode step), as ``mx.fast.scaled_dot_product_attention`` computes it.
+
+    Where MLX's CPU attention spends a batched decode step (measured at 8 rows of
+    1K keys): its ``q @ k.T`` with the keys transposed, and its softmax (``mx.exp``
+    at ~20 ns an element). Here the scores come out of ``keys @ q.T`` (the keys
+    as stored, the query heads sharing a KV head as one matrix), the masked
+    softmax runs in NumPy in place, and ``weights @ values`` goes back to MLX.
+
+    The whole batch goes through each product at once, so unlike
+    :func:`numpy_attention` a row's result may differ from the row alone in
+    the last bits (as MLX's own attention's does): the keys a row is padded
+    with get weight 0, but they change how BLAS groups the sums.
+
+    Args:
+        queries: ``(B, heads, 1, D)``; keys, values: ``(B, kv_heads, S, D)``.
+        mask: None, ``"causal"`` (nothing to mask for the one, last position),
+            a boolean array (True attends) or an additive array, broadcastable
+            to ``(B, heads, 1, S)``.
+    """
+    batch, heads, length, dim = queries.shape
+    if length != 1:
+        raise ValueError(f"decode_attention takes one query per row, not {length}")
+    if isinstance(mask, str) and mask != "causal":
+        raise ValueError(f"unknown attention mask {mask!r}")
+    kv_heads, span = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    q = (queries * scale).reshape(batch, kv_heads, group, dim)
+    scores = keys @ q.swapaxes(-1, -2)  # (B, kv_heads, S, group)
+    mx.eval(scores)
+    weights = np.ascontiguousarray(np.asarray(scores).swapaxes(-1, -2))  # (B, kv_heads, group, S): S contiguous
+    by_head = weights.reshape(batch, heads, 1, span)
+    if isinstance(mask, mx.array):
+        m = np.asarray(mask)
+        if m.dtype == np.bool_:
+            np.copyto(by_head, np.float32(-np.inf), where=~m)
+        else:
+            by_head += m.astype(np.float32, copy=False)
+    peak = weights.max(axis=-1, keepdims=True)
+    peak[~np.isfinite(peak)] = 0.0  # a row with every key masked: its weights become 0, not NaN
+    np.subtract(weights, peak, out=weights)
+    np.exp(weights, out=weights)
+    total = weights.sum(axis=-1, keepdims=True)
+    np.divide(weights, np.where(total > 0, total, 1), out=weights)
+    out = mx.array(weights) @ values
+    return out.reshape(batch, heads, 1, values.shape[-1])
