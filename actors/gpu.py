@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, assert_never
 
@@ -32,7 +31,6 @@ from actors.mailbox import receiver_left, send_reply
 from actors.messages_common import Failed, failed_from
 from actors.messages_gpu import (
     Generate,
-    Generated,
     GpuInbox,
     LoadModel,
     ModelReady,
@@ -44,10 +42,11 @@ from actors.messages_gpu import (
     Unloaded,
     UnloadModel,
 )
+from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, PoolSnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
 from actors.scheduler import Scheduler
-from runtime.engine import Engine, Finished, FromShared, ModelInfo, Started, Tier, Tokenized, ToolCall
+from runtime.engine import Engine, Finished, FromShared, ModelInfo, Started, Tokenized, ToolCall
 from runtime.kv_manager import KVCacheManager
 
 __all__ = ["GPUActor"]
@@ -60,32 +59,6 @@ conversation) prefill before the next decode step instead of one chunk per step.
 A step reads the weights once for all rows, so an agent that joins now rides along
 in every following step instead of waiting through several of them; the stall this
 causes is a few short chunks. Longer prompts keep one chunk per step."""
-
-
-def _tier(req: _Request, reused: int) -> Tier:
-    """Where a turn's reused cache came from: its plan's tier, ``shared`` after an adoption, ``cold`` if nothing."""
-    if not reused:
-        return "cold"
-    return "shared" if req.adopted else req.msg.plan.tier
-
-
-@dataclass
-class _Request:
-    msg: Generate
-    tokens: Tokenized
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    pending: list[str | ToolCall] = field(default_factory=list)  # what the client's channel had no room for
-    client_gone: bool = False
-    to_prefill: int | None = None  # prompt tokens to prefill when it started (None: not started)
-    adopted: bool = False  # started from a prefix of another agent's turn in flight
-    started: Started | None = None
-    announced: bool = False  # the TurnStarted went out
-    reused: int = 0  # tokens the turn started from (after an adoption)
-    to_prefill_total: int = 0
-    prefilled: int = 0
-    generated: int = 0
 
 
 class GPUActor:
@@ -122,7 +95,7 @@ class GPUActor:
         self._thread = MlxThread(on_exit=engine.close)
         self._info: ModelInfo | None = None
         self._sched: Scheduler | None = None
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, GpuTurn] = {}
         self._steps = 0
         self._chunks = 0
         self.events: deque[GpuEvent] | None = deque(maxlen=100_000) if trace else None
@@ -176,14 +149,13 @@ class GPUActor:
             plan = self._sched.plan()
             for request_id in plan.admit:
                 await self._start(request_id)
-            for request_id in self._joining():
-                if request_id in self._requests and request_id in self._sched.prefilling():
-                    await self._prefill(request_id, plan.chunk)
+            await self._prefill_joining(plan.chunk)
             if self._sched.decoding():
                 await self._step()
             prefill = self._sched.next_prefill()
             if prefill is not None:
-                await self._prefill(prefill, plan.chunk)
+                # first chunk only: a donor's blocks, if they cover more
+                await self._prefill(prefill, plan.chunk, self._manager.adopt(prefill))
             await trio.lowlevel.checkpoint()
 
     # -- mailbox ---------------------------------------------------------------
@@ -255,7 +227,7 @@ class GPUActor:
         except Exception as exc:  # noqa: BLE001 - tokenizer or budget errors go back to the agent
             send_reply(msg.reply, failed_from(exc))
             return
-        self._requests[msg.request_id] = _Request(msg, tokens)
+        self._requests[msg.request_id] = GpuTurn(msg, tokens)
 
     # -- work ------------------------------------------------------------------
 
@@ -300,9 +272,45 @@ class GPUActor:
             if (n := self._requests[request_id].to_prefill) is not None and n <= JOIN_AHEAD_TOKENS
         ]
 
-    async def _prefill(self, request_id: int, chunk: int | None) -> None:
+    async def _prefill_joining(self, chunk: int | None) -> None:
+        """Prefill the turns short enough to join before the next step: in one pass where
+        the engine can (:meth:`runtime.engine.Engine.prefill_together`), the rest one by one."""
         assert self._sched is not None
-        adopt = self._manager.adopt(request_id)  # first chunk only: a donor's blocks, if they cover more
+        joining = [r for r in self._joining() if r in self._requests]
+        adopts = {r: self._manager.adopt(r) for r in joining}  # first chunk only: a donor's blocks
+        together = [r for r in joining if adopts[r] is None and not self._manager.wants_donor(r)]
+        if len(together) >= 2:
+            await self._prefill_together(together)
+        for request_id in joining:
+            if request_id in self._requests and request_id in self._sched.prefilling():
+                await self._prefill(request_id, chunk, adopts[request_id])
+
+    async def _prefill_together(self, request_ids: list[int]) -> None:
+        assert self._sched is not None
+        try:
+            results = await self._job(self._engine.prefill_together, request_ids)
+        except Exception as exc:  # noqa: BLE001 - the rows' state is unknown: fail them all
+            log.exception("prefilling %d turns together failed", len(request_ids))
+            for request_id in request_ids:
+                await self._fail(request_id, exc)
+            return
+        if not results:
+            return
+        self._chunks += 1
+        self._event("chunk", *results)
+        for request_id, result in results.items():
+            req = self._requests[request_id]
+            self._announce(request_id, None)
+            req.prefilled = req.to_prefill_total
+            self._sched.to_prefill(request_id, 0)
+            self._deliver(request_id, result.text or "", result.tool_calls)
+            if result.finished:
+                await self._complete(request_id)
+            else:
+                self._sched.prefilled(request_id)  # the engine joined it to the batch
+
+    async def _prefill(self, request_id: int, chunk: int | None, adopt: FromShared | None) -> None:
+        assert self._sched is not None
         if adopt is not None:
             self._requests[request_id].adopted = True
         self._announce(request_id, adopt)
@@ -362,7 +370,7 @@ class GPUActor:
         if req.msg.deltas is None:
             return
         announcement = TurnStarted(tokens_reused=reused, tokens_prefilled=req.to_prefill_total,
-                                   tier=_tier(req, reused), match="extend" if adopt is not None else started.match)
+                                   tier=tier_of(req, reused), match="extend" if adopt is not None else started.match)
         try:
             req.msg.deltas.send_nowait(announcement)
         except trio.WouldBlock:
@@ -410,34 +418,7 @@ class GPUActor:
         self._manager.end(request_id)
         del self._requests[request_id]
         self._event("finish", request_id)
-        send_reply(req.msg.reply, self._generated(req, finished, cancelled=cancelled))
-
-    def _generated(self, req: _Request, fin: Finished | None, *, cancelled: bool) -> Generated:
-        submitted = req.msg.submitted_at
-        admitted = req.admitted_at if req.admitted_at is not None else time.perf_counter()
-        first, last = req.first_token_at, req.last_token_at
-        generated = fin.tokens_generated if fin is not None else 0
-        decode_s = (last - first) if first is not None and last is not None else 0.0
-        reason = "cancelled" if cancelled else (fin.finish_reason if fin is not None and fin.finish_reason else "stop")
-        tier = _tier(req, fin.tokens_reused if fin is not None else 0)
-        return Generated(
-            request_id=req.msg.request_id,
-            reply=fin.reply if fin is not None else "",
-            finish_reason=reason,
-            tier=tier,
-            match=fin.match if fin is not None else "empty",
-            tokens_reused=fin.tokens_reused if fin is not None else 0,
-            tokens_prefilled=fin.tokens_prefilled if fin is not None else 0,
-            tokens_generated=generated,
-            queue_wait_s=max(0.0, admitted - submitted),
-            ttft_s=max(0.0, first - submitted) if first is not None else 0.0,
-            decode_tps=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
-            parked=fin.parked if fin is not None else None,
-            snapshot=fin.snapshot if fin is not None else None,
-            stop_sequence=fin.stop_sequence if fin is not None and not cancelled else None,
-            content=(fin.reply if fin.content is None else fin.content) if fin is not None else "",
-            tool_calls=fin.tool_calls if fin is not None else (),
-        )
+        send_reply(req.msg.reply, generated_reply(req, finished, cancelled=cancelled))
 
     async def _fail(self, request_id: int, exc: BaseException) -> None:
         log.warning("request %d failed: %s: %s", request_id, type(exc).__name__, exc)
@@ -475,24 +456,4 @@ class GPUActor:
 
     def running_turns(self) -> list[RunningTurn]:
         """The turns on the GPU right now, each with its phase and progress."""
-        return [self._running(rid, req) for rid, req in self._requests.items()]
-
-    @staticmethod
-    def _running(request_id: int, req: _Request) -> RunningTurn:
-        if not req.announced:
-            phase = "queued"
-        elif req.prefilled < req.to_prefill_total:
-            phase = "prefill"
-        else:
-            phase = "decode"
-        return RunningTurn(
-            agent_id=req.msg.agent_id,
-            request_id=request_id,
-            phase=phase,
-            tokens_reused=req.reused,
-            tokens_prefilled=req.prefilled,
-            tokens_to_prefill=req.to_prefill_total,
-            tokens_generated=req.generated,
-            max_tokens=req.msg.sampling.max_tokens,
-            elapsed_ms=(time.perf_counter() - req.msg.submitted_at) * 1000.0,
-        )
+        return [running_turn(rid, req) for rid, req in self._requests.items()]

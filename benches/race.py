@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> None:
 
     med = medians(single)
     goals = race_goals({k: m["after"] for k, m in med.items()}, {k: m["hot"] for k, m in med.items()},
-                       {n: multis[0].summed_ttft_s(n) for n in multis[0].runs} if multis else {})
+                       {n: multis[0].summed_ttft_s(n) for n in multis[0].runs} if multis else {},
+                       {n: median(b.batched_tps for b in bursts if b.contender == KVMEM and b.agents == n)
+                        for n in {b.agents for b in bursts if b.contender == KVMEM}})
     res.setup += setup_lines
     res.body += _goals_section(goals, multis[0].spec.label if multis else "6-agent workload (not run)")
     if single:

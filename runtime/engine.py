@@ -424,6 +424,13 @@ class Engine(Protocol):
         ``adopt`` (first chunk only): start from these whole blocks of a donor's
         prompt instead; they are this prompt's first tokens."""
 
+    def prefill_together(self, request_ids: list[int]) -> dict[int, PrefillResult]:
+        """Prefill some of these turns (none started, each short) in one pass, and join them.
+
+        Returns the turns it took: their whole prompt prefilled, first token sampled,
+        and, unless that token finished them, already in the batch (no :meth:`join`).
+        The others are untouched; ``{}`` where the engine does not group prefills."""
+
     def prepare(self, snapshot: CacheSnapshot) -> HotCache | None:
         """``snapshot`` restored ahead of its turn (float kept where there is room); None: not this model's."""
 

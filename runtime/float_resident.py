@@ -137,7 +137,7 @@ def extract_with_room(cache: Any, idx: int) -> Any:
     its tokens, so the next turn's first token would grow (copy) every layer again;
     this copies it once into a buffer with room, as ``KVCache`` itself grows.
     """
-    if type(cache) is not BatchKVCache or cache.keys is None:
+    if not isinstance(cache, BatchKVCache) or cache.keys is None:
         return cache.extract(idx)
     padding = cache.left_padding.tolist()[idx]
     row = KVCache()

@@ -227,6 +227,14 @@ class ActiveKV:
             for i, (layer, lspec) in enumerate(zip(parked.layers, spec.layers, strict=True))
         ]
 
+    @property
+    def groupable(self) -> bool:
+        """Whether a group prefill (:mod:`runtime.batch_prefill`) can take these caches: float
+        ``KVCache`` layers over the parked tokens (``at-rest`` or float KV; no sliding window)."""
+        return self.strategy == "at-rest" and all(
+            type(c) is KVCache and c.offset == self.base.num_tokens for c in self.caches
+        ) and all(layer.kind is not LayerKind.SLIDING for layer in self.base.layers)
+
     def park(self, *, text: str, token_ids: list[int], offsets: list[int],
              keep_float: bool = False) -> ParkedCache | None:
         """Freeze the first ``len(token_ids)`` tokens back into a parked cache.

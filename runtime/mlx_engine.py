@@ -4,16 +4,7 @@ Every method here calls MLX and must run on the GPU actor's MLX thread (the GPU 
 memory is read with the backend-neutral ``mx.get_active_memory`` / ``mx.get_peak_memory``.
 :class:`MlxEngine` does what :class:`runtime.engine.Engine` asks: load a model, render a prompt,
 tokenize a turn's new text once, build its sequence from the plan's cache, prefill, step, park.
-
-**Batched decoding.** Sequences that have finished prefill join a
-:class:`DecodeBatch` (``merge``/``extend``), step together, and leave by
-``extract``. It holds one batch cache per layer (mlx-lm's
-``BatchKVCache``/``BatchRotatingKVCache`` for float and sliding layers,
-:class:`runtime.q4_batch_cache.BatchQuantizedKVCache` for Q4 layers under the
-native strategy). Each :meth:`DecodeBatch.step_once` feeds every member its
-next input token and samples one token per member; :meth:`DecodeBatch.remove`
-extracts a member's cache back into its own :class:`runtime.kvstate.ActiveKV`
-so it can be parked.
+Sequences that finished prefill decode together in a :class:`runtime.decode_batch.DecodeBatch`.
 """
 
 from __future__ import annotations
@@ -26,7 +17,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 from runtime.engine import (
     ColdStart,
@@ -46,18 +36,19 @@ from runtime.engine import (
     TurnPlan,
 )
 from runtime.errors import ModelError
-from runtime.float_resident import ResidentPool, extract_with_room
+from runtime.batch_prefill import choose_group, prefill_together
+from runtime.decode_batch import DecodeBatch
+from runtime.float_resident import extract_with_room
+from runtime.float_resident import ResidentPool
 from runtime.kvstate import SLIDING_SLACK, ParkedCache, Strategy, resolve_strategy, with_kept_float
 from runtime.models import LoadedModel, load_model
 from runtime.prefix import MatchKind
-from runtime.q4_batch_cache import BatchDequantizingQuantizedKVCache, BatchQuantizedKVCache
-from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.sequence import SamplingParams, Sequence, StartFrom
 from runtime.spec import CacheSnapshot, KVFormat, LayerKind, ModelCacheSpec
 from runtime.tool_calls import reply_rules
 from runtime.warmup import prewarm_memory, warm_up
 
-__all__ = ["MlxEngine", "active_token_bytes", "sequence_bytes", "DecodeBatch", "batch_cache_class"]
+__all__ = ["MlxEngine", "active_token_bytes", "sequence_bytes"]
 
 log = logging.getLogger("kvmem.engine")
 
@@ -290,6 +281,29 @@ class MlxEngine:
         return PrefillResult(text=text, finished=seq.finish_reason is not None, context=seq.context,
                              remaining=seq.to_prefill, tool_calls=seq.take_tool_calls())
 
+    def prefill_together(self, request_ids: list[int]) -> dict[int, PrefillResult]:
+        group = choose_group({r: self._seqs[r] for r in request_ids})
+        if not group:
+            return {}
+        ids = list(group)
+        rows = [self._seqs[r] for r in ids]
+        texts, caches = prefill_together(rows, [group[r] for r in ids])
+        done = [i for i, seq in enumerate(rows) if seq.finish_reason is not None]
+        for i in done:  # finished on their first token: out of the group, to be parked
+            rows[i].kv.caches = [extract_with_room(c, i) for c in caches]
+        going = [i for i in range(len(rows)) if i not in done]
+        if going:
+            if done:
+                for c in caches:
+                    c.filter(going)
+            self._batch.add_group([rows[i] for i in going], caches)
+        self._sample_memory()
+        return {
+            r: PrefillResult(text=text, finished=seq.finish_reason is not None, context=seq.context, remaining=0,
+                             tool_calls=seq.take_tool_calls())
+            for r, seq, text in zip(ids, rows, texts, strict=True)
+        }
+
     def prepare(self, snapshot: CacheSnapshot) -> ParkedCache | None:
         lm = self.lm
         if snapshot.model_tag != lm.spec.tag:
@@ -368,128 +382,3 @@ class MlxEngine:
             except Exception:  # noqa: BLE001 - a broken batch is dropped whole
                 self._batch = DecodeBatch()
                 self._ids = {i: r for i, r in self._ids.items() if r in self._seqs}
-
-
-# -- the decode batch ----------------------------------------------------------
-
-_BATCH_CLASSES: dict[type, Any] = {
-    KVCache: BatchKVCache,
-    RotatingKVCache: BatchRotatingKVCache,
-    QuantizedKVCache: BatchQuantizedKVCache,
-    DequantizingQuantizedKVCache: BatchDequantizingQuantizedKVCache,
-}
-
-
-def batch_cache_class(cache: Any) -> Any:
-    """The batch cache class that merges caches of ``cache``'s type."""
-    try:
-        return _BATCH_CLASSES[type(cache)]
-    except KeyError:
-        raise TypeError(f"no batch cache for {type(cache).__name__}") from None
-
-
-class DecodeBatch:
-    """The running batch of sequences that have finished prefill.
-
-    Sequences that :meth:`add` joins wait in ``pending`` until the next
-    :meth:`step_once`, which merges all of them in one go: growing the batch
-    copies every member's cache, so several joins between two steps cost one
-    copy instead of one per join. :meth:`remove` of the last row is a view.
-    """
-
-    def __init__(self) -> None:
-        self.members: list[Sequence] = []
-        self.caches: list[Any] = []
-        self.pending: list[Sequence] = []
-
-    def __len__(self) -> int:
-        return len(self.members) + len(self.pending)
-
-    def __contains__(self, seq: object) -> bool:
-        return any(s is seq for s in (*self.members, *self.pending))
-
-    def add(self, seq: Sequence) -> None:
-        """Join a prefilled sequence; its caches move in at the next step."""
-        if seq.next_input is None:
-            raise ValueError("only sequences with a pending input token can join a batch")
-        self.pending.append(seq)
-
-    def _merge_pending(self) -> None:
-        if not self.pending:
-            return
-        joining, self.pending = self.pending, []
-        merged = [
-            batch_cache_class(layer[0]).merge(list(layer))
-            for layer in zip(*(s.kv.caches for s in joining), strict=True)
-        ]
-        if not self.members:
-            self.caches = merged
-        else:
-            for mine, theirs in zip(self.caches, merged, strict=True):
-                mine.extend(theirs)
-        self.members.extend(joining)
-        for seq in joining:
-            seq.kv.caches = []
-
-    def remove(self, seq: Sequence) -> None:
-        """Extract ``seq``'s caches back into it and drop it from the batch."""
-        if any(p is seq for p in self.pending):
-            self.pending = [p for p in self.pending if p is not seq]
-            return
-        idx = self.members.index(seq)
-        seq.kv.caches = [extract_with_room(c, idx) for c in self.caches]
-        keep = [i for i in range(len(self.members)) if i != idx]
-        self.members.pop(idx)
-        if self.members:
-            for c in self.caches:
-                _keep_rows(c, keep)
-        else:
-            self.caches = []
-
-    def step_once(self) -> list[tuple[Sequence, str]]:
-        """One decode step for every member: returns (sequence, new text) pairs.
-
-        Finished sequences stay in the batch until :meth:`remove`; callers remove
-        them after reading the step's results.
-        """
-        self._merge_pending()
-        if not self.members:
-            return []
-        inputs = mx.array([[s.next_input] for s in self.members])
-        logits = self.members[0].lm.forward(inputs, self.caches)[:, -1, :]
-        for i, s in enumerate(self.members):
-            if s.logits_trace is not None:
-                s.observe(logits[i : i + 1])
-        tokens = _sample_rows(self.members, logits)
-        mx.eval(tokens)
-        return [(s, s.accept(t)) for s, t in zip(self.members, tokens.tolist(), strict=True)]
-
-
-def _keep_rows(cache: Any, keep: list[int]) -> None:
-    """``cache.filter(keep)``, but a view instead of a gather when ``keep`` is a prefix."""
-    if type(cache) is BatchKVCache and keep == list(range(len(keep))) and cache.keys is not None:
-        n = len(keep)
-        cache.keys, cache.values = cache.keys[:n], cache.values[:n]
-        cache.offset, cache.left_padding = cache.offset[:n], cache.left_padding[:n]
-        shared = min(cache.left_padding.tolist())
-        if shared > 0:
-            cache.keys = cache.keys[..., shared:, :]
-            cache.values = cache.values[..., shared:, :]
-            cache._idx -= shared
-            cache.left_padding = cache.left_padding - shared
-        return
-    cache.filter(keep)
-
-
-def _sample_rows(members: list[Sequence], logits: mx.array) -> mx.array:
-    """One token per row; greedy rows share one argmax, the others sample alone."""
-    greedy = [not s.samples_alone for s in members]
-    if all(greedy):
-        return members[0].sample(logits)
-    rows = [
-        None if g else s.sample(logits[i : i + 1]) for i, (s, g) in enumerate(zip(members, greedy, strict=True))
-    ]
-    if any(greedy):
-        best = members[greedy.index(True)].sample(logits)
-        rows = [best[i : i + 1] if r is None else r for i, r in enumerate(rows)]
-    return mx.concatenate([r for r in rows if r is not None])

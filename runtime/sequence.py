@@ -5,7 +5,7 @@ cache manager planned (:class:`StartFrom`, the runtime's path) or, standalone,
 the agent's parked cache, which it then matches against the prompt itself and
 keeps what it can. It prefills the rest in chunks, and then produces one token
 per :meth:`accept` call, whether it decodes alone (``runtime.generate``) or
-inside a batch (:class:`runtime.mlx_engine.DecodeBatch`).
+inside a batch (:class:`runtime.decode_batch.DecodeBatch`).
 
 What it generates is set by its :class:`SamplingParams` (length, temperature,
 top-p / top-k through mlx-lm's sampler, logit bias, stop strings);
@@ -257,9 +257,23 @@ class Sequence:
         self.observe(logits[:, -1, :])
         token = self.sample(logits[:, -1, :])
         mx.eval(token)
-        self.stats.prefill_s += time.perf_counter() - t0
+        return self.first_token(int(token.item()), prefill_started_at=t0)
+
+    def first_token(self, token: int, *, prefill_started_at: float) -> str:
+        """The prompt is in the cache and ``token`` sampled from its last position: record both.
+
+        Called by :meth:`prefill_step`, and by :mod:`runtime.batch_prefill` for a
+        row of a group prefilled in one pass. Returns the first streamable text.
+        """
+        self._prefilled = len(self.pending)
+        self.stats.prefill_s += time.perf_counter() - prefill_started_at
         self.stats.ttft_s = time.perf_counter() - self.started
-        return self.accept(int(token.item()))
+        return self.accept(token)
+
+    @property
+    def remaining_ids(self) -> list[int]:
+        """The prompt tokens still to prefill."""
+        return self.pending[self._prefilled :]
 
     # -- decoding ---------------------------------------------------------------
     def observe(self, logits: mx.array) -> None:

@@ -116,6 +116,7 @@ class FakeEngine:
         self._seqs: dict[int, _FakeSeq] = {}
         self._batch: list[int] = []
         self.loads: list[str] = []
+        self.groups: list[list[int]] = []  # turns prefilled together
         self._memory = MemoryReading()
 
     @property
@@ -184,6 +185,24 @@ class FakeEngine:
 
     def park_prompt(self, request_id: int) -> FakeParked:
         return _parked(self.tag, self._seqs[request_id].prompt)
+
+    def prefill_together(self, request_ids: list[int]) -> dict[int, PrefillResult]:
+        """Like the real engine: two or more turns whose prefill has not started, in one go."""
+        group = [r for r in request_ids if not self._seqs[r].prefilled and self._seqs[r].context < len(self._seqs[r].prompt)]
+        if len(group) < 2:
+            return {}
+        if self.chunk_delay_s:
+            time.sleep(self.chunk_delay_s)  # one pass for the group
+        out = {}
+        for r in group:
+            seq = self._seqs[r]
+            seq.prefilled = len(seq.prompt) - seq.reused
+            out[r] = PrefillResult(text=self._emit(seq), finished=seq.finish_reason is not None, context=seq.context)
+            if seq.finish_reason is None:
+                self._batch.append(r)
+        self.groups.append(group)
+        self._sample_memory()
+        return out
 
     def prefill(self, request_id: int, chunk: int | None, *, adopt: FromShared | None = None) -> PrefillResult:
         seq = self._seqs[request_id]

@@ -338,3 +338,45 @@ async def test_cancelled_consumer_stops_generation_and_keeps_a_consistent_cache(
         again = await rt.agent("quitter").send_prompt(follow_up, max_tokens=3)
     assert again.usage.tier == "hot" and again.usage.match == "extend"
     assert again.usage.tokens_reused == snap.num_tokens
+
+
+FOLLOW_UPS = ["What happened next?", "Why?", "And what did everyone in the village say about it afterwards?",
+              "Then?"]
+
+
+async def test_agents_answering_together_prefill_in_one_pass_and_reply_as_alone(tmp_path):
+    """Q4 at rest, the default: four agents' second turns arrive together with new messages
+    of different lengths (one wants a single token); the GPU actor prefills them in one
+    pass (runtime.batch_prefill). Reference: each conversation decoded alone outside the
+    runtime, from its turn-1 cache; replies may depart only at a near tie."""
+    lm = tiny("tiny-llama")
+    wants = [16, 16, 16, 1]
+    expected = {}
+    for i, follow_up in enumerate(FOLLOW_UPS):
+        first, cache, _, _ = _alone(lm, lm.render(_conversation(i, None)), None, SamplingParams(max_tokens=16))
+        conv = _conversation(i, first)
+        conv[-1]["content"] = follow_up
+        second = _alone(lm, lm.render(conv), cache, SamplingParams(max_tokens=wants[i]))
+        expected[i] = (first, second)
+
+    got: dict[int, object] = {}
+    async with _open(tmp_path, "tiny-llama", trace=True) as rt:
+        for i in range(4):  # one at a time: the same first turns as the reference
+            first = await rt.agent(f"agent-{i}").send(_conversation(i, None), max_tokens=16)
+            assert first.reply == expected[i][0]
+
+        async def second(i: int) -> None:
+            conv = _conversation(i, expected[i][0])
+            conv[-1]["content"] = FOLLOW_UPS[i]
+            got[i] = await rt.agent(f"agent-{i}").send(conv, max_tokens=wants[i])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(second, i)
+        groups = [e for e in rt.gpu_events() if e.kind == "chunk" and len(e.request_ids) > 1]
+    assert groups, "some of the second turns prefilled together"
+    for i in range(4):
+        result = got[i]
+        reply, _, pieces, margins = expected[i][1]
+        assert result.usage.tier == "hot" and result.usage.tokens_generated == wants[i]
+        assert first_split_is_a_near_tie(result.reply, reply, pieces, margins), (i, result.reply, reply)

@@ -20,7 +20,7 @@ from conftest import ARCHS, tiny
 from reference import cold_generate, teacher_forced_logits, top1_margin
 from runtime.generate import decode_alone, generate
 from runtime.kvstate import ParkedCache
-from runtime.mlx_engine import DecodeBatch
+from runtime.decode_batch import DecodeBatch
 from runtime.persist import CacheDirectory
 from runtime.sequence import SamplingParams, Sequence
 

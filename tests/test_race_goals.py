@@ -32,6 +32,14 @@ def test_goals_pass_at_their_bounds_and_fail_past_them() -> None:
     assert [g.verdict for g in multi] == ["**pass**", "**FAIL**"]
 
 
+def test_the_batching_goal_is_eight_agents_system_rate_over_one() -> None:
+    def verdict(eight: float) -> str:
+        (goal,) = [g for g in race_goals({}, {}, {}, {1: 10.0, 8: eight}) if "agents at once" in g.what]
+        return goal.verdict
+
+    assert verdict(35.0) == "**pass**" and verdict(34.9) == "**FAIL**"
+
+
 def test_goals_not_measured_when_the_run_left_them_out() -> None:
     verdicts = _verdicts({(KVMEM, 1024): 120.0}, {(KVMEM, 1024): 100.0}, {})
     assert verdicts.pop("kvmem after-restart TTFT / hot TTFT at 1K") == "**FAIL**"

@@ -281,6 +281,9 @@ class LeaderEngine:
         self._leader.send(Prefill(request_id=request_id, chunk=chunk, adopt=wire))
         return self._inner.prefill(request_id, chunk, adopt=adopt)
 
+    def prefill_together(self, request_ids: list[int]) -> dict[int, PrefillResult]:
+        return {}  # not grouped: the followers replay prefills one turn at a time
+
     def prepare(self, snapshot: Any) -> None:
         return None  # not restored ahead: the followers' parts would have to be too (a turn restores them)
 

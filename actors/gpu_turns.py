@@ -1,0 +1,90 @@
+"""A turn on the GPU actor: its state there, and the reports made from it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from actors.messages_gpu import Generate, Generated
+from actors.metrics import RunningTurn
+from runtime.engine import Finished, Started, Tier, Tokenized, ToolCall
+
+__all__ = ["GpuTurn", "generated_reply", "running_turn", "tier_of"]
+
+
+@dataclass
+class GpuTurn:
+    """One turn on the GPU actor: its request and what has happened to it so far."""
+
+    msg: Generate
+    tokens: Tokenized
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    pending: list[str | ToolCall] = field(default_factory=list)  # what the client's channel had no room for
+    client_gone: bool = False
+    to_prefill: int | None = None  # prompt tokens to prefill when it started (None: not started)
+    adopted: bool = False  # started from a prefix of another agent's turn in flight
+    started: Started | None = None
+    announced: bool = False  # the TurnStarted went out
+    reused: int = 0  # tokens the turn started from (after an adoption)
+    to_prefill_total: int = 0
+    prefilled: int = 0
+    generated: int = 0
+
+
+def tier_of(req: GpuTurn, reused: int) -> Tier:
+    """Where a turn's reused cache came from: its plan's tier, ``shared`` after an adoption, ``cold`` if nothing."""
+    if not reused:
+        return "cold"
+    return "shared" if req.adopted else req.msg.plan.tier
+
+
+def generated_reply(req: GpuTurn, fin: Finished | None, *, cancelled: bool) -> Generated:
+    """The ``Generated`` reply of a turn that left the GPU (``fin``: its engine result; None if it had none)."""
+    submitted = req.msg.submitted_at
+    admitted = req.admitted_at if req.admitted_at is not None else time.perf_counter()
+    first, last = req.first_token_at, req.last_token_at
+    generated = fin.tokens_generated if fin is not None else 0
+    decode_s = (last - first) if first is not None and last is not None else 0.0
+    reason = "cancelled" if cancelled else (fin.finish_reason if fin is not None and fin.finish_reason else "stop")
+    tier = tier_of(req, fin.tokens_reused if fin is not None else 0)
+    return Generated(
+        request_id=req.msg.request_id,
+        reply=fin.reply if fin is not None else "",
+        finish_reason=reason,
+        tier=tier,
+        match=fin.match if fin is not None else "empty",
+        tokens_reused=fin.tokens_reused if fin is not None else 0,
+        tokens_prefilled=fin.tokens_prefilled if fin is not None else 0,
+        tokens_generated=generated,
+        queue_wait_s=max(0.0, admitted - submitted),
+        ttft_s=max(0.0, first - submitted) if first is not None else 0.0,
+        decode_tps=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+        parked=fin.parked if fin is not None else None,
+        snapshot=fin.snapshot if fin is not None else None,
+        stop_sequence=fin.stop_sequence if fin is not None and not cancelled else None,
+        content=(fin.reply if fin.content is None else fin.content) if fin is not None else "",
+        tool_calls=fin.tool_calls if fin is not None else (),
+    )
+
+
+def running_turn(request_id: int, req: GpuTurn) -> RunningTurn:
+    """A turn on the GPU right now, with its phase and progress (``/v1/agents``, ``/metrics``)."""
+    if not req.announced:
+        phase = "queued"
+    elif req.prefilled < req.to_prefill_total:
+        phase = "prefill"
+    else:
+        phase = "decode"
+    return RunningTurn(
+        agent_id=req.msg.agent_id,
+        request_id=request_id,
+        phase=phase,
+        tokens_reused=req.reused,
+        tokens_prefilled=req.prefilled,
+        tokens_to_prefill=req.to_prefill_total,
+        tokens_generated=req.generated,
+        max_tokens=req.msg.sampling.max_tokens,
+        elapsed_ms=(time.perf_counter() - req.msg.submitted_at) * 1000.0,
+    )

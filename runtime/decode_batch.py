@@ -1,0 +1,186 @@
+"""The decode batch: sequences that finished prefill, stepping together one token at a time.
+
+Sequences join a :class:`DecodeBatch` (mlx-lm's ``merge``/``extend``), step
+together, and leave by ``extract``. It holds one batch cache per layer
+(mlx-lm's ``BatchKVCache``/``BatchRotatingKVCache`` for float and sliding
+layers, :class:`runtime.q4_batch_cache.BatchQuantizedKVCache` for Q4 layers
+under the native strategy). Each :meth:`DecodeBatch.step_once` feeds every
+member its next input token and samples one token per member;
+:meth:`DecodeBatch.remove` extracts a member's cache back into its own
+:class:`runtime.kvstate.ActiveKV` so it can be parked. A group prefilled
+together (:mod:`runtime.batch_prefill`) joins as the batch cache it already is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+
+from runtime.float_resident import extract_with_room
+from runtime.q4_batch_cache import BatchDequantizingQuantizedKVCache, BatchQuantizedKVCache
+from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
+from runtime.sequence import Sequence
+
+__all__ = ["DecodeBatch", "batch_cache_class", "merge_with_room", "sample_rows"]
+
+_BATCH_CLASSES: dict[type, Any] = {
+    KVCache: BatchKVCache,
+    RotatingKVCache: BatchRotatingKVCache,
+    QuantizedKVCache: BatchQuantizedKVCache,
+    DequantizingQuantizedKVCache: BatchDequantizingQuantizedKVCache,
+}
+
+
+def batch_cache_class(cache: Any) -> Any:
+    """The batch cache class that merges caches of ``cache``'s type."""
+    try:
+        return _BATCH_CLASSES[type(cache)]
+    except KeyError:
+        raise TypeError(f"no batch cache for {type(cache).__name__}") from None
+
+
+def merge_with_room(caches: list[Any], extra: int = 1) -> BatchKVCache:
+    """``BatchKVCache.merge`` of float ``KVCache`` rows, into buffers with room for ``extra``
+    more tokens, rounded up to the cache's growth step.
+
+    mlx-lm's ``merge`` makes buffers exactly as long as the longest row, so the
+    batch's first forward pass grows (copies) every layer again.
+    """
+    lengths = [int(c.offset) if c.keys is not None else 0 for c in caches]
+    longest = max(lengths)
+    if longest == 0:
+        return BatchKVCache.merge(caches)
+    first = next(c for c in caches if c.keys is not None)
+    _, heads, _, k_dim = first.keys.shape
+    size = -(-(longest + extra) // BatchKVCache.step) * BatchKVCache.step
+    keys = mx.zeros((len(caches), heads, size, k_dim), first.keys.dtype)
+    values = mx.zeros((len(caches), heads, size, first.values.shape[3]), first.values.dtype)
+    for i, (c, n) in enumerate(zip(caches, lengths, strict=True)):
+        if n:
+            keys[i : i + 1, :, longest - n : longest] = c.keys[..., :n, :]
+            values[i : i + 1, :, longest - n : longest] = c.values[..., :n, :]
+    batch = BatchKVCache([longest - n for n in lengths])
+    batch.keys, batch.values = keys, values
+    batch.offset += longest
+    batch._idx = longest
+    return batch
+
+
+class DecodeBatch:
+    """The running batch of sequences that have finished prefill.
+
+    Sequences that :meth:`add` joins wait in ``pending`` until the next
+    :meth:`step_once`, which merges all of them in one go: growing the batch
+    copies every member's cache, so several joins between two steps cost one
+    copy instead of one per join. :meth:`remove` of the last row is a view.
+    """
+
+    def __init__(self) -> None:
+        self.members: list[Sequence] = []
+        self.caches: list[Any] = []
+        self.pending: list[Sequence] = []
+
+    def __len__(self) -> int:
+        return len(self.members) + len(self.pending)
+
+    def __contains__(self, seq: object) -> bool:
+        return any(s is seq for s in (*self.members, *self.pending))
+
+    def add(self, seq: Sequence) -> None:
+        """Join a prefilled sequence; its caches move in at the next step."""
+        if seq.next_input is None:
+            raise ValueError("only sequences with a pending input token can join a batch")
+        self.pending.append(seq)
+
+    def add_group(self, seqs: list[Sequence], caches: list[Any]) -> None:
+        """Join sequences prefilled together (:mod:`runtime.batch_prefill`): ``caches`` are
+        their batch caches, row ``i`` is ``seqs[i]``; with no batch running they become it as they are."""
+        self._merge_pending()
+        if not self.members:
+            self.members, self.caches = list(seqs), caches
+            return
+        for mine, theirs in zip(self.caches, caches, strict=True):
+            mine.extend(theirs)
+        self.members.extend(seqs)
+
+    def _merge_pending(self) -> None:
+        if not self.pending:
+            return
+        joining, self.pending = self.pending, []
+        merged = [
+            merge_with_room(list(layer)) if type(layer[0]) is KVCache else batch_cache_class(layer[0]).merge(list(layer))
+            for layer in zip(*(s.kv.caches for s in joining), strict=True)
+        ]
+        if not self.members:
+            self.caches = merged
+        else:
+            for mine, theirs in zip(self.caches, merged, strict=True):
+                mine.extend(theirs)
+        self.members.extend(joining)
+        for seq in joining:
+            seq.kv.caches = []
+
+    def remove(self, seq: Sequence) -> None:
+        """Extract ``seq``'s caches back into it and drop it from the batch."""
+        if any(p is seq for p in self.pending):
+            self.pending = [p for p in self.pending if p is not seq]
+            return
+        idx = self.members.index(seq)
+        seq.kv.caches = [extract_with_room(c, idx) for c in self.caches]
+        keep = [i for i in range(len(self.members)) if i != idx]
+        self.members.pop(idx)
+        if self.members:
+            for c in self.caches:
+                _keep_rows(c, keep)
+        else:
+            self.caches = []
+
+    def step_once(self) -> list[tuple[Sequence, str]]:
+        """One decode step for every member: returns (sequence, new text) pairs.
+
+        Finished sequences stay in the batch until :meth:`remove`; callers remove
+        them after reading the step's results.
+        """
+        self._merge_pending()
+        if not self.members:
+            return []
+        inputs = mx.array([[s.next_input] for s in self.members])
+        logits = self.members[0].lm.forward(inputs, self.caches)[:, -1, :]
+        for i, s in enumerate(self.members):
+            if s.logits_trace is not None:
+                s.observe(logits[i : i + 1])
+        tokens = sample_rows(self.members, logits)
+        mx.eval(tokens)
+        return [(s, s.accept(t)) for s, t in zip(self.members, tokens.tolist(), strict=True)]
+
+
+def _keep_rows(cache: Any, keep: list[int]) -> None:
+    """``cache.filter(keep)``, but a view instead of a gather when ``keep`` is a prefix."""
+    if isinstance(cache, BatchKVCache) and keep == list(range(len(keep))) and cache.keys is not None:
+        n = len(keep)
+        cache.keys, cache.values = cache.keys[:n], cache.values[:n]
+        cache.offset, cache.left_padding = cache.offset[:n], cache.left_padding[:n]
+        shared = min(cache.left_padding.tolist())
+        if shared > 0:
+            cache.keys = cache.keys[..., shared:, :]
+            cache.values = cache.values[..., shared:, :]
+            cache._idx -= shared
+            cache.left_padding = cache.left_padding - shared
+        return
+    cache.filter(keep)
+
+
+def sample_rows(members: list[Sequence], logits: mx.array) -> mx.array:
+    """One token per row; greedy rows share one argmax, the others sample alone."""
+    greedy = [not s.samples_alone for s in members]
+    if all(greedy):
+        return members[0].sample(logits)
+    rows = [
+        None if g else s.sample(logits[i : i + 1]) for i, (s, g) in enumerate(zip(members, greedy, strict=True))
+    ]
+    if any(greedy):
+        best = members[greedy.index(True)].sample(logits)
+        rows = [best[i : i + 1] if r is None else r for i, r in enumerate(rows)]
+    return mx.concatenate([r for r in rows if r is not None])

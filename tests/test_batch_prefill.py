@@ -1,0 +1,116 @@
+"""Turns prefilled together in one pass (runtime.batch_prefill) against each turn alone.
+
+The reference is each turn prefilled and decoded on its own (``decode_alone``),
+from the same parked cache; tolerances as in tests/test_cache_correctness.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import tiny
+from reference import top1_margin
+from runtime.batch_prefill import MAX_PAD, choose_group, prefill_together
+from runtime.decode_batch import DecodeBatch
+from runtime.generate import decode_alone, generate
+from runtime.sequence import SamplingParams, Sequence
+
+FLOAT_TOL = 2e-3
+STEPS = 8
+TOPICS = ["the old mill by the river", "a lighthouse in a storm", "the baker's secret recipe", "a fox and a crow"]
+# New messages of different lengths: the shorter rows are padded to line up with the longest.
+FOLLOW_UPS = ["What next?", "And then what happened to them?", "Why?", "Tell me more about the ending, please."]
+
+
+def _turns(lm, strategy: str = "at-rest"):
+    """Each agent's first turn (its parked cache) and its second prompt."""
+    out = []
+    for topic, follow_up in zip(TOPICS, FOLLOW_UPS, strict=True):
+        first = [{"role": "user", "content": f"Tell me about {topic}."}]
+        done = generate(lm, lm.render(first), None, SamplingParams(max_tokens=10), strategy=strategy)
+        second = first + [{"role": "assistant", "content": done.reply}, {"role": "user", "content": follow_up}]
+        out.append((lm.render(second), done.cache))
+    return out
+
+
+def _logprobs(trace, vocab: int) -> np.ndarray:
+    x = np.concatenate([np.array(t) for t in trace])[:, :vocab].astype(np.float64)
+    return x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("bits", [4, None])
+def test_a_group_replies_as_each_turn_alone(arch: str, bits: int | None) -> None:
+    lm = tiny(arch, bits=bits)
+    turns = _turns(lm)
+    params = SamplingParams(max_tokens=STEPS)
+    alone = []
+    for prompt, cache in turns:
+        seq = Sequence(lm, prompt, cache, params)
+        seq.logits_trace = []
+        list(decode_alone(seq))
+        alone.append(seq)
+
+    rows = [Sequence(lm, prompt, cache, params) for prompt, cache in turns]
+    for seq in rows:
+        seq.logits_trace = []
+    group = choose_group(dict(enumerate(rows)))
+    assert len(group) >= 3, f"expected most rows grouped, got {group}"
+    assert max(group.values()) > 0, "the shorter rows are padded"
+    ids = list(group)
+    grouped = [rows[i] for i in ids]
+    texts, caches = prefill_together(grouped, [group[i] for i in ids])
+    assert all(seq.prefill_done and len(seq.generated) == 1 for seq in grouped)
+    for i in ids:  # the padding is not the turn's: usage as alone
+        assert rows[i].stats.tokens_reused == alone[i].stats.tokens_reused == turns[i][1].num_tokens
+        assert rows[i].context == len(rows[i].token_ids)
+    batch = DecodeBatch()
+    batch.add_group(grouped, caches)
+    while len(batch):
+        batch.step_once()
+        for s in reversed([s for s in batch.members if s.finish_reason]):
+            batch.remove(s)
+
+    for i in ids:
+        a, b = alone[i], rows[i]
+        la, lb = _logprobs(a.logits_trace, lm.vocab_limit), _logprobs(b.logits_trace, lm.vocab_limit)
+        n = min(len(la), len(lb))
+        np.testing.assert_allclose(lb[:n], la[:n], atol=FLOAT_TOL)
+        confident = top1_margin(la[:n]) > 0.1
+        first_tie = int(np.argmin(confident)) if not confident.all() else n
+        assert b.generated[:first_tie] == a.generated[:first_tie]
+        pa, pb = a.park(), b.park()
+        assert pa is not None and pb is not None and pa.token_ids == pb.token_ids and pa.text == pb.text
+        for x_layer, y_layer in zip(pa.layers, pb.layers, strict=True):
+            for key in x_layer.arrays:
+                x = np.array(x_layer.arrays[key]).astype(np.float64)
+                y = np.array(y_layer.arrays[key]).astype(np.float64)
+                if key.endswith("_w"):
+                    assert (x != y).mean() < 0.02  # packed nibbles: rare flips from float reordering
+                else:
+                    np.testing.assert_allclose(y, x, atol=5e-3)
+
+
+def test_rows_too_far_from_the_longest_or_already_started_stay_out() -> None:
+    lm = tiny("tiny-llama")
+    (p0, c0), (p1, c1), (p2, c2), _ = _turns(lm)
+    params = SamplingParams(max_tokens=2)
+    long_tail = p1.replace("And then what happened to them?", "And then " + "what happened to them, " * 8 + "?")
+    rows = {0: Sequence(lm, p0, c0, params), 1: Sequence(lm, long_tail, c1, params), 2: Sequence(lm, p2, c2, params)}
+    assert rows[1].to_prefill - rows[0].to_prefill > MAX_PAD
+    group = choose_group(rows)
+    assert set(group) == {0, 2}, "the long one alone would be a group of one: the two short ones go together"
+    started = Sequence(lm, p0, c0, params)
+    started.prefill_step(2)
+    assert choose_group({0: started, 2: Sequence(lm, p2, c2, params)}) == {}
+
+
+def test_sliding_window_and_native_caches_are_not_grouped() -> None:
+    gemma = tiny("tiny-gemma3")
+    rows = {i: Sequence(gemma, p, c, SamplingParams(max_tokens=2)) for i, (p, c) in enumerate(_turns(gemma)[:2])}
+    assert choose_group(rows) == {}
+    llama = tiny("tiny-llama")
+    native = {i: Sequence(llama, p, c, SamplingParams(max_tokens=2), strategy="native")
+              for i, (p, c) in enumerate(_turns(llama, "native")[:2])}
+    assert choose_group(native) == {}
