@@ -113,7 +113,7 @@ def prefill_together(rows: list[Sequence], pads: list[int]) -> tuple[list[str], 
     caches = [LinedUpCache(list(layer), pads, width) for layer in zip(*(s.kv.caches for s in rows), strict=True)]
     inputs = mx.array([seq.token_ids[seq.context - pad : seq.context] + seq.remaining_ids
                        for seq, pad in zip(rows, pads, strict=True)])
-    logits = rows[0].lm.forward(inputs, caches)[:, -1, :]
+    logits = rows[0].lm.forward_last(inputs, caches)
     for i, seq in enumerate(rows):
         seq.observe(logits[i : i + 1])
     tokens = sample_rows(rows, logits)

@@ -248,14 +248,15 @@ class Sequence:
         t0 = time.perf_counter()
         size = chunk or prefill_chunk_size(self.context)
         piece = self.pending[self._prefilled : self._prefilled + size]
-        logits = self.lm.forward(mx.array([piece]), self.kv.caches)
         self._prefilled += len(piece)
         if not self.prefill_done:
+            self.lm.forward(mx.array([piece]), self.kv.caches)  # logits never evaluated: only the caches
             mx.eval([c.state for c in self.kv.caches])
             self.stats.prefill_s += time.perf_counter() - t0
             return None
-        self.observe(logits[:, -1, :])
-        token = self.sample(logits[:, -1, :])
+        logits = self.lm.forward_last(mx.array([piece]), self.kv.caches)
+        self.observe(logits)
+        token = self.sample(logits)
         mx.eval(token)
         return self.first_token(int(token.item()), prefill_started_at=t0)
 
