@@ -247,30 +247,21 @@ def write_markdown(
         f"({rows[-1][1]:.1f} vs {base:.1f} tok/s; decode steps alone {rows[-1][2] / rows[0][2]:.1f}x). "
         f"Batch-1 decoding through the actors runs at {rows[0][2] / alone_tps:.0%} of the synchronous path "
         f"({rows[0][2]:.1f} vs {alone_tps:.1f} tok/s): the actors and the one-job-per-step MLX thread cost "
-        "next to nothing at this model size. Short prompts (a new turn on a cached conversation, at most "
-        "`actors.gpu.JOIN_AHEAD_TOKENS` tokens) prefill back to back before the next decode step, so all N agents "
-        "join the batch together and every step carries all of them; mean TTFT grows with N because those N "
-        "suffix prefills (~20 tokens each here) run one after another on the one MLX thread. The `generate` "
-        "row ran after the rounds; this is a shared 2-core machine, so absolute numbers move with its load.",
+        "next to nothing at this model size. Turns with a short prompt (a new message on a cached conversation, "
+        "at most `actors.gpu.JOIN_AHEAD_TOKENS` tokens) that arrive together prefill in one forward pass "
+        "(`runtime.batch_prefill`: rows padded with their own cache tail to one width) and become the decode "
+        "batch as they are, so every step carries all N agents; mean TTFT grows with N because that pass "
+        "carries N new messages and is compute-bound on this CPU (~6 ms per token). The `generate` row ran "
+        "after the rounds; this is a shared 2-core machine, so absolute numbers move with its load.",
         "",
-        "Where a step's time goes (one `DecodeBatch.step_once` at ~1K context, profiled outside the actors): "
-        "the model forward is over 97% of it at every N. Mask creation costs 0.3 ms, accepting and detokenizing "
-        "0.1-0.2 ms for all members; sampling cost 1.6 / 2.2 / 6.3 / 13.4 ms at N = 1 / 2 / 4 / 8 while every row "
-        "took a full-vocabulary logsumexp (MLX's CPU exp is ~22 ns per element) and 0.1-0.8 ms now that greedy "
-        "rows share one argmax. mlx-lm's own batch step (`BatchGenerator._step` on `BatchKVCache`) measured the "
-        "same as ours, interleaved in one process: 125 vs 122 ms at N = 1, 496 vs 486 ms at N = 8. The cost per "
-        "extra agent (~35-50 ms) is inside the forward and is per-row work, not overhead: attention over ~1K "
-        "keys through MLX's CPU SDPA fallback (scores, a precise softmax, and a GQA broadcast that multiplies "
-        "each K/V head once per query head: 8.5 ms per layer for 8 rows vs 0.83 ms for 1, ~25-30 ms per row over "
-        "30 layers; a hand-folded GQA matmul would take ~4.5 ms, but the model calls "
-        "`mx.fast.scaled_dot_product_attention` and kvmem does not patch mlx-lm) plus ~10 ms per row of matmul "
-        "FLOPs (OpenBLAS runs 8-row GEMMs at ~25 GFLOP/s here, where one row is a memory-bound GEMV). Before "
-        "this change the schedule added to that: agents joined one prefill chunk per step (a ramp of small "
-        "steps, and each join re-copied the whole batch cache), and leaving rows gathered a copy of the rest "
-        "of the batch. Prefilling the N short suffixes in one batched forward was tried and measured no faster "
-        "(per-row attention dominates a 20-token chunk at 1K context, as it does a decode step), so it was "
-        "left out. What remains between this and N-fold is the per-row attention and GEMM cost above, and the "
-        "serial suffix prefills in the system rate.",
+        "Where the time goes at N = 8 (profiled in-process at ~1K context): decode steps, ~120 ms each against "
+        "~70 ms for one agent (the weights are read once per step; per row: ~4 ms of 8-row GEMM and the "
+        "attention over its own keys, which `runtime.cpu_attention.decode_attention` computes as keys @ q.T "
+        "with a NumPy softmax, 1.3-3x faster than MLX's CPU attention, see decode_attention.md); the one "
+        "prefill pass for the eight new messages (about what eight passes of one cost: compute-bound, but the "
+        "batch cache comes out of it with no merge); and parking each finished turn (~45 ms: its new tokens "
+        "quantized, the float KV kept for its next turn, a host copy for the disk). Copies of float KV into and "
+        "out of a batch go through NumPy (`runtime.kv_copy`), a third of MLX's time for the same copy here.",
         "",
     ]
     path.write_text("\n".join(lines))

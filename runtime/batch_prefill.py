@@ -34,6 +34,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from runtime.decode_batch import sample_rows
+from runtime.kv_copy import place_rows
 from runtime.sequence import Sequence
 
 __all__ = ["MAX_PAD", "LinedUpCache", "choose_group", "prefill_together"]
@@ -75,14 +76,12 @@ class LinedUpCache(BatchKVCache):
         start = max(n - p for n, p in zip(lengths, pads, strict=True))  # where the pass writes, for every row
         super().__init__([start + p - n for n, p in zip(lengths, pads, strict=True)])
         first = next(c for c in rows if c.keys is not None)
-        _, heads, _, k_dim = first.keys.shape
         size = -(-(start + width + 1) // self.step) * self.step  # room for the pass and the first decode step
-        keys = mx.zeros((len(rows), heads, size, k_dim), first.keys.dtype)
-        values = mx.zeros((len(rows), heads, size, first.values.shape[3]), first.values.dtype)
-        for i, (c, n, p) in enumerate(zip(rows, lengths, pads, strict=True)):
-            keys[i : i + 1, :, start + p - n : start + p] = c.keys[..., :n, :]
-            values[i : i + 1, :, start + p - n : start + p] = c.values[..., :n, :]
-        self.keys, self.values = keys, values
+        ends = [start + p for p in pads]
+        self.keys = place_rows([(c.keys[..., :n, :], e - n) for c, n, e in zip(rows, lengths, ends, strict=True)],
+                               size, first.keys)
+        self.values = place_rows([(c.values[..., :n, :], e - n) for c, n, e in zip(rows, lengths, ends, strict=True)],
+                                 size, first.values)
         self.offset += start
         self._idx = start
         self._pads: mx.array | None = mx.array(pads)

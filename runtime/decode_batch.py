@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 from runtime.float_resident import extract_with_room
+from runtime.kv_copy import place_rows
 from runtime.q4_batch_cache import BatchDequantizingQuantizedKVCache, BatchQuantizedKVCache
 from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.sequence import Sequence
@@ -53,16 +54,12 @@ def merge_with_room(caches: list[Any], extra: int = 1) -> BatchKVCache:
     if longest == 0:
         return BatchKVCache.merge(caches)
     first = next(c for c in caches if c.keys is not None)
-    _, heads, _, k_dim = first.keys.shape
     size = -(-(longest + extra) // BatchKVCache.step) * BatchKVCache.step
-    keys = mx.zeros((len(caches), heads, size, k_dim), first.keys.dtype)
-    values = mx.zeros((len(caches), heads, size, first.values.shape[3]), first.values.dtype)
-    for i, (c, n) in enumerate(zip(caches, lengths, strict=True)):
-        if n:
-            keys[i : i + 1, :, longest - n : longest] = c.keys[..., :n, :]
-            values[i : i + 1, :, longest - n : longest] = c.values[..., :n, :]
     batch = BatchKVCache([longest - n for n in lengths])
-    batch.keys, batch.values = keys, values
+    batch.keys = place_rows([(c.keys[..., :n, :] if n else None, longest - n) for c, n in zip(caches, lengths, strict=True)],
+                            size, first.keys)
+    batch.values = place_rows([(c.values[..., :n, :] if n else None, longest - n)
+                               for c, n in zip(caches, lengths, strict=True)], size, first.values)
     batch.offset += longest
     batch._idx = longest
     return batch

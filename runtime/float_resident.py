@@ -28,6 +28,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from runtime.kv_copy import place_rows
+
 __all__ = ["FloatResident", "ResidentPool", "HEADROOM_TOKENS", "extract_with_room", "with_room"]
 
 HEADROOM_TOKENS = 256
@@ -125,9 +127,7 @@ def with_room(tokens: mx.array) -> mx.array:
     rounded to ``KVCache``'s growth step, so a turn's first tokens do not grow (copy) it again."""
     n = tokens.shape[2]
     room = -(-(n + HEADROOM_TOKENS) // KVCache.step) * KVCache.step
-    buffer = mx.zeros((*tokens.shape[:2], room, tokens.shape[3]), tokens.dtype)
-    buffer[..., :n, :] = tokens
-    return buffer
+    return place_rows([(tokens[i : i + 1], 0) for i in range(tokens.shape[0])], room, tokens)
 
 
 def extract_with_room(cache: Any, idx: int) -> Any:
