@@ -22,26 +22,14 @@ or ``--quick`` (1K and 2K, 1 repeat). Writes ``benches/results/cpu_attention.{md
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness
-from benches.harness import ResultFile, log, median, table
+from benches.harness import ResultFile, eval_median_s, log, median, table
 from benches.prompts import context_text
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
-
-
-def _time(fn: Callable[[], Any], repeats: int) -> float:
-    import mlx.core as mx
-
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        samples.append(time.perf_counter() - t0)
-    return median(samples)
 
 
 def kernel_section(res: ResultFile, repeats: int, quick: bool) -> None:
@@ -61,8 +49,8 @@ def kernel_section(res: ResultFile, repeats: int, quick: bool) -> None:
         mask = "causal" if length > 1 else None
         mx.eval(q, k, v)
         n = max(repeats, 5)
-        mlx_s = _time(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask), n)
-        np_s = _time(lambda: numpy_attention(q, k, v, scale=0.125, mask=mask), n)
+        mlx_s = eval_median_s(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask), n)
+        np_s = eval_median_s(lambda: numpy_attention(q, k, v, scale=0.125, mask=mask), n)
         err = mx.abs(
             numpy_attention(q, k, v, scale=0.125, mask=mask)
             - mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)

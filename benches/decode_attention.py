@@ -20,27 +20,15 @@ Run: ``python -m benches decode_attention`` (3 repeats) or ``--quick``
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness
-from benches.harness import ResultFile, log, median, table
+from benches.harness import ResultFile, eval_median_s, log, median, table
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 ROWS = (1, 2, 4, 8)
 STEPS = 8  # decode steps per repeat and setting
-
-
-def _time(fn: Callable[[], Any], repeats: int) -> float:
-    import mlx.core as mx
-
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        samples.append(time.perf_counter() - t0)
-    return median(samples)
 
 
 def _padding_mask(rows: int, span: int) -> Any:
@@ -66,8 +54,8 @@ def kernel_section(res: ResultFile, spans: list[int], repeats: int) -> None:
             mask = _padding_mask(rows, span)
             mx.eval(q, k, v)
             n = max(repeats * 10, 20)
-            mlx_s = _time(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask), n)
-            ours_s = _time(lambda: decode_attention(q, k, v, scale=0.125, mask=mask), n)
+            mlx_s = eval_median_s(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask), n)
+            ours_s = eval_median_s(lambda: decode_attention(q, k, v, scale=0.125, mask=mask), n)
             err = mx.abs(decode_attention(q, k, v, scale=0.125, mask=mask)
                          - mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)).max().item()
             rows_out.append([rows, span, f"{mlx_s * 1e3:.2f}", f"{ours_s * 1e3:.2f}", f"{mlx_s / ours_s:.2f}x",

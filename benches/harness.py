@@ -237,5 +237,17 @@ def repeats(args: argparse.Namespace, full: int = 3, quick: int = 1) -> int:
     return int(args.repeats or (quick if args.quick else full))
 
 
+def eval_median_s(fn: Any, repeats: int) -> float:
+    """Median seconds of ``mx.eval(fn())`` over ``repeats`` runs."""
+    import mlx.core as mx
+
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        samples.append(time.perf_counter() - t0)
+    return median(samples)
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

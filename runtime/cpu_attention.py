@@ -242,15 +242,8 @@ def _attend(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float
         if length > 1:
             by_head[..., span - length :] += _causal_block(length)
     elif mask is not None:
-        m = np.asarray(mask)
-        if m.dtype == np.bool_:
-            np.copyto(by_head, np.float32(-np.inf), where=~m)
-        else:
-            by_head += m.astype(np.float32, copy=False)
-    peak = weights.max(axis=-1, keepdims=True)
-    peak[~np.isfinite(peak)] = 0.0  # a row with every key masked: its weights become 0, not NaN
-    np.subtract(weights, peak, out=weights)
-    np.exp(weights, out=weights)
+        _apply_mask(by_head, mask)
+    _exp_from_peak(weights)
     # The weights' row sums come out of the same product as the output (a column of
     # ones beside the values): summed in the product's order, which keys a batch
     # pads with (weight 0) do not change, where NumPy's pairwise sum would.
@@ -296,16 +289,26 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, *, sca
     weights = np.ascontiguousarray(np.asarray(scores).swapaxes(-1, -2))  # (B, kv_heads, group, S): S contiguous
     by_head = weights.reshape(batch, heads, 1, span)
     if isinstance(mask, mx.array):
-        m = np.asarray(mask)
-        if m.dtype == np.bool_:
-            np.copyto(by_head, np.float32(-np.inf), where=~m)
-        else:
-            by_head += m.astype(np.float32, copy=False)
-    peak = weights.max(axis=-1, keepdims=True)
-    peak[~np.isfinite(peak)] = 0.0  # a row with every key masked: its weights become 0, not NaN
-    np.subtract(weights, peak, out=weights)
-    np.exp(weights, out=weights)
+        _apply_mask(by_head, mask)
+    _exp_from_peak(weights)
     total = weights.sum(axis=-1, keepdims=True)
     np.divide(weights, np.where(total > 0, total, 1), out=weights)
     out = mx.array(weights) @ values
     return out.reshape(batch, heads, 1, values.shape[-1])
+
+
+def _apply_mask(scores: np.ndarray, mask: mx.array) -> None:
+    """A boolean (True attends) or additive mask, broadcast onto ``scores`` in place."""
+    m = np.asarray(mask)
+    if m.dtype == np.bool_:
+        np.copyto(scores, np.float32(-np.inf), where=~m)
+    else:
+        scores += m.astype(np.float32, copy=False)
+
+
+def _exp_from_peak(weights: np.ndarray) -> None:
+    """``exp(weights - max)`` along the last axis, in place: a softmax before its normalization."""
+    peak = weights.max(axis=-1, keepdims=True)
+    peak[~np.isfinite(peak)] = 0.0  # a row with every key masked: its weights become 0, not NaN
+    np.subtract(weights, peak, out=weights)
+    np.exp(weights, out=weights)

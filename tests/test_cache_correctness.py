@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
+from agreement import assert_decoded_alike, logprobs_of
 from conftest import ARCHS, tiny
 from reference import cold_generate, teacher_forced_logits, top1_margin
 from runtime.generate import decode_alone, generate
@@ -62,12 +63,6 @@ def _traced(lm, prompt, cache, strategy="at-rest", steps=STEPS):
     return seq
 
 
-def _logprobs(trace, limit):
-    rows = [np.array(t.reshape(-1))[:limit] for t in trace]
-    rows = [r - np.logaddexp.reduce(r) for r in rows]
-    return np.stack(rows)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float_cache_plus_suffix_equals_cold_run(arch):
     lm = tiny(arch, bits=None)
@@ -76,7 +71,7 @@ def test_float_cache_plus_suffix_equals_cold_run(arch):
     seq = _traced(lm, p2, first.cache)
     assert seq.stats.tokens_reused > 0 and seq.stats.match == "extend"
     ref_tokens, ref_lp = cold_generate(lm, seq.token_ids, len(seq.generated))
-    ours = _logprobs(seq.logits_trace, lm.vocab_limit)
+    ours = logprobs_of(seq.logits_trace, lm.vocab_limit)
     np.testing.assert_allclose(ours, ref_lp[: len(ours), : lm.vocab_limit], atol=FLOAT_TOL)
     assert seq.generated == ref_tokens
 
@@ -161,19 +156,4 @@ def test_batched_decode_matches_each_sequence_alone(arch, strategy, joins):
             batch.remove(s)
 
     for a, b in zip(alone, together, strict=True):
-        la, lb = _logprobs(a.logits_trace, lm.vocab_limit), _logprobs(b.logits_trace, lm.vocab_limit)
-        n = min(len(la), len(lb))
-        np.testing.assert_allclose(lb[:n], la[:n], atol=FLOAT_TOL if strategy == "at-rest" else 5e-2)
-        confident = top1_margin(la[:n]) > 0.1
-        # tokens agree at least up to the first near-tie
-        first_tie = int(np.argmin(confident)) if not confident.all() else n
-        assert b.generated[:first_tie] == a.generated[:first_tie]
-        pa, pb = a.park(), b.park()
-        assert pa is not None and pb is not None and pa.token_ids == pb.token_ids and pa.text == pb.text
-        for la_, lb_ in zip(pa.layers, pb.layers, strict=True):
-            for key in la_.arrays:
-                x, y = np.array(la_.arrays[key]).astype(np.float64), np.array(lb_.arrays[key]).astype(np.float64)
-                if key.endswith("_w"):
-                    assert (x != y).mean() < 0.02  # packed nibbles: rare flips from float reordering
-                else:
-                    np.testing.assert_allclose(y, x, atol=5e-3)
+        assert_decoded_alike(a, b, lm.vocab_limit, FLOAT_TOL if strategy == "at-rest" else 5e-2)
