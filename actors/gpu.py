@@ -46,7 +46,7 @@ from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, PoolSnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
 from actors.scheduler import Scheduler
-from runtime.engine import Engine, Finished, FromShared, ModelInfo, Started, Tokenized, ToolCall
+from runtime.engine import Engine, Finished, FromShared, ModelInfo, PrefillResult, Started, Tokenized, ToolCall
 from runtime.kv_manager import KVCacheManager
 
 __all__ = ["GPUActor"]
@@ -299,15 +299,24 @@ class GPUActor:
         self._chunks += 1
         self._event("chunk", *results)
         for request_id, result in results.items():
-            req = self._requests[request_id]
             self._announce(request_id, None)
-            req.prefilled = req.to_prefill_total
-            self._sched.to_prefill(request_id, 0)
-            self._deliver(request_id, result.text or "", result.tool_calls)
-            if result.finished:
-                await self._complete(request_id)
-            else:
+            if await self._prefilled(request_id, result):
                 self._sched.prefilled(request_id)  # the engine joined it to the batch
+
+    async def _prefilled(self, request_id: int, result: PrefillResult) -> bool:
+        """Record a prefill result and deliver the first token if it came; True when the
+        turn goes on to decode (False: prefill goes on, or the first token finished it)."""
+        assert self._sched is not None
+        req = self._requests[request_id]
+        req.prefilled = req.to_prefill_total - result.remaining
+        self._sched.to_prefill(request_id, result.remaining)
+        if result.text is None:
+            return False
+        self._deliver(request_id, result.text, result.tool_calls)
+        if result.finished:
+            await self._complete(request_id)
+            return False
+        return True
 
     async def _prefill(self, request_id: int, chunk: int | None, adopt: FromShared | None) -> None:
         assert self._sched is not None
@@ -321,13 +330,7 @@ class GPUActor:
             return
         self._chunks += 1
         self._event("chunk", request_id)
-        self._requests[request_id].prefilled = self._requests[request_id].to_prefill_total - result.remaining
-        self._sched.to_prefill(request_id, result.remaining)
-        if result.text is None:
-            return
-        self._deliver(request_id, result.text, result.tool_calls)
-        if result.finished:
-            await self._complete(request_id)
+        if not await self._prefilled(request_id, result):
             return
         try:
             if self._manager.wants_donor(request_id):

@@ -33,8 +33,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from runtime.decode_batch import sample_rows
-from runtime.kv_copy import place_rows
+from runtime.decode_batch import place_cache_rows, sample_rows
 from runtime.sequence import Sequence
 
 __all__ = ["MAX_PAD", "LinedUpCache", "choose_group", "prefill_together"]
@@ -75,15 +74,8 @@ class LinedUpCache(BatchKVCache):
         lengths = [int(c.offset) for c in rows]
         start = max(n - p for n, p in zip(lengths, pads, strict=True))  # where the pass writes, for every row
         super().__init__([start + p - n for n, p in zip(lengths, pads, strict=True)])
-        first = next(c for c in rows if c.keys is not None)
-        size = -(-(start + width + 1) // self.step) * self.step  # room for the pass and the first decode step
-        ends = [start + p for p in pads]
-        self.keys = place_rows([(c.keys[..., :n, :], e - n) for c, n, e in zip(rows, lengths, ends, strict=True)],
-                               size, first.keys)
-        self.values = place_rows([(c.values[..., :n, :], e - n) for c, n, e in zip(rows, lengths, ends, strict=True)],
-                                 size, first.values)
-        self.offset += start
-        self._idx = start
+        # room for the pass and the first decode step
+        place_cache_rows(self, rows, [start + p for p in pads], write_at=start, room=width + 1)
         self._pads: mx.array | None = mx.array(pads)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:

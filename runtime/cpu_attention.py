@@ -24,9 +24,9 @@ When it is on: for calls with at least :data:`MIN_QUERIES` query positions
 (prefill chunks, :func:`numpy_attention`), and for decode steps (one query
 per row) attending at least :data:`MIN_DECODE_KEYS` keys over the batch
 (:func:`decode_attention`: a batch of agents, or one agent's long context;
-below that MLX's lower fixed cost per call wins), where the mlx-lm version is one this module was
-tested with (:data:`TESTED_MLX_LM`) and the replaced name is still mlx-lm's own function
-with the expected parameters; the default device is the CPU (on GPUs MLX's
+below that MLX's lower fixed cost per call wins), where the mlx-lm version is
+one this module was tested with (:data:`TESTED_MLX_LM`) and the replaced name
+is still mlx-lm's own function with the expected parameters; the default device is the CPU (on GPUs MLX's
 fused kernels win); and per call, the cache is a float cache (quantized caches
 keep MLX's quantized attention), there are no attention sinks and the inputs
 are float32. Otherwise the call goes to mlx-lm's function.
@@ -67,7 +67,7 @@ context from 256 to 8192 tokens, slower at 1 (``benches/results/cpu_attention.md
 
 MIN_DECODE_KEYS = 2048
 """Fewest keys a decode step attends over its whole batch (rows x keys) for :func:`decode_attention`:
-measured about even with MLX at one row of 1K keys, faster from there (``benches/results/cpu_attention.md``)."""
+measured about even with MLX at one row of 1K keys, faster from there (``benches/results/decode_attention.md``)."""
 
 _ORIGINAL = base.scaled_dot_product_attention
 _EXPECTED_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")

@@ -24,7 +24,7 @@ from runtime.q4_batch_cache import BatchDequantizingQuantizedKVCache, BatchQuant
 from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.sequence import Sequence
 
-__all__ = ["DecodeBatch", "batch_cache_class", "merge_with_room", "sample_rows"]
+__all__ = ["DecodeBatch", "batch_cache_class", "merge_with_room", "place_cache_rows", "sample_rows"]
 
 _BATCH_CLASSES: dict[type, Any] = {
     KVCache: BatchKVCache,
@@ -53,16 +53,26 @@ def merge_with_room(caches: list[Any], extra: int = 1) -> BatchKVCache:
     longest = max(lengths)
     if longest == 0:
         return BatchKVCache.merge(caches)
-    first = next(c for c in caches if c.keys is not None)
-    size = -(-(longest + extra) // BatchKVCache.step) * BatchKVCache.step
     batch = BatchKVCache([longest - n for n in lengths])
-    batch.keys = place_rows([(c.keys[..., :n, :] if n else None, longest - n) for c, n in zip(caches, lengths, strict=True)],
-                            size, first.keys)
-    batch.values = place_rows([(c.values[..., :n, :] if n else None, longest - n)
-                               for c, n in zip(caches, lengths, strict=True)], size, first.values)
-    batch.offset += longest
-    batch._idx = longest
+    place_cache_rows(batch, caches, [longest] * len(caches), write_at=longest, room=extra)
     return batch
+
+
+def place_cache_rows(batch: BatchKVCache, rows: list[Any], ends: list[int], *, write_at: int, room: int) -> None:
+    """Fill a new ``batch`` (its left padding already set) with float ``KVCache`` ``rows``.
+
+    Row ``i``'s tokens end at position ``ends[i]``; the batch writes its next tokens at
+    ``write_at``, with buffers long enough for ``room`` of them (rounded up to the growth step).
+    """
+    lengths = [int(c.offset) if c.keys is not None else 0 for c in rows]
+    first = next(c for c in rows if c.keys is not None)
+    size = -(-(write_at + room) // batch.step) * batch.step
+    for name in ("keys", "values"):
+        placed = [(getattr(c, name)[..., :n, :] if n else None, end - n)
+                  for c, n, end in zip(rows, lengths, ends, strict=True)]
+        setattr(batch, name, place_rows(placed, size, getattr(first, name)))
+    batch.offset += write_at
+    batch._idx = write_at
 
 
 class DecodeBatch:
@@ -107,7 +117,8 @@ class DecodeBatch:
             return
         joining, self.pending = self.pending, []
         merged = [
-            merge_with_room(list(layer)) if type(layer[0]) is KVCache else batch_cache_class(layer[0]).merge(list(layer))
+            merge_with_room(list(layer)) if type(layer[0]) is KVCache
+            else batch_cache_class(layer[0]).merge(list(layer))
             for layer in zip(*(s.kv.caches for s in joining), strict=True)
         ]
         if not self.members:

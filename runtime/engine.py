@@ -428,8 +428,8 @@ class Engine(Protocol):
         """Prefill some of these turns (none started, each short) in one pass, and join them.
 
         Returns the turns it took: their whole prompt prefilled, first token sampled,
-        and, unless that token finished them, already in the batch (no :meth:`join`).
-        The others are untouched; ``{}`` where the engine does not group prefills."""
+        already in the batch (no :meth:`join`; one its first token finished leaves it at
+        :meth:`finish`). The others are untouched; ``{}`` where the engine does not group prefills."""
 
     def prepare(self, snapshot: CacheSnapshot) -> HotCache | None:
         """``snapshot`` restored ahead of its turn (float kept where there is room); None: not this model's."""

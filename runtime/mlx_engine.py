@@ -38,7 +38,6 @@ from runtime.engine import (
 from runtime.errors import ModelError
 from runtime.batch_prefill import choose_group, prefill_together
 from runtime.decode_batch import DecodeBatch
-from runtime.float_resident import extract_with_room
 from runtime.float_resident import ResidentPool
 from runtime.kvstate import SLIDING_SLACK, ParkedCache, Strategy, resolve_strategy, with_kept_float
 from runtime.models import LoadedModel, load_model
@@ -288,15 +287,8 @@ class MlxEngine:
         ids = list(group)
         rows = [self._seqs[r] for r in ids]
         texts, caches = prefill_together(rows, [group[r] for r in ids])
-        done = [i for i, seq in enumerate(rows) if seq.finish_reason is not None]
-        for i in done:  # finished on their first token: out of the group, to be parked
-            rows[i].kv.caches = [extract_with_room(c, i) for c in caches]
-        going = [i for i in range(len(rows)) if i not in done]
-        if going:
-            if done:
-                for c in caches:
-                    c.filter(going)
-            self._batch.add_group([rows[i] for i in going], caches)
+        # A row its first token finished leaves the batch at finish(), as any member does.
+        self._batch.add_group(rows, caches)
         self._sample_memory()
         return {
             r: PrefillResult(text=text, finished=seq.finish_reason is not None, context=seq.context, remaining=0,
