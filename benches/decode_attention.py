@@ -12,6 +12,11 @@ Two questions, answered side by side in one run on ``kvmem-default``
    lengths; one agent: a plain ``KVCache``), with kvmem's decode attention and
    with it off (MLX's attention), alternated step by step; greedy tokens of
    the two are compared.
+3. **Rows that share a prompt**: the same step over rows whose first 1K
+   tokens hold the same keys and values (agents over one system prompt),
+   :func:`runtime.cpu_attention.shared_prefix_attention` (the shared keys read
+   once) against :func:`~runtime.cpu_attention.decode_attention` (every row's
+   keys read), alternated step by step.
 
 Run: ``python -m benches decode_attention`` (3 repeats) or ``--quick``
 (1K only, 1 repeat). Writes ``benches/results/decode_attention.md``.
@@ -141,6 +146,83 @@ def step_section(res: ResultFile, lm: Any, spans: list[int], repeats: int) -> di
     return out
 
 
+SHARED = 1024  # tokens every row shares in section 3
+OWN = (60, 140, 90, 200, 75, 120, 160, 100)  # each row's own tokens after them
+
+
+def _shared_cache(lm: Any, rows: int) -> list[Any]:
+    """Float KV for ``rows`` rows whose first :data:`SHARED` tokens are alike, merged as a decode batch."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from runtime.decode_batch import merge_with_room
+
+    layers = []
+    for _ in range(len(lm.model.layers)):
+        common = [mx.random.normal((1, KV_HEADS, SHARED, HEAD_DIM)) for _ in range(2)]
+        parts = []
+        for b in range(rows):
+            c = KVCache()
+            own = [mx.random.normal((1, KV_HEADS, OWN[b], HEAD_DIM)) for _ in range(2)]
+            c.update_and_fetch(*(mx.concatenate([x, y], axis=2) for x, y in zip(common, own, strict=True)))
+            parts.append(c)
+        layers.append(merge_with_room(parts, extra=64))
+    mx.eval([a for c in layers for a in (c.keys, c.values)])
+    return layers
+
+
+def shared_section(res: ResultFile, lm: Any, repeats: int) -> None:
+    """Decode steps over rows sharing a prompt: its keys attended once for all rows, or row by row."""
+    import mlx.core as mx
+
+    from runtime import cpu_attention
+    from runtime.shared_prefix import shared_prefix_length
+
+    rows_out = []
+    threshold = cpu_attention.MIN_SHARED_ROWS
+    cpu_attention.MIN_SHARED_ROWS = 2  # measured at every row count; kvmem uses it from the threshold up
+    for rows in (2, 4, 6, 8):
+        cache = _shared_cache(lm, rows)
+        shared = shared_prefix_length(cache, [list(range(SHARED + OWN[b])) for b in range(rows)])
+        token = mx.array([[42]] * rows)
+        samples: dict[str, list[float]] = {"each row": [], "shared once": []}
+        agree = total = 0
+        for _ in range(repeats * STEPS):
+            picks = {}
+            for name, tokens in (("each row", 0), ("shared once", shared)):
+                t0 = time.perf_counter()
+                with cpu_attention.sharing(tokens):
+                    logits = lm.forward(token, cache)[:, -1, :]
+                picks[name] = logits.argmax(-1)
+                mx.eval(picks[name])
+                samples[name].append(time.perf_counter() - t0)
+                for c in cache:  # the same step again for the other setting
+                    c.trim(1)
+            agree += int((picks["each row"] == picks["shared once"]).sum().item())
+            total += rows
+            token = picks["each row"][:, None]
+        med = {k: median(v) for k, v in samples.items()}
+        rows_out.append([rows, SHARED, f"{min(OWN[:rows])}-{max(OWN[:rows])}", f"{med['each row'] * 1e3:.1f}",
+                         f"{med['shared once'] * 1e3:.1f}", f"{med['each row'] / med['shared once']:.2f}x",
+                         f"{agree}/{total}"])
+        res.record(section="shared", rows=rows, shared=shared, runs=samples, greedy_agree=agree, greedy_total=total)
+        log(f"shared {rows} rows: each row {med['each row'] * 1e3:.1f} ms, shared once {med['shared once'] * 1e3:.1f} ms")
+        del cache
+        mx.clear_cache()
+    cpu_attention.MIN_SHARED_ROWS = threshold
+    res.body += ["## 3. A decode step over rows that share a prompt (ms, median)", ""]
+    res.body += table(["rows", "shared tokens", "own tokens per row", "decode_attention (each row's keys)",
+                       "shared_prefix_attention", "speed-up", "same greedy token"], rows_out, "rrrrrrr")
+    res.body += [
+        "",
+        "The rows' first 1K tokens hold bit-identical keys and values, as agents over one parked system prompt do "
+        "(`runtime.shared_prefix` checks that when rows join a batch); each row then has its own tokens. Both "
+        "settings run the same step on the same cache, alternated; the step includes the weight matmuls. kvmem "
+        f"attends shared keys once from `MIN_SHARED_ROWS` = {threshold} rows.",
+        "",
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = harness.parser(__doc__)
     args = p.parse_args(argv)
@@ -155,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("runtime.cpu_attention is not available here (not the CPU backend, or an untested mlx-lm)")
     kernel_section(res, spans, reps)
     step_section(res, lm, spans, reps)
+    shared_section(res, lm, reps)
     log(f"wrote {res.write()}")
 
 

@@ -18,11 +18,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
+from runtime import cpu_attention
 from runtime.float_resident import extract_with_room
 from runtime.kv_copy import place_rows
 from runtime.q4_batch_cache import BatchDequantizingQuantizedKVCache, BatchQuantizedKVCache
 from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.sequence import Sequence
+from runtime.shared_prefix import shared_prefix_length
 
 __all__ = ["DecodeBatch", "batch_cache_class", "merge_with_room", "place_cache_rows", "sample_rows"]
 
@@ -82,12 +84,17 @@ class DecodeBatch:
     :meth:`step_once`, which merges all of them in one go: growing the batch
     copies every member's cache, so several joins between two steps cost one
     copy instead of one per join. :meth:`remove` of the last row is a view.
+
+    ``shared`` counts the first tokens every member holds the same keys and
+    values for (:mod:`runtime.shared_prefix`), checked whenever members join;
+    members leaving keep it true. Steps attend to them once for all rows.
     """
 
     def __init__(self) -> None:
         self.members: list[Sequence] = []
         self.caches: list[Any] = []
         self.pending: list[Sequence] = []
+        self.shared = 0
 
     def __len__(self) -> int:
         return len(self.members) + len(self.pending)
@@ -107,10 +114,11 @@ class DecodeBatch:
         self._merge_pending()
         if not self.members:
             self.members, self.caches = list(seqs), caches
-            return
-        for mine, theirs in zip(self.caches, caches, strict=True):
-            mine.extend(theirs)
-        self.members.extend(seqs)
+        else:
+            for mine, theirs in zip(self.caches, caches, strict=True):
+                mine.extend(theirs)
+            self.members.extend(seqs)
+        self._find_shared()
 
     def _merge_pending(self) -> None:
         if not self.pending:
@@ -129,6 +137,10 @@ class DecodeBatch:
         self.members.extend(joining)
         for seq in joining:
             seq.kv.caches = []
+        self._find_shared()
+
+    def _find_shared(self) -> None:
+        self.shared = shared_prefix_length(self.caches, [s.token_ids for s in self.members])
 
     def remove(self, seq: Sequence) -> None:
         """Extract ``seq``'s caches back into it and drop it from the batch."""
@@ -144,6 +156,7 @@ class DecodeBatch:
                 _keep_rows(c, keep)
         else:
             self.caches = []
+            self.shared = 0
 
     def step_once(self) -> list[tuple[Sequence, str]]:
         """One decode step for every member: returns (sequence, new text) pairs.
@@ -155,7 +168,8 @@ class DecodeBatch:
         if not self.members:
             return []
         inputs = mx.array([[s.next_input] for s in self.members])
-        logits = self.members[0].lm.forward(inputs, self.caches)[:, -1, :]
+        with cpu_attention.sharing(self.shared):
+            logits = self.members[0].lm.forward(inputs, self.caches)[:, -1, :]
         for i, s in enumerate(self.members):
             if s.logits_trace is not None:
                 s.observe(logits[i : i + 1])
