@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
+from runtime.allocator import keep_freed_memory
+
 __all__ = ["MlxThread"]
 
 log = logging.getLogger("kvmem.mlx_thread")
@@ -83,6 +85,7 @@ class MlxThread:
         if self._thread is not None:
             raise RuntimeError("MlxThread already started")
         self._token = trio.lowlevel.current_trio_token()
+        keep_freed_memory()  # before the thread's first allocation: it then shares the main malloc arena
         self._thread = threading.Thread(target=self._main, name=self._name, daemon=True)
         self._thread.start()
 

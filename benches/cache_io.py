@@ -15,7 +15,7 @@ kvmem adds over the raw device (1.0 = as fast as a plain file).
 Every agent gets fresh random KV, so no block is shared with an earlier save.
 
 The process's allocator is set up as a kvmem server's is after its first model
-load (``runtime.warmup.keep_freed_memory``: freed buffers stay in the process, so
+load (``runtime.allocator.keep_freed_memory``: freed buffers stay in the process, so
 a load fills memory that earlier loads used instead of faulting in fresh pages);
 ``--allocator default`` measures with glibc's defaults instead.
 """
@@ -32,7 +32,7 @@ from benches import harness
 from benches.harness import ResultFile, log, median, table
 from benches.snapshots import bytes_per_token, snapshot
 from runtime.persist import CacheDirectory
-from runtime.warmup import keep_freed_memory
+from runtime.allocator import keep_freed_memory
 
 CHUNK = 4 * 2**20
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [1024, 2048, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
     res = ResultFile("cache_io", "Cache I/O: save / load vs cache size, against the sequential I/O floor",
                      args.quick, argv or [], variant="" if args.allocator == "server" else "_default_allocator")
-    res.setup.append("allocator: " + ("freed memory kept, as in `kvmem serve` (runtime.warmup.keep_freed_memory)"
+    res.setup.append("allocator: " + ("freed memory kept, as in `kvmem serve` (runtime.allocator.keep_freed_memory)"
                                       if kept else "glibc defaults (freed large buffers go back to the kernel)"))
     rows, curve = [], []
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-io-", dir=os.environ.get("KVMEM_BENCH_IO_DIR")) as tmp:

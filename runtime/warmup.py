@@ -9,9 +9,9 @@ turn's activate + forward took 1.1-1.3 s in a fresh process and 0.8 s repeated;
 with the thresholds fixed and 400 MB pre-touched, the first turn took the same
 0.8 s as later ones, and later turns varied less (``benches/results/README.md``).
 
-:func:`prewarm_memory` fixes the thresholds (freed buffers up to 32 MiB stay in
-the process, as MLX's Metal buffer cache keeps its buffers) and touches that
-memory once at start. A throwaway warm-up turn at model load (first calls
+:func:`prewarm_memory` fixes the thresholds (:func:`runtime.allocator.keep_freed_memory`:
+freed buffers up to 32 MiB stay in the process, as MLX's Metal buffer cache keeps
+its buffers) and touches that memory once at start. A throwaway warm-up turn at model load (first calls
 through every code path) was measured too and made no difference once the
 memory was pre-touched; that was before NumPy attention (``runtime.cpu_attention``), and
 since then :func:`warm_up` at model load is what makes a restored agent's first turn as fast as
@@ -20,45 +20,16 @@ a hot one.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
 import time
 from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["keep_freed_memory", "prewarm_memory", "warm_up"]
+from runtime.allocator import keep_freed_memory
 
-# mallopt parameters (malloc.h). 32 MiB is the largest mmap threshold glibc accepts on 64-bit;
-# the trim threshold is an int, so 2 GiB - 1 is the most it can say.
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_BYTES = 32 * 2**20
-_TRIM_THRESHOLD_BYTES = 2**31 - 1
+__all__ = ["prewarm_memory", "warm_up"]
+
 _TOUCH_BUFFER_BYTES = 16 * 2**20  # below the mmap threshold, so freed buffers stay in the heap
-
-_kept = False
-
-
-def keep_freed_memory() -> bool:
-    """Make glibc keep freed buffers up to 32 MiB in the process (Linux only; once per process).
-
-    Returns True where the allocator was tuned, False elsewhere (macOS, musl).
-    """
-    global _kept
-    if _kept:
-        return True
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    _kept = bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) and mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES))
-    return _kept
 
 
 def prewarm_memory(megabytes: float) -> float:
