@@ -25,6 +25,8 @@ Run: ``python -m benches decode_attention`` (3 repeats) or ``--quick``
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import runtime  # noqa: F401  (OpenBLAS before mlx)
@@ -91,6 +93,52 @@ def _batch_cache(lm: Any, rows: int, span: int) -> list[Any]:
     return layers
 
 
+def _alternated_steps(lm: Any, cache: list[Any], rows: int, settings: dict[str, Callable[[], Any]], steps: int, *,
+                      grow: bool) -> tuple[dict[str, list[float]], int, int]:
+    """The same decode step under each setting in turn (a context manager each), ``steps`` times.
+
+    The cache is trimmed back after each run; with ``grow`` it then grows by the first
+    setting's greedy token. Returns each setting's step times and how many greedy tokens
+    of the two settings agreed, out of how many.
+    """
+    import mlx.core as mx
+
+    token = mx.array([[42]] * rows)
+    samples: dict[str, list[float]] = {name: [] for name in settings}
+    agree = total = 0
+    for _ in range(steps):
+        picks = {}
+        for name, setting in settings.items():
+            t0 = time.perf_counter()
+            with setting():
+                logits = lm.forward(token, cache)[:, -1, :]
+            picks[name] = logits.argmax(-1)
+            mx.eval(picks[name])
+            samples[name].append(time.perf_counter() - t0)
+            for c in cache:  # the same step again for the other setting
+                c.trim(1)
+        first, other = picks.values()
+        agree += int((first == other).sum().item())
+        total += rows
+        token = first[:, None]
+        if grow:
+            mx.eval(lm.forward(token, cache))  # the cache grows by the agreed token
+    return samples, agree, total
+
+
+@contextmanager
+def _decode_keys_from(keys: int) -> Iterator[None]:
+    """:func:`~runtime.cpu_attention.decode_attention` from ``keys`` keys a step (very many: never)."""
+    from runtime import cpu_attention
+
+    before = cpu_attention.MIN_DECODE_KEYS
+    cpu_attention.MIN_DECODE_KEYS = keys
+    try:
+        yield
+    finally:
+        cpu_attention.MIN_DECODE_KEYS = before
+
+
 def step_section(res: ResultFile, lm: Any, spans: list[int], repeats: int) -> dict[tuple[int, int], dict[str, float]]:
     """Whole decode steps, kvmem's decode attention on and off, alternated over the same growing cache."""
     import mlx.core as mx
@@ -103,25 +151,9 @@ def step_section(res: ResultFile, lm: Any, spans: list[int], repeats: int) -> di
     for span in spans:
         for rows in ROWS:
             cache = _batch_cache(lm, rows, span)
-            token = mx.array([[42]] * rows)
-            samples: dict[str, list[float]] = {"mlx": [], "kvmem": []}
-            agree = total = 0
-            for _ in range(repeats * STEPS):
-                picks = {}
-                for name in ("mlx", "kvmem"):
-                    cpu_attention.MIN_DECODE_KEYS = on_threshold if name == "kvmem" else 1 << 62
-                    t0 = time.perf_counter()
-                    logits = lm.forward(token, cache)[:, -1, :]
-                    picks[name] = logits.argmax(-1)
-                    mx.eval(picks[name])
-                    samples[name].append(time.perf_counter() - t0)
-                    for c in cache:  # the same step again for the other setting
-                        c.trim(1)
-                agree += int((picks["mlx"] == picks["kvmem"]).sum().item())
-                total += rows
-                token = picks["mlx"][:, None]
-                mx.eval(lm.forward(token, cache))  # the cache grows by the agreed token
-            cpu_attention.MIN_DECODE_KEYS = on_threshold
+            samples, agree, total = _alternated_steps(
+                lm, cache, rows, {"mlx": lambda: _decode_keys_from(1 << 62), "kvmem": lambda: _decode_keys_from(on_threshold)},
+                repeats * STEPS, grow=True)
             used = rows * span >= on_threshold
             med = {k: median(v) for k, v in samples.items()}
             out[(rows, span)] = med
@@ -184,23 +216,9 @@ def shared_section(res: ResultFile, lm: Any, repeats: int) -> None:
     for rows in (2, 4, 6, 8):
         cache = _shared_cache(lm, rows)
         shared = shared_prefix_length(cache, [list(range(SHARED + OWN[b])) for b in range(rows)])
-        token = mx.array([[42]] * rows)
-        samples: dict[str, list[float]] = {"each row": [], "shared once": []}
-        agree = total = 0
-        for _ in range(repeats * STEPS):
-            picks = {}
-            for name, tokens in (("each row", 0), ("shared once", shared)):
-                t0 = time.perf_counter()
-                with cpu_attention.sharing(tokens):
-                    logits = lm.forward(token, cache)[:, -1, :]
-                picks[name] = logits.argmax(-1)
-                mx.eval(picks[name])
-                samples[name].append(time.perf_counter() - t0)
-                for c in cache:  # the same step again for the other setting
-                    c.trim(1)
-            agree += int((picks["each row"] == picks["shared once"]).sum().item())
-            total += rows
-            token = picks["each row"][:, None]
+        samples, agree, total = _alternated_steps(
+            lm, cache, rows, {"each row": lambda: cpu_attention.sharing(0), "shared once": lambda: cpu_attention.sharing(shared)},
+            repeats * STEPS, grow=False)
         med = {k: median(v) for k, v in samples.items()}
         rows_out.append([rows, SHARED, f"{min(OWN[:rows])}-{max(OWN[:rows])}", f"{med['each row'] * 1e3:.1f}",
                          f"{med['shared once'] * 1e3:.1f}", f"{med['each row'] / med['shared once']:.2f}x",
