@@ -86,8 +86,10 @@ class DecodeBatch:
     copy instead of one per join. :meth:`remove` of the last row is a view.
 
     ``shared`` counts the first tokens every member holds the same keys and
-    values for (:mod:`runtime.shared_prefix`), checked whenever members join;
-    members leaving keep it true. Steps attend to them once for all rows.
+    values for (:mod:`runtime.shared_prefix`), checked whenever members join
+    and there are enough of them for the step to use it
+    (:data:`runtime.cpu_attention.MIN_SHARED_ROWS`; 0 otherwise); members
+    leaving keep it true. Steps attend to those tokens once for all rows.
     """
 
     def __init__(self) -> None:
@@ -140,7 +142,9 @@ class DecodeBatch:
         self._find_shared()
 
     def _find_shared(self) -> None:
-        self.shared = shared_prefix_length(self.caches, [s.token_ids for s in self.members])
+        # Fewer rows than the step would attend shared keys for: comparing their KV is wasted reading.
+        enough = len(self.members) >= cpu_attention.MIN_SHARED_ROWS
+        self.shared = shared_prefix_length(self.caches, [s.token_ids for s in self.members]) if enough else 0
 
     def remove(self, seq: Sequence) -> None:
         """Extract ``seq``'s caches back into it and drop it from the batch."""

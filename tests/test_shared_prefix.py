@@ -183,3 +183,15 @@ def test_dispatch_takes_the_shared_path_from_enough_rows_inside_sharing(monkeypa
             with cpu_attention.sharing(280):
                 dispatch(q, k, v, batch, 0.25, mask)
     assert used == [enough], "only inside sharing(), only from MIN_SHARED_ROWS rows"
+
+
+def test_a_batch_finds_its_shared_tokens_only_with_enough_rows_to_use_them() -> None:
+    from types import SimpleNamespace
+
+    for rows, expected in ((cpu_attention.MIN_SHARED_ROWS - 1, 0), (cpu_attention.MIN_SHARED_ROWS, 300)):
+        lengths = [320 + 4 * b for b in range(rows)]
+        layers = [merge_with_room(_rows_sharing(lengths, 300, seed=s)) for s in range(2)]
+        members = [SimpleNamespace(token_ids=list(range(n))) for n in lengths]
+        batch = DecodeBatch()
+        batch.add_group(members, layers)  # type: ignore[arg-type]
+        assert batch.shared == expected
