@@ -127,16 +127,25 @@ def _alternated_steps(lm: Any, cache: list[Any], rows: int, settings: dict[str, 
 
 
 @contextmanager
-def _decode_keys_from(keys: int) -> Iterator[None]:
-    """:func:`~runtime.cpu_attention.decode_attention` from ``keys`` keys a step (very many: never)."""
+def _threshold(name: str, value: int) -> Iterator[None]:
+    """One of :mod:`runtime.cpu_attention`'s dispatch thresholds set to ``value`` within the block."""
     from runtime import cpu_attention
 
-    before = cpu_attention.MIN_DECODE_KEYS
-    cpu_attention.MIN_DECODE_KEYS = keys
+    before = getattr(cpu_attention, name)
+    setattr(cpu_attention, name, value)
     try:
         yield
     finally:
-        cpu_attention.MIN_DECODE_KEYS = before
+        setattr(cpu_attention, name, before)
+
+
+@contextmanager
+def _shared_from_2(tokens: int) -> Iterator[None]:
+    """``tokens`` shared, attended once from two rows up."""
+    from runtime import cpu_attention
+
+    with _threshold("MIN_SHARED_ROWS", 2), cpu_attention.sharing(tokens):
+        yield
 
 
 def step_section(res: ResultFile, lm: Any, spans: list[int], repeats: int) -> dict[tuple[int, int], dict[str, float]]:
@@ -152,7 +161,8 @@ def step_section(res: ResultFile, lm: Any, spans: list[int], repeats: int) -> di
         for rows in ROWS:
             cache = _batch_cache(lm, rows, span)
             samples, agree, total = _alternated_steps(
-                lm, cache, rows, {"mlx": lambda: _decode_keys_from(1 << 62), "kvmem": lambda: _decode_keys_from(on_threshold)},
+                lm, cache, rows, {"mlx": lambda: _threshold("MIN_DECODE_KEYS", 1 << 62),
+                                "kvmem": lambda: _threshold("MIN_DECODE_KEYS", on_threshold)},
                 repeats * STEPS, grow=True)
             used = rows * span >= on_threshold
             med = {k: median(v) for k, v in samples.items()}
@@ -212,12 +222,11 @@ def shared_section(res: ResultFile, lm: Any, repeats: int) -> None:
 
     rows_out = []
     threshold = cpu_attention.MIN_SHARED_ROWS
-    cpu_attention.MIN_SHARED_ROWS = 2  # measured at every row count; kvmem uses it from the threshold up
-    for rows in (2, 4, 6, 8):
+    for rows in (2, 4, 6, 8):  # measured at every row count; kvmem uses it from the threshold up
         cache = _shared_cache(lm, rows)
         shared = shared_prefix_length(cache, [list(range(SHARED + OWN[b])) for b in range(rows)])
         samples, agree, total = _alternated_steps(
-            lm, cache, rows, {"each row": lambda: cpu_attention.sharing(0), "shared once": lambda: cpu_attention.sharing(shared)},
+            lm, cache, rows, {"each row": lambda: cpu_attention.sharing(0), "shared once": lambda: _shared_from_2(shared)},
             repeats * STEPS, grow=False)
         med = {k: median(v) for k, v in samples.items()}
         rows_out.append([rows, SHARED, f"{min(OWN[:rows])}-{max(OWN[:rows])}", f"{med['each row'] * 1e3:.1f}",
@@ -227,7 +236,6 @@ def shared_section(res: ResultFile, lm: Any, repeats: int) -> None:
         log(f"shared {rows} rows: each row {med['each row'] * 1e3:.1f} ms, shared once {med['shared once'] * 1e3:.1f} ms")
         del cache
         mx.clear_cache()
-    cpu_attention.MIN_SHARED_ROWS = threshold
     res.body += ["## 3. A decode step over rows that share a prompt (ms, median)", ""]
     res.body += table(["rows", "shared tokens", "own tokens per row", "decode_attention (each row's keys)",
                        "shared_prefix_attention", "speed-up", "same greedy token"], rows_out, "rrrrrrr")
