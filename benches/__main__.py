@@ -20,6 +20,7 @@ BENCHES = {
     "fidelity": "PPL, KL, top-1, identical greedy continuations for float / Q8 / Q4 KV on real weights (disk round trip)",
     "fidelity_real": "PPL, KL, top-1 for float / Q8 / Q4 at-rest (disk), Q4 native, mlx-lm Q4 on kvmem-default, pydoc prose",
     "needle": "needle in a haystack at 1K-8K on kvmem-default: retrieval per KV format (float, Q4/Q8 at-rest, native, mlx-lm)",
+    "needle_margins": "replays the needles whose at-rest reply differs from float's: both top-1 margins where they part",
     "vs_mlx_lm": "6 agents x 4 rounds with a restart, same requests to mlx_lm.server and kvmem serve: TTFT per round, wall",
     "vs_llama_cpp": "llama.cpp's server on the same GGUF: prompt token ids, 20 greedy continuations, top-2 margins",
     "recall": "10 fact kinds told, restart, asked warm on kvmem-default, next to a float-cache mlx-lm reference",

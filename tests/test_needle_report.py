@@ -1,0 +1,68 @@
+"""The needle benchmark's report: its goal verdict and the margins of replayed reply differences.
+
+The verdict is computed from journal rows, so it is checked here on rows
+written by hand: a hit/miss flip at a float margin within the stated Q4
+tolerance is reported as a near-tie, one above it as a real loss.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benches import needle
+from benches.needle_margins import first_difference
+
+
+def _row(fmt: str, hit: bool, answer: str, *, length: int = 8192, index: int = 3) -> dict[str, Any]:
+    return {"form": "phone-primed", "seed": 0, "length": length, "format": fmt, "needle": index, "depth": 0.32,
+            "position": 2440, "key": "Oslo", "value": "94952", "hit": hit, "answer": answer}
+
+
+def _margin(float_margin: float) -> dict[str, Any]:
+    return {"form": "phone-primed", "seed": 0, "length": 8192, "format": "q4-at-rest", "position": 2440,
+            "key": "Oslo", "value": "94952", "float_answer": " 94992.", "answer": " 94952.", "reproduced": True,
+            "step": 3, "float_margin": float_margin, "margin": 0.2}
+
+
+@pytest.mark.parametrize(("float_margin", "verdict"), [(0.31, "**Holds within the stated Q4 tolerance**"),
+                                                       (2.5, "**Does not hold within the stated Q4 tolerance**")])
+def test_a_flip_is_judged_by_float_margin_where_the_replies_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 float_margin: float, verdict: str) -> None:
+    margins = tmp_path / "margins.jsonl"
+    margins.write_text(json.dumps(_margin(float_margin)) + "\n")
+    monkeypatch.setattr(needle, "MARGINS", margins)
+    results = [_row("float", False, " 94992."), _row("q4-at-rest", True, " 94952.")]
+    goal = "\n".join(needle._goal(results, [8192]))
+    assert "**Does not hold on these needles.**" in goal  # the literal goal: one flip
+    assert verdict in goal
+    partings = "\n".join(needle._partings(results))
+    assert f"{float_margin:.3f}" in partings and "`94992.`" in partings
+
+
+def test_without_replays_the_report_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(needle, "MARGINS", tmp_path / "none.jsonl")
+    results = [_row("float", False, " 94992."), _row("q4-at-rest", True, " 94952.")]
+    assert "within the stated" not in "\n".join(needle._goal(results, [8192]))
+    assert "not replayed yet" in "\n".join(needle._partings(results))
+
+
+def test_a_replay_of_another_reply_is_not_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    margins = tmp_path / "margins.jsonl"
+    margins.write_text(json.dumps({**_margin(0.1), "answer": " 94000."}) + "\n")  # a different trial's reply
+    monkeypatch.setattr(needle, "MARGINS", margins)
+    results = [_row("float", False, " 94992."), _row("q4-at-rest", True, " 94952.")]
+    assert "within the stated" not in "\n".join(needle._goal(results, [8192]))
+
+
+def test_replies_in_table_cells_keep_the_table_intact() -> None:
+    assert needle._code(" 77625.\n\nThe | number") == "`77625.⏎⏎The \\| number`"
+
+
+@pytest.mark.parametrize(("a", "b", "step"), [([1, 2, 3, -1], [1, 2, 4, -1], 2), ([1, 2, -1], [1, 2, 5, -1], 2),
+                                              ([7, -1], [8, -1], 0)])
+def test_first_difference(a: list[int], b: list[int], step: int) -> None:
+    assert first_difference(a, b) == step
