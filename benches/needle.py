@@ -537,19 +537,24 @@ def _goal(results: list[dict[str, Any]], lengths: list[int]) -> list[str]:
                              + (": " + "; ".join(f"L={r['length']} depth {r['depth'] * 100:.0f}% answered "
                                                   f"{_code(r['answer'])} for {r['value']}" for r in lost)
                                 if lost else ""))
+    literal = "**Literally: holds on these needles.** "
+    if not holds:
+        gained = sum(r["hit"] for r in flipped)
+        literal = (f"**Literally: does not hold on these needles**: {len(flipped)} hit/miss "
+                   f"flip{'s' if len(flipped) > 1 else ''}, {gained} where Q4 at-rest found a needle float missed and "
+                   f"{len(flipped) - gained} where it missed one float found. ")
     tolerance = ""
-    if flipped:
-        known = [m["float_margin"] for _, m in _read_margins(flipped)]
-        if len(known) == len(flipped):
-            within = all(x <= Q4_TOLERANCE for x in known)
-            tolerance = (f"**{'Holds' if within else 'Does not hold'} within the stated Q4 tolerance**: where Q4 "
-                         f"at-rest's hit/miss differs from float's, float's own top-1 margin at the token where the "
-                         f"replies part is {', '.join(f'{x:.3f}' for x in known)} nats (tolerance {Q4_TOLERANCE}; "
-                         "see the next section). ")
+    known = [m["float_margin"] for _, m in _read_margins(flipped)]
+    if flipped and len(known) == len(flipped):
+        within = all(x <= Q4_TOLERANCE for x in known)
+        tolerance = (f"**Within the stated Q4 tolerance ({Q4_TOLERANCE} nats): "
+                     f"{'holds' if within else 'does not hold'}**: at the token where the flipped replies part, "
+                     f"float's own top-1 margin is {', '.join(f'{x:.3f}' for x in known)} nats (see the next "
+                     "section). ")
     return [
         "## Goal: at-rest Q4 retrieves exactly what float retrieves at every length",
         "",
-        (f"**{'Holds' if holds else 'Does not hold'} on these needles.** " + tolerance + "Per length — "
+        (literal + tolerance + "Per length — "
          + "; ".join(parts) + ". "
          + (" ".join(q + "." for q in quantized) + " " if quantized else "")
          + "At-rest Q4 differs from float only in the parked context's KV (quantized once, after a float "

@@ -28,8 +28,8 @@ def _margin(float_margin: float) -> dict[str, Any]:
             "step": 3, "float_margin": float_margin, "margin": 0.2}
 
 
-@pytest.mark.parametrize(("float_margin", "verdict"), [(0.31, "**Holds within the stated Q4 tolerance**"),
-                                                       (2.5, "**Does not hold within the stated Q4 tolerance**")])
+@pytest.mark.parametrize(("float_margin", "verdict"), [(0.31, "**Within the stated Q4 tolerance (1.0 nats): holds**"),
+                                                       (2.5, "tolerance (1.0 nats): does not hold**")])
 def test_a_flip_is_judged_by_float_margin_where_the_replies_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  float_margin: float, verdict: str) -> None:
     margins = tmp_path / "margins.jsonl"
@@ -37,7 +37,7 @@ def test_a_flip_is_judged_by_float_margin_where_the_replies_part(tmp_path: Path,
     monkeypatch.setattr(needle, "MARGINS", margins)
     results = [_row("float", False, " 94992."), _row("q4-at-rest", True, " 94952.")]
     goal = "\n".join(needle._goal(results, [8192]))
-    assert "**Does not hold on these needles.**" in goal  # the literal goal: one flip
+    assert "**Literally: does not hold on these needles**: 1 hit/miss flip, 1 where" in goal
     assert verdict in goal
     partings = "\n".join(needle._partings(results))
     assert f"{float_margin:.3f}" in partings and "`94992.`" in partings
