@@ -36,6 +36,8 @@ run (an evenly spread subset of the same needles).
 The full run, 20 needles at 1K / 2K / 4K / 8K for every format, is ``python -m
 benches needle`` (many hours on a 2-core CPU); every trial is appended to a
 journal as it finishes and ``--resume`` reuses it, so a stopped run goes on.
+Where an at-rest reply differs from float's, ``python -m benches needle_margins``
+replays the trial and the report gives float's top-1 margin where they part.
 """
 
 from __future__ import annotations
