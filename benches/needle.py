@@ -305,7 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true",
                    help=f"reuse trials already in the journal ({JOURNAL}) instead of running them again")
+    p.add_argument("--report", action="store_true",
+                   help="write the result file from the journal alone: run nothing, leave out trials it lacks")
     args = p.parse_args(argv)
+    args.resume |= args.report
     if args.quick:
         args.lengths, args.needles = args.lengths[:1], [4]
     forms = sorted(FORMS) if args.select_form else [args.form]
@@ -348,8 +351,9 @@ def main(argv: list[str] | None = None) -> None:
                     t0 = time.perf_counter()
                     todo = _not_journaled(journal, results, res, hay, needles, ["float", *derived],
                                           form=form_name, seed=args.seed)
-                    run_length(lm, hay, todo, kinds["float"], derived=derived, tmp=Path(tmpdir),
-                               on_result=on_result)
+                    if not args.report:
+                        run_length(lm, hay, todo, kinds["float"], derived=derived, tmp=Path(tmpdir),
+                                   on_result=on_result)
                     log(f"L={length} float (+ {derived}): {time.perf_counter() - t0:.0f} s")
                 for fmt in ("q4-native", "mlx-q4"):
                     if fmt in args.formats and length in qlengths:
@@ -357,7 +361,9 @@ def main(argv: list[str] | None = None) -> None:
                         t0 = time.perf_counter()
                         todo = _not_journaled(journal, results, res, hay, subset, [fmt], form=form_name,
                                               seed=args.seed)
-                        run_length(lm, hay, todo, kinds[fmt], derived=[], tmp=Path(tmpdir), on_result=on_result)
+                        if not args.report:
+                            run_length(lm, hay, todo, kinds[fmt], derived=[], tmp=Path(tmpdir),
+                                       on_result=on_result)
                         log(f"L={length} {fmt}: {time.perf_counter() - t0:.0f} s")
                 _write(res, results, args, forms)
     print(res.md_path.read_text())
