@@ -13,7 +13,7 @@ trials the table counts.
 
 Rows go to :data:`benches.needle.MARGINS` (JSON lines); ``python -m benches
 needle --resume`` then reports them under its goal. Only the trials that differ
-are replayed: one float prefill of the context each (about 20 s at 2K, 3-5 min
+are replayed: one float prefill of the context each (about 20-50 s at 2K, 7 min
 at 8K on a 2-core CPU).
 """
 
