@@ -157,8 +157,13 @@ class Haystack:
             out.append(Needle(i, float(depth), position, rng.choice(CITIES), value))
         return out
 
+    def context(self, needle: Needle) -> list[int]:
+        """Template head, haystack with ``needle`` at its position: everything before the question."""
+        return (self.prefix + self.hay[:needle.position] + self.needle_ids(needle.key, needle.value)
+                + self.hay[needle.position:])
+
     def context_len(self, needle: Needle) -> int:
-        return len(self.prefix) + len(self.hay) + len(self.needle_ids(needle.key, needle.value))
+        return len(self.context(needle))
 
 
 @dataclass
@@ -269,7 +274,7 @@ def run_length(lm: Any, hay: Haystack, needles: list[Needle], kind: CacheKind, *
         done = needle.position
         head = hay.prefix + hay.hay[:done]
         caches = kind.restore(kind.snapshot(main, head))
-        context = head + hay.needle_ids(needle.key, needle.value) + hay.hay[done:]
+        context = hay.context(needle)
         prefill(lm.model, context[len(head):], caches)
         suffix = hay.suffix_ids(needle.key)
         context_kv = kind.snapshot(caches, context) if derived else None
@@ -519,17 +524,17 @@ def _body(results: list[dict[str, Any]], args: Any, forms: list[str]) -> list[st
 def _goal(results: list[dict[str, Any]], lengths: list[int]) -> list[str]:
     """Whether at-rest Q4 retrieves exactly what float retrieves, length by length, with this run's numbers."""
     by = {(r["length"], r["format"], r["needle"]): r for r in results}
-    parts, holds, flipped = [], True, []
+    parts, flipped = [], []
     for n in lengths:
         pairs = [(r, by[(n, "float", r["needle"])]) for r in results
                  if r["length"] == n and r["format"] == "q4-at-rest" and (n, "float", r["needle"]) in by]
         if not pairs:
             continue
         same = sum(r["hit"] == f["hit"] for r, f in pairs)
-        holds &= same == len(pairs)
-        flipped += [r for r, f in pairs if r["hit"] != f["hit"]]
-        flips = "".join(f" (depth {r['depth'] * 100:.0f}%: float {_code(f['answer'])}, Q4 at-rest "
-                        f"{_code(r['answer'])})" for r, f in pairs if r["hit"] != f["hit"])
+        here = [r for r, f in pairs if r["hit"] != f["hit"]]
+        flipped += here
+        flips = "".join(f" (depth {r['depth'] * 100:.0f}%: float {_code(by[(n, 'float', r['needle'])]['answer'])}, "
+                        f"Q4 at-rest {_code(r['answer'])})" for r in here)
         parts.append(f"{n}: float {sum(f['hit'] for _, f in pairs)}/{len(pairs)}, Q4 at-rest "
                      f"{sum(r['hit'] for r, _ in pairs)}/{len(pairs)}, same outcome on {same}/{len(pairs)}{flips}, "
                      f"same reply text on {sum(r['answer'] == f['answer'] for r, f in pairs)}/{len(pairs)}")
@@ -546,7 +551,7 @@ def _goal(results: list[dict[str, Any]], lengths: list[int]) -> list[str]:
                                                   f"{_code(r['answer'])} for {r['value']}" for r in lost)
                                 if lost else ""))
     literal = "**Literally: holds on these needles.** "
-    if not holds:
+    if flipped:
         gained = sum(r["hit"] for r in flipped)
         literal = (f"**Literally: does not hold on these needles**: {len(flipped)} hit/miss "
                    f"flip{'s' if len(flipped) > 1 else ''}, {gained} where Q4 at-rest found a needle float missed and "

@@ -30,10 +30,8 @@ import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness, prose
 from benches.fidelity_real import park_float, specs_by_bits, through_disk
 from benches.harness import log
-from benches.needle import (AT_REST_BITS, DEFAULT_FORM, FORMS, LENGTHS, MARGINS, Haystack, Needle, _read_journal,
-                            _trial_key, cache_kinds, greedy, prefill)
-
-Q4_TOLERANCE = 1.0  # nats: tests/test_real_model_memory.py
+from benches.needle import (AT_REST_BITS, DEFAULT_FORM, FORMS, LENGTHS, MARGINS, Q4_TOLERANCE, Haystack, Needle,
+                            _read_journal, _trial_key, cache_kinds, greedy, prefill)
 
 
 def differing(journal: dict[tuple[Any, ...], dict[str, Any]], hay: Haystack, needles: list[Needle], fmt: str, *,
@@ -62,8 +60,7 @@ def replay(lm: Any, hay: Haystack, needle: Needle, fmts: list[str], tmp: Path) -
     from runtime.kvstate import ActiveKV
 
     kind = cache_kinds(lm)["float"]
-    context = hay.prefix + hay.hay[:needle.position] + hay.needle_ids(needle.key, needle.value) \
-        + hay.hay[needle.position:]
+    context = hay.context(needle)
     caches = kind.fresh()
     prefill(lm.model, context, caches)
     context_kv = kind.snapshot(caches, context)
