@@ -66,3 +66,12 @@ def test_replies_in_table_cells_keep_the_table_intact() -> None:
                                               ([7, -1], [8, -1], 0)])
 def test_first_difference(a: list[int], b: list[int], step: int) -> None:
     assert first_difference(a, b) == step
+
+
+def test_the_small_sample_caveat_appears_only_while_coverage_is_uneven(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(needle, "MARGINS", tmp_path / "none.jsonl")
+    even = [_row(fmt, True, " 94952.", index=i) for fmt in ("float", "q4-at-rest", "q4-native") for i in range(3)]
+    assert "weaker evidence" not in "\n".join(needle._goal(even, [8192]))
+    uneven = [r for r in even if not (r["format"] == "q4-native" and r["needle"] == 2)]
+    assert "weaker evidence" in "\n".join(needle._goal(uneven, [8192]))
