@@ -154,6 +154,8 @@ class ResultFile:
     raw: list[dict[str, Any]] = field(default_factory=list)
     load_before: float = field(default_factory=load1)
     started: float = field(default_factory=time.time)
+    # Taken at the start: the code that ran, before this run's own plots dirty the tree.
+    revision: str = field(default_factory=git_revision)
 
     @property
     def stem(self) -> str:
@@ -181,7 +183,7 @@ class ResultFile:
             "",
             f"- command: `{self.command()}` (wall {time.time() - self.started:.0f} s)",
             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(self.started))}",
-            f"- git rev: {git_revision()}",
+            f"- git rev: {self.revision}",
             f"- packages: {package_versions()}",
             f"- machine: {machine()}",
         ]
