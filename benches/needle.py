@@ -532,10 +532,10 @@ def _goal(results: list[dict[str, Any]], lengths: list[int]) -> list[str]:
         if not pairs:
             continue
         same = sum(r["hit"] == f["hit"] for r, f in pairs)
-        here = [r for r, f in pairs if r["hit"] != f["hit"]]
-        flipped += here
-        flips = "".join(f" (depth {r['depth'] * 100:.0f}%: float {_code(by[(n, 'float', r['needle'])]['answer'])}, "
-                        f"Q4 at-rest {_code(r['answer'])})" for r in here)
+        here = [(r, f) for r, f in pairs if r["hit"] != f["hit"]]
+        flipped += [r for r, _ in here]
+        flips = "".join(f" (depth {r['depth'] * 100:.0f}%: float {_code(f['answer'])}, Q4 at-rest "
+                        f"{_code(r['answer'])})" for r, f in here)
         parts.append(f"{n}: float {sum(f['hit'] for _, f in pairs)}/{len(pairs)}, Q4 at-rest "
                      f"{sum(r['hit'] for r, _ in pairs)}/{len(pairs)}, same outcome on {same}/{len(pairs)}{flips}, "
                      f"same reply text on {sum(r['answer'] == f['answer'] for r, f in pairs)}/{len(pairs)}")
