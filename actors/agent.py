@@ -13,7 +13,9 @@ ends, so turn 2 always sees turn 1's cache):
    client's stream;
 5. hand the updated cache to the store (write-behind) — *before* answering the
    client, so every turn a client saw complete is in the store and is flushed
-   on shutdown;
+   on shutdown; a *durable* turn (``ChatTurn.durable``, else the runtime's
+   ``durable`` setting) also waits until the store has it on disk, so a turn
+   answered is a turn kept even if the process is killed a moment later;
 6. release the lease and answer with a :class:`TurnResult`.
 
 The actor stops after ``idle_timeout_s`` without messages (its hot cache
@@ -56,6 +58,7 @@ from actors.messages_store import (
     PlanReply,
     PlanTurn,
     Put,
+    SaveReply,
     StoreInbox,
 )
 from actors.metrics import RuntimeMetrics
@@ -84,6 +87,7 @@ class AgentActor:
         gpu, store, registry: clones of the other actors' mailboxes (closed on exit).
         metrics: runtime counters, updated as turns end.
         idle_timeout_s: stop after this long without a message.
+        durable: whether turns that do not say wait for their save (the ``durable`` setting).
         retire: called on idle timeout; returns True when the runtime removed
             this agent's mailbox (nothing was queued) and the actor may stop.
         handled: called once per message after it was handled (``Runtime.wait_idle``).
@@ -101,6 +105,7 @@ class AgentActor:
         idle_timeout_s: float,
         retire: Callable[[AgentActor], bool],
         handled: Callable[[], None] = lambda: None,
+        durable: bool = False,
     ) -> None:
         self.agent_id = agent_id
         self.inbox = inbox
@@ -111,6 +116,7 @@ class AgentActor:
         self._idle_timeout_s = idle_timeout_s
         self._retire = retire
         self._handled = handled
+        self._durable = durable
         self.handle: CacheHandle | None = None
         self.turns = 0
 
@@ -228,16 +234,19 @@ class AgentActor:
         if isinstance(generated, Failed):
             return generated
         if generated.parked is not None and generated.snapshot is not None:
-            await self._store.send(
-                Put(
-                    agent_id=self.agent_id,
-                    parked=generated.parked,
-                    snapshot=generated.snapshot,
-                    block_bytes=info.block_bytes,
-                    share_prefix=request.share_prefix,
-                )
-            )
             parked = generated.parked
+
+            def put(saved: trio.MemorySendChannel[SaveReply] | None) -> Put:
+                return Put(agent_id=self.agent_id, parked=parked, snapshot=generated.snapshot,
+                           block_bytes=info.block_bytes, share_prefix=request.share_prefix, saved=saved)
+
+            if self._durable if request.durable is None else request.durable:
+                saved: SaveReply = await ask(self._store, put)
+                if isinstance(saved, Failed):
+                    log.warning("durable turn of %s not answered: %s", self.agent_id, saved.error)
+                    return saved
+            else:
+                await self._store.send(put(None))
             self.handle = CacheHandle(
                 model_tag=parked.model_tag, num_tokens=parked.num_tokens, text_chars=len(parked.text)
             )

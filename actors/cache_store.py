@@ -13,6 +13,10 @@
 * **Write-behind**: :class:`Put` marks the cache dirty and returns at once; a
   writer task saves dirty caches oldest first (a newer Put of the same agent
   and model supersedes an unwritten one). Loads are awaited by the agent that asked.
+* **Durable turns**: a :class:`Put` with a ``saved`` channel goes to the front of
+  the queue and is answered :class:`Saved` once it (or a newer cache of the same
+  agent and model) is on disk, or ``Failed(kind="NotSaved")`` when its save fails
+  or the agent is forgotten first; the agent answers its client only then.
 * **Shutdown**: on normal exit or cancellation (SIGINT/SIGTERM cancel the
   runtime), the store picks up any Put still in its mailbox and writes every
   dirty cache, shielded from the cancellation, before it returns.
@@ -43,6 +47,7 @@ and read their plain attributes (text, token ids, offsets, size).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, assert_never
@@ -66,6 +71,8 @@ from actors.messages_store import (
     Planned,
     PlanTurn,
     Put,
+    Saved,
+    SaveReply,
     StoreInbox,
     Usage,
     Used,
@@ -128,6 +135,15 @@ class _Pending:
     parked: HotCache
     snapshot: CacheSnapshot
     block_hashes: list[str]  # computed once, for the hot tier's accounting and the save
+    seq: int  # the order of Puts: a save answers the durable turns whose cache it covers
+
+
+@dataclass(frozen=True)
+class _Waiter:
+    """A durable turn waiting for its cache (Put number ``seq``) to reach the disk."""
+
+    seq: int
+    reply: trio.MemorySendChannel[SaveReply]
 
 
 SAVE_RETRY_S = 5.0
@@ -157,6 +173,8 @@ class CacheStoreActor:
         self._manager = manager
         self._limiter = trio.CapacityLimiter(1)
         self._dirty: dict[_Key, _Pending] = {}  # oldest first
+        self._waiters: dict[_Key, list[_Waiter]] = {}  # durable turns, per cache, in Put order
+        self._puts = itertools.count()
         self._wake = trio.Event()
         self._loads_waiting = 0
         self._no_loads = trio.Event()
@@ -195,6 +213,8 @@ class CacheStoreActor:
                 written = await self._flush_all()
                 if written:
                     log.info("flushed %d dirty caches on shutdown", written)
+                for key in list(self._waiters):
+                    self._answer_waiters(key, None, Failed(kind="NotSaved", error="the cache store stopped first"))
                 if self.shared is not None:
                     await self.shared.release_all()
 
@@ -237,6 +257,7 @@ class CacheStoreActor:
                 written = await self._flush_all(tag)
                 for key in [k for k in self._dirty if k[1] == tag]:
                     del self._dirty[key]
+                    self._answer_waiters(key, None, Failed(kind="NotSaved", error=f"model {tag!r} was unloaded first"))
                 self._manager.drop_model(tag)
                 if self.prefetch is not None:
                     self.prefetch.drop_model(tag)
@@ -382,6 +403,8 @@ class CacheStoreActor:
         existed = self._manager.forget(agent_id) > 0
         for key in [k for k in self._dirty if k[0] == agent_id]:
             del self._dirty[key]
+        for key in [k for k in self._waiters if k[0] == agent_id]:
+            self._answer_waiters(key, None, Failed(kind="NotSaved", error=f"agent {agent_id!r} was forgotten first"))
         if self.shared is not None:
             self.shared.drop_unpublished(agent_id)
         on_disk = await self._disk(self._directory.exists, agent_id)
@@ -398,8 +421,23 @@ class CacheStoreActor:
         self._manager.put(message.agent_id, parked, share=message.share_prefix, block_bytes=message.block_bytes,
                           block_hashes=hashes)
         self._dirty.pop(key, None)  # a newer Put supersedes an unwritten one
-        self._dirty[key] = _Pending(message.agent_id, parked, message.snapshot, hashes)
+        pending = _Pending(message.agent_id, parked, message.snapshot, hashes, next(self._puts))
+        if message.saved is None:
+            self._dirty[key] = pending
+        else:  # a client waits for this save: it goes first
+            self._waiters.setdefault(key, []).append(_Waiter(pending.seq, message.saved))
+            self._dirty = {key: pending, **self._dirty}
         self._wake.set()
+
+    def _answer_waiters(self, key: _Key, upto: int | None, answer: SaveReply) -> None:
+        """Answer the durable turns of ``key`` whose cache is Put number ``upto`` or older (None: all)."""
+        waiting = self._waiters.pop(key, [])
+        rest = [w for w in waiting if upto is not None and w.seq > upto]
+        for waiter in waiting:
+            if upto is None or waiter.seq <= upto:
+                send_reply(waiter.reply, answer)
+        if rest:
+            self._waiters[key] = rest
 
     # -- writes ----------------------------------------------------------------
 
@@ -436,6 +474,9 @@ class CacheStoreActor:
             log.error("saving the cache of %r failed: %s; it stays in RAM, retried in %.0f s or on the next turn",
                       pending.agent_id, exc, self.retry_delay_s)
             report = None
+            self._answer_waiters(key, pending.seq, Failed(kind="NotSaved", error=f"the cache was not saved: {exc}"))
+        else:
+            self._answer_waiters(key, pending.seq, Saved())
         if report is not None:
             self._writes += 1
             self._bytes_written += report.bytes_written

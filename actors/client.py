@@ -31,6 +31,7 @@ from actors.messages_common import Failed
 from actors.messages_gpu import StreamItem, TurnStarted
 from runtime.errors import (
     BudgetExceededError,
+    ContextLengthExceededError,
     InvalidAgentIdError,
     KvmemError,
     ModelError,
@@ -60,6 +61,7 @@ class TurnFailedError(KvmemError):
 
 _ERRORS: dict[str, type[Exception]] = {
     "BudgetExceededError": BudgetExceededError,
+    "ContextLengthExceededError": ContextLengthExceededError,
     "ModelError": ModelError,
     "UnsupportedModelError": UnsupportedModelError,
     "InvalidAgentIdError": InvalidAgentIdError,
@@ -227,6 +229,9 @@ class TurnOptions(TypedDict, total=False):
             The reply's tool calls come back in ``TurnResult.tool_calls``.
         tool_choice: ``"auto"`` (default), ``"none"``, ``"required"`` or
             ``{"name": f}``; one the model cannot honour fails with ``ValueError``.
+        durable: return only once the turn's cache is saved on disk (None: the
+            runtime's ``durable`` setting); a failed save raises ``TurnFailedError``
+            of kind ``NotSaved`` (the cache stays in memory and is saved later).
     """
 
     max_tokens: int
@@ -238,6 +243,7 @@ class TurnOptions(TypedDict, total=False):
     model: str | None
     tools: Sequence[Mapping[str, Any]] | None
     tool_choice: str | Mapping[str, Any] | ToolChoice | None
+    durable: bool | None
 
 
 class AgentHandle:

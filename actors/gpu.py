@@ -47,6 +47,7 @@ from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, PoolSnapshot, Run
 from actors.mlx_thread import MlxThread
 from actors.scheduler import Scheduler
 from runtime.engine import Engine, Finished, FromShared, ModelInfo, PrefillResult, Started, Tokenized, ToolCall
+from runtime.errors import ContextLengthExceededError
 from runtime.kv_manager import KVCacheManager
 
 __all__ = ["GPUActor"]
@@ -223,8 +224,13 @@ class GPUActor:
         try:
             tokens: Tokenized = await self._job(self._engine.tokenize, msg.prompt, msg.plan)
             need = msg.plan.reuse_tokens + len(tokens.ids)
+            context = self._info.context_length
+            if context is not None and need + msg.sampling.max_tokens > context:  # before any prefill
+                raise ContextLengthExceededError(
+                    f"the prompt ({need:,} tokens) plus max_tokens ({msg.sampling.max_tokens:,}) exceeds "
+                    f"the model's context of {context:,} tokens")
             self._sched.submit(msg.request_id, need + msg.sampling.max_tokens)
-        except Exception as exc:  # noqa: BLE001 - tokenizer or budget errors go back to the agent
+        except Exception as exc:  # noqa: BLE001 - tokenizer, context or budget errors go back to the agent
             send_reply(msg.reply, failed_from(exc))
             return
         self._requests[msg.request_id] = GpuTurn(msg, tokens)

@@ -152,6 +152,9 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         sampling: length, randomness and stop strings.
         share_prefix: start from another agent's cached prefix when this agent's
             cache has nothing reusable, and let others start from this one's.
+        durable: answer only once the turn's cache is saved on disk (fsynced): a turn
+            answered is a turn kept, even if the process is killed right after. None:
+            the runtime's ``durable`` setting (default off: the save is write-behind).
     """
 
     agent_id: str
@@ -162,6 +165,7 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     share_prefix: bool = True
+    durable: bool | None = None
 
     def __post_init__(self) -> None:
         if self.prompt is None and not self.messages:
@@ -196,6 +200,7 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         top_k: int = 0,
         stop: str | Sequence[str] = (),
         share_prefix: bool = True,
+        durable: bool | None = None,
     ) -> ChatTurn:
         """Build a turn from plain values: chat dicts (``role``, ``content``, ...) or a prompt.
 
@@ -207,7 +212,7 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
                                    stop=(stop,) if isinstance(stop, str) else tuple(stop))
         return cls(agent_id=agent_id, messages=chat, prompt=prompt,
                    tools=tuple(dict(t) for t in tools or ()), tool_choice=ToolChoice.of(tool_choice), model=model,
-                   sampling=sampling, share_prefix=share_prefix)
+                   sampling=sampling, share_prefix=share_prefix, durable=durable)
 
     def chat(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (plain dicts)."""

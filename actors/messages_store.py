@@ -4,6 +4,7 @@ Requests and their replies::
 
     PlanTurn(agent_id, model_tag, prompt, share) -> Planned(plan)   what the turn reuses, from where
     Put(agent_id, parked, snapshot)   (no reply: write-behind, the turn never waits for disk)
+    Put(..., saved=channel)           -> Saved | Failed       the same, answered once this cache is on disk
     EndTurn(agent_id)                 (no reply: the agent's turn is over; its lease goes once the cache is published)
     Forget(agent_id)                  -> Forgotten(existed)   every model's cache of the agent
     Evict(model_tag)                  -> Evicted(written)     flush dirty caches of a model, drop its hot caches
@@ -43,6 +44,8 @@ __all__ = [
     "Forgotten",
     "Evicted",
     "Flushed",
+    "Saved",
+    "SaveReply",
     "StoreInbox",
     "PlanReply",
     "ForgetReply",
@@ -73,6 +76,10 @@ class Flushed(Message, frozen=True, kw_only=True):
     """Reply to :class:`Flush`: ``written`` dirty caches were saved to disk."""
 
     written: int
+
+
+class Saved(Message, frozen=True, kw_only=True):
+    """Reply to a :class:`Put` that asked for it: the cache (or a newer one of the agent) is on disk."""
 
 
 class AgentRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,6 +127,7 @@ EvictReply = Evicted | Failed
 FlushReply = Flushed | Failed
 ListReply = AgentsListed | Failed
 UsageReply = Used | Failed
+SaveReply = Saved | Failed
 
 
 class PlanTurn(Message, frozen=True, kw_only=True):
@@ -145,6 +153,8 @@ class Put(Message, frozen=True, kw_only=True):
     Attributes:
         block_bytes: at-rest bytes of one 256-token block of this model (hot-tier accounting).
         share_prefix: whether other agents may start from this cache's prefix.
+        saved: when set, answered once this cache is on disk (fsynced unless ``fsync``
+            is off) or its save failed: a durable turn's answer waits for it.
     """
 
     agent_id: str
@@ -152,6 +162,7 @@ class Put(Message, frozen=True, kw_only=True):
     snapshot: CacheSnapshot
     block_bytes: int
     share_prefix: bool
+    saved: trio.MemorySendChannel[SaveReply] | None = None
 
 
 class EndTurn(Message, frozen=True, kw_only=True):

@@ -59,6 +59,7 @@ from actors.agent import AgentActor
 from actors.cache_store import CacheStoreActor, StoreStats
 from actors.prefetch import restorer
 from actors.client import AgentHandle, TurnFailedError, TurnStream, raise_failed
+from actors.control import serve_control
 from actors.gpu import GPUActor
 from actors.mailbox import ask
 from actors.messages_agent import AgentInbox, chat_messages
@@ -95,6 +96,7 @@ from runtime.config import Config
 from runtime.engine import Engine, ToolChoice
 from runtime.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory, safe_agent_dirname
+from runtime.persist.owner import OwnerLock
 from runtime.persist.tenants import check_agent_id
 from runtime.tenancy import local_id, tenant_of
 
@@ -131,6 +133,7 @@ class Runtime:
         agents_nursery: trio.Nursery,
         metrics: RuntimeMetrics,
         idle_timeout_s: float,
+        durable: bool = False,
     ) -> None:
         self._gpu = gpu
         self._store = store
@@ -141,6 +144,7 @@ class Runtime:
         self._agents_nursery = agents_nursery
         self._metrics = metrics
         self._idle_timeout_s = idle_timeout_s
+        self._durable = durable
         self._agents: dict[str, tuple[trio.MemorySendChannel[AgentInbox], AgentActor]] = {}
         self._request_ids = itertools.count(1)
         self._closed = False
@@ -157,7 +161,7 @@ class Runtime:
         Raises:
             InvalidAgentIdError: ``agent_id`` cannot name a cache.
         """
-        check_agent_id(agent_id)
+        agent_id = check_agent_id(agent_id)
         return AgentHandle(self, agent_id, share_prefix=share_prefix)
 
     def start(self, agent_id: str) -> None:
@@ -315,6 +319,7 @@ class Runtime:
                 idle_timeout_s=self._idle_timeout_s,
                 retire=self._retire,
                 handled=self._handled,
+                durable=self._durable,
             )
             entry = self._agents[agent_id] = (send, actor)
             self._agents_nursery.start_soon(actor.run, name=f"agent {agent_id}")
@@ -386,6 +391,9 @@ async def open_runtime(
         TypeError: an override that is not a setting, or a ``config`` that is not a ``Config``.
         runtime.config.ConfigError: a bad setting (the message names it).
         ModelError: the default model does not load (with ``preload``).
+        runtime.errors.DirectoryInUseError: another live runtime (this process's or
+            another's) holds the cache directory; its message names the holder's pid. Other
+            processes reach the holder through its control socket (:mod:`actors.control`).
     """
     if config is not None and not isinstance(config, Config):
         raise TypeError(
@@ -393,10 +401,33 @@ async def open_runtime(
         )
     config = (config or Config()).replace(**overrides)  # validates the whole configuration
     caches, fsync = config.caches_path, config.fsync
+    # One owner per cache directory, taken before anything in it is read, cleaned or written
+    # (runtime.persist.owner); released by the kernel if this process dies.
+    lock = OwnerLock(caches if directory is None else directory.root)
+    try:
+        async with _owned_runtime(config, lock, engine=engine, directory=directory, trace=trace,
+                                  handle_signals=handle_signals, preload=preload) as rt:
+            yield rt
+    finally:
+        lock.release()
+
+
+@asynccontextmanager
+async def _owned_runtime(
+    config: Config,
+    lock: OwnerLock,
+    *,
+    engine: Engine | None,
+    directory: CacheDirectory | None,
+    trace: bool,
+    handle_signals: bool,
+    preload: bool,
+) -> AsyncIterator[Runtime]:
+    """:func:`open_runtime` once ``lock`` is held."""
+    caches, fsync = config.caches_path, config.fsync
 
     def open_directory() -> CacheDirectory:
-        caches.mkdir(parents=True, exist_ok=True, mode=0o700)  # an unusable folder fails here, named
-        return CacheDirectory(caches, fsync=fsync)
+        return CacheDirectory(caches, fsync=fsync, owner=lock)  # the owner cleans a killed save's temp files
 
     if directory is None:
         directory = await trio.to_thread.run_sync(open_directory)
@@ -466,10 +497,19 @@ async def open_runtime(
                     agents_nursery=agents_nursery,
                     metrics=metrics,
                     idle_timeout_s=config.idle_timeout_s,
+                    durable=config.durable,
                 )
+                control_scope = trio.CancelScope()
+
+                async def control(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                    with control_scope:
+                        await serve_control(rt, lock, task_status=task_status)
+
+                await nursery.start(control)  # other processes on this home forget and list through it
                 try:
                     yield rt
                 finally:
+                    control_scope.cancel()
                     rt._close()
             # Agents are gone: stop the rest in reverse start order.
             registry_send.close()

@@ -7,6 +7,9 @@
     DELETE /v1/agents/{id}            forget its caches (RAM and disk), 404 when there was none
     POST   /v1/agents/{id}/messages   one turn; the body is :class:`AgentTurnRequest`
 
+The id in the path is percent-encoded UTF-8; a path that is not (``%FF``, an
+encoded surrogate, a ``%`` that begins no escape) is a 400 ``invalid_agent_id``.
+
 An agent keeps one cache per model; it is listed once, with the cache it used last.
 
 A turn answers with the runtime's ``TurnResult`` as JSON: the reply, the
@@ -40,6 +43,8 @@ from actors.metrics import RunningTurn
 from gateway.context import (
     CLIENT_GONE,
     Gateway,
+    decode_agent_id,
+    durable_of,
     header_safe,
     kvmem_headers,
     public_result,
@@ -86,6 +91,12 @@ def routes(gw: Gateway) -> list[Route]:
 
     def agent_of(request: Request) -> AgentHandle:
         # checks the id, and names it in the request's tenant
+        raw_path = request.scope.get("raw_path")
+        if raw_path is not None:
+            # The server decoded the path with errors="replace": %FF%FE and %FE%FF both read
+            # U+FFFD U+FFFD. Decoding strictly refuses them; when it succeeds it reads what the
+            # server read, and only the id segment can hold non-ASCII (the rest had to match a route).
+            decode_agent_id(raw_path.partition(b"?")[0], param="agent_id")
         return gw.agent(request.path_params["agent_id"], tenant=tenant_of_request(request))
 
     async def list_agents(request: Request) -> Response:
@@ -144,6 +155,7 @@ def routes(gw: Gateway) -> list[Route]:
                 top_p=req.top_p,
                 top_k=req.top_k,
                 stop=tuple(req.stop),
+                durable=durable_of(request.headers),
             )
             await gw.admit(handle, tenant_of_request(request))  # the tenant's limits: agents, disk
         if not req.stream:

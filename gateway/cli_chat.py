@@ -25,11 +25,13 @@ import msgspec
 from gateway.cli_common import add_model_options, config_from_args
 
 if TYPE_CHECKING:
+    from actors.control import ControlReply, ControlRequest
     from actors.messages_agent import TurnResult
     from actors.messages_store import AgentRecord
     from actors.supervisor import Runtime
     from runtime.config import Config
     from runtime.home import KvmemHome
+    from runtime.errors import DirectoryInUseError  # noqa: F401 - annotations
 
 __all__ = ["register", "TurnReport", "AgentSummary", "LineReader"]
 
@@ -181,14 +183,14 @@ async def _turn(rt: Runtime, home: KvmemHome, config: Config, args: argparse.Nam
     """Send ``message`` as the agent's next user turn; save the conversation; print the reply and accounting."""
     from runtime.persist import safe_agent_dirname
 
-    name = safe_agent_dirname(args.agent)
+    handle = rt.agent(args.agent)
+    name = safe_agent_dirname(handle.agent_id)  # the id as checked (NFC): one conversation per agent
     convo = home.load_conversation(name)
     messages: list[dict[str, Any]] = list(convo["messages"])
     if args.system and not messages:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": message})
     options: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p}
-    handle = rt.agent(args.agent)
     if args.json:
         result = await handle.send(messages, **options)
     else:
@@ -305,12 +307,40 @@ def _tenant_arg(args: argparse.Namespace) -> str | None:
         raise ConfigError(f"--tenant: {exc}") from None
 
 
+async def _ask_owner(exc: DirectoryInUseError, request: ControlRequest) -> ControlReply:
+    """Send ``request`` to the process that holds the home (``exc`` names it); its reply.
+
+    Raises:
+        DirectoryInUseError: the holder has no control socket or does not answer (the message names its pid).
+        the error the holder's runtime raised (``InvalidAgentIdError``, ...).
+    """
+    from actors.client import raise_failed
+    from actors.control import OwnerUnreachableError, ask_owner
+    from actors.messages_common import Failed
+    from runtime.errors import DirectoryInUseError
+
+    if exc.holder is None:
+        raise exc
+    try:
+        reply = await ask_owner(exc.holder, request)
+    except OwnerUnreachableError as unreachable:
+        raise DirectoryInUseError(exc.root, exc.holder) from unreachable
+    if reply.error is not None:
+        raise_failed(Failed(kind=reply.kind or "Failed", error=reply.error))
+    return reply
+
+
 async def _list_agents(config: Config, tenant: str | None = None) -> list[AgentSummary]:
+    from actors.control import ListRequest
     from runtime.home import KvmemHome
+    from runtime.errors import DirectoryInUseError
     from runtime.tenancy import local_id
 
-    async with _open_runtime(config, preload=False) as rt:  # listing needs no model
-        records = await rt.list_agents(tenant=tenant)
+    try:
+        async with _open_runtime(config, preload=False) as rt:  # listing needs no model
+            records = await rt.list_agents(tenant=tenant)
+    except DirectoryInUseError as exc:  # a server holds the home: it knows its hot agents too
+        records = list((await _ask_owner(exc, ListRequest(tenant=tenant))).agents)
     if tenant is not None:  # a tenant's agents have no `kvmem chat` conversations in the home
         return summarize_agents(None, [msgspec.structs.replace(r, agent_id=local_id(r.agent_id)) for r in records])
     return summarize_agents(KvmemHome(config.home_path), records)
@@ -352,14 +382,24 @@ def _forget(args: argparse.Namespace) -> int:
 
 async def _forget_agent(config: Config, agent: str, tenant: str | None = None) -> bool:
     """Delete the agent's caches (every model's) and conversation; True if anything existed."""
+    from actors.control import ForgetRequest
     from runtime.home import KvmemHome
     from runtime.persist import safe_agent_dirname
+    from runtime.errors import DirectoryInUseError
+    from runtime.persist.tenants import check_agent_id
     from runtime.tenancy import namespaced
 
+    agent = check_agent_id(agent)  # NFC, as every door names it
     name = safe_agent_dirname(agent)
-    async with _open_runtime(config, preload=False) as rt:  # forgetting needs no model
-        # its caches, and blocks no other agent (of its tenant) references
-        had_cache = await rt.agent(namespaced(tenant, agent)).forget()
+    agent_id = namespaced(tenant, agent)
+    try:
+        async with _open_runtime(config, preload=False) as rt:  # forgetting needs no model
+            # its caches, and blocks no other agent (of its tenant) references
+            had_cache = await rt.agent(agent_id).forget()
+    except DirectoryInUseError as exc:
+        # A server (or another runtime) holds the home: only it can drop its hot, unsaved and
+        # prefetched copies, so it forgets the agent; this process deletes nothing itself.
+        had_cache = (await _ask_owner(exc, ForgetRequest(agent_id=agent_id))).existed
     return had_cache if tenant else KvmemHome(config.home_path).delete_conversation(name) or had_cache
 
 

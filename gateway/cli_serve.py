@@ -39,6 +39,9 @@ def register(sub: Any) -> None:
                    help="float KV kept after turns so the next hot turn skips dequantizing (MiB; 0: off)")
     p.add_argument("--prefetch-mb", type=float,
                    help="at start, read the newest caches from disk while the model loads (MiB; 0: off)")
+    p.add_argument("--durable", action=argparse.BooleanOptionalAction, default=None,
+                   help="answer a turn only once its cache is on disk (default off: write-behind; "
+                        "per request: X-Kvmem-Durable)")
     p.add_argument("--api-key", help="require this key (x-api-key or Authorization: Bearer)")
     p.add_argument("--api-keys", help="TOML file of keys, each naming a tenant, and tenant limits (not with --api-key)")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")

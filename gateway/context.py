@@ -21,9 +21,17 @@ first message — in which case their prompts are identical up to there anyway.
 
 An id is checked once, where it enters the actors (``Runtime.agent``, through
 :meth:`Gateway.agent`, which names the header or field it came from in the
-400): :class:`AgentRef` carries that name along. With tenants, :meth:`Gateway.agent`
+400): :class:`AgentRef` carries that name along. There it is also NFC-normalized
+(:func:`runtime.persist.tenants.check_agent_id`). Ids that arrive as bytes (the
+``X-Agent-ID`` header, the ``/v1/agents/{id}`` path) are percent-encoded UTF-8, the
+encoding kvmem's ``x-kvmem-agent-id`` answers use (:func:`header_safe`), and
+:func:`decode_agent_id` reads them strictly: bytes that are not UTF-8 are a 400,
+never a U+FFFD that two different ids would share. With tenants, :meth:`Gateway.agent`
 names the agent in the request's tenant's namespace (:mod:`runtime.tenancy`), and
 answers show the id as the tenant gave it (:func:`public_result`).
+
+**Durable turns**: ``X-Kvmem-Durable: true`` (:func:`durable_of`) makes a request's
+answer wait until its turn's cache is on disk (the ``durable`` setting is the default).
 
 **Response headers**: every response carries ``request-id``
 (:func:`request_id`); a turn's answer also carries its accounting as
@@ -36,12 +44,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, unquote_to_bytes
 
 import msgspec
 import trio
@@ -66,6 +75,7 @@ __all__ = [
     "AGENT_HEADER",
     "AgentRef",
     "resolve_agent_id",
+    "decode_agent_id",
     "conversation_id",
     "REQUEST_ID_KEY",
     "request_id",
@@ -126,13 +136,61 @@ def resolve_agent_id(
         user_param: its JSON path, for error messages.
         system: the system prompt text.
         messages: the conversation as chat dicts (``role``, ``content``).
+
+    Raises:
+        ApiError: 400 when the ``X-Agent-ID`` header is not percent-encoded UTF-8 (:func:`decode_agent_id`).
     """
     header = headers.get(AGENT_HEADER)
     if header is not None:
-        return AgentRef(header, "X-Agent-ID")
+        # Starlette hands header bytes over as Latin-1; latin-1 gives the bytes back unchanged
+        return AgentRef(decode_agent_id(header.encode("latin-1"), param="X-Agent-ID"), "X-Agent-ID")
     if user_field:
         return AgentRef(user_field, user_param)
     return AgentRef(conversation_id(system, messages), "messages")
+
+
+_BAD_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")
+
+
+def decode_agent_id(raw: bytes, *, param: str) -> str:
+    """The agent id that ``raw`` (an ``X-Agent-ID`` header, a URL path) spells: percent-encoded UTF-8.
+
+    The inverse of :func:`header_safe`. Escapes are optional (a raw UTF-8 header, as
+    curl sends it, reads the same as its escaped form), but everything must be UTF-8
+    once unescaped, and a ``%`` must begin an escape (a literal ``%`` is ``%25``):
+    guessing instead would give one id two readings.
+
+    Raises:
+        ApiError: 400 ``invalid_agent_id`` naming ``param``.
+    """
+    if _BAD_ESCAPE.search(raw):
+        raise ApiError(400, "invalid_request", f"invalid agent id in {param}: a '%' does not begin an escape "
+                       "(%XX); write a literal '%' as %25", param=param, code="invalid_agent_id")
+    try:
+        return unquote_to_bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, "invalid_request", f"invalid agent id in {param}: not valid UTF-8 once "
+                       f"percent-decoded ({exc.reason}); send UTF-8, percent-encoded", param=param,
+                       code="invalid_agent_id") from None
+
+
+DURABLE_HEADER = "x-kvmem-durable"
+"""A request header: ``true`` (or ``1``) answers the turn only once its cache is on disk; ``false`` (``0``)
+answers as soon as it is generated (write-behind). Absent: the server's ``durable`` setting."""
+
+
+def durable_of(headers: Mapping[str, str]) -> bool | None:
+    """What the request's ``X-Kvmem-Durable`` header asks for (None: the server's setting); a bad value is a 400."""
+    raw = headers.get(DURABLE_HEADER)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ApiError(400, "invalid_request", f"X-Kvmem-Durable must be true or false, not {raw!r}",
+                   param="X-Kvmem-Durable", code="invalid_value")
 
 
 # -- response headers ----------------------------------------------------------
@@ -178,8 +236,13 @@ def kvmem_extras(result: TurnResult) -> dict[str, Any]:
 
 
 def header_safe(value: str) -> str:
-    """``value`` as an HTTP header value: percent-encoded (UTF-8) when it is not plain ASCII."""
-    return value if value.isascii() and value.isprintable() else quote(value, safe="")
+    """``value`` as an HTTP header value: percent-encoded (UTF-8) when it is not plain ASCII or holds a ``%``.
+
+    A client may send an ``x-kvmem-agent-id`` back as ``X-Agent-ID`` unchanged
+    (:func:`decode_agent_id` is the inverse), so a ``%`` is escaped too.
+    """
+    plain = value.isascii() and value.isprintable() and "%" not in value
+    return value if plain else quote(value, safe="")
 
 
 def kvmem_headers(result: TurnResult) -> dict[str, str]:

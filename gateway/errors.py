@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-from runtime.errors import BudgetExceededError, InvalidAgentIdError, ModelError
+from runtime.errors import BudgetExceededError, ContextLengthExceededError, InvalidAgentIdError, ModelError
 
 __all__ = [
     "ApiError",
@@ -128,6 +128,8 @@ def from_exception(exc: Exception) -> ApiError:
     if isinstance(exc, BudgetExceededError):
         return ApiError(400, "invalid_request", f"the prompt does not fit the KV memory budget: {exc}",
                         code="context_length_exceeded")
+    if isinstance(exc, ContextLengthExceededError):  # OpenAI's code and param for the same refusal
+        return ApiError(400, "invalid_request", str(exc), param="messages", code="context_length_exceeded")
     if isinstance(exc, InvalidAgentIdError):
         return ApiError(400, "invalid_request", f"invalid agent id: {exc}", param="agent_id", code="invalid_agent_id")
     if isinstance(exc, ValueError):
@@ -137,6 +139,9 @@ def from_exception(exc: Exception) -> ApiError:
     if isinstance(exc, TurnFailedError):
         if exc.kind in ("Closed", "Cancelled"):
             return ApiError(503, "overloaded", "kvmem is shutting down")
+        if exc.kind == "NotSaved":  # a durable turn (X-Kvmem-Durable) whose cache did not reach the disk
+            return ApiError(500, "api_error", f"the turn was generated but its cache could not be saved, so it is "
+                            f"not answered as durable: {str(exc).removeprefix('NotSaved: ')}", code="cache_not_saved")
         if exc.kind == "AgentBusy":  # another node runs a turn of this agent (its lease in the shared tier)
             return ApiError(429, "rate_limit", str(exc).removeprefix("AgentBusy: "), code="agent_busy",
                             retry_after_s=1)

@@ -33,6 +33,7 @@ from actors.messages_agent import ToolCall, ToolChoice
 from gateway.context import (
     CLIENT_GONE,
     Gateway,
+    durable_of,
     header_safe,
     kvmem_extras,
     kvmem_headers,
@@ -202,6 +203,7 @@ def routes(gw: Gateway) -> list[Route]:
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=req.top_k or 0,
                 stop=req.stop or (),
+                durable=durable_of(request.headers),
             )
             await gw.admit(handle, tenant)  # the tenant's limits: agents, disk
         completion_id = "chatcmpl-" + secrets.token_hex(12)

@@ -299,6 +299,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
             (float under the ``at-rest`` strategy), the unit of admission.
         sequence_bytes: fixed bytes per running sequence (sliding windows).
         model_bytes: bytes of the weights.
+        context_length: the most positions (prompt plus reply) the model takes, from
+            its config (``max_position_embeddings``); None when kvmem cannot read it,
+            and then only the KV budget limits a prompt.
     """
 
     name: str
@@ -307,6 +310,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     active_token_bytes: int
     sequence_bytes: int
     model_bytes: int
+    context_length: int | None = None
 
 
 @dataclass(frozen=True)

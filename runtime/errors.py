@@ -10,11 +10,19 @@
     │   ├── ForeignModelError          made by another model (tag mismatch)
     │   └── FormatVersionError         written by an incompatible format version
     ├── BudgetExceededError            the memory budget cannot hold a request
+    ├── ContextLengthExceededError     a prompt plus max_tokens beyond the model's context (also a ValueError)
+    ├── DirectoryInUseError            another live process owns the cache directory (runtime.persist.owner)
     ├── DistributedError               ranks of a --distributed server that cannot start or reach each other
     └── InvalidAgentIdError            an agent id that cannot name a cache
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.persist.owner import OwnerInfo
 
 
 class KvmemError(Exception):
@@ -47,6 +55,30 @@ class FormatVersionError(CacheMiss):
 
 class BudgetExceededError(KvmemError):
     """A request needs more cache memory than the whole budget."""
+
+
+class ContextLengthExceededError(KvmemError, ValueError):
+    """A prompt plus its ``max_tokens`` is longer than the model's context.
+
+    Raised before any prefill: positions past the context the model was trained
+    on give meaningless output, and such a prompt would hold the model for minutes.
+    The message names both numbers (it is the text of the 400 a client gets).
+    """
+
+
+class DirectoryInUseError(KvmemError):
+    """Another live process owns the cache directory (:class:`runtime.persist.owner.OwnerLock`).
+
+    Attributes:
+        root: the cache directory.
+        holder: what the holder wrote about itself (None: it has not written it yet).
+    """
+
+    def __init__(self, root: Path, holder: OwnerInfo | None) -> None:
+        self.root = root
+        self.holder = holder
+        who = holder.describe() if holder is not None else "another process"
+        super().__init__(f"the cache directory {root} is in use by {who}; stop it or use another --home")
 
 
 class DistributedError(KvmemError):

@@ -284,7 +284,6 @@ def _config(
         "num_key_value_heads": int(hp("attention.head_count_kv", heads)),
         "rms_norm_eps": float(hp("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(hp("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(hp("context_length", 4096)),
         "vocab_size": vocab,
         "tie_word_embeddings": "lm_head.weight" not in named,
         # llama.cpp permutes llama's Q/K rows for its interleaved rope; qwen2 uses NEOX rope.
@@ -292,6 +291,9 @@ def _config(
         "eos_token_id": _eos_ids(meta),
         "kvmem_source": {"gguf_sha256": digest, "weights": mode},
     }
+    context = _scalar(meta, f"{architecture}.context_length")
+    if context is not None:  # absent: kvmem says at load that it cannot read the model's context
+        config["max_position_embeddings"] = int(context)
     if mode != "quantized":
         config["torch_dtype"] = mode
     head_dim = _scalar(meta, f"{architecture}.attention.key_length")

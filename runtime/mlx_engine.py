@@ -173,9 +173,14 @@ class MlxEngine:
         assert isinstance(weights, dict)
         self._model_bytes = sum(int(v.nbytes) for v in weights.values())
         self._sample_memory()
+        context = lm.context_length
+        if context is None:
+            log.warning("model %s: no context length in its config; prompts are limited by the KV budget only",
+                        name)
         return ModelInfo(name=name, tag=lm.spec.tag, block_bytes=lm.spec.bytes_per_block(),
                          active_token_bytes=active_token_bytes(lm.spec, self._strategy),
-                         sequence_bytes=sequence_bytes(lm.spec), model_bytes=self._model_bytes)
+                         sequence_bytes=sequence_bytes(lm.spec), model_bytes=self._model_bytes,
+                         context_length=context)
 
     def unload(self) -> None:
         self._seqs.clear()

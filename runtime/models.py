@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from runtime.errors import ModelError, UnsupportedModelError
 from runtime.gguf import is_gguf, prepare_gguf
 from runtime.spec import KVFormat, LayerKind, LayerSpec, ModelCacheSpec
 
-__all__ = ["LoadedModel", "load_model", "read_cache_spec", "PLAIN_CHAT_TEMPLATE", "PLAIN_STOP"]
+__all__ = ["LoadedModel", "load_model", "read_cache_spec", "read_context_length", "PLAIN_CHAT_TEMPLATE", "PLAIN_STOP"]
 
 log = logging.getLogger("kvmem.models")
 
@@ -97,6 +98,11 @@ class LoadedModel:
         with cpu_attention.active(self.cpu_attention):
             hidden = self.model.model(inputs, cache=cache)
         return head(hidden[:, -1:, :])[:, -1, :]
+
+    @property
+    def context_length(self) -> int | None:
+        """The most positions the model takes (:func:`read_context_length` of its config)."""
+        return read_context_length(self.config)
 
     @property
     def vocab_limit(self) -> int:
@@ -230,6 +236,28 @@ def load_model(
     return LoadedModel(
         model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config, cpu_attention=fast_attention
     )
+
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len", "seq_length", "n_ctx")
+"""Config fields that name a model's context, in the order they are tried: the Hugging Face
+name (llama, qwen, gemma, gpt-oss, deepseek, phi; a GGUF's ``<arch>.context_length`` is
+written under it by :mod:`runtime.gguf`), then GPT-2's, and older or remote-code models' names."""
+
+
+def read_context_length(config: Mapping[str, Any]) -> int | None:
+    """The context of the model ``config`` describes, or None when it names none.
+
+    Multimodal configs (gemma3, mistral3, llava) keep the language model's fields in a
+    nested ``text_config``; it is read when the top level has none of :data:`CONTEXT_KEYS`.
+    """
+    for key in CONTEXT_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    text_config = config.get("text_config")
+    if isinstance(text_config, Mapping):
+        return read_context_length(text_config)
+    return None
 
 
 def prepare_model_files(name: str, models_dir: Path) -> Path:

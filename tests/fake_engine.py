@@ -10,7 +10,8 @@ token ids), so the cache store persists them with the real ``CacheDirectory``.
 
 Model names starting with ``fake`` load instantly; anything else fails like an
 unknown model. ``step_delay_s`` / ``chunk_delay_s`` make steps take real time,
-for cancellation and interleaving tests.
+for cancellation and interleaving tests. ``context_length`` is the fake model's context
+(None: unlimited, only the KV budget applies).
 """
 
 from __future__ import annotations
@@ -108,8 +109,10 @@ class _FakeSeq:
 class FakeEngine:
     """See the module docstring. Implements :class:`runtime.engine.Engine`."""
 
-    def __init__(self, *, step_delay_s: float = 0.0, chunk_delay_s: float = 0.0, default_chunk: int = 64) -> None:
+    def __init__(self, *, step_delay_s: float = 0.0, chunk_delay_s: float = 0.0, default_chunk: int = 64,
+                 context_length: int | None = None) -> None:
         self.step_delay_s = step_delay_s
+        self.context_length = context_length
         self.chunk_delay_s = chunk_delay_s
         self.default_chunk = default_chunk
         self._tag: str | None = None
@@ -146,6 +149,7 @@ class FakeEngine:
             active_token_bytes=FAKE_TOKEN_BYTES,
             sequence_bytes=0,
             model_bytes=0,
+            context_length=self.context_length,
         )
 
     def unload(self) -> None:

@@ -49,6 +49,7 @@ from runtime.persist.files import ensure_private_dir
 from runtime.persist.format import BlockPiece, Piece, block_chain_hashes
 from runtime.persist.gc import collect_garbage, remove_leftover_temp_files
 from runtime.persist.load import load_cache
+from runtime.persist.owner import OwnerLock, unless_owned
 from runtime.persist.save import SaveReport, save_cache
 from runtime.spec import CacheSnapshot
 
@@ -191,14 +192,22 @@ class CacheDirectory:
         fsync: fsync files and directories on save (off only in tests and
             benchmarks where durability across power loss does not matter).
 
-    Opening removes ``*.tmp`` files that a killed save left behind.
+    Opening removes ``*.tmp`` files that a killed save left behind, unless another
+    live process owns the directory (:mod:`runtime.persist.owner`) and may be
+    writing them: only ``owner``, the lock this process holds, or nobody, may clean.
     """
 
-    def __init__(self, root: Path, *, fsync: bool = True) -> None:
+    def __init__(self, root: Path, *, fsync: bool = True, owner: OwnerLock | None = None) -> None:
         self._paths = CachePaths.open(Path(root), fsync=fsync)
         self.root = self._paths.root
         self.paths = self._paths
-        removed = remove_leftover_temp_files(self._paths)
+        if owner is not None and owner.held and owner.root == self.root:
+            removed = remove_leftover_temp_files(self._paths)
+        else:
+            with unless_owned(self.root) as unowned:
+                removed = remove_leftover_temp_files(self._paths) if unowned else 0
+                if not unowned:
+                    log.info("%s is owned by a running kvmem: its temporary files are left alone", self.root)
         if removed:
             log.info("removed %d temporary files left by an interrupted save", removed)
 

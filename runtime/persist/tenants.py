@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,7 +42,16 @@ TENANTS_DIR = "tenants"
 
 
 def check_agent_id(agent_id: str) -> str:
-    """``agent_id`` once checked: the id part names a folder, the tenant part (if any) is a tenant name.
+    """``agent_id`` once checked, in the one spelling kvmem keys the agent by.
+
+    The id part is NFC-normalized, so the composed and decomposed spellings of one
+    name (``café`` as ``e`` + U+0301 or as U+00E9) are one agent, one cache and one
+    folder, whichever door (header, body field, path, CLI) the id came in by. It may
+    not hold U+FFFD: a lenient decoder writes that character for bytes that were not
+    valid UTF-8, so two different byte strings would otherwise become one agent.
+
+    Returns:
+        The normalized id (the tenant part, if any, unchanged): callers key the agent by it.
 
     Raises:
         InvalidAgentIdError: either part cannot name a cache.
@@ -54,8 +64,12 @@ def check_agent_id(agent_id: str) -> str:
             check_tenant_name(tenant)
         except ValueError as exc:
             raise InvalidAgentIdError(str(exc)) from None
+    if "\ufffd" in local:
+        raise InvalidAgentIdError("agent id contains U+FFFD (the replacement character, left where bytes "
+                                  "were not valid UTF-8)")
+    local = unicodedata.normalize("NFC", local)
     safe_agent_dirname(local)
-    return agent_id
+    return namespaced(tenant, local)
 
 
 class TenantUsage(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,8 +117,7 @@ class TenantDirectories:
         return found
 
     def _of(self, agent_id: str) -> tuple[CacheDirectory, str]:
-        check_agent_id(agent_id)
-        tenant, local = split_agent_id(agent_id)
+        tenant, local = split_agent_id(check_agent_id(agent_id))  # the normalized id names the folder
         return self.directory(tenant), local
 
     def save(self, agent_id: str, snapshot: CacheSnapshot, *, block_hashes: Sequence[str] | None = None
