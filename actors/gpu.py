@@ -93,7 +93,8 @@ class GPUActor:
         self._budget_bytes = budget_bytes
         self._max_batch = max_batch
         self._prefill_chunk = prefill_chunk
-        self._thread = MlxThread(on_exit=engine.close)
+        profile = engine.profile
+        self._thread = MlxThread(on_exit=engine.close, tune_allocator=profile is None or profile.tune_allocator)
         self._info: ModelInfo | None = None
         self._sched: Scheduler | None = None
         self._requests: dict[int, GpuTurn] = {}

@@ -60,8 +60,10 @@ class MlxThread:
             behind can crash the process at exit, mlx #3126 / #4110).
     """
 
-    def __init__(self, name: str = "kvmem-mlx", *, on_exit: Callable[[], None] | None = None) -> None:
+    def __init__(self, name: str = "kvmem-mlx", *, on_exit: Callable[[], None] | None = None,
+                 tune_allocator: bool = True) -> None:
         self._name = name
+        self._tune_allocator = tune_allocator  # the backend profile's (a CPU policy: runtime.backend)
         self._on_exit = on_exit
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -85,7 +87,8 @@ class MlxThread:
         if self._thread is not None:
             raise RuntimeError("MlxThread already started")
         self._token = trio.lowlevel.current_trio_token()
-        keep_freed_memory()  # before the thread's first allocation: it then shares the main malloc arena
+        if self._tune_allocator:
+            keep_freed_memory()  # before the thread's first allocation: it then shares the main malloc arena
         self._thread = threading.Thread(target=self._main, name=self._name, daemon=True)
         self._thread.start()
 

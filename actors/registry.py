@@ -40,6 +40,7 @@ from actors.messages_gpu import (
     UnloadReply,
 )
 from actors.messages_store import Evict, EvictReply, StoreInbox
+from runtime.backend import BackendProfile
 from runtime.errors import ModelError
 
 __all__ = ["ModelRegistry", "Acquire", "Release", "Granted", "AcquireReply", "RegistryInbox", "RegistryStats"]
@@ -86,6 +87,8 @@ class RegistryStats(msgspec.Struct, frozen=True, kw_only=True):
         loads: models loaded since start.
         swaps: loads that replaced another loaded model.
         idle_unloads: unloads after ``idle_unload_s`` without a lease.
+        profile: the backend profile the loaded model runs under (:mod:`runtime.backend`; None: none loaded
+            or an engine without one).
     """
 
     model: str | None
@@ -97,6 +100,7 @@ class RegistryStats(msgspec.Struct, frozen=True, kw_only=True):
     loads: int
     swaps: int
     idle_unloads: int
+    profile: BackendProfile | None = None
 
 
 class ModelRegistry:
@@ -238,4 +242,5 @@ class ModelRegistry:
             loads=self._loads,
             swaps=self._swaps,
             idle_unloads=self._idle_unloads,
+            profile=self._current.profile if self._current else None,
         )

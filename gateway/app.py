@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -242,6 +243,8 @@ def create_app(
             "status": "ok", "model": reg.model, "default_model": reg.default_model, "models": list(gw.models),
             "uptime_s": round(time.time() - gw.started_at, 3), "version": version,
         }
+        if reg.profile is not None:  # every CPU-versus-GPU decision the loaded model runs under
+            body["profile"] = msgspec.to_builtins(reg.profile)
         if remote is not None:  # Redis down is a degraded mode, not an outage: still 200
             body["store"] = {"url": remote.url, "up": remote.up, "unpublished": remote.unpublished}
             if not remote.up:

@@ -13,7 +13,7 @@ __all__ = ["add_model_options", "config_from_args"]
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
-    """--model, --kv-bits, --attention, --numpy-attention, --weights, --home and --config.
+    """--model, --kv-bits, --attention, --numpy-attention, --profile, --weights, --home and --config.
 
     A flag's destination is the setting's name (``--kv-bits`` → ``kv_bits``):
     :func:`config_from_args` relies on it.
@@ -27,6 +27,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="on CPU, attend in NumPy (runtime.cpu_attention; default on); --no-numpy-attention: MLX's own",
     )
+    p.add_argument("--profile", choices=("auto", "cpu", "gpu"),
+                   help="backend policy (default auto: the device's; cpu/gpu force one, see runtime.backend)")
     p.add_argument(
         "--weights",
         choices=("auto", "float32", "float16", "bfloat16", "quantized"),

@@ -86,6 +86,8 @@ def _serve(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             started: ServerStarted = await nursery.start(
                 partial(serve, config, extra_routes=scenarios, engine=engine, directory=directory))
+            if started.profile is not None:  # every CPU-versus-GPU decision, in one line (runtime.backend)
+                print(f"kvmem: {started.profile}", file=sys.stderr, flush=True)
             print(f"kvmem: serving {config.model} on {started.url}", file=sys.stderr, flush=True)
 
     try:

@@ -40,9 +40,12 @@ log = logging.getLogger("kvmem.server")
 
 
 class ServerStarted(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``nursery.start(serve, config)`` returns: the bound URLs (``http://127.0.0.1:PORT``)."""
+    """What ``nursery.start(serve, config)`` returns: the bound URLs (``http://127.0.0.1:PORT``) and the
+    backend profile the model loaded under, as one line (:meth:`runtime.backend.BackendProfile.line`; None
+    for an engine without one)."""
 
     urls: tuple[str, ...]
+    profile: str | None = None
 
     @property
     def url(self) -> str:
@@ -157,7 +160,8 @@ async def serve(
                 nursery.cancel_scope.cancel()  # stop the signal watcher and the trigger
 
             urls = await nursery.start(run_http)
+            profile = rt.stats().registry.profile
             log.info("kvmem serving %s on %s", config.model, ", ".join(urls))
-            task_status.started(ServerStarted(urls=tuple(urls)))
+            task_status.started(ServerStarted(urls=tuple(urls), profile=profile.line() if profile else None))
         log.info("HTTP server stopped; flushing caches")
     log.info("caches flushed; bye")

@@ -97,6 +97,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         attention: ``auto`` (at-rest on CPU, native on GPU backends), ``at-rest``
             (Q4 at rest, float while a sequence runs; fastest on CPU) or
             ``native`` (attend on packed Q4 with MLX's quantized SDPA).
+        profile: which backend policy applies (:mod:`runtime.backend`): ``auto`` (the
+            device's), or ``cpu`` / ``gpu`` forced (the GPU policy on a CPU runs its paths'
+            logic; the CPU policy on a GPU its host paths).
         numpy_attention: on the CPU backend, float attention of llama and qwen2
             models runs in NumPy (:mod:`runtime.cpu_attention`: 4-6x faster
             than MLX's there); off: MLX's own attention everywhere.
@@ -147,6 +150,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     kv_group_size: Literal[32, 64, 128] = 64
     attention: Attention = "auto"
     numpy_attention: bool = True
+    profile: Literal["auto", "cpu", "gpu"] = "auto"
     # -- memory and scheduling
     budget_mb: Annotated[float, Meta(gt=0)] = 2048
     hot_budget_mb: Annotated[float, Meta(gt=0)] = 512

@@ -26,8 +26,9 @@ per row) attending at least :data:`MIN_DECODE_KEYS` keys over the batch
 (:func:`decode_attention`: a batch of agents, or one agent's long context;
 below that MLX's lower fixed cost per call wins), where the mlx-lm version is
 one this module was tested with (:data:`TESTED_MLX_LM`) and the replaced name
-is still mlx-lm's own function with the expected parameters; the default device is the CPU (on GPUs MLX's
-fused kernels win); and per call, the cache is a float cache (quantized caches
+is still mlx-lm's own function with the expected parameters; the backend profile's
+``numpy_attention`` is on (the CPU policy: on GPUs MLX's fused kernels win, and a NumPy
+view of device memory is a host round trip; :mod:`runtime.backend`); and per call, the cache is a float cache (quantized caches
 keep MLX's quantized attention), there are no attention sinks and the inputs
 are float32. Otherwise the call goes to mlx-lm's function.
 
@@ -97,8 +98,6 @@ def _why_not() -> str | None:
         return f"mlx-lm {release} is not a tested release {TESTED_MLX_LM}"
     if tuple(inspect.signature(_ORIGINAL).parameters) != _EXPECTED_PARAMS:
         return "mlx_lm.models.base.scaled_dot_product_attention has other parameters"
-    if mx.default_device() != mx.cpu:
-        return "the default device is not the CPU"
     return None
 
 
@@ -106,7 +105,8 @@ def install(model_module: str) -> bool:
     """Rebind ``model_module``'s attention to kvmem's dispatcher; True when it is in place.
 
     Idempotent. Returns False (and logs why once) for modules outside
-    :data:`REPLACED`, untested mlx-lm releases and non-CPU devices.
+    :data:`REPLACED` and untested mlx-lm releases. Whether to install it at all is the
+    backend profile's decision (``numpy_attention``), made by the caller.
     """
     if model_module not in REPLACED:
         return False

@@ -92,7 +92,8 @@ class DecodeBatch:
     leaving keep it true. Steps attend to those tokens once for all rows.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared_prefix_check: bool = True) -> None:
+        self.shared_prefix_check = shared_prefix_check  # the backend profile's (a host compare of KV)
         self.members: list[Sequence] = []
         self.caches: list[Any] = []
         self.pending: list[Sequence] = []
@@ -143,7 +144,7 @@ class DecodeBatch:
 
     def _find_shared(self) -> None:
         # Fewer rows than the step would attend shared keys for: comparing their KV is wasted reading.
-        enough = len(self.members) >= cpu_attention.MIN_SHARED_ROWS
+        enough = self.shared_prefix_check and len(self.members) >= cpu_attention.MIN_SHARED_ROWS
         self.shared = shared_prefix_length(self.caches, [s.token_ids for s in self.members]) if enough else 0
 
     def remove(self, seq: Sequence) -> None:

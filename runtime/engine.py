@@ -36,6 +36,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
+from runtime.backend import BackendProfile
 from runtime.prefix import MatchKind
 from runtime.spec import CacheSnapshot
 
@@ -302,6 +303,8 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
         context_length: the most positions (prompt plus reply) the model takes, from
             its config (``max_position_embeddings``); None when kvmem cannot read it,
             and then only the KV budget limits a prompt.
+        profile: the backend profile the load settled (:mod:`runtime.backend`); None for
+            engines that have none (tests' fakes).
     """
 
     name: str
@@ -311,6 +314,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     sequence_bytes: int
     model_bytes: int
     context_length: int | None = None
+    profile: BackendProfile | None = None
 
 
 @dataclass(frozen=True)
@@ -393,6 +397,10 @@ class Engine(Protocol):
 
     @property
     def memory(self) -> MemoryReading: ...
+
+    @property
+    def profile(self) -> BackendProfile | None:
+        """The backend profile (None: an engine without one); ``load`` refines it for each model."""
 
     def load(self, name: str) -> ModelInfo:
         """Unload the current model and load ``name``."""

@@ -39,6 +39,7 @@ from typing import Any, BinaryIO
 import mlx.core as mx
 import mlx.nn as nn
 
+from runtime.backend import device_profile
 from runtime.errors import ModelError
 
 __all__ = [
@@ -109,12 +110,13 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def resolve_weight_mode(mode: str) -> str:
-    """``auto`` becomes ``float32`` on MLX's CPU backend and ``quantized`` elsewhere."""
+    """``auto`` becomes the backend profile's choice: ``float32`` under the CPU policy, ``quantized`` (as stored)
+    under the GPU one (:mod:`runtime.backend`; the engine passes its profile's, already resolved)."""
     if mode not in WEIGHT_MODES:
         raise ModelError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
     if mode != "auto":
         return mode
-    return "float32" if mx.default_device() == mx.cpu else "quantized"
+    return device_profile().weights
 
 
 class GGUFModel:

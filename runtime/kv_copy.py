@@ -11,8 +11,9 @@ more copy into freshly mapped memory (2 ms a layer in a batch join here).
 How. MLX allocates the zeroed result (its allocator reuses freed buffers) and
 NumPy writes the rows into it through the buffer protocol: the array is new,
 evaluated and referenced by nothing else yet, so no MLX operation can see it
-half written. Where MLX does not hand out a writable contiguous view, on other
-devices, and for dtypes NumPy lacks (bfloat16), MLX copies.
+half written. Under the GPU backend profile (:mod:`runtime.backend`: a NumPy view
+of device memory is a host round trip), where MLX does not hand out a writable
+contiguous view, and for dtypes NumPy lacks (bfloat16), MLX copies.
 """
 
 from __future__ import annotations
@@ -22,9 +23,16 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["place_rows"]
+__all__ = ["place_rows", "use_host_views"]
 
 _NUMPY_DTYPES = {mx.float32: np.float32, mx.float16: np.float16}
+_host_views = True
+
+
+def use_host_views(enabled: bool) -> None:
+    """Whether rows are written through NumPy views (the profile's ``numpy_kv_copy``; the engine sets it)."""
+    global _host_views
+    _host_views = enabled
 
 
 def place_rows(rows: Sequence[tuple[mx.array | None, int]], size: int, like: mx.array) -> mx.array:
@@ -51,7 +59,7 @@ def place_rows(rows: Sequence[tuple[mx.array | None, int]], size: int, like: mx.
 
 def _writable_view(out: mx.array) -> np.ndarray | None:
     """``out`` evaluated and seen by NumPy as its own contiguous, writable memory; None where it is not."""
-    if out.dtype not in _NUMPY_DTYPES or mx.default_device() != mx.cpu:
+    if out.dtype not in _NUMPY_DTYPES or not _host_views:
         return None
     mx.eval(out)
     host = np.asarray(out)

@@ -24,33 +24,76 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+import logging
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from runtime.backend import device_profile
 from runtime.float_resident import FloatResident, LayerKV, with_room
 from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.q4_packing import dequantize_kv, quantize_kv
 from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot, ModelCacheSpec
 
-__all__ = ["ParkedCache", "ParkedLayer", "ActiveKV", "Strategy", "SLIDING_SLACK", "resolve_strategy", "with_kept_float"]
+__all__ = ["ParkedCache", "ParkedLayer", "ActiveKV", "Strategy", "SLIDING_SLACK", "resolve_strategy", "settle_attention",
+           "with_kept_float"]
 
 Strategy = Literal["at-rest", "native"]
 
+log = logging.getLogger("kvmem.kvstate")
+
 
 def resolve_strategy(name: str) -> Strategy:
-    """Map ``auto`` to the strategy measured faster on the default device.
+    """Map ``auto`` to the backend profile's strategy for this device (:mod:`runtime.backend`).
 
     On MLX's CPU backend float attention is 2-4x faster than quantized SDPA for
     prefill (benches/results/attention_strategy.md), so ``auto`` is ``at-rest``
     there; on GPU backends (Metal, CUDA), where the seed measurements attended
-    on Q4 directly, it is ``native``.
+    on Q4 directly, it is ``native`` (the engine checks the kernels at load:
+    :func:`settle_attention`).
     """
     if name in ("at-rest", "native"):
         return name  # type: ignore[return-value]
-    if name != "auto":
-        raise ValueError(f"attention must be 'auto', 'at-rest' or 'native', got {name!r}")
-    return "at-rest" if mx.default_device() == mx.cpu else "native"
+    return device_profile(attention=name).attention  # raises ValueError for an unknown name
+
+
+NATIVE_PROBE_TOKENS = 300
+NATIVE_PROBE_PROMPT = "Check the attention kernels once. " * 50
+"""The throwaway prompt that checks native Q4 attention at load: a few hundred tokens, so its
+prefill (one chunk of up to :data:`NATIVE_PROBE_TOKENS`, then the rest) uses the matrix
+kernels a real chunk does (a few tokens take the vector kernels); then one decode step in
+a batch, as real turns take."""
+
+
+def settle_attention(lm: Any, attention: Strategy) -> tuple[Strategy, str | None]:
+    """The attention ``lm`` can run here: ``native`` only once a throwaway native turn ran.
+
+    MLX's backends do not implement every quantized kernel for every shape and dtype
+    (CUDA: ``[quantized_matmul] No implementation for problem shape ... activation:
+    float32``), so asking for ``native`` by device is not enough: the model's own
+    shapes and dtypes are tried once, at load. A failure gives ``at-rest`` and a note
+    naming the missing kernel (logged once), never a failed start.
+    """
+    if attention != "native" or lm.spec.kv_format.bits is None:
+        return attention, None
+    from runtime.decode_batch import DecodeBatch  # noqa: PLC0415 - the batch builds on this module
+    from runtime.sequence import SamplingParams, Sequence  # noqa: PLC0415
+
+    try:
+        probe = Sequence(lm, NATIVE_PROBE_PROMPT, None, SamplingParams(max_tokens=2), strategy="native")
+        while probe.prefill_step(NATIVE_PROBE_TOKENS) is None:
+            pass
+        if probe.finish_reason is None:
+            batch = DecodeBatch(shared_prefix_check=False)
+            batch.add(probe)
+            batch.step_once()
+    except Exception as exc:  # noqa: BLE001 - any kernel error means: not here
+        reason = str(exc).splitlines()[0][:300]
+        note = f"native Q4 attention failed its load check: {reason}"
+        log.warning("%s; attending at rest (float while active) instead", note)
+        return "at-rest", note
+    return "native", None
 
 SLIDING_SLACK = 64
 """Extra tokens kept beyond a sliding window so a turn can be trimmed exactly."""
@@ -311,7 +354,7 @@ def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, strate
 
 
 def _float_dtype(spec: ModelCacheSpec) -> mx.Dtype:
-    return {4: mx.float32, 2: mx.float16}.get(spec.dtype_bytes, mx.float32)
+    return getattr(mx, spec.float_dtype_name)  # a bfloat16 model's float KV stays bfloat16
 
 
 def _kv_of(cache: Any) -> tuple[mx.array, mx.array]:

@@ -35,11 +35,13 @@ from runtime.engine import (
     ToolUse,
     TurnPlan,
 )
+from runtime.backend import BackendProfile, device_profile
 from runtime.errors import ModelError
 from runtime.batch_prefill import choose_group, prefill_together
 from runtime.decode_batch import DecodeBatch
 from runtime.float_resident import ResidentPool
-from runtime.kvstate import SLIDING_SLACK, ParkedCache, Strategy, resolve_strategy, with_kept_float
+from runtime.kv_copy import use_host_views
+from runtime.kvstate import SLIDING_SLACK, ParkedCache, Strategy, settle_attention, with_kept_float
 from runtime.models import LoadedModel, load_model
 from runtime.prefix import MatchKind
 from runtime.sequence import SamplingParams, Sequence, StartFrom
@@ -93,6 +95,9 @@ class MlxEngine:
         numpy_attention: attend through :mod:`runtime.cpu_attention` where it applies.
         keep_float_mb: float KV kept after turns for the next hot turn (:mod:`runtime.float_resident`; 0: off).
         group: an ``mx.distributed`` group: load this rank's tensor-parallel part of each model.
+        profile: ``auto`` (the device's backend policy) or ``cpu`` / ``gpu`` forced
+            (:mod:`runtime.backend`); every CPU-versus-GPU decision reads :attr:`profile`.
+        prefill_chunk: a fixed prefill chunk (None: the profile's schedule).
     """
 
     def __init__(
@@ -107,21 +112,25 @@ class MlxEngine:
         numpy_attention: bool = True,
         keep_float_mb: float = 0,
         group: Any = None,
+        profile: str = "auto",
+        prefill_chunk: int | None = None,
     ) -> None:
-        self._numpy_attention = numpy_attention
+        # Every CPU-versus-GPU decision, once (runtime.backend); a model load settles the attention.
+        self._profile = device_profile(profile=profile, attention=strategy, weights=weights,
+                                       numpy_attention=numpy_attention, prewarm_mb=prewarm_mb,
+                                       prefill_chunk=prefill_chunk)
+        use_host_views(self._profile.numpy_kv_copy)
         self._residents = ResidentPool(int(keep_float_mb * 2**20))
         self._group = group
         self._models_dir = models_dir
-        self._weights = weights
-        self._prewarm_mb = prewarm_mb
-        self._warm_up = prewarm_mb > 0  # a throwaway turn at each model load (runtime.warmup.warm_up)
+        self._prewarm_mb = self._profile.prewarm_mb  # touched at the first load only
+        self._warm_up = self._profile.prewarm_mb > 0  # a throwaway turn at each model load (runtime.warmup.warm_up)
         self._kv_format = KVFormat(bits=kv_bits, group_size=kv_group_size)
-        self._attention = strategy  # "auto" is resolved on the MLX thread when a model loads
         self._strategy: Strategy = "at-rest"
         self._lm: LoadedModel | None = None
         self._seqs: dict[int, Sequence] = {}
         self._ids: dict[int, int] = {}  # id(seq) -> request id
-        self._batch = DecodeBatch()
+        self._batch = self._new_batch()
         self._model_bytes = self._baseline = 0
         self._memory = MemoryReading()
 
@@ -130,7 +139,16 @@ class MlxEngine:
         """The engine a :class:`runtime.config.Config` describes (``group``: this rank's, under ``--distributed``)."""
         return cls(models_dir=config.models_path, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
                    strategy=config.attention, weights=config.weights, prewarm_mb=config.prewarm_mb,
-                   numpy_attention=config.numpy_attention, keep_float_mb=config.keep_float_mb, group=group)
+                   numpy_attention=config.numpy_attention, keep_float_mb=config.keep_float_mb, group=group,
+                   profile=config.profile, prefill_chunk=config.prefill_chunk)
+
+    @property
+    def profile(self) -> BackendProfile:
+        """The backend profile: decided at construction, its attention settled by the last load."""
+        return self._profile
+
+    def _new_batch(self) -> DecodeBatch:
+        return DecodeBatch(shared_prefix_check=self._profile.shared_prefix_check)
 
     @property
     def memory(self) -> MemoryReading:
@@ -161,12 +179,15 @@ class MlxEngine:
             name,
             kv_format=self._kv_format,
             models_dir=self._models_dir,
-            weights=self._weights,
-            numpy_attention=self._numpy_attention,
+            weights=self._profile.weights,
+            numpy_attention=self._profile.numpy_attention,
             group=self._group,
         )
         self._lm = lm
-        self._strategy = resolve_strategy(self._attention)
+        self._strategy, note = settle_attention(lm, self._profile.attention)
+        self._profile = self._profile.with_model(attention=self._strategy, note=note,
+                                                 float_dtype=str(lm.float_dtype).removeprefix("mlx.core."))
+        log.info("%s: %s", name, self._profile.line())
         if self._warm_up:
             log.info("warmed %s up in %.2f s", name, warm_up(lm, self._strategy))
         weights = tree_flatten(lm.model.parameters(), destination={})
@@ -180,12 +201,12 @@ class MlxEngine:
         return ModelInfo(name=name, tag=lm.spec.tag, block_bytes=lm.spec.bytes_per_block(),
                          active_token_bytes=active_token_bytes(lm.spec, self._strategy),
                          sequence_bytes=sequence_bytes(lm.spec), model_bytes=self._model_bytes,
-                         context_length=context)
+                         context_length=context, profile=self._profile)
 
     def unload(self) -> None:
         self._seqs.clear()
         self._ids.clear()
-        self._batch = DecodeBatch()
+        self._batch = self._new_batch()
         self._lm = None
         self._model_bytes = 0
         gc.collect()
@@ -280,7 +301,7 @@ class MlxEngine:
             base = adopt.parked.truncated(adopt.keep_tokens, self.lm.spec)
             if base is not None:
                 seq.adopt(replace(base, meta={}, resident=None))  # a shared prefix starts the new agent's own history
-        text = seq.prefill_step(chunk)
+        text = seq.prefill_step(chunk or self._profile.chunk_for(seq.context))
         self._sample_memory()
         return PrefillResult(text=text, finished=seq.finish_reason is not None, context=seq.context,
                              remaining=seq.to_prefill, tool_calls=seq.take_tool_calls())
@@ -377,5 +398,5 @@ class MlxEngine:
             try:
                 self._leave(request_id)
             except Exception:  # noqa: BLE001 - a broken batch is dropped whole
-                self._batch = DecodeBatch()
+                self._batch = self._new_batch()
                 self._ids = {i: r for i, r in self._ids.items() if r in self._seqs}

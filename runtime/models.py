@@ -131,7 +131,8 @@ class LoadedModel:
 
     @property
     def float_dtype(self) -> mx.Dtype:
-        return {4: mx.float32, 2: mx.float16}[self.spec.dtype_bytes]
+        """The model's float KV dtype (a bfloat16 model's stays bfloat16)."""
+        return getattr(mx, self.spec.float_dtype_name)
 
     def check_tools(self) -> None:
         """Raise ``ValueError`` unless the chat template renders tools (:attr:`supports_tools`)."""
@@ -305,6 +306,7 @@ def describe(lm: LoadedModel) -> str:
 
 
 _DTYPE_BYTES = {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2}
+_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
 
 def read_cache_spec(
@@ -351,6 +353,7 @@ def read_cache_spec(
         layers=tuple(layers),
         dtype_bytes=_DTYPE_BYTES.get(dtype, 4),
         kv_format=kv_format,
+        float_dtype=_DTYPE_NAMES.get(dtype, "float32"),
     )
     unpackable = [
         i

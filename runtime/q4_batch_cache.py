@@ -220,7 +220,7 @@ class BatchQuantizedKVCache(_BatchPackedKVCache):
         return self.q_bits
 
     def _fetch(self) -> KVPair:
-        return self.keys_and_values()
+        return self._for_attention(self.keys_and_values())
 
 
 class BatchDequantizingQuantizedKVCache(_BatchPackedKVCache):

@@ -156,7 +156,7 @@ class QuantizedKVCache(PackedKVCache):
         return self.q_bits
 
     def _fetch(self) -> KVPair:
-        return self.keys_and_values()
+        return self._for_attention(self.keys_and_values())
 
     @classmethod
     def merge(cls, caches: list[PackedKVCache]) -> BatchQuantizedKVCache:

@@ -199,6 +199,20 @@ class PackedKVStorage(_BaseCache):
             return buffers
         return map_packed(lambda x: x[..., :n, :], buffers)
 
+    def _for_attention(self, kv: KVPair) -> KVPair:
+        """``kv`` with scales and biases in the model's dtype, as quantized SDPA takes them.
+
+        They are stored as float16 (:data:`STORAGE_DTYPE`: the format on disk); a query of
+        another dtype would meet them in their promoted common type, float32 for a bfloat16
+        model: a float32 computation nobody asked for, for which some backends have no
+        kernel (CUDA's ``quantized_matmul``, ``activation: float32``). Exact for float32
+        models (float16 widens exactly), rounded to bfloat16's precision for bfloat16 ones.
+        """
+        if self.dtype == STORAGE_DTYPE or not mx.issubdtype(self.dtype, mx.floating):
+            return kv
+        dtype = self.dtype
+        return tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in kv)  # type: ignore[return-value]
+
     def _dequantize(self, kv: KVPair, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         return (
             dequantize_kv(kv[0], self.group_size, self.q_bits, dtype),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
+from runtime.backend import CPU_CHUNKS
 from runtime.engine import ToolCall
 from runtime.kvstate import ActiveKV, ParkedCache, Strategy
 from runtime.models import LoadedModel
@@ -95,14 +96,12 @@ class StopMatcher:
 def prefill_chunk_size(context: int) -> int:
     """Prefill chunk for a sequence already holding ``context`` tokens.
 
-    Attention cost per token grows with context, so chunks shrink to keep each
-    chunk's latency (and the decode stall it causes for other agents) bounded.
+    The CPU policy's schedule (:data:`runtime.backend.CPU_CHUNKS`): attention cost per
+    token grows with context, so chunks shrink to keep each chunk's latency (and the
+    decode stall it causes for other agents) bounded. The engine asks its backend
+    profile instead; this is the default of a sequence stepped on its own.
     """
-    if context < 1024:
-        return 512
-    if context < 4096:
-        return 256
-    return 128
+    return next(chunk for below, chunk in CPU_CHUNKS if context < below)
 
 
 @dataclass

@@ -104,6 +104,9 @@ class ModelCacheSpec:
         layers: one :class:`LayerSpec` per transformer layer.
         dtype_bytes: bytes per element of the model's float KV.
         kv_format: the at-rest KV format.
+        float_dtype: the name of the model's float KV dtype (``float32``, ``float16``,
+            ``bfloat16``): what a dequantized cache is made of. Not part of the tag (the
+            model's config, which the tag hashes, already decides it).
     """
 
     model_id: str
@@ -111,6 +114,12 @@ class ModelCacheSpec:
     layers: tuple[LayerSpec, ...]
     dtype_bytes: int
     kv_format: KVFormat
+    float_dtype: str = ""
+
+    @property
+    def float_dtype_name(self) -> str:
+        """:attr:`float_dtype`, or the one ``dtype_bytes`` implies for a spec made without it."""
+        return self.float_dtype or ("float32" if self.dtype_bytes == 4 else "float16")
 
     @property
     def tag(self) -> str:

@@ -109,6 +109,8 @@ class _FakeSeq:
 class FakeEngine:
     """See the module docstring. Implements :class:`runtime.engine.Engine`."""
 
+    profile = None  # no backend profile: nothing here runs on a device
+
     def __init__(self, *, step_delay_s: float = 0.0, chunk_delay_s: float = 0.0, default_chunk: int = 64,
                  context_length: int | None = None) -> None:
         self.step_delay_s = step_delay_s

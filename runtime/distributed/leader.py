@@ -32,6 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from runtime.backend import BackendProfile
 from runtime.distributed.wire import (
     CloseEngine,
     ColdWire,
@@ -238,6 +239,10 @@ class LeaderEngine:
     @property
     def memory(self) -> MemoryReading:
         return self._inner.memory
+
+    @property
+    def profile(self) -> BackendProfile | None:
+        return self._inner.profile
 
     def load(self, name: str) -> ModelInfo:
         # MLX's generator is per thread: seed this one (the MLX thread) as the followers seed theirs,

@@ -1,0 +1,185 @@
+"""The backend profile: every CPU-versus-GPU decision, made once and read everywhere else.
+
+kvmem was tuned on a 2-core CPU, where MLX's float32 matmul is the only fast
+one, its quantized SDPA runs single-threaded, host memory *is* device memory
+(a NumPy view of an MLX array costs nothing) and glibc's allocator decides
+first-touch costs. None of that holds on a GPU (CUDA or Metal), where the
+same tricks become host round trips. So the policy is one frozen value,
+:class:`BackendProfile`, decided when the engine is built (:func:`decide_profile`:
+pure, testable without MLX) and refined once when a model loads (whether the
+native Q4 attention kernels exist for the model's own shapes and dtypes).
+Code that used to ask ``mx.default_device()`` reads the profile instead.
+
+The policy can be forced (the ``profile`` setting, ``KVMEM_PROFILE=gpu``): the
+GPU policy then runs on the CPU device, so the CPU test suite covers the GPU
+paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
+
+| decision | ``cpu`` policy | ``gpu`` policy |
+|--|--|--|
+| attention (``auto``) | at-rest (float while active: prefill into Q4 is 3-4x slower on CPU) | native Q4, if its kernels run the model's shapes, else at-rest |
+| GGUF weights (``auto``) | float32 (the only fast matmul on MLX's CPU backend) | as stored (Q4/Q8) |
+| float dtype of activations and KV | the weights' (float32 for a GGUF) | the model's own (bf16 / f16 stay so; never float32 by accident) |
+| prefill chunk | 512 / 256 / 128 as the context grows | 2048 (mlx-lm's ``prefill_step_size``) |
+| NumPy attention, NumPy KV copies, the shared-prefix check | on (``numpy_attention``) | off: no host round trip |
+| allocator tuning and pre-warm | on | off (device memory is not the glibc heap) |
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = ["BackendProfile", "Policy", "decide_profile", "detect_device", "device_profile", "CPU_CHUNKS", "GPU_CHUNK"]
+
+Policy = Literal["cpu", "gpu"]
+
+CPU_CHUNKS: tuple[tuple[int, int], ...] = ((1024, 512), (4096, 256), (2**62, 128))
+"""The CPU's prefill chunk schedule: (context below, chunk). Attention cost per token grows
+with the context, so chunks shrink to bound each chunk's latency (the decode stall it causes)."""
+
+GPU_CHUNK = 2048
+"""Prefill chunk on a GPU: mlx-lm's own ``prefill_step_size``; a chunk is one kernel launch
+per layer, so fewer, larger chunks keep the device busy."""
+
+
+class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
+    """Which device kvmem runs on and every policy that follows from it (see the module docstring).
+
+    Attributes:
+        device: MLX's default device type (``cpu`` or ``gpu``).
+        backend: ``cpu``, ``metal`` or ``cuda`` (what the device is).
+        policy: which policy applies (``cpu`` or ``gpu``): the device's, unless forced.
+        forced: whether ``policy`` was forced by the ``profile`` setting.
+        attention: ``at-rest`` or ``native``.
+        attention_note: why, when it is not what was asked (a missing kernel, named).
+        weights: how GGUF weights are held when ``auto`` is asked (``float32``, ``quantized``, ...).
+        float_dtype: the dtype of activations and float KV, read from the loaded model (empty before a load).
+        prefill_chunks: the chunk schedule, (context below, chunk) pairs.
+        numpy_attention: llama/qwen2 attention runs through NumPy (``runtime.cpu_attention``).
+        numpy_kv_copy: KV rows are copied into batch buffers through NumPy views.
+        shared_prefix_check: a decode batch looks for a prompt every row holds alike (host compare).
+        tune_allocator: glibc keeps freed memory and one arena (``runtime.allocator``).
+        prewarm_mb: memory touched at the first model load (0: none).
+        openblas: the OpenBLAS library loaded at import (None: MLX's own BLAS).
+    """
+
+    device: str
+    backend: str
+    policy: Policy
+    forced: bool = False
+    attention: Literal["at-rest", "native"]
+    attention_note: str | None = None
+    weights: str
+    float_dtype: str = ""
+    prefill_chunks: tuple[tuple[int, int], ...]
+    numpy_attention: bool
+    numpy_kv_copy: bool
+    shared_prefix_check: bool
+    tune_allocator: bool
+    prewarm_mb: float
+    openblas: str | None = None
+
+    def chunk_for(self, context: int) -> int:
+        """The prefill chunk for a sequence already holding ``context`` tokens."""
+        for below, chunk in self.prefill_chunks:
+            if context < below:
+                return chunk
+        return self.prefill_chunks[-1][1]
+
+    def with_model(self, *, attention: Literal["at-rest", "native"], note: str | None, float_dtype: str
+                   ) -> BackendProfile:
+        """This profile as a model load settled it: the attention its kernels allow, its float dtype."""
+        return msgspec.structs.replace(self, attention=attention, attention_note=note, float_dtype=float_dtype)
+
+    def line(self) -> str:
+        """One line for the log: ``backend cuda (gpu policy): attention native, weights quantized, ...``."""
+        chunks = "/".join(str(c) for _, c in self.prefill_chunks)
+        host = [name for name, on in (("numpy-attention", self.numpy_attention), ("numpy-kv-copy", self.numpy_kv_copy),
+                                      ("shared-prefix-check", self.shared_prefix_check),
+                                      ("allocator", self.tune_allocator)) if on]
+        parts = [
+            f"backend {self.backend} ({self.policy} policy{', forced' if self.forced else ''})",
+            f"attention {self.attention}" + (f" ({self.attention_note})" if self.attention_note else ""),
+            f"weights {self.weights}",
+            f"float {self.float_dtype or '?'}",
+            f"prefill chunk {chunks}",
+            f"host paths {', '.join(host) if host else 'none'}",
+            f"prewarm {self.prewarm_mb:g} MB",
+            f"openblas {'yes' if self.openblas else 'no'}",
+        ]
+        return "; ".join(parts)
+
+
+def decide_profile(
+    *,
+    device: str,
+    backend: str,
+    profile: str = "auto",
+    attention: str = "auto",
+    weights: str = "auto",
+    numpy_attention: bool = True,
+    prewarm_mb: float = 0.0,
+    prefill_chunk: int | None = None,
+    openblas: str | None = None,
+) -> BackendProfile:
+    """The profile for ``device`` and the settings (attention not yet checked against a model).
+
+    Args:
+        device: MLX's default device type (``cpu``/``gpu``).
+        backend: ``cpu``, ``metal`` or ``cuda``.
+        profile: ``auto`` (the device's policy), ``cpu`` or ``gpu`` (forced).
+        attention, weights, numpy_attention, prewarm_mb, prefill_chunk: the settings of the same names;
+            an explicit value wins over the policy's default.
+        openblas: the OpenBLAS library loaded, if any (reported).
+
+    Raises:
+        ValueError: an unknown ``profile`` or ``attention``.
+    """
+    if profile not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"profile must be 'auto', 'cpu' or 'gpu', got {profile!r}")
+    if attention not in ("auto", "at-rest", "native"):
+        raise ValueError(f"attention must be 'auto', 'at-rest' or 'native', got {attention!r}")
+    policy: Policy = ("cpu" if device == "cpu" else "gpu") if profile == "auto" else profile  # type: ignore[assignment]
+    cpu = policy == "cpu"
+    chunks = ((2**62, prefill_chunk),) if prefill_chunk else CPU_CHUNKS if cpu else ((2**62, GPU_CHUNK),)
+    numpy_paths = cpu and numpy_attention
+    return BackendProfile(
+        device=device,
+        backend=backend,
+        policy=policy,
+        forced=profile != "auto",
+        attention=("at-rest" if cpu else "native") if attention == "auto" else attention,  # type: ignore[arg-type]
+        weights=("float32" if cpu else "quantized") if weights == "auto" else weights,
+        prefill_chunks=chunks,
+        numpy_attention=numpy_paths,
+        numpy_kv_copy=cpu,
+        shared_prefix_check=numpy_paths,  # its only reader is the NumPy decode attention
+        tune_allocator=cpu,
+        prewarm_mb=prewarm_mb if cpu else 0.0,
+        openblas=openblas,
+    )
+
+
+def detect_device() -> tuple[str, str]:
+    """MLX's default device type (``cpu``/``gpu``) and what it is (``cpu``, ``metal``, ``cuda``).
+
+    The one place kvmem asks MLX which device it runs on (imported here, when asked,
+    so this module stays importable where MLX must not be loaded).
+    """
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return "cpu", "cpu"
+    if mx.metal.is_available():
+        return "gpu", "metal"
+    cuda = getattr(mx, "cuda", None)
+    return "gpu", "cuda" if cuda is not None and cuda.is_available() else "gpu"
+
+
+def device_profile(**settings: object) -> BackendProfile:
+    """:func:`decide_profile` for this process's device, with the OpenBLAS it loaded (``settings``: its arguments)."""
+    from runtime.blas import openblas_path
+
+    device, backend = detect_device()
+    return decide_profile(device=device, backend=backend, openblas=openblas_path(), **settings)  # type: ignore[arg-type]

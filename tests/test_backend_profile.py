@@ -1,0 +1,184 @@
+"""One backend profile, decided once (issue 33, items 1 and 2's check), tested on the CPU.
+
+The policy table is pure code (:func:`runtime.backend.decide_profile`); the GPU policy is then
+forced on the CPU device (``profile="gpu"``), so the paths a GPU takes run here: native Q4
+attention after its load check, 2048-token chunks, and none of the CPU's host paths.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import models_dir
+
+from runtime.backend import CPU_CHUNKS, GPU_CHUNK, decide_profile
+from runtime.sequence import prefill_chunk_size
+
+# -- the policy, as a value ----------------------------------------------------------
+
+
+def test_the_cpu_device_gets_the_cpu_policy() -> None:
+    p = decide_profile(device="cpu", backend="cpu", prewarm_mb=512)
+    assert (p.policy, p.forced, p.attention, p.weights) == ("cpu", False, "at-rest", "float32")
+    assert p.numpy_attention and p.numpy_kv_copy and p.shared_prefix_check and p.tune_allocator
+    assert p.prewarm_mb == 512 and p.prefill_chunks == CPU_CHUNKS
+
+
+def test_a_gpu_gets_the_gpu_policy_with_no_host_paths() -> None:
+    p = decide_profile(device="gpu", backend="cuda", prewarm_mb=512)
+    assert (p.policy, p.attention, p.weights) == ("gpu", "native", "quantized")
+    assert not (p.numpy_attention or p.numpy_kv_copy or p.shared_prefix_check or p.tune_allocator)
+    assert p.prewarm_mb == 0 and p.chunk_for(0) == p.chunk_for(100_000) == GPU_CHUNK
+
+
+def test_the_policy_can_be_forced_either_way_and_explicit_settings_win() -> None:
+    forced = decide_profile(device="cpu", backend="cpu", profile="gpu")
+    assert (forced.policy, forced.forced, forced.attention, forced.numpy_kv_copy) == ("gpu", True, "native", False)
+    assert decide_profile(device="gpu", backend="metal", profile="cpu").numpy_attention
+    explicit = decide_profile(device="gpu", backend="cuda", attention="at-rest", weights="bfloat16",
+                              prefill_chunk=1024)
+    assert (explicit.attention, explicit.weights, explicit.chunk_for(50_000)) == ("at-rest", "bfloat16", 1024)
+    assert not decide_profile(device="cpu", backend="cpu", numpy_attention=False).shared_prefix_check
+    with pytest.raises(ValueError, match="profile"):
+        decide_profile(device="cpu", backend="cpu", profile="tpu")
+
+
+def test_the_cpu_schedule_is_the_one_sequences_use_alone() -> None:
+    cpu = decide_profile(device="cpu", backend="cpu")
+    for context in (0, 1023, 1024, 4095, 4096, 10**6):
+        assert cpu.chunk_for(context) == prefill_chunk_size(context)
+    assert [cpu.chunk_for(c) for c in (0, 1024, 4096)] == [512, 256, 128]
+
+
+def test_the_profile_line_names_every_decision() -> None:
+    line = decide_profile(device="cpu", backend="cpu", profile="gpu").line()
+    for part in ("backend cpu (gpu policy, forced)", "attention native", "weights quantized", "prefill chunk 2048",
+                 "host paths none"):
+        assert part in line
+
+
+# -- the GPU policy, forced on the CPU device ----------------------------------------
+
+
+def _engine(**settings: Any) -> Any:
+    from runtime.mlx_engine import MlxEngine
+
+    return MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, strategy="auto", **settings)
+
+
+def test_the_gpu_policy_on_the_cpu_runs_native_attention_without_host_paths() -> None:
+    from runtime import kv_copy
+
+    engine = _engine(profile="gpu")
+    try:
+        info = engine.load("tiny-llama")
+        assert info.profile is not None and info.profile == engine.profile
+        assert (info.profile.attention, info.profile.attention_note) == ("native", None)  # its kernels ran
+        assert info.profile.float_dtype == "float32"
+        assert not engine.lm.cpu_attention  # NumPy attention not installed
+        assert not kv_copy._host_views and not engine._batch.shared_prefix_check
+    finally:
+        engine.unload()
+        kv_copy.use_host_views(True)
+    cpu = _engine()
+    try:
+        profile = cpu.load("tiny-llama").profile
+        assert profile is not None and profile.attention == "at-rest" and cpu.lm.cpu_attention
+        assert kv_copy._host_views and cpu._batch.shared_prefix_check
+    finally:
+        cpu.unload()
+
+
+async def test_a_backend_without_the_native_kernels_starts_at_rest_with_one_log_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from actors import open_runtime
+    from runtime import q4_cache
+
+    missing = ("[quantized_matmul] No implementation for problem shape: 281x281x64x32, transpose: true, "
+               "activation: float32, bits: 4, group size: 64, mode: \"affine\"")
+
+    def no_kernel(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(missing)
+
+    monkeypatch.setattr(q4_cache.QuantizedKVCache, "update_and_fetch", no_kernel)
+    with caplog.at_level(logging.WARNING, logger="kvmem.kvstate"):
+        async with open_runtime(home=tmp_path, models_dir=models_dir(), model="tiny-llama", prewarm_mb=0,
+                                profile="gpu") as rt:
+            profile = rt.stats().registry.profile
+            result = await rt.agent("a").send([{"role": "user", "content": "Hello there"}], max_tokens=4)
+    assert profile is not None and (profile.policy, profile.attention) == ("gpu", "at-rest")
+    assert profile.attention_note is not None and "quantized_matmul" in profile.attention_note
+    assert len([r for r in caplog.records if "quantized_matmul" in r.getMessage()]) == 1  # said once, named
+    assert result.usage.tokens_generated > 0  # it serves, at rest, instead of failing to start
+    from runtime import kv_copy
+
+    kv_copy.use_host_views(True)
+
+
+async def test_healthz_shows_the_profile(tmp_path: Path) -> None:
+    from actors import open_runtime
+    from gateway.app import create_app
+    from runtime.config import Config
+
+    config = Config(home=str(tmp_path), models_dir=str(models_dir()), model="tiny-llama", prewarm_mb=0,
+                    profile="gpu")
+    async with open_runtime(config) as rt:
+        app = create_app(rt, config)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvmem") as http:
+            body = (await http.get("/healthz")).json()
+    profile = body["profile"]
+    assert (profile["policy"], profile["forced"], profile["attention"], profile["backend"]) == \
+        ("gpu", True, "native", "cpu")
+    assert profile["prefill_chunks"] == [[2**62, GPU_CHUNK]] and profile["numpy_attention"] is False
+    from runtime import kv_copy
+
+    kv_copy.use_host_views(True)
+
+
+def test_a_bfloat16_model_keeps_bfloat16_activations_and_kv_under_the_gpu_policy(tmp_path: Path) -> None:
+    """Never float32 by accident, and never float16 either: the float KV a Q4 cache is
+    dequantized into, the float kept after a turn and a restored cache are the model's dtype."""
+    import mlx.core as mx
+    from gguf_writer import write_gguf
+    from mlx.utils import tree_flatten
+
+    from runtime import kv_copy, tiny_models
+    from runtime.engine import ColdStart, SamplingOptions, TurnPlan
+    from runtime.kvstate import ActiveKV, ParkedCache
+
+    gguf = write_gguf(tiny_models.ensure_tiny_model("tiny-llama", models_dir()), tmp_path / "tiny.gguf")
+    engine = _engine(profile="gpu", weights="bfloat16")
+    try:
+        info = engine.load(str(gguf))
+        assert info.profile is not None and info.profile.float_dtype == "bfloat16"
+        prompt = "Tell me about the sea. " * 20
+        plan = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
+        engine.start(1, prompt, plan, engine.tokenize(prompt, plan), SamplingOptions(max_tokens=3))
+        while not (result := engine.prefill(1, None)).remaining == 0:
+            pass
+        if not result.finished:
+            engine.join(1)
+            while not any(t.finished for t in engine.step()):
+                pass
+        finished = engine.finish(1)
+        parked, snapshot = finished.parked, finished.snapshot
+        assert isinstance(parked, ParkedCache) and snapshot is not None
+        layer = engine.lm.spec.layers[0]
+        token_k = mx.zeros((1, layer.kv_heads, 1, layer.k_head_dim), dtype=mx.bfloat16)
+        token_v = mx.zeros((1, layer.kv_heads, 1, layer.v_head_dim), dtype=mx.bfloat16)
+        for strategy in ("at-rest", "native"):
+            for cache in ActiveKV(ParkedCache.from_snapshot(snapshot, float_dtype=engine.lm.float_dtype),
+                                  engine.lm.spec, strategy).caches:
+                # What attention sees of the restored cache plus one new token: the model's dtype only
+                # (native Q4 keeps float16 scales on disk; attention gets them as bfloat16).
+                seen = [a for _, a in tree_flatten(cache.update_and_fetch(token_k, token_v))
+                        if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)]
+                assert seen and all(a.dtype == mx.bfloat16 for a in seen), (strategy, [a.dtype for a in seen])
+    finally:
+        engine.unload()
+        kv_copy.use_host_views(True)
