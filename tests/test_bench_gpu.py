@@ -1,0 +1,80 @@
+"""The GPU check's report (``benches.gpu``): verdicts and tables from hand-made numbers, no model runs.
+
+Item 4's goals are ratios of medians; each is checked here on both sides of
+its limit, so a loss is reported as plainly as a win.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benches import gpu
+from benches.gpu import BatchRound, GeometryRun, Plan, Sample
+
+PLAN = Plan(sizes=(1024, 16384), decode_sizes=(1024,), decode_tokens=128, restart_size=16384, repeats=2, batch=8,
+            batch_context=1024, batch_tokens=64, profile="auto")
+
+
+def _run(*, kv_ttft: float = 100.0, kv_tps: float = 95.0, warm: float = 40.0, hot: float = 20.0,
+         batch_tps: float = 600.0, batch_ttft: float = 150.0) -> GeometryRun:
+    run = GeometryRun(gpu.GEOMETRIES["1b"], chunk_ms=80.0, chunk_tokens=2048)
+    for size in PLAN.sizes:
+        gen = 128 if size in PLAN.decode_sizes else 1
+        run.mlx[size] = [Sample(ttft_ms=100.0, decode_tps=100.0, generated=gen, prompt_tokens=size)] * 2
+        run.kvmem[size] = [Sample(ttft_ms=kv_ttft, decode_tps=kv_tps, generated=gen, prompt_tokens=size)] * 2
+    run.hot = [Sample(ttft_ms=hot, tier="hot", reused=16400, prefilled=14)] * 2
+    run.warm = [Sample(ttft_ms=warm, tier="warm", reused=16400, prefilled=14)]
+    run.rounds = [BatchRound(1, 1.0, 100, (100.0,)), BatchRound(8, 800 / batch_tps, 800, (batch_ttft,) * 8)]
+    return run
+
+
+def _words(run: GeometryRun) -> dict[str, str]:
+    return {v.goal: v.word for v in gpu.verdicts(run, restart_size=PLAN.restart_size)}
+
+
+def test_every_goal_passes_within_its_limit() -> None:
+    words = _words(_run(kv_ttft=109.0, kv_tps=91.0, warm=9.0, hot=9.0, batch_tps=500.0, batch_ttft=180.0))
+    assert set(words.values()) == {"PASS"}, words
+    assert len(words) == 2 + 1 + 2 + 2  # TTFT per size, decode at 1K, restart pair, batch pair
+
+
+def test_each_goal_fails_past_its_limit() -> None:
+    words = _words(_run(kv_ttft=111.0, kv_tps=89.0, warm=11.0, hot=12.0, batch_tps=490.0, batch_ttft=181.0))
+    assert set(words.values()) == {"**FAIL**"}, words
+
+
+def test_missing_measurements_are_not_verdicts() -> None:
+    run = GeometryRun(gpu.GEOMETRIES["3b"], error="RuntimeError: out of memory")
+    words = _words(run)
+    assert set(words.values()) == {"not measured"}
+    body = "\n".join(gpu.render_body([run], PLAN, ["Not run yet."], ["- suite: not given"]))
+    assert "**stopped early: RuntimeError: out of memory**" in body
+
+
+def test_report_names_each_goal_with_its_ratio_and_the_needle_table() -> None:
+    needles = gpu.render_needles(
+        [{"length": 1024, "format": "float", "needle": 0, "hit": True, "answer": " 12345."},
+         {"length": 1024, "format": "q4-native", "needle": 0, "hit": False, "answer": " 12.."}],
+        "q4-native", model="kvmem-default", note=None, skipped=[8192])
+    body = "\n".join(gpu.render_body([_run(kv_ttft=120.0)], PLAN, needles, ["- suite: `3 passed in 1.0s`"]))
+    assert "| Llama-3.2-1B | cold TTFT at 16K ≤ 1.1x mlx-lm | 1.20x (120 / 100 ms) | **FAIL** |" in body
+    assert "| same hit/miss as float | 0/1 |" in body
+    assert "Not run for lack of time (`--deadline-s`): L = [8192]." in body
+
+
+def test_suite_summary_is_the_last_pytest_count_line(tmp_path: Path) -> None:
+    log = tmp_path / "suite.log"
+    log.write_text("tests/test_a.py ....\n========== 1 failed, 411 passed, 3 skipped in 95.20s (0:01:35) ==========\n"
+                   "some trailing output\n")
+    lines = gpu.suite_lines(log)
+    assert lines[0] == "- suite (`suite.log`): `1 failed, 411 passed, 3 skipped in 95.20s (0:01:35)`"
+    assert lines[1].startswith("- pytest-xdist: ")
+    assert gpu.summary_line("collected 3 items\nTimeout\n") is None
+
+
+def test_geometries_are_the_llama_shapes_the_issue_names() -> None:
+    one, three = gpu.GEOMETRIES["1b"].config(), gpu.GEOMETRIES["3b"].config()
+    assert (one["hidden_size"], one["num_hidden_layers"], one["num_attention_heads"], one["num_key_value_heads"],
+            one["head_dim"], one["torch_dtype"]) == (2048, 16, 32, 8, 64, "bfloat16")
+    assert (three["hidden_size"], three["num_hidden_layers"], three["num_attention_heads"],
+            three["num_key_value_heads"], three["head_dim"]) == (3072, 28, 24, 8, 128)

@@ -1,0 +1,115 @@
+"""Host round trips per turn under the GPU backend policy, counted on the CPU (issue 33, item 4).
+
+On a GPU every ``mx.eval`` is a synchronisation with the device and every NumPy view of an MLX
+array a copy to the host. The CPU policy uses both on purpose (NumPy attention, NumPy KV copies,
+the shared-prefix check); the GPU policy must not. This test forces the GPU policy on the CPU
+device and counts them per prefill chunk, per decode step (joins included) and at a turn's end,
+so none of the CPU's host paths can silently come back on a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import models_dir
+
+from runtime.engine import ColdStart, SamplingOptions, TurnPlan
+
+PROMPT = "Tell me about the sea and the ships on it. " * 60
+
+
+class HostCalls:
+    """``mx.eval`` calls and NumPy conversions of MLX arrays since the last :meth:`take`."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def take(self) -> dict[str, int]:
+        counts, self.counts = dict(self.counts), collections.Counter()
+        return counts
+
+
+@pytest.fixture
+def host_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostCalls]:
+    calls = HostCalls()
+    evaluate, asarray, array = mx.eval, np.asarray, np.array
+
+    def counted_eval(*args: Any, **kwargs: Any) -> Any:
+        calls.counts["eval"] += 1
+        return evaluate(*args, **kwargs)
+
+    def counted(name: str, fn: Any) -> Any:
+        def convert(x: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(x, mx.array):
+                calls.counts[name] += 1
+            return fn(x, *args, **kwargs)
+        return convert
+
+    monkeypatch.setattr(mx, "eval", counted_eval)
+    monkeypatch.setattr(np, "asarray", counted("to_numpy", asarray))
+    monkeypatch.setattr(np, "array", counted("to_numpy", array))
+    yield calls
+
+
+@pytest.mark.parametrize("attention", ["native", "at-rest"])
+def test_the_gpu_policy_syncs_once_per_chunk_and_step_and_copies_to_the_host_only_to_save(
+    host_calls: HostCalls, attention: str
+) -> None:
+    from runtime import kv_copy
+    from runtime.mlx_engine import MlxEngine
+
+    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, strategy=attention, profile="gpu",
+                       prefill_chunk=128, keep_float_mb=64)
+    try:
+        engine.load("tiny-llama")
+        plan = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
+        for request_id in (1, 2):
+            engine.start(request_id, PROMPT, plan, engine.tokenize(PROMPT, plan), SamplingOptions(max_tokens=6))
+        host_calls.take()
+        chunks = 0
+        while engine.prefill(1, None).remaining:
+            chunks += 1
+        chunks += 1
+        assert chunks >= 3
+        assert host_calls.take() == {"eval": chunks}  # one sync per chunk, no NumPy
+        while engine.prefill(2, None).remaining:
+            pass
+        engine.join(1)
+        engine.join(2)
+        host_calls.take()
+        steps = 0
+        while not any(token.finished for token in engine.step()):
+            steps += 1
+        steps += 1
+        assert host_calls.take() == {"eval": steps}  # the join's merge included: no NumPy copies
+        layers = len(engine.lm.spec.layers)
+        engine.finish(1)
+        end = host_calls.take()
+        # The turn's end: one sync for the parked cache, and the host copy the save needs (the
+        # snapshot: six packed arrays a layer), and nothing else.
+        assert end.get("eval", 0) <= 1 + (layers if attention == "at-rest" else 0), end
+        assert end.get("to_numpy", 0) == 6 * layers, end
+    finally:
+        engine.unload()
+        kv_copy.use_host_views(True)
+
+
+def test_the_cpu_policy_takes_its_host_paths(host_calls: HostCalls) -> None:
+    """The counter sees the CPU's NumPy paths, so the test above would see them leak."""
+    from runtime.mlx_engine import MlxEngine
+
+    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, strategy="auto", prefill_chunk=128)
+    try:
+        engine.load("tiny-llama")
+        plan = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
+        engine.start(1, PROMPT, plan, engine.tokenize(PROMPT, plan), SamplingOptions(max_tokens=2))
+        host_calls.take()
+        engine.prefill(1, None)
+        assert host_calls.take().get("to_numpy", 0) > 0  # NumPy attention
+    finally:
+        engine.unload()
