@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny models built once per session, loaded once per KV format."""
+"""Shared fixtures: tiny models built once per session, loaded once per KV format.
+
+Tests run on whatever MLX's default device is. A test that can only hold on MLX's CPU
+backend (a CPU-only code path, a host-memory measurement) carries :func:`cpu_only` with
+its reason; the tiny models load as the device's backend policy would load them
+(:mod:`runtime.backend`: no NumPy attention under the GPU policy).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,19 @@ import os
 import tempfile
 from pathlib import Path
 
-import runtime  # noqa: F401  (OpenBLAS before mlx)
-import pytest
+# Full float32 matrix products on every backend: MLX runs float32 matmuls as TF32 on
+# CUDA (and M5) unless told otherwise (~1e-3 relative error per product), while the
+# float32 tolerances here (FLOAT_TOL, BATCH_LOGIT_TOL, NEAR_TIE, GGUF's rtol 1e-4) were
+# derived from float32 summation order. Set before MLX reads it (at its first matmul);
+# a run that exports MLX_ENABLE_TF32=1 keeps TF32.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
-from runtime.spec import KVFormat
-from runtime.models import LoadedModel, load_model
+import runtime  # noqa: E402,F401  (OpenBLAS before mlx)
+import pytest  # noqa: E402
+
+from runtime.backend import detect_device, device_profile  # noqa: E402
+from runtime.spec import KVFormat  # noqa: E402
+from runtime.models import LoadedModel, load_model  # noqa: E402
 
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gpt-oss", "tiny-deepseek-v2"]
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -27,10 +41,21 @@ def models_dir() -> Path:
     return path
 
 
+def cpu_only(reason: str) -> pytest.MarkDecorator:
+    """Skip unless MLX's default device is the CPU; ``reason`` says why the test cannot hold elsewhere."""
+    return pytest.mark.skipif(detect_device()[0] != "cpu", reason=f"CPU backend only: {reason}")
+
+
+@functools.cache
+def numpy_attention() -> bool:
+    """Whether models load with kvmem's NumPy attention: the device's policy, as the engine decides it."""
+    return device_profile().numpy_attention
+
+
 @functools.cache
 def tiny(name: str, bits: int | None = 4) -> LoadedModel:
     """A loaded tiny model (cached across tests)."""
-    return load_model(name, kv_format=KVFormat(bits=bits), models_dir=models_dir())
+    return load_model(name, kv_format=KVFormat(bits=bits), models_dir=models_dir(), numpy_attention=numpy_attention())
 
 
 @functools.cache
@@ -38,12 +63,12 @@ def fixture_model(name: str, bits: int | None = 4) -> LoadedModel:
     path = FIXTURES / name
     if not (path / "config.json").exists():
         pytest.skip(f"fixture {name} not present at {path}")
-    return load_model(str(path), kv_format=KVFormat(bits=bits))
+    return load_model(str(path), kv_format=KVFormat(bits=bits), numpy_attention=numpy_attention())
 
 
 @functools.cache
 def _real_default() -> LoadedModel:
-    return load_model("kvmem-default", models_dir=models_dir())
+    return load_model("kvmem-default", models_dir=models_dir(), numpy_attention=numpy_attention())
 
 
 @pytest.fixture(scope="session")

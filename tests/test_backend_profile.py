@@ -15,7 +15,7 @@ import httpx
 import pytest
 from conftest import models_dir
 
-from runtime.backend import CPU_CHUNKS, GPU_CHUNK, decide_profile
+from runtime.backend import CPU_CHUNKS, GPU_CHUNK, decide_profile, detect_device
 from runtime.sequence import prefill_chunk_size
 
 # -- the policy, as a value ----------------------------------------------------------
@@ -84,7 +84,7 @@ def test_the_gpu_policy_on_the_cpu_runs_native_attention_without_host_paths() ->
     finally:
         engine.unload()
         kv_copy.use_host_views(True)
-    cpu = _engine()
+    cpu = _engine(profile="cpu")  # the CPU policy (forced, so this holds on a GPU machine too)
     try:
         profile = cpu.load("tiny-llama").profile
         assert profile is not None and profile.attention == "at-rest" and cpu.lm.cpu_attention
@@ -133,7 +133,7 @@ async def test_healthz_shows_the_profile(tmp_path: Path) -> None:
             body = (await http.get("/healthz")).json()
     profile = body["profile"]
     assert (profile["policy"], profile["forced"], profile["attention"], profile["backend"]) == \
-        ("gpu", True, "native", "cpu")
+        ("gpu", True, "native", detect_device()[1])
     assert profile["prefill_chunks"] == [[2**62, GPU_CHUNK]] and profile["numpy_attention"] is False
     from runtime import kv_copy
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cpu_only
 from runtime import blas
 
 PROBE = """
@@ -37,6 +38,7 @@ def _probe(env_extra: dict[str, str]) -> dict:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS loading is a Linux CPU concern")
+@cpu_only("the probe's matmul runs on the default device: only MLX's CPU backend calls OpenBLAS")
 def test_mlx_matmuls_go_through_openblas():
     if blas._find_openblas() is None:
         pytest.skip("libopenblas0-pthread is not installed")

@@ -13,11 +13,14 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from runtime import cpu_attention
-from conftest import tiny
+from conftest import cpu_only, tiny
 
-pytestmark = pytest.mark.skipif(
-    cpu_attention._why_not() is not None, reason=f"CPU attention not available: {cpu_attention._why_not()}"
-)
+pytestmark = [
+    cpu_only("kvmem's NumPy attention is the CPU policy's (numpy_attention); the GPU policy never installs it"),
+    pytest.mark.skipif(
+        cpu_attention._why_not() is not None, reason=f"CPU attention not available: {cpu_attention._why_not()}"
+    ),
+]
 
 TOL = 2e-5
 

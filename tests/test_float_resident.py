@@ -53,6 +53,8 @@ def test_kept_floats_are_bitwise_the_dequantized_parked_cache(model: str) -> Non
     fresh_kv = ActiveKV(without, lm.spec, "at-rest")
     assert not fresh_kv.resumed_float
     compared = 0
+    # Bitwise on any backend: both sides come from the same elementwise dequantization of the same Q4
+    # values (runtime.q4_packing.dequantize_kv), which has no reduction whose order a device could change.
     for (k1, v1), (k2, v2) in zip(_layer_floats(kept_kv), _layer_floats(fresh_kv), strict=True):
         assert k1.shape == k2.shape and mx.array_equal(k1, k2).item() and mx.array_equal(v1, v2).item()
         compared += 1
@@ -76,6 +78,7 @@ def test_a_turn_from_kept_floats_computes_the_same_logits_over_several_turns() -
                 logits = lm.forward(mx.array([[seq.next_input]]), seq.kv.caches)[:, -1, :]
                 seq.observe(logits)
                 seq.accept(int(seq.sample(logits).item()))
+        # Bitwise on any backend: the same kernels, one device, on bit-identical KV (the test above).
         assert a.generated == b.generated
         for x, y in zip(a.logits_trace, b.logits_trace, strict=True):
             assert mx.array_equal(x, y).item()
@@ -108,8 +111,9 @@ async def test_a_runtime_keeping_floats_replies_as_one_that_does_not(tmp_path: P
     conversation = [{"role": "user", "content": PROMPT}]
     results = {}
     for keep in (0, 256):
+        # at-rest named: under the GPU policy ``auto`` is native, where keep_float_mb keeps nothing.
         async with open_runtime(model="tiny-llama", home=tmp_path / str(keep), models_dir=models_dir(),
-                                fsync=False, handle_signals=False, keep_float_mb=keep) as rt:
+                                fsync=False, handle_signals=False, keep_float_mb=keep, attention="at-rest") as rt:
             messages = list(conversation)
             seen = []
             for turn in range(3):

@@ -53,7 +53,7 @@ def tiny_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 def test_gguf_logits_match_the_same_weights_loaded_from_the_folder(tiny_gguf: tuple[Path, Path], tmp_path: Path) -> None:
     folder, gguf = tiny_gguf
     reference, _ = mlx_lm.load(str(folder))
-    loaded = load_model(gguf, models_dir=tmp_path)
+    loaded = load_model(gguf, models_dir=tmp_path, weights="float32")
     ids = _random_ids(48, 2000)
     expected, got = _logits(reference, ids), _logits(loaded.model, ids)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
@@ -63,7 +63,7 @@ def test_float16_gguf_matches_within_float16_rounding(tiny_gguf: tuple[Path, Pat
     folder, _ = tiny_gguf
     gguf = write_gguf(folder, tmp_path / "f16.gguf", dtype=mx.float16)
     reference, _ = mlx_lm.load(str(folder))
-    loaded = load_model(gguf, models_dir=tmp_path)
+    loaded = load_model(gguf, models_dir=tmp_path, weights="float32")  # float16-rounded weights, float32 arithmetic
     ids = _random_ids(32, 2000, seed=1)
     expected, got = _logits(reference, ids), _logits(loaded.model, ids)
     assert np.abs(got - expected).max() < 0.05 * np.abs(expected).max()
@@ -110,7 +110,8 @@ def test_quantized_gguf_matches_llama_cpps_dequantization(tiny_gguf: tuple[Path,
     reference, _ = mlx_lm.load(str(_folder_with_weights(folder, dequantized, tmp_path / "reference")))
     ids = _random_ids(40, 2000, seed=2)
     expected = _logits(reference, ids)
-    floats = load_model(tmp_path / f"{kind}.gguf", models_dir=tmp_path)
+    # float32 named, not ``auto``: under the GPU policy ``auto`` keeps the blocks packed (as ``packed`` below).
+    floats = load_model(tmp_path / f"{kind}.gguf", models_dir=tmp_path, weights="float32")
     np.testing.assert_allclose(_logits(floats.model, ids), expected, rtol=1e-4, atol=1e-4)
     packed = load_model(tmp_path / f"{kind}.gguf", models_dir=tmp_path, weights="quantized")
     got = _logits(packed.model, ids)
@@ -217,13 +218,21 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
     assert mx.array_equal(_unpermute(permute_weights(w, 6, 6), 6), w)
 
 
+def _float32(lm: LoadedModel) -> LoadedModel:
+    """The default model with float32 weights: ``lm`` itself where ``auto`` gave float32 (the CPU policy),
+    else loaded again (the GPU policy's ``auto`` keeps the file's Q4/Q8 blocks)."""
+    if lm.config.get("kvmem_source", {}).get("weights") == "float32":
+        return lm
+    return load_model("kvmem-default", models_dir=models_dir(), weights="float32")
+
+
 def test_shipped_smollm2_matches_an_ordinary_hf_folder_of_the_same_weights(smollm2: LoadedModel, tmp_path: Path) -> None:
     gguf_path = default_model.default_model_file()
     prepared = prepare_gguf(gguf_path, models_dir=models_dir())
     hf = _hf_folder_from_gguf(gguf_path, prepared.folder, tmp_path / "hf")
     reference, ref_tok = mlx_lm.load(str(hf))
     ids = smollm2.tokenize(smollm2.render([{"role": "user", "content": "Name three colours."}]))[0]
-    expected, got = _logits(reference, ids), _logits(smollm2.model, ids)
+    expected, got = _logits(reference, ids), _logits(_float32(smollm2).model, ids)
     np.testing.assert_allclose(got, expected, rtol=1e-3, atol=2e-3)
     assert ref_tok._tokenizer.encode("Digits 2024 split", add_special_tokens=False) == smollm2.tokenize("Digits 2024 split")[0]
 
@@ -240,7 +249,7 @@ def test_shipped_smollm2_answers_and_keeps_quantized_weights_close(smollm2: Load
     assert {p["bits"] for p in packed.quantized.values()} == {4, 8}
     quantized_model = packed.build_model()
     ids = smollm2.tokenize(prompt)[0]
-    floats, packed_logits = _logits(smollm2.model, ids), _logits(quantized_model, ids)
+    floats, packed_logits = _logits(_float32(smollm2).model, ids), _logits(quantized_model, ids)
     # Same weights; MLX's quantized matmul computes with float16 scales.
     assert np.abs(packed_logits - floats).max() < 0.05 * np.abs(floats).max()
     assert (packed_logits.argmax(-1) == floats.argmax(-1)).mean() > 0.95

@@ -12,16 +12,19 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from agreement import assert_decoded_alike
-from conftest import tiny
+from conftest import cpu_only, tiny
 from runtime import cpu_attention
 from runtime.decode_batch import DecodeBatch, merge_with_room
 from runtime.generate import decode_alone, generate
 from runtime.sequence import SamplingParams, Sequence
 from runtime.shared_prefix import MIN_SHARED_TOKENS, shared_prefix_length
 
-pytestmark = pytest.mark.skipif(
-    cpu_attention._why_not() is not None, reason=f"CPU attention not available: {cpu_attention._why_not()}"
-)
+pytestmark = [
+    cpu_only("kvmem's NumPy attention is the CPU policy's (numpy_attention); the GPU policy never installs it"),
+    pytest.mark.skipif(
+        cpu_attention._why_not() is not None, reason=f"CPU attention not available: {cpu_attention._why_not()}"
+    ),
+]
 
 TOL = 2e-5
 
