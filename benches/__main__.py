@@ -25,6 +25,7 @@ BENCHES = {
     "vs_llama_cpp": "llama.cpp's server on the same GGUF: prompt token ids, 20 greedy continuations, top-2 margins",
     "recall": "10 fact kinds told, restart, asked warm on kvmem-default, next to a float-cache mlx-lm reference",
     "overhead": "E2E through HTTP gateway + actors vs runtime.generate directly",
+    "durability": "kill -9 the moment a turn is answered: turns lost write-behind vs durable, the write-behind window, hot-path cost",
     "fuzz": "a live kvmem serve fuzzed for a time budget with damaged requests on every POST route: 5xx (goal 0)",
     "tenants": "tenants of one kvmem serve --api-keys tried against each other (read, list, delete, continue, cached_tokens): leaks (goal 0)",
     "request_walk": "the kvmem modules one streaming OpenAI request runs through, traced (--compare an older checkout)",
@@ -35,6 +36,7 @@ BENCHES = {
     "redis_tier": "two kvmem serve nodes + redis-server: TTFT remote vs warm vs hot vs cold at 1K/4K, bytes moved, Redis memory",
     "distributed": "kvmem serve --distributed: prefill tok/s and decode ms/token at 1 process vs 2 ranks (mlx.launch, loopback)",
     "race": "kvmem vs llama-server (built-in cache; slot files) vs mlx_lm.server: cold/hot/restart, multi-agent, tok/s",
+    "gpu": "one-call GPU check: kvmem vs plain mlx-lm on random 1B/3B Llamas (TTFT, decode, restart, batch), needles, suite",
 }
 
 
