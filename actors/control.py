@@ -136,24 +136,26 @@ async def serve_control(rt: Runtime, lock: OwnerLock, *, task_status: trio.TaskS
     runs without one, and other processes are refused with its pid instead.
     """
     path = lock.root / CONTROL_NAME
-    sock = trio.socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+    # Bound here, not with trio's bind: that one takes a worker thread for a path, and a test's
+    # autojump clock would jump to the next deadline meanwhile (a local bind does not block).
+    raw = stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
     try:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a socket left by a holder that was killed: we hold the lock now
         with _reachable(path) as address:
             old_umask = os.umask(0o177)  # the socket file is created 0o600
             try:
-                await sock.bind(address)
+                raw.bind(address)
             finally:
                 os.umask(old_umask)
-        sock.listen(16)
+        raw.listen(16)
     except OSError as exc:
-        sock.close()
+        raw.close()
         log.warning("no control socket at %s (%s): other kvmem commands on this home will be refused", path, exc)
         task_status.started()
         return
     lock.announce_control(path)
-    listener = trio.SocketListener(sock)
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(raw))
 
     async def handle(stream: trio.SocketStream) -> None:
         async with stream:
