@@ -20,6 +20,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | GGUF weights (``auto``) | float32 (the only fast matmul on MLX's CPU backend) | as stored (Q4/Q8) |
 | float dtype of activations and KV | the weights' (float32 for a GGUF) | the model's own (bf16 / f16 stay so; never float32 by accident) |
 | prefill chunk | 512 / 256 / 128 as the context grows | 2048 (mlx-lm's ``prefill_step_size``) |
+| decode | in lockstep (the host waits for each step) | one step ahead (``mx.async_eval``, as mlx-lm's ``generate_step``) |
 | NumPy attention, NumPy KV copies, the shared-prefix check | on (``numpy_attention``) | off: no host round trip |
 | allocator tuning and pre-warm | on | off (device memory is not the glibc heap) |
 """
@@ -59,6 +60,8 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         numpy_attention: llama/qwen2 attention runs through NumPy (``runtime.cpu_attention``).
         numpy_kv_copy: KV rows are copied into batch buffers through NumPy views.
         shared_prefix_check: a decode batch looks for a prompt every row holds alike (host compare).
+        run_ahead: a decode step is launched before the previous one's tokens are read
+            (:class:`runtime.decode_batch.DecodeBatch`).
         tune_allocator: glibc keeps freed memory and one arena (``runtime.allocator``).
         prewarm_mb: memory touched at the first model load (0: none).
         openblas: the OpenBLAS library loaded at import (None: MLX's own BLAS).
@@ -76,6 +79,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     numpy_attention: bool
     numpy_kv_copy: bool
     shared_prefix_check: bool
+    run_ahead: bool = False
     tune_allocator: bool
     prewarm_mb: float
     openblas: str | None = None
@@ -104,6 +108,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             f"weights {self.weights}",
             f"float {self.float_dtype or '?'}",
             f"prefill chunk {chunks}",
+            f"decode {'one step ahead' if self.run_ahead else 'in lockstep'}",
             f"host paths {', '.join(host) if host else 'none'}",
             f"prewarm {self.prewarm_mb:g} MB",
             f"openblas {'yes' if self.openblas else 'no'}",
@@ -155,6 +160,7 @@ def decide_profile(
         numpy_attention=numpy_paths,
         numpy_kv_copy=cpu,
         shared_prefix_check=numpy_paths,  # its only reader is the NumPy decode attention
+        run_ahead=not cpu,
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,
         openblas=openblas,

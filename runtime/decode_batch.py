@@ -90,14 +90,28 @@ class DecodeBatch:
     and there are enough of them for the step to use it
     (:data:`runtime.cpu_attention.MIN_SHARED_ROWS`; 0 otherwise); members
     leaving keep it true. Steps attend to those tokens once for all rows.
+
+    **Running one step ahead** (``run_ahead``, the GPU policy's): as mlx-lm's
+    ``generate_step`` does, each :meth:`step_once` launches the *next* step from
+    the tokens the device has not handed back yet (``mx.async_eval``) before it
+    reads them, so the device computes step k+1 while the host detokenizes and
+    streams step k. A row that finishes on a token has then been fed it once
+    more than it needed: that position's KV lies past the tokens the row parks
+    (:meth:`runtime.sequence.Sequence.park` keeps only tokens that went through
+    the model), so nothing of it is kept. Rows whose next token is forced
+    (a tool call's opening) step without running ahead.
     """
 
-    def __init__(self, *, shared_prefix_check: bool = True) -> None:
+    def __init__(self, *, shared_prefix_check: bool = True, run_ahead: bool = False) -> None:
         self.shared_prefix_check = shared_prefix_check  # the backend profile's (a host compare of KV)
+        self.run_ahead = run_ahead  # the backend profile's: launch step k+1 before reading step k
         self.members: list[Sequence] = []
         self.caches: list[Any] = []
         self.pending: list[Sequence] = []
         self.shared = 0
+        # The step launched ahead: one token per leading member, not yet read back (run_ahead only).
+        self._ahead: mx.array | None = None
+        self._ahead_rows = 0
 
     def __len__(self) -> int:
         return len(self.members) + len(self.pending)
@@ -156,12 +170,17 @@ class DecodeBatch:
         seq.kv.caches = [extract_with_room(c, idx) for c in self.caches]
         keep = [i for i in range(len(self.members)) if i != idx]
         self.members.pop(idx)
+        if self._ahead is not None and idx < self._ahead_rows:
+            ahead = [i for i in range(self._ahead_rows) if i != idx]
+            self._ahead = self._ahead[mx.array(ahead)] if ahead else None
+            self._ahead_rows -= 1
         if self.members:
             for c in self.caches:
                 _keep_rows(c, keep)
         else:
             self.caches = []
             self.shared = 0
+            self._ahead, self._ahead_rows = None, 0
 
     def step_once(self) -> list[tuple[Sequence, str]]:
         """One decode step for every member: returns (sequence, new text) pairs.
@@ -172,15 +191,42 @@ class DecodeBatch:
         self._merge_pending()
         if not self.members:
             return []
-        inputs = mx.array([[s.next_input] for s in self.members])
+        if self.run_ahead and not any(_forcing(s) for s in self.members):
+            return self._step_ahead()
+        if self._ahead is not None:  # a forced token next: read the step in flight, then step in lockstep
+            return self._read_ahead(None)
+        tokens = self._launch(mx.array([[s.next_input] for s in self.members]))
+        mx.eval(tokens)
+        return [(s, s.accept(t)) for s, t in zip(self.members, tokens.tolist(), strict=True)]
+
+    def _launch(self, inputs: mx.array) -> mx.array:
+        """One forward pass and sampling for every member (lazy: nothing is evaluated here)."""
         with cpu_attention.sharing(self.shared):
             logits = self.members[0].lm.forward(inputs, self.caches)[:, -1, :]
         for i, s in enumerate(self.members):
             if s.logits_trace is not None:
                 s.observe(logits[i : i + 1])
-        tokens = sample_rows(self.members, logits)
-        mx.eval(tokens)
-        return [(s, s.accept(t)) for s, t in zip(self.members, tokens.tolist(), strict=True)]
+        return sample_rows(self.members, logits)
+
+    def _step_ahead(self) -> list[tuple[Sequence, str]]:
+        """Launch the next step from the tokens in flight, then read those (see the class docstring)."""
+        if self._ahead is None:  # nothing in flight: this step's tokens come from the rows' inputs
+            self._ahead = self._launch(mx.array([[s.next_input] for s in self.members]))
+            self._ahead_rows = len(self.members)
+        # Rows that joined since the launch have not stepped yet: they go in with their own input.
+        joined = [s.next_input or 0 for s in self.members[self._ahead_rows :]]
+        inputs = self._ahead if not joined else mx.concatenate([self._ahead, mx.array(joined)])
+        following = self._launch(inputs[:, None])
+        mx.async_eval(following)
+        return self._read_ahead(following)
+
+    def _read_ahead(self, following: mx.array | None) -> list[tuple[Sequence, str]]:
+        """Accept the tokens in flight; ``following`` (launched for every member) becomes the step in flight."""
+        assert self._ahead is not None
+        rows = self.members[: self._ahead_rows]
+        tokens = self._ahead.tolist()
+        self._ahead, self._ahead_rows = following, len(self.members) if following is not None else 0
+        return [(s, s.accept(t)) for s, t in zip(rows, tokens, strict=True)]
 
 
 def _keep_rows(cache: Any, keep: list[int]) -> None:
@@ -197,6 +243,12 @@ def _keep_rows(cache: Any, keep: list[int]) -> None:
             cache.left_padding = cache.left_padding - shared
         return
     cache.filter(keep)
+
+
+def _forcing(seq: Sequence) -> bool:
+    """Whether ``seq`` still has forced tokens to produce (a tool call's opening): its sampler picks
+    them by how many tokens it accepted, a count that lags one behind while a step runs ahead."""
+    return len(seq.generated) < len(seq.params.forced)
 
 
 def sample_rows(members: list[Sequence], logits: mx.array) -> mx.array:

@@ -148,7 +148,7 @@ class MlxEngine:
         return self._profile
 
     def _new_batch(self) -> DecodeBatch:
-        return DecodeBatch(shared_prefix_check=self._profile.shared_prefix_check)
+        return DecodeBatch(shared_prefix_check=self._profile.shared_prefix_check, run_ahead=self._profile.run_ahead)
 
     @property
     def memory(self) -> MemoryReading:

@@ -1,0 +1,64 @@
+"""Decoding one step ahead (the GPU policy) gives the turns lockstep decoding gives (issue 33, item 4).
+
+The reference is the same rows decoded in lockstep, where the host reads every step before the
+next is launched (the CPU policy, and kvmem before the profile). Rows join at different steps,
+finish by length, by a stop string and by end of text, and one row starts with forced tokens
+(a tool call's opening), during which the batch steps in lockstep.
+"""
+
+from __future__ import annotations
+
+import pytest
+from agreement import assert_decoded_alike
+from conftest import tiny
+
+from runtime.decode_batch import DecodeBatch
+from runtime.sequence import SamplingParams, Sequence
+
+ROWS = {  # name: (prompt, sampling, the step the row joins at)
+    "a": ("The harbour master kept a ledger of ships. " * 6, SamplingParams(max_tokens=5), 0),
+    "b": ("Once upon a time in a quiet town, " * 5, SamplingParams(max_tokens=14), 0),
+    "c": ("Numbers: one two three four five six. " * 4, SamplingParams(max_tokens=9), 3),
+    "d": ("A list of fruits and their colours. " * 7, SamplingParams(max_tokens=12, stop=("e",)), 1),
+    "e": ("Call the weather tool for Paris. " * 3, SamplingParams(max_tokens=7, forced=(5, 6, 7, 8)), 2),
+}
+
+
+def _decode(strategy: str, run_ahead: bool) -> dict[str, Sequence]:
+    lm = tiny("tiny-llama")
+    seqs = {}
+    for name, (prompt, params, _) in ROWS.items():
+        seq = Sequence(lm, prompt, None, params, strategy=strategy)
+        seq.logits_trace = []
+        while seq.prefill_step() is None:
+            pass
+        assert seq.finish_reason is None
+        seqs[name] = seq
+    batch = DecodeBatch(shared_prefix_check=False, run_ahead=run_ahead)
+    done: set[str] = set()
+    for step in range(40):
+        for name, (_, _, joins_at) in ROWS.items():
+            if joins_at == step:
+                batch.add(seqs[name])
+        for seq, _text in batch.step_once():
+            if seq.finish_reason is not None:
+                batch.remove(seq)  # as the engine does with a finished row, before the next step
+                done.add(next(n for n, s in seqs.items() if s is seq))
+        if len(done) == len(ROWS):
+            break
+    assert done == set(ROWS)
+    return seqs
+
+
+@pytest.mark.parametrize("strategy", ["native", "at-rest"])
+def test_one_step_ahead_decodes_what_lockstep_decodes(strategy: str) -> None:
+    lockstep, ahead = _decode(strategy, run_ahead=False), _decode(strategy, run_ahead=True)
+    limit = tiny("tiny-llama").vocab_limit
+    for name in ROWS:
+        assert ahead[name].finish_reason == lockstep[name].finish_reason, name
+        assert ahead[name].reply == lockstep[name].reply, name
+        # logits within float noise, the same tokens, and the same parked tokens, text and KV:
+        # the position a finished row was fed once more is not kept.
+        assert_decoded_alike(lockstep[name], ahead[name], limit, atol=1e-3)
+    assert ahead["e"].generated[:4] == [5, 6, 7, 8]
+    assert ahead["d"].finish_reason == "stop" and lockstep["a"].finish_reason == "length"
