@@ -28,7 +28,7 @@ from actors.messages_agent import (
     TurnResult,
 )
 from actors.messages_common import Failed
-from actors.messages_gpu import StreamItem, TurnStarted
+from actors.messages_gpu import StreamItem, TurnAccepted, TurnStarted
 from runtime.errors import (
     BudgetExceededError,
     ContextLengthExceededError,
@@ -80,6 +80,9 @@ def raise_failed(failed: Failed) -> NoReturn:
 class TurnStream:
     """One streaming turn: an async context manager and an async iterator of text deltas.
 
+    ``await stream.accepted()`` (optional, first) waits until the turn has passed
+    every check a request can fail (template, tools, context, KV budget) and raises
+    the turn's error if it did not: an HTTP route answers its status after it.
     ``await stream.start_info()`` (optional, before iterating) waits until the
     turn's prefill begins and gives its :class:`actors.messages_gpu.TurnStarted`
     accounting (tokens reused and prefilled, tier), also kept as :attr:`started`.
@@ -104,6 +107,8 @@ class TurnStream:
         self._done = False
         self.result: TurnResult | None = None
         self.started: TurnStarted | None = None
+        self._accepted = False
+        self._early_reply: TurnReply | None = None  # a reply accepted() read (a turn that never ran)
 
     async def __aenter__(self) -> TurnStream:
         await self._open()
@@ -126,6 +131,31 @@ class TurnStream:
             await self.aclose()
             raise
 
+    async def accepted(self) -> None:
+        """Wait until the turn is accepted (see the class docstring).
+
+        Raises:
+            the turn's error (``ValueError``, ``ContextLengthExceededError``,
+            ``BudgetExceededError``, ``TurnFailedError``, ...) when it was refused.
+        """
+        await self._open()
+        assert self._deltas is not None and self._reply is not None
+        if self._accepted:
+            return
+        try:
+            item = await self._deltas.receive()
+        except trio.EndOfChannel:
+            self._early_reply = reply = await self._reply.receive()
+            if isinstance(reply, Failed):
+                self._done = True
+                raise_failed(reply)
+            return  # ended without running (nothing to accept): iterating reads the reply
+        except BaseException:
+            await self.aclose()
+            raise
+        assert isinstance(item, TurnAccepted), "the GPU actor accepts a turn before anything else"
+        self._accepted = True
+
     async def start_info(self) -> TurnStarted | None:
         """Wait until the turn's prefill begins and return what it reuses and prefills.
 
@@ -134,11 +164,14 @@ class TurnStream:
         """
         await self._open()
         assert self._deltas is not None
-        if self.started is None:
+        while self.started is None:
             try:
                 item = await self._deltas.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 return None
+            if isinstance(item, TurnAccepted):
+                self._accepted = True
+                continue
             assert isinstance(item, TurnStarted), "the GPU actor announces a turn before any text"
             self.started = item
         return self.started
@@ -164,11 +197,13 @@ class TurnStream:
             assert self._deltas is not None and self._reply is not None
             try:
                 item = await self._deltas.receive()
-                while isinstance(item, TurnStarted):
-                    self.started = item
+                while isinstance(item, (TurnAccepted, TurnStarted)):
+                    if isinstance(item, TurnStarted):
+                        self.started = item
+                    self._accepted = True
                     item = await self._deltas.receive()
             except trio.EndOfChannel:
-                reply = await self._reply.receive()
+                reply = self._early_reply or await self._reply.receive()
                 self._done = True
                 if isinstance(reply, Failed):
                     raise_failed(reply)

@@ -38,6 +38,7 @@ from actors.messages_gpu import (
     Prepared,
     Render,
     Rendered,
+    TurnAccepted,
     TurnStarted,
     Unloaded,
     UnloadModel,
@@ -235,6 +236,13 @@ class GPUActor:
             send_reply(msg.reply, failed_from(exc))
             return
         self._requests[msg.request_id] = GpuTurn(msg, tokens)
+        if msg.deltas is not None:  # the client may answer its status now: nothing it asked for is refused
+            try:
+                msg.deltas.send_nowait(TurnAccepted(prompt_tokens=need))
+            except trio.WouldBlock:
+                pass  # not possible: it is the first item on the channel
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._requests[msg.request_id].client_gone = True
 
     # -- work ------------------------------------------------------------------
 
@@ -384,7 +392,7 @@ class GPUActor:
         try:
             req.msg.deltas.send_nowait(announcement)
         except trio.WouldBlock:
-            pass  # not possible: it is the first item on the channel
+            pass  # not possible: the second item on a channel of 64
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             req.client_gone = True
 

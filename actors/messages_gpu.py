@@ -38,6 +38,7 @@ __all__ = [
     "Generated",
     "TurnStarted",
     "StreamItem",
+    "TurnAccepted",
     "GpuInbox",
     "LoadReply",
     "UnloadReply",
@@ -68,8 +69,20 @@ class Rendered(Message, frozen=True, kw_only=True):
     num_tokens: int | None = None  # set when the Render asked for a token count
 
 
+class TurnAccepted(msgspec.Struct, frozen=True, kw_only=True):
+    """The first item on a streaming turn's ``deltas`` channel: the turn passed every check a
+    request can fail (its template rendered, its prompt tokenized and within the model's context
+    and the KV budget) and waits for the batch; anything after this is the server's trouble.
+
+    A streaming API answers its HTTP status only once it has this (or the turn's failure), so a
+    request the turn refuses gets a real 4xx instead of an error event in a 200 stream.
+    """
+
+    prompt_tokens: int
+
+
 class TurnStarted(msgspec.Struct, frozen=True, kw_only=True):
-    """A turn's accounting once its prefill begins: the first item on a streaming turn's ``deltas`` channel.
+    """A turn's accounting once its prefill begins: the next item on a streaming turn's ``deltas`` channel.
 
     Known before any token is generated, so a streaming API can report it up
     front (Anthropic's ``message_start`` usage). ``tier`` and ``match`` as in
@@ -82,9 +95,9 @@ class TurnStarted(msgspec.Struct, frozen=True, kw_only=True):
     match: str
 
 
-StreamItem = str | TurnStarted | ToolCall
-"""What a streaming turn's ``deltas`` channel carries: a :class:`TurnStarted` first, then
-reply text and, in a turn with tools, each :class:`runtime.engine.ToolCall` once complete."""
+StreamItem = str | TurnAccepted | TurnStarted | ToolCall
+"""What a streaming turn's ``deltas`` channel carries: a :class:`TurnAccepted`, a :class:`TurnStarted`,
+then reply text and, in a turn with tools, each :class:`runtime.engine.ToolCall` once complete."""
 
 
 class Generated(Message, frozen=True, kw_only=True):

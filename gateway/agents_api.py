@@ -164,14 +164,15 @@ def routes(gw: Gateway) -> list[Route]:
             if result is None:
                 return Response(status_code=CLIENT_GONE)
             return gw.json(public_result(result), headers=kvmem_headers(result))
-        if turn.tools or any(m.role == "tool" or m.tool_calls for m in turn.messages):
-            with runtime_errors():  # a template without tool support: a 400 now, not an error event later
-                await gw.rt.count_tokens(turn.chat(), tools=turn.tools, tool_choice=turn.tool_choice, model=turn.model)
+        # A turn its template, the model's context or the KV budget refuses: a 4xx now, not an error event.
+        stream = await gw.accepted_stream(request, handle, turn)
+        if stream is None:
+            return Response(status_code=CLIENT_GONE)
         rid = request_id(request)
 
         async def produce(emit: Emit) -> None:
             try:
-                async with handle.open_stream(turn) as stream:
+                async with stream:
                     async for item in stream.events():
                         event = sse("delta", TurnDelta(text=item)) if isinstance(item, str) else sse("tool_call", item)
                         await emit(event)

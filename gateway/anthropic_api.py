@@ -212,10 +212,6 @@ class _Blocks:
             await self._emit(sse("content_block_stop", {"type": "content_block_stop", "index": self._index}))
 
 
-def _uses_tools(chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
-    return bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in chat)
-
-
 def _usage(*, prefilled: int, reused: int, generated: int) -> Usage:
     """Anthropic usage (see the module docstring): nothing is ever counted as a cache write."""
     return Usage(input_tokens=prefilled, output_tokens=generated, cache_creation_input_tokens=0,
@@ -286,9 +282,10 @@ def routes(gw: Gateway) -> list[Route]:
                 stop_reason=stop_reason_of(result), stop_sequence=result.stop_sequence, usage=usage_of(result),
             )
             return gw.json(body, headers=kvmem_headers(result))
-        if _uses_tools(chat, tools):
-            with runtime_errors():  # a template without tool support: a 400 now, not an error event later
-                await gw.rt.count_tokens(chat, system=system, tools=tools, tool_choice=tool_choice, model=model)
+        # A turn its template, the model's context or the KV budget refuses: a 4xx now, not an error event.
+        stream = await gw.accepted_stream(request, handle, turn)
+        if stream is None:
+            return Response(status_code=CLIENT_GONE)
         rid = request_id(request)
         message_id = _message_id()
         model_name = model or gw.default_model
@@ -307,7 +304,7 @@ def routes(gw: Gateway) -> list[Route]:
         async def produce(emit: Emit) -> None:
             blocks = _Blocks(emit)
             try:
-                async with handle.open_stream(turn) as stream:
+                async with stream:
                     await start(stream, emit, blocks)
                     async for item in stream.events():
                         await (blocks.text(item) if isinstance(item, str) else blocks.tool_use(item))

@@ -57,15 +57,15 @@ import trio
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import ApiError, from_decode_error
+from gateway.errors import ApiError, from_decode_error, runtime_errors
 from runtime.config import Config
 from runtime.errors import InvalidAgentIdError
 from runtime.persist import safe_agent_dirname
 from runtime.tenancy import local_id, namespaced
 
 if TYPE_CHECKING:
-    from actors.client import AgentHandle
-    from actors.messages_agent import TurnResult
+    from actors.client import AgentHandle, TurnStream
+    from actors.messages_agent import ChatTurn, TurnResult
     from actors.supervisor import Runtime
     from gateway.tenants import Tenant, TenantKeys
 
@@ -253,6 +253,19 @@ def kvmem_headers(result: TurnResult) -> dict[str, str]:
 # -- the shared state ----------------------------------------------------------
 
 
+ACCEPT_WAIT_S = 10.0
+"""How long a streaming request waits for its turn to be accepted before its status is sent
+(:meth:`Gateway.accepted_stream`): past it, proxies would see no byte at all."""
+
+
+def _accepted(stream: TurnStream) -> Callable[[], Awaitable[bool]]:
+    async def call() -> bool:
+        await stream.accepted()
+        return True
+
+    return call
+
+
 @dataclass
 class Gateway:
     """Shared state of the HTTP app.
@@ -379,6 +392,30 @@ class Gateway:
         except UnicodeDecodeError as exc:  # msgspec raises it for bytes that are not UTF-8 inside a string
             raise ApiError(400, "invalid_request", f"the request body is not valid UTF-8 ({exc.reason} at byte "
                            f"{exc.start})", code="invalid_json") from None
+
+    async def accepted_stream(self, request: Request, handle: AgentHandle, turn: ChatTurn) -> TurnStream | None:
+        """Start ``turn`` streaming and wait until it is accepted, so a refused turn is a real 4xx.
+
+        The turn's own checks (its template and tools, the model's context, the KV budget) then
+        answer in the API's error shape before any byte of the response, as the non-streaming
+        answer does. A turn still not accepted after :data:`ACCEPT_WAIT_S` (it waits behind the
+        agent's earlier turns) is streamed anyway: a later refusal is an error event, and the
+        stream's keep-alives start. None when the client left meanwhile (the turn is dropped).
+
+        Raises:
+            ApiError: the turn was refused (from :func:`gateway.errors.from_exception`).
+        """
+        stream = handle.open_stream(turn)
+        try:
+            with runtime_errors():
+                with trio.move_on_after(ACCEPT_WAIT_S):
+                    if await self.unless_client_leaves(request, _accepted(stream)) is None:
+                        await stream.aclose()
+                        return None
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream
 
     async def unless_client_leaves(self, request: Request, call: Callable[[], Awaitable[T]]) -> T | None:
         """``await call()``, cancelled (None) if the client disconnects first.

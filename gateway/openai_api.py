@@ -228,9 +228,10 @@ def routes(gw: Gateway) -> list[Route]:
                 "usage": usage_of(result),
             }
             return gw.json(body, headers=kvmem_headers(result))
-        if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in chat):
-            with runtime_errors():  # a template without tool support: a 400 now, not an error chunk later
-                await gw.rt.count_tokens(chat, tools=tools, tool_choice=tool_choice, model=model)
+        # A turn its template, the model's context or the KV budget refuses: a 4xx now, not an error chunk.
+        stream = await gw.accepted_stream(request, handle, turn)
+        if stream is None:
+            return Response(status_code=CLIENT_GONE)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         rid = request_id(request)
         model_name = model or gw.default_model
@@ -250,7 +251,7 @@ def routes(gw: Gateway) -> list[Route]:
             await emit(chunk(choice({"role": "assistant", "content": ""})))
             calls = 0
             try:
-                async with handle.open_stream(turn) as stream:
+                async with stream:
                     async for item in stream.events():
                         if isinstance(item, str):
                             await emit(chunk(choice({"content": item})))

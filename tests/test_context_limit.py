@@ -141,18 +141,19 @@ def test_the_agents_api_answers_400(http: httpx.Client) -> None:
     assert error["message"] == NAMES_BOTH and error["code"] == "context_length_exceeded"
 
 
-def _events(http: httpx.Client, path: str, body: dict[str, Any]) -> list[str]:
-    with http.stream("POST", path, json={**body, "stream": True}) as response:
-        return list(response.iter_lines())
-
-
-def test_a_streaming_request_gets_an_error_event(http: httpx.Client) -> None:
-    lines = _events(http, "/v1/messages", OVER)
-    assert "event: error" in lines and "event: message_stop" not in lines
-    payload = json.loads(lines[lines.index("event: error") + 1].removeprefix("data: "))
-    assert payload["error"] == {"type": "invalid_request_error", "message": NAMES_BOTH}
-    data = [json.loads(line[6:]) for line in _events(http, "/v1/chat/completions", OVER) if line.startswith("data: {")]
-    assert data[-1]["error"]["code"] == "context_length_exceeded" and data[-1]["error"]["message"] == NAMES_BOTH
+def test_a_streaming_request_is_refused_with_a_400_before_any_event(http: httpx.Client) -> None:
+    """The turn is refused before it is accepted, so the status is a 400 in the API's shape, not an
+    error event in a 200 stream."""
+    streamed = {**OVER, "stream": True}
+    anthropic = http.post("/v1/messages", json=streamed)
+    assert anthropic.status_code == 400 and "text/event-stream" not in anthropic.headers["content-type"]
+    assert anthropic.json()["error"] == {"type": "invalid_request_error", "message": NAMES_BOTH}
+    openai = http.post("/v1/chat/completions", json=streamed)
+    assert openai.status_code == 400
+    assert openai.json()["error"]["code"] == "context_length_exceeded" and openai.json()["error"]["message"] == NAMES_BOTH
+    agents = http.post("/v1/agents/ctx-stream/messages", json={"messages": OVER["messages"], "max_tokens": 16,
+                                                             "stream": True})
+    assert agents.status_code == 400 and agents.json()["error"]["code"] == "context_length_exceeded"
 
 
 # -- the real model: tiny-llama (4,096 positions) ------------------------------------------

@@ -24,7 +24,7 @@ PROMPT = "Tell me about the sea and the ships on it. " * 60
 
 
 class HostCalls:
-    """``mx.eval`` calls and NumPy conversions of MLX arrays since the last :meth:`take`."""
+    """``mx.eval`` / ``mx.async_eval`` calls and NumPy conversions of MLX arrays since the last :meth:`take`."""
 
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
@@ -37,11 +37,15 @@ class HostCalls:
 @pytest.fixture
 def host_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostCalls]:
     calls = HostCalls()
-    evaluate, asarray, array = mx.eval, np.asarray, np.array
+    evaluate, evaluate_async, asarray, array = mx.eval, mx.async_eval, np.asarray, np.array
 
     def counted_eval(*args: Any, **kwargs: Any) -> Any:
         calls.counts["eval"] += 1
         return evaluate(*args, **kwargs)
+
+    def counted_async_eval(*args: Any, **kwargs: Any) -> Any:
+        calls.counts["async_eval"] += 1
+        return evaluate_async(*args, **kwargs)
 
     def counted(name: str, fn: Any) -> Any:
         def convert(x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -51,6 +55,7 @@ def host_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostCalls]:
         return convert
 
     monkeypatch.setattr(mx, "eval", counted_eval)
+    monkeypatch.setattr(mx, "async_eval", counted_async_eval)
     monkeypatch.setattr(np, "asarray", counted("to_numpy", asarray))
     monkeypatch.setattr(np, "array", counted("to_numpy", array))
     yield calls
@@ -86,7 +91,9 @@ def test_the_gpu_policy_syncs_once_per_chunk_and_step_and_copies_to_the_host_onl
         while not any(token.finished for token in engine.step()):
             steps += 1
         steps += 1
-        assert host_calls.take() == {"eval": steps}  # the join's merge included: no NumPy copies
+        # One launch a step, run ahead (the host reads step k while the device computes k+1), no
+        # blocking eval, no NumPy copies, the join's merge included.
+        assert host_calls.take() == {"async_eval": steps}
         layers = len(engine.lm.spec.layers)
         engine.finish(1)
         end = host_calls.take()
