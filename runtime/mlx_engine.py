@@ -274,6 +274,7 @@ class MlxEngine:
         else:
             start = StartFrom(ParkedCache.empty(self.lm.spec), plan.match, 0, list(tokens.ids), list(tokens.ends))
         seq = Sequence(self.lm, prompt, None, params, strategy=self._strategy, start=start, tool_calls=splitter)
+        seq.sync_chunks = not self._profile.run_ahead
         self._seqs[request_id] = seq
         self._ids[id(seq)] = request_id
         self._sample_memory()

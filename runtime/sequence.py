@@ -202,6 +202,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.next_input: int | None = None
         self.logits_trace: list[mx.array] | None = None  # set to [] to record each step's logits
+        self.sync_chunks = True  # wait for each prefill chunk (the engine's profile: not when running ahead)
         self._splitter = tool_calls
         self.tool_calls: list[ToolCall] = []
         self._calls_taken = 0
@@ -250,7 +251,9 @@ class Sequence:
         self._prefilled += len(piece)
         if not self.prefill_done:
             self.lm.forward(mx.array([piece]), self.kv.caches)  # logits never evaluated: only the caches
-            mx.eval([c.state for c in self.kv.caches])
+            # The chunk is computed before the next one is built (bounding the graph); the host waits
+            # for it only in lockstep: run ahead (the GPU policy) it goes on to the next job meanwhile.
+            (mx.eval if self.sync_chunks else mx.async_eval)([c.state for c in self.kv.caches])
             self.stats.prefill_s += time.perf_counter() - t0
             return None
         logits = self.lm.forward_last(mx.array([piece]), self.kv.caches)
