@@ -112,7 +112,8 @@ def test_the_cpu_policy_takes_its_host_paths(host_calls: HostCalls) -> None:
     """The counter sees the CPU's NumPy paths, so the test above would see them leak."""
     from runtime.mlx_engine import MlxEngine
 
-    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, strategy="auto", prefill_chunk=128)
+    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, strategy="auto", prefill_chunk=128,
+                       profile="cpu")
     try:
         engine.load("tiny-llama")
         plan = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
