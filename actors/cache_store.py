@@ -31,7 +31,7 @@
   to :data:`actors.shared_tier.LEASE_WAIT_S` while another node holds it, then answers
   ``Failed(kind="AgentBusy")``. The lease is given back after the turn's
   :class:`EndTurn` once its cache is published, under the lease's fence.
-* **Tenants**: an agent id that names a tenant (:mod:`runtime.tenancy`) keeps its caches in
+* **Tenants**: an agent id that names a tenant (:mod:`runtime.identity`) keeps its caches in
   that tenant's subtree of the cache directory (:class:`runtime.persist.tenants.TenantDirectories`);
   a listing is one tenant's, and :class:`Usage` is what one tenant holds (for its limits).
 * Caches carry their model tag; a plan only ever uses caches made by the model asked for. An agent has one cache per
@@ -82,11 +82,11 @@ from actors.prefetch import Prefetcher
 from actors.shared_tier import RemoteStats, SharedTier
 from runtime.engine import FromWarm, Tier, TurnPlan
 from runtime.errors import CacheMiss, InvalidAgentIdError
+from runtime.identity import AgentKey, local_id, safe_agent_dirname, tenant_of
 from runtime.kv_manager import KVCacheManager
-from runtime.persist import CacheDirectory, safe_agent_dirname
+from runtime.persist import CacheDirectory
 from runtime.persist.tenants import TenantDirectories
 from runtime.spec import CacheSnapshot
-from runtime.tenancy import local_id, tenant_of
 
 if TYPE_CHECKING:
     from runtime.persist.remote import RemoteTier
@@ -123,8 +123,6 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     prefetch_restored: int = 0  # of those read ahead, restored on the MLX thread before serving
 
 
-_Key = tuple[str, str]
-"""A cache's key: (agent id, model tag)."""
 
 
 @dataclass(frozen=True)
@@ -172,8 +170,8 @@ class CacheStoreActor:
         self._directory = TenantDirectories(directory)
         self._manager = manager
         self._limiter = trio.CapacityLimiter(1)
-        self._dirty: dict[_Key, _Pending] = {}  # oldest first
-        self._waiters: dict[_Key, list[_Waiter]] = {}  # durable turns, per cache, in Put order
+        self._dirty: dict[AgentKey, _Pending] = {}  # oldest first
+        self._waiters: dict[AgentKey, list[_Waiter]] = {}  # durable turns, per cache, in Put order
         self._puts = itertools.count()
         self._wake = trio.Event()
         self._loads_waiting = 0
@@ -429,7 +427,7 @@ class CacheStoreActor:
             self._dirty = {key: pending, **self._dirty}
         self._wake.set()
 
-    def _answer_waiters(self, key: _Key, upto: int | None, answer: SaveReply) -> None:
+    def _answer_waiters(self, key: AgentKey, upto: int | None, answer: SaveReply) -> None:
         """Answer the durable turns of ``key`` whose cache is Put number ``upto`` or older (None: all)."""
         waiting = self._waiters.pop(key, [])
         rest = [w for w in waiting if upto is not None and w.seq > upto]
@@ -459,7 +457,7 @@ class CacheStoreActor:
                 continue
             await self._write(next(iter(self._dirty)))
 
-    async def _write(self, key: _Key) -> bool:
+    async def _write(self, key: AgentKey) -> bool:
         """Save the cache pending under ``key``, if any; True when this call wrote it."""
         pending = self._dirty.get(key)
         if pending is None:

@@ -113,7 +113,7 @@ class Used(Message, frozen=True, kw_only=True):
 
     Attributes:
         agent_dirs: the folder name of each agent of the tenant with a cache, hot or on
-            disk (:func:`runtime.persist.safe_agent_dirname` of the id it gave: one per agent).
+            disk (:func:`runtime.identity.safe_agent_dirname` of the id it gave: one per agent).
         disk_bytes: every file of the tenant's cache subtree (not yet its dirty caches).
     """
 

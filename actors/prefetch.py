@@ -35,6 +35,7 @@ import trio
 
 from actors.mailbox import ask
 from actors.messages_gpu import GpuInbox, Prepare, Prepared
+from runtime.identity import AgentKey
 from runtime.errors import CacheMiss
 from runtime.persist.agents import AgentEntry
 from runtime.spec import CacheSnapshot
@@ -49,7 +50,6 @@ PREFETCH_KEEP_S = 600.0
 PREPARE_WITHIN_S = 10.0
 """The most time a start spends restoring prefetched caches ahead of their turns."""
 
-_Key = tuple[str, str]
 
 
 class Prefetcher:
@@ -77,9 +77,9 @@ class Prefetcher:
         self._disk = disk
         self._budget = budget_bytes
         self._keep_s = keep_s
-        self._ready: dict[_Key, CacheSnapshot] = {}  # newest first
-        self._prepared: dict[_Key, Any] = {}  # what Engine.prepare made of them
-        self._reading: dict[_Key, trio.Event] = {}
+        self._ready: dict[AgentKey, CacheSnapshot] = {}  # newest first
+        self._prepared: dict[AgentKey, Any] = {}  # what Engine.prepare made of them
+        self._reading: dict[AgentKey, trio.Event] = {}
         self._dropped: set[str] = set()  # agents forgotten while their read was under way
         self.done = trio.Event()
         self.read = self.taken = self.prepared = 0

@@ -42,7 +42,6 @@ LEASE_WAIT_S = 2.0
 REPUBLISH_S = 5.0
 """While Redis is down, how often the store tries again to publish the caches it saved meanwhile."""
 
-_Key = tuple[str, str]
 
 
 class RemoteStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,7 +89,7 @@ class SharedTier:
         self._disk = disk
         self._dirty = dirty
         self._leases: dict[str, _Held] = {}
-        self._unpublished: dict[_Key, None] = {}  # saved while Redis was down
+        self._unpublished: dict[AgentKey, None] = {}  # saved while Redis was down
         self.lease_wait_s = LEASE_WAIT_S
         self.republish_s = REPUBLISH_S
 
@@ -150,7 +149,7 @@ class SharedTier:
 
     # -- publishing --------------------------------------------------------------
 
-    async def publish(self, key: _Key) -> None:
+    async def publish(self, key: AgentKey) -> None:
         """Send the cache just saved under ``key`` to Redis, under the agent's lease (remembered if Redis is down)."""
         self._unpublished.pop(key, None)
         held = self._leases.get(key[0])

@@ -94,11 +94,10 @@ from actors.registry import (
 from actors.signals import watch_signals
 from runtime.config import Config
 from runtime.engine import Engine, ToolChoice
+from runtime.identity import check_agent_id, local_id, safe_agent_dirname, tenant_of
 from runtime.kv_manager import KVCacheManager
-from runtime.persist import CacheDirectory, safe_agent_dirname
+from runtime.persist import CacheDirectory
 from runtime.persist.owner import OwnerLock
-from runtime.persist.tenants import check_agent_id
-from runtime.tenancy import local_id, tenant_of
 
 _MAILBOX_SIZE = 16
 
@@ -155,7 +154,7 @@ class Runtime:
     def agent(self, agent_id: str, *, share_prefix: bool = True) -> AgentHandle:
         """A handle on agent ``agent_id`` (its actor starts on the first request).
 
-        ``agent_id`` may name a tenant (:func:`runtime.tenancy.namespaced`): its
+        ``agent_id`` may name a tenant (:func:`runtime.identity.namespaced`): its
         caches, its prefix sharing and its listing then stay within that tenant.
 
         Raises:

@@ -122,7 +122,7 @@ class Turn:
 
 def agent_dir(cache_dir: Path, agent_id: str) -> Path:
     """Where ``kvmem serve --cache-dir cache_dir`` keeps ``agent_id``'s files."""
-    from runtime.persist import safe_agent_dirname
+    from runtime.identity import safe_agent_dirname
 
     return cache_dir / "caches" / "agents" / safe_agent_dirname(agent_id)
 

@@ -61,7 +61,7 @@ from gateway.schemas_agents import (
     turn_decoder,
 )
 from gateway.sse import Emit, EventStreamResponse, sse
-from runtime.tenancy import local_id, tenant_of
+from runtime.identity import local_id, tenant_of
 
 __all__ = ["routes"]
 

@@ -70,7 +70,7 @@ from gateway.schemas_anthropic import (
     messages_decoder,
 )
 from gateway.sse import Emit, EventStreamResponse, sse
-from runtime.tenancy import local_id
+from runtime.identity import local_id
 
 __all__ = ["routes", "to_chat", "tool_choice_of", "usage_of", "stop_reason_of"]
 

@@ -181,7 +181,7 @@ class LineReader:
 
 async def _turn(rt: Runtime, home: KvmemHome, config: Config, args: argparse.Namespace, message: str) -> None:
     """Send ``message`` as the agent's next user turn; save the conversation; print the reply and accounting."""
-    from runtime.persist import safe_agent_dirname
+    from runtime.identity import safe_agent_dirname
 
     handle = rt.agent(args.agent)
     name = safe_agent_dirname(handle.agent_id)  # the id as checked (NFC): one conversation per agent
@@ -299,7 +299,7 @@ def _agents(args: argparse.Namespace) -> int:
 def _tenant_arg(args: argparse.Namespace) -> str | None:
     """``--tenant``, checked (a bad name is a ConfigError: one line, no traceback)."""
     from runtime.config import ConfigError
-    from runtime.tenancy import check_tenant_name
+    from runtime.identity import check_tenant_name
 
     try:
         return None if args.tenant is None else check_tenant_name(args.tenant)
@@ -334,7 +334,7 @@ async def _list_agents(config: Config, tenant: str | None = None) -> list[AgentS
     from actors.control import ListRequest
     from runtime.home import KvmemHome
     from runtime.errors import DirectoryInUseError
-    from runtime.tenancy import local_id
+    from runtime.identity import local_id
 
     try:
         async with _open_runtime(config, preload=False) as rt:  # listing needs no model
@@ -384,10 +384,10 @@ async def _forget_agent(config: Config, agent: str, tenant: str | None = None) -
     """Delete the agent's caches (every model's) and conversation; True if anything existed."""
     from actors.control import ForgetRequest
     from runtime.home import KvmemHome
-    from runtime.persist import safe_agent_dirname
+    from runtime.identity import safe_agent_dirname
     from runtime.errors import DirectoryInUseError
-    from runtime.persist.tenants import check_agent_id
-    from runtime.tenancy import namespaced
+    from runtime.identity import check_agent_id
+    from runtime.identity import namespaced
 
     agent = check_agent_id(agent)  # NFC, as every door names it
     name = safe_agent_dirname(agent)

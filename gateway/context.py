@@ -27,7 +27,7 @@ An id is checked once, where it enters the actors (``Runtime.agent``, through
 encoding kvmem's ``x-kvmem-agent-id`` answers use (:func:`header_safe`), and
 :func:`decode_agent_id` reads them strictly: bytes that are not UTF-8 are a 400,
 never a U+FFFD that two different ids would share. With tenants, :meth:`Gateway.agent`
-names the agent in the request's tenant's namespace (:mod:`runtime.tenancy`), and
+names the agent in the request's tenant's namespace (:mod:`runtime.identity`), and
 answers show the id as the tenant gave it (:func:`public_result`).
 
 **Durable turns**: ``X-Kvmem-Durable: true`` (:func:`durable_of`) makes a request's
@@ -60,8 +60,7 @@ from starlette.responses import Response
 from gateway.errors import ApiError, from_decode_error, runtime_errors
 from runtime.config import Config
 from runtime.errors import InvalidAgentIdError
-from runtime.persist import safe_agent_dirname
-from runtime.tenancy import local_id, namespaced
+from runtime.identity import local_id, namespaced, safe_agent_dirname
 
 if TYPE_CHECKING:
     from actors.client import AgentHandle, TurnStream

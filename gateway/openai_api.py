@@ -56,7 +56,7 @@ from gateway.schemas_openai import (
     chat_decoder,
 )
 from gateway.sse import Emit, EventStreamResponse, sse_data
-from runtime.tenancy import local_id
+from runtime.identity import local_id
 
 __all__ = ["routes", "to_chat", "tool_choice_of", "usage_of", "finish_reason_of"]
 

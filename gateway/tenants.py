@@ -25,8 +25,8 @@ the time a lookup takes says nothing about which keys exist. Storing keys
 hashed keeps the file useless to someone who reads it: ``printf %s KEY |
 sha256sum``.
 
-What a tenant is inside kvmem is :mod:`runtime.tenancy`: the gateway names
-its agents in the tenant's namespace (:func:`runtime.tenancy.namespaced`), and
+What a tenant is inside kvmem is :mod:`runtime.identity`: the gateway names
+its agents in the tenant's namespace (:func:`runtime.identity.namespaced`), and
 the runtime keeps their caches, listings and prefix sharing within it. This
 module decides who the tenant is and whether its request may run: the rate
 (a token bucket, 429 with ``Retry-After``), and before a turn its number of
@@ -55,8 +55,7 @@ from msgspec import Meta
 
 from gateway.errors import ApiError
 from runtime.config import ConfigError
-from runtime.persist import safe_agent_dirname
-from runtime.tenancy import check_tenant_name, local_id
+from runtime.identity import check_tenant_name, local_id, safe_agent_dirname
 
 if TYPE_CHECKING:
     from actors.supervisor import Runtime

@@ -12,7 +12,7 @@ the actors execute it. It owns
   completes, and is then dropped;
 * the **shared-prefix index**: which hot caches and which turns in flight other
   agents may start from (agents that opted in, of the same tenant: a tenant's
-  agents never start from another tenant's prefix, :mod:`runtime.tenancy`);
+  agents never start from another tenant's prefix, :mod:`runtime.identity`);
 * the **turns in flight**: their token ids, what they reused, and the prompt a
   running turn parked for others to start from (a *donor*).
 
@@ -38,16 +38,12 @@ from runtime.engine import COLD, FromHot, FromShared, FromWarm, HotCache, Tier, 
 from runtime.errors import BudgetExceededError
 from runtime.prefix import MatchKind, common_prefix_length, match_prefix
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot
-from runtime.tenancy import pool_key, tenant_of
+from runtime.identity import AgentKey, pool_key, tenant_of
 
 __all__ = ["KVCacheManager", "HotEntry", "HotTierStats", "PARTIAL_THRESHOLD"]
 
 PARTIAL_THRESHOLD = 0.8
 """A prompt that keeps at least this fraction of the cached text reuses it up to the last whole token."""
-
-Key = tuple[str, str]
-"""A hot cache's key: (agent id, model tag)."""
-
 
 @dataclass
 class HotEntry:
@@ -66,7 +62,7 @@ class HotEntry:
     accounted: bool = False
 
     @property
-    def key(self) -> Key:
+    def key(self) -> AgentKey:
         return (self.agent_id, self.model_tag)
 
 
@@ -108,7 +104,7 @@ class KVCacheManager:
     def __init__(self, *, hot_budget_bytes: int, partial_threshold: float = PARTIAL_THRESHOLD) -> None:
         self._budget = hot_budget_bytes
         self._threshold = partial_threshold
-        self._entries: dict[Key, HotEntry] = {}  # least recently used first
+        self._entries: dict[AgentKey, HotEntry] = {}  # least recently used first
         self._pools: dict[str, BlockPool] = {}
         self._inflight: dict[int, _InFlight] = {}
         self._prefix_hits = 0

@@ -26,8 +26,7 @@ from gateway.errors import ApiError
 from gateway.testing import ServerThread
 from runtime.config import Config
 from runtime.errors import InvalidAgentIdError
-from runtime.persist import safe_agent_dirname
-from runtime.persist.tenants import check_agent_id
+from runtime.identity import check_agent_id, safe_agent_dirname
 
 MODEL = "fake-a"
 NFC = unicodedata.normalize("NFC", "café")

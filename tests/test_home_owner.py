@@ -172,7 +172,7 @@ async def test_a_holder_without_a_control_socket_is_named_by_pid(tmp_path: Path)
 async def test_a_tenants_cli_forget_reaches_the_runtime_that_holds_the_home(tmp_path: Path) -> None:
     from gateway.cli_chat import _forget_agent, _list_agents  # noqa: PLC2701 - the CLI's own commands
     from runtime.config import Config
-    from runtime.tenancy import namespaced
+    from runtime.identity import namespaced
 
     async with open_runtime(engine=FakeEngine(), home=tmp_path, model="fake", prefetch_mb=0) as rt:
         await rt.agent(namespaced("acme", "x")).send(HELLO)

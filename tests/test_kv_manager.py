@@ -197,7 +197,7 @@ def test_forget_and_a_model_swap_drop_hot_caches():
 
 
 def test_turns_in_flight_donate_within_their_tenant_only():
-    from runtime.tenancy import namespaced
+    from runtime.identity import namespaced
 
     m = _manager()
     a1, a2, b1 = namespaced("acme", "a1"), namespaced("acme", "a2"), namespaced("globex", "b1")

@@ -73,6 +73,8 @@ PLAIN_MODULES = [
     # Settings, the home folder, the KV geometry and the cache directory: tools that only read
     # settings or caches neither pay for MLX nor need it installed.
     "runtime.config", "runtime.home", "runtime.spec", "runtime.persist",
+    # Who an agent is (ids, folders, tenants, cache keys) and the backend policy: every layer reads them.
+    "runtime.identity", "runtime.backend",
 ]
 """Modules that import neither trio nor mlx (``import runtime`` loads OpenBLAS, a shared library: fine)."""
 

@@ -34,8 +34,8 @@ from runtime.persist import (
     CacheDirectory,
     SaveReport,
     manifest_name,
-    safe_agent_dirname,
 )
+from runtime.identity import safe_agent_dirname
 from runtime.persist.format import pack_text
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 

@@ -136,7 +136,7 @@ async def test_caches_larger_than_the_budget_are_not_read(tmp_path: Path, budget
 
 
 async def test_tenants_agents_are_prefetched_from_their_own_subtrees(tmp_path: Path) -> None:
-    from runtime.tenancy import namespaced
+    from runtime.identity import namespaced
 
     acme_bob = namespaced("acme", "bob")
     await _first_turns(tmp_path, tmp_path / "caches", [acme_bob, "plain"])

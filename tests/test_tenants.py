@@ -29,7 +29,7 @@ from gateway.testing import ServerThread
 from runtime.config import Config, ConfigError, load_config
 from runtime.engine import HotCache
 from runtime.kv_manager import KVCacheManager
-from runtime.tenancy import namespaced
+from runtime.identity import namespaced
 
 MODEL = "fake-a"
 KEY_A = "kvmem-test-acme-0123456789"
@@ -441,7 +441,7 @@ async def test_new_agents_admitted_at_once_cannot_all_pass_the_limit() -> None:
 
     from actors.messages_store import Used
     from gateway.errors import ApiError
-    from runtime.tenancy import local_id
+    from runtime.identity import local_id
 
     class SlowRuntime:  # a store that takes a while to count, like a disk walk
         def __init__(self) -> None:

@@ -18,7 +18,7 @@ another model saves beside the first model's cache instead of over it, and
 each resumes its own. A ``manifest.json`` left by kvmem before per-model
 caches is still read as the cache of the model it records, until that model
 saves again (:mod:`runtime.persist.manifests`). ``<dir>`` is
-:func:`safe_agent_dirname` of the agent id.
+:func:`runtime.identity.safe_agent_dirname` of the agent id.
 
 An agent's blocked-layer (full-attention) KV is an ordered list of **pieces**
 covering tokens ``0:num_tokens`` without gaps:
@@ -88,17 +88,15 @@ Where each part lives:
 """
 
 from runtime.persist.agents import AgentEntry
-from runtime.persist.directory import MAX_AGENT_ID_CHARS, CacheDirectory, safe_agent_dirname
+from runtime.persist.directory import CacheDirectory
 from runtime.persist.format import FORMAT_VERSION
 from runtime.persist.manifests import manifest_name
 from runtime.persist.save import SaveReport
 
 __all__ = [
     "FORMAT_VERSION",
-    "MAX_AGENT_ID_CHARS",
     "AgentEntry",
     "CacheDirectory",
     "SaveReport",
     "manifest_name",
-    "safe_agent_dirname",
 ]

@@ -14,14 +14,13 @@ tenants: a block file that already exists is not written again, and a tenant
 must not be able to tell from a save that another tenant holds its prompt.
 Deleting an agent collects the garbage of its own subtree only. The manifest
 keeps the id as the tenant gave it; listings put the tenant back in front
-(:func:`runtime.tenancy.namespaced`).
+(:func:`runtime.identity.namespaced`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,47 +28,16 @@ import msgspec
 
 from runtime.errors import InvalidAgentIdError
 from runtime.persist.agents import AgentEntry
-from runtime.persist.directory import CacheDirectory, safe_agent_dirname
+from runtime.persist.directory import CacheDirectory
 from runtime.persist.files import ensure_private_dir
 from runtime.persist.save import SaveReport
 from runtime.spec import CacheSnapshot
-from runtime.tenancy import check_tenant_name, namespaced, split_agent_id
+from runtime.identity import check_agent_id, check_tenant_name, namespaced, safe_agent_dirname, split_agent_id
 
-__all__ = ["TenantDirectories", "TenantUsage", "check_agent_id", "TENANTS_DIR"]
+__all__ = ["TenantDirectories", "TenantUsage", "TENANTS_DIR"]
 
 TENANTS_DIR = "tenants"
 """The folder of the tenants' subtrees, inside the cache directory."""
-
-
-def check_agent_id(agent_id: str) -> str:
-    """``agent_id`` once checked, in the one spelling kvmem keys the agent by.
-
-    The id part is NFC-normalized, so the composed and decomposed spellings of one
-    name (``café`` as ``e`` + U+0301 or as U+00E9) are one agent, one cache and one
-    folder, whichever door (header, body field, path, CLI) the id came in by. It may
-    not hold U+FFFD: a lenient decoder writes that character for bytes that were not
-    valid UTF-8, so two different byte strings would otherwise become one agent.
-
-    Returns:
-        The normalized id (the tenant part, if any, unchanged): callers key the agent by it.
-
-    Raises:
-        InvalidAgentIdError: either part cannot name a cache.
-    """
-    if not isinstance(agent_id, str):
-        safe_agent_dirname(agent_id)  # raises, naming the type
-    tenant, local = split_agent_id(agent_id)
-    if tenant is not None:
-        try:
-            check_tenant_name(tenant)
-        except ValueError as exc:
-            raise InvalidAgentIdError(str(exc)) from None
-    if "\ufffd" in local:
-        raise InvalidAgentIdError("agent id contains U+FFFD (the replacement character, left where bytes "
-                                  "were not valid UTF-8)")
-    local = unicodedata.normalize("NFC", local)
-    safe_agent_dirname(local)
-    return namespaced(tenant, local)
 
 
 class TenantUsage(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,7 +45,7 @@ class TenantUsage(msgspec.Struct, frozen=True, kw_only=True):
 
     Attributes:
         agent_dirs: the folder names of its agents with a cache on disk
-            (:func:`~runtime.persist.safe_agent_dirname` of each id: distinct per agent).
+            (:func:`~runtime.identity.safe_agent_dirname` of each id: distinct per agent).
         disk_bytes: every file of its subtree, shared blocks once.
     """
 
