@@ -317,14 +317,13 @@ async def _ask_owner(exc: DirectoryInUseError, request: ControlRequest) -> Contr
     from actors.client import raise_failed
     from actors.control import OwnerUnreachableError, ask_owner
     from actors.messages_common import Failed
-    from runtime.errors import DirectoryInUseError
 
     if exc.holder is None:
         raise exc
     try:
         reply = await ask_owner(exc.holder, request)
     except OwnerUnreachableError as unreachable:
-        raise DirectoryInUseError(exc.root, exc.holder) from unreachable
+        raise exc from unreachable  # refused, naming the holder's pid
     if reply.error is not None:
         raise_failed(Failed(kind=reply.kind or "Failed", error=reply.error))
     return reply

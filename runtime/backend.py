@@ -97,7 +97,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.structs.replace(self, attention=attention, attention_note=note, float_dtype=float_dtype)
 
     def line(self) -> str:
-        """One line for the log: ``backend cuda (gpu policy): attention native, weights quantized, ...``."""
+        """One line for the log: ``backend cuda (gpu policy); attention native; weights quantized; ...``."""
         chunks = "/".join(str(c) for _, c in self.prefill_chunks)
         host = [name for name, on in (("numpy-attention", self.numpy_attention), ("numpy-kv-copy", self.numpy_kv_copy),
                                       ("shared-prefix-check", self.shared_prefix_check),

@@ -195,9 +195,13 @@ class DecodeBatch:
             return self._step_ahead()
         if self._ahead is not None:  # a forced token next: read the step in flight, then step in lockstep
             return self._read_ahead(None)
-        tokens = self._launch(mx.array([[s.next_input] for s in self.members]))
+        tokens = self._launch(self._own_inputs())
         mx.eval(tokens)
         return [(s, s.accept(t)) for s, t in zip(self.members, tokens.tolist(), strict=True)]
+
+    def _own_inputs(self) -> mx.array:
+        """Every member's next input token, as the ``(B, 1)`` input of a step."""
+        return mx.array([[s.next_input] for s in self.members])
 
     def _launch(self, inputs: mx.array) -> mx.array:
         """One forward pass and sampling for every member (lazy: nothing is evaluated here)."""
@@ -211,7 +215,7 @@ class DecodeBatch:
     def _step_ahead(self) -> list[tuple[Sequence, str]]:
         """Launch the next step from the tokens in flight, then read those (see the class docstring)."""
         if self._ahead is None:  # nothing in flight: this step's tokens come from the rows' inputs
-            self._ahead = self._launch(mx.array([[s.next_input] for s in self.members]))
+            self._ahead = self._launch(self._own_inputs())
             self._ahead_rows = len(self.members)
         # Rows that joined since the launch have not stepped yet: they go in with their own input.
         joined = [s.next_input or 0 for s in self.members[self._ahead_rows :]]
