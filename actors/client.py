@@ -21,6 +21,7 @@ from actors.messages_agent import (
     ChatTurn,
     ForgetAgent,
     ForgetReply,
+    ResponseFormat,
     ToolCall,
     ToolChoice,
     Turn,
@@ -258,12 +259,18 @@ class TurnOptions(TypedDict, total=False):
         model: a configured model name (None: the runtime's default); another
             model than the loaded one makes the runtime swap.
         tools: tool definitions (OpenAI ``{"type": "function", "function": ...}``
-            dicts) rendered by the model's chat template; messages may then
-            carry ``tool_calls`` (assistant) and ``role: "tool"`` results. A
-            template without tool support fails the turn with ``ValueError``.
+            dicts) rendered by the model's chat template, or in kvmem's generic
+            format when it has no tool syntax (``runtime.generic_tools``); messages
+            may then carry ``tool_calls`` (assistant) and ``role: "tool"`` results.
             The reply's tool calls come back in ``TurnResult.tool_calls``.
         tool_choice: ``"auto"`` (default), ``"none"``, ``"required"`` or
             ``{"name": f}``; one the model cannot honour fails with ``ValueError``.
+        response_format: the reply is JSON: ``{"type": "json_object"}`` (any object) or
+            ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``
+            (valid against the schema), as OpenAI takes it; decoded under the schema's
+            grammar on every model.
+        parallel_tool_calls: False: one call at most (where the model writes
+            kvmem's generic tool-call format).
         durable: return only once the turn's cache is saved on disk (None: the
             runtime's ``durable`` setting); a failed save raises ``TurnFailedError``
             of kind ``NotSaved`` (the cache stays in memory and is saved later).
@@ -278,6 +285,8 @@ class TurnOptions(TypedDict, total=False):
     model: str | None
     tools: Sequence[Mapping[str, Any]] | None
     tool_choice: str | Mapping[str, Any] | ToolChoice | None
+    response_format: Mapping[str, Any] | ResponseFormat | None
+    parallel_tool_calls: bool
     durable: bool | None
 
 
@@ -297,7 +306,7 @@ class AgentHandle:
     Raises (from every turn method):
         BudgetExceededError: the turn cannot fit the KV budget even alone.
         ModelError: the model cannot be loaded.
-        ValueError: bad arguments, an unconfigured model, or tools the template cannot render.
+        ValueError: bad arguments (a tool or schema that cannot be used), or an unconfigured model.
         TurnFailedError: anything else that went wrong.
     """
 

@@ -23,14 +23,17 @@ import trio
 
 from actors.messages_common import Failed, Message
 from actors.messages_gpu import SamplingOptions, StreamItem, Tier
-from runtime.engine import ToolCall, ToolChoice, ToolUse
+from runtime.engine import ResponseFormat, ToolCall, ToolChoice, ToolUse
+from runtime.reply_format import schema_error
 
 __all__ = [
     "ChatMessage",
     "ChatTurn",
+    "ResponseFormat",
     "ToolCall",
     "ToolChoice",
     "chat_messages",
+    "check_tool_definitions",
     "TurnUsage",
     "TurnResult",
     "Turn",
@@ -148,6 +151,10 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
             are parsed out of it (``TurnResult.tool_calls``).
         tool_choice: what the model may do with them (``auto``; ``none``;
             ``required``, optionally naming the one function to call).
+        response_format: the reply (its answer, with tools) is JSON, valid against a
+            schema when it gives one; decoded under the schema's grammar on every model.
+        parallel_tool_calls: False: one call at most (where the model writes kvmem's
+            generic tool-call format).
         model: a configured model name (None: the runtime's default).
         sampling: length, randomness and stop strings.
         share_prefix: start from another agent's cached prefix when this agent's
@@ -162,6 +169,8 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     prompt: str | None = None
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: ToolChoice = ToolChoice()
+    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool = True
     model: str | None = None
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     share_prefix: bool = True
@@ -182,6 +191,7 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         names = {(t.get("function") or t).get("name") for t in self.tools}
         if choice.name is not None and choice.name not in names:
             raise ValueError(f"tool_choice names {choice.name!r}, which is not one of the tools given")
+        check_tool_definitions(self.tools)
 
     @classmethod
     def of(
@@ -193,6 +203,8 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         system: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | ToolChoice | None = None,
+        response_format: Mapping[str, Any] | ResponseFormat | None = None,
+        parallel_tool_calls: bool = True,
         model: str | None = None,
         max_tokens: int = 256,
         temperature: float = 0.0,
@@ -206,13 +218,16 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
 
         ``system`` is put first unless the messages begin with a system message.
         ``tool_choice``: ``"auto"`` (default), ``"none"``, ``"required"`` or ``{"name": f}``.
+        ``response_format``: OpenAI's shape (``{"type": "json_object"}``, ``{"type":
+        "json_schema", "json_schema": {"name": ..., "schema": {...}}}``) or a ``ResponseFormat``.
         """
         chat = chat_messages(messages or (), system if prompt is None else None)
         sampling = SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                    stop=(stop,) if isinstance(stop, str) else tuple(stop))
         return cls(agent_id=agent_id, messages=chat, prompt=prompt,
-                   tools=tuple(dict(t) for t in tools or ()), tool_choice=ToolChoice.of(tool_choice), model=model,
-                   sampling=sampling, share_prefix=share_prefix, durable=durable)
+                   tools=tuple(dict(t) for t in tools or ()), tool_choice=ToolChoice.of(tool_choice),
+                   response_format=ResponseFormat.of(response_format), parallel_tool_calls=parallel_tool_calls,
+                   model=model, sampling=sampling, share_prefix=share_prefix, durable=durable)
 
     def chat(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (plain dicts)."""
@@ -223,10 +238,13 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         return [dict(t) for t in self.tools] or None
 
     def engine_sampling(self) -> SamplingOptions:
-        """The sampling options as the engine takes them: with the tools and ``tool_choice`` when there are tools."""
+        """The sampling options as the engine takes them: with the tools and ``tool_choice`` when there are
+        tools, and the ``response_format``."""
+        sampling = msgspec.structs.replace(self.sampling, response_format=self.response_format)
         if not self.tools or self.prompt is not None:
-            return self.sampling
-        return msgspec.structs.replace(self.sampling, tool_use=ToolUse(tools=self.tools, choice=self.tool_choice))
+            return sampling
+        use = ToolUse(tools=self.tools, choice=self.tool_choice, parallel=self.parallel_tool_calls)
+        return msgspec.structs.replace(sampling, tool_use=use)
 
 
 def chat_messages(
@@ -276,3 +294,17 @@ class ForgetAgent(Message, frozen=True, kw_only=True):
 
 
 AgentInbox = Turn | ForgetAgent
+
+
+def check_tool_definitions(tools: Sequence[Mapping[str, Any]]) -> None:
+    """Raise ``ValueError`` naming the first tool without a name or with a parameters schema
+    that cannot constrain a call (``tools[i]...``)."""
+    for i, tool in enumerate(tools):
+        inner = tool.get("function")
+        function = inner if isinstance(inner, Mapping) else tool
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}]: a function name is required")
+        params = function.get("parameters")
+        if params is not None and (error := schema_error(params)):
+            raise ValueError(f"tools[{i}] ({name}): parameters: {error}")

@@ -52,6 +52,7 @@ from gateway.context import (
     tenant_of_request,
 )
 from gateway.errors import ApiError, error_dict, from_exception, runtime_errors
+from gateway.openai_api import response_format_of
 from gateway.schemas_agents import (
     AgentInfo,
     AgentList,
@@ -149,6 +150,7 @@ def routes(gw: Gateway) -> list[Route]:
                 system=req.system,
                 tools=req.tools,
                 tool_choice=msgspec.to_builtins(req.tool_choice),
+                response_format=response_format_of(req.response_format),
                 model=gw.model_for(req.model),
                 max_tokens=max_tokens,
                 temperature=req.temperature,

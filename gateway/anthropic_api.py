@@ -39,7 +39,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from actors.client import TurnStream
-from actors.messages_agent import ToolCall, ToolChoice
+from actors.messages_agent import ResponseFormat, ToolCall, ToolChoice
 from gateway.context import (
     CLIENT_GONE,
     Gateway,
@@ -71,6 +71,7 @@ from gateway.schemas_anthropic import (
 )
 from gateway.sse import Emit, EventStreamResponse, sse
 from runtime.identity import local_id
+from runtime.reply_format import schema_error
 
 __all__ = ["routes", "to_chat", "tool_choice_of", "usage_of", "stop_reason_of"]
 
@@ -134,6 +135,9 @@ def _tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
         if tool.input_schema is None:
             raise ApiError(400, "invalid_request", f"tools[{k}].input_schema: Field required",
                            param=f"tools[{k}].input_schema")
+        if error := schema_error(tool.input_schema):
+            raise ApiError(400, "invalid_request", f"tools[{k}].input_schema: {error}",
+                           param=f"tools[{k}].input_schema")
         out.append({"type": "function", "function": {"name": tool.name, "description": tool.description or "",
                                                      "parameters": tool.input_schema}})
     return out
@@ -148,6 +152,18 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> tuple[str | None, list
                        "partial assistant message (prefill)", param=f"messages[{len(req.messages) - 1}].role")
     chat = [c for i, m in enumerate(req.messages) for c in _message(i, m)]
     return system, chat, _tools(req.tools)
+
+
+def response_format_of(req: MessagesRequest) -> ResponseFormat | None:
+    """The request's structured output format (``output_config.format``, or the beta's ``output_format``)."""
+    spec = req.output_config.format if req.output_config is not None else None
+    spec, param = (spec, "output_config.format.schema") if spec is not None else (req.output_format,
+                                                                                 "output_format.schema")
+    if spec is None:
+        return None
+    if error := schema_error(spec.schema):
+        raise ApiError(400, "invalid_request", f"{param}: {error}", param=param)
+    return ResponseFormat(schema=spec.schema)
 
 
 def tool_choice_of(choice: ToolChoiceParam | None) -> ToolChoice:
@@ -262,6 +278,8 @@ def routes(gw: Gateway) -> list[Route]:
                 system=system,
                 tools=tools,
                 tool_choice=tool_choice,
+                response_format=response_format_of(req),
+                parallel_tool_calls=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
                 model=model,
                 max_tokens=req.max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,

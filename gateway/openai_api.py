@@ -5,7 +5,10 @@ when there is no other text) with ``finish_reason: "tool_calls"``; streamed, eac
 is a ``delta.tool_calls`` chunk with its ``index``, ``id``, ``type``, ``name`` and empty
 ``arguments``, then a chunk with the ``arguments``. ``tool_choice`` (``none``,
 ``auto``, ``required``, a named function) is honoured or refused with a 400 (see
-``runtime.tool_calls``).
+``runtime.tool_calls``); on a model whose template has no tool syntax the calls are
+decoded in kvmem's generic format, valid against the function's parameters
+(``runtime.generic_tools``). ``response_format`` (``json_object``, ``json_schema``)
+makes the reply JSON under the schema's grammar, on every model.
 
 Usage: ``prompt_tokens`` = tokens reused from the agent's cache + tokens
 prefilled; ``prompt_tokens_details.cached_tokens`` = the reused ones;
@@ -29,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from actors.messages_agent import ToolCall, ToolChoice
+from actors.messages_agent import ResponseFormat, ToolCall, ToolChoice
 from gateway.context import (
     CLIENT_GONE,
     Gateway,
@@ -49,6 +52,9 @@ from gateway.schemas_openai import (
     Content,
     DeveloperMessage,
     ImageUrlPart,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    ResponseFormatSpec,
     SystemMessage,
     ToolDef,
     ToolMessage,
@@ -57,8 +63,9 @@ from gateway.schemas_openai import (
 )
 from gateway.sse import Emit, EventStreamResponse, sse_data
 from runtime.identity import local_id
+from runtime.reply_format import schema_error
 
-__all__ = ["routes", "to_chat", "tool_choice_of", "usage_of", "finish_reason_of"]
+__all__ = ["routes", "to_chat", "tool_choice_of", "response_format_of", "usage_of", "finish_reason_of"]
 
 log = logging.getLogger("kvmem.gateway")
 FINGERPRINT = "kvmem"
@@ -130,8 +137,29 @@ def _tool_call(call: ToolCall) -> dict[str, Any]:
 def _tools(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
+    for i, t in enumerate(tools):
+        if t.function.parameters is not None and (error := schema_error(t.function.parameters)):
+            raise ApiError(400, "invalid_request", f"tools[{i}].function.parameters: {error}",
+                           param=f"tools[{i}].function.parameters")
     return [{"type": "function", "function": {"name": t.function.name, "description": t.function.description or "",
                                                "parameters": t.function.parameters or {}}} for t in tools]
+
+
+def response_format_of(spec: ResponseFormatSpec | None) -> ResponseFormat | None:
+    """A request's ``response_format`` as the engine takes it (None: plain text).
+
+    Raises:
+        ApiError: a schema that cannot constrain a reply (400 naming it).
+    """
+    match spec:
+        case JsonObjectFormat():
+            return ResponseFormat()
+        case JsonSchemaFormat(json_schema=spec):
+            if spec.schema is not None and (error := schema_error(spec.schema)):
+                raise ApiError(400, "invalid_request", f"response_format.json_schema.schema: {error}",
+                               param="response_format.json_schema.schema")
+            return ResponseFormat(schema=spec.schema, name=spec.name)
+    return None
 
 
 def to_chat(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -197,6 +225,8 @@ def routes(gw: Gateway) -> list[Route]:
                 messages=chat,
                 tools=tools,
                 tool_choice=tool_choice,
+                response_format=response_format_of(req.response_format),
+                parallel_tool_calls=req.parallel_tool_calls is not False,
                 model=model,
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,

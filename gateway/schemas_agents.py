@@ -9,6 +9,7 @@ from msgspec import Meta, Struct
 
 from actors.messages_agent import TurnResult
 from actors.metrics import RunningTurn
+from gateway.schemas_openai import ResponseFormatSpec
 
 __all__ = ["AgentMessage", "AgentTurnRequest", "AgentInfo", "AgentList", "Deleted", "turn_decoder"]
 
@@ -34,6 +35,9 @@ class AgentTurnRequest(Struct, kw_only=True):
     Attributes:
         tools: OpenAI-shaped tool definitions; the reply's calls come back in ``tool_calls``.
         tool_choice: ``auto`` (default), ``none``, ``required`` or ``{"name": ...}``.
+        response_format: OpenAI's shape: ``{"type": "json_object"}`` or ``{"type": "json_schema",
+            "json_schema": {"name": ..., "schema": {...}}}``; the reply is JSON, decoded under the
+            schema's grammar on every model.
         model: a configured model (None: the default).
         max_tokens: new tokens at most (None: the server's ``default_max_tokens``).
         share_prefix: start from another agent's cached prefix when this agent has nothing to reuse.
@@ -50,6 +54,7 @@ class AgentTurnRequest(Struct, kw_only=True):
     stop: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)] = []
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedTool | None = None
+    response_format: ResponseFormatSpec | None = None
     stream: bool = False
     share_prefix: bool = True
 

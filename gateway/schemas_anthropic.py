@@ -93,12 +93,25 @@ class Tool(Struct, kw_only=True):
 class ToolChoiceParam(Struct, kw_only=True):
     """Anthropic's ``tool_choice``: ``auto``, ``any`` (call some tool), ``tool`` (call ``name``) or ``none``.
 
-    ``disable_parallel_tool_use`` is accepted and not enforced (the model may write several calls).
+    ``disable_parallel_tool_use``: one call at most, enforced where the model writes kvmem's
+    generic tool-call format (a model's own format may still write several).
     """
 
     type: Literal["auto", "any", "tool", "none"]
     name: NonEmpty | None = None
     disable_parallel_tool_use: bool | None = None
+
+
+class JsonOutputFormat(Struct, tag="json_schema", tag_field="type", kw_only=True):
+    """Anthropic's structured output format: the reply's text is JSON valid against ``schema``."""
+
+    schema: dict[str, Any]
+
+
+class OutputConfig(Struct, kw_only=True):
+    """Anthropic's ``output_config``: ``format`` makes the reply JSON (other fields are accepted and ignored)."""
+
+    format: JsonOutputFormat | None = None
 
 
 class Metadata(Struct, kw_only=True):
@@ -112,6 +125,8 @@ class MessagesRequest(Struct, kw_only=True):
 
     ``thinking`` (extended thinking) is accepted and declined: the reply is an ordinary
     answer without ``thinking`` blocks, as a model without that feature gives.
+    Structured output, ``output_config.format`` (or the beta's ``output_format``), is
+    honoured on every model: the reply is decoded under the schema's grammar.
     """
 
     model: NonEmpty
@@ -127,6 +142,8 @@ class MessagesRequest(Struct, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoiceParam | None = None
     thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None
 
 
 class CountTokensRequest(Struct, kw_only=True):

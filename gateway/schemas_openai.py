@@ -12,6 +12,11 @@ from msgspec import Meta, Struct
 
 __all__ = [
     "TextPart",
+    "JsonSchemaSpec",
+    "TextFormat",
+    "JsonObjectFormat",
+    "JsonSchemaFormat",
+    "ResponseFormatSpec",
     "ImageUrlPart",
     "SystemMessage",
     "DeveloperMessage",
@@ -102,7 +107,8 @@ ChatMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage 
 
 
 class FunctionDef(Struct, kw_only=True):
-    """OpenAI's function definition (``ToolDef.function``); ``strict`` is accepted and ignored."""
+    """OpenAI's function definition (``ToolDef.function``); ``strict`` is accepted: calls are always
+    decoded under the parameters' grammar where the model writes kvmem's generic format."""
 
     name: NonEmpty
     description: str | None = None
@@ -117,6 +123,35 @@ class ToolDef(Struct, kw_only=True):
     type: Literal["function"] = "function"
 
 
+class JsonSchemaSpec(Struct, kw_only=True):
+    """OpenAI's ``response_format.json_schema``: the schema the reply must be valid against.
+
+    ``strict`` is accepted; kvmem always decodes under the schema's grammar (no schema: any object).
+    """
+
+    name: NonEmpty
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextFormat(Struct, tag="text", tag_field="type", kw_only=True):
+    """``response_format: {"type": "text"}``: a plain reply (the default)."""
+
+
+class JsonObjectFormat(Struct, tag="json_object", tag_field="type", kw_only=True):
+    """``response_format: {"type": "json_object"}``: the reply is a JSON object."""
+
+
+class JsonSchemaFormat(Struct, tag="json_schema", tag_field="type", kw_only=True):
+    """``response_format: {"type": "json_schema", "json_schema": {...}}``: the reply is valid against the schema."""
+
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormatSpec = TextFormat | JsonObjectFormat | JsonSchemaFormat
+
+
 class StreamOptions(Struct, kw_only=True):
     """OpenAI's ``stream_options``: ``include_usage`` adds a final chunk with the usage before ``[DONE]``."""
 
@@ -127,7 +162,10 @@ class ChatCompletionRequest(Struct, kw_only=True):
     """``POST /v1/chat/completions``. Token limits are also checked against the server's limit.
 
     ``top_k`` is an extension (vLLM, llama.cpp and mlx-lm accept it too).
-    Penalties, ``seed``, ``logprobs`` and ``response_format`` are accepted and ignored.
+    Penalties and ``seed`` are accepted and ignored. ``response_format`` is honoured on
+    every model (the reply is decoded under the schema's grammar); so is
+    ``parallel_tool_calls: false`` (one call at most) where the model writes kvmem's
+    generic tool-call format.
     """
 
     model: NonEmpty
@@ -148,7 +186,8 @@ class ChatCompletionRequest(Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormatSpec | None = None
+    parallel_tool_calls: bool | None = None
 
 
 chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)

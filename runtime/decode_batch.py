@@ -20,6 +20,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, Rot
 
 from runtime import cpu_attention
 from runtime.float_resident import extract_with_room
+from runtime.grammar import mask_rows
 from runtime.kv_copy import place_rows
 from runtime.q4_batch_cache import BatchDequantizingQuantizedKVCache, BatchQuantizedKVCache
 from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
@@ -98,8 +99,8 @@ class DecodeBatch:
     streams step k. A row that finishes on a token has then been fed it once
     more than it needed: that position's KV lies past the tokens the row parks
     (:meth:`runtime.sequence.Sequence.park` keeps only tokens that went through
-    the model), so nothing of it is kept. Rows whose next token is forced
-    (a tool call's opening) step without running ahead.
+    the model), so nothing of it is kept. While a row's next token is forced
+    (a tool call's opening) or under a grammar, the batch steps without running ahead.
     """
 
     def __init__(self, *, shared_prefix_check: bool = True, run_ahead: bool = False) -> None:
@@ -250,13 +251,19 @@ def _keep_rows(cache: Any, keep: list[int]) -> None:
 
 
 def _forcing(seq: Sequence) -> bool:
-    """Whether ``seq`` still has forced tokens to produce (a tool call's opening): its sampler picks
-    them by how many tokens it accepted, a count that lags one behind while a step runs ahead."""
-    return len(seq.generated) < len(seq.params.forced)
+    """Whether ``seq``'s next token depends on the last one on the host: forced tokens still to
+    produce (a tool call's opening; its sampler picks them by how many tokens it accepted, a count
+    that lags one behind while a step runs ahead), or a grammar (its mask follows each token)."""
+    return seq.grammar is not None or len(seq.generated) < len(seq.params.forced)
 
 
 def sample_rows(members: list[Sequence], logits: mx.array) -> mx.array:
-    """One token per row; greedy rows share one argmax, the others sample alone."""
+    """One token per row; greedy rows share one argmax, the others sample alone.
+
+    Rows with a grammar have their forbidden tokens masked first, all in one go
+    (:func:`runtime.grammar.mask_rows`): constrained and free rows share the argmax.
+    """
+    logits = mask_rows([s.grammar for s in members], logits)
     greedy = [not s.samples_alone for s in members]
     if all(greedy):
         return members[0].sample(logits)

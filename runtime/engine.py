@@ -17,7 +17,7 @@ token by token. It executes decisions made elsewhere: what a turn reuses comes
 in its plan, and a donor prefix to adopt from
 :meth:`runtime.kv_manager.KVCacheManager.adopt`; it never matches prompts itself.
 
-This module is pure (msgspec and the standard library; no trio, no mlx): the
+This module is pure (msgspec, llguidance's schema check and the standard library; no trio, no mlx): the
 manager, the actors and the engines all import it. Implementations:
 :class:`runtime.mlx_engine.MlxEngine` (the real one),
 :class:`runtime.distributed.leader.LeaderEngine` (rank 0 of ``kvmem serve --distributed``: the
@@ -38,6 +38,7 @@ import msgspec
 
 from runtime.backend import BackendProfile
 from runtime.prefix import MatchKind
+from runtime.reply_format import schema_error
 from runtime.spec import CacheSnapshot
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     # tool calls
     "ToolChoice",
     "ToolUse",
+    "ResponseFormat",
     "ToolCall",
     # the engine
     "Engine",
@@ -146,11 +148,61 @@ class ToolUse(msgspec.Struct, frozen=True, kw_only=True):
     """A turn's tool definitions (OpenAI ``{"type": "function", "function": ...}``) and its :class:`ToolChoice`.
 
     The engine renders the definitions and parses the reply's tool calls with the
-    model's mlx-lm tool parser (``runtime.tool_calls``).
+    model's mlx-lm tool parser (``runtime.tool_calls``), or in kvmem's generic format
+    (``runtime.generic_tools``) for a model whose template has no tool syntax.
+    ``parallel`` False: one call at most (OpenAI's ``parallel_tool_calls``; enforced in the
+    generic format, whose grammar decides the calls).
     """
 
     tools: tuple[dict[str, Any], ...]
     choice: ToolChoice = ToolChoice()
+    parallel: bool = True
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """The reply is JSON (OpenAI's ``response_format``): valid against ``schema``, or any JSON object.
+
+    The engine decodes the reply under the schema's grammar (:mod:`runtime.grammar`), so
+    it parses, on every model; ``max_tokens`` can still cut it short (``finish_reason``
+    ``length``).
+
+    Attributes:
+        schema: a JSON Schema (None: any JSON object, OpenAI's ``json_object``).
+        name: the schema's name, as OpenAI's ``json_schema.name`` gives it.
+
+    Raises:
+        ValueError: a schema that cannot constrain a reply (the message says why).
+    """
+
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.schema is not None and (error := schema_error(self.schema)):
+            raise ValueError(f"response_format's schema: {error}")
+
+    @classmethod
+    def of(cls, value: Mapping[str, Any] | ResponseFormat | None) -> ResponseFormat | None:
+        """OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``), or one of these (None: text).
+
+        Raises:
+            ValueError: another type, or a ``json_schema`` without a schema object.
+        """
+        if value is None or isinstance(value, ResponseFormat):
+            return value
+        kind = value.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls()
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, Mapping) else None
+            if not isinstance(schema, dict):
+                raise ValueError("response_format.json_schema.schema: a JSON Schema object is required")
+            name = spec.get("name") if isinstance(spec, Mapping) else None
+            return cls(schema=schema, name=name if isinstance(name, str) else None)
+        raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -190,6 +242,7 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     ``stop`` strings end the reply (they are not part of it). ``tool_use``: the
     turn's tools; the engine then enforces its ``tool_choice`` while sampling and
     parses tool calls out of the reply (None: the reply is plain text).
+    ``response_format``: the reply (its answer, in a turn with tools) is JSON.
 
     Raises:
         ValueError: a value out of range (the message names it).
@@ -201,6 +254,7 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     top_k: int = 0
     stop: tuple[str, ...] = ()
     tool_use: ToolUse | None = None
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from runtime.grammar import mask_rows
 from runtime.kvstate import ParkedCache, Strategy
 from runtime.models import LoadedModel
 from runtime.sequence import SamplingParams, Sequence, TurnStats
@@ -35,7 +36,7 @@ def decode_alone(seq: Sequence) -> Iterator[str]:
     while seq.next_input is not None:
         logits = seq.lm.forward(mx.array([[seq.next_input]]), seq.kv.caches)[:, -1, :]
         seq.observe(logits)
-        token = seq.sample(logits)
+        token = seq.sample(mask_rows([seq.grammar], logits))
         mx.eval(token)
         delta = seq.accept(int(token.item()))
         if delta:

@@ -46,7 +46,7 @@ from runtime.models import LoadedModel, load_model
 from runtime.prefix import MatchKind
 from runtime.sequence import SamplingParams, Sequence, StartFrom
 from runtime.spec import CacheSnapshot, KVFormat, LayerKind, ModelCacheSpec
-from runtime.tool_calls import reply_rules
+from runtime.tool_calls import ReplyRules, reply_rules
 from runtime.warmup import prewarm_memory, warm_up
 
 __all__ = ["MlxEngine", "active_token_bytes", "sequence_bytes"]
@@ -262,8 +262,7 @@ class MlxEngine:
         if not prompt:
             raise ValueError("empty prompt")
         params = self.sampling_params(sampling)
-        use = sampling.tool_use
-        splitter = reply_rules(self.lm, use).splitter(use) if use is not None else None
+        splitter = self._rules(sampling).splitter(sampling.tool_use)
         base = self._base(plan) if plan.reuse_tokens else None
         if base is not None:
             start = StartFrom(base, plan.match, plan.reuse_chars, list(tokens.ids), list(tokens.ends))
@@ -286,14 +285,17 @@ class MlxEngine:
         )
 
     def sampling_params(self, sampling: SamplingOptions) -> SamplingParams:
-        """How a turn's sequence samples: its options, plus what its ``tool_choice`` enforces."""
+        """How a turn's sequence samples: its options, plus what its ``tool_choice`` and ``response_format`` enforce."""
         params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                 top_p=sampling.top_p, top_k=sampling.top_k, stop=tuple(sampling.stop))
-        if sampling.tool_use is None:
+        if sampling.tool_use is None and sampling.response_format is None:
             return params
-        rules = reply_rules(self.lm, sampling.tool_use)
-        return replace(params, forced=tuple(self.lm.tokenize(rules.forced)[0]),
-                       logit_bias={token: float("-inf") for token in rules.banned})
+        rules = self._rules(sampling)
+        return replace(params, forced=tuple(self.lm.tokenize(rules.forced)[0]) if rules.forced else (),
+                       logit_bias={token: float("-inf") for token in rules.banned}, grammar=rules.grammar)
+
+    def _rules(self, sampling: SamplingOptions) -> ReplyRules:
+        return reply_rules(self.lm, sampling.tool_use, sampling.response_format)
 
     def prefill(self, request_id: int, chunk: int | None, *, adopt: FromShared | None = None) -> PrefillResult:
         seq = self._seqs[request_id]

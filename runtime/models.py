@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+from dataclasses import replace
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +29,12 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.utils import load as mlx_load
 from mlx_lm.utils import load_tokenizer
 
-from runtime import cpu_attention
+from runtime import cpu_attention, generic_tools
 from runtime.distributed.shard import shard_model, shard_model_id
 from runtime.default_model import DEFAULT_MODEL, default_model_file
 from runtime.errors import ModelError, UnsupportedModelError
 from runtime.gguf import is_gguf, prepare_gguf
+from runtime.grammar import GrammarVocabulary
 from runtime.spec import KVFormat, LayerKind, LayerSpec, ModelCacheSpec
 
 __all__ = ["LoadedModel", "load_model", "read_cache_spec", "read_context_length", "PLAIN_CHAT_TEMPLATE", "PLAIN_STOP"]
@@ -134,13 +137,17 @@ class LoadedModel:
         """The model's float KV dtype (a bfloat16 model's stays bfloat16)."""
         return getattr(mx, self.spec.float_dtype_name)
 
-    def check_tools(self) -> None:
-        """Raise ``ValueError`` unless the chat template renders tools (:attr:`supports_tools`)."""
-        if not self.supports_tools:
-            raise ValueError(
-                f"model {self.model_id!r} has no chat template that supports tools: "
-                "requests with tool definitions, tool calls or tool results cannot be rendered"
-            )
+    @property
+    def tool_format(self) -> str:
+        """How this model's prompts carry tools: ``template`` (its chat template's own syntax) or
+        :data:`runtime.generic_tools.FORMAT` (kvmem's generic format, for every other model)."""
+        return "template" if self.supports_tools else generic_tools.FORMAT
+
+    @functools.cached_property
+    def grammar_vocabulary(self) -> GrammarVocabulary:
+        """The vocabulary constrained replies are decoded over (built on first use, ~0.5 s)."""
+        width = int(self.config.get("vocab_size") or self.vocab_limit)
+        return GrammarVocabulary(self.tokenizer._tokenizer, max(width, self.vocab_limit), sorted(self.eos_token_ids))
 
     def render(
         self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
@@ -148,14 +155,14 @@ class LoadedModel:
     ) -> str:
         """Render chat messages to prompt text, ending with the assistant's turn (unless told not to).
 
-        Raises:
-            ValueError: ``tools``, tool calls or tool results were given and the
-                model's chat template cannot render them (:attr:`supports_tools`).
+        Tools, tool calls and tool results go through the chat template when it renders
+        tools, else through :mod:`runtime.generic_tools` (into the messages).
         """
-        if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
-            self.check_tools()
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
-        if tools:
+        if not self.supports_tools:
+            if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+                messages = generic_tools.render_messages(messages, tools)
+        elif tools:
             kwargs["tools"] = tools
         if self.has_chat_template:
             text = self.tokenizer.apply_chat_template(messages, **kwargs)
@@ -234,9 +241,12 @@ def load_model(
     fast_attention = numpy_attention and cpu_attention.install(type(loaded).__module__)
     log.info("loaded %s: %d layers, tag %s, attention %s", name, len(spec.layers), spec.tag,
              "numpy (runtime.cpu_attention)" if fast_attention else "mlx")
-    return LoadedModel(
+    lm = LoadedModel(
         model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config, cpu_attention=fast_attention
     )
+    if not lm.supports_tools:  # its prompts carry tools in kvmem's generic format: part of every cache's tag
+        lm.spec = replace(spec, prompt_format=generic_tools.FORMAT)
+    return lm
 
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len", "seq_length", "n_ctx")

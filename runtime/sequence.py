@@ -24,6 +24,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from runtime.backend import CPU_CHUNKS
 from runtime.engine import ToolCall
+from runtime.grammar import ReplyGrammar, mask_rows
 from runtime.kvstate import ActiveKV, ParkedCache, Strategy
 from runtime.models import LoadedModel
 from runtime.prefix import MatchKind, PrefixMatch, match_prefix
@@ -43,6 +44,8 @@ class SamplingParams:
     ``logit_bias`` adds to the logits of the given token ids before sampling.
     ``forced``: token ids the reply starts with, whatever the model predicts (the
     opening of a tool call a ``tool_choice`` requires; tests force whole replies).
+    ``grammar``: the Lark grammar the reply is decoded under (:mod:`runtime.grammar`:
+    a generic-format tool call, a ``response_format``); None: unconstrained.
     """
 
     max_tokens: int = 256
@@ -52,6 +55,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     logit_bias: dict[int, float] = field(default_factory=dict)
     forced: tuple[int, ...] = ()
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -206,6 +210,8 @@ class Sequence:
         self._splitter = tool_calls
         self.tool_calls: list[ToolCall] = []
         self._calls_taken = 0
+        # The reply's grammar, if it has one (raises ValueError for one that does not compile).
+        self.grammar = ReplyGrammar(lm.grammar_vocabulary, params.grammar) if params.grammar else None
 
     def adopt(self, base: ParkedCache) -> None:
         """Start from ``base`` instead: a cache whose tokens are this prompt's first tokens.
@@ -258,7 +264,7 @@ class Sequence:
             return None
         logits = self.lm.forward_last(mx.array([piece]), self.kv.caches)
         self.observe(logits)
-        token = self.sample(logits)
+        token = self.sample(mask_rows([self.grammar], logits))
         mx.eval(token)
         return self.first_token(int(token.item()), prefill_started_at=t0)
 
@@ -290,7 +296,8 @@ class Sequence:
         return not self.params.greedy or bool(self.params.logit_bias) or len(self.generated) < len(self.params.forced)
 
     def sample(self, logits: mx.array) -> mx.array:
-        """Sample one token per row from last-position logits ``(B, V)``."""
+        """Sample one token per row from last-position logits ``(B, V)``, already masked by the grammars
+        (:func:`runtime.grammar.mask_rows`)."""
         step = len(self.generated)
         if step < len(self.params.forced):
             return mx.array([self.params.forced[step]] * logits.shape[0])
@@ -314,6 +321,8 @@ class Sequence:
             return ""
         self.stats.tokens_generated += 1
         self.generated.append(token)
+        if self.grammar is not None:
+            self.grammar.consume(token)
         if token in self.lm.eos_token_ids:
             self._gen_ends.append(len(self.reply))
             self._finish("stop")

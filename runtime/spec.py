@@ -107,6 +107,9 @@ class ModelCacheSpec:
         float_dtype: the name of the model's float KV dtype (``float32``, ``float16``,
             ``bfloat16``): what a dequantized cache is made of. Not part of the tag (the
             model's config, which the tag hashes, already decides it).
+        prompt_format: how prompts of this model carry what its chat template cannot
+            render (:data:`runtime.generic_tools.FORMAT` for models without tool syntax; ""
+            for none). Part of the tag: a cache rendered one way is never reused for another.
     """
 
     model_id: str
@@ -115,6 +118,7 @@ class ModelCacheSpec:
     dtype_bytes: int
     kv_format: KVFormat
     float_dtype: str = ""
+    prompt_format: str = ""
 
     @property
     def float_dtype_name(self) -> str:
@@ -124,7 +128,8 @@ class ModelCacheSpec:
     @property
     def tag(self) -> str:
         """Model + KV format: caches with another tag are never served."""
-        return f"{self.model_id}@{self.config_hash}/{self.kv_format.label}"
+        tag = f"{self.model_id}@{self.config_hash}/{self.kv_format.label}"
+        return f"{tag}+{self.prompt_format}" if self.prompt_format else tag
 
     def layer_kinds(self) -> list[LayerKind]:
         return [layer.storage_kind(self.kv_format) for layer in self.layers]

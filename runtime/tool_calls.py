@@ -14,8 +14,9 @@ itself:
 * Whitespace between content and a call, and after the last call, is not content: a chat
   template that re-renders the assistant's message (content, then its calls) then writes
   the text the model generated, and the next turn extends the cache.
-* :func:`reply_rules` turns a turn's ``tool_choice`` into what sampling enforces:
-  ``required`` makes the reply start with the call marker, a named function with the
+* :func:`reply_rules` turns a turn's ``tool_choice`` (and ``response_format``) into what
+  sampling enforces. A model whose template has no tool syntax gets
+  :mod:`runtime.generic_tools`' format and its grammar. On the others ``required`` makes the reply start with the call marker, a named function with the
   call's opening as the chat template renders it (up to the arguments); ``none`` bans the
   marker token (the prompt keeps the definitions, so the cache is unaffected) or, when the
   marker is not one token, leaves the definitions out of the prompt.
@@ -34,12 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_lm.generate import TextStateMachine
 
-from runtime.engine import ToolCall, ToolUse
+from runtime import generic_tools
+from runtime.engine import ResponseFormat, ToolCall, ToolUse
+from runtime.reply_format import answer_grammar
 
 if TYPE_CHECKING:
     from runtime.models import LoadedModel
 
-__all__ = ["ToolCallFormat", "tool_call_format", "parse_tool_calls", "ToolCallSplitter", "ReplyRules", "reply_rules"]
+__all__ = ["ToolCallFormat", "tool_call_format", "parse_tool_calls", "ToolCallSplitter", "ReplyRules", "reply_rules",
+           "GENERIC_CALLS"]
 
 log = logging.getLogger("kvmem.tools")
 
@@ -193,9 +197,14 @@ class ToolCallSplitter:
         return "".join(text), calls
 
 
+GENERIC_CALLS = ToolCallFormat(parser=generic_tools.FORMAT, start=generic_tools.CALL_START,
+                               end=generic_tools.CALL_END, parse=generic_tools.parse_calls)
+"""How models whose template has no tool syntax write calls (:mod:`runtime.generic_tools`)."""
+
+
 @dataclass(frozen=True)
 class ReplyRules:
-    """What a turn's ``tool_choice`` asks of its reply, as the engine enforces it.
+    """What a turn's tools, ``tool_choice`` and ``response_format`` ask of its reply, as the engine enforces it.
 
     Attributes:
         fmt: parse tool calls with it (None: the reply is plain text).
@@ -204,35 +213,55 @@ class ReplyRules:
         banned: token ids never sampled (``none``: the call marker).
         render_tools: the definitions go into the prompt (``none`` on a model whose
             call marker is not one token: they are left out).
+        grammar: the Lark grammar the reply is decoded under (:mod:`runtime.grammar`;
+            None: unconstrained).
     """
 
     fmt: ToolCallFormat | None
     forced: str = ""
     banned: tuple[int, ...] = ()
     render_tools: bool = True
+    grammar: str | None = None
 
-    def splitter(self, use: ToolUse) -> ToolCallSplitter | None:
-        return ToolCallSplitter(self.fmt, [dict(t) for t in use.tools]) if self.fmt is not None else None
+    def splitter(self, use: ToolUse | None) -> ToolCallSplitter | None:
+        if use is None or self.fmt is None:
+            return None
+        return ToolCallSplitter(self.fmt, [dict(t) for t in use.tools])
 
 
-def reply_rules(lm: LoadedModel, use: ToolUse) -> ReplyRules:
-    """The rules that honour ``use.choice`` on ``lm``.
+def reply_rules(lm: LoadedModel, use: ToolUse | None, answer: ResponseFormat | None = None) -> ReplyRules:
+    """The rules that honour ``use.choice`` and ``answer`` on ``lm``.
+
+    A model whose template has tool syntax writes calls its own way (mlx-lm's parser);
+    any other gets :mod:`runtime.generic_tools`' format, decoded under its grammar.
 
     Raises:
-        ValueError: the template renders no tools, or the choice needs a tool-call
-            parser (``required``) or a template that renders a named call's opening,
-            and the model has none.
+        ValueError: the choice needs a tool-call parser (``required``) or a template that
+            renders a named call's opening, and the model has none; or ``answer`` is asked
+            with tools the model's own template formats (not supported).
     """
-    lm.check_tools()
-    fmt = tool_call_format(lm.tokenizer)
+    answer_schema = answer.schema if answer is not None else None
+    if use is None or not use.tools:
+        return ReplyRules(fmt=None, grammar=answer_grammar(answer_schema) if answer is not None else None)
     choice = use.choice
+    if not lm.supports_tools:
+        grammar = generic_tools.reply_grammar([dict(t) for t in use.tools], choice.mode, choice.name,
+                                              answer_schema, json_answer=answer is not None, parallel=use.parallel,
+                                              markers=(_marker(lm, generic_tools.CALL_START),
+                                                       _marker(lm, generic_tools.CALL_END)))
+        return ReplyRules(fmt=GENERIC_CALLS if choice.mode != "none" else None, grammar=grammar)
+    fmt = tool_call_format(lm.tokenizer)
+    if answer is not None and choice.mode != "none":
+        raise ValueError(f"response_format with tools: model {lm.model_id!r} writes tool calls in its own "
+                         "template's format, which kvmem does not constrain; give tool_choice 'none' or no tools")
+    grammar = answer_grammar(answer_schema) if answer is not None else None
     if choice.mode == "auto":
         return ReplyRules(fmt=fmt)
     if choice.mode == "none":
         marker = lm.tokenize(fmt.start)[0] if fmt is not None else []
         if len(marker) == 1:
-            return ReplyRules(fmt=None, banned=tuple(marker))
-        return ReplyRules(fmt=None, render_tools=False)
+            return ReplyRules(fmt=None, banned=tuple(marker), grammar=grammar)
+        return ReplyRules(fmt=None, render_tools=False, grammar=grammar)
     wanted = f"tool_choice {'naming ' + repr(choice.name) if choice.name else 'required'}"
     if fmt is None:
         raise ValueError(f"{wanted}: mlx-lm has no tool-call parser for model {lm.model_id!r}'s chat template, "
@@ -240,6 +269,15 @@ def reply_rules(lm: LoadedModel, use: ToolUse) -> ReplyRules:
     if choice.name is None:
         return ReplyRules(fmt=fmt, forced=fmt.start)
     return ReplyRules(fmt=fmt, forced=_named_call_opening(lm, use, choice.name, fmt, wanted))
+
+
+def _marker(lm: LoadedModel, text: str) -> str:
+    """A call marker in a Lark grammar: llguidance's ``<[id]>`` where the vocabulary has it as one
+    special token (a tokenizer that adds ``<tool_call>``), else the text."""
+    ids = lm.tokenize(text)[0]
+    if len(ids) == 1 and lm.grammar_vocabulary.tokenizer.is_special_token(ids[0]):
+        return f"<[{ids[0]}]>"
+    return json.dumps(text)
 
 
 def _named_call_opening(lm: LoadedModel, use: ToolUse, name: str, fmt: ToolCallFormat, wanted: str) -> str:

@@ -14,7 +14,14 @@ from runtime.engine import ToolCall, ToolChoice, ToolUse
 from runtime.generate import generate
 from runtime.models import LoadedModel, load_model
 from runtime.sequence import SamplingParams
-from runtime.tool_calls import ToolCallFormat, ToolCallSplitter, parse_tool_calls, reply_rules, tool_call_format
+from runtime.tool_calls import (
+    GENERIC_CALLS,
+    ToolCallFormat,
+    ToolCallSplitter,
+    parse_tool_calls,
+    reply_rules,
+    tool_call_format,
+)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -167,7 +174,9 @@ def test_a_choice_the_model_cannot_honour_is_a_value_error(tmp_path: Path, smoll
     for choice in (ToolChoice(mode="required"), ToolChoice(mode="required", name="get_weather")):
         with pytest.raises(ValueError, match="no tool-call parser"):
             reply_rules(lm, ToolUse(tools=tuple(TOOLS), choice=choice))
-    # The real default's template renders no tools: no parser, and tools are refused as before.
+    # The real default's template renders no tools: no parser of its own, so kvmem's generic format
+    # (tests/test_generic_tools.py), decoded under a grammar, for every choice.
     assert not smollm2.supports_tools and tool_call_format(smollm2.tokenizer) is None
-    with pytest.raises(ValueError, match="supports tools"):
-        reply_rules(smollm2, ToolUse(tools=tuple(TOOLS)))
+    for choice in (ToolChoice(), ToolChoice(mode="required"), ToolChoice(mode="required", name="get_weather")):
+        rules = reply_rules(smollm2, ToolUse(tools=tuple(TOOLS), choice=choice))
+        assert rules.fmt is GENERIC_CALLS and rules.grammar and not rules.forced
