@@ -21,6 +21,9 @@ turn asked for within ``keep_s`` are dropped to give the memory back.
 
 Only for a node's own disk: with a shared tier (Redis) another node may publish
 a newer cache after the read, so the store does not prefetch there.
+
+Whoever waits for the start can watch both steps: :data:`prefetch_progress`
+(``kvmem serve`` draws its start-up progress from it).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from contextvars import ContextVar
+from typing import Any, Literal
 
 import trio
 
@@ -40,7 +44,7 @@ from runtime.errors import CacheMiss
 from runtime.persist.agents import AgentEntry
 from runtime.spec import CacheSnapshot
 
-__all__ = ["Prefetcher", "PREFETCH_KEEP_S", "PREPARE_WITHIN_S", "restorer"]
+__all__ = ["Prefetcher", "PREFETCH_KEEP_S", "PREPARE_WITHIN_S", "restorer", "prefetch_progress", "PrefetchReport"]
 
 log = logging.getLogger("kvmem.store")
 
@@ -50,6 +54,15 @@ PREFETCH_KEEP_S = 600.0
 PREPARE_WITHIN_S = 10.0
 """The most time a start spends restoring prefetched caches ahead of their turns."""
 
+PrefetchReport = Callable[[Literal["read", "restore"], int, int], None]
+"""``report(step, done, total)``: ``done`` of the ``total`` caches chosen are read from disk
+(``"read"``, while the model loads) or restored on the MLX thread (``"restore"``, once it has loaded)."""
+
+prefetch_progress: ContextVar[PrefetchReport | None] = ContextVar("kvmem_prefetch_progress", default=None)
+"""Who watches the read-ahead at start: set it around ``open_runtime`` (``kvmem serve`` does), and
+the :class:`Prefetcher` built inside reports each cache to it. A context variable, because the
+watcher is a command line's concern that no layer between it and the store has to carry (trio's
+child tasks inherit it). A report that raises is logged and ignored."""
 
 
 class Prefetcher:
@@ -85,6 +98,7 @@ class Prefetcher:
         self.read = self.taken = self.prepared = 0
         self.read_bytes = 0
         self.seconds = 0.0
+        self._report = prefetch_progress.get()
 
     async def run(self) -> None:
         """Read the newest caches up to the budget, then drop what no turn took after ``keep_s``."""
@@ -109,7 +123,9 @@ class Prefetcher:
         with trio.move_on_after(within_s):
             await self.done.wait()
             started = time.perf_counter()
-            for key in list(self._ready):
+            keys = list(self._ready)
+            for i, key in enumerate(keys):
+                self._tell("restore", i, len(keys))
                 snapshot = self._ready.get(key)
                 if snapshot is None:  # taken or dropped meanwhile
                     continue
@@ -119,6 +135,8 @@ class Prefetcher:
                     # The plan needs its text and tokens only; the arrays now live in ``restored``.
                     self._ready[key] = dataclasses.replace(snapshot, layers=[])
                     self.prepared += 1
+            if keys:
+                self._tell("restore", len(keys), len(keys))
             if self.prepared:
                 log.info("restored %d prefetched caches ahead of their turns in %.0f ms", self.prepared,
                          (time.perf_counter() - started) * 1000)
@@ -140,7 +158,8 @@ class Prefetcher:
             chosen.append(entry)
         for entry in chosen:
             self._reading[(entry.agent_id, entry.model_tag)] = trio.Event()
-        for entry in chosen:
+        for i, entry in enumerate(chosen):
+            self._tell("read", i, len(chosen))
             key = (entry.agent_id, entry.model_tag)
             if entry.agent_id in self._dropped:
                 self._reading.pop(key).set()
@@ -157,6 +176,17 @@ class Prefetcher:
                     self.read_bytes += entry.disk_bytes
             finally:
                 self._reading.pop(key).set()
+        if chosen:
+            self._tell("read", len(chosen), len(chosen))
+
+    def _tell(self, step: Literal["read", "restore"], done: int, total: int) -> None:
+        if self._report is None:
+            return
+        try:
+            self._report(step, done, total)
+        except Exception:  # a watcher's bug must not stop the start it watches
+            log.exception("the prefetch progress report failed")
+            self._report = None
 
     async def take(self, agent_id: str, model_tag: str) -> tuple[CacheSnapshot, Any] | None:
         """The agent's prefetched cache and what was restored of it (or None), once; None if there is none.

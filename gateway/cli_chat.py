@@ -16,13 +16,15 @@ import gc
 import json
 import os
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from gateway.cli_common import add_model_options, config_from_args
+from gateway.cli_common import add_setting_options, config_from_args
+from gateway.progress import Progress
 
 if TYPE_CHECKING:
     from actors.control import ControlReply, ControlRequest
@@ -75,24 +77,24 @@ def register(sub: Any) -> None:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--top-p", type=float, default=1.0)
     chat.add_argument("--json", action="store_true", help="print one JSON object per turn")
-    add_model_options(chat)
+    add_setting_options(chat)
     chat.set_defaults(func=_chat)
 
     agents = sub.add_parser("agents", help="list agents and their cache sizes")
     agents.add_argument("--json", action="store_true")
     agents.add_argument("--tenant", help="a tenant's agents (kvmem serve --api-keys) instead of the keyless ones")
-    add_model_options(agents)
+    add_setting_options(agents)
     agents.set_defaults(func=_agents)
 
     forget = sub.add_parser("forget", help="delete an agent's conversation and cache")
     forget.add_argument("agent")
     forget.add_argument("--tenant", help="the agent of this tenant (kvmem serve --api-keys)")
-    add_model_options(forget)
+    add_setting_options(forget)
     forget.set_defaults(func=_forget)
 
     build = sub.add_parser("build-model", help="prepare a model's files (kvmem-default, a GGUF, or a tiny test model)")
     build.add_argument("name", nargs="?", default="kvmem-default")
-    add_model_options(build)
+    add_setting_options(build)
     build.set_defaults(func=_build)
 
 
@@ -114,6 +116,9 @@ async def _open_runtime(config: Config, *, preload: bool = True) -> AsyncIterato
 
 # -- chat ---------------------------------------------------------------------------
 
+PROGRESS_DELAY_S = 1.0
+"""A model load or a prefill shorter than this shows no progress (:mod:`gateway.progress`)."""
+
 CHAT_DEFAULTS: dict[str, Any] = {"prewarm_mb": 0, "prefetch_mb": 0}
 """``kvmem chat``'s own defaults (below flags, environment and TOML). Pre-warming 512 MiB
 costs a one-shot chat process 0.4-2 s and ~500 MB of memory on a 2-core VM, more than it
@@ -134,7 +139,10 @@ async def _chat_session(args: argparse.Namespace, config: Config) -> None:
     from runtime.home import KvmemHome
 
     home = KvmemHome(config.home_path)
-    async with _open_runtime(config) as rt:
+    async with AsyncExitStack() as stack:
+        loading = Progress(f"kvmem: loading {config.model}", delay_s=PROGRESS_DELAY_S)
+        with nullcontext() if args.json else loading.ticking(_loaded(config.model)):
+            rt = await stack.enter_async_context(_open_runtime(config))
         if args.message is not None:
             await _turn(rt, home, config, args, args.message)
             return
@@ -198,13 +206,14 @@ async def _turn(rt: Runtime, home: KvmemHome, config: Config, args: argparse.Nam
 
         progress = PrefillProgress(rt, args.agent)
         async with handle.stream(messages, **options) as stream, trio.open_nursery() as nursery:
-            if sys.stderr.isatty():
-                nursery.start_soon(progress.show)
-            async for delta in stream:
-                progress.stop()  # the reply begins: the progress line goes first
-                print(delta, end="", flush=True)
-            progress.stop()
-            nursery.cancel_scope.cancel()
+            nursery.start_soon(progress.show)
+            try:
+                async for delta in stream:
+                    progress.stop()  # the reply begins: the progress line goes first
+                    print(delta, end="", flush=True)
+            finally:
+                progress.stop()  # also before an error's message
+                nursery.cancel_scope.cancel()
         print(flush=True)
         assert stream.result is not None
         result = stream.result
@@ -214,38 +223,39 @@ async def _turn(rt: Runtime, home: KvmemHome, config: Config, args: argparse.Nam
 
 
 class PrefillProgress:
-    """On a terminal, ``[prefill 1,024/4,096 tokens (180 tok/s)]`` on stderr until the reply begins.
+    """A long prefill's progress on stderr until the reply begins (not with ``--json``).
 
-    Only with a TTY and without ``--json``: piped output and JSON stay exactly the
-    reply and the report. :meth:`stop` erases the line at once (no checkpoint in
-    between), so the reply never lands behind it.
+    On a terminal, ``[alice] prefill [######------] 1,024/4,096 tokens  180 tokens/s  ETA 17 s``
+    redrawn in place; piped, a plain line every few seconds (:mod:`gateway.progress`). Only a
+    prefill that lasts :data:`PROGRESS_DELAY_S` shows anything. It reads the runtime's running
+    turns (:meth:`actors.supervisor.Runtime.running_turns`: tokens prefilled of the total).
+    :meth:`stop` erases the line at once (no checkpoint in between), so the reply never lands behind it.
     """
 
-    EVERY_S = 0.5
+    EVERY_S = 0.25
 
-    def __init__(self, rt: Runtime, agent: str) -> None:
+    def __init__(self, rt: Runtime, agent: str, *, delay_s: float = PROGRESS_DELAY_S, **options: Any) -> None:
         self._rt = rt
         self._agent = agent
-        self._shown = False
-        self._stopped = False
+        self._progress = Progress(f"[{agent}] prefill", unit="tokens", delay_s=delay_s, **options)
 
     async def show(self) -> None:
+        """Follow the agent's turn until :meth:`stop` (or cancellation)."""
         import trio
 
-        while not self._stopped:
+        while True:
             await trio.sleep(self.EVERY_S)
             turn = next((t for t in self._rt.running_turns() if t.agent_id == self._agent), None)
-            if self._stopped or turn is None or turn.phase != "prefill":
-                continue
-            rate = turn.tokens_prefilled / max(turn.elapsed_ms / 1000.0, 1e-9)
-            print(f"\r[prefill {turn.tokens_prefilled:,}/{turn.tokens_to_prefill:,} tokens ({rate:,.0f} tok/s)]",
-                  end="", file=sys.stderr, flush=True)
-            self._shown = True
+            if turn is not None and turn.phase == "prefill":
+                self._progress.update(turn.tokens_prefilled, total=turn.tokens_to_prefill)
 
     def stop(self) -> None:
-        if not self._stopped and self._shown:
-            print("\r\033[K", end="", file=sys.stderr, flush=True)
-        self._stopped = True
+        """Erase the line; show nothing more."""
+        self._progress.close()
+
+
+def _loaded(model: str) -> Callable[[Progress], str]:
+    return lambda p: f"kvmem: loaded {model} in {p.elapsed_s:.1f} s"
 
 
 def _report(agent: str, result: TurnResult) -> TurnReport:
@@ -406,13 +416,28 @@ async def _forget_agent(config: Config, agent: str, tenant: str | None = None) -
 
 
 def _build(args: argparse.Namespace) -> int:
+    """Build or prepare the model's files, with progress on stderr; print its folder on stdout."""
+    from runtime import tiny_models
     from runtime.errors import ModelError
     from runtime.models import prepare_model_files
 
     config = config_from_args(args)
+    name = args.name
     try:
-        print(prepare_model_files(args.name, config.models_path))
+        if name in tiny_models.RECIPES and not Path(name).exists():
+            # A tiny model is generated tensor by tensor: a bar (prepare_model_files then finds it built).
+            building = Progress(f"kvmem: building {name}", unit="tensors")
+            with building:
+                tiny_models.ensure_tiny_model(name, config.models_path,
+                                              progress=lambda done, total: building.update(done, total=total))
+                building.close(f"kvmem: built {name} in {building.elapsed_s:.1f} s")
+            folder = prepare_model_files(name, config.models_path)
+        else:  # a GGUF's config and tokenizer folder (once), or a folder as it is: a spinner
+            with Progress(f"kvmem: preparing {name}").ticking(lambda p: f"kvmem: prepared {name} in "
+                                                                        f"{p.elapsed_s:.1f} s"):
+                folder = prepare_model_files(name, config.models_path)
     except ModelError as exc:
         print(f"kvmem: {exc}", file=sys.stderr)
         return 1
+    print(folder)
     return 0

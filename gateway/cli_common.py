@@ -1,41 +1,52 @@
-"""Options shared by ``kvmem`` subcommands, and the one place flags become a :class:`runtime.config.Config`."""
+"""Options shared by ``kvmem`` subcommands, and the one place flags become a :class:`runtime.config.Config`.
+
+The settings' flags are generated from :class:`runtime.config.Config`'s fields
+(:func:`runtime.config.settings`): one flag per setting, named and documented
+as the TOML key and the ``KVMEM_`` variable are, so the three surfaces cannot
+drift apart. A flag's value stays a string (booleans excepted) and is checked
+with the environment's and the TOML file's values, by :func:`runtime.config.load_config`.
+"""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from runtime.config import Config
 
-__all__ = ["add_model_options", "config_from_args"]
+__all__ = ["add_setting_options", "config_from_args"]
 
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    """--model, --kv-bits, --attention, --numpy-attention, --profile, --weights, --home and --config.
+def add_setting_options(p: argparse.ArgumentParser, *, server: bool = False) -> None:
+    """A flag for every setting (``--kv-bits`` for ``kv_bits``), and ``--config``.
 
-    A flag's destination is the setting's name (``--kv-bits`` → ``kv_bits``):
-    :func:`config_from_args` relies on it.
+    ``server``: the HTTP server's settings too (:data:`runtime.config.SERVER_FIELDS`;
+    ``kvmem serve``). A flag's destination is the setting's name: :func:`config_from_args`
+    relies on it. Defaults are None ("not given"), so the environment and TOML still apply.
     """
-    p.add_argument("--model", help="tiny model name, model folder, or Hugging Face id (default: kvmem-default)")
-    p.add_argument("--kv-bits", help="4, 8, or 'float' for unquantized KV (default 4)")
-    p.add_argument("--attention", choices=("auto", "at-rest", "native"), help="attention strategy for Q4 KV (default auto)")
-    p.add_argument(
-        "--numpy-attention",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="on CPU, attend in NumPy (runtime.cpu_attention; default on); --no-numpy-attention: MLX's own",
-    )
-    p.add_argument("--profile", choices=("auto", "cpu", "gpu"),
-                   help="backend policy (default auto: the device's; cpu/gpu force one, see runtime.backend)")
-    p.add_argument(
-        "--weights",
-        choices=("auto", "float32", "float16", "bfloat16", "quantized"),
-        help="how GGUF weights are held (default auto: float32 on CPU, as stored on GPUs)",
-    )
-    p.add_argument("--home", type=Path, help="kvmem home folder (default $KVMEM_HOME or ~/.local/share/kvmem)")
-    p.add_argument("--config", help="TOML file with settings (also $KVMEM_CONFIG)")
+    from runtime.config import settings
+
+    group = p.add_argument_group("settings", "flags > KVMEM_* environment > TOML (--config) > defaults; "
+                                             "see docs/configuration.md")
+    group.add_argument("--config", help="TOML file with settings (also $KVMEM_CONFIG)")
+    for setting in settings():
+        if setting.server_only and not server:
+            continue
+        shown = setting.default not in ("", "[]")
+        help_text = _plain(setting.meaning) + (f" (default: {setting.default})" if shown else "")
+        if setting.boolean:
+            group.add_argument(setting.flag, dest=setting.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+        else:
+            group.add_argument(setting.flag, dest=setting.name, choices=setting.choices or None, help=help_text)
+
+
+def _plain(rest: str) -> str:
+    """A docstring entry as help text: no reST markup, ``%`` escaped for argparse."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", rest).replace("``", "")
+    return text.replace("%", "%%")
 
 
 def config_from_args(args: argparse.Namespace, **defaults: Any) -> Config:

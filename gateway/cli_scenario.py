@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.cli_common import add_model_options, config_from_args
+from gateway.cli_common import add_setting_options, config_from_args
 
 if TYPE_CHECKING:
     from runtime.config import Config
@@ -72,7 +72,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show-replies", action="store_true", help="print each reply under its turn")
     p.add_argument("--json", action="store_true", help="print progress events as JSON lines")
     p.add_argument("--no-plot", action="store_true", help="do not draw report.png")
-    add_model_options(p)
+    add_setting_options(p)
 
 
 # -- subcommands ---------------------------------------------------------------

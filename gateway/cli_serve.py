@@ -5,7 +5,13 @@ Settings come from flags > ``KVMEM_*`` environment variables > a TOML file
 
 ``--distributed`` (under ``mlx.launch``): every rank runs this command; rank 0
 serves, with its engine and cache directory extended to the other ranks, and
-every other rank follows it (:mod:`runtime.distributed`).
+every other rank follows it (:mod:`runtime.distributed`). Put ``--`` between
+``mlx.launch``'s options and the command: ``mlx.launch`` takes any option it can
+read as an abbreviation of its own (``--host`` for its ``--hosts``) unless a
+``--`` ends its options, and it drops that ``--`` before starting the ranks::
+
+    mlx.launch -n 2 --backend ring --python "$(which python)" -- \
+        -m gateway.cli serve --distributed --model tiny-llama --host 0.0.0.0 --port 8000 --api-key "$KEY"
 """
 
 from __future__ import annotations
@@ -15,38 +21,16 @@ import sys
 from functools import partial
 from typing import Any
 
-from gateway.cli_common import add_model_options, config_from_args
+from gateway.cli_common import add_setting_options, config_from_args
+from gateway.progress import Progress, ticking
 
-__all__ = ["register"]
+__all__ = ["StartProgress", "register"]
 
 
 def register(sub: Any) -> None:
     """Add ``kvmem serve`` to the ``kvmem`` parser."""
     p = sub.add_parser("serve", help="serve the Anthropic / OpenAI / agent HTTP APIs")
-    add_model_options(p)
-    p.add_argument("--models", help="other models requests may name, comma-separated")
-    p.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--cache-dir", help="folder for the KV caches (default: the kvmem home)")
-    p.add_argument("--store", help="shared tier for several nodes: redis://HOST:PORT/DB (default: this disk only)")
-    p.add_argument("--lease-s", type=float, help="with --store: how long an agent's cluster lease lasts (s)")
-    p.add_argument("--budget-mb", type=float, help="KV memory budget for running sequences (MiB)")
-    p.add_argument("--hot-budget-mb", type=float, help="memory for idle caches kept in RAM (MiB)")
-    p.add_argument(
-        "--prewarm-mb", type=float, help="memory touched at start and kept, so the first turn is fast (MiB; 0: off)"
-    )
-    p.add_argument("--keep-float-mb", type=float,
-                   help="float KV kept after turns so the next hot turn skips dequantizing (MiB; 0: off)")
-    p.add_argument("--prefetch-mb", type=float,
-                   help="at start, read the newest caches from disk while the model loads (MiB; 0: off)")
-    p.add_argument("--durable", action=argparse.BooleanOptionalAction, default=None,
-                   help="answer a turn only once its cache is on disk (default off: write-behind; "
-                        "per request: X-Kvmem-Durable)")
-    p.add_argument("--api-key", help="require this key (x-api-key or Authorization: Bearer)")
-    p.add_argument("--api-keys", help="TOML file of keys, each naming a tenant, and tenant limits (not with --api-key)")
-    p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")
-    p.add_argument("--max-body-bytes", type=int, help="largest request body")
-    p.add_argument("--body-timeout-s", type=float, help="seconds a request body may take to arrive (then 408)")
+    add_setting_options(p, server=True)  # every setting is a flag (docs/configuration.md)
     p.add_argument("--distributed", action="store_true",
                    help="one model over the ranks mlx.launch started (tensor parallel; see the README)")
     p.set_defaults(func=_serve)
@@ -83,9 +67,19 @@ def _serve(args: argparse.Namespace) -> int:
         return scenario_routes(rt, home=KvmemHome(config.home_path).root, nursery=nursery)
 
     async def main() -> None:
+        from actors.prefetch import prefetch_progress
+
+        start = StartProgress(config.model)
+        prefetch_progress.set(start.report)  # the tasks started below inherit it
         async with trio.open_nursery() as nursery:
-            started: ServerStarted = await nursery.start(
-                partial(serve, config, extra_routes=scenarios, engine=engine, directory=directory))
+            with ticking(start.tick):
+                try:
+                    started: ServerStarted = await nursery.start(
+                        partial(serve, config, extra_routes=scenarios, engine=engine, directory=directory))
+                except BaseException:
+                    start.close(listening=False)  # erased: the error comes next
+                    raise
+            start.close()
             if started.profile is not None:  # every CPU-versus-GPU decision, in one line (runtime.backend)
                 print(f"kvmem: {started.profile}", file=sys.stderr, flush=True)
             print(f"kvmem: serving {config.model} on {started.url}", file=sys.stderr, flush=True)
@@ -104,6 +98,47 @@ def _serve(args: argparse.Namespace) -> int:
             leader.close()  # after the flush: the other ranks saved their parts of every cache
     print("kvmem: stopped; caches flushed", file=sys.stderr, flush=True)
     return 0
+
+
+class StartProgress:
+    """What a start waits for, on stderr (:mod:`gateway.progress`): the model's load, then the restore-ahead.
+
+    ``kvmem: loading M`` turns (a spinner and the time so far; the caches read from disk meanwhile as a
+    note) until the restore-ahead begins or the server listens; then ``kvmem: restoring caches ahead``
+    counts them (:data:`actors.prefetch.prefetch_progress` reports each). Each step ends in a line of its
+    own (``kvmem: loaded M in 2.1 s``). :meth:`report` runs on trio's thread, :meth:`tick` on the ticking one.
+    """
+
+    def __init__(self, model: str, **options: Any) -> None:
+        self._model = model
+        self._options = options
+        self._loading = Progress(f"kvmem: loading {model}", **options)
+        self._restoring: Progress | None = None
+
+    def report(self, step: str, done: int, total: int) -> None:
+        """:data:`actors.prefetch.PrefetchReport`: ``done`` of ``total`` caches read (``read``) or restored."""
+        if step == "read":
+            self._loading.note = f"{done}/{total} recent caches read"
+            self._loading.tick()
+            return
+        if self._restoring is None:
+            self._close_loading()
+            self._restoring = Progress("kvmem: restoring caches ahead", total=total, unit="caches", **self._options)
+        self._restoring.update(done, total=total)
+
+    def tick(self) -> None:
+        (self._restoring or self._loading).tick()
+
+    def close(self, *, listening: bool = True) -> None:
+        """End whichever step is drawn: with its closing line once the server listens, silently if it failed."""
+        self._close_loading(listening)
+        if self._restoring is not None:
+            done = self._restoring
+            done.close(f"kvmem: restored {done.done} of {done.total} caches ahead in {done.elapsed_s:.1f} s"
+                       if listening else None)
+
+    def _close_loading(self, loaded: bool = True) -> None:
+        self._loading.close(f"kvmem: loaded {self._model} in {self._loading.elapsed_s:.1f} s" if loaded else None)
 
 
 def _follow(follower: Any) -> int:

@@ -2,7 +2,11 @@
 
 Every setting has one name, used as the TOML key, as the environment variable
 (``KVMEM_`` + the name in upper case) and, with dashes, as the command-line
-flag. :func:`load_config` merges the sources, highest first::
+flag (every setting is a flag of ``kvmem serve``; all but the HTTP server's
+:data:`SERVER_FIELDS` are flags of the other commands that open a runtime too).
+:func:`settings` lists them as every surface spells them, with their defaults and
+meanings from :class:`Config`'s docstring, and ``python -m runtime.config`` writes
+``docs/configuration.md`` from that. :func:`load_config` merges the sources, highest first::
 
     flags  >  KVMEM_* environment  >  TOML file  >  defaults
 
@@ -31,7 +35,9 @@ so every layer can use it.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -39,7 +45,19 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-__all__ = ["Config", "ConfigError", "load_config", "default_home", "FIELDS", "ENV_PREFIX", "CONFIG_ENV"]
+__all__ = [
+    "CONFIG_ENV",
+    "ENV_PREFIX",
+    "FIELDS",
+    "SERVER_FIELDS",
+    "Config",
+    "ConfigError",
+    "Setting",
+    "configuration_page",
+    "default_home",
+    "load_config",
+    "settings",
+]
 
 ENV_PREFIX = "KVMEM_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -115,7 +133,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         max_batch: most sequences decoding at once.
         prefill_chunk: tokens per prefill chunk (None: adaptive, 512/256/128 by context).
         idle_timeout_s: an agent's actor stops after this long without requests.
-        host, port: where ``kvmem serve`` listens; loopback by default, port 0 picks a free port.
+        host: the address ``kvmem serve`` binds: loopback by default (this machine only);
+            ``0.0.0.0`` for every interface (set an ``api_key`` then).
+        port: the port ``kvmem serve`` listens on; 0 picks a free one.
         api_key: when set, every HTTP route but ``/healthz`` requires it
             (``x-api-key: K`` or ``Authorization: Bearer K``).
         api_keys: a TOML file of keys, each naming a tenant, with the tenants' limits
@@ -205,6 +225,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 
 FIELDS: tuple[str, ...] = Config.__struct_fields__
+SERVER_FIELDS: frozenset[str] = frozenset({
+    "host", "port", "api_key", "api_keys", "accept_any_model", "max_body_bytes", "body_timeout_s",
+    "max_tokens_limit", "default_max_tokens", "graceful_timeout_s",
+})
+"""The HTTP server's settings: flags of ``kvmem serve`` only (the others are flags of every command)."""
 _BOOLS = frozenset({"fsync", "durable", "accept_any_model", "numpy_attention"})
 _NONE_WORDS = ("", "none", "null")
 _NONE_ALLOWED = frozenset({"model_idle_s", "prefill_chunk", "api_key", "api_keys", "store"})
@@ -300,3 +325,119 @@ def load_config(
     merged.update(_from_env(env))
     merged.update(given)
     return _validated(merged)
+
+
+# -- every surface of every setting (flags, docs) ------------------------------------
+
+
+class Setting(msgspec.Struct, frozen=True, kw_only=True):
+    """One setting as each surface spells it: a row of ``docs/configuration.md`` and one generated flag.
+
+    ``default`` is written as in TOML (``""``: unset); ``meaning`` is the setting's entry in
+    :class:`Config`'s docstring (reST markup as written there); ``choices`` are the values a
+    string setting takes (empty: any); ``boolean`` settings are ``--name`` / ``--no-name`` flags.
+    """
+
+    name: str
+    env: str
+    flag: str
+    default: str
+    meaning: str
+    choices: tuple[str, ...] = ()
+    boolean: bool = False
+    server_only: bool = False
+
+
+def settings() -> tuple[Setting, ...]:
+    """Every :class:`Config` field, in declaration order, as :class:`Setting` rows.
+
+    Raises:
+        AssertionError: a field has no entry in :class:`Config`'s docstring (a test runs this).
+    """
+    docs = _field_docs()
+    hints = typing.get_type_hints(Config)
+    defaults = Config()
+    rows = []
+    for name in FIELDS:
+        assert name in docs, f"Config.{name} has no entry under Attributes: in Config's docstring"
+        literal = typing.get_origin(hints[name]) is Literal
+        choices = tuple(str(a) for a in typing.get_args(hints[name])) if literal else ()
+        rows.append(Setting(name=name, env=ENV_PREFIX + name.upper(), flag="--" + name.replace("_", "-"),
+                            default=_toml_literal(getattr(defaults, name)),
+                            meaning=docs[name], choices=choices, boolean=name in _BOOLS,
+                            server_only=name in SERVER_FIELDS))
+    return tuple(rows)
+
+
+def _field_docs() -> dict[str, str]:
+    """``Attributes:`` of :class:`Config`'s docstring by setting name (``host, port:`` names two)."""
+    text = (Config.__doc__ or "").split("Attributes:", 1)[1]
+    docs: dict[str, str] = {}
+    for entry in re.split(r"\n {8}(?=[a-z_]+(?:, [a-z_]+)*:)", text):
+        names, _, meaning = entry.partition(":")
+        for name in names.split(","):
+            docs[name.strip()] = " ".join(meaning.split())
+    return docs
+
+
+def _toml_literal(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    return str(value)
+
+
+def _markdown(rest: str) -> str:
+    """reST inline markup as Markdown (``x`` and :mod:`x` become `x`), safe inside a table cell."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", rest).replace("``", "`")
+    return text.replace("|", "\\|")
+
+
+_PAGE_HEAD = """\
+# Configuration
+
+<!-- Generated by `python -m runtime.config > docs/configuration.md` from runtime/config.py
+     (Config's fields and docstring); tests/test_config_surfaces.py checks it is current. -->
+
+Every kvmem setting has one name, used as the key in a TOML file, as an environment variable
+(`KVMEM_` and the name in upper case) and as a command-line flag (dashes for underscores).
+When a setting is given more than once, the highest source wins:
+
+    flags  >  KVMEM_* environment  >  TOML file  >  defaults
+
+The TOML file is `--config FILE` or `KVMEM_CONFIG=FILE`; its keys sit at the top level or
+under `[serve]`. A bad value or an unknown name stops the command with one line naming it.
+
+Spellings: a boolean is `--name` / `--no-name` as a flag, and `true`/`false`, `1`/`0`,
+`yes`/`no` or `on`/`off` in the environment; `none` (or nothing) unsets an optional setting
+in the environment; `kv_bits` takes `float` for float KV everywhere; `models` is a list in
+TOML and comma-separated in the environment and on the command line.
+"""
+
+
+def configuration_page() -> str:
+    """``docs/configuration.md``: every setting's TOML key, variable, flag, default and meaning."""
+    rows = settings()
+    parts = [_PAGE_HEAD]
+    for title, note, server in (
+        ("The runtime", ("Flags of every command that opens a runtime: `kvmem serve`, `chat`, `agents`, "
+                         "`forget`, `build-model`, `scenario run` and `scenario resume`."), False),
+        ("The HTTP server", "Flags of `kvmem serve` only.", True),
+    ):
+        parts.append(f"\n## {title}\n\n{note}\n\n"
+                     "| setting (TOML key) | environment | flag | default | meaning |\n"
+                     "|---|---|---|---|---|\n")
+        for s in (r for r in rows if r.server_only == server):
+            flag = f"`--[no-]{s.flag[2:]}`" if s.boolean else f"`{s.flag}`"
+            default = f"`{s.default}`" if s.default else "unset"
+            parts.append(f"| `{s.name}` | `{s.env}` | {flag} | {default} | {_markdown(s.meaning)} |\n")
+    return "".join(parts)
+
+
+if __name__ == "__main__":
+    print(configuration_page(), end="")

@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -53,6 +53,7 @@ from runtime.tokenizer_build import (
 __all__ = [
     "RANDOM_SMOLLM2",
     "RECIPES",
+    "BuildProgress",
     "TinyModelRecipe",
     "build_tiny_model",
     "ensure_tiny_model",
@@ -391,20 +392,34 @@ def _draw(r: TinyModelRecipe, name: str, shape: tuple[int, ...], n_real: int) ->
     return normal(gain / math.sqrt(fan_in))
 
 
-def generate_weights(recipe: TinyModelRecipe | str) -> dict[str, Weights]:
-    """The float32 weights of a recipe, keyed as ``mlx_lm.load`` names them."""
+BuildProgress = Callable[[int, int], None]
+"""``progress(done, total)``: ``done`` of a build's ``total`` steps are done (one per tensor, one to write)."""
+
+
+def generate_weights(recipe: TinyModelRecipe | str, *, progress: BuildProgress | None = None) -> dict[str, Weights]:
+    """The float32 weights of a recipe, keyed as ``mlx_lm.load`` names them.
+
+    ``progress(done, total)`` is called after each tensor (``total``: the tensors, plus one
+    for writing them, which :func:`build_tiny_model` reports).
+    """
     r = _recipe(recipe)
     n_real = min(
         train_tokenizer(r.tokenizer_vocab).get_vocab_size(), int(r.config["vocab_size"])
     )
     shapes = _parameter_shapes(r)
-    return {name: _draw(r, name, shapes[name], n_real) for name in sorted(shapes)}
+    weights = {}
+    for i, name in enumerate(sorted(shapes), 1):
+        weights[name] = _draw(r, name, shapes[name], n_real)
+        if progress is not None:
+            progress(i, len(shapes) + 1)
+    return weights
 
 
-def build_tiny_model(recipe: TinyModelRecipe | str, dest: Path) -> Path:
+def build_tiny_model(recipe: TinyModelRecipe | str, dest: Path, *, progress: BuildProgress | None = None) -> Path:
     """Write a recipe's model folder to ``dest`` (created if needed) and return it.
 
     The folder is byte-identical for the same recipe, corpus and generator.
+    ``progress(done, total)`` follows the build (:data:`BuildProgress`).
     """
     from safetensors.numpy import save_file
 
@@ -421,7 +436,8 @@ def build_tiny_model(recipe: TinyModelRecipe | str, dest: Path) -> Path:
     ):
         assert tok.token_to_id(token) == _TOKEN_IDS[key]
 
-    save_file(generate_weights(r), str(dest / "model.safetensors"), metadata={"format": "mlx"})
+    weights = generate_weights(r, progress=progress)
+    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "mlx"})
     config = _hf_config(r)
     generation = {
         "bos_token_id": _TOKEN_IDS["bos_token_id"],
@@ -432,15 +448,18 @@ def build_tiny_model(recipe: TinyModelRecipe | str, dest: Path) -> Path:
         (dest / fname).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
     max_len = int(r.config.get("max_position_embeddings", 4096))
     write_tokenizer_files(tok, dest, model_max_length=max_len)
+    if progress is not None:
+        progress(len(weights) + 1, len(weights) + 1)
     return dest
 
 
-def ensure_tiny_model(name: str, models_dir: Path) -> Path:
+def ensure_tiny_model(name: str, models_dir: Path, *, progress: BuildProgress | None = None) -> Path:
     """Return ``models_dir/<name>-<recipe hash>/``, building it on first use.
 
     The build happens in a temporary folder beside the target and is moved in
     place with one ``os.rename``, so a reader never sees a half-written model
     and concurrent builders are safe (the loser discards its copy).
+    ``progress`` follows a build (:data:`BuildProgress`; not called when the model is built already).
     """
     r = _recipe(name)
     models_dir = Path(models_dir)
@@ -450,7 +469,7 @@ def ensure_tiny_model(name: str, models_dir: Path) -> Path:
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models_dir))
     try:
-        build_tiny_model(r, tmp)
+        build_tiny_model(r, tmp, progress=progress)
         tmp.chmod(0o755)
         try:
             os.rename(tmp, final)

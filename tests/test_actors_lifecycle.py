@@ -399,7 +399,9 @@ async def test_a_long_prefill_shows_its_progress_in_the_runtime_and_the_agent_ap
             assert (await http.get("/v1/agents/slow")).json()["turn"] is None
 
 
-def test_the_cli_progress_line_is_erased_before_the_reply(capsys):
+def test_the_cli_progress_line_is_erased_before_the_reply():
+    import io
+
     from actors.metrics import RunningTurn
     from gateway.cli_chat import PrefillProgress
 
@@ -408,7 +410,8 @@ def test_the_cli_progress_line_is_erased_before_the_reply(capsys):
             return [RunningTurn(agent_id="a", request_id=1, phase="prefill", tokens_reused=0, tokens_prefilled=1024,
                                 tokens_to_prefill=4096, tokens_generated=0, max_tokens=8, elapsed_ms=2000.0)]
 
-    progress = PrefillProgress(Runtime(), "a")  # type: ignore[arg-type]
+    stream = io.StringIO()
+    progress = PrefillProgress(Runtime(), "a", stream=stream, tty=True, delay_s=0)  # type: ignore[arg-type]
     progress.EVERY_S = 0.01
 
     async def run() -> None:
@@ -416,7 +419,8 @@ def test_the_cli_progress_line_is_erased_before_the_reply(capsys):
             nursery.start_soon(progress.show)
             await trio.sleep(0.05)
             progress.stop()
+            nursery.cancel_scope.cancel()
 
     trio.run(run)
-    err = capsys.readouterr().err
-    assert "[prefill 1,024/4,096 tokens (512 tok/s)]" in err and err.endswith("\r\033[K")
+    err = stream.getvalue()
+    assert "\r[a] prefill [######------------------] 1,024/4,096 tokens" in err and err.endswith("\r\033[K")

@@ -109,6 +109,13 @@ def two_ranks(home: Path, *args: str, model: str = MODEL) -> Iterator[str]:
     command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()),
                "--python", sys.executable, "-m", "gateway.cli", "serve", "--distributed", "--model", model,
                "--port", "0", *args]
+    with launched(command, home) as url:
+        yield url
+
+
+@contextmanager
+def launched(command: list[str], home: Path) -> Iterator[str]:
+    """Run ``command`` (an ``mlx.launch`` of ``kvmem serve --distributed``); yields rank 0's URL (see two_ranks)."""
     proc = subprocess.Popen(command, cwd=ROOT, env=_env(home), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     log: list[str] = []
@@ -217,6 +224,26 @@ def test_two_ranks_answer_as_one_process_and_resume_warm_after_both_restart(tmp_
     assert bob_next["tier"] == "cold" and bob_next["reused"] == 0  # a missing part is a miss on every rank
     assert bob_next["reply"]
     assert carol_next["tier"] == "warm"  # the sampled turn's parts agree: both ranks drew the same tokens
+
+
+def test_the_readmes_two_machine_command_runs_with_its_host_flag_after_the_separator(tmp_path: Path,
+                                                                                      ring: None) -> None:
+    # The README's command for two Macs, on loopback: a hostfile of two hosts (ssh "127.0.0.1" runs locally),
+    # and `--` between mlx.launch's options and kvmem's, so that mlx.launch leaves `--host` (which it would
+    # read as an abbreviation of its own --hosts / --hostfile) to kvmem.
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]')
+    command = [str(LAUNCH), "--backend", "ring", "--hostfile", str(hosts), "--starting-port", str(_free_port_pair()),
+               "--python", sys.executable,
+               "--", "-m", "gateway.cli", "serve", "--distributed", "--model", MODEL,
+               "--host", "0.0.0.0", "--port", "0", "--api-key", "readme-key"]
+    with launched(command, tmp_path / "home") as url:
+        port = url.rsplit(":", 1)[1]
+        assert url.startswith("http://0.0.0.0:")  # kvmem got --host, not mlx.launch
+        local = f"http://127.0.0.1:{port}"
+        assert httpx.get(local + "/healthz", timeout=30).status_code == 200
+        assert httpx.get(local + "/v1/agents", timeout=30).status_code == 401  # and --api-key after it
+        assert httpx.get(local + "/v1/agents", headers={"x-api-key": "readme-key"}, timeout=30).status_code == 200
 
 
 def test_a_model_whose_heads_do_not_divide_is_refused_on_every_rank(tmp_path: Path, ring: None) -> None:

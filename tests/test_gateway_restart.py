@@ -1,4 +1,7 @@
-"""`kvmem serve` as a real process: config from flags > env > TOML; SIGTERM flushes; a restart serves from disk."""
+"""`kvmem serve` as a real process: config from flags > env > TOML; SIGTERM flushes; a restart serves from disk.
+
+The restart's start-up log, piped, shows the model's load and the cache restored ahead as plain lines.
+"""
 
 from __future__ import annotations
 
@@ -46,6 +49,12 @@ def test_sigterm_flushes_and_a_restarted_server_serves_the_agent_from_disk(tmp_p
                  {"role": "user", "content": "What is my name?"}]
     with _kvmem_serve(caches, config) as server:
         url = server.url
+        # Its start, piped: plain lines (no \r) for the model's load and the cache restored ahead of its turn.
+        start = [line.rstrip("\n") for line in server.log]
+        assert not any("\r" in line or "\033" in line for line in start), start
+        assert start[0] == "kvmem: loading tiny-llama ..." and start[1].startswith("kvmem: loaded tiny-llama in ")
+        assert "kvmem: restoring caches ahead ..." in start
+        assert any(line.startswith("kvmem: restored 1 of 1 caches ahead in ") for line in start), start
         headers = {"x-api-key": KEY}
         info = httpx.get(url + "/v1/agents/returning", headers=headers).json()
         assert info["on_disk"] and not info["hot"] and info["cached_tokens"] > 0

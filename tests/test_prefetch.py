@@ -125,6 +125,32 @@ async def test_the_budget_takes_the_newest_caches_first(tmp_path: Path) -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_a_watcher_set_around_the_start_sees_each_cache_read_then_restored(tmp_path: Path) -> None:
+    from actors.prefetch import prefetch_progress
+
+    await _first_turns(tmp_path, tmp_path / "caches", ["first", "second"])
+    reports: list[tuple[str, int, int]] = []
+    token = prefetch_progress.set(lambda step, done, total: reports.append((step, done, total)))
+    try:
+        async with _open(tmp_path, tmp_path / "caches", prefetch_mb=64):
+            pass  # open_runtime returns once both are restored
+    finally:
+        prefetch_progress.reset(token)
+    assert reports == [("read", 0, 2), ("read", 1, 2), ("read", 2, 2),
+                       ("restore", 0, 2), ("restore", 1, 2), ("restore", 2, 2)]
+
+    def broken(step: str, done: int, total: int) -> None:
+        raise RuntimeError("a watcher's bug")
+
+    token = prefetch_progress.set(broken)
+    try:
+        async with _open(tmp_path, tmp_path / "caches", prefetch_mb=64) as rt:
+            resumed = await rt.agent("first").send_prompt(f"first: {STORY} And?", max_tokens=4)
+    finally:
+        prefetch_progress.reset(token)
+    assert resumed.usage.tier == "warm" and rt.stats().store.prefetched == 2  # the start went on without it
+
+
 @pytest.mark.parametrize("budget_mb", [0.001])
 async def test_caches_larger_than_the_budget_are_not_read(tmp_path: Path, budget_mb: float) -> None:
     await _first_turns(tmp_path, tmp_path / "caches", ["big"])

@@ -99,7 +99,7 @@ def open_rank(config: Config) -> LeaderRank | Follower:
         raise DistributedError("--distributed does not support tenants (--api-keys)")
     if "MLX_RANK" not in os.environ:
         raise DistributedError("--distributed runs under mlx.launch (e.g. mlx.launch -n 2 --backend ring "
-                               "--python $(which python) -m gateway.cli serve --distributed ...)")
+                               "--python $(which python) -- -m gateway.cli serve --distributed ...)")
     group = mx.distributed.init(strict=True)
     rank, size = group.rank(), group.size()
     if size < 2:
