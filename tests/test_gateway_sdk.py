@@ -222,18 +222,29 @@ def test_anthropic_tools_are_rendered_by_the_chat_template(claude: anthropic.Ant
     assert reply.usage.input_tokens == with_tools
 
 
-def test_tools_on_a_model_without_tool_support_are_a_400(
+def test_tools_on_a_model_without_a_chat_template_take_kvmem_s_generic_format(
     claude: anthropic.Anthropic, gpt: openai.OpenAI, no_template_model: Path
 ) -> None:
-    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    # No template at all (the plain one): the tools go into the prompt in kvmem's generic format and the
+    # reply is decoded under its grammar, so even a random model's call parses (tests/test_generic_tools.py).
+    empty = {"type": "object", "properties": {}, "additionalProperties": False}
     for stream in (False, True):
-        with pytest.raises(anthropic.BadRequestError, match="supports tools"):
-            claude.messages.create(model=str(no_template_model), max_tokens=4, tools=tools, stream=stream,
-                                   messages=[{"role": "user", "content": "hi"}])  # type: ignore[arg-type]
-    with pytest.raises(openai.BadRequestError, match="supports tools"):
-        gpt.chat.completions.create(model=str(no_template_model), max_tokens=4,
-                                    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
-                                    messages=[{"role": "user", "content": "hi"}])
+        kwargs = {"model": str(no_template_model), "max_tokens": 120, "tools": [{"name": "f", "input_schema": empty}],
+                  "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+                  "messages": [{"role": "user", "content": "hi"}]}
+        if stream:
+            with claude.messages.stream(**kwargs) as events:  # type: ignore[arg-type]
+                reply = events.get_final_message()
+        else:
+            reply = claude.messages.create(**kwargs)  # type: ignore[arg-type]
+        assert reply.stop_reason == "tool_use"
+        assert [(b.type, b.name, b.input) for b in reply.content] == [("tool_use", "f", {})]  # type: ignore[union-attr]
+    reply = gpt.chat.completions.create(model=str(no_template_model), max_tokens=120, tool_choice="required",
+                                        parallel_tool_calls=False,
+                                        tools=[{"type": "function", "function": {"name": "f", "parameters": empty}}],
+                                        messages=[{"role": "user", "content": "hi"}])
+    [call] = reply.choices[0].message.tool_calls or []
+    assert call.function.name == "f" and call.function.arguments == "{}"  # type: ignore[union-attr]
     # without tools the same model serves (its plain template)
     ok = claude.messages.create(model=str(no_template_model), max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     assert ok.usage.output_tokens >= 1
