@@ -263,6 +263,7 @@ class AgentActor:
             decode_tps=generated.decode_tps,
         )
         self._metrics.turn_done(
+            agent_id=self.agent_id,
             tier=tier,
             finish_reason=generated.finish_reason,
             tokens_reused=usage.tokens_reused,

@@ -2,8 +2,10 @@
 
 :class:`RuntimeMetrics` is updated by the agent actors as turns complete and
 read through ``Runtime.stats()``. Histograms use fixed buckets (upper bounds in
-milliseconds, cumulative counts, like Prometheus ``_bucket{le=...}``).
-Everything runs on the trio thread; nothing here blocks or awaits.
+milliseconds, cumulative counts, like Prometheus ``_bucket{le=...}``). Each turn is
+also kept in a bounded :class:`actors.turn_log.TurnLog` (its agent's last turn, the
+last minutes' turns), which the operator page reads. Everything runs on the trio
+thread; nothing here blocks or awaits.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from bisect import bisect_left
 
 import msgspec
 
+from actors.turn_log import TurnLog, TurnRecord
 from runtime.block_pool import PoolStats
+from runtime.engine import HotCache
 
 __all__ = [
     "TTFT_BUCKETS_MS",
@@ -27,6 +31,7 @@ __all__ = [
     "GpuStats",
     "GpuEvent",
     "RunningTurn",
+    "HotCacheBytes",
 ]
 
 TTFT_BUCKETS_MS: tuple[float, ...] = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, math.inf)
@@ -86,7 +91,10 @@ class MetricsSnapshot(_Snapshot, frozen=True, kw_only=True):
 
 
 class RuntimeMetrics:
-    """Request counters, token counters, cache hits by tier, TTFT and queue-wait histograms."""
+    """Request counters, token counters, cache hits by tier, TTFT and queue-wait histograms.
+
+    ``turns`` keeps each agent's last turn and the recent turns (:mod:`actors.turn_log`).
+    """
 
     def __init__(self) -> None:
         self.requests = 0
@@ -99,6 +107,7 @@ class RuntimeMetrics:
         self.hits: dict[str, int] = {"hot": 0, "warm": 0, "remote": 0, "shared": 0, "cold": 0}
         self.ttft = Histogram(TTFT_BUCKETS_MS)
         self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS_MS)
+        self.turns = TurnLog()
 
     def request_started(self) -> None:
         self.requests += 1
@@ -116,7 +125,18 @@ class RuntimeMetrics:
         tokens_generated: int,
         ttft_ms: float,
         queue_wait_ms: float,
+        agent_id: str,
     ) -> None:
+        """Count a turn that ended (completed or cancelled) and keep it in :attr:`turns`.
+
+        Args:
+            agent_id: whose turn it was.
+        """
+        self.turns.record(TurnRecord(
+            agent_id=agent_id, at=self.turns.clock(), tier=tier,
+            finish_reason=finish_reason, tokens_reused=tokens_reused, tokens_prefilled=tokens_prefilled,
+            tokens_generated=tokens_generated, ttft_ms=ttft_ms, queue_wait_ms=queue_wait_ms,
+        ))
         if finish_reason == "cancelled":
             self.cancelled += 1
         else:
@@ -202,6 +222,29 @@ class RunningTurn(msgspec.Struct, frozen=True, kw_only=True):
     tokens_generated: int
     max_tokens: int
     elapsed_ms: float
+
+
+class HotCacheBytes(msgspec.Struct, frozen=True, kw_only=True):
+    """One cache of the hot tier and the RAM it holds.
+
+    Attributes:
+        q4_bytes: the parked (quantized) cache.
+        float_bytes: the float KV its last turn left beside it for the next hot turn
+            (:mod:`runtime.float_resident`, bounded by ``keep_float_mb``; 0: none kept).
+    """
+
+    agent_id: str
+    model_tag: str
+    q4_bytes: int
+    float_bytes: int
+
+    @classmethod
+    def of(cls, agent_id: str, parked: HotCache) -> HotCacheBytes:
+        """The bytes of ``parked``, read from its plain attributes."""
+        resident = getattr(parked, "resident", None)  # only the MLX engine's caches keep float beside them
+        held = resident is not None and bool(getattr(resident, "held", False))
+        return cls(agent_id=agent_id, model_tag=parked.model_tag, q4_bytes=int(parked.nbytes),
+                   float_bytes=int(getattr(resident, "nbytes", 0)) if held else 0)
 
 
 class GpuStats(msgspec.Struct, frozen=True, kw_only=True):

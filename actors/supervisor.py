@@ -62,7 +62,7 @@ from actors.client import AgentHandle, TurnFailedError, TurnStream, raise_failed
 from actors.control import serve_control
 from actors.gpu import GPUActor
 from actors.mailbox import ask
-from actors.messages_agent import AgentInbox, chat_messages
+from actors.messages_agent import AgentInbox, ForgetAgent, chat_messages
 from actors.messages_common import Failed
 from actors.messages_gpu import GpuInbox, Render, RenderReply
 from actors.messages_store import (
@@ -79,6 +79,7 @@ from actors.messages_store import (
 from actors.metrics import (
     GpuEvent,
     GpuStats,
+    HotCacheBytes,
     MetricsSnapshot,
     RunningTurn,
     RuntimeMetrics,
@@ -92,6 +93,7 @@ from actors.registry import (
     Release,
 )
 from actors.signals import watch_signals
+from actors.turn_log import TurnRecord
 from runtime.config import Config
 from runtime.engine import Engine, ToolChoice
 from runtime.identity import check_agent_id, local_id, safe_agent_dirname, tenant_of
@@ -133,6 +135,7 @@ class Runtime:
         metrics: RuntimeMetrics,
         idle_timeout_s: float,
         durable: bool = False,
+        manager: KVCacheManager | None = None,
     ) -> None:
         self._gpu = gpu
         self._store = store
@@ -144,6 +147,7 @@ class Runtime:
         self._metrics = metrics
         self._idle_timeout_s = idle_timeout_s
         self._durable = durable
+        self._manager = manager
         self._agents: dict[str, tuple[trio.MemorySendChannel[AgentInbox], AgentActor]] = {}
         self._request_ids = itertools.count(1)
         self._closed = False
@@ -188,6 +192,20 @@ class Runtime:
     def live_agents(self) -> list[str]:
         """Ids of the agents whose actor is running."""
         return sorted(self._agents)
+
+    def hot_caches(self) -> list[HotCacheBytes]:
+        """Each cache in the hot tier (one per agent and model) and the RAM it holds, least recently used first."""
+        if self._manager is None:
+            return []
+        return [HotCacheBytes.of(entry.agent_id, entry.parked) for entry in self._manager.entries()]
+
+    def last_turn(self, agent_id: str) -> TurnRecord | None:
+        """The agent's last turn since the runtime opened (None: none yet, or forgotten since)."""
+        return self._metrics.turns.last(agent_id)
+
+    def recent_turns(self, since: float) -> list[TurnRecord]:
+        """The turns that ended at ``since`` (Unix time) or later, oldest first (the last few thousand at most)."""
+        return self._metrics.turns.recent(since)
 
     def gpu_events(self) -> list[GpuEvent]:
         """The GPU actor's work log (empty unless the runtime was opened with ``trace=True``)."""
@@ -287,6 +305,8 @@ class Runtime:
         """Hand ``message`` to the agent's actor, starting it if needed (what handles send through)."""
         # No checkpoint between looking the mailbox up and sending (see _retire).
         mailbox = self._mailbox(agent_id)
+        if isinstance(message, ForgetAgent):
+            self._metrics.turns.forget(agent_id)
         self._busy += 1
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         try:
@@ -497,6 +517,7 @@ async def _owned_runtime(
                     metrics=metrics,
                     idle_timeout_s=config.idle_timeout_s,
                     durable=config.durable,
+                    manager=manager,
                 )
                 control_scope = trio.CancelScope()
 

@@ -26,6 +26,7 @@ BENCHES = {
     "recall": "10 fact kinds told, restart, asked warm on kvmem-default, next to a float-cache mlx-lm reference",
     "overhead": "E2E through HTTP gateway + actors vs runtime.generate directly",
     "durability": "kill -9 the moment a turn is answered: turns lost write-behind vs durable, the write-behind window, hot-path cost",
+    "grammar_engines": "llguidance vs outlines-core on kvmem-default's tokenizer: vocab prep, schema compile, per-token mask, sanity, wheels",
     "fuzz": "a live kvmem serve fuzzed for a time budget with damaged requests on every POST route: 5xx (goal 0)",
     "tenants": "tenants of one kvmem serve --api-keys tried against each other (read, list, delete, continue, cached_tokens): leaks (goal 0)",
     "request_walk": "the kvmem modules one streaming OpenAI request runs through, traced (--compare an older checkout)",
@@ -36,6 +37,8 @@ BENCHES = {
     "redis_tier": "two kvmem serve nodes + redis-server: TTFT remote vs warm vs hot vs cold at 1K/4K, bytes moved, Redis memory",
     "distributed": "kvmem serve --distributed: prefill tok/s and decode ms/token at 1 process vs 2 ranks (mlx.launch, loopback)",
     "race": "kvmem vs llama-server (built-in cache; slot files) vs mlx_lm.server: cold/hot/restart, multi-agent, tok/s",
+    "ui_screenshots": "the operator page (/ui) at 1280 and 420 px after a workload on kvmem-default, headless Debian Chromium: benches/results/ui_wide.png, ui_narrow.png",
+    "constrained": "decode steps at batch 8 with 0, 4 and 8 rows under a grammar (generic tool calls): the mask's share of a step",
     "gpu": "one-call GPU check: kvmem vs plain mlx-lm on random 1B/3B Llamas (TTFT, decode, restart, batch), needles, suite",
 }
 

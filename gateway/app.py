@@ -14,9 +14,12 @@ Routes::
     GET    /v1/agents/{id}              one agent
     DELETE /v1/agents/{id}              forget an agent's cache
     POST   /v1/agents/{id}/messages     one turn of an agent (SSE with stream=true)
+    GET    /v1/status                   live figures, memory picture, batch now (gateway.status_api)
+    GET    /v1/status/agents            every agent: tier, bytes in RAM and on disk, last turn
     GET    /healthz                     liveness (never needs the API key)
     GET    /metrics                     Prometheus text
     GET    /openapi.json                OpenAPI 3.1 of all of the above
+    GET    /ui/                         the operator page (gateway.ui_routes; its files need no key)
 
 With ``api_keys`` (tenants, :mod:`gateway.tenants`) the key names a tenant: the
 middleware keeps it in the scope (:func:`gateway.context.tenant_of_request`), counts
@@ -46,12 +49,13 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import agents_api, anthropic_api, openai_api
+from gateway import agents_api, anthropic_api, openai_api, status_api
 from gateway.context import REQUEST_ID_KEY, TENANT_KEY, Gateway, request_id
 from gateway.errors import ApiError, error_body, flavor_of
 from gateway.metrics import CONTENT_TYPE, render_metrics
 from gateway.openapi import openapi_document
 from gateway.tenants import OPERATOR_PATHS, TenantKeys, load_tenant_keys, retry_after
+from gateway.ui_routes import is_public_ui_path, ui_routes
 from runtime.config import Config
 
 if TYPE_CHECKING:
@@ -170,8 +174,8 @@ class GatewayMiddleware:
         api_key, keys = self.gateway.config.api_key, self.gateway.tenants
         try:
             error = None
-            if scope["path"] == "/healthz":
-                pass
+            if scope["path"] == "/healthz" or is_public_ui_path(scope["path"]):
+                pass  # liveness, and the operator page's static files (no data: its data needs the key)
             elif keys is not None:
                 error = _tenant_refusal(scope, keys)
             elif api_key and not _authorized(scope, api_key):
@@ -261,10 +265,12 @@ def create_app(
         *anthropic_api.routes(gw),
         *openai_api.routes(gw),
         *agents_api.routes(gw),
+        *status_api.routes(gw, version=version),
         Route("/healthz", healthz, methods=["GET"], name="healthz"),
         Route("/metrics", metrics, methods=["GET"], name="metrics"),
         Route("/openapi.json", openapi, methods=["GET"], name="openapi"),
         *extra_routes,
+        *ui_routes(),
     ]
     app = Starlette(
         routes=routes,

@@ -1,4 +1,11 @@
-"""HTTP routes for scenarios: ``POST /v1/scenarios`` and ``GET /v1/scenarios/{id}``.
+"""HTTP routes for scenarios: ``GET /v1/scenarios``, ``POST /v1/scenarios`` and ``GET /v1/scenarios/{id}``.
+
+``GET /v1/scenarios`` lists the shipped scenarios and the runs kept under the home,
+newest first (the operator page's scenarios panel)::
+
+    -> 200 {"library": [{"name": "gossip", "title": "Gossip Network", "phases": 3, "agents": 4}, ...],
+            "runs": [{"id": "...", "scenario": "gossip", "title": ..., "status": "done",
+                      "started_at": ..., "finished_at": ..., "turns_done": 12}, ...]}
 
 ``POST /v1/scenarios`` starts a run in the background and answers ``202``::
 
@@ -26,17 +33,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
+import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Route
 
 from actors.scenario.catalog import library_names, library_text
 from actors.scenario.service import RunConflictError, RunNotFoundError, ScenarioService
-from actors.scenario.spec import ScenarioError
+from actors.scenario.spec import ScenarioError, load_scenario
 
 if TYPE_CHECKING:
-    import trio
-
     from actors.supervisor import Runtime
 
 __all__ = ["scenario_routes", "ScenarioRequest"]
@@ -63,6 +69,49 @@ def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": {"type": kind, "message": message, **extra}}, status_code=status)
 
 
+MAX_LISTED_RUNS = 50
+"""``GET /v1/scenarios`` lists this many runs at most (the newest)."""
+
+
+def _library() -> list[dict[str, Any]]:
+    entries = []
+    for name in library_names():
+        try:
+            spec = load_scenario(library_text(name), source=f"library:{name}")
+        except ScenarioError:
+            continue  # a broken shipped file is the tests' business, not the listing's
+        entries.append({"name": name, "title": spec.title, "phases": len(spec.phases), "agents": len(spec.agents)})
+    return entries
+
+
+def _newest_folders(root: Path) -> list[str]:
+    """The names of the newest run folders under ``root`` (on a worker thread: a directory scan)."""
+    found: list[tuple[float, str]] = []
+    try:
+        for entry in root.iterdir():
+            try:
+                if entry.is_dir():
+                    found.append((entry.stat().st_mtime, entry.name))
+            except OSError:
+                continue  # removed meanwhile
+    except OSError:
+        return []
+    return [name for _, name in sorted(found, reverse=True)[:MAX_LISTED_RUNS]]
+
+
+def _runs(service: ScenarioService, folders: list[str]) -> list[dict[str, Any]]:
+    runs = []
+    for folder in folders:
+        try:
+            state = service.load(folder)  # the live state for a run under way here
+        except RunNotFoundError:
+            continue  # not a run (or not yet written)
+        runs.append({"id": state.run_id, "scenario": state.scenario, "title": state.title, "status": state.status,
+                     "started_at": state.started_at, "finished_at": state.finished_at,
+                     "turns_done": len(state.turns)})
+    return runs
+
+
 def scenario_routes(rt: Runtime, *, home: Path, nursery: trio.Nursery | None = None) -> list[BaseRoute]:
     """The scenario routes, bound to runtime ``rt``; runs are kept under ``home/scenarios``.
 
@@ -71,6 +120,12 @@ def scenario_routes(rt: Runtime, *, home: Path, nursery: trio.Nursery | None = N
             see :mod:`actors.scenario.service`).
     """
     service = ScenarioService(rt, home=home, nursery=nursery)
+    library = _library()
+
+    async def listing(request: Request) -> JSONResponse:
+        """The shipped scenarios and the newest runs."""
+        runs = _runs(service, await trio.to_thread.run_sync(_newest_folders, service.root))
+        return JSONResponse({"library": library, "runs": runs})
 
     async def create(request: Request) -> JSONResponse:
         try:
@@ -138,6 +193,7 @@ def scenario_routes(rt: Runtime, *, home: Path, nursery: trio.Nursery | None = N
             return _error(400, "invalid_request", str(exc))
 
     routes: list[BaseRoute] = [
+        Route("/v1/scenarios", listing, methods=["GET"]),
         Route("/v1/scenarios", create, methods=["POST"]),
         Route("/v1/scenarios/{run_id}", describe, methods=["GET"]),
     ]
