@@ -190,6 +190,8 @@ class MlxEngine:
         log.info("%s: %s", name, self._profile.line())
         if self._warm_up:
             log.info("warmed %s up in %.2f s", name, warm_up(lm, self._strategy))
+            if lm.tool_format != "template":  # agent clients send tools on every request: not on the first one's clock
+                lm.grammar_vocabulary  # noqa: B018 - a cached property, built here (~0.5 s)
         weights = tree_flatten(lm.model.parameters(), destination={})
         assert isinstance(weights, dict)
         self._model_bytes = sum(int(v.nbytes) for v in weights.values())

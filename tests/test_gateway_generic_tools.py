@@ -146,6 +146,18 @@ def test_openai_refuses_a_schema_it_cannot_use_naming_the_field(http: httpx.Clie
     assert http.post("/v1/chat/completions", json=body).status_code == 400
 
 
+def test_the_agents_api_takes_a_response_format(http: httpx.Client) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    response = http.post("/v1/agents/json-agent/messages", json={
+        "messages": [{"role": "user", "content": "Invent a person."}], "max_tokens": 40, "response_format": fmt})
+    assert response.status_code == 200, response.text
+    value = json.loads(response.json()["content"])
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "banana"}}}
+    response = http.post("/v1/agents/json-agent/messages", json={"prompt": "hi", "response_format": bad})
+    assert response.status_code == 400 and "banana" in response.json()["error"]["message"]
+
+
 # -- Anthropic ---------------------------------------------------------------------
 
 
