@@ -11,7 +11,7 @@ format, prompts of ~300 tokens with two tools):
 * ``constrained``: all 8 rows under the grammar.
 
 For each, the median wall time of a decode step over the steps where all 8 rows were still
-decoding, and the median time spent in ``mask_rows`` (computing and applying the masks) in
+decoding (not the first, which merges the joining rows' caches), and the median time spent in ``mask_rows`` (computing and applying the masks) in
 the same steps. The goal (issue 29): the mask costs at most 10% of a decode step at batch 8.
 Settings alternate within each repeat, so drift in the machine's load hits all of them.
 
@@ -30,9 +30,9 @@ from benches.harness import ResultFile, log, median, table
 
 ROWS = 8
 STEPS = 16
-QUESTIONS = ["What is the weather in Paris?", "Is it raining in Oslo?", "How warm is Lisbon today?",
-             "Weather for Tokyo, please.", "Do I need a coat in Berlin?", "Is it sunny in Rome?",
-             "What is the temperature in Cairo?", "Will it snow in Montreal?"]
+# Questions a free row answers at length, so all 8 rows are still decoding at the last step measured.
+QUESTIONS = [f"Describe the weather and the climate of {city} through the year, in detail." for city in
+             ("Paris", "Oslo", "Lisbon", "Tokyo", "Berlin", "Rome", "Cairo", "Montreal")]
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "The weather in a city now",
@@ -97,12 +97,13 @@ def run_setting(lm: Any, constrained: int, timer: MaskTimer) -> tuple[list[float
         seqs.append(seq)
         batch.add(seq)
     steps, masks = [], []
-    for _ in range(STEPS):
+    for step in range(STEPS + 1):
         timer.last = 0.0
         t0 = time.perf_counter()
         results = batch.step_once()
         elapsed = time.perf_counter() - t0
-        if len(results) == ROWS and all(s.finish_reason is None for s, _ in results):
+        # Step 0 merges the 8 joining rows' caches into the batch: a join's cost, not a step's.
+        if step and len(results) == ROWS and all(s.finish_reason is None for s, _ in results):
             steps.append(elapsed)
             masks.append(timer.last)
         for seq, _ in results:

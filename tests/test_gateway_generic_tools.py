@@ -146,6 +146,37 @@ def test_openai_refuses_a_schema_it_cannot_use_naming_the_field(http: httpx.Clie
     assert http.post("/v1/chat/completions", json=body).status_code == 400
 
 
+@pytest.mark.parametrize(("tool", "field"), [
+    ({"type": "function", "function": {"parameters": WEATHER}}, "name"),
+    ({"type": "function", "function": {"name": "f", "parameters": "city: str"}}, "parameters"),
+    ({"type": "function"}, "function"),
+    ({"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": 3}}}}},
+     "tools[0].function.parameters"),
+])
+def test_openai_refuses_a_malformed_tool_definition_naming_it(http: httpx.Client, tool: dict[str, Any], field: str) -> None:
+    response = http.post("/v1/chat/completions", json={"model": DEFAULT_MODEL, "max_tokens": 4, "messages": ASK,
+                                                       "tools": [tool]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and field in error["message"], error
+
+
+@pytest.mark.parametrize(("tool", "field"), [
+    ({"input_schema": WEATHER}, "name"),
+    ({"name": "f", "input_schema": "city: str"}, "input_schema"),
+    ({"name": "f"}, "tools[0].input_schema"),
+    ({"name": "f", "input_schema": {"type": "object", "properties": {"x": {"enum": 3}}}}, "tools[0].input_schema"),
+])
+def test_anthropic_refuses_a_malformed_tool_definition_naming_it(http: httpx.Client, tool: dict[str, Any],
+                                                                 field: str) -> None:
+    response = http.post("/v1/messages", json={"model": DEFAULT_MODEL, "max_tokens": 4, "messages": ASK,
+                                               "tools": [tool]})
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert field in body["error"]["message"], body
+
+
 def test_the_agents_api_takes_a_response_format(http: httpx.Client) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     response = http.post("/v1/agents/json-agent/messages", json={
