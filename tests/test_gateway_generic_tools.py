@@ -17,10 +17,9 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import models_dir
+from gateway_helpers import default_model_server, openai_stream_choices
 
 from gateway.testing import ServerThread
-from runtime.config import Config
 from runtime.default_model import DEFAULT_MODEL
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -35,10 +34,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, smollm2: Any) -> Iterator[ServerThread]:
-    config = Config(model=DEFAULT_MODEL, port=0, home=str(models_dir().parent),
-                    cache_dir=str(tmp_path_factory.mktemp("c")), max_tokens_limit=256, budget_mb=512,
-                    hot_budget_mb=128, graceful_timeout_s=2)
-    with ServerThread(config) as running:
+    with default_model_server(tmp_path_factory) as running:
         yield running
 
 
@@ -100,11 +96,7 @@ def test_openai_tool_loop_on_the_default_model_extends_the_cache(gpt: openai.Ope
 def test_openai_stream_of_a_generic_call_is_a_start_chunk_then_its_arguments(http: httpx.Client) -> None:
     body = {"model": DEFAULT_MODEL, "max_tokens": 48, "stream": True, "tools": GPT_TOOLS, "messages": ASK,
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": False}
-    with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        assert response.status_code == 200
-        data = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
-    assert data[-1] == "[DONE]"
-    deltas = [json.loads(d)["choices"][0] for d in data[:-1]]
+    deltas = openai_stream_choices(http, body)
     calls = [c["delta"]["tool_calls"] for c in deltas if "tool_calls" in c["delta"]]
     assert calls[0] == [{"index": 0, "id": calls[0][0]["id"], "type": "function",
                          "function": {"name": "get_weather", "arguments": ""}}]

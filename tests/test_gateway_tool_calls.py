@@ -21,6 +21,7 @@ import openai
 import pytest
 import trio
 from conftest import models_dir
+from gateway_helpers import openai_stream_choices
 from scripted_engine import ScriptedEngine
 
 from actors import open_runtime
@@ -128,10 +129,7 @@ def test_openai_stream_sends_a_tool_call_as_a_start_chunk_then_its_arguments(
 ) -> None:
     engine.script(CALL)
     body = {"model": MODEL, "max_tokens": 64, "stream": True, "tools": GPT_TOOLS, "messages": ASK}
-    with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        data = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
-    assert data[-1] == "[DONE]"
-    deltas = [json.loads(d)["choices"][0] for d in data[:-1]]
+    deltas = openai_stream_choices(http, body)
     calls = [c["delta"]["tool_calls"] for c in deltas if "tool_calls" in c["delta"]]
     assert calls[0] == [{"index": 0, "id": calls[0][0]["id"], "type": "function",
                          "function": {"name": "get_weather", "arguments": ""}}]

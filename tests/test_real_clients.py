@@ -20,19 +20,15 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from conftest import models_dir
+from gateway_helpers import default_model_server
 
 from gateway.testing import ServerThread
-from runtime.config import Config
 from runtime.default_model import DEFAULT_MODEL
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, smollm2: Any) -> Iterator[ServerThread]:
-    config = Config(model=DEFAULT_MODEL, port=0, home=str(models_dir().parent),
-                    cache_dir=str(tmp_path_factory.mktemp("c")), max_tokens_limit=256, budget_mb=512,
-                    hot_budget_mb=128, graceful_timeout_s=2)
-    with ServerThread(config) as running:
+    with default_model_server(tmp_path_factory) as running:
         yield running
 
 
