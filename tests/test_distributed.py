@@ -226,9 +226,9 @@ def test_two_ranks_answer_as_one_process_and_resume_warm_after_both_restart(tmp_
     assert carol_next["tier"] == "warm"  # the sampled turn's parts agree: both ranks drew the same tokens
 
 
-def test_the_readmes_two_machine_command_runs_with_its_host_flag_after_the_separator(tmp_path: Path,
-                                                                                      ring: None) -> None:
-    # The README's command for two Macs, on loopback: a hostfile of two hosts (ssh "127.0.0.1" runs locally),
+def test_the_documented_two_machine_command_runs_with_its_host_flag_after_the_separator(tmp_path: Path,
+                                                                                         ring: None) -> None:
+    # docs/distributed.md's command for two Macs, on loopback: a hostfile of two hosts (ssh "127.0.0.1" runs locally),
     # and `--` between mlx.launch's options and kvmem's, so that mlx.launch leaves `--host` (which it would
     # read as an abbreviation of its own --hosts / --hostfile) to kvmem.
     hosts = tmp_path / "hosts.json"
