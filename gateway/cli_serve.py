@@ -32,7 +32,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve the Anthropic / OpenAI / agent HTTP APIs")
     add_setting_options(p, server=True)  # every setting is a flag (docs/configuration.md)
     p.add_argument("--distributed", action="store_true",
-                   help="one model over the ranks mlx.launch started (tensor parallel; see the README)")
+                   help="one model over the ranks mlx.launch started (tensor parallel; see docs/distributed.md)")
     p.set_defaults(func=_serve)
 
 

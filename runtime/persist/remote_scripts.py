@@ -33,7 +33,7 @@ than its last check and drops its own hot and disk copies first.
 
 The scripts touch keys that they do not declare (the files a manifest names),
 which standalone Redis allows; Redis Cluster would need the block keys in the
-agent's slot or a different scheme (see the README's scale notes).
+agent's slot or a different scheme (see the scale notes in docs/cluster.md).
 """
 
 from __future__ import annotations
