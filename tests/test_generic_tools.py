@@ -148,6 +148,16 @@ def test_the_grammar_admits_exactly_the_replies_the_choice_allows(smollm2, choic
     assert _accepts(smollm2, rules.grammar, reply) is accepted
 
 
+@pytest.mark.parametrize(("reply", "accepted"), [('{"a": [1, 2.5, null], "b": {"c": "d"}}', True), ("{}", True),
+                                                ("[1, 2]", False), ('"text"', False), ("Sure: {}", False),
+                                                ('{"a":1}', False)])
+def test_json_object_admits_any_object_and_nothing_else(smollm2, reply, accepted):
+    # OpenAI's json_object: no schema, any object (written with json.dumps's separators)
+    rules = reply_rules(smollm2, None, ResponseFormat())
+    assert rules.grammar is not None and rules.fmt is None
+    assert _accepts(smollm2, rules.grammar, reply) is accepted
+
+
 @pytest.mark.parametrize("bad", [{"type": "banana"}, {"type": "object", "required": "city"}, [1],
                                  {"type": "string", "pattern": "("}])
 def test_a_schema_that_cannot_constrain_a_reply_is_refused_with_the_reason(bad):
