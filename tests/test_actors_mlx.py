@@ -6,6 +6,7 @@ runtime's MLX work runs on its own thread; the two never overlap).
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -387,3 +388,17 @@ async def test_agents_answering_together_prefill_in_one_pass_and_reply_as_alone(
         reply, _, pieces, margins = expected[i][1]
         assert result.usage.tier == "hot" and result.usage.tokens_generated == wants[i]
         assert first_split_is_a_near_tie(result.reply, reply, pieces, margins), (i, result.reply, reply)
+
+
+async def test_the_python_api_takes_a_response_format_and_tools_on_every_turn(tmp_path):
+    # The direct API: the same ResponseFormat and generic tool format as the HTTP APIs (tests/test_generic_tools.py).
+    verdict = {"type": "object", "properties": {"ok": {"enum": [True, False]}}, "required": ["ok"],
+               "additionalProperties": False}
+    async with _open(tmp_path, "tiny-llama") as rt:
+        agent = rt.agent("structured")
+        result = await agent.send([{"role": "user", "content": "Is it fine?"}], max_tokens=40,
+                                  response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": verdict}})
+        assert json.loads(result.reply) in ({"ok": True}, {"ok": False})
+        with pytest.raises(ValueError, match="schema"):
+            await agent.send([{"role": "user", "content": "?"}],
+                             response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": {"type": 1}}})
