@@ -236,7 +236,8 @@ def _accepts_prefix(lm: LoadedModel, grammar: str, tokens: list[int]) -> bool:
     return reply.matcher.try_consume_tokens(body) == len(body)
 
 
-def test_constrained_and_free_rows_decode_in_one_batch_as_each_alone(plain):
+@pytest.mark.parametrize("run_ahead", [False, True])  # the GPU policy's decoding one step ahead
+def test_constrained_and_free_rows_decode_in_one_batch_as_each_alone(plain, run_ahead):
     required = ToolUse(tools=tuple(TOOLS), choice=ToolChoice(mode="required"))
     rows = [  # (messages, tools, answer format)
         (ASK, required, None),
@@ -254,7 +255,7 @@ def test_constrained_and_free_rows_decode_in_one_batch_as_each_alone(plain):
         while seq.prefill_step() is None:
             pass
         batched.append(seq)
-    batch = DecodeBatch(shared_prefix_check=False)
+    batch = DecodeBatch(shared_prefix_check=False, run_ahead=run_ahead)
     for seq in batched:
         if seq.finish_reason is None:
             batch.add(seq)
