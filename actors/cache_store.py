@@ -367,8 +367,36 @@ class CacheStoreActor:
             )
         cold = sorted(on_disk.values(), key=lambda r: -(r.updated_at or 0.0))
         # Stable: by agent id; an agent's hot caches first, most recently used first, then the newest on disk.
-        records = sorted([*hot, *cold], key=lambda r: r.agent_id)
+        local = [*hot, *cold]
+        published = await self._remote_records(wanted, tenant, local)  # marks the local records Redis has newer
+        records = sorted([*local, *published], key=lambda r: r.agent_id)
         send_reply(message.reply, AgentsListed(agents=tuple(records)))
+
+    async def _remote_records(self, wanted: str | None, tenant: str | None,
+                              local: list[AgentRecord]) -> list[AgentRecord]:
+        """The shared tier's caches this node has no copy of, and marks ``local`` records Redis has a newer copy of.
+
+        Newer is by the manifests' save time (each node's clock): a cache another node saved
+        after this node's copy, which the agent's next turn here pulls from Redis.
+        """
+        if self.shared is None:
+            return []
+        published = await self._disk(self.shared.remote.list_agents)
+        mine = {(r.agent_id, r.model_tag): i for i, r in enumerate(local)}
+        only_remote = []
+        for entry in published:
+            if (wanted is not None and entry.agent_id != wanted) or tenant_of(entry.agent_id) != tenant:
+                continue
+            key = (entry.agent_id, entry.model_tag)
+            if key in mine:
+                record = local[mine[key]]
+                if not record.dirty and entry.updated_at > (record.updated_at or 0.0):
+                    local[mine[key]] = msgspec.structs.replace(record, remote=True)
+                continue
+            only_remote.append(AgentRecord(agent_id=entry.agent_id, model_tag=entry.model_tag,
+                                           num_tokens=entry.num_tokens, hot=False, on_disk=False, dirty=False,
+                                           disk_bytes=0, updated_at=entry.updated_at, remote=True))
+        return only_remote
 
     async def _usage(self, message: Usage) -> None:
         try:

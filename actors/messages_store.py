@@ -90,6 +90,8 @@ class AgentRecord(msgspec.Struct, frozen=True, kw_only=True):
         dirty: the hot copy is newer than the disk (its save is pending).
         disk_bytes: bytes of its files on disk, shared blocks counted in full (0: not on disk).
         updated_at: when the disk copy was written (Unix time; None: not on disk).
+        remote: the shared tier (Redis) holds a newer copy than this node has, or the only
+            one: the agent's next turn here loads it from there (tier ``remote``).
     """
 
     agent_id: str
@@ -100,6 +102,7 @@ class AgentRecord(msgspec.Struct, frozen=True, kw_only=True):
     dirty: bool
     disk_bytes: int
     updated_at: float | None
+    remote: bool = False
 
 
 class AgentsListed(Message, frozen=True, kw_only=True):

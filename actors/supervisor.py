@@ -219,7 +219,7 @@ class Runtime:
         return reply.written
 
     async def list_agents(self, agent_id: str | None = None, *, tenant: str | None = None) -> list[AgentRecord]:
-        """Caches in the hot tier or on disk, one per agent and model, sorted by agent id.
+        """Caches in the hot tier, on disk or (with a shared tier) in Redis, one per agent and model, sorted by agent id.
 
         Only ``agent_id``'s when given, else every agent of ``tenant`` (None: the
         agents without a tenant). An agent's first record is the cache it used last

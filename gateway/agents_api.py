@@ -78,7 +78,7 @@ def _info(agent_id: str, record: AgentRecord | None, live: bool, turn: RunningTu
                          dirty=False, disk_bytes=0, updated_at=None, live=live, turn=turn)
     return AgentInfo(id=agent_id, object="agent", model_tag=record.model_tag, cached_tokens=record.num_tokens,
                      hot=record.hot, on_disk=record.on_disk, dirty=record.dirty, disk_bytes=record.disk_bytes,
-                     updated_at=record.updated_at, live=live, turn=turn)
+                     updated_at=record.updated_at, live=live, turn=turn, remote=record.remote)
 
 
 def _max_tokens(gw: Gateway, req: AgentTurnRequest) -> int:

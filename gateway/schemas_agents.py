@@ -64,6 +64,7 @@ class AgentInfo(Struct, kw_only=True):
 
     ``turn`` shows a long prefill's progress (``tokens_prefilled`` of ``tokens_to_prefill``)
     and then the decode (``tokens_generated``); None when no turn of the agent is running.
+    ``remote``: with a shared tier, Redis holds a newer copy than this node, or the only one.
     """
 
     id: str
@@ -77,6 +78,7 @@ class AgentInfo(Struct, kw_only=True):
     updated_at: float | None
     live: bool
     turn: RunningTurn | None = None
+    remote: bool = False
 
 
 class AgentList(Struct, kw_only=True):

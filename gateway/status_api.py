@@ -16,9 +16,10 @@ own turns only. The memory picture, the batch and the totals concern every tenan
 only operator tenants get them (``null`` for the others), as only they read ``/metrics``.
 
 **Tiers of the listing**: ``hot`` (a cache in RAM, the hot tier), ``warm`` (on this
-disk only), ``none`` (a running actor without a cache yet). A turn's own tier
-(``last_turn.tier``) also says ``remote`` (pulled from the shared tier), ``shared``
-(started from another agent's prefix) or ``cold``.
+disk only), ``remote`` (with a shared tier: Redis holds the only copy, or one newer than
+this node's, saved by another node; the agent's next turn here pulls it), ``none`` (a
+running actor without a cache yet). A turn's own tier (``last_turn.tier``) also says
+``shared`` (started from another agent's prefix) or ``cold``.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class AgentStatus(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     id: str
-    tier: Literal["hot", "warm", "none"]
+    tier: Literal["hot", "warm", "remote", "none"]
     model_tag: str | None
     cached_tokens: int
     ram_bytes: int
@@ -214,9 +215,9 @@ def _agent(agent_id: str, record: AgentRecord | None, *, live: bool, ram: tuple[
         last = msgspec.structs.replace(last, agent_id=public)
     if running is not None:
         running = msgspec.structs.replace(running, agent_id=public)
-    tier: Literal["hot", "warm", "none"] = "none"
+    tier: Literal["hot", "warm", "remote", "none"] = "none"
     if record is not None:
-        tier = "hot" if record.hot else "warm" if record.on_disk else "none"
+        tier = "remote" if record.remote else "hot" if record.hot else "warm" if record.on_disk else "none"
     times = [t for t in (last.at if last else None, record.updated_at if record else None) if t is not None]
     return AgentStatus(
         id=public, tier=tier, model_tag=record.model_tag if record else None,

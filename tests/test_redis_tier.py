@@ -339,3 +339,25 @@ async def test_a_lease_held_through_a_long_turn_is_renewed_and_expires_once_its_
         raise AssertionError("the lease did not expire")
     holder.close()
     other.close()
+
+
+async def test_the_agent_listing_says_remote_where_redis_holds_the_newer_or_only_copy(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """What ``/v1/status/agents`` and the operator page list (``AgentRecord.remote``)."""
+    async with _open(tmp_path / "node-a", redis_server.url) as a, _open(tmp_path / "node-b", redis_server.url) as b:
+        first = await a.agent("keeper").send(MESSAGES, max_tokens=6)
+        await a.flush()
+        [on_a] = await a.list_agents()
+        [on_b] = await b.list_agents()
+        assert (on_a.hot, on_a.remote) == (True, False)  # a's own copy is Redis's
+        assert (on_b.hot, on_b.on_disk, on_b.remote) == (False, False, True)  # only in Redis, for b
+        assert on_b.num_tokens == on_a.num_tokens
+
+        second = await b.agent("keeper").send(_second_turn(first.reply), max_tokens=6)
+        await b.flush()
+        assert second.usage.tier == "remote"
+        [on_a] = await a.list_agents()
+        [on_b] = await b.list_agents()
+        assert on_a.remote and on_a.num_tokens < on_b.num_tokens  # b saved after a: a's copy is older
+        assert (on_b.hot, on_b.remote) == (True, False)

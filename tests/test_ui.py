@@ -232,3 +232,16 @@ def test_the_batch_shows_a_running_turn_with_its_tenant_and_its_own_id(tenants: 
         mine = {a["id"]: a for a in acme.get("/v1/status/agents").json()["data"]}
         assert mine["long-one"]["running"]["agent_id"] == "long-one"
         running.result(timeout=30)
+
+
+def test_a_cache_redis_holds_newer_is_listed_remote() -> None:
+    from actors.messages_store import AgentRecord
+    from gateway.status_api import _agent
+
+    def tier(**kw: object) -> str:
+        record = AgentRecord(**{"agent_id": "a", "model_tag": "m", "num_tokens": 5, "hot": False, "on_disk": False,
+                                "dirty": False, "disk_bytes": 0, "updated_at": 1.0, **kw})
+        return _agent("a", record, live=False, ram=(0, 0), last=None, running=None).tier
+
+    assert tier(hot=True, on_disk=True) == "hot" and tier(on_disk=True) == "warm"
+    assert tier(remote=True) == "remote" and tier(on_disk=True, remote=True) == "remote"

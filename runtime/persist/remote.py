@@ -79,7 +79,7 @@ if TYPE_CHECKING:
 
     from runtime.persist.directory import CachePaths
 
-__all__ = ["RemoteTier", "Lease", "Freshness", "redacted_url"]
+__all__ = ["RemoteTier", "RemoteEntry", "Lease", "Freshness", "redacted_url"]
 
 log = logging.getLogger("kvmem.remote")
 
@@ -123,6 +123,16 @@ class Lease:
     agent_id: str
     token: str
     fence: int
+
+
+@dataclass(frozen=True)
+class RemoteEntry:
+    """One cache published in Redis (an agent's, for one model), as :meth:`RemoteTier.list_agents` lists it."""
+
+    agent_id: str
+    model_tag: str
+    num_tokens: int
+    updated_at: float
 
 
 class RemoteTier:
@@ -365,6 +375,32 @@ class RemoteTier:
             raise CorruptCacheError(f"block {ref.name} is not the block its name says")
 
     # -- forget ------------------------------------------------------------------
+
+    def list_agents(self) -> list[RemoteEntry]:
+        """Every cache published in Redis with a readable manifest (an empty list when Redis does not answer).
+
+        One ``SCAN`` for the manifest keys and one ``MGET`` for the manifests; a manifest that
+        does not decode is skipped (a load would treat it as a miss too).
+        """
+
+        def scan() -> list[RemoteEntry]:
+            keys = sorted(self._redis.scan_iter(match=f"{self._prefix}:agent:*:manifest-*", count=500))
+            if not keys:
+                return []
+            entries = []
+            for key, data in zip(keys, self._redis.mget(keys), strict=True):
+                if data is None:
+                    continue  # forgotten between the scan and the read
+                try:
+                    manifest = decode_manifest(data)
+                except CacheMiss as exc:
+                    log.warning("skipping an unreadable manifest in Redis (%s): %s", key.decode(errors="replace"), exc)
+                    continue
+                entries.append(RemoteEntry(agent_id=manifest.agent_id, model_tag=manifest.model_tag,
+                                           num_tokens=manifest.num_tokens, updated_at=manifest.updated_at))
+            return entries
+
+        return self._call("list", scan, [])
 
     def forget(self, agent_id: str) -> bool:
         """Forget the agent cluster-wide: a tombstone, its manifests gone, and every file no other manifest names.
