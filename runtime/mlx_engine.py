@@ -263,8 +263,9 @@ class MlxEngine:
     ) -> Started:
         if not prompt:
             raise ValueError("empty prompt")
-        params = self.sampling_params(sampling)
-        splitter = self._rules(sampling).splitter(sampling.tool_use)
+        rules = self._rules(sampling)  # once per turn: a named call's opening renders the template
+        params = self.sampling_params(sampling, rules)
+        splitter = rules.splitter(sampling.tool_use)
         base = self._base(plan) if plan.reuse_tokens else None
         if base is not None:
             start = StartFrom(base, plan.match, plan.reuse_chars, list(tokens.ids), list(tokens.ends))
@@ -286,13 +287,14 @@ class MlxEngine:
             token_ids=tuple(seq.token_ids),
         )
 
-    def sampling_params(self, sampling: SamplingOptions) -> SamplingParams:
-        """How a turn's sequence samples: its options, plus what its ``tool_choice`` and ``response_format`` enforce."""
+    def sampling_params(self, sampling: SamplingOptions, rules: ReplyRules | None = None) -> SamplingParams:
+        """How a turn's sequence samples: its options, plus what its ``tool_choice`` and ``response_format``
+        enforce (``rules``: the turn's :func:`~runtime.tool_calls.reply_rules`, worked out here if not given)."""
         params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                 top_p=sampling.top_p, top_k=sampling.top_k, stop=tuple(sampling.stop))
         if sampling.tool_use is None and sampling.response_format is None:
             return params
-        rules = self._rules(sampling)
+        rules = rules or self._rules(sampling)
         return replace(params, forced=tuple(self.lm.tokenize(rules.forced)[0]) if rules.forced else (),
                        logit_bias={token: float("-inf") for token in rules.banned}, grammar=rules.grammar)
 

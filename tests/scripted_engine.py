@@ -16,6 +16,7 @@ from dataclasses import replace
 from runtime.engine import SamplingOptions
 from runtime.mlx_engine import MlxEngine
 from runtime.sequence import SamplingParams
+from runtime.tool_calls import ReplyRules
 
 __all__ = ["ScriptedEngine"]
 
@@ -44,8 +45,8 @@ class ScriptedEngine(MlxEngine):
             self._replies.clear()
         self.boost = ()
 
-    def sampling_params(self, sampling: SamplingOptions) -> SamplingParams:
-        params = super().sampling_params(sampling)
+    def sampling_params(self, sampling: SamplingOptions, rules: ReplyRules | None = None) -> SamplingParams:
+        params = super().sampling_params(sampling, rules)
         if self.boost:
             params = replace(params, logit_bias={**dict.fromkeys(self.boost, 50.0), **params.logit_bias})
         with self._lock:
