@@ -3,7 +3,7 @@
 Sequences join a :class:`DecodeBatch` (mlx-lm's ``merge``/``extend``), step
 together, and leave by ``extract``. It holds one batch cache per layer
 (mlx-lm's ``BatchKVCache``/``BatchRotatingKVCache`` for float and sliding
-layers, :class:`runtime.q4_batch_cache.BatchQuantizedKVCache` for Q4 layers
+layers, :class:`runtime.q4_cache.BatchQuantizedKVCache` for Q4 layers
 under the native strategy). Each :meth:`DecodeBatch.step_once` feeds every
 member its next input token and samples one token per member;
 :meth:`DecodeBatch.remove` extracts a member's cache back into its own
@@ -22,8 +22,12 @@ from runtime import cpu_attention
 from runtime.float_resident import extract_with_room
 from runtime.grammar import mask_rows
 from runtime.kv_copy import place_rows
-from runtime.q4_batch_cache import BatchDequantizingQuantizedKVCache, BatchQuantizedKVCache
-from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
+from runtime.q4_cache import (
+    BatchDequantizingQuantizedKVCache,
+    BatchQuantizedKVCache,
+    DequantizingQuantizedKVCache,
+    QuantizedKVCache,
+)
 from runtime.sequence import Sequence
 from runtime.shared_prefix import shared_prefix_length
 

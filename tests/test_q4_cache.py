@@ -36,8 +36,12 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runtime.errors import UnsupportedModelError
-from runtime.q4_batch_cache import BatchDequantizingQuantizedKVCache, BatchQuantizedKVCache
-from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
+from runtime.q4_cache import (
+    BatchDequantizingQuantizedKVCache,
+    BatchQuantizedKVCache,
+    DequantizingQuantizedKVCache,
+    QuantizedKVCache,
+)
 from runtime.q4_packing import dequantize_kv, q4_supported, quantize_kv
 
 Q4_LOGIT_TOL = 0.05  # fraction of the per-position float logit range
