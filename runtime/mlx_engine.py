@@ -223,7 +223,9 @@ class MlxEngine:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
         tool_choice: ToolChoice | None = None,
     ) -> str:
-        if tools and tool_choice is not None:
+        # A template's own tool format may leave the definitions out or refuse the choice; kvmem's
+        # generic format always renders them (its grammar, built at the turn's start, does the rest).
+        if tools and tool_choice is not None and self.lm.supports_tools:
             rules = reply_rules(self.lm, ToolUse(tools=tuple(tools), choice=tool_choice))  # raises if it cannot
             tools = tools if rules.render_tools else None
         return self.lm.render(messages, tools=tools)
