@@ -4,19 +4,22 @@ A turn, in order (the next turn of the same agent starts only after this one
 ends, so turn 2 always sees turn 1's cache):
 
 1. lease the model from the registry (a swap may happen first);
-2. render the messages (on the GPU actor's thread: tokenizer work);
-3. ask the store for the turn's plan: what of the prompt is reused and from
-   where (the agent's own hot or warm cache, else another agent's whole-block
-   prefix, else nothing), decided by the cache manager
-   (:meth:`runtime.kv_manager.KVCacheManager.plan`);
-4. ask the GPU actor to generate as planned; deltas go straight to the
-   client's stream;
-5. hand the updated cache to the store (write-behind) — *before* answering the
-   client, so every turn a client saw complete is in the store and is flushed
-   on shutdown; a *durable* turn (``ChatTurn.durable``, else the runtime's
-   ``durable`` setting) also waits until the store has it on disk, so a turn
-   answered is a turn kept even if the process is killed a moment later;
-6. release the lease and answer with a :class:`TurnResult`.
+2. check the agent's own cache out of the store (:class:`CheckOut`): its hot
+   cache, else the one on disk;
+3. one request to the GPU actor (:class:`Generate`), which renders the
+   messages, plans what of the prompt is reused and from where (that cache,
+   else another agent's whole-block prefix, else nothing: the cache manager,
+   :meth:`runtime.kv_manager.KVCacheManager.plan`) and generates; deltas go
+   straight to the client's stream;
+4. check the updated cache back in (:class:`CheckIn`, write-behind) — *before*
+   answering the client, so every turn a client saw complete is in the store and
+   is flushed on shutdown; a *durable* turn (``ChatTurn.durable``, else the
+   runtime's ``durable`` setting) also waits until the store has it on disk, so a
+   turn answered is a turn kept even if the process is killed a moment later. A
+   turn that fails checks in without a cache;
+5. release the lease and answer with a :class:`TurnResult`.
+
+Each turn visits the store once in each direction and the GPU actor once.
 
 The actor stops after ``idle_timeout_s`` without messages (its hot cache
 stays in the store); the runtime starts a new one on the agent's next request.
@@ -34,6 +37,7 @@ import trio
 from actors.mailbox import ask, receiver_left, send_reply
 from actors.messages_agent import (
     AgentInbox,
+    ChatTurn,
     ForgetAgent,
     Forgot,
     Turn,
@@ -44,26 +48,25 @@ from actors.messages_agent import (
 )
 from actors.messages_common import Failed
 from actors.messages_gpu import (
+    Chat,
     Generate,
+    Generated,
     GenerateReply,
     GpuInbox,
     ModelInfo,
-    Render,
-    RenderReply,
 )
 from actors.messages_store import (
-    EndTurn,
+    CheckIn,
+    CheckOut,
+    CheckOutReply,
     Forget,
     ForgetReply,
-    PlanReply,
-    PlanTurn,
-    Put,
+    NewCache,
     SaveReply,
     StoreInbox,
 )
 from actors.metrics import RuntimeMetrics
 from actors.registry import Acquire, AcquireReply, RegistryInbox, Release
-from runtime.engine import TurnPlan
 
 __all__ = ["AgentActor", "CacheHandle"]
 
@@ -187,69 +190,65 @@ class AgentActor:
 
     async def _run_turn(self, turn: Turn, info: ModelInfo) -> TurnReply:
         request = turn.turn
-        prompt = request.prompt
-        if prompt is None:
-            rendered: RenderReply = await ask(
-                self._gpu,
-                lambda r: Render(model_tag=info.tag, messages=request.chat(), tools=request.tool_list(),
-                                 tool_choice=request.tool_choice if request.tools else None, reply=r),
-            )
-            if isinstance(rendered, Failed):
-                return rendered
-            prompt = rendered.prompt
-        planned: PlanReply = await ask(
-            self._store,
-            lambda r: PlanTurn(agent_id=self.agent_id, model_tag=info.tag, prompt=prompt, share=request.share_prefix,
-                               reply=r),
-        )
-        if isinstance(planned, Failed):
-            return planned
+        opened: CheckOutReply = await ask(
+            self._store, lambda r: CheckOut(agent_id=self.agent_id, model_tag=info.tag, reply=r))
+        if isinstance(opened, Failed):
+            return opened
+        checked_in = False
         try:
-            return await self._generate(turn, info, prompt, planned.plan)
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
-                try:
-                    await self._store.send(EndTurn(agent_id=self.agent_id))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
-
-    async def _generate(self, turn: Turn, info: ModelInfo, prompt: str, plan: TurnPlan) -> TurnReply:
-        request = turn.turn
-        generated: GenerateReply = await ask(
-            self._gpu,
-            lambda r: Generate(
-                request_id=turn.request_id,
-                agent_id=self.agent_id,
-                model_tag=info.tag,
-                prompt=prompt,
-                plan=plan,
-                sampling=request.engine_sampling(),
-                submitted_at=turn.submitted_at,
-                deltas=turn.deltas,
-                client=turn.reply,
-                reply=r,
-                share_prefix=request.share_prefix,
-            ),
-        )
-        if isinstance(generated, Failed):
-            return generated
-        if generated.parked is not None and generated.snapshot is not None:
-            parked = generated.parked
-
-            def put(saved: trio.MemorySendChannel[SaveReply] | None) -> Put:
-                return Put(agent_id=self.agent_id, parked=parked, snapshot=generated.snapshot,
-                           block_bytes=info.block_bytes, share_prefix=request.share_prefix, saved=saved)
-
-            if self._durable if request.durable is None else request.durable:
-                saved: SaveReply = await ask(self._store, put)
-                if isinstance(saved, Failed):
-                    log.warning("durable turn of %s not answered: %s", self.agent_id, saved.error)
-                    return saved
-            else:
-                await self._store.send(put(None))
-            self.handle = CacheHandle(
-                model_tag=parked.model_tag, num_tokens=parked.num_tokens, text_chars=len(parked.text)
+            generated: GenerateReply = await ask(
+                self._gpu,
+                lambda r: Generate(
+                    request_id=turn.request_id,
+                    agent_id=self.agent_id,
+                    model_tag=info.tag,
+                    prompt=request.prompt if request.prompt is not None else Chat(
+                        messages=request.chat(), tools=request.tool_list(),
+                        tool_choice=request.tool_choice if request.tools else None),
+                    own=opened.own,
+                    sampling=request.engine_sampling(),
+                    submitted_at=turn.submitted_at,
+                    deltas=turn.deltas,
+                    client=turn.reply,
+                    reply=r,
+                    share_prefix=request.share_prefix,
+                ),
             )
+            if isinstance(generated, Failed):
+                return generated
+            checked_in = True
+            failed = await self._check_in(request, info, generated)
+            if failed is not None:
+                return failed
+            return self._done(turn, info, generated)
+        finally:
+            if not checked_in:  # the turn failed or was cancelled: it ends without a cache
+                with trio.CancelScope(shield=True), trio.move_on_after(5):
+                    try:
+                        await self._store.send(CheckIn(agent_id=self.agent_id))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+
+    async def _check_in(self, request: ChatTurn, info: ModelInfo, generated: Generated) -> Failed | None:
+        """Hand the turn's new cache to the store (which ends the turn there); a durable turn waits for its save."""
+        cache = None
+        if generated.parked is not None and generated.snapshot is not None:
+            cache = NewCache(parked=generated.parked, snapshot=generated.snapshot, block_bytes=info.block_bytes,
+                             share_prefix=request.share_prefix)
+        if cache is not None and (self._durable if request.durable is None else request.durable):
+            saved: SaveReply = await ask(
+                self._store, lambda r: CheckIn(agent_id=self.agent_id, cache=cache, saved=r))
+            if isinstance(saved, Failed):
+                log.warning("durable turn of %s not answered: %s", self.agent_id, saved.error)
+                return saved
+        else:
+            await self._store.send(CheckIn(agent_id=self.agent_id, cache=cache))
+        if cache is not None:
+            self.handle = CacheHandle(model_tag=cache.parked.model_tag, num_tokens=cache.parked.num_tokens,
+                                      text_chars=len(cache.parked.text))
+        return None
+
+    def _done(self, turn: Turn, info: ModelInfo, generated: Generated) -> TurnDone:
         self.turns += 1
         tier = generated.tier
         usage = TurnUsage(

@@ -3,22 +3,23 @@
 * **Hot tier** and **plans**: a :class:`runtime.kv_manager.KVCacheManager` (shared
   with the GPU actor) holds every agent's latest parked cache per model, its block
   accounting and the shared-prefix index, and decides each turn's
-  :class:`runtime.engine.TurnPlan`. The store feeds it: a :class:`PlanTurn`
-  for an agent without a hot cache first reads the agent's disk cache, then asks
-  the manager; a :class:`Put` makes a cache hot; a completed save tells the
-  manager the cache may now be dropped from RAM.
+  :class:`runtime.engine.TurnPlan`. The store feeds it: a :class:`CheckOut` (a turn
+  begins) answers with the agent's own cache, its hot one or, without one, the one
+  it reads from disk (the GPU actor then plans the turn against the rendered prompt);
+  a :class:`CheckIn` (the turn ends) makes its new cache hot; a completed save tells
+  the manager the cache may now be dropped from RAM.
 * **Warm tier**: ``runtime.persist.CacheDirectory``; one disk operation at a
   time, on a worker thread (``trio.to_thread`` under ``CapacityLimiter(1)``:
   numpy and files only, never MLX).
-* **Write-behind**: :class:`Put` marks the cache dirty and returns at once; a
-  writer task saves dirty caches oldest first (a newer Put of the same agent
+* **Write-behind**: :class:`CheckIn` marks the cache dirty and returns at once; a
+  writer task saves dirty caches oldest first (a newer cache of the same agent
   and model supersedes an unwritten one). Loads are awaited by the agent that asked.
-* **Durable turns**: a :class:`Put` with a ``saved`` channel goes to the front of
+* **Durable turns**: a :class:`CheckIn` with a ``saved`` channel goes to the front of
   the queue and is answered :class:`Saved` once it (or a newer cache of the same
   agent and model) is on disk, or ``Failed(kind="NotSaved")`` when its save fails
   or the agent is forgotten first; the agent answers its client only then.
 * **Shutdown**: on normal exit or cancellation (SIGINT/SIGTERM cancel the
-  runtime), the store picks up any Put still in its mailbox and writes every
+  runtime), the store picks up any CheckIn still in its mailbox and writes every
   dirty cache, shielded from the cancellation, before it returns.
 * **Shared tier** (``store = "redis://..."``): a :class:`runtime.persist.remote.RemoteTier`
   on the same disk thread. A load first pulls the agent's cache from Redis onto
@@ -26,11 +27,11 @@
   ``remote``); each save is then published to Redis. Redis down: loads and
   saves use the disk alone, and caches saved meanwhile are published when it
   answers again (tried every :data:`actors.shared_tier.REPUBLISH_S`).
-* **Leases**: with a shared tier, every :class:`PlanTurn` first takes the
+* **Leases**: with a shared tier, every :class:`CheckOut` first takes the
   agent's cluster lease (:meth:`runtime.persist.remote.RemoteTier.lease`), waiting up
   to :data:`actors.shared_tier.LEASE_WAIT_S` while another node holds it, then answers
   ``Failed(kind="AgentBusy")``. The lease is given back after the turn's
-  :class:`EndTurn` once its cache is published, under the lease's fence.
+  :class:`CheckIn` once its cache is published, under the lease's fence.
 * **Tenants**: an agent id that names a tenant (:mod:`runtime.identity`) keeps its caches in
   that tenant's subtree of the cache directory (:class:`runtime.persist.tenants.TenantDirectories`);
   a listing is one tenant's, and :class:`Usage` is what one tenant holds (for its limits).
@@ -47,7 +48,6 @@ and read their plain attributes (text, token ids, offsets, size).
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, assert_never
@@ -60,7 +60,9 @@ from actors.messages_common import Failed, HotCache, failed_from
 from actors.messages_store import (
     AgentRecord,
     AgentsListed,
-    EndTurn,
+    CheckedOut,
+    CheckIn,
+    CheckOut,
     Evict,
     Evicted,
     Flush,
@@ -68,9 +70,6 @@ from actors.messages_store import (
     Forget,
     Forgotten,
     ListAgents,
-    Planned,
-    PlanTurn,
-    Put,
     Saved,
     SaveReply,
     StoreInbox,
@@ -80,11 +79,12 @@ from actors.messages_store import (
 from actors.metrics import PoolSnapshot
 from actors.prefetch import Prefetcher
 from actors.shared_tier import RemoteStats, SharedTier
-from runtime.engine import FromWarm, Tier, TurnPlan
+from runtime.engine import Tier
 from runtime.errors import CacheMiss, InvalidAgentIdError
 from runtime.identity import AgentKey, local_id, safe_agent_dirname, tenant_of
 from runtime.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
+from runtime.save_queue import SaveQueue
 from runtime.persist.tenants import TenantDirectories
 from runtime.spec import CacheSnapshot
 
@@ -133,19 +133,6 @@ class _Pending:
     parked: HotCache
     snapshot: CacheSnapshot
     block_hashes: list[str]  # computed once, for the hot tier's accounting and the save
-    seq: int  # the order of Puts: a save answers the durable turns whose cache it covers
-
-
-@dataclass(frozen=True)
-class _Waiter:
-    """A durable turn waiting for its cache (Put number ``seq``) to reach the disk."""
-
-    seq: int
-    reply: trio.MemorySendChannel[SaveReply]
-
-
-SAVE_RETRY_S = 5.0
-"""After a save fails with an OSError (disk full, read-only), dirty caches wait this long or for the next turn."""
 
 class CacheStoreActor:
     """Owns the cache directory and feeds the cache manager (see the module docstring).
@@ -170,20 +157,17 @@ class CacheStoreActor:
         self._directory = TenantDirectories(directory)
         self._manager = manager
         self._limiter = trio.CapacityLimiter(1)
-        self._dirty: dict[AgentKey, _Pending] = {}  # oldest first
-        self._waiters: dict[AgentKey, list[_Waiter]] = {}  # durable turns, per cache, in Put order
-        self._puts = itertools.count()
+        # Unsaved caches and the durable turns waiting for them: the write-behind policy.
+        self._saves: SaveQueue[AgentKey, _Pending, trio.MemorySendChannel[SaveReply]] = SaveQueue()
         self._wake = trio.Event()
         self._loads_waiting = 0
         self._no_loads = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._writes = self._write_errors = self._bytes_written = 0
-        self.retry_delay_s = SAVE_RETRY_S
-        self._retry_at = float("-inf")
         self._warm_loads = self._misses = 0
         self._remote = remote
         self.shared = None if remote is None else SharedTier(
-            remote, disk=self._disk, dirty=lambda agent_id: any(key[0] == agent_id for key in self._dirty))
+            remote, disk=self._disk, dirty=lambda agent_id: any(key[0] == agent_id for key in self._saves.keys()))
         # Not with a shared tier: another node may publish a newer cache after the read.
         self.prefetch = Prefetcher(self._directory.list_all_agents, self._directory.load, self._disk,
                                    budget_bytes=prefetch_bytes) if prefetch_bytes > 0 and remote is None else None
@@ -211,8 +195,8 @@ class CacheStoreActor:
                 written = await self._flush_all()
                 if written:
                     log.info("flushed %d dirty caches on shutdown", written)
-                for key in list(self._waiters):
-                    self._answer_waiters(key, None, Failed(kind="NotSaved", error="the cache store stopped first"))
+                for waiter in self._saves.drop(lambda key: True):
+                    send_reply(waiter, Failed(kind="NotSaved", error="the cache store stopped first"))
                 if self.shared is not None:
                     await self.shared.release_all()
 
@@ -223,10 +207,8 @@ class CacheStoreActor:
                 message = self._inbox.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
-            if isinstance(message, Put):
-                self._put(message)
-            elif isinstance(message, EndTurn):
-                pass  # its lease goes with the others after the last saves
+            if isinstance(message, CheckIn):
+                self._check_in(message, None)  # its lease goes with the others after the last saves
             else:
                 send_reply(message.reply, Failed(kind="Cancelled", error="the cache store is shutting down"))
         self._inbox.close()
@@ -238,24 +220,20 @@ class CacheStoreActor:
 
     async def _handle(self, message: StoreInbox) -> None:
         match message:
-            case PlanTurn(agent_id=agent_id, model_tag=tag):
+            case CheckOut(agent_id=agent_id, model_tag=tag):
                 if self.shared is not None or self._manager.needs_disk(agent_id, tag):
                     assert self._nursery is not None
-                    self._nursery.start_soon(self._plan_after_load, message)
+                    self._nursery.start_soon(self._check_out_after_load, message)
                 else:
-                    send_reply(message.reply, Planned(plan=self._plan(message, None)))
-            case Put():
-                self._put(message)
-            case EndTurn(agent_id=agent_id):
-                if self.shared is not None:
-                    self.shared.end_turn(agent_id, self._nursery)
+                    send_reply(message.reply, CheckedOut(own=self._manager.checkout(agent_id, tag)))
+            case CheckIn():
+                self._check_in(message, self._nursery)
             case Forget():
                 await self._forget(message)
             case Evict(model_tag=tag, reply=reply):
                 written = await self._flush_all(tag)
-                for key in [k for k in self._dirty if k[1] == tag]:
-                    del self._dirty[key]
-                    self._answer_waiters(key, None, Failed(kind="NotSaved", error=f"model {tag!r} was unloaded first"))
+                for waiter in self._saves.drop(lambda key: key[1] == tag):
+                    send_reply(waiter, Failed(kind="NotSaved", error=f"model {tag!r} was unloaded first"))
                 self._manager.drop_model(tag)
                 if self.prefetch is not None:
                     self.prefetch.drop_model(tag)
@@ -271,12 +249,8 @@ class CacheStoreActor:
             case _:
                 assert_never(message)
 
-    def _plan(self, message: PlanTurn, warm: CacheSnapshot | None, tier: Tier = "warm") -> TurnPlan:
-        return self._manager.plan(message.agent_id, message.model_tag, message.prompt, share=message.share,
-                                  warm=warm, warm_tier=tier)
-
-    async def _plan_after_load(self, message: PlanTurn) -> None:
-        """Take the agent's lease (shared tier), read its disk cache, then plan (an unreadable cache: a logged miss)."""
+    async def _check_out_after_load(self, message: CheckOut) -> None:
+        """Take the agent's lease (shared tier), read its disk cache, then answer (an unreadable cache: a logged miss)."""
         warm: CacheSnapshot | None = None
         prepared: Any = None  # the prefetched cache restored at start (actors/prefetch.py)
         tier: Tier = "warm"
@@ -291,12 +265,12 @@ class CacheStoreActor:
                 match await self._disk(self.shared.remote.check, *key):
                     case "forgotten":  # on another node, since this node last held the agent: drop every copy
                         await self._forget_here(message.agent_id)
-                    case "newer" if not self._manager.needs_disk(*key) and key not in self._dirty:
+                    case "newer" if not self._manager.needs_disk(*key) and key not in self._saves:
                         self._manager.drop(*key)  # another node served the agent since: Redis has more of it
                     case _:
                         pass
             if not self._manager.needs_disk(*key):
-                send_reply(message.reply, Planned(plan=self._plan(message, None)))
+                send_reply(message.reply, CheckedOut(own=self._manager.checkout(*key)))
                 return
             taken = None if self.prefetch is None else await self.prefetch.take(*key)
             if taken is None:
@@ -316,10 +290,8 @@ class CacheStoreActor:
             self._loads_waiting -= 1
             if not self._loads_waiting:
                 self._no_loads.set()
-        plan = self._plan(message, warm, tier)
-        if prepared is not None and isinstance(plan.source, FromWarm):
-            plan = msgspec.structs.replace(plan, source=FromWarm(snapshot=plan.source.snapshot, prepared=prepared))
-        send_reply(message.reply, Planned(plan=plan))
+        own = self._manager.checkout(message.agent_id, message.model_tag, warm=warm, warm_tier=tier, prepared=prepared)
+        send_reply(message.reply, CheckedOut(own=own))
 
     def _load(self, agent_id: str, model_tag: str) -> tuple[CacheSnapshot, Tier]:
         """On the disk thread: pull the agent's cache from the shared tier if it has another one, then load it."""
@@ -360,7 +332,7 @@ class CacheStoreActor:
                     num_tokens=entry.parked.num_tokens,
                     hot=True,
                     on_disk=disk is not None,
-                    dirty=entry.key in self._dirty,
+                    dirty=entry.key in self._saves,
                     disk_bytes=disk.disk_bytes if disk else 0,
                     updated_at=disk.updated_at if disk else None,
                 )
@@ -404,7 +376,7 @@ class CacheStoreActor:
         except (OSError, ValueError) as exc:
             send_reply(message.reply, failed_from(exc))
             return
-        in_ram = {e.agent_id for e in self._manager.entries()} | {key[0] for key in self._dirty}
+        in_ram = {e.agent_id for e in self._manager.entries()} | {key[0] for key in self._saves.keys()}
         dirs = {safe_agent_dirname(local_id(a)) for a in in_ram if tenant_of(a) == message.tenant}
         send_reply(message.reply, Used(agent_dirs=disk.agent_dirs | dirs, disk_bytes=disk.disk_bytes))
 
@@ -427,10 +399,8 @@ class CacheStoreActor:
         if self.prefetch is not None:
             self.prefetch.drop(agent_id)
         existed = self._manager.forget(agent_id) > 0
-        for key in [k for k in self._dirty if k[0] == agent_id]:
-            del self._dirty[key]
-        for key in [k for k in self._waiters if k[0] == agent_id]:
-            self._answer_waiters(key, None, Failed(kind="NotSaved", error=f"agent {agent_id!r} was forgotten first"))
+        for waiter in self._saves.drop(lambda key: key[0] == agent_id):
+            send_reply(waiter, Failed(kind="NotSaved", error=f"agent {agent_id!r} was forgotten first"))
         if self.shared is not None:
             self.shared.drop_unpublished(agent_id)
         on_disk = await self._disk(self._directory.exists, agent_id)
@@ -440,56 +410,48 @@ class CacheStoreActor:
 
     # -- hot tier --------------------------------------------------------------
 
-    def _put(self, message: Put) -> None:
-        parked = message.parked
+    def _check_in(self, message: CheckIn, nursery: trio.Nursery | None) -> None:
+        """The turn is over: its new cache becomes hot and dirty; then, with a shared tier, its lease may go."""
+        if message.cache is not None:
+            self._put(message)
+        if self.shared is not None:
+            self.shared.end_turn(message.agent_id, nursery)
+
+    def _put(self, message: CheckIn) -> None:
+        assert message.cache is not None
+        parked = message.cache.parked
         key = (message.agent_id, parked.model_tag)
         hashes = self._directory.block_hashes(parked.model_tag, parked.token_ids)
-        self._manager.put(message.agent_id, parked, share=message.share_prefix, block_bytes=message.block_bytes,
-                          block_hashes=hashes)
-        self._dirty.pop(key, None)  # a newer Put supersedes an unwritten one
-        pending = _Pending(message.agent_id, parked, message.snapshot, hashes, next(self._puts))
-        if message.saved is None:
-            self._dirty[key] = pending
-        else:  # a client waits for this save: it goes first
-            self._waiters.setdefault(key, []).append(_Waiter(pending.seq, message.saved))
-            self._dirty = {key: pending, **self._dirty}
+        self._manager.put(message.agent_id, parked, share=message.cache.share_prefix,
+                          block_bytes=message.cache.block_bytes, block_hashes=hashes)
+        self._saves.put(key, _Pending(message.agent_id, parked, message.cache.snapshot, hashes), message.saved)
         self._wake.set()
-
-    def _answer_waiters(self, key: AgentKey, upto: int | None, answer: SaveReply) -> None:
-        """Answer the durable turns of ``key`` whose cache is Put number ``upto`` or older (None: all)."""
-        waiting = self._waiters.pop(key, [])
-        rest = [w for w in waiting if upto is not None and w.seq > upto]
-        for waiter in waiting:
-            if upto is None or waiter.seq <= upto:
-                send_reply(waiter.reply, answer)
-        if rest:
-            self._waiters[key] = rest
 
     # -- writes ----------------------------------------------------------------
 
     async def _writer(self) -> None:
+        """Carry out the write-behind policy (:class:`runtime.save_queue.SaveQueue`): write, or wait for why not."""
         while True:
-            if not self._dirty:
-                await self._wake.wait()
-                self._wake = trio.Event()
-                continue
-            if self._loads_waiting:  # an agent waits for a load; a save can wait
-                await self._no_loads.wait()
-                self._no_loads = trio.Event()
-                continue
-            if trio.current_time() < self._retry_at:  # the last save failed: wait, or for the next turn
-                with trio.move_on_at(self._retry_at):
+            match self._saves.next(trio.current_time(), loads_waiting=self._loads_waiting > 0):
+                case None:  # nothing dirty
                     await self._wake.wait()
                     self._wake = trio.Event()
-                self._retry_at = float("-inf")
-                continue
-            await self._write(next(iter(self._dirty)))
+                case str():  # an agent waits for a load; a save can wait
+                    await self._no_loads.wait()
+                    self._no_loads = trio.Event()
+                case float() as retry_at:  # the last save failed: wait, or for the next turn
+                    with trio.move_on_at(retry_at):
+                        await self._wake.wait()
+                        self._wake = trio.Event()
+                case key:
+                    await self._write(key)
 
     async def _write(self, key: AgentKey) -> bool:
         """Save the cache pending under ``key``, if any; True when this call wrote it."""
-        pending = self._dirty.get(key)
-        if pending is None:
+        dirty = self._saves.get(key)
+        if dirty is None:
             return False
+        pending = dirty.item
         retry = False
         try:
             report = await self._disk(self._directory.save, pending.agent_id, pending.snapshot,
@@ -498,25 +460,21 @@ class CacheStoreActor:
             retry = isinstance(exc, OSError)  # a full or read-only disk may recover; a bad cache will not
             self._write_errors += 1
             log.error("saving the cache of %r failed: %s; it stays in RAM, retried in %.0f s or on the next turn",
-                      pending.agent_id, exc, self.retry_delay_s)
+                      pending.agent_id, exc, self._saves.retry_delay_s)
             report = None
-            self._answer_waiters(key, pending.seq, Failed(kind="NotSaved", error=f"the cache was not saved: {exc}"))
+            answer: SaveReply = Failed(kind="NotSaved", error=f"the cache was not saved: {exc}")
         else:
-            self._answer_waiters(key, pending.seq, Saved())
+            answer = Saved()
+        for waiter in self._saves.answered(key, dirty):
+            send_reply(waiter, answer)
         if report is not None:
             self._writes += 1
             self._bytes_written += report.bytes_written
-            if self.shared is not None and self._dirty.get(key) is pending:
+            if self.shared is not None and self._saves.get(key) is dirty:
                 # Not a superseded cache (the newer one is published soon) nor a forgotten one (never again).
                 await self.shared.publish(key)
-        if self._dirty.get(key) is not pending:
-            return report is not None  # superseded or forgotten meanwhile
-        if report is None and retry:
-            self._dirty.pop(key)  # keep it dirty, behind the others
-            self._dirty[key] = pending
-            self._retry_at = trio.current_time() + self.retry_delay_s
-            return False
-        del self._dirty[key]
+        if not self._saves.settle(key, dirty, saved=report is not None, retry=retry, now=trio.current_time()):
+            return report is not None  # superseded or forgotten meanwhile, or kept for a retry
         if report is not None:
             self._manager.saved(pending.agent_id, pending.parked)
         if self.shared is not None:
@@ -526,7 +484,7 @@ class CacheStoreActor:
     async def _flush_all(self, model_tag: str | None = None) -> int:
         """Write every dirty cache (of ``model_tag``, if given); returns how many were written."""
         written = 0
-        for key in list(self._dirty):
+        for key in self._saves.keys():
             if model_tag is None or key[1] == model_tag:
                 written += await self._write(key)
         return written
@@ -538,7 +496,7 @@ class CacheStoreActor:
         return StoreStats(
             hot_agents=hot.hot_agents,
             hot_bytes=hot.hot_bytes,
-            dirty=len(self._dirty),
+            dirty=len(self._saves),
             over_budget=hot.over_budget,
             writes=self._writes,
             write_errors=self._write_errors,

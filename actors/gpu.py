@@ -5,9 +5,11 @@ bounded job of a :class:`runtime.engine.Engine`. The loop::
 
     receive messages (block only when there is nothing to do)
     reap requests whose client left (extract + park the partial turn)
-    admit waiting requests the block budget can hold (actors.scheduler)
-    one decode step for every sequence in the batch  -> deliver each new token
-    one prefill chunk for the admitted prefill with the least left (aged, see actors.scheduler)
+    start the requests the scheduler admits (the block budget can hold them)
+    carry out the scheduler's Step (actors.scheduler: decided as a value, before any of it runs):
+        short prefills join first (one pass for those that can), each with its donor's blocks
+        one decode step for every sequence in the batch  -> deliver each new token
+        one prefill chunk for the admitted prefill with the least left (aged)
         last chunk -> first token; the sequence joins the batch (merge/extend)
     finished sequences leave the batch (extract/filter), are parked, and their
     updated cache goes back to the agent in the ``Generated`` reply
@@ -30,14 +32,15 @@ import trio
 from actors.mailbox import receiver_left, send_reply
 from actors.messages_common import Failed, failed_from
 from actors.messages_gpu import (
+    Chat,
+    Counted,
+    CountTokens,
     Generate,
     GpuInbox,
     LoadModel,
     ModelReady,
     Prepare,
     Prepared,
-    Render,
-    Rendered,
     TurnAccepted,
     TurnStarted,
     Unloaded,
@@ -46,7 +49,7 @@ from actors.messages_gpu import (
 from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, PoolSnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
-from actors.scheduler import Scheduler
+from actors.scheduler import Scheduler, Step
 from runtime.engine import Engine, Finished, FromShared, ModelInfo, PrefillResult, Started, Tokenized, ToolCall
 from runtime.errors import ContextLengthExceededError
 from runtime.kv_manager import KVCacheManager
@@ -54,14 +57,6 @@ from runtime.kv_manager import KVCacheManager
 __all__ = ["GPUActor"]
 
 log = logging.getLogger("kvmem.gpu")
-
-JOIN_AHEAD_TOKENS = 64
-"""Requests with at most this many prompt tokens to prefill (a new turn on a cached
-conversation) prefill before the next decode step instead of one chunk per step.
-A step reads the weights once for all rows, so an agent that joins now rides along
-in every following step instead of waiting through several of them; the stall this
-causes is a few short chunks. Longer prompts keep one chunk per step."""
-
 
 class GPUActor:
     """Runs generation for every agent, one MLX job at a time.
@@ -149,16 +144,9 @@ class GPUActor:
             await self._reap()
             if self._sched is None:
                 continue
-            plan = self._sched.plan()
-            for request_id in plan.admit:
+            for request_id in self._sched.admit():
                 await self._start(request_id)
-            await self._prefill_joining(plan.chunk)
-            if self._sched.decoding():
-                await self._step()
-            prefill = self._sched.next_prefill()
-            if prefill is not None:
-                # first chunk only: a donor's blocks, if they cover more
-                await self._prefill(prefill, plan.chunk, self._manager.adopt(prefill))
+            await self._run_step(self._sched.step(self._manager))
             await trio.lowlevel.checkpoint()
 
     # -- mailbox ---------------------------------------------------------------
@@ -174,17 +162,16 @@ class GPUActor:
                 await self._job(self._engine.unload)
                 self._info, self._sched = None, None
                 send_reply(reply, Unloaded())
-            case Render(model_tag=tag, messages=messages, tools=tools, reply=reply):
+            case CountTokens(model_tag=tag, chat=chat, reply=reply):
                 if self._info is None or self._info.tag != tag:
                     send_reply(reply, Failed(kind="ModelError", error=f"model {tag!r} is not loaded"))
                     return
                 try:
-                    prompt = await self._job(self._engine.render, messages, tools, message.tool_choice)
-                    count = await self._job(self._engine.count_tokens, prompt) if message.count_tokens else None
+                    count = await self._job(self._engine.count_tokens, await self._render(chat))
                 except Exception as exc:  # noqa: BLE001 - a bad message list is the client's error
                     send_reply(reply, failed_from(exc))
                     return
-                send_reply(reply, Rendered(prompt=prompt, num_tokens=count))
+                send_reply(reply, Counted(num_tokens=count))
             case Generate():
                 await self._submit(message)
             case Prepare(snapshot=snapshot, reply=reply):
@@ -224,18 +211,20 @@ class GPUActor:
             send_reply(msg.reply, Failed(kind="ValueError", error=f"duplicate request id {msg.request_id}"))
             return
         try:
-            tokens: Tokenized = await self._job(self._engine.tokenize, msg.prompt, msg.plan)
-            need = msg.plan.reuse_tokens + len(tokens.ids)
+            prompt = await self._render(msg.prompt)
+            plan = self._manager.plan(msg.agent_id, msg.model_tag, prompt, share=msg.share_prefix, own=msg.own)
+            tokens: Tokenized = await self._job(self._engine.tokenize, prompt, plan)
+            need = plan.reuse_tokens + len(tokens.ids)
             context = self._info.context_length
             if context is not None and need + msg.sampling.max_tokens > context:  # before any prefill
                 raise ContextLengthExceededError(
                     f"the prompt ({need:,} tokens) plus max_tokens ({msg.sampling.max_tokens:,}) exceeds "
                     f"the model's context of {context:,} tokens")
             self._sched.submit(msg.request_id, need + msg.sampling.max_tokens)
-        except Exception as exc:  # noqa: BLE001 - tokenizer, context or budget errors go back to the agent
+        except Exception as exc:  # noqa: BLE001 - template, tokenizer, context or budget errors go back to the agent
             send_reply(msg.reply, failed_from(exc))
             return
-        self._requests[msg.request_id] = GpuTurn(msg, tokens)
+        self._requests[msg.request_id] = GpuTurn(msg, prompt, plan, tokens)
         if msg.deltas is not None:  # the client may answer its status now: nothing it asked for is refused
             try:
                 msg.deltas.send_nowait(TurnAccepted(prompt_tokens=need))
@@ -243,6 +232,12 @@ class GPUActor:
                 pass  # not possible: it is the first item on the channel
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self._requests[msg.request_id].client_gone = True
+
+    async def _render(self, prompt: Chat | str) -> str:
+        """The prompt text: chat messages rendered with the loaded model's template, a raw prompt as is."""
+        if isinstance(prompt, str):
+            return prompt
+        return await self._job(self._engine.render, prompt.messages, prompt.tools, prompt.tool_choice)
 
     # -- work ------------------------------------------------------------------
 
@@ -265,7 +260,7 @@ class GPUActor:
         req.admitted_at = time.perf_counter()
         try:
             started: Started = await self._job(
-                self._engine.start, request_id, req.msg.prompt, req.msg.plan, req.tokens, req.msg.sampling
+                self._engine.start, request_id, req.prompt, req.plan, req.tokens, req.msg.sampling
             )
         except Exception as exc:  # noqa: BLE001
             await self._fail(request_id, exc)
@@ -278,27 +273,24 @@ class GPUActor:
         self._sched.to_prefill(request_id, started.tokens_to_prefill)
         self._event("admit", request_id)
 
-    def _joining(self) -> list[int]:
-        """Prefilling requests short enough to join the batch before the next step."""
+    async def _run_step(self, step: Step) -> None:
+        """Carry out one :class:`actors.scheduler.Step`: the joining prefills (in one pass where
+        the engine can, :meth:`runtime.engine.Engine.prefill_together`, the rest one by one), the
+        decode step, then one prefill chunk. A request that ended meanwhile is skipped."""
         assert self._sched is not None
-        return [
-            request_id
-            for request_id in self._sched.prefilling()
-            if (n := self._requests[request_id].to_prefill) is not None and n <= JOIN_AHEAD_TOKENS
-        ]
+        if step.together:
+            await self._prefill_together(list(step.together))
+        for request_id in step.join:
+            if self._prefilling(request_id):
+                await self._prefill(request_id, step.chunk, step.adopt.get(request_id), request_id in step.donate)
+        if any(r in self._requests for r in step.decode) and self._sched.decoding():
+            await self._step()
+        if step.prefill is not None and self._prefilling(step.prefill):
+            await self._prefill(step.prefill, step.chunk, step.adopt.get(step.prefill), step.prefill in step.donate)
 
-    async def _prefill_joining(self, chunk: int | None) -> None:
-        """Prefill the turns short enough to join before the next step: in one pass where
-        the engine can (:meth:`runtime.engine.Engine.prefill_together`), the rest one by one."""
+    def _prefilling(self, request_id: int) -> bool:
         assert self._sched is not None
-        joining = [r for r in self._joining() if r in self._requests]
-        adopts = {r: self._manager.adopt(r) for r in joining}  # first chunk only: a donor's blocks
-        together = [r for r in joining if adopts[r] is None and not self._manager.wants_donor(r)]
-        if len(together) >= 2:
-            await self._prefill_together(together)
-        for request_id in joining:
-            if request_id in self._requests and request_id in self._sched.prefilling():
-                await self._prefill(request_id, chunk, adopts[request_id])
+        return request_id in self._requests and request_id in self._sched.prefilling()
 
     async def _prefill_together(self, request_ids: list[int]) -> None:
         assert self._sched is not None
@@ -333,7 +325,7 @@ class GPUActor:
             return False
         return True
 
-    async def _prefill(self, request_id: int, chunk: int | None, adopt: FromShared | None) -> None:
+    async def _prefill(self, request_id: int, chunk: int | None, adopt: FromShared | None, donate: bool) -> None:
         assert self._sched is not None
         if adopt is not None:
             self._requests[request_id].adopted = True
@@ -348,7 +340,7 @@ class GPUActor:
         if not await self._prefilled(request_id, result):
             return
         try:
-            if self._manager.wants_donor(request_id):
+            if donate:
                 # Turns waiting to prefill share this prompt's blocks: park it for them while it decodes.
                 self._manager.add_donor(request_id, await self._job(self._engine.park_prompt, request_id))
             await self._job(self._engine.join, request_id)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from actors.messages_gpu import Generate, Generated
 from actors.metrics import RunningTurn
-from runtime.engine import Finished, Started, Tier, Tokenized, ToolCall
+from runtime.engine import Finished, Started, Tier, Tokenized, ToolCall, TurnPlan
 
 __all__ = ["GpuTurn", "generated_reply", "running_turn", "tier_of"]
 
@@ -17,6 +17,8 @@ class GpuTurn:
     """One turn on the GPU actor: its request and what has happened to it so far."""
 
     msg: Generate
+    prompt: str  # rendered
+    plan: TurnPlan
     tokens: Tokenized
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -37,7 +39,7 @@ def tier_of(req: GpuTurn, reused: int) -> Tier:
     """Where a turn's reused cache came from: its plan's tier, ``shared`` after an adoption, ``cold`` if nothing."""
     if not reused:
         return "cold"
-    return "shared" if req.adopted else req.msg.plan.tier
+    return "shared" if req.adopted else req.plan.tier
 
 
 def generated_reply(req: GpuTurn, fin: Finished | None, *, cancelled: bool) -> Generated:

@@ -4,13 +4,16 @@ Requests (:data:`GpuInbox`)::
 
     LoadModel(name)        -> ModelReady(info)  | Failed
     UnloadModel()          -> Unloaded()        | Failed
-    Render(messages)       -> Rendered(prompt)  | Failed
-    Generate(prompt, ...)  -> Generated(...)    | Failed    (+ text and tool calls on ``deltas``)
+    CountTokens(chat)      -> Counted(num_tokens) | Failed  (the Anthropic API's count_tokens)
+    Generate(chat, own)    -> Generated(...)    | Failed    (+ text and tool calls on ``deltas``)
     Prepare(snapshot)      -> Prepared(parked)  | Failed    (a cache read at start, restored ahead)
 
-A :class:`Generate` carries its turn's :class:`runtime.engine.TurnPlan`: what
-it reuses and from where (the agent's own hot or warm cache, a prefix of another
-agent's, or none), decided once by the cache manager before the GPU sees it.
+A turn is one :class:`Generate`: the GPU actor renders its messages, plans it
+against the agent's own cache the store found (:class:`runtime.engine.OwnCache`)
+with the cache manager (:meth:`runtime.kv_manager.KVCacheManager.plan`: what is
+reused and from where: the agent's own cache, a prefix of another agent's, or
+none), and generates. A template or tool error is its ``Failed`` reply, before
+anything reaches the client.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import msgspec
 import trio
 
 from actors.messages_common import Failed, HotCache, Message
-from runtime.engine import ModelInfo, SamplingOptions, Tier, ToolCall, ToolChoice, TurnPlan
+from runtime.engine import ModelInfo, OwnCache, SamplingOptions, Tier, ToolCall, ToolChoice
 from runtime.spec import CacheSnapshot
 
 __all__ = [
@@ -30,11 +33,12 @@ __all__ = [
     "Tier",
     "LoadModel",
     "UnloadModel",
-    "Render",
+    "Chat",
+    "CountTokens",
     "Generate",
     "ModelReady",
     "Unloaded",
-    "Rendered",
+    "Counted",
     "Generated",
     "TurnStarted",
     "StreamItem",
@@ -42,7 +46,7 @@ __all__ = [
     "GpuInbox",
     "LoadReply",
     "UnloadReply",
-    "RenderReply",
+    "CountReply",
     "GenerateReply",
     "Prepare",
     "Prepared",
@@ -62,11 +66,10 @@ class Unloaded(Message, frozen=True, kw_only=True):
     """Reply to :class:`UnloadModel`: no model is loaded now."""
 
 
-class Rendered(Message, frozen=True, kw_only=True):
-    """Reply to :class:`Render`: the prompt text the template made (and its token count, when asked)."""
+class Counted(Message, frozen=True, kw_only=True):
+    """Reply to :class:`CountTokens`: the tokens of the prompt the template made."""
 
-    prompt: str
-    num_tokens: int | None = None  # set when the Render asked for a token count
+    num_tokens: int
 
 
 class TurnAccepted(msgspec.Struct, frozen=True, kw_only=True):
@@ -145,7 +148,7 @@ class Prepared(Message, frozen=True, kw_only=True):
 
 LoadReply = ModelReady | Failed
 UnloadReply = Unloaded | Failed
-RenderReply = Rendered | Failed
+CountReply = Counted | Failed
 GenerateReply = Generated | Failed
 PrepareReply = Prepared | Failed
 
@@ -165,29 +168,33 @@ class UnloadModel(Message, frozen=True, kw_only=True):
     reply: trio.MemorySendChannel[UnloadReply]
 
 
-class Render(Message, frozen=True, kw_only=True):
-    """Render chat messages with the loaded model's template (tokenizer work: MLX thread).
+class Chat(msgspec.Struct, frozen=True, kw_only=True):
+    """Chat messages for the loaded model's template to render (tokenizer work: MLX thread).
 
     Attributes:
-        tools: tool definitions for templates that support them (a template
-            that does not makes the render fail with ``ValueError``).
+        tools: tool definitions (a template without tool syntax gets kvmem's generic format).
         tool_choice: what the turn lets the model do with them; one the model
             cannot honour makes the render fail with ``ValueError``.
-        count_tokens: also count the prompt's tokens (``Rendered.num_tokens``).
     """
 
-    model_tag: str
     messages: list[dict[str, Any]]
-    reply: trio.MemorySendChannel[RenderReply]
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
-    count_tokens: bool = False
+
+
+class CountTokens(Message, frozen=True, kw_only=True):
+    """Count the tokens ``chat`` renders to with the loaded model's template (what a cold turn prefills)."""
+
+    model_tag: str
+    chat: Chat
+    reply: trio.MemorySendChannel[CountReply]
 
 
 class Generate(Message, frozen=True, kw_only=True):
-    """Generate a reply to ``prompt`` as ``plan`` says (what is reused, from where).
+    """Render ``prompt`` (chat messages, or a raw prompt as is), plan it against ``own``, and generate a reply.
 
     Attributes:
+        own: the agent's own cache the store found when the turn began (None: none).
         deltas: where a :class:`TurnStarted` goes when prefill begins, then the
             streamable text and tool calls (:data:`StreamItem`; ``send_nowait``: what
             does not fit waits for the next token, text coalesced). The GPU actor never closes it.
@@ -201,8 +208,8 @@ class Generate(Message, frozen=True, kw_only=True):
     request_id: int
     agent_id: str
     model_tag: str
-    prompt: str
-    plan: TurnPlan
+    prompt: Chat | str
+    own: OwnCache | None
     sampling: SamplingOptions
     submitted_at: float
     deltas: trio.MemorySendChannel[StreamItem] | None
@@ -218,4 +225,4 @@ class Prepare(Message, frozen=True, kw_only=True):
     reply: trio.MemorySendChannel[PrepareReply]
 
 
-GpuInbox = LoadModel | UnloadModel | Render | Generate | Prepare
+GpuInbox = LoadModel | UnloadModel | CountTokens | Generate | Prepare

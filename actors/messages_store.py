@@ -2,10 +2,12 @@
 
 Requests and their replies::
 
-    PlanTurn(agent_id, model_tag, prompt, share) -> Planned(plan)   what the turn reuses, from where
-    Put(agent_id, parked, snapshot)   (no reply: write-behind, the turn never waits for disk)
-    Put(..., saved=channel)           -> Saved | Failed       the same, answered once this cache is on disk
-    EndTurn(agent_id)                 (no reply: the agent's turn is over; its lease goes once the cache is published)
+    CheckOut(agent_id, model_tag)     -> CheckedOut(own)      a turn begins: the agent's own cache (hot, or read from disk)
+    CheckIn(agent_id, cache)          (no reply: the turn is over; its new cache, if any, is saved write-behind)
+    CheckIn(..., saved=channel)       -> Saved | Failed       the same, answered once this cache is on disk
+
+A turn visits the store twice: one :class:`CheckOut` when it begins and one
+:class:`CheckIn` when it ends (with a shared tier, the agent's cluster lease is held in between).
     Forget(agent_id)                  -> Forgotten(existed)   every model's cache of the agent
     Evict(model_tag)                  -> Evicted(written)     flush dirty caches of a model, drop its hot caches
     Flush()                           -> Flushed(written)     write every dirty cache now
@@ -23,14 +25,14 @@ import trio
 import msgspec
 
 from actors.messages_common import Failed, HotCache, Message
-from runtime.engine import TurnPlan
+from runtime.engine import OwnCache
 from runtime.spec import CacheSnapshot
 
 __all__ = [
-    "PlanTurn",
-    "Planned",
-    "Put",
-    "EndTurn",
+    "CheckOut",
+    "CheckedOut",
+    "CheckIn",
+    "NewCache",
     "Forget",
     "Evict",
     "Flush",
@@ -47,17 +49,20 @@ __all__ = [
     "Saved",
     "SaveReply",
     "StoreInbox",
-    "PlanReply",
+    "CheckOutReply",
     "ForgetReply",
     "EvictReply",
     "FlushReply",
 ]
 
 
-class Planned(Message, frozen=True, kw_only=True):
-    """The turn's plan, decided by the cache manager (the agent's disk cache read first when needed)."""
+class CheckedOut(Message, frozen=True, kw_only=True):
+    """The agent's own cache its turn may start from (its disk cache read first when it had no hot one).
 
-    plan: TurnPlan
+    None: the agent has no cache of that model (or its disk cache could not be read: a logged miss).
+    """
+
+    own: OwnCache | None
 
 
 class Forgotten(Message, frozen=True, kw_only=True):
@@ -79,7 +84,7 @@ class Flushed(Message, frozen=True, kw_only=True):
 
 
 class Saved(Message, frozen=True, kw_only=True):
-    """Reply to a :class:`Put` that asked for it: the cache (or a newer one of the agent) is on disk."""
+    """Reply to a :class:`CheckIn` that asked for it: the cache (or a newer one of the agent) is on disk."""
 
 
 class AgentRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,7 +129,7 @@ class Used(Message, frozen=True, kw_only=True):
     disk_bytes: int
 
 
-PlanReply = Planned | Failed
+CheckOutReply = CheckedOut | Failed
 ForgetReply = Forgotten | Failed
 EvictReply = Evicted | Failed
 FlushReply = Flushed | Failed
@@ -133,49 +138,47 @@ UsageReply = Used | Failed
 SaveReply = Saved | Failed
 
 
-class PlanTurn(Message, frozen=True, kw_only=True):
-    """Plan a turn of ``agent_id`` on ``model_tag``: what of ``prompt`` is reused, from where.
+class CheckOut(Message, frozen=True, kw_only=True):
+    """A turn of ``agent_id`` on ``model_tag`` begins: find the agent's own cache.
 
-    See :meth:`runtime.kv_manager.KVCacheManager.plan`. ``share``: the agent may
-    start from another sharing agent's prefix. A disk cache that cannot be read is
-    a logged miss (the turn starts cold); only a bad agent id fails, and, with a
-    shared tier, an agent whose lease another node holds (``AgentBusy``, after a
-    short wait). Every PlanTurn is followed by an :class:`EndTurn`.
+    Its hot cache, else its disk cache (with a shared tier: pulled from Redis first when
+    another node published a newer one). A disk cache that cannot be read is a logged
+    miss; only a bad agent id fails, and, with a shared tier, an agent whose lease another
+    node holds (``AgentBusy``, after a short wait). Every CheckOut is followed by one
+    :class:`CheckIn`.
     """
 
     agent_id: str
     model_tag: str
-    prompt: str
-    share: bool
-    reply: trio.MemorySendChannel[PlanReply]
+    reply: trio.MemorySendChannel[CheckOutReply]
 
 
-class Put(Message, frozen=True, kw_only=True):
-    """The agent's updated cache; ``snapshot`` is its numpy copy for the write-behind save.
+class NewCache(msgspec.Struct, frozen=True, kw_only=True):
+    """A turn's updated cache; ``snapshot`` is its numpy copy for the write-behind save.
 
     Attributes:
         block_bytes: at-rest bytes of one 256-token block of this model (hot-tier accounting).
         share_prefix: whether other agents may start from this cache's prefix.
-        saved: when set, answered once this cache is on disk (fsynced unless ``fsync``
-            is off) or its save failed: a durable turn's answer waits for it.
     """
 
-    agent_id: str
     parked: HotCache
     snapshot: CacheSnapshot
     block_bytes: int
     share_prefix: bool
-    saved: trio.MemorySendChannel[SaveReply] | None = None
 
 
-class EndTurn(Message, frozen=True, kw_only=True):
-    """The turn :class:`PlanTurn` planned is over (done or failed; after its :class:`Put`, if any).
+class CheckIn(Message, frozen=True, kw_only=True):
+    """The turn :class:`CheckOut` began is over (done or failed), with its new cache, if any.
 
-    With a shared tier the store then gives the agent's cluster lease back,
-    once the turn's cache is published.
+    The cache becomes the agent's hot cache and is saved write-behind. ``saved``: when
+    set, answered once this cache is on disk (fsynced unless ``fsync`` is off) or its save
+    failed: a durable turn's answer waits for it. With a shared tier the store then gives
+    the agent's cluster lease back, once the turn's cache is published.
     """
 
     agent_id: str
+    cache: NewCache | None = None
+    saved: trio.MemorySendChannel[SaveReply] | None = None
 
 
 class Forget(Message, frozen=True, kw_only=True):
@@ -221,4 +224,4 @@ class Usage(Message, frozen=True, kw_only=True):
     reply: trio.MemorySendChannel[UsageReply]
 
 
-StoreInbox = PlanTurn | Put | EndTurn | Forget | Evict | Flush | ListAgents | Usage
+StoreInbox = CheckOut | CheckIn | Forget | Evict | Flush | ListAgents | Usage

@@ -1,8 +1,11 @@
-"""The GPU actor's policy: admission by block budget, prefill order, the step plan.
+"""The GPU actor's policy: admission by block budget, prefill order, and each loop iteration as a value.
 
 Plain Python: imports neither trio nor mlx (a test enforces it). The GPU actor
-asks :meth:`Scheduler.plan` what to do next and executes it; this module never
-runs the model.
+asks :meth:`Scheduler.admit` which requests start now, then :meth:`Scheduler.step`
+for the rest of the iteration (:class:`Step`: who joins the batch first and in one
+pass, which donors' blocks a prefill starts from, whether the batch steps, which
+sequence gets the next prefill chunk and of what size) and carries it out; this
+module never runs the model.
 
 Memory model. A running sequence needs ``need_tokens`` = its context after
 prefill plus ``max_tokens`` (reserved up front, so a sequence admitted never
@@ -17,7 +20,9 @@ and the batch is below ``max_batch``; later requests wait behind it (no
 starvation). A request that could not fit even alone is rejected.
 
 Prefill runs one chunk per loop iteration, and the running batch decodes one
-token between any two chunks. The chunk goes to the admitted sequence with the
+token between any two chunks. Short prefills (a new turn on a cached conversation:
+at most :data:`JOIN_AHEAD_TOKENS`) instead all run before the step, so they join
+it now; those that start from nobody's blocks and give none run in one pass. The chunk goes to the admitted sequence with the
 least prefill left, less an aging credit: the prefill tokens run for other
 sequences since it was admitted. Shortest-first minimizes the mean time to first
 token, so a 200-token prompt does not wait behind a 16K-token one; the credit
@@ -32,25 +37,61 @@ before the others start and they can share its prefix
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from runtime.block_pool import BlockPool, PoolStats
+from runtime.engine import FromShared
 from runtime.errors import BudgetExceededError
 from runtime.spec import BLOCK_TOKENS
 
-__all__ = ["Scheduler", "Plan", "SchedulerStats"]
+__all__ = ["Scheduler", "Step", "Donors", "SchedulerStats", "JOIN_AHEAD_TOKENS"]
 
 _PADDING = "(batch padding)"
 
+JOIN_AHEAD_TOKENS = 64
+"""Requests with at most this many prompt tokens to prefill (a new turn on a cached
+conversation) prefill before the next decode step instead of one chunk per step.
+A step reads the weights once for all rows, so an agent that joins now rides along
+in every following step instead of waiting through several of them; the stall this
+causes is a few short chunks. Longer prompts keep one chunk per step."""
+
+
+class Donors(Protocol):
+    """Who may start from another turn's blocks (:class:`runtime.kv_manager.KVCacheManager`)."""
+
+    def adopt(self, request_id: int) -> FromShared | None:
+        """Before a turn's first prefill chunk: the donor blocks it starts from (marks its prefill started)."""
+        ...
+
+    def wants_donor(self, request_id: int) -> bool:
+        """Whether turns waiting to prefill would start from this turn's prompt once it is prefilled."""
+        ...
+
 
 @dataclass(frozen=True)
-class Plan:
-    """One loop iteration: admit these requests, step the batch; :meth:`Scheduler.next_prefill`
-    then names the sequence that gets a prefill chunk of ``chunk`` tokens."""
+class Step:
+    """One loop iteration after admission, decided before any of it runs.
 
-    admit: tuple[int, ...]
-    decode: bool
-    chunk: int | None
+    Attributes:
+        join: prefills short enough to join the batch before this step (one chunk each, in this order).
+        together: those of ``join`` prefilled in one pass (at least two; none starts from or gives blocks).
+        adopt: the donor blocks a prefill's first chunk starts from, per request.
+        donate: the prefills (of ``join`` and ``prefill``) that park their prompt for turns
+            waiting to start from it, if their prefill completes in this step.
+        decode: the rows the batch steps: those decoding, and those that join first.
+        prefill: the sequence that gets one chunk after the step (None: none left).
+        chunk: that chunk's tokens (None: the engine's adaptive size).
+    """
+
+    join: tuple[int, ...] = ()
+    together: tuple[int, ...] = ()
+    adopt: Mapping[int, FromShared] = field(default_factory=dict)
+    donate: frozenset[int] = frozenset()
+    decode: tuple[int, ...] = ()
+    prefill: int | None = None
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +114,7 @@ class _Entry:
     blocks: int
     waited_for_memory: bool = False
     to_prefill: int | None = None  # unknown until the engine has built the sequence
+    prompt_to_prefill: int | None = None  # the whole prefill, as first reported (what decides joining ahead)
     credit: int = 0  # prefill tokens run for other sequences since admission (aging)
 
 
@@ -165,16 +207,33 @@ class Scheduler:
             admitted.append(head.request_id)
         return admitted
 
-    def plan(self) -> Plan:
-        """What to do in the next loop iteration (admits as a side effect)."""
-        admitted = tuple(self._admit())
-        return Plan(admit=admitted, decode=bool(self._decoding), chunk=self.prefill_chunk)
+    def admit(self) -> tuple[int, ...]:
+        """The waiting requests that start now (FIFO, as the budget and ``max_batch`` allow)."""
+        return tuple(self._admit())
 
-    def next_prefill(self) -> int | None:
+    def step(self, donors: Donors) -> Step:
+        """The rest of this loop iteration (see :class:`Step`), once the admitted requests have started."""
+        limit = JOIN_AHEAD_TOKENS if self.prefill_chunk is None else min(JOIN_AHEAD_TOKENS, self.prefill_chunk)
+        # A short prompt joins; the last chunk of a long one does not (one chunk between two steps).
+        join = tuple(r for r in self._prefilling
+                     if (n := self._running[r].prompt_to_prefill) is not None and n <= limit)
+        adopt = {r: shared for r in join if (shared := donors.adopt(r)) is not None}
+        together = tuple(r for r in join if r not in adopt and not donors.wants_donor(r))
+        prefill = self.next_prefill(exclude=join)
+        if prefill is not None and (shared := donors.adopt(prefill)) is not None:
+            adopt[prefill] = shared
+        donate = frozenset(r for r in (*join, *([prefill] if prefill is not None else []))
+                           if r not in together and donors.wants_donor(r))
+        return Step(join=join, together=together if len(together) >= 2 else (), adopt=adopt, donate=donate,
+                    decode=tuple(sorted({*self._decoding, *join})), prefill=prefill, chunk=self.prefill_chunk)
+
+    def next_prefill(self, exclude: tuple[int, ...] = ()) -> int | None:
         """The prefilling sequence that gets the next chunk: least prefill left less
         its aging credit, then the earliest admitted (see the module docstring)."""
         best: tuple[float, int] | None = None
         for rank, request_id in enumerate(self._prefilling):
+            if request_id in exclude:
+                continue
             entry = self._running[request_id]
             left = float("inf") if entry.to_prefill is None else entry.to_prefill - entry.credit
             if best is None or left < best[0]:
@@ -189,6 +248,8 @@ class Scheduler:
             return
         ran = max(0, entry.to_prefill - tokens) if entry.to_prefill is not None else 0
         entry.to_prefill = tokens
+        if entry.prompt_to_prefill is None:
+            entry.prompt_to_prefill = tokens
         for other in self._prefilling:
             if other != request_id:
                 self._running[other].credit += ran

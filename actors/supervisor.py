@@ -64,7 +64,7 @@ from actors.gpu import GPUActor
 from actors.mailbox import ask
 from actors.messages_agent import AgentInbox, ForgetAgent, chat_messages
 from actors.messages_common import Failed
-from actors.messages_gpu import GpuInbox, Render, RenderReply
+from actors.messages_gpu import Chat, CountReply, CountTokens, GpuInbox
 from actors.messages_store import (
     AgentRecord,
     Flush,
@@ -268,12 +268,11 @@ class Runtime:
         if isinstance(grant, Failed):
             raise_failed(grant)
         try:
-            rendered: RenderReply = await ask(
+            counted: CountReply = await ask(
                 self._gpu_mailbox,
-                lambda r: Render(
-                    model_tag=grant.info.tag, messages=chat, tools=[dict(t) for t in tools or ()] or None,
-                    tool_choice=ToolChoice.of(tool_choice) if tools else None, count_tokens=True, reply=r,
-                ),
+                lambda r: CountTokens(model_tag=grant.info.tag, chat=Chat(
+                    messages=chat, tools=[dict(t) for t in tools or ()] or None,
+                    tool_choice=ToolChoice.of(tool_choice) if tools else None), reply=r),
             )
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
@@ -281,9 +280,9 @@ class Runtime:
                     await self._registry_mailbox.send(Release(lease_id=grant.lease_id))
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
-        if isinstance(rendered, Failed):
-            raise_failed(rendered)
-        return rendered.num_tokens or 0
+        if isinstance(counted, Failed):
+            raise_failed(counted)
+        return counted.num_tokens
 
     # -- what handles call ----------------------------------------------------------
 

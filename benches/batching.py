@@ -248,7 +248,7 @@ def write_markdown(
         f"Batch-1 decoding through the actors runs at {rows[0][2] / alone_tps:.0%} of the synchronous path "
         f"({rows[0][2]:.1f} vs {alone_tps:.1f} tok/s): the actors and the one-job-per-step MLX thread cost "
         "next to nothing at this model size. Turns with a short prompt (a new message on a cached conversation, "
-        "at most `actors.gpu.JOIN_AHEAD_TOKENS` tokens) that arrive together prefill in one forward pass "
+        "at most `actors.scheduler.JOIN_AHEAD_TOKENS` tokens) that arrive together prefill in one forward pass "
         "(`runtime.batch_prefill`: rows padded with their own cache tail to one width) and become the decode "
         "batch as they are, so every step carries all N agents; mean TTFT grows with N because that pass "
         "carries N new messages and is compute-bound on this CPU (~6 ms per token). The `generate` row ran "

@@ -22,7 +22,7 @@ first message — in which case their prompts are identical up to there anyway.
 An id is checked once, where it enters the actors (``Runtime.agent``, through
 :meth:`Gateway.agent`, which names the header or field it came from in the
 400): :class:`AgentRef` carries that name along. There it is also NFC-normalized
-(:func:`runtime.persist.tenants.check_agent_id`). Ids that arrive as bytes (the
+(:func:`runtime.identity.check_agent_id`). Ids that arrive as bytes (the
 ``X-Agent-ID`` header, the ``/v1/agents/{id}`` path) are percent-encoded UTF-8, the
 encoding kvmem's ``x-kvmem-agent-id`` answers use (:func:`header_safe`), and
 :func:`decode_agent_id` reads them strictly: bytes that are not UTF-8 are a 400,

@@ -306,6 +306,19 @@ class FromShared(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 CacheSource = ColdStart | FromHot | FromWarm | FromShared
 
 
+class OwnCache(msgspec.Struct, frozen=True, kw_only=True):
+    """The agent's own cache a turn may start from, as the store found it when the turn began.
+
+    ``source``: its hot cache, or its cache read from disk; ``tier``: where it came from
+    (``hot``, ``warm``, or ``remote`` when it was just pulled from the shared tier).
+    The GPU actor matches the rendered prompt against it
+    (:meth:`runtime.kv_manager.KVCacheManager.plan`).
+    """
+
+    source: FromHot | FromWarm
+    tier: Tier
+
+
 class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
     """One turn's reuse decision.
 

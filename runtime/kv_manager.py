@@ -17,7 +17,7 @@ the actors execute it. It owns
   running turn parked for others to start from (a *donor*).
 
 and answers the question of every turn (:meth:`KVCacheManager.plan`): given this
-agent's cache and this prompt, what is reused, from where, and what is prefilled.
+agent's cache (:meth:`KVCacheManager.checkout`) and this prompt, what is reused, from where, and what is prefilled.
 The answer, a :class:`runtime.engine.TurnPlan`, travels to the engine unchanged.
 A turn that began cold can still adopt a donor's whole blocks before its first
 prefill chunk (:meth:`KVCacheManager.adopt`): agents that arrive together with the
@@ -34,16 +34,34 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from runtime.block_pool import BlockPool, PoolStats
-from runtime.engine import COLD, FromHot, FromShared, FromWarm, HotCache, Tier, TurnPlan
+from runtime.engine import COLD, FromHot, FromShared, FromWarm, HotCache, OwnCache, Tier, TurnPlan
 from runtime.errors import BudgetExceededError
 from runtime.prefix import MatchKind, common_prefix_length, match_prefix
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot
 from runtime.identity import AgentKey, pool_key, tenant_of
 
-__all__ = ["KVCacheManager", "HotEntry", "HotTierStats", "PARTIAL_THRESHOLD"]
+__all__ = ["KVCacheManager", "HotEntry", "HotTierStats", "PARTIAL_THRESHOLD", "own_plan"]
 
 PARTIAL_THRESHOLD = 0.8
 """A prompt that keeps at least this fraction of the cached text reuses it up to the last whole token."""
+
+def own_plan(own: OwnCache, prompt: str, *, partial_threshold: float = PARTIAL_THRESHOLD) -> TurnPlan | None:
+    """What ``prompt`` reuses of the agent's own cache (None: nothing): kvmem's one reuse matcher.
+
+    On characters (:func:`runtime.prefix.match_prefix`), so a reply the client got back
+    with its bytes replaced (U+FFFD where a token ended inside a character) still reuses the
+    tokens before it. Real turns (:meth:`KVCacheManager.plan`) and standalone sequences
+    (:class:`runtime.sequence.Sequence`, the warm-up) both match here.
+    """
+    cached = own.source.parked if isinstance(own.source, FromHot) else own.source.snapshot
+    if not cached.text:
+        return None
+    match = match_prefix(cached.text, cached.offsets, prompt, partial_threshold=partial_threshold)
+    if match.reuse_tokens == 0:
+        return None
+    return TurnPlan(tier=own.tier, source=own.source, match=match.kind.value, reuse_tokens=match.reuse_tokens,
+                    reuse_chars=match.reuse_chars)
+
 
 @dataclass
 class HotEntry:
@@ -113,53 +131,44 @@ class KVCacheManager:
     # -- the plan ---------------------------------------------------------------
 
     def needs_disk(self, agent_id: str, model_tag: str) -> bool:
-        """Whether the agent's disk cache must be read before planning (it has no hot cache)."""
+        """Whether the agent's disk cache must be read before its turn (it has no hot cache)."""
         return (agent_id, model_tag) not in self._entries
 
-    def plan(
-        self,
-        agent_id: str,
-        model_tag: str,
-        prompt: str,
-        *,
-        share: bool,
-        warm: CacheSnapshot | None = None,
-        warm_tier: Tier = "warm",
-    ) -> TurnPlan:
-        """What this turn reuses, from where, and what it prefills.
+    def checkout(
+        self, agent_id: str, model_tag: str, *, warm: CacheSnapshot | None = None, warm_tier: Tier = "warm",
+        prepared: HotCache | None = None,
+    ) -> OwnCache | None:
+        """The agent's own cache a turn starts from: its hot cache (now the most recently used), else ``warm``.
 
-        The agent's own cache first: its hot cache, else ``warm`` (its cache read
-        from disk, when :meth:`needs_disk` said so; ``warm_tier`` names where the
-        disk got it: ``remote`` when it was just pulled from the shared tier). When nothing of it is reusable
-        and the agent shares prefixes, the longest whole-block prefix another
-        sharing agent's hot cache or turn in flight covers. Else cold.
+        ``warm`` is its cache read from disk, when :meth:`needs_disk` said so (``warm_tier``
+        names where the disk got it: ``remote`` when it was just pulled from the shared tier;
+        ``prepared``: the same cache already restored at start). The turn holds the
+        returned cache, so dropping it from the hot tier meanwhile loses nothing.
         """
         entry = self._entries.get((agent_id, model_tag))
         if entry is not None:
             self._touch(entry)
-            plan = self._own(entry.parked.text, entry.parked.offsets, prompt, "hot", FromHot(parked=entry.parked))
-        elif warm is not None and warm.model_tag == model_tag:
-            plan = self._own(warm.text, warm.offsets, prompt, warm_tier, FromWarm(snapshot=warm))
-        else:
-            plan = None
-        if plan is not None:
-            return plan
+            return OwnCache(source=FromHot(parked=entry.parked), tier="hot")
+        if warm is not None and warm.model_tag == model_tag:
+            return OwnCache(source=FromWarm(snapshot=warm, prepared=prepared), tier=warm_tier)
+        return None
+
+    def plan(self, agent_id: str, model_tag: str, prompt: str, *, share: bool, own: OwnCache | None) -> TurnPlan:
+        """What this turn reuses, from where, and what it prefills.
+
+        The agent's own cache first (``own``, from :meth:`checkout`). When nothing of it is
+        reusable and the agent shares prefixes, the longest whole-block prefix another
+        sharing agent's hot cache or turn in flight covers. Else cold.
+        """
+        if own is not None:
+            plan = own_plan(own, prompt, partial_threshold=self._threshold)
+            if plan is not None:
+                return plan
         if share:
             shared = self._shared(agent_id, model_tag, prompt)
             if shared is not None:
                 return shared
         return COLD
-
-    def _own(
-        self, text: str, offsets: Sequence[int], prompt: str, tier: Tier, source: FromHot | FromWarm
-    ) -> TurnPlan | None:
-        if not text:
-            return None
-        match = match_prefix(text, offsets, prompt, partial_threshold=self._threshold)
-        if match.reuse_tokens == 0:
-            return None
-        return TurnPlan(tier=tier, source=source, match=match.kind.value, reuse_tokens=match.reuse_tokens,
-                        reuse_chars=match.reuse_chars)
 
     def _shared(self, agent_id: str, model_tag: str, prompt: str) -> TurnPlan | None:
         """The longest whole-block prefix of ``prompt`` another sharing agent's cache covers."""

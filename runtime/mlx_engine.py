@@ -44,7 +44,7 @@ from runtime.kv_copy import use_host_views
 from runtime.kvstate import SLIDING_SLACK, ParkedCache, Strategy, settle_attention, with_kept_float
 from runtime.models import LoadedModel, load_model
 from runtime.prefix import MatchKind
-from runtime.sequence import SamplingParams, Sequence, StartFrom
+from runtime.sequence import SamplingParams, Sequence, start_from
 from runtime.spec import CacheSnapshot, KVFormat, LayerKind, ModelCacheSpec
 from runtime.tool_calls import ReplyRules, reply_rules
 from runtime.warmup import prewarm_memory, warm_up
@@ -239,27 +239,6 @@ class MlxEngine:
         ids, ends = self.lm.tokenize(plan.suffix(prompt))
         return Tokenized(ids=tuple(ids), ends=tuple(ends))
 
-    def _base(self, plan: TurnPlan) -> ParkedCache | None:
-        """The plan's cache truncated to what the turn reuses (None: start cold)."""
-        lm = self.lm
-        match plan.source:
-            case ColdStart():
-                return None
-            case FromHot(parked=parked) | FromShared(parked=parked):
-                assert isinstance(parked, ParkedCache)
-                cache = parked
-            case FromWarm(snapshot=snapshot, prepared=prepared):
-                if snapshot.model_tag != lm.spec.tag:
-                    return None
-                cache = prepared if isinstance(prepared, ParkedCache) else \
-                    ParkedCache.from_snapshot(snapshot, float_dtype=lm.float_dtype)
-        if cache.model_tag != lm.spec.tag:
-            return None
-        base = cache.truncated(plan.reuse_tokens, lm.spec)
-        if base is not None and isinstance(plan.source, FromShared):
-            base = replace(base, meta={}, resident=None)  # a shared prefix starts the new agent's own history
-        return base
-
     def start(
         self, request_id: int, prompt: str, plan: TurnPlan, tokens: Tokenized, sampling: SamplingOptions
     ) -> Started:
@@ -268,15 +247,7 @@ class MlxEngine:
         rules = self._rules(sampling)  # once per turn: a named call's opening renders the template
         params = self.sampling_params(sampling, rules)
         splitter = rules.splitter(sampling.tool_use)
-        base = self._base(plan) if plan.reuse_tokens else None
-        if base is not None:
-            start = StartFrom(base, plan.match, plan.reuse_chars, list(tokens.ids), list(tokens.ends))
-        elif plan.reuse_tokens:
-            # The plan's cache cannot be used after all (a sliding window too short to trim): start cold.
-            ids, ends = self.lm.tokenize(prompt)
-            start = StartFrom(ParkedCache.empty(self.lm.spec), MatchKind.DIVERGE.value, 0, ids, ends)
-        else:
-            start = StartFrom(ParkedCache.empty(self.lm.spec), plan.match, 0, list(tokens.ids), list(tokens.ends))
+        start = start_from(self.lm, prompt, plan, tokens)
         seq = Sequence(self.lm, prompt, None, params, strategy=self._strategy, start=start, tool_calls=splitter)
         seq.sync_chunks = not self._profile.run_ahead
         self._seqs[request_id] = seq

@@ -1,9 +1,10 @@
 """One generation request on the MLX thread: its sampling and stop strings, chunked prefill, decoding state.
 
 A :class:`Sequence` is created from a prompt and its starting cache: the one the
-cache manager planned (:class:`StartFrom`, the runtime's path) or, standalone,
-the agent's parked cache, which it then matches against the prompt itself and
-keeps what it can. It prefills the rest in chunks, and then produces one token
+cache manager planned (:func:`start_from` makes it a :class:`StartFrom`) or,
+standalone, the agent's parked cache, matched against the prompt by the same
+matcher (:func:`runtime.kv_manager.own_plan`) and started by the same
+:func:`start_from`: the warm-up and ``runtime.generate`` take a real turn's path. It prefills the rest in chunks, and then produces one token
 per :meth:`accept` call, whether it decodes alone (``runtime.generate``) or
 inside a batch (:class:`runtime.decode_batch.DecodeBatch`).
 
@@ -17,20 +18,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 from runtime.backend import CPU_CHUNKS
-from runtime.engine import ToolCall
+from runtime.engine import COLD, ColdStart, FromHot, FromShared, FromWarm, OwnCache, Tokenized, ToolCall, TurnPlan
 from runtime.grammar import ReplyGrammar, mask_rows
 from runtime.kvstate import ActiveKV, ParkedCache, Strategy
 from runtime.models import LoadedModel
-from runtime.prefix import MatchKind, PrefixMatch, match_prefix
+from runtime.kv_manager import own_plan
+from runtime.prefix import MatchKind
 from runtime.tool_calls import ToolCallSplitter
 
-__all__ = ["SamplingParams", "StopMatcher", "build_sampler", "Sequence", "StartFrom", "TurnStats", "prefill_chunk_size"]
+__all__ = ["SamplingParams", "StopMatcher", "build_sampler", "Sequence", "StartFrom", "TurnStats", "prefill_chunk_size", "start_from"]
 
 
 # -- sampling ------------------------------------------------------------------
@@ -126,6 +128,47 @@ class TurnStats:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
+def start_from(lm: LoadedModel, prompt: str, plan: TurnPlan, tokens: Tokenized | None = None) -> StartFrom:
+    """Where a sequence for ``prompt`` starts, as ``plan`` says: its cache truncated to what the turn reuses.
+
+    ``tokens``: the plan's suffix, tokenized (tokenized here when not given). A plan whose
+    cache cannot be used after all (another model's, or a sliding window too short to trim
+    that far back) starts cold, with the whole prompt tokenized.
+    """
+    base = _base(lm, plan) if plan.reuse_tokens else None
+    if base is None and plan.reuse_tokens:
+        ids, ends = lm.tokenize(prompt)
+        return StartFrom(ParkedCache.empty(lm.spec), MatchKind.DIVERGE.value, 0, ids, ends)
+    if tokens is None:
+        ids, ends = lm.tokenize(plan.suffix(prompt))
+    else:
+        ids, ends = list(tokens.ids), list(tokens.ends)
+    if base is None:
+        return StartFrom(ParkedCache.empty(lm.spec), plan.match, 0, ids, ends)
+    return StartFrom(base, plan.match, plan.reuse_chars, ids, ends)
+
+
+def _base(lm: LoadedModel, plan: TurnPlan) -> ParkedCache | None:
+    """The plan's cache truncated to what the turn reuses (None: it cannot be used)."""
+    match plan.source:
+        case ColdStart():
+            return None
+        case FromHot(parked=parked) | FromShared(parked=parked):
+            assert isinstance(parked, ParkedCache)
+            cache = parked
+        case FromWarm(snapshot=snapshot, prepared=prepared):
+            if snapshot.model_tag != lm.spec.tag:
+                return None
+            cache = prepared if isinstance(prepared, ParkedCache) else \
+                ParkedCache.from_snapshot(snapshot, float_dtype=lm.float_dtype)
+    if cache.model_tag != lm.spec.tag:
+        return None
+    base = cache.truncated(plan.reuse_tokens, lm.spec)
+    if base is not None and isinstance(plan.source, FromShared):
+        base = replace(base, meta={}, resident=None)  # a shared prefix starts the new agent's own history
+    return base
+
+
 @dataclass(frozen=True)
 class StartFrom:
     """Where a sequence starts when its turn was planned elsewhere (the runtime's path).
@@ -177,10 +220,10 @@ class Sequence:
         self.params = params
         self.started = time.perf_counter()
         self.stats = TurnStats()
-        if start is None:
-            matched_base, matched = _reusable(lm, parked, prompt, partial_threshold)
-            suffix_ids, suffix_ends = lm.tokenize(matched.suffix(prompt))
-            start = StartFrom(matched_base, matched.kind.value, matched.reuse_chars, suffix_ids, suffix_ends)
+        if start is None:  # standalone: the runtime's matcher, as a real turn is planned
+            own = None if parked is None else OwnCache(source=FromHot(parked=parked), tier="hot")
+            plan = (own_plan(own, prompt, partial_threshold=partial_threshold) if own is not None else None) or COLD
+            start = start_from(lm, prompt, plan)
         elif parked is not None:
             raise ValueError("a planned sequence takes its cache from `start`, not `parked`")
         base, shift = start.base, start.reuse_chars
@@ -437,19 +480,3 @@ class Sequence:
             return ""
         piece = self.lm.tokenizer._tokenizer.convert_ids_to_tokens(self.generated[0])
         return " " if isinstance(piece, str) and piece[:1] in ("\u2581", "\u0120", " ") else ""
-
-
-def _reusable(
-    lm: LoadedModel, parked: ParkedCache | None, prompt: str, threshold: float
-) -> tuple[ParkedCache, PrefixMatch]:
-    """The part of ``parked`` this prompt can start from, and how it matched."""
-    empty = ParkedCache.empty(lm.spec)
-    if parked is None or parked.model_tag != lm.spec.tag:
-        return empty, PrefixMatch(MatchKind.EMPTY, 0, 0, 0)
-    match = match_prefix(parked.text, parked.offsets, prompt, partial_threshold=threshold)
-    if match.reuse_tokens == 0:
-        return empty, PrefixMatch(match.kind, 0, 0, match.common_chars)
-    base = parked.truncated(match.reuse_tokens, lm.spec)
-    if base is None:  # a sliding window cannot be trimmed that far back
-        return empty, PrefixMatch(MatchKind.DIVERGE, 0, 0, match.common_chars)
-    return base, match

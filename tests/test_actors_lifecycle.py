@@ -424,3 +424,36 @@ def test_the_cli_progress_line_is_erased_before_the_reply():
     trio.run(run)
     err = stream.getvalue()
     assert "\r[a] prefill [######------------------] 1,024/4,096 tokens" in err and err.endswith("\r\033[K")
+
+
+async def test_each_turn_visits_the_gpu_actor_once_and_the_store_once_each_way(tmp_path, monkeypatch):
+    """One Generate renders, plans and generates; the store sees one CheckOut and one CheckIn,
+    for a turn that fails at its template too (the failure is the Generate's reply)."""
+    from actors.cache_store import CacheStoreActor
+    from actors.gpu import GPUActor
+
+    seen: list[str] = []
+    for actor in (GPUActor, CacheStoreActor):
+        real = actor._handle
+
+        async def recording(self, message, real=real):
+            seen.append(type(message).__name__)
+            await real(self, message)
+
+        monkeypatch.setattr(actor, "_handle", recording)
+    engine = FakeEngine()
+    async with _open(tmp_path, engine=engine) as rt:
+        agent = rt.agent("walker")
+        seen.clear()
+        await agent.send(_user("hello"), max_tokens=4)
+        assert seen == ["CheckOut", "Generate", "CheckIn"]
+        seen.clear()
+        await agent.send(_user("hello"), max_tokens=4)  # hot now: the same walk
+        assert seen == ["CheckOut", "Generate", "CheckIn"]
+
+        seen.clear()
+        monkeypatch.setattr(engine, "render", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad template")))
+        with pytest.raises(Exception, match="bad template"):
+            await agent.send(_user("again"), max_tokens=4)
+        assert seen == ["CheckOut", "Generate", "CheckIn"]
+        assert (await agent.send_prompt("raw text", max_tokens=2)).reply  # the agent goes on

@@ -8,7 +8,8 @@ import msgspec
 import pytest
 
 import runtime  # noqa: F401  (OpenBLAS before mlx)
-from actors.scheduler import Scheduler
+from actors.scheduler import JOIN_AHEAD_TOKENS, Scheduler, Step
+from runtime.engine import FromShared
 from runtime.errors import BudgetExceededError
 from runtime.spec import BLOCK_TOKENS
 
@@ -24,13 +25,12 @@ def test_admission_is_fifo_and_waits_for_memory_instead_of_failing():
     s = _sched(4)
     for rid in (1, 2, 3):
         s.submit(rid, 2 * BLOCK_TOKENS)  # two blocks each
-    plan = s.plan()
-    assert plan.admit == (1, 2)
+    assert s.admit() == (1, 2)
     stats = s.stats()
     assert stats.waiting == 1 and stats.waiting_for_memory == 1 and stats.memory_waits_total == 1
     assert stats.pool.used_blocks == 4
     s.finished(1)
-    assert s.plan().admit == (3,)
+    assert s.admit() == (3,)
     assert s.stats().waiting_for_memory == 0
 
 
@@ -39,10 +39,10 @@ def test_batch_footprint_counts_left_padding_to_the_longest_sequence():
     s.submit(1, 4 * BLOCK_TOKENS)  # 4 blocks
     s.submit(2, 10)  # 1 block, but padded to 4 in the batch
     s.submit(3, 10)
-    assert s.plan().admit == (1, 2)  # 2 x 4 = 8 blocks; a third row would need 12
+    assert s.admit() == (1, 2)  # 2 x 4 = 8 blocks; a third row would need 12
     assert s.stats().pool.used_blocks == 8
     s.finished(1)  # the long one leaves: rows shrink to 1 block
-    assert s.plan().admit == (3,)
+    assert s.admit() == (3,)
     assert s.stats().pool.used_blocks == 2
 
 
@@ -56,7 +56,7 @@ def test_max_batch_caps_admission():
     s = _sched(100, max_batch=2)
     for rid in range(5):
         s.submit(rid, 10)
-    assert len(s.plan().admit) == 2
+    assert len(s.admit()) == 2
     assert s.stats().waiting_for_memory == 0  # held back by the batch cap, not memory
 
 
@@ -78,19 +78,20 @@ def test_shortest_prefill_goes_first_so_a_long_prompt_cannot_block_a_short_one()
     s = _sched(1000)
     s.submit(1, 16_000)
     s.submit(2, 200)
-    s.plan()  # admits both
+    s.admit()  # admits both
     s.to_prefill(1, 16_000)
     s.to_prefill(2, 200)
     assert _prefill_order(s, 256, 2) == [2, 1]
-    nxt = s.plan()
-    assert s.next_prefill() == 1 and nxt.decode
+    s.admit()
+    step = s.step(NO_DONORS)
+    assert step.prefill == 1 and step.decode == (2,)
 
 
 def test_equal_prefills_finish_in_arrival_order_not_all_late_together():
     s = _sched(1000)
     for rid in (1, 2, 3):
         s.submit(rid, 1000)
-    s.plan()
+    s.admit()
     for rid in (1, 2, 3):
         s.to_prefill(rid, 768)
     assert _prefill_order(s, 256, 9) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
@@ -99,12 +100,12 @@ def test_equal_prefills_finish_in_arrival_order_not_all_late_together():
 def test_aging_bounds_the_wait_of_a_long_prefill_behind_a_stream_of_short_ones():
     s = _sched(1000)
     s.submit(1, 1024)
-    s.plan()
+    s.admit()
     s.to_prefill(1, 1024)
     order = []
     for rid in range(2, 12):  # a new 256-token prompt arrives before every chunk
         s.submit(rid, 256)
-        s.plan()
+        s.admit()
         s.to_prefill(rid, 256)
         order += _prefill_order(s, 256, 1)
     # Shortest-first alone would serve only the short ones; the long one has waited
@@ -116,7 +117,7 @@ def test_a_sequence_not_yet_started_waits_for_one_that_has_reported_its_prefill(
     s = _sched(1000)
     s.submit(1, 500)
     s.submit(2, 500)
-    s.plan()
+    s.admit()
     s.to_prefill(2, 500)
     assert s.next_prefill() == 2
 
@@ -146,3 +147,74 @@ def test_mailbox_messages_are_frozen_tagged_keyword_only_structs(inbox):
         if fields:
             with pytest.raises(TypeError):
                 cls(*[None] * len(fields))  # keyword-only
+
+
+class _Donors:
+    """A cache manager's answers, scripted: who starts from a donor's blocks, who would give them."""
+
+    def __init__(self, adopt: dict[int, FromShared] | None = None, wanted: set[int] | None = None) -> None:
+        self._adopt = dict(adopt or {})
+        self._wanted = wanted or set()
+        self.asked: list[int] = []
+
+    def adopt(self, request_id: int) -> FromShared | None:
+        self.asked.append(request_id)
+        return self._adopt.pop(request_id, None)  # first chunk only, as the manager
+
+    def wants_donor(self, request_id: int) -> bool:
+        return request_id in self._wanted
+
+
+NO_DONORS = _Donors()
+
+
+def _prefilling(s: Scheduler, sizes: dict[int, int]) -> None:
+    for rid, n in sizes.items():
+        s.submit(rid, n + 16)
+    s.admit()
+    for rid, n in sizes.items():
+        s.to_prefill(rid, n)
+
+
+def test_a_step_joins_every_short_prefill_before_decoding_and_gives_the_long_one_the_next_chunk() -> None:
+    s = _sched(1000)
+    _prefilling(s, {1: 2000, 2: 30, 3: JOIN_AHEAD_TOKENS, 4: JOIN_AHEAD_TOKENS + 1})
+    step = s.step(_Donors())
+    assert step.join == (2, 3) and step.together == (2, 3)
+    assert step.decode == (2, 3)  # they join the batch before it steps
+    assert step.prefill == 4 and step.chunk is None  # the least left of the others
+
+
+def test_a_step_with_one_short_prefill_runs_it_alone_and_a_configured_chunk_caps_joining() -> None:
+    s = _sched(1000, prefill_chunk=16)
+    _prefilling(s, {1: 10, 2: 40})
+    step = s.step(_Donors())
+    assert step.join == (1,) and step.together == ()  # one pass needs two rows
+    assert step.prefill == 2 and step.chunk == 16  # 40 > one chunk: it does not join ahead
+
+
+def test_donors_keep_a_prefill_out_of_the_shared_pass() -> None:
+    s = _sched(1000)
+    _prefilling(s, {1: 20, 2: 20, 3: 20, 4: 900})
+    blocks = FromShared(parked=object(), keep_tokens=256, donor="d")  # type: ignore[arg-type]
+    donors = _Donors(adopt={1: blocks, 4: blocks}, wanted={2})
+    step = s.step(donors)
+    assert step.join == (1, 2, 3)
+    assert step.together == ()  # 1 starts from a donor, 2 gives one: 3 alone is not a pass
+    assert step.adopt == {1: blocks, 4: blocks} and step.prefill == 4
+    assert step.donate == {2}  # parks its prompt for the others once prefilled
+    assert donors.asked == [1, 2, 3, 4]  # each turn's first chunk is asked about once
+
+
+def test_the_tail_of_a_long_prefill_does_not_join_ahead() -> None:
+    s = _sched(1000)
+    _prefilling(s, {1: 300})
+    s.to_prefill(1, 44)  # after one chunk of 256
+    assert s.step(_Donors()) == Step(prefill=1)  # one chunk, then the batch steps again
+
+
+def test_a_step_with_nothing_to_prefill_only_decodes() -> None:
+    s = _sched(1000)
+    _prefilling(s, {1: 20})
+    s.prefilled(1)
+    assert s.step(_Donors()) == Step(decode=(1,))

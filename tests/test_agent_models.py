@@ -25,8 +25,9 @@ from actors.messages_store import (
     Forget,
     Forgotten,
     ListAgents,
-    PlanTurn,
-    Put,
+    CheckIn,
+    CheckOut,
+    NewCache,
     StoreInbox,
 )
 from runtime.kv_manager import KVCacheManager
@@ -100,18 +101,17 @@ def _parked(tag: str, text: str) -> FakeParked:
     return FakeParked(tag, text, tuple(ord(c) for c in text), tuple(range(1, len(text) + 1)))
 
 
-def _plan(agent_id: str, tag: str, prompt: str, reply) -> PlanTurn:
-    return PlanTurn(agent_id=agent_id, model_tag=tag, prompt=prompt, share=False, reply=reply)
+def _check_out(agent_id: str, tag: str, reply) -> CheckOut:
+    return CheckOut(agent_id=agent_id, model_tag=tag, reply=reply)
 
 
-def _put(agent_id: str, parked: FakeParked) -> Put:
-    return Put(
-        agent_id=agent_id,
+def _put(agent_id: str, parked: FakeParked) -> CheckIn:
+    return CheckIn(agent_id=agent_id, cache=NewCache(
         parked=parked,
         snapshot=parked.to_snapshot(),
         block_bytes=BLOCK_TOKENS * FAKE_TOKEN_BYTES,
         share_prefix=False,
-    )
+    ))
 
 
 async def test_the_hot_tier_keeps_one_cache_per_agent_and_model(tmp_path: Path) -> None:
@@ -125,8 +125,8 @@ async def test_the_hot_tier_keeps_one_cache_per_agent_and_model(tmp_path: Path) 
             await send.send(_put("x", a))
             await send.send(_put("x", b))  # A → B: A's hot cache stays
             for tag, parked in ((TAG_A, a), (TAG_B, b)):
-                hit = await ask(send, lambda r, tag=tag, parked=parked: _plan("x", tag, parked.text + "!", r))
-                assert hit.plan.tier == "hot" and hit.plan.source.parked is parked
+                hit = await ask(send, lambda r, tag=tag: _check_out("x", tag, r))
+                assert hit.own.tier == "hot" and hit.own.source.parked is parked
             assert store.statistics().hot_agents == 2
             listed = await ask(send, lambda r: ListAgents(agent_id="x", reply=r))
             assert isinstance(listed, AgentsListed)
@@ -137,8 +137,8 @@ async def test_the_hot_tier_keeps_one_cache_per_agent_and_model(tmp_path: Path) 
             forgotten = await ask(send, lambda r: Forget(agent_id="x", reply=r))
             assert isinstance(forgotten, Forgotten) and forgotten.existed
             for tag in (TAG_A, TAG_B):
-                miss = await ask(send, lambda r, tag=tag: _plan("x", tag, "on model a, b", r))
-                assert miss.plan.tier == "cold"
+                miss = await ask(send, lambda r, tag=tag: _check_out("x", tag, r))
+                assert miss.own is None
             assert store.statistics().hot_agents == 0
     assert directory.list_agents() == []
 
@@ -151,8 +151,8 @@ async def test_the_hot_tier_keeps_one_cache_per_agent_and_model(tmp_path: Path) 
         await nursery.start(store.run)
         async with send:
             for tag, parked in ((TAG_A, a), (TAG_B, b)):
-                warm = await ask(send, lambda r, tag=tag, parked=parked: _plan("x", tag, parked.text + "!", r))
-                assert warm.plan.tier == "warm" and warm.plan.source.snapshot.text == parked.text
+                warm = await ask(send, lambda r, tag=tag: _check_out("x", tag, r))
+                assert warm.own.tier == "warm" and warm.own.source.snapshot.text == parked.text
 
 
 # -- real models ------------------------------------------------------------------------

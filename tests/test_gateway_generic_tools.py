@@ -214,8 +214,9 @@ def test_anthropic_tool_loop_on_the_default_model_extends_the_cache(claude: anth
 
 
 def test_anthropic_stream_of_a_generic_call_opens_a_tool_use_block(http: httpx.Client) -> None:
-    body = {"model": DEFAULT_MODEL, "max_tokens": 48, "stream": True, "tools": CLAUDE_TOOLS, "messages": ASK,
-            "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}}
+    # Greedy, with room to spare: a sampled call can ramble past a tight max_tokens and end as text.
+    body = {"model": DEFAULT_MODEL, "max_tokens": 96, "temperature": 0, "stream": True, "tools": CLAUDE_TOOLS,
+            "messages": ASK, "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}}
     events = []
     with http.stream("POST", "/v1/messages", json=body) as response:
         assert response.status_code == 200

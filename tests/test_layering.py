@@ -69,7 +69,7 @@ def test_actors_and_gateway_import_no_mlx_directly_or_at_start_up():
 
 PLAIN_MODULES = [
     # Policy apart from mechanism (STYLE.md item 1): the plans, the accounting, the engine's contract.
-    "runtime.block_pool", "runtime.kv_manager", "runtime.engine", "actors.scheduler",
+    "runtime.block_pool", "runtime.kv_manager", "runtime.save_queue", "runtime.engine", "actors.scheduler",
     # Settings, the home folder, the KV geometry and the cache directory: tools that only read
     # settings or caches neither pay for MLX nor need it installed.
     "runtime.config", "runtime.home", "runtime.spec", "runtime.persist",

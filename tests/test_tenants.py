@@ -425,9 +425,9 @@ def test_the_manager_shares_prefixes_within_a_tenant_only() -> None:
     text = "x" * 600
     donor = namespaced("acme", "a")
     manager.put(donor, _hot(text), share=True, block_bytes=16, block_hashes=["h1", "h2"])
-    assert manager.plan(namespaced("acme", "b"), MODEL, text + "y", share=True).tier == "shared"
-    assert manager.plan(namespaced("globex", "a"), MODEL, text + "y", share=True).tier == "cold"
-    assert manager.plan("a", MODEL, text + "y", share=True).tier == "cold"  # the default namespace too
+    assert manager.plan(namespaced("acme", "b"), MODEL, text + "y", share=True, own=manager.checkout(namespaced("acme", "b"), MODEL)).tier == "shared"
+    assert manager.plan(namespaced("globex", "a"), MODEL, text + "y", share=True, own=manager.checkout(namespaced("globex", "a"), MODEL)).tier == "cold"
+    assert manager.plan("a", MODEL, text + "y", share=True, own=manager.checkout("a", MODEL)).tier == "cold"  # the default namespace too
     # The same blocks held by another tenant are charged again: the pool's dedup is per tenant.
     manager.put(namespaced("acme", "c"), _hot(text), share=True, block_bytes=16, block_hashes=["h1", "h2"])
     shared_once = manager.stats().pools[MODEL].used_blocks

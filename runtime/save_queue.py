@@ -1,0 +1,141 @@
+"""SaveQueue: the write-behind policy — which unsaved cache is written next, and what a save's outcome does.
+
+Plain Python (no trio, no MLX), like :mod:`runtime.kv_manager`: the cache store actor
+(:mod:`actors.cache_store`) asks it and carries the answer out on its disk thread.
+
+* **Order**: unsaved ("dirty") caches are written oldest first. A newer cache of the same
+  key supersedes an unwritten one (one write instead of two). A cache a client waits for
+  (a *durable* turn) goes to the front.
+* **Loads first**: while an agent waits for its cache to be read, nothing is written
+  (:meth:`SaveQueue.next`): a turn waiting beats a write no one waits for.
+* **Retry**: a save that failed in a way that may recover (a full or read-only disk) keeps its
+  cache dirty, behind the others, and writing pauses for ``retry_delay_s`` or until the next
+  cache arrives, whichever comes first. A save that cannot succeed (a bad cache) is dropped.
+* **Waiters**: each durable turn waits for its own cache or a newer one of the same key; a
+  save answers the waiters of every cache it covers (:meth:`SaveQueue.answered`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+__all__ = ["SaveQueue", "Dirty", "SAVE_RETRY_S", "WAIT_FOR_LOADS"]
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+W = TypeVar("W")
+
+SAVE_RETRY_S = 5.0
+"""After a save fails with a disk error (disk full, read-only), dirty caches wait this long or for the next turn."""
+
+WAIT_FOR_LOADS = "wait for loads"
+""":meth:`SaveQueue.next`'s answer while a load is waiting."""
+
+
+@dataclass(frozen=True)
+class Dirty(Generic[T]):
+    """One unsaved cache: the item to write and its arrival number (which waiters its save answers)."""
+
+    item: T
+    seq: int
+
+
+class SaveQueue(Generic[K, T, W]):
+    """Unsaved caches by key, the durable turns waiting for them, and the retry pause (see the module docstring).
+
+    Args:
+        retry_delay_s: how long writing pauses after a save that may recover failed
+            (default :data:`SAVE_RETRY_S`).
+    """
+
+    def __init__(self, retry_delay_s: float | None = None) -> None:
+        self.retry_delay_s = SAVE_RETRY_S if retry_delay_s is None else retry_delay_s
+        self._dirty: dict[K, Dirty[T]] = {}  # oldest first (a durable cache at the front)
+        self._waiters: dict[K, list[tuple[int, W]]] = {}  # per key, in arrival order
+        self._arrivals = itertools.count()
+        self._retry_at = float("-inf")
+
+    # -- what arrives ---------------------------------------------------------------
+
+    def put(self, key: K, item: T, waiter: W | None = None) -> Dirty[T]:
+        """A new cache for ``key``: it supersedes an unwritten one; with a ``waiter`` it is written first.
+
+        A new cache also ends a retry pause: the disk may have recovered since.
+        """
+        self._dirty.pop(key, None)
+        dirty = Dirty(item, next(self._arrivals))
+        if waiter is None:
+            self._dirty[key] = dirty
+        else:
+            self._waiters.setdefault(key, []).append((dirty.seq, waiter))
+            self._dirty = {key: dirty, **self._dirty}
+        self._retry_at = float("-inf")
+        return dirty
+
+    # -- what to do next --------------------------------------------------------------
+
+    def next(self, now: float, *, loads_waiting: bool) -> K | float | str | None:
+        """The key to write now; else why not: None (nothing dirty), :data:`WAIT_FOR_LOADS`,
+        or the time (a float, on ``now``'s clock) at which the retry pause ends."""
+        if not self._dirty:
+            return None
+        if loads_waiting:
+            return WAIT_FOR_LOADS
+        if now < self._retry_at:
+            return self._retry_at
+        return next(iter(self._dirty))
+
+    # -- what a save's outcome does ---------------------------------------------------
+
+    def get(self, key: K) -> Dirty[T] | None:
+        """The unsaved cache of ``key``, if any."""
+        return self._dirty.get(key)
+
+    def answered(self, key: K, dirty: Dirty[T]) -> list[W]:
+        """A save of ``dirty`` ended (either way): the waiters it answers (its own and older caches')."""
+        waiting = self._waiters.pop(key, [])
+        rest = [(seq, w) for seq, w in waiting if seq > dirty.seq]
+        if rest:
+            self._waiters[key] = rest
+        return [w for seq, w in waiting if seq <= dirty.seq]
+
+    def settle(self, key: K, dirty: Dirty[T], *, saved: bool, retry: bool, now: float) -> bool:
+        """After a save of ``dirty``: True when ``key`` is now clean.
+
+        A cache superseded or dropped meanwhile is left as it is (False). A failed save
+        that may recover (``retry``) keeps it dirty, behind the others, and pauses writing.
+        """
+        if self._dirty.get(key) is not dirty:
+            return False
+        if not saved and retry:
+            del self._dirty[key]
+            self._dirty[key] = dirty
+            self._retry_at = now + self.retry_delay_s
+            return False
+        del self._dirty[key]
+        return True
+
+    def drop(self, which: Callable[[K], bool]) -> list[W]:
+        """Forget the unsaved caches whose key ``which`` accepts (forgotten agent, unloaded model);
+        returns their waiters, which will never be answered by a save."""
+        for key in [k for k in self._dirty if which(k)]:
+            del self._dirty[key]
+        waiters: list[W] = []
+        for key in [k for k in self._waiters if which(k)]:
+            waiters += [w for _, w in self._waiters.pop(key)]
+        return waiters
+
+    # -- what it holds ----------------------------------------------------------------
+
+    def keys(self) -> list[K]:
+        """The keys with an unsaved cache, in the order they would be written."""
+        return list(self._dirty)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._dirty
+
+    def __len__(self) -> int:
+        return len(self._dirty)

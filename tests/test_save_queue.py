@@ -1,0 +1,71 @@
+"""The write-behind policy as pure code (runtime/save_queue.py): order, supersession, loads first, retry, waiters."""
+
+from __future__ import annotations
+
+from runtime.save_queue import WAIT_FOR_LOADS, SaveQueue
+
+
+def _queue() -> SaveQueue[str, str, str]:
+    return SaveQueue(retry_delay_s=5.0)
+
+
+def test_caches_are_written_oldest_first_and_a_newer_one_supersedes_an_unwritten_one() -> None:
+    q = _queue()
+    q.put("a", "a1")
+    q.put("b", "b1")
+    q.put("a", "a2")  # supersedes a1, and moves behind b
+    assert q.keys() == ["b", "a"]
+    assert q.next(0.0, loads_waiting=False) == "b"
+    assert q.get("a").item == "a2" and len(q) == 2
+
+
+def test_a_durable_cache_goes_first_and_nothing_is_written_while_a_load_waits() -> None:
+    q = _queue()
+    q.put("a", "a1")
+    q.put("b", "b1", waiter="client-b")
+    assert q.next(0.0, loads_waiting=False) == "b"
+    assert q.next(0.0, loads_waiting=True) == WAIT_FOR_LOADS
+    assert _queue().next(0.0, loads_waiting=True) is None  # nothing dirty: nothing to wait for
+
+
+def test_a_save_answers_the_waiters_of_its_cache_and_older_ones_not_newer() -> None:
+    q = _queue()
+    first = q.put("a", "a1", waiter="w1")
+    q.put("a", "a2", waiter="w2")  # arrives while a1's save runs
+    assert q.answered("a", first) == ["w1"]
+    assert q.settle("a", first, saved=True, retry=False, now=0.0) is False  # superseded: still dirty
+    second = q.get("a")
+    assert second is not None and second.item == "a2"
+    assert q.answered("a", second) == ["w2"]
+    assert q.settle("a", second, saved=True, retry=False, now=0.0) is True
+    assert len(q) == 0 and q.next(0.0, loads_waiting=False) is None
+
+
+def test_a_save_that_may_recover_keeps_its_cache_dirty_behind_the_others_and_pauses_writing() -> None:
+    q = _queue()
+    a = q.put("a", "a1")
+    q.put("b", "b1")
+    assert q.settle("a", a, saved=False, retry=True, now=100.0) is False
+    assert q.keys() == ["b", "a"]
+    assert q.next(101.0, loads_waiting=False) == 105.0  # the pause ends at 105
+    assert q.next(105.0, loads_waiting=False) == "b"
+    q.settle("a", a, saved=False, retry=True, now=110.0)
+    q.put("c", "c1")  # a new turn ends the pause: the disk may have recovered
+    assert q.next(111.0, loads_waiting=False) == "b"
+
+
+def test_a_save_that_cannot_succeed_drops_its_cache() -> None:
+    q = _queue()
+    a = q.put("a", "bad")
+    assert q.settle("a", a, saved=False, retry=False, now=0.0) is True
+    assert "a" not in q and q.next(0.0, loads_waiting=False) is None
+
+
+def test_dropping_keys_returns_their_waiters_and_keeps_the_rest() -> None:
+    q: SaveQueue[tuple[str, str], str, str] = SaveQueue()
+    q.put(("x", "m1"), "x1", waiter="wx")
+    q.put(("y", "m1"), "y1", waiter="wy")
+    q.put(("x", "m2"), "x2")
+    assert q.drop(lambda key: key[0] == "x") == ["wx"]
+    assert q.keys() == [("y", "m1")]
+    assert q.drop(lambda key: True) == ["wy"] and len(q) == 0
