@@ -9,7 +9,7 @@
 
 See :mod:`actors.supervisor` for the API (streaming, cancellation, shutdown) and
 each actor's module for its mailbox. Exports are loaded lazily, so importing a
-submodule such as :mod:`actors.scheduler` (plain Python) pulls in neither trio
+submodule such as :mod:`runtime.plan.scheduler` (plain Python) pulls in neither trio
 nor MLX.
 """
 

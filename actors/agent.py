@@ -9,7 +9,7 @@ ends, so turn 2 always sees turn 1's cache):
 3. one request to the GPU actor (:class:`Generate`), which renders the
    messages, plans what of the prompt is reused and from where (that cache,
    else another agent's whole-block prefix, else nothing: the cache manager,
-   :meth:`runtime.kv_manager.KVCacheManager.plan`) and generates; deltas go
+   :meth:`runtime.plan.kv_manager.KVCacheManager.plan`) and generates; deltas go
    straight to the client's stream;
 4. check the updated cache back in (:class:`CheckIn`, write-behind) — *before*
    answering the client, so every turn a client saw complete is in the store and

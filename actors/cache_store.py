@@ -1,9 +1,9 @@
 """CacheStoreActor: sole owner of the cache directory; plans turns over the hot and warm tiers.
 
-* **Hot tier** and **plans**: a :class:`runtime.kv_manager.KVCacheManager` (shared
+* **Hot tier** and **plans**: a :class:`runtime.plan.kv_manager.KVCacheManager` (shared
   with the GPU actor) holds every agent's latest parked cache per model, its block
   accounting and the shared-prefix index, and decides each turn's
-  :class:`runtime.engine.TurnPlan`. The store feeds it: a :class:`CheckOut` (a turn
+  :class:`runtime.plan.contract.TurnPlan`. The store feeds it: a :class:`CheckOut` (a turn
   begins) answers with the agent's own cache, its hot one or, without one, the one
   it reads from disk (the GPU actor then plans the turn against the rendered prompt);
   a :class:`CheckIn` (the turn ends) makes its new cache hot; a completed save tells
@@ -79,12 +79,12 @@ from actors.messages_store import (
 from actors.metrics import PoolSnapshot
 from actors.prefetch import Prefetcher
 from actors.shared_tier import RemoteStats, SharedTier
-from runtime.engine import Tier
+from runtime.plan.contract import Tier
 from runtime.errors import CacheMiss, InvalidAgentIdError
 from runtime.identity import AgentKey, local_id, safe_agent_dirname, tenant_of
-from runtime.kv_manager import KVCacheManager
+from runtime.plan.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
-from runtime.save_queue import SaveQueue
+from runtime.plan.save_queue import SaveQueue
 from runtime.persist.tenants import TenantDirectories
 from runtime.spec import CacheSnapshot
 
@@ -430,7 +430,7 @@ class CacheStoreActor:
     # -- writes ----------------------------------------------------------------
 
     async def _writer(self) -> None:
-        """Carry out the write-behind policy (:class:`runtime.save_queue.SaveQueue`): write, or wait for why not."""
+        """Carry out the write-behind policy (:class:`runtime.plan.save_queue.SaveQueue`): write, or wait for why not."""
         while True:
             match self._saves.next(trio.current_time(), loads_waiting=self._loads_waiting > 0):
                 case None:  # nothing dirty

@@ -260,7 +260,7 @@ class TurnOptions(TypedDict, total=False):
             model than the loaded one makes the runtime swap.
         tools: tool definitions (OpenAI ``{"type": "function", "function": ...}``
             dicts) rendered by the model's chat template, or in kvmem's generic
-            format when it has no tool syntax (``runtime.generic_tools``); messages
+            format when it has no tool syntax (``runtime.reply.generic_tools``); messages
             may then carry ``tool_calls`` (assistant) and ``role: "tool"`` results.
             The reply's tool calls come back in ``TurnResult.tool_calls``.
         tool_choice: ``"auto"`` (default), ``"none"``, ``"required"`` or

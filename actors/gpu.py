@@ -1,12 +1,12 @@
 """GPUActor: the one actor that owns MLX work, and its scheduler loop.
 
 Every MLX call runs on one :class:`actors.mlx_thread.MlxThread`, as one
-bounded job of a :class:`runtime.engine.Engine`. The loop::
+bounded job of a :class:`runtime.plan.contract.Engine`. The loop::
 
     receive messages (block only when there is nothing to do)
     reap requests whose client left (extract + park the partial turn)
     start the requests the scheduler admits (the block budget can hold them)
-    carry out the scheduler's Step (actors.scheduler: decided as a value, before any of it runs):
+    carry out the scheduler's Step (runtime.plan.scheduler: decided as a value, before any of it runs):
         short prefills join first (one pass for those that can), each with its donor's blocks
         one decode step for every sequence in the batch  -> deliver each new token
         one prefill chunk for the admitted prefill with the least left (aged)
@@ -49,10 +49,10 @@ from actors.messages_gpu import (
 from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, PoolSnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
-from actors.scheduler import Scheduler, Step
-from runtime.engine import Engine, Finished, FromShared, ModelInfo, PrefillResult, Started, Tokenized, ToolCall
+from runtime.plan.scheduler import Scheduler, Step
+from runtime.plan.contract import Engine, Finished, FromShared, ModelInfo, PrefillResult, Started, Tokenized, ToolCall
 from runtime.errors import ContextLengthExceededError
-from runtime.kv_manager import KVCacheManager
+from runtime.plan.kv_manager import KVCacheManager
 
 __all__ = ["GPUActor"]
 
@@ -68,7 +68,7 @@ class GPUActor:
             the prefixes they share.
         budget_bytes: KV memory for running sequences (admission, batch size).
         max_batch: most sequences running at once.
-        prefill_chunk: tokens per prefill chunk (None: adaptive, see ``runtime.sequence``).
+        prefill_chunk: tokens per prefill chunk (None: adaptive, see ``runtime.execution.sequence``).
         trace: record a :class:`GpuEvent` per unit of work (tests, diagnostics).
     """
 
@@ -274,8 +274,8 @@ class GPUActor:
         self._event("admit", request_id)
 
     async def _run_step(self, step: Step) -> None:
-        """Carry out one :class:`actors.scheduler.Step`: the joining prefills (in one pass where
-        the engine can, :meth:`runtime.engine.Engine.prefill_together`, the rest one by one), the
+        """Carry out one :class:`runtime.plan.scheduler.Step`: the joining prefills (in one pass where
+        the engine can, :meth:`runtime.plan.contract.Engine.prefill_together`, the rest one by one), the
         decode step, then one prefill chunk. A request that ended meanwhile is skipped."""
         assert self._sched is not None
         if step.together:

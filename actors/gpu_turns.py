@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from actors.messages_gpu import Generate, Generated
 from actors.metrics import RunningTurn
-from runtime.engine import Finished, Started, Tier, Tokenized, ToolCall, TurnPlan
+from runtime.plan.contract import Finished, Started, Tier, Tokenized, ToolCall, TurnPlan
 
 __all__ = ["GpuTurn", "generated_reply", "running_turn", "tier_of"]
 

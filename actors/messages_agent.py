@@ -23,8 +23,8 @@ import trio
 
 from actors.messages_common import Failed, Message
 from actors.messages_gpu import SamplingOptions, StreamItem, Tier
-from runtime.engine import ResponseFormat, ToolCall, ToolChoice, ToolUse
-from runtime.reply_format import schema_error
+from runtime.plan.contract import ResponseFormat, ToolCall, ToolChoice, ToolUse
+from runtime.reply.reply_format import schema_error
 
 __all__ = [
     "ChatMessage",

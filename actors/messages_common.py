@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from runtime.engine import HotCache
+from runtime.plan.contract import HotCache
 
 __all__ = ["Failed", "HotCache", "failed_from", "Message"]
 

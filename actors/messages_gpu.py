@@ -9,8 +9,8 @@ Requests (:data:`GpuInbox`)::
     Prepare(snapshot)      -> Prepared(parked)  | Failed    (a cache read at start, restored ahead)
 
 A turn is one :class:`Generate`: the GPU actor renders its messages, plans it
-against the agent's own cache the store found (:class:`runtime.engine.OwnCache`)
-with the cache manager (:meth:`runtime.kv_manager.KVCacheManager.plan`: what is
+against the agent's own cache the store found (:class:`runtime.plan.contract.OwnCache`)
+with the cache manager (:meth:`runtime.plan.kv_manager.KVCacheManager.plan`: what is
 reused and from where: the agent's own cache, a prefix of another agent's, or
 none), and generates. A template or tool error is its ``Failed`` reply, before
 anything reaches the client.
@@ -24,7 +24,7 @@ import msgspec
 import trio
 
 from actors.messages_common import Failed, HotCache, Message
-from runtime.engine import ModelInfo, OwnCache, SamplingOptions, Tier, ToolCall, ToolChoice
+from runtime.plan.contract import ModelInfo, OwnCache, SamplingOptions, Tier, ToolCall, ToolChoice
 from runtime.spec import CacheSnapshot
 
 __all__ = [
@@ -100,7 +100,7 @@ class TurnStarted(msgspec.Struct, frozen=True, kw_only=True):
 
 StreamItem = str | TurnAccepted | TurnStarted | ToolCall
 """What a streaming turn's ``deltas`` channel carries: a :class:`TurnAccepted`, a :class:`TurnStarted`,
-then reply text and, in a turn with tools, each :class:`runtime.engine.ToolCall` once complete."""
+then reply text and, in a turn with tools, each :class:`runtime.plan.contract.ToolCall` once complete."""
 
 
 class Generated(Message, frozen=True, kw_only=True):
@@ -109,12 +109,12 @@ class Generated(Message, frozen=True, kw_only=True):
     Attributes:
         reply: the text as generated (tool-call markup included): what the cache holds.
         content: the reply without its tool calls (the reply itself when the turn has no tools).
-        tool_calls: the calls parsed out of the reply (``runtime.tool_calls``).
+        tool_calls: the calls parsed out of the reply (``runtime.reply.tool_calls``).
         finish_reason: ``stop``, ``tool_calls``, ``length`` or ``cancelled``.
         tier: where the reused cache came from: the plan's tier, ``shared`` when the
             turn adopted a prefix of another agent's turn in flight, ``cold`` when
             nothing was reused.
-        match: how the prompt matched the starting cache (``runtime.prefix.MatchKind``).
+        match: how the prompt matched the starting cache (``runtime.plan.prefix.MatchKind``).
         queue_wait_s: submission to admission (agent queue, cache fetch, memory wait).
         ttft_s: submission to the first token.
         parked: the updated cache (None when nothing new was computed or a
@@ -219,7 +219,7 @@ class Generate(Message, frozen=True, kw_only=True):
 
 
 class Prepare(Message, frozen=True, kw_only=True):
-    """Restore a cache read from disk at start ahead of its turn (:meth:`runtime.engine.Engine.prepare`)."""
+    """Restore a cache read from disk at start ahead of its turn (:meth:`runtime.plan.contract.Engine.prepare`)."""
 
     snapshot: CacheSnapshot
     reply: trio.MemorySendChannel[PrepareReply]

@@ -25,7 +25,7 @@ import trio
 import msgspec
 
 from actors.messages_common import Failed, HotCache, Message
-from runtime.engine import OwnCache
+from runtime.plan.contract import OwnCache
 from runtime.spec import CacheSnapshot
 
 __all__ = [

@@ -16,8 +16,8 @@ from bisect import bisect_left
 import msgspec
 
 from actors.turn_log import TurnLog, TurnRecord
-from runtime.block_pool import PoolStats
-from runtime.engine import HotCache
+from runtime.plan.block_pool import PoolStats
+from runtime.plan.contract import HotCache
 
 __all__ = [
     "TTFT_BUCKETS_MS",
@@ -165,7 +165,7 @@ class RuntimeMetrics:
 
 
 class PoolSnapshot(_Snapshot, frozen=True, kw_only=True):
-    """A block pool's accounting (see :class:`runtime.block_pool.PoolStats`)."""
+    """A block pool's accounting (see :class:`runtime.plan.block_pool.PoolStats`)."""
 
     budget_bytes: int
     bytes_per_block: int
@@ -230,7 +230,7 @@ class HotCacheBytes(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         q4_bytes: the parked (quantized) cache.
         float_bytes: the float KV its last turn left beside it for the next hot turn
-            (:mod:`runtime.float_resident`, bounded by ``keep_float_mb``; 0: none kept).
+            (:mod:`runtime.kv.float_resident`, bounded by ``keep_float_mb``; 0: none kept).
     """
 
     agent_id: str

@@ -95,9 +95,9 @@ from actors.registry import (
 from actors.signals import watch_signals
 from actors.turn_log import TurnRecord
 from runtime.config import Config
-from runtime.engine import Engine, ToolChoice
+from runtime.plan.contract import Engine, ToolChoice
 from runtime.identity import check_agent_id, local_id, safe_agent_dirname, tenant_of
-from runtime.kv_manager import KVCacheManager
+from runtime.plan.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
 from runtime.persist.owner import OwnerLock
 
@@ -457,7 +457,7 @@ async def _owned_runtime(
 
         remote = RemoteTier(config.store, directory.paths, lease_ms=int(config.lease_s * 1000))
     if engine is None:
-        from runtime.mlx_engine import (
+        from runtime.execution.mlx_engine import (
             MlxEngine,  # imports mlx: only when the real engine runs
         )
 

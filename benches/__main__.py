@@ -24,7 +24,7 @@ BENCHES = {
     "vs_mlx_lm": "6 agents x 4 rounds with a restart, same requests to mlx_lm.server and kvmem serve: TTFT per round, wall",
     "vs_llama_cpp": "llama.cpp's server on the same GGUF: prompt token ids, 20 greedy continuations, top-2 margins",
     "recall": "10 fact kinds told, restart, asked warm on kvmem-default, next to a float-cache mlx-lm reference",
-    "overhead": "E2E through HTTP gateway + actors vs runtime.generate directly",
+    "overhead": "E2E through HTTP gateway + actors vs runtime.execution.generate directly",
     "durability": "kill -9 the moment a turn is answered: turns lost write-behind vs durable, the write-behind window, hot-path cost",
     "grammar_engines": "llguidance vs outlines-core on kvmem-default's tokenizer: vocab prep, schema compile, per-token mask, sanity, wheels",
     "fuzz": "a live kvmem serve fuzzed for a time budget with damaged requests on every POST route: 5xx (goal 0)",

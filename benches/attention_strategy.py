@@ -3,7 +3,7 @@
 Which is faster depends on the backend, so kvmem makes it a per-backend choice
 and this benchmark backs the choice:
 
-* **native** — prefill in chunks straight into :class:`runtime.q4_cache.QuantizedKVCache`
+* **native** — prefill in chunks straight into :class:`runtime.kv.q4_cache.QuantizedKVCache`
   (mlx-lm's quantized SDPA), then decode on it.
 * **at-rest** — prefill into float ``KVCache``; "park" it to Q4 once
   (float → Q4, what happens when an agent goes idle), "activate" it back
@@ -39,7 +39,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
 from benches.harness import git_revision
-from runtime.q4_cache import QuantizedKVCache
+from runtime.kv.q4_cache import QuantizedKVCache
 
 RESULTS = Path(__file__).parent / "results"
 CHUNK = 512

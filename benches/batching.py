@@ -15,7 +15,7 @@ Columns:
 * **decode tok/s** — tokens produced by decode steps / time spent in them
   (from the GPU actor's work log): the batch's raw throughput.
 * **speedup** — system tok/s relative to N = 1 (the batch-1 baseline, same run).
-* The last row decodes one agent with ``runtime.generate.generate`` on the test
+* The last row decodes one agent with ``runtime.execution.generate.generate`` on the test
   thread, outside the actors, from the same cache: the synchronous batch-1
   reference, showing what the actor machinery costs.
 
@@ -165,14 +165,14 @@ async def run_rounds(
 def alone_baseline(
     model: str, home: Path, models_dir: Path, prompt: str, tag: str, tokens: int, repeats: int
 ) -> float:
-    """Decode agent 0's next turn with ``runtime.generate`` (no actors) from its saved cache."""
+    """Decode agent 0's next turn with ``runtime.execution.generate`` (no actors) from its saved cache."""
     import mlx.core as mx
 
-    from runtime.generate import generate
-    from runtime.kvstate import ParkedCache
-    from runtime.models import load_model
+    from runtime.execution.generate import generate
+    from runtime.kv.kvstate import ParkedCache
+    from runtime.model.loaded import load_model
     from runtime.persist import CacheDirectory
-    from runtime.sequence import SamplingParams
+    from runtime.execution.sequence import SamplingParams
     from runtime.spec import KVFormat
 
     kvhome = KvmemHome(home)
@@ -248,20 +248,20 @@ def write_markdown(
         f"Batch-1 decoding through the actors runs at {rows[0][2] / alone_tps:.0%} of the synchronous path "
         f"({rows[0][2]:.1f} vs {alone_tps:.1f} tok/s): the actors and the one-job-per-step MLX thread cost "
         "next to nothing at this model size. Turns with a short prompt (a new message on a cached conversation, "
-        "at most `actors.scheduler.JOIN_AHEAD_TOKENS` tokens) that arrive together prefill in one forward pass "
-        "(`runtime.batch_prefill`: rows padded with their own cache tail to one width) and become the decode "
+        "at most `runtime.plan.scheduler.JOIN_AHEAD_TOKENS` tokens) that arrive together prefill in one forward pass "
+        "(`runtime.execution.batch_prefill`: rows padded with their own cache tail to one width) and become the decode "
         "batch as they are, so every step carries all N agents; mean TTFT grows with N because that pass "
         "carries N new messages and is compute-bound on this CPU (~6 ms per token). The `generate` row ran "
         "after the rounds; this is a shared 2-core machine, so absolute numbers move with its load.",
         "",
         "Where the time goes at N = 8 (profiled in-process at ~1K context): decode steps, ~120 ms each against "
         "~70 ms for one agent (the weights are read once per step; per row: ~4 ms of 8-row GEMM and the "
-        "attention over its own keys, which `runtime.cpu_attention.decode_attention` computes as keys @ q.T "
+        "attention over its own keys, which `runtime.cpu.attention.decode_attention` computes as keys @ q.T "
         "with a NumPy softmax, 1.3-3x faster than MLX's CPU attention, see decode_attention.md); the one "
         "prefill pass for the eight new messages (about what eight passes of one cost: compute-bound, but the "
         "batch cache comes out of it with no merge); and parking each finished turn (~45 ms: its new tokens "
         "quantized, the float KV kept for its next turn, a host copy for the disk). Copies of float KV into and "
-        "out of a batch go through NumPy (`runtime.kv_copy`), a third of MLX's time for the same copy here.",
+        "out of a batch go through NumPy (`runtime.cpu.kv_copy`), a third of MLX's time for the same copy here.",
         "",
     ]
     path.write_text("\n".join(lines))

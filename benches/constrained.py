@@ -1,7 +1,7 @@
 """What constrained decoding costs a batch: decode steps at batch 8 with and without grammars.
 
 kvmem masks the logits of every row that has a grammar (a tool call in the generic format,
-a ``response_format``) once per step for the whole batch (:func:`runtime.grammar.mask_rows`:
+a ``response_format``) once per step for the whole batch (:func:`runtime.reply.grammar.mask_rows`:
 llguidance fills the rows' bitmasks in parallel, one ``mx.where`` applies them). Measured
 side by side in one run on ``kvmem-default`` (SmolLM2-135M-Instruct, the generic tool
 format, prompts of ~300 tokens with two tools):
@@ -48,11 +48,11 @@ SETTINGS = {"free": 0, "mixed": ROWS // 2, "constrained": ROWS}  # setting: rows
 
 
 class MaskTimer:
-    """Wraps ``runtime.decode_batch.mask_rows`` to time each call (host work; the ``where`` it
+    """Wraps ``runtime.execution.decode_batch.mask_rows`` to time each call (host work; the ``where`` it
     builds is evaluated with the step, whose wall time includes it)."""
 
     def __init__(self) -> None:
-        import runtime.decode_batch as decode_batch
+        import runtime.execution.decode_batch as decode_batch
 
         self._module = decode_batch
         self._original = decode_batch.mask_rows
@@ -78,10 +78,10 @@ def run_setting(lm: Any, constrained: int, timer: MaskTimer) -> tuple[list[float
     Returns the step times and mask times (seconds) of the steps with all rows decoding, and
     how many of the constrained rows' replies parsed into tool calls by the end.
     """
-    from runtime.decode_batch import DecodeBatch
-    from runtime.engine import ToolChoice, ToolUse
-    from runtime.sequence import SamplingParams, Sequence
-    from runtime.tool_calls import reply_rules
+    from runtime.execution.decode_batch import DecodeBatch
+    from runtime.plan.contract import ToolChoice, ToolUse
+    from runtime.execution.sequence import SamplingParams, Sequence
+    from runtime.reply.tool_calls import reply_rules
 
     use = ToolUse(tools=tuple(TOOLS), choice=ToolChoice(mode="required"))
     rules = reply_rules(lm, use)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     reps = harness.repeats(args)
     res = ResultFile("constrained", "Constrained decoding at batch 8: decode steps with and without grammars",
                      args.quick, argv or [])
-    from runtime.models import load_model
+    from runtime.model.loaded import load_model
 
     lm = load_model("kvmem-default", models_dir=harness.BENCH_HOME / "models")
     lm.grammar_vocabulary  # noqa: B018 - built once per model (~0.5 s), not inside a timed step

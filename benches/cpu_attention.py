@@ -1,11 +1,11 @@
-"""kvmem's NumPy attention (runtime/cpu_attention.py) against MLX's own on the CPU backend.
+"""kvmem's NumPy attention (runtime/cpu/attention.py) against MLX's own on the CPU backend.
 
 Three questions, each answered side by side in one run on ``kvmem-default``
 (SmolLM2-135M-Instruct, float32 weights):
 
 1. **The kernel** — one layer's attention at the default geometry (9 query
    heads, 3 KV heads, head dim 64): ``mx.fast.scaled_dot_product_attention``
-   vs :func:`runtime.cpu_attention.numpy_attention`, for prefill chunks and
+   vs :func:`runtime.cpu.attention.numpy_attention`, for prefill chunks and
    decode steps (alone and a batch of 8).
 2. **Cold prefill** of a C-token prompt: plain mlx-lm (``generate_step``, its
    own 2048-token chunks, attention untouched) vs kvmem's sequence (its chunk
@@ -35,7 +35,7 @@ HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 def kernel_section(res: ResultFile, repeats: int, quick: bool) -> None:
     import mlx.core as mx
 
-    from runtime.cpu_attention import numpy_attention
+    from runtime.cpu.attention import numpy_attention
 
     shapes = [(1, 512, 1024), (1, 512, 4096), (1, 1, 1024), (1, 1, 4096), (8, 1, 1024), (8, 1, 4096)]
     if not quick:
@@ -76,7 +76,7 @@ def _kvmem_prefill(lm: Any, prompt: str, *, numpy_attention: bool, chunk: int | 
     """Seconds from a cold start to the first token through kvmem's sequence, and its first token."""
     import mlx.core as mx
 
-    from runtime.sequence import SamplingParams, Sequence
+    from runtime.execution.sequence import SamplingParams, Sequence
 
     lm.cpu_attention = numpy_attention
     mx.clear_cache()
@@ -130,7 +130,7 @@ def prefill_section(res: ResultFile, lm: Any, contexts: list[int], repeats: int)
     res.body += [
         "",
         "Plain mlx-lm: `mlx_lm.generate.generate_step` with its default 2048-token prefill chunks and "
-        "mlx-lm's own attention (`mx.fast.scaled_dot_product_attention`); kvmem: `runtime.sequence.Sequence` "
+        "mlx-lm's own attention (`mx.fast.scaled_dot_product_attention`); kvmem: `runtime.execution.sequence.Sequence` "
         "with its chunk schedule (`prefill_chunk_size`), float KV while active (what `at-rest` runs).",
         "",
     ]
@@ -216,12 +216,12 @@ def main(argv: list[str] | None = None) -> None:
     reps = harness.repeats(args)
     contexts = args.contexts or ([1024, 2048] if args.quick else [1024, 2048, 4096, 8192])
     res = ResultFile("cpu_attention", "kvmem's NumPy attention vs MLX's on the CPU backend", args.quick, argv or [])
-    from runtime.cpu_attention import TESTED_MLX_LM
-    from runtime.models import load_model
+    from runtime.cpu.attention import TESTED_MLX_LM
+    from runtime.model.loaded import load_model
 
     lm = load_model("kvmem-default", models_dir=harness.BENCH_HOME / "models")
     if not lm.cpu_attention:
-        raise SystemExit("runtime.cpu_attention is not available here (not the CPU backend, or an untested mlx-lm)")
+        raise SystemExit("runtime.cpu.attention is not available here (not the CPU backend, or an untested mlx-lm)")
     res.setup += [
         f"kvmem's attention replaces `scaled_dot_product_attention` in mlx-lm's llama and qwen2 modules only inside "
         f"kvmem's forward passes (tested mlx-lm releases {TESTED_MLX_LM}); 'MLX attention' is the same kvmem code "

@@ -5,7 +5,7 @@ Two questions, answered side by side in one run on ``kvmem-default``
 
 1. **The kernel**: one layer's attention for one query per row,
    ``mx.fast.scaled_dot_product_attention`` vs
-   :func:`runtime.cpu_attention.decode_attention`, for 1, 2, 4 and 8 rows over
+   :func:`runtime.cpu.attention.decode_attention`, for 1, 2, 4 and 8 rows over
    1K and 4K keys (rows left-padded to different lengths, as a batch is).
 2. **A decode step of the model**: ``LoadedModel.forward`` of one token per
    row over a batch cache (mlx-lm's ``BatchKVCache``, rows of different
@@ -14,8 +14,8 @@ Two questions, answered side by side in one run on ``kvmem-default``
    the two are compared.
 3. **Rows that share a prompt**: the same step over rows whose first 1K
    tokens hold the same keys and values (agents over one system prompt),
-   :func:`runtime.cpu_attention.shared_prefix_attention` (the shared keys read
-   once) against :func:`~runtime.cpu_attention.decode_attention` (every row's
+   :func:`runtime.cpu.attention.shared_prefix_attention` (the shared keys read
+   once) against :func:`~runtime.cpu.attention.decode_attention` (every row's
    keys read), alternated step by step.
 
 Run: ``python -m benches decode_attention`` (3 repeats) or ``--quick``
@@ -50,7 +50,7 @@ def _padding_mask(rows: int, span: int) -> Any:
 def kernel_section(res: ResultFile, spans: list[int], repeats: int) -> None:
     import mlx.core as mx
 
-    from runtime.cpu_attention import decode_attention
+    from runtime.cpu.attention import decode_attention
 
     rows_out = []
     for span in spans:
@@ -128,8 +128,8 @@ def _alternated_steps(lm: Any, cache: list[Any], rows: int, settings: dict[str, 
 
 @contextmanager
 def _threshold(name: str, value: int) -> Iterator[None]:
-    """One of :mod:`runtime.cpu_attention`'s dispatch thresholds set to ``value`` within the block."""
-    from runtime import cpu_attention
+    """One of :mod:`runtime.cpu.attention`'s dispatch thresholds set to ``value`` within the block."""
+    from runtime.cpu import attention as cpu_attention
 
     before = getattr(cpu_attention, name)
     setattr(cpu_attention, name, value)
@@ -142,7 +142,7 @@ def _threshold(name: str, value: int) -> Iterator[None]:
 @contextmanager
 def _shared_from_2(tokens: int) -> Iterator[None]:
     """``tokens`` shared, attended once from two rows up."""
-    from runtime import cpu_attention
+    from runtime.cpu import attention as cpu_attention
 
     with _threshold("MIN_SHARED_ROWS", 2), cpu_attention.sharing(tokens):
         yield
@@ -152,7 +152,7 @@ def step_section(res: ResultFile, lm: Any, spans: list[int], repeats: int) -> di
     """Whole decode steps, kvmem's decode attention on and off, alternated over the same growing cache."""
     import mlx.core as mx
 
-    from runtime import cpu_attention
+    from runtime.cpu import attention as cpu_attention
 
     on_threshold = cpu_attention.MIN_DECODE_KEYS
     out: dict[tuple[int, int], dict[str, float]] = {}
@@ -197,7 +197,7 @@ def _shared_cache(lm: Any, rows: int) -> list[Any]:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from runtime.decode_batch import merge_with_room
+    from runtime.execution.decode_batch import merge_with_room
 
     layers = []
     for _ in range(len(lm.model.layers)):
@@ -217,8 +217,8 @@ def shared_section(res: ResultFile, lm: Any, repeats: int) -> None:
     """Decode steps over rows sharing a prompt: its keys attended once for all rows, or row by row."""
     import mlx.core as mx
 
-    from runtime import cpu_attention
-    from runtime.shared_prefix import shared_prefix_length
+    from runtime.cpu import attention as cpu_attention
+    from runtime.execution.shared_prefix import shared_prefix_length
 
     rows_out = []
     threshold = cpu_attention.MIN_SHARED_ROWS
@@ -242,7 +242,7 @@ def shared_section(res: ResultFile, lm: Any, repeats: int) -> None:
     res.body += [
         "",
         "The rows' first 1K tokens hold bit-identical keys and values, as agents over one parked system prompt do "
-        "(`runtime.shared_prefix` checks that when rows join a batch); each row then has its own tokens. Both "
+        "(`runtime.execution.shared_prefix` checks that when rows join a batch); each row then has its own tokens. Both "
         "settings run the same step on the same cache, alternated; the step includes the weight matmuls. kvmem "
         f"attends shared keys once from `MIN_SHARED_ROWS` = {threshold} rows.",
         "",
@@ -256,11 +256,11 @@ def main(argv: list[str] | None = None) -> None:
     spans = [1024] if args.quick else [1024, 4096]
     res = ResultFile("decode_attention", "kvmem's decode-step attention vs MLX's on the CPU backend", args.quick,
                      argv or [])
-    from runtime.models import load_model
+    from runtime.model.loaded import load_model
 
     lm = load_model("kvmem-default", models_dir=harness.BENCH_HOME / "models")
     if not lm.cpu_attention:
-        raise SystemExit("runtime.cpu_attention is not available here (not the CPU backend, or an untested mlx-lm)")
+        raise SystemExit("runtime.cpu.attention is not available here (not the CPU backend, or an untested mlx-lm)")
     kernel_section(res, spans, reps)
     step_section(res, lm, spans, reps)
     shared_section(res, lm, reps)

@@ -1,7 +1,7 @@
 """Per-token cost of ``kvmem serve --distributed`` at 1 vs 2 ranks, on this machine (two ranks on loopback).
 
 What one rank-0 engine pays per token, measured on kvmem's real engine path:
-one process (:class:`runtime.mlx_engine.MlxEngine`) against two ranks under
+one process (:class:`runtime.execution.mlx_engine.MlxEngine`) against two ranks under
 ``mlx.launch --backend ring`` on 127.0.0.1 (rank 0's
 :class:`runtime.distributed.leader.LeaderEngine`, which sends every call to rank 1
 first; both halves of the model meet in the ``all_sum`` of each layer):
@@ -47,7 +47,7 @@ CONFIGS = (("1 process, 1 BLAS thread", 1, 1), ("1 process, 2 BLAS threads", 1, 
 
 def even_model_dir() -> Path:
     """``smollm2-even``: SmolLM2-135M's geometry with 8 / 4 heads (hidden 512), built once under the bench home."""
-    from runtime import tiny_models as tm
+    from runtime.model import tiny_models as tm
 
     recipe = tm.TinyModelRecipe(
         name="smollm2-even",
@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> int:
     import runtime  # noqa: F401  (OpenBLAS before mlx)
     from benches.prompts import context_text
     from runtime.config import Config
-    from runtime.mlx_engine import MlxEngine
+    from runtime.execution.mlx_engine import MlxEngine
 
     config = Config().replace(model=args.model, home=args.home, models_dir=str(BENCH_HOME / "models"), prewarm_mb=0,
                               fsync=False)
@@ -163,7 +163,7 @@ def _plain_decode(folder: Path, prompt: str, steps: int, *, sharded: bool) -> li
 
 
 def _one_turn(engine: Any, request_id: int, prompt: str, decode: int) -> dict[str, Any]:
-    from runtime.engine import COLD, SamplingOptions
+    from runtime.plan.contract import COLD, SamplingOptions
 
     tokens = engine.tokenize(prompt, COLD)
     t0 = time.perf_counter()

@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     from mlx_lm.models.cache import QuantizedKVCache
 
     from runtime.spec import KVFormat
-    from runtime.kvstate import ActiveKV, ParkedCache
-    from runtime.models import load_model
+    from runtime.kv.kvstate import ActiveKV, ParkedCache
+    from runtime.model.loaded import load_model
     from runtime.persist import CacheDirectory
 
     args = harness.parser(__doc__).parse_args(argv)

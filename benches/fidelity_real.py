@@ -48,7 +48,7 @@ def specs_by_bits(spec: Any) -> dict[int | None, Any]:
 
 def park_float(float_kv: list[tuple[Any, Any]], spec: Any, token_ids: list[int]) -> Any:
     """Park float keys/values ``(1, H, T, D)`` per layer in ``spec``'s format, as kvmem parks an at-rest turn."""
-    from runtime.kvstate import ActiveKV, ParkedCache
+    from runtime.kv.kvstate import ActiveKV, ParkedCache
 
     kv = ActiveKV(ParkedCache.empty(spec), spec, "at-rest")
     for cache, (k, v) in zip(kv.caches, float_kv, strict=True):
@@ -66,7 +66,7 @@ def park(kv: Any, token_ids: list[int]) -> Any:
 
 def through_disk(parked: Any, spec: Any, float_dtype: Any, root: Path) -> tuple[Any, bool]:
     """Save ``parked`` with ``CacheDirectory`` (fsync) under ``root``, load it back; and whether it is bit-exact."""
-    from runtime.kvstate import ParkedCache
+    from runtime.kv.kvstate import ParkedCache
     from runtime.persist import CacheDirectory
 
     store = CacheDirectory(root, fsync=True)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from runtime.kvstate import ActiveKV, ParkedCache
+    from runtime.kv.kvstate import ActiveKV, ParkedCache
 
     p = harness.parser(__doc__)
     p.add_argument("--seqs", type=int, help="sequences (default 2; 1 with --quick)")

@@ -136,7 +136,7 @@ def build_model(geom: Geometry, models_dir: Path) -> Path:
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    from runtime.tokenizer_build import train_tokenizer, write_tokenizer_files
+    from runtime.model.tokenizer_build import train_tokenizer, write_tokenizer_files
 
     config = geom.config()
     digest = hashlib.sha256(json.dumps([_VERSION, config], sort_keys=True).encode()).hexdigest()[:10]
@@ -477,8 +477,8 @@ def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadli
     from benches import needle, prose
     from runtime.backend import device_profile
     from runtime.errors import ModelError
-    from runtime.kvstate import settle_attention
-    from runtime.models import load_model
+    from runtime.kv.kvstate import settle_attention
+    from runtime.model.loaded import load_model
     from runtime.spec import KVFormat
 
     try:

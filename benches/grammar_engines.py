@@ -155,7 +155,7 @@ CASES = (
     Case("tools-15", tool_call_schema(CLAUDE_CODE_TOOLS),
          [{"name": "Grep", "arguments": {"pattern": "def load_model", "path": "runtime", "output_mode": "content",
                                          "-C": 2, "-n": True, "head_limit": 40}},
-          {"name": "MultiEdit", "arguments": {"file_path": "/work/main/runtime/models.py", "edits": [
+          {"name": "MultiEdit", "arguments": {"file_path": "/work/main/runtime/model/loaded.py", "edits": [
               {"old_string": "weights: str = \"auto\"", "new_string": "weights: str = \"float32\""},
               {"old_string": "numpy_attention: bool = True", "new_string": "numpy_attention: bool = False",
                "replace_all": True}]}},
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     import runtime.blas  # noqa: F401  (OpenBLAS before mlx)
-    from runtime.models import load_model
+    from runtime.model.loaded import load_model
 
     models_dir = args.models_dir or Path(os.environ.get("KVMEM_HOME", harness.BENCH_HOME)) / "models"
     res = ResultFile("grammar_engines", "Grammar engines for constrained decoding: llguidance vs outlines-core",

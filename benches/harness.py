@@ -92,8 +92,8 @@ def model_dir(name: str = "kvmem-default") -> Path:
     the float32 weights kvmem runs on CPU, so servers that take only folders
     (``mlx_lm.server``) serve the very same weights.
     """
-    from runtime.default_model import DEFAULT_MODEL, default_model_file
-    from runtime.tiny_models import ensure_tiny_model
+    from runtime.model.default_model import DEFAULT_MODEL, default_model_file
+    from runtime.model.tiny_models import ensure_tiny_model
 
     if name != DEFAULT_MODEL:
         return ensure_tiny_model(name, BENCH_HOME / "models")
@@ -103,7 +103,7 @@ def model_dir(name: str = "kvmem-default") -> Path:
 
         import mlx.core as mx
 
-        from runtime.gguf import prepare_gguf
+        from runtime.model.gguf import prepare_gguf
 
         gguf = prepare_gguf(default_model_file(), models_dir=BENCH_HOME / "models", weights="float32")
         staging = folder.with_name(folder.name + ".tmp")

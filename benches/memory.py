@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
 
     from runtime.spec import KVFormat
-    from runtime.kvstate import ParkedCache
-    from runtime.models import load_model
+    from runtime.kv.kvstate import ParkedCache
+    from runtime.model.loaded import load_model
 
     args = harness.parser(__doc__, quick_repeats=1).parse_args(argv)
     counts = (1, 2, 4) if args.quick else (1, 2, 4, 8)

@@ -17,7 +17,7 @@ What each format's KV is, and how it is produced:
   context KV, parked by ``ActiveKV.park`` (quantized to Q4 / Q8), saved and
   loaded with ``CacheDirectory`` (fsync), activated (dequantized); the question
   and the answer then run in float on top, as the next turn would.
-* ``q4-native``: kvmem's packed Q4 cache (``runtime.q4_cache.QuantizedKVCache``)
+* ``q4-native``: kvmem's packed Q4 cache (``runtime.kv.q4_cache.QuantizedKVCache``)
   from the first token, every token quantized as it is appended, attention on
   Q4 (quantized SDPA); the context is parked and the question turn activated
   (packed, in memory).
@@ -181,7 +181,7 @@ def cache_kinds(lm: Any) -> dict[str, CacheKind]:
     """``float`` (mlx-lm KVCache), ``q4-native`` (kvmem, via park / ActiveKV) and ``mlx-q4`` (mlx-lm)."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    from runtime.kvstate import ActiveKV, ParkedCache
+    from runtime.kv.kvstate import ActiveKV, ParkedCache
 
     spec4 = specs_by_bits(lm.spec)[4]
     n_layers = len(lm.model.layers)
@@ -263,7 +263,7 @@ def run_length(lm: Any, hay: Haystack, needles: list[Needle], kind: CacheKind, *
                tmp: Path, on_result: Callable[[str, Needle, str, dict[str, Any]], None]) -> None:
     """All ``needles`` of one length with one cache kind, sharing the haystack prefix; ``derived`` at-rest formats
     (float kind only) reuse each trial's float context KV."""
-    from runtime.kvstate import ActiveKV
+    from runtime.kv.kvstate import ActiveKV
 
     specs = specs_by_bits(lm.spec)
     main = kind.fresh()

@@ -57,7 +57,7 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 def replay(lm: Any, hay: Haystack, needle: Needle, fmts: list[str], tmp: Path) -> dict[str, Any]:
     """Float's reply and each at-rest format's on ``needle``, with every step's top-1 margin."""
-    from runtime.kvstate import ActiveKV
+    from runtime.kv.kvstate import ActiveKV
 
     kind = cache_kinds(lm)["float"]
     context = hay.context(needle)

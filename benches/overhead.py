@@ -1,8 +1,8 @@
-"""Overhead: E2E through the HTTP gateway + actors vs ``runtime.generate.generate`` directly.
+"""Overhead: E2E through the HTTP gateway + actors vs ``runtime.execution.generate.generate`` directly.
 
 The same conversation is run two ways, turn by turn, side by side:
 
-* **direct** — ``runtime.generate.generate(lm, prompt, cache)`` in this process
+* **direct** — ``runtime.execution.generate.generate(lm, prompt, cache)`` in this process
   (kvmem-default, Q4 KV, at-rest strategy), the previous turn's parked cache passed in;
 * **gateway** — a ``kvmem serve`` subprocess on 127.0.0.1 (same model and settings),
   one streamed ``POST /v1/agents/{id}/messages`` per turn (httpx).
@@ -34,9 +34,9 @@ QUESTIONS = ("Tell me more.", "What happened next?", "Who was there?", "Why?", "
 def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
 
-    from runtime.generate import generate
-    from runtime.models import load_model
-    from runtime.sequence import SamplingParams
+    from runtime.execution.generate import generate
+    from runtime.model.loaded import load_model
+    from runtime.execution.sequence import SamplingParams
     from runtime.spec import KVFormat
 
     p = harness.parser(__doc__)
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=32, help="output tokens per turn")
     args = p.parse_args(argv)
     turns = 2 if args.quick else max(3, harness.repeats(args, full=5))
-    res = ResultFile("overhead", "Overhead: HTTP gateway + actors vs runtime.generate directly", args.quick,
+    res = ResultFile("overhead", "Overhead: HTTP gateway + actors vs runtime.execution.generate directly", args.quick,
                      argv or [])
     folder = harness.model_dir()
     base = context_text(folder, args.context, label="overhead") + "\n\nUser: Summarize.\nAssistant:"
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"{args.tokens} greedy tokens each; Q4 KV, at-rest attention in both paths")
     res.body += [
         *table(["path", "E2E ms (median)", "TTFT ms", "prefilled tokens", "generated", "ms per processed token"], [
-            ["`runtime.generate` direct", f"{d_e2e:.0f}", f"{d_ttft:.0f}", f"{m(direct, 'prefilled'):.0f}",
+            ["`runtime.execution.generate` direct", f"{d_e2e:.0f}", f"{d_ttft:.0f}", f"{m(direct, 'prefilled'):.0f}",
              f"{m(direct, 'generated'):.0f}", f"{d_ms_tok:.1f}"],
             ["HTTP gateway + actors (`kvmem serve`)", f"{g_e2e:.0f}", f"{g_ttft:.0f}",
              f"{m(gateway, 'prefilled'):.0f}", f"{m(gateway, 'generated'):.0f}", f"{g_ms_tok:.1f}"],

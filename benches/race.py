@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     binary = find_binary(args.llama_server)
     if binary is None:
         raise SystemExit("race: llama-server is needed (see the line above for how to build it)")
-    from runtime.default_model import default_model_file
+    from runtime.model.default_model import default_model_file
 
     reps = harness.repeats(args)
     contexts = args.contexts or ([1024] if args.quick else [1024, 2048, 4096, 8192])

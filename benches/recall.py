@@ -76,7 +76,7 @@ def _divergence(lm: Any, tokens: list[int], reply: str) -> int | None:
 def main(argv: list[str]) -> int:
     args = harness.parser(__doc__).parse_args(argv)
     import runtime  # noqa: F401  (OpenBLAS before MLX)
-    from runtime.models import load_model
+    from runtime.model.loaded import load_model
 
     res = harness.ResultFile("recall", "Fact recall after a restart on kvmem-default (warm Q4 cache vs float reference)",
                              args.quick, argv)

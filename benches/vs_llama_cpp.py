@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     if binary is None:
         log("skipped: vs_llama_cpp needs llama-server")
         return
-    from runtime.default_model import default_model_file
-    from runtime.models import load_model
+    from runtime.model.default_model import default_model_file
+    from runtime.model.loaded import load_model
 
     gguf = default_model_file()
     prompts = PROMPTS[:5] if args.quick else PROMPTS

@@ -25,7 +25,7 @@ Tool calls the model makes come back as ``tool_use`` blocks after the text, with
 (in a turn without tools the text block opens at once, as before): each call is a
 ``content_block_start`` (``tool_use``, empty ``input``), an ``input_json_delta``
 with its arguments, and a ``content_block_stop``. ``tool_choice`` (``auto``, ``any``,
-``tool``, ``none``) is honoured or refused with a 400 (see ``runtime.tool_calls``).
+``tool``, ``none``) is honoured or refused with a 400 (see ``runtime.reply.tool_calls``).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from gateway.schemas_anthropic import (
 )
 from gateway.sse import Emit, EventStreamResponse, sse
 from runtime.identity import local_id
-from runtime.reply_format import schema_error
+from runtime.reply.reply_format import schema_error
 
 __all__ = ["routes", "to_chat", "tool_choice_of", "usage_of", "stop_reason_of"]
 

@@ -417,9 +417,9 @@ async def _forget_agent(config: Config, agent: str, tenant: str | None = None) -
 
 def _build(args: argparse.Namespace) -> int:
     """Build or prepare the model's files, with progress on stderr; print its folder on stdout."""
-    from runtime import tiny_models
+    from runtime.model import tiny_models
     from runtime.errors import ModelError
-    from runtime.models import prepare_model_files
+    from runtime.model.loaded import prepare_model_files
 
     config = config_from_args(args)
     name = args.name

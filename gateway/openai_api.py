@@ -5,9 +5,9 @@ when there is no other text) with ``finish_reason: "tool_calls"``; streamed, eac
 is a ``delta.tool_calls`` chunk with its ``index``, ``id``, ``type``, ``name`` and empty
 ``arguments``, then a chunk with the ``arguments``. ``tool_choice`` (``none``,
 ``auto``, ``required``, a named function) is honoured or refused with a 400 (see
-``runtime.tool_calls``); on a model whose template has no tool syntax the calls are
+``runtime.reply.tool_calls``); on a model whose template has no tool syntax the calls are
 decoded in kvmem's generic format, valid against the function's parameters
-(``runtime.generic_tools``). ``response_format`` (``json_object``, ``json_schema``)
+(``runtime.reply.generic_tools``). ``response_format`` (``json_object``, ``json_schema``)
 makes the reply JSON under the schema's grammar, on every model.
 
 Usage: ``prompt_tokens`` = tokens reused from the agent's cache + tokens
@@ -63,7 +63,7 @@ from gateway.schemas_openai import (
 )
 from gateway.sse import Emit, EventStreamResponse, sse_data
 from runtime.identity import local_id
-from runtime.reply_format import schema_error
+from runtime.reply.reply_format import schema_error
 
 __all__ = ["routes", "to_chat", "tool_choice_of", "response_format_of", "usage_of", "finish_reason_of"]
 

@@ -57,11 +57,11 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         weights: how GGUF weights are held when ``auto`` is asked (``float32``, ``quantized``, ...).
         float_dtype: the dtype of activations and float KV, read from the loaded model (empty before a load).
         prefill_chunks: the chunk schedule, (context below, chunk) pairs.
-        numpy_attention: llama/qwen2 attention runs through NumPy (``runtime.cpu_attention``).
+        numpy_attention: llama/qwen2 attention runs through NumPy (``runtime.cpu.attention``).
         numpy_kv_copy: KV rows are copied into batch buffers through NumPy views.
         shared_prefix_check: a decode batch looks for a prompt every row holds alike (host compare).
         run_ahead: a decode step is launched before the previous one's tokens are read
-            (:class:`runtime.decode_batch.DecodeBatch`).
+            (:class:`runtime.execution.decode_batch.DecodeBatch`).
         tune_allocator: glibc keeps freed memory and one arena (``runtime.allocator``).
         prewarm_mb: memory touched at the first model load (0: none).
         openblas: the OpenBLAS library loaded at import (None: MLX's own BLAS).

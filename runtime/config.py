@@ -119,7 +119,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             device's), or ``cpu`` / ``gpu`` forced (the GPU policy on a CPU runs its paths'
             logic; the CPU policy on a GPU its host paths).
         numpy_attention: on the CPU backend, float attention of llama and qwen2
-            models runs in NumPy (:mod:`runtime.cpu_attention`: 4-6x faster
+            models runs in NumPy (:mod:`runtime.cpu.attention`: 4-6x faster
             than MLX's there); off: MLX's own attention everywhere.
         budget_mb: KV memory for running sequences (admission, batch size), MiB.
         hot_budget_mb: memory for idle caches kept in RAM (the hot tier), MiB.

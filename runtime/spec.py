@@ -4,7 +4,7 @@
 (Q4, Q8 or float), :class:`LayerSpec` one attention layer's geometry and
 :class:`ModelCacheSpec` the whole model's, plus the tag every saved cache
 carries. kvmem never guesses a model's cache layout from its name:
-:func:`runtime.models.read_cache_spec` asks the loaded model (MLX). Each layer
+:func:`runtime.model.loaded.read_cache_spec` asks the loaded model (MLX). Each layer
 is held as one :class:`LayerKind`; memory is accounted, and full-attention KV
 persisted, in blocks of :data:`BLOCK_TOKENS` tokens.
 
@@ -108,7 +108,7 @@ class ModelCacheSpec:
             ``bfloat16``): what a dequantized cache is made of. Not part of the tag (the
             model's config, which the tag hashes, already decides it).
         prompt_format: how prompts of this model carry what its chat template cannot
-            render (:data:`runtime.generic_tools.FORMAT` for models without tool syntax; ""
+            render (:data:`runtime.reply.generic_tools.FORMAT` for models without tool syntax; ""
             for none). Part of the tag: a cache rendered one way is never reused for another.
     """
 

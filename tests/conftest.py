@@ -25,7 +25,7 @@ import pytest  # noqa: E402
 
 from runtime.backend import detect_device, device_profile  # noqa: E402
 from runtime.spec import KVFormat  # noqa: E402
-from runtime.models import LoadedModel, load_model  # noqa: E402
+from runtime.model.loaded import LoadedModel, load_model  # noqa: E402
 
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gpt-oss", "tiny-deepseek-v2"]
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -74,7 +74,7 @@ def _real_default() -> LoadedModel:
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The real default model (SmolLM2-135M-Instruct); skipped when its package is not installed."""
-    from runtime.default_model import default_model_file
+    from runtime.model.default_model import default_model_file
     from runtime.errors import ModelError
 
     try:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.engine import (
+from runtime.plan.contract import (
     Finished,
     FromShared,
     MemoryReading,
@@ -107,7 +107,7 @@ class _FakeSeq:
 
 
 class FakeEngine:
-    """See the module docstring. Implements :class:`runtime.engine.Engine`."""
+    """See the module docstring. Implements :class:`runtime.plan.contract.Engine`."""
 
     profile = None  # no backend profile: nothing here runs on a device
 

@@ -13,7 +13,7 @@ from conftest import models_dir
 
 from gateway.testing import ServerThread
 from runtime.config import Config
-from runtime.default_model import DEFAULT_MODEL
+from runtime.model.default_model import DEFAULT_MODEL
 
 
 @contextmanager

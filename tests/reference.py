@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from runtime.models import LoadedModel
+from runtime.model.loaded import LoadedModel
 
 
 def masked_greedy(limit: int):

@@ -13,10 +13,10 @@ import threading
 from collections import deque
 from dataclasses import replace
 
-from runtime.engine import SamplingOptions
-from runtime.mlx_engine import MlxEngine
-from runtime.sequence import SamplingParams
-from runtime.tool_calls import ReplyRules
+from runtime.plan.contract import SamplingOptions
+from runtime.execution.mlx_engine import MlxEngine
+from runtime.execution.sequence import SamplingParams
+from runtime.reply.tool_calls import ReplyRules
 
 __all__ = ["ScriptedEngine"]
 

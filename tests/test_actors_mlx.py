@@ -18,9 +18,9 @@ from reference import first_split_is_a_near_tie, top1_margin
 
 from actors import open_runtime
 
-from runtime.generate import decode_alone, generate
+from runtime.execution.generate import decode_alone, generate
 from runtime.persist import CacheDirectory
-from runtime.sequence import SamplingParams, Sequence
+from runtime.execution.sequence import SamplingParams, Sequence
 
 CORPUS = Path(__file__).resolve().parents[1] / "runtime" / "corpus" / "stories.txt"
 TOPICS = [
@@ -281,7 +281,7 @@ async def test_second_agent_prefills_only_its_own_part_of_a_shared_system_prompt
 async def test_agents_arriving_together_share_the_first_ones_prefix_and_reply_as_alone(tmp_path):
     """Four cold agents with one long system prompt arrive at once: the first prefills
     it, the others start from its whole blocks while it decodes. Reference: each
-    conversation alone through ``runtime.generate.generate`` from no cache (float KV,
+    conversation alone through ``runtime.execution.generate.generate`` from no cache (float KV,
     greedy); the replies must be identical and the others must prefill only the rest."""
     lm = tiny("tiny-llama", bits=None)
     system = CORPUS.read_text()[:4000]
@@ -294,7 +294,7 @@ async def test_agents_arriving_together_share_the_first_ones_prefix_and_reply_as
     prompt_tokens = [len(lm.tokenize(lm.render(c))[0]) for c in conversations]
     assert all(512 < n < 768 for n in prompt_tokens)
     results = {}
-    # The reference's chunk schedule (runtime.sequence.prefill_chunk_size: 512 below 1024 tokens) on any
+    # The reference's chunk schedule (runtime.execution.sequence.prefill_chunk_size: 512 below 1024 tokens) on any
     # device: the GPU policy's 2048 would prefill these prompts in one chunk where the reference takes two.
     async with _open(tmp_path, "tiny-llama", kv_bits=None, prefill_chunk=512) as rt:
 
@@ -352,7 +352,7 @@ FOLLOW_UPS = ["What happened next?", "Why?", "And what did everyone in the villa
 async def test_agents_answering_together_prefill_in_one_pass_and_reply_as_alone(tmp_path):
     """Q4 at rest, the default: four agents' second turns arrive together with new messages
     of different lengths (one wants a single token); the GPU actor prefills them in one
-    pass (runtime.batch_prefill). Reference: each conversation decoded alone outside the
+    pass (runtime.execution.batch_prefill). Reference: each conversation decoded alone outside the
     runtime, from its turn-1 cache; replies may depart only at a near tie."""
     lm = tiny("tiny-llama")
     wants = [16, 16, 16, 1]

@@ -1,4 +1,4 @@
-"""The GPU actor's policy (actors.scheduler) and the message contracts, without trio or MLX work."""
+"""The GPU actor's policy (runtime.plan.scheduler) and the message contracts, without trio or MLX work."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 import runtime  # noqa: F401  (OpenBLAS before mlx)
-from actors.scheduler import JOIN_AHEAD_TOKENS, Scheduler, Step
-from runtime.engine import FromShared
+from runtime.plan.scheduler import JOIN_AHEAD_TOKENS, Scheduler, Step
+from runtime.plan.contract import FromShared
 from runtime.errors import BudgetExceededError
 from runtime.spec import BLOCK_TOKENS
 
@@ -132,7 +132,7 @@ def _inboxes():
     from actors.messages_gpu import GpuInbox
     from actors.messages_store import StoreInbox
     from actors.registry import RegistryInbox
-    from runtime.engine import CacheSource
+    from runtime.plan.contract import CacheSource
 
     return [AgentInbox, GpuInbox, StoreInbox, RegistryInbox, CacheSource]
 

@@ -30,7 +30,7 @@ from actors.messages_store import (
     NewCache,
     StoreInbox,
 )
-from runtime.kv_manager import KVCacheManager
+from runtime.plan.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
 from runtime.spec import BLOCK_TOKENS
 

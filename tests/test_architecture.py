@@ -37,7 +37,7 @@ def _defined(name: str, source: str) -> bool:
 def test_the_table_has_the_decisions_this_house_makes_once() -> None:
     assert len(ROWS) >= 12
     where = " ".join(w for _, w in ROWS)
-    for module in ("runtime/kv_manager.py", "actors/scheduler.py", "runtime/save_queue.py", "runtime/identity.py",
+    for module in ("runtime/plan/kv_manager.py", "runtime/plan/scheduler.py", "runtime/plan/save_queue.py", "runtime/identity.py",
                    "runtime/backend.py", "runtime/config.py"):
         assert module in where
 
@@ -61,7 +61,7 @@ def test_the_places_a_decision_moved_out_of_no_longer_make_it() -> None:
     assert "JOIN_AHEAD_TOKENS" not in gpu and ".adopt(" not in gpu and "wants_donor(" not in gpu
     store = (ROOT / "actors/cache_store.py").read_text()
     assert "retry_at =" not in store and "_waiters" not in store
-    sequence = (ROOT / "runtime/sequence.py").read_text()
-    assert "match_prefix" not in sequence  # the one matcher is runtime/kv_manager.py's own_plan
+    sequence = (ROOT / "runtime/execution/sequence.py").read_text()
+    assert "match_prefix" not in sequence  # the one matcher is runtime/plan/kv_manager.py's own_plan
     agent = (ROOT / "actors/agent.py").read_text()
     assert "Render(" not in agent and len(re.findall(r"ask\(\s*self\._gpu", agent)) == 1  # one GPU request a turn

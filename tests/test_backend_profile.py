@@ -16,7 +16,7 @@ import pytest
 from conftest import models_dir
 
 from runtime.backend import CPU_CHUNKS, GPU_CHUNK, decide_profile, detect_device
-from runtime.sequence import prefill_chunk_size
+from runtime.execution.sequence import prefill_chunk_size
 
 # -- the policy, as a value ----------------------------------------------------------
 
@@ -65,13 +65,13 @@ def test_the_profile_line_names_every_decision() -> None:
 
 
 def _engine(**settings: Any) -> Any:
-    from runtime.mlx_engine import MlxEngine
+    from runtime.execution.mlx_engine import MlxEngine
 
     return MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, strategy="auto", **settings)
 
 
 def test_the_gpu_policy_on_the_cpu_runs_native_attention_without_host_paths() -> None:
-    from runtime import kv_copy
+    from runtime.cpu import kv_copy
 
     engine = _engine(profile="gpu")
     try:
@@ -97,7 +97,7 @@ async def test_a_backend_without_the_native_kernels_starts_at_rest_with_one_log_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from actors import open_runtime
-    from runtime import q4_cache
+    from runtime.kv import q4_cache
 
     missing = ("[quantized_matmul] No implementation for problem shape: 281x281x64x32, transpose: true, "
                "activation: float32, bits: 4, group size: 64, mode: \"affine\"")
@@ -115,7 +115,7 @@ async def test_a_backend_without_the_native_kernels_starts_at_rest_with_one_log_
     assert profile.attention_note is not None and "quantized_matmul" in profile.attention_note
     assert len([r for r in caplog.records if "quantized_matmul" in r.getMessage()]) == 1  # said once, named
     assert result.usage.tokens_generated > 0  # it serves, at rest, instead of failing to start
-    from runtime import kv_copy
+    from runtime.cpu import kv_copy
 
     kv_copy.use_host_views(True)
 
@@ -135,7 +135,7 @@ async def test_healthz_shows_the_profile(tmp_path: Path) -> None:
     assert (profile["policy"], profile["forced"], profile["attention"], profile["backend"]) == \
         ("gpu", True, "native", detect_device()[1])
     assert profile["prefill_chunks"] == [[2**62, GPU_CHUNK]] and profile["numpy_attention"] is False
-    from runtime import kv_copy
+    from runtime.cpu import kv_copy
 
     kv_copy.use_host_views(True)
 
@@ -147,9 +147,11 @@ def test_a_bfloat16_model_keeps_bfloat16_activations_and_kv_under_the_gpu_policy
     from gguf_writer import write_gguf
     from mlx.utils import tree_flatten
 
-    from runtime import kv_copy, tiny_models
-    from runtime.engine import ColdStart, SamplingOptions, TurnPlan
-    from runtime.kvstate import ActiveKV, ParkedCache
+    from runtime.cpu import kv_copy
+
+    from runtime.model import tiny_models
+    from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
+    from runtime.kv.kvstate import ActiveKV, ParkedCache
 
     gguf = write_gguf(tiny_models.ensure_tiny_model("tiny-llama", models_dir()), tmp_path / "tiny.gguf")
     engine = _engine(profile="gpu", weights="bfloat16")

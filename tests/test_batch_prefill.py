@@ -1,4 +1,4 @@
-"""Turns prefilled together in one pass (runtime.batch_prefill) against each turn alone.
+"""Turns prefilled together in one pass (runtime.execution.batch_prefill) against each turn alone.
 
 The reference is each turn prefilled and decoded on its own (``decode_alone``),
 from the same parked cache; tolerances as in tests/test_cache_correctness.py.
@@ -10,10 +10,10 @@ import pytest
 
 from agreement import assert_decoded_alike
 from conftest import tiny
-from runtime.batch_prefill import MAX_PAD, choose_group, prefill_together
-from runtime.decode_batch import DecodeBatch
-from runtime.generate import decode_alone, generate
-from runtime.sequence import SamplingParams, Sequence
+from runtime.execution.batch_prefill import MAX_PAD, choose_group, prefill_together
+from runtime.execution.decode_batch import DecodeBatch
+from runtime.execution.generate import decode_alone, generate
+from runtime.execution.sequence import SamplingParams, Sequence
 
 FLOAT_TOL = 2e-3
 STEPS = 8

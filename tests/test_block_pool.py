@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.block_pool import BlockPool, PoolStats
+from runtime.plan.block_pool import BlockPool, PoolStats
 from runtime.errors import BudgetExceededError, KvmemError
 from runtime.spec import BLOCK_TOKENS
 

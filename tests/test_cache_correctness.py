@@ -19,11 +19,11 @@ import pytest
 from agreement import assert_decoded_alike, logprobs_of
 from conftest import ARCHS, tiny
 from reference import cold_generate, teacher_forced_logits, top1_margin
-from runtime.generate import decode_alone, generate
-from runtime.kvstate import ParkedCache
-from runtime.decode_batch import DecodeBatch
+from runtime.execution.generate import decode_alone, generate
+from runtime.kv.kvstate import ParkedCache
+from runtime.execution.decode_batch import DecodeBatch
 from runtime.persist import CacheDirectory
-from runtime.sequence import SamplingParams, Sequence
+from runtime.execution.sequence import SamplingParams, Sequence
 
 FLOAT_TOL = 2e-3
 STEPS = 8

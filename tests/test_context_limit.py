@@ -197,7 +197,7 @@ async def test_tiny_llama_refuses_a_prompt_past_its_context_before_prefill_and_t
 
 
 def test_the_context_is_read_from_the_config_or_its_text_config() -> None:
-    from runtime.models import read_context_length
+    from runtime.model.loaded import read_context_length
 
     assert read_context_length({"model_type": "llama", "max_position_embeddings": 4096}) == 4096
     assert read_context_length({"model_type": "gpt2", "n_positions": 1024}) == 1024
@@ -209,8 +209,8 @@ def test_the_context_is_read_from_the_config_or_its_text_config() -> None:
 def test_a_model_whose_context_kvmem_cannot_read_says_so_at_load(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from runtime.mlx_engine import MlxEngine
-    from runtime.models import prepare_model_files
+    from runtime.execution.mlx_engine import MlxEngine
+    from runtime.model.loaded import prepare_model_files
 
     folder = tmp_path / "no-context"
     shutil.copytree(prepare_model_files(TINY, models_dir()), folder)

@@ -1,4 +1,4 @@
-"""kvmem's NumPy attention (runtime.cpu_attention) against MLX's own, and the adapter's boundaries.
+"""kvmem's NumPy attention (runtime.cpu.attention) against MLX's own, and the adapter's boundaries.
 
 The reference is ``mx.fast.scaled_dot_product_attention`` and mlx-lm's models
 with their attention untouched, never the code under test.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from runtime import cpu_attention
+from runtime.cpu import attention as cpu_attention
 from conftest import cpu_only, tiny
 
 pytestmark = [

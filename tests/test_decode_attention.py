@@ -1,4 +1,4 @@
-"""kvmem's decode-step attention (runtime.cpu_attention.decode_attention) against MLX's own.
+"""kvmem's decode-step attention (runtime.cpu.attention.decode_attention) against MLX's own.
 
 The references are ``mx.fast.scaled_dot_product_attention`` and mlx-lm's model
 with its attention untouched, never the code under test.
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from runtime import cpu_attention
+from runtime.cpu import attention as cpu_attention
 from conftest import cpu_only, tiny
 
 pytestmark = [

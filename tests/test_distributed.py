@@ -40,7 +40,7 @@ from serve_process import kvmem_serve
 
 from runtime.distributed.shard import check_shardable, rank_tag, shard_model_id
 from runtime.errors import UnsupportedModelError
-from runtime.tiny_models import RANDOM_SMOLLM2, RECIPES
+from runtime.model.tiny_models import RANDOM_SMOLLM2, RECIPES
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"
@@ -312,7 +312,7 @@ def test_a_handle_is_released_when_rank_0_has_dropped_every_object_it_names() ->
 
 def test_commands_cross_the_wire_unchanged() -> None:
     from runtime.distributed.wire import HotWire, Start, WirePlan, recv_command, send_frame
-    from runtime.engine import SamplingOptions, Tokenized, ToolChoice, ToolUse
+    from runtime.plan.contract import SamplingOptions, Tokenized, ToolChoice, ToolUse
 
     tools = ToolUse(tools=({"type": "function", "function": {"name": "f", "parameters": {}}},),
                     choice=ToolChoice(mode="required", name="f"))
@@ -332,7 +332,7 @@ class _PartEngine:
         self.parts = parts
 
     def finish(self, request_id: int) -> Any:
-        from runtime.engine import Finished
+        from runtime.plan.contract import Finished
 
         return Finished(reply="", finish_reason="stop", match="empty", tokens_reused=0, tokens_prefilled=0,
                         tokens_generated=0, parked=None, snapshot=self.parts.pop(0))

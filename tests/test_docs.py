@@ -171,7 +171,7 @@ def _needs_default_model(code: str) -> bool:
 
 
 def _skip_without_default_model() -> None:
-    from runtime.default_model import default_model_file
+    from runtime.model.default_model import default_model_file
     from runtime.errors import ModelError
 
     try:

@@ -1,4 +1,4 @@
-"""The float KV kept after a turn (runtime/float_resident.py) is a cache of the activation, nothing more.
+"""The float KV kept after a turn (runtime/kv/float_resident.py) is a cache of the activation, nothing more.
 
 The tests that can fail: a turn that starts from the kept float buffers holds, layer by layer,
 exactly the floats that dequantizing the parked Q4 cache gives (bitwise), and computes exactly
@@ -18,9 +18,9 @@ import pytest
 import runtime  # noqa: F401
 from actors import open_runtime
 from conftest import models_dir, tiny
-from runtime.float_resident import FloatResident, ResidentPool
-from runtime.kvstate import ActiveKV
-from runtime.sequence import SamplingParams, Sequence
+from runtime.kv.float_resident import FloatResident, ResidentPool
+from runtime.kv.kvstate import ActiveKV
+from runtime.execution.sequence import SamplingParams, Sequence
 
 PROMPT = "The lighthouse keeper counted the ships every evening and wrote their names in a green book."
 FOLLOW_UP = " One night a ship with no name came past the rocks, and he wrote a question mark instead."
@@ -54,7 +54,7 @@ def test_kept_floats_are_bitwise_the_dequantized_parked_cache(model: str) -> Non
     assert not fresh_kv.resumed_float
     compared = 0
     # Bitwise on any backend: both sides come from the same elementwise dequantization of the same Q4
-    # values (runtime.q4_packing.dequantize_kv), which has no reduction whose order a device could change.
+    # values (runtime.kv.q4_packing.dequantize_kv), which has no reduction whose order a device could change.
     for (k1, v1), (k2, v2) in zip(_layer_floats(kept_kv), _layer_floats(fresh_kv), strict=True):
         assert k1.shape == k2.shape and mx.array_equal(k1, k2).item() and mx.array_equal(v1, v2).item()
         compared += 1

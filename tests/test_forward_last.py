@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import tiny
-from runtime.models import _last_position_head
+from runtime.model.loaded import _last_position_head
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma3"])

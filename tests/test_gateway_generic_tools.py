@@ -2,7 +2,7 @@
 
 kvmem-default (SmolLM2-135M-Instruct) has no tool syntax in its chat template, so its
 tools travel in kvmem's generic format and its replies are decoded under a grammar
-(``runtime.generic_tools``). Nothing is scripted here: the real model writes every call.
+(``runtime.reply.generic_tools``). Nothing is scripted here: the real model writes every call.
 What it answers is not the point; that every reply is well-formed and that the tool
 result turn extends the cache (``usage`` reads back every token of the call turn) is.
 """
@@ -20,7 +20,7 @@ import pytest
 from gateway_helpers import default_model_server, openai_stream_choices
 
 from gateway.testing import ServerThread
-from runtime.default_model import DEFAULT_MODEL
+from runtime.model.default_model import DEFAULT_MODEL
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city"], "additionalProperties": False}

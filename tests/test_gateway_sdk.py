@@ -28,7 +28,7 @@ KEY = "test-key"
 
 def _model_without_template(root: Path) -> Path:
     """A copy of the tiny model whose tokenizer has no chat template (so no tool support)."""
-    from runtime.tiny_models import ensure_tiny_model
+    from runtime.model.tiny_models import ensure_tiny_model
 
     source = ensure_tiny_model(MODEL, models_dir())
     target = root / "no-template-model"

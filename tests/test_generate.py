@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from conftest import tiny
-from runtime.generate import generate
-from runtime.sequence import SamplingParams, StopMatcher, prefill_chunk_size
+from runtime.execution.generate import generate
+from runtime.execution.sequence import SamplingParams, StopMatcher, prefill_chunk_size
 
 PROMPT_MSGS = [{"role": "user", "content": "Write about the sea and the ships."}]
 
@@ -63,7 +63,7 @@ def test_temperature_sampling_varies_and_stays_in_vocab():
 def test_padded_vocab_rows_are_never_sampled():
     lm = tiny("tiny-llama")
     seq_logits = mx.zeros((1, lm.model.args.vocab_size + 7))
-    from runtime.sequence import Sequence
+    from runtime.execution.sequence import Sequence
 
     seq = Sequence(lm, "x", None, SamplingParams())
     padded = mx.concatenate([seq_logits[:, : lm.vocab_limit], mx.full((1, 7 + lm.model.args.vocab_size - lm.vocab_limit), 100.0)], axis=1)

@@ -1,8 +1,8 @@
 """kvmem's generic tool-call format and constrained decoding (issue 29, items 1-3).
 
 kvmem-default (SmolLM2-135M-Instruct) has no tool syntax in its template: its prompts carry
-tools in :mod:`runtime.generic_tools`' format and its replies are decoded under the format's
-grammar (:mod:`runtime.grammar`, llguidance). The references are independent of kvmem's
+tools in :mod:`runtime.reply.generic_tools`' format and its replies are decoded under the format's
+grammar (:mod:`runtime.reply.grammar`, llguidance). The references are independent of kvmem's
 decoding: llguidance's own matcher for what the grammar accepts, mlx-lm's ``generate_step``
 with the same grammar as its logits processor, and each row decoded alone for the batch.
 """
@@ -18,16 +18,16 @@ import pytest
 from conftest import models_dir, tiny
 from mlx_lm.generate import generate_step
 
-from runtime import generic_tools
-from runtime.decode_batch import DecodeBatch
-from runtime.engine import ResponseFormat, ToolChoice, ToolUse
-from runtime.generate import decode_alone
-from runtime.grammar import ReplyGrammar, mask_rows
-from runtime.models import LoadedModel, load_model
-from runtime.reply_format import answer_grammar, schema_error
-from runtime.sequence import SamplingParams, Sequence
-from runtime.tiny_models import ensure_tiny_model
-from runtime.tool_calls import GENERIC_CALLS, reply_rules
+from runtime.reply import generic_tools
+from runtime.execution.decode_batch import DecodeBatch
+from runtime.plan.contract import ResponseFormat, ToolChoice, ToolUse
+from runtime.execution.generate import decode_alone
+from runtime.reply.grammar import ReplyGrammar, mask_rows
+from runtime.model.loaded import LoadedModel, load_model
+from runtime.reply.reply_format import answer_grammar, schema_error
+from runtime.execution.sequence import SamplingParams, Sequence
+from runtime.model.tiny_models import ensure_tiny_model
+from runtime.reply.tool_calls import GENERIC_CALLS, reply_rules
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now",

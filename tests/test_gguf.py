@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 from mlx_lm.gguf import permute_weights
 
-from runtime import default_model, tiny_models
+from runtime.model import default_model
+
+from runtime.model import tiny_models
 from runtime.errors import ModelError
-from runtime.gguf import prepare_gguf
-from runtime.models import LoadedModel, load_model
+from runtime.model.gguf import prepare_gguf
+from runtime.model.loaded import LoadedModel, load_model
 from conftest import models_dir
 from gguf_writer import gguf_tensor_names, write_gguf, write_quantized_gguf, write_raw_gguf
 

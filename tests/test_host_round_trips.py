@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import models_dir
 
-from runtime.engine import ColdStart, SamplingOptions, TurnPlan
+from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
 
 PROMPT = "Tell me about the sea and the ships on it. " * 60
 
@@ -65,8 +65,8 @@ def host_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostCalls]:
 def test_the_gpu_policy_syncs_once_per_chunk_and_step_and_copies_to_the_host_only_to_save(
     host_calls: HostCalls, attention: str
 ) -> None:
-    from runtime import kv_copy
-    from runtime.mlx_engine import MlxEngine
+    from runtime.cpu import kv_copy
+    from runtime.execution.mlx_engine import MlxEngine
 
     engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, strategy=attention, profile="gpu",
                        prefill_chunk=128, keep_float_mb=64)
@@ -110,7 +110,7 @@ def test_the_gpu_policy_syncs_once_per_chunk_and_step_and_copies_to_the_host_onl
 
 def test_the_cpu_policy_takes_its_host_paths(host_calls: HostCalls) -> None:
     """The counter sees the CPU's NumPy paths, so the test above would see them leak."""
-    from runtime.mlx_engine import MlxEngine
+    from runtime.execution.mlx_engine import MlxEngine
 
     engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, strategy="auto", prefill_chunk=128,
                        profile="cpu")

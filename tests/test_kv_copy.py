@@ -1,4 +1,4 @@
-"""runtime.kv_copy.place_rows: the NumPy path against the MLX one it replaces on the CPU."""
+"""runtime.cpu.kv_copy.place_rows: the NumPy path against the MLX one it replaces on the CPU."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from conftest import cpu_only
-from runtime import kv_copy
+from runtime.cpu import kv_copy
 
 
 @cpu_only("the NumPy host-view path is the CPU policy's (numpy_kv_copy); under the GPU policy it is off, and a "

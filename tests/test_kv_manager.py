@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from runtime.engine import ColdStart, FromHot, FromShared, FromWarm
-from runtime.kv_manager import KVCacheManager
+from runtime.plan.contract import ColdStart, FromHot, FromShared, FromWarm
+from runtime.plan.kv_manager import KVCacheManager
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 
 TAG = "m@1"

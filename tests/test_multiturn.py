@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from conftest import tiny
-from runtime.generate import decode_alone, generate
-from runtime.sequence import SamplingParams, Sequence
+from runtime.execution.generate import decode_alone, generate
+from runtime.execution.sequence import SamplingParams, Sequence
 
 SYSTEM = "You are a helpful assistant."
 Q1 = "Describe the old mill by the river in two sentences."

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import tiny
-from runtime.generate import generate
+from runtime.execution.generate import generate
 from runtime.persist import CacheDirectory
-from runtime.sequence import SamplingParams
+from runtime.execution.sequence import SamplingParams
 
 SYSTEM = " ".join(f"Rule {i}: answer briefly, cite the harbour log, and keep the ledger tidy." for i in range(60))
 

@@ -1,6 +1,6 @@
 """Character-level prefix matching (pure Python)."""
 
-from runtime.prefix import MatchKind, match_prefix
+from runtime.plan.prefix import MatchKind, match_prefix
 
 TEXT = "Hello world, how are you?"
 # tokens: "Hello" " world" "," " how" " are" " you" "?"

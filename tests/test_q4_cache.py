@@ -36,13 +36,13 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runtime.errors import UnsupportedModelError
-from runtime.q4_cache import (
+from runtime.kv.q4_cache import (
     BatchDequantizingQuantizedKVCache,
     BatchQuantizedKVCache,
     DequantizingQuantizedKVCache,
     QuantizedKVCache,
 )
-from runtime.q4_packing import dequantize_kv, q4_supported, quantize_kv
+from runtime.kv.q4_packing import dequantize_kv, q4_supported, quantize_kv
 
 Q4_LOGIT_TOL = 0.05  # fraction of the per-position float logit range
 BATCH_LOGIT_TOL = 1e-3  # absolute

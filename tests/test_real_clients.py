@@ -23,7 +23,7 @@ import pytest
 from gateway_helpers import default_model_server
 
 from gateway.testing import ServerThread
-from runtime.default_model import DEFAULT_MODEL
+from runtime.model.default_model import DEFAULT_MODEL
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from reference import cold_generate, top1_margin
-from runtime.models import LoadedModel
+from runtime.model.loaded import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
 Q4_TOLERANCE = 1.0  # nats

@@ -11,10 +11,10 @@ import pytest
 
 from conftest import FIXTURES, fixture_model
 from reference import cold_generate
-from runtime.generate import decode_alone, generate
-from runtime.kvstate import ActiveKV, ParkedCache
+from runtime.execution.generate import decode_alone, generate
+from runtime.kv.kvstate import ActiveKV, ParkedCache
 from runtime.persist import CacheDirectory
-from runtime.sequence import SamplingParams, Sequence
+from runtime.execution.sequence import SamplingParams, Sequence
 from runtime.spec import LayerKind
 
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play in the park with her dog."

@@ -2,7 +2,7 @@
 
 Saves are write-behind, so a failing disk must never fail a turn: the turn is served, the failure
 is logged and counted (``kvmem_cache_write_errors_total``), the cache stays in RAM (dirty) and the
-save is retried on a timer (``runtime.save_queue.SAVE_RETRY_S``) or on the next turn; once the disk
+save is retried on a timer (``runtime.plan.save_queue.SAVE_RETRY_S``) or on the next turn; once the disk
 recovers the cache reaches it without another turn, and a restarted server loads it warm.
 """
 
@@ -19,7 +19,7 @@ import httpx
 import pytest
 from conftest import models_dir
 
-import runtime.save_queue
+import runtime.plan.save_queue
 from gateway.testing import ServerThread
 from runtime.config import Config
 from runtime.persist import CacheDirectory
@@ -59,7 +59,7 @@ def failing_disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int | No
         return real_save(self, agent_id, snapshot, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(CacheDirectory, "save", save)
-    monkeypatch.setattr(runtime.save_queue, "SAVE_RETRY_S", 0.3)
+    monkeypatch.setattr(runtime.plan.save_queue, "SAVE_RETRY_S", 0.3)
     yield state
 
 

@@ -12,8 +12,8 @@ import pytest
 from agreement import assert_decoded_alike
 from conftest import tiny
 
-from runtime.decode_batch import DecodeBatch
-from runtime.sequence import SamplingParams, Sequence
+from runtime.execution.decode_batch import DecodeBatch
+from runtime.execution.sequence import SamplingParams, Sequence
 
 ROWS = {  # name: (prompt, sampling, the step the row joins at)
     "a": ("The harbour master kept a ledger of ships. " * 6, SamplingParams(max_tokens=5), 0),

@@ -1,8 +1,8 @@
-"""The write-behind policy as pure code (runtime/save_queue.py): order, supersession, loads first, retry, waiters."""
+"""The write-behind policy as pure code (runtime/plan/save_queue.py): order, supersession, loads first, retry, waiters."""
 
 from __future__ import annotations
 
-from runtime.save_queue import WAIT_FOR_LOADS, SaveQueue
+from runtime.plan.save_queue import WAIT_FOR_LOADS, SaveQueue
 
 
 def _queue() -> SaveQueue[str, str, str]:

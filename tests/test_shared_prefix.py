@@ -1,4 +1,4 @@
-"""Rows that begin with the same keys and values, attended once (runtime.shared_prefix, cpu_attention).
+"""Rows that begin with the same keys and values, attended once (runtime.execution.shared_prefix, cpu_attention).
 
 References: ``mx.fast.scaled_dot_product_attention`` on the same keys, mlx-lm's
 model with its attention untouched, and each turn decoded alone.
@@ -13,11 +13,11 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from agreement import assert_decoded_alike
 from conftest import cpu_only, tiny
-from runtime import cpu_attention
-from runtime.decode_batch import DecodeBatch, merge_with_room
-from runtime.generate import decode_alone, generate
-from runtime.sequence import SamplingParams, Sequence
-from runtime.shared_prefix import MIN_SHARED_TOKENS, shared_prefix_length
+from runtime.cpu import attention as cpu_attention
+from runtime.execution.decode_batch import DecodeBatch, merge_with_room
+from runtime.execution.generate import decode_alone, generate
+from runtime.execution.sequence import SamplingParams, Sequence
+from runtime.execution.shared_prefix import MIN_SHARED_TOKENS, shared_prefix_length
 
 pytestmark = [
     cpu_only("kvmem's NumPy attention is the CPU policy's (numpy_attention); the GPU policy never installs it"),

@@ -7,7 +7,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from conftest import tiny
 from runtime.errors import UnsupportedModelError
-from runtime.models import read_cache_spec
+from runtime.model.loaded import read_cache_spec
 from runtime.spec import KVFormat, LayerKind, ModelCacheSpec
 
 
@@ -67,7 +67,7 @@ def test_invalid_kv_format_is_rejected():
 
 def test_auto_attention_is_at_rest_on_cpu():
     from runtime.backend import detect_device
-    from runtime.kvstate import resolve_strategy
+    from runtime.kv.kvstate import resolve_strategy
 
     assert resolve_strategy("native") == "native"
     expected = "at-rest" if detect_device()[0] == "cpu" else "native"  # the backend profile's choice

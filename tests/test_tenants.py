@@ -27,8 +27,8 @@ from fake_engine import FakeEngine
 from gateway.tenants import Limits, Tenant, load_tenant_keys
 from gateway.testing import ServerThread
 from runtime.config import Config, ConfigError, load_config
-from runtime.engine import HotCache
-from runtime.kv_manager import KVCacheManager
+from runtime.plan.contract import HotCache
+from runtime.plan.kv_manager import KVCacheManager
 from runtime.identity import namespaced
 
 MODEL = "fake-a"

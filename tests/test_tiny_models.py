@@ -20,8 +20,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from runtime import tiny_models as tm
-from runtime.tokenizer_build import CHAT_TEMPLATE, SPECIAL_TOKENS, TOOL_TOKENS, _trained_json
+from runtime.model import tiny_models as tm
+from runtime.model.tokenizer_build import CHAT_TEMPLATE, SPECIAL_TOKENS, TOOL_TOKENS, _trained_json
 
 TEST_MODELS = [name for name in tm.RECIPES if name != tm.RANDOM_SMOLLM2]
 # Greedy tokens are compared only where the top-1 margin beats float noise

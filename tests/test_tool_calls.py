@@ -10,11 +10,11 @@ import pytest
 from conftest import models_dir, tiny
 from mlx_lm.tool_parsers import mistral, pythonic
 
-from runtime.engine import ToolCall, ToolChoice, ToolUse
-from runtime.generate import generate
-from runtime.models import LoadedModel, load_model
-from runtime.sequence import SamplingParams
-from runtime.tool_calls import (
+from runtime.plan.contract import ToolCall, ToolChoice, ToolUse
+from runtime.execution.generate import generate
+from runtime.model.loaded import LoadedModel, load_model
+from runtime.execution.sequence import SamplingParams
+from runtime.reply.tool_calls import (
     GENERIC_CALLS,
     ToolCallFormat,
     ToolCallSplitter,
@@ -155,7 +155,7 @@ def test_forced_tokens_and_banned_tokens_steer_a_real_model(qwen: LoadedModel) -
 
 def _without_parser(root: Path) -> LoadedModel:
     """tiny-qwen2 with a template that renders tools in its own words: mlx-lm infers no parser for it."""
-    from runtime.tiny_models import ensure_tiny_model
+    from runtime.model.tiny_models import ensure_tiny_model
 
     target = root / "no-parser"
     shutil.copytree(ensure_tiny_model("tiny-qwen2", models_dir()), target)

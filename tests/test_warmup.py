@@ -1,4 +1,4 @@
-"""Pre-warmed memory (runtime.warmup): later MLX buffers reuse the touched pages instead of fresh ones."""
+"""Pre-warmed memory (runtime.execution.warmup): later MLX buffers reuse the touched pages instead of fresh ones."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _SCRIPT = textwrap.dedent(
     import os, sys
     import runtime  # OpenBLAS before MLX
     import mlx.core as mx
-    from runtime.warmup import prewarm_memory
+    from runtime.execution.warmup import prewarm_memory
 
     def resident_bytes():
         with open("/proc/self/statm") as f:
@@ -48,6 +48,6 @@ def test_activation_buffers_reuse_prewarmed_pages_instead_of_faulting_in_new_one
 
 
 def test_prewarm_of_nothing_does_nothing():
-    from runtime.warmup import prewarm_memory
+    from runtime.execution.warmup import prewarm_memory
 
     assert prewarm_memory(0) == 0.0

@@ -2,7 +2,7 @@
 
 A follower has no gateway, no actors and no trio: one thread (the process's
 main thread, so the one that makes every MLX call) reads rank 0's commands in
-order and makes the same calls on its own :class:`runtime.mlx_engine.MlxEngine`
+order and makes the same calls on its own :class:`runtime.execution.mlx_engine.MlxEngine`
 (this rank's part of the model) and its own
 :class:`runtime.persist.CacheDirectory` (this rank's part of every cache). It
 keeps each cache rank 0 names by handle (a finished turn, a parked prompt, a
@@ -54,9 +54,9 @@ from runtime.distributed.wire import (
     recv_command,
     send_frame,
 )
-from runtime.engine import CacheSource, ColdStart, FromHot, FromShared, FromWarm, TurnPlan
+from runtime.plan.contract import CacheSource, ColdStart, FromHot, FromShared, FromWarm, TurnPlan
 from runtime.errors import KvmemError
-from runtime.mlx_engine import MlxEngine
+from runtime.execution.mlx_engine import MlxEngine
 from runtime.persist import CacheDirectory
 from runtime.spec import CacheSnapshot
 

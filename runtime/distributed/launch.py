@@ -33,7 +33,7 @@ from runtime.distributed.leader import Leader, LeaderEngine
 from runtime.distributed.shard import check_shardable
 from runtime.distributed.wire import Hello, recv_hello, send_frame
 from runtime.errors import DistributedError, ModelError
-from runtime.mlx_engine import MlxEngine
+from runtime.execution.mlx_engine import MlxEngine
 from runtime.persist import CacheDirectory
 
 __all__ = ["LeaderRank", "open_rank", "rank_cache_dir", "leader_host"]
@@ -124,7 +124,7 @@ def open_rank(config: Config) -> LeaderRank | Follower:
 
 def _check_model(config: Config, size: int) -> None:
     """Refuse a model that does not split evenly, from its config alone (before any rank loads weights)."""
-    from runtime.models import prepare_model_files
+    from runtime.model.loaded import prepare_model_files
 
     for name in (config.model, *config.models):
         try:

@@ -15,7 +15,7 @@ garbage collected, a ``weakref.finalize`` callback queues the handle, and the
 next command goes after a :class:`~runtime.distributed.wire.Release`: the
 followers' memory follows rank 0's hot tier without any other bookkeeping.
 
-:class:`LeaderEngine` is :class:`runtime.mlx_engine.MlxEngine` with every call
+:class:`LeaderEngine` is :class:`runtime.execution.mlx_engine.MlxEngine` with every call
 that changes state sent to the followers first (render, tokenize and counting
 tokens run on rank 0 alone).
 """
@@ -57,7 +57,7 @@ from runtime.distributed.wire import (
     recv_reply,
     send_frame,
 )
-from runtime.engine import (
+from runtime.plan.contract import (
     ColdStart,
     Finished,
     FromHot,
@@ -73,8 +73,8 @@ from runtime.engine import (
     ToolChoice,
     TurnPlan,
 )
-from runtime.kvstate import ParkedCache
-from runtime.mlx_engine import MlxEngine
+from runtime.kv.kvstate import ParkedCache
+from runtime.execution.mlx_engine import MlxEngine
 
 __all__ = ["Handles", "Leader", "LeaderEngine"]
 

@@ -17,7 +17,7 @@ import struct
 
 import msgspec
 
-from runtime.engine import SamplingOptions, Tier, Tokenized
+from runtime.plan.contract import SamplingOptions, Tier, Tokenized
 
 __all__ = [
     "ColdWire", "HotWire", "WarmWire", "SharedWire", "WireSource", "WirePlan",
@@ -67,7 +67,7 @@ WireSource = ColdWire | HotWire | WarmWire | SharedWire
 
 
 class WirePlan(msgspec.Struct, frozen=True, kw_only=True):
-    """A :class:`runtime.engine.TurnPlan` with its source named by handle."""
+    """A :class:`runtime.plan.contract.TurnPlan` with its source named by handle."""
 
     tier: Tier
     source: WireSource

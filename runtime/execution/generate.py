@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from runtime.grammar import mask_rows
-from runtime.kvstate import ParkedCache, Strategy
-from runtime.models import LoadedModel
-from runtime.sequence import SamplingParams, Sequence, TurnStats
+from runtime.reply.grammar import mask_rows
+from runtime.kv.kvstate import ParkedCache, Strategy
+from runtime.model.loaded import LoadedModel
+from runtime.execution.sequence import SamplingParams, Sequence, TurnStats
 
 __all__ = ["generate", "GenerationResult", "decode_alone"]
 

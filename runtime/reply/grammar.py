@@ -1,9 +1,9 @@
 """Constrained decoding: a reply sampled under a grammar, with llguidance.
 
 kvmem does not parse or check JSON itself while sampling. A turn that needs its reply to
-have a shape (a tool call in :mod:`runtime.generic_tools`' format, OpenAI's
+have a shape (a tool call in :mod:`runtime.reply.generic_tools`' format, OpenAI's
 ``response_format``) carries a Lark grammar (with ``%json`` for JSON Schemas, as
-llguidance extends Lark; written by :mod:`runtime.reply_format`); each of its sequences gets a :class:`ReplyGrammar`, an
+llguidance extends Lark; written by :mod:`runtime.reply.reply_format`); each of its sequences gets a :class:`ReplyGrammar`, an
 llguidance ``LLMatcher`` over the model's vocabulary. Why llguidance and not
 outlines-core or xgrammar: ``benches/results/grammar_engines.md``.
 

@@ -1,10 +1,10 @@
 """KVCacheManager: every agent's parked cache in RAM, and one reuse plan per turn.
 
-Plain Python like :mod:`runtime.block_pool` (no trio, no mlx): the policy, while
+Plain Python like :mod:`runtime.plan.block_pool` (no trio, no mlx): the policy, while
 the actors execute it. It owns
 
 * the **hot tier**: the latest parked cache of every (agent, model), least
-  recently used first, charged to a :class:`runtime.block_pool.BlockPool` per model.
+  recently used first, charged to a :class:`runtime.plan.block_pool.BlockPool` per model.
   Full 256-token blocks are charged by content (their hash-chain ids), so agents
   whose caches begin with the same tokens pay for those blocks once. When a cache
   does not fit, least recently used caches that are already on disk are dropped
@@ -18,7 +18,7 @@ the actors execute it. It owns
 
 and answers the question of every turn (:meth:`KVCacheManager.plan`): given this
 agent's cache (:meth:`KVCacheManager.checkout`) and this prompt, what is reused, from where, and what is prefilled.
-The answer, a :class:`runtime.engine.TurnPlan`, travels to the engine unchanged.
+The answer, a :class:`runtime.plan.contract.TurnPlan`, travels to the engine unchanged.
 A turn that began cold can still adopt a donor's whole blocks before its first
 prefill chunk (:meth:`KVCacheManager.adopt`): agents that arrive together with the
 same system prompt then prefill it once.
@@ -33,10 +33,10 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from runtime.block_pool import BlockPool, PoolStats
-from runtime.engine import COLD, FromHot, FromShared, FromWarm, HotCache, OwnCache, Tier, TurnPlan
+from runtime.plan.block_pool import BlockPool, PoolStats
+from runtime.plan.contract import COLD, FromHot, FromShared, FromWarm, HotCache, OwnCache, Tier, TurnPlan
 from runtime.errors import BudgetExceededError
-from runtime.prefix import MatchKind, common_prefix_length, match_prefix
+from runtime.plan.prefix import MatchKind, common_prefix_length, match_prefix
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot
 from runtime.identity import AgentKey, pool_key, tenant_of
 
@@ -48,10 +48,10 @@ PARTIAL_THRESHOLD = 0.8
 def own_plan(own: OwnCache, prompt: str, *, partial_threshold: float = PARTIAL_THRESHOLD) -> TurnPlan | None:
     """What ``prompt`` reuses of the agent's own cache (None: nothing): kvmem's one reuse matcher.
 
-    On characters (:func:`runtime.prefix.match_prefix`), so a reply the client got back
+    On characters (:func:`runtime.plan.prefix.match_prefix`), so a reply the client got back
     with its bytes replaced (U+FFFD where a token ended inside a character) still reuses the
     tokens before it. Real turns (:meth:`KVCacheManager.plan`) and standalone sequences
-    (:class:`runtime.sequence.Sequence`, the warm-up) both match here.
+    (:class:`runtime.execution.sequence.Sequence`, the warm-up) both match here.
     """
     cached = own.source.parked if isinstance(own.source, FromHot) else own.source.snapshot
     if not cached.text:

@@ -16,7 +16,7 @@ What it replaces, and only these:
 Both are names each model module imported from ``mlx_lm.models.base``.
 :func:`install` rebinds them to :func:`_attention`, which runs
 :func:`numpy_attention` only inside :func:`active` — opened by
-:meth:`runtime.models.LoadedModel.forward` around kvmem's own forward passes —
+:meth:`runtime.model.loaded.LoadedModel.forward` around kvmem's own forward passes —
 and calls mlx-lm's untouched function everywhere else. Plain mlx-lm in the same
 process (the tests' references, the benchmarks' baselines) is unaffected.
 
@@ -145,7 +145,7 @@ def active(on: bool = True) -> Iterator[None]:
 @contextmanager
 def sharing(tokens: int) -> Iterator[None]:
     """Within this block, on this thread, a decode batch's rows all begin with the same
-    ``tokens`` keys and values in every layer (:mod:`runtime.shared_prefix` checked it):
+    ``tokens`` keys and values in every layer (:mod:`runtime.execution.shared_prefix` checked it):
     its decode steps go through :func:`shared_prefix_attention`. 0 says nothing is shared."""
     before = getattr(_scope, "shared", 0)
     _scope.shared = tokens
@@ -332,7 +332,7 @@ def shared_prefix_attention(queries: mx.array, keys: mx.array, values: mx.array,
     Why. A decode step's attention reads every row's keys and values once; on this
     machine that is memory-bound (8 rows of 1.1K tokens: 13 MB a layer). Agents
     that share a system prompt hold the same dequantized KV for it in every row
-    (:mod:`runtime.shared_prefix`), so here row 0's copy of those keys and values
+    (:mod:`runtime.execution.shared_prefix`), so here row 0's copy of those keys and values
     is read once, for every row's queries together (one product per KV head), each
     row's own keys after them row by row, and one softmax spans both parts.
     Measured on the default model, rows sharing 1K tokens and 60-200 of their own:

@@ -11,7 +11,7 @@ When a sequence runs, its cache is *activated* into mlx-lm cache objects:
   on parking only the tokens added this turn are quantized and appended to the
   parked Q4 prefix (quantization groups run along the head dim, so per-token
   quantization equals whole-cache quantization).
-* strategy ``native``: Q4 layers become :class:`runtime.q4_cache.QuantizedKVCache`
+* strategy ``native``: Q4 layers become :class:`runtime.kv.q4_cache.QuantizedKVCache`
   and the model attends with MLX's quantized SDPA on the packed data (layers with
   attention sinks attend on a transient dequantized copy).
 
@@ -31,9 +31,9 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runtime.backend import device_profile
-from runtime.float_resident import FloatResident, LayerKV, with_room
-from runtime.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
-from runtime.q4_packing import dequantize_kv, quantize_kv
+from runtime.kv.float_resident import FloatResident, LayerKV, with_room
+from runtime.kv.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
+from runtime.kv.q4_packing import dequantize_kv, quantize_kv
 from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot, ModelCacheSpec
 
 __all__ = ["ParkedCache", "ParkedLayer", "ActiveKV", "Strategy", "SLIDING_SLACK", "resolve_strategy", "settle_attention",
@@ -77,8 +77,8 @@ def settle_attention(lm: Any, attention: Strategy) -> tuple[Strategy, str | None
     """
     if attention != "native" or lm.spec.kv_format.bits is None:
         return attention, None
-    from runtime.decode_batch import DecodeBatch  # noqa: PLC0415 - the batch builds on this module
-    from runtime.sequence import SamplingParams, Sequence  # noqa: PLC0415
+    from runtime.execution.decode_batch import DecodeBatch  # noqa: PLC0415 - the batch builds on this module
+    from runtime.execution.sequence import SamplingParams, Sequence  # noqa: PLC0415
 
     try:
         probe = Sequence(lm, NATIVE_PROBE_PROMPT, None, SamplingParams(max_tokens=2), strategy="native")
@@ -166,7 +166,7 @@ class ParkedCache:
     offsets: tuple[int, ...]
     layers: tuple[ParkedLayer, ...]
     meta: dict[str, Any] = field(default_factory=dict)
-    # The float buffers its last turn left (runtime.float_resident): a cache of the activation only.
+    # The float buffers its last turn left (runtime.kv.float_resident): a cache of the activation only.
     resident: FloatResident | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -264,7 +264,7 @@ class ActiveKV:
         kept: list[LayerKV | None] | None = None
         if parked.resident is not None and self.strategy == "at-rest":
             kept = parked.resident.take(parked.num_tokens)
-        self.resumed_float = kept is not None  # the activation was skipped (runtime.float_resident)
+        self.resumed_float = kept is not None  # the activation was skipped (runtime.kv.float_resident)
         self.caches: list[Any] = [
             _activate_layer(layer, lspec, spec, self.strategy, parked.num_tokens, kept[i] if kept else None)
             for i, (layer, lspec) in enumerate(zip(parked.layers, spec.layers, strict=True))
@@ -272,7 +272,7 @@ class ActiveKV:
 
     @property
     def groupable(self) -> bool:
-        """Whether a group prefill (:mod:`runtime.batch_prefill`) can take these caches: float
+        """Whether a group prefill (:mod:`runtime.execution.batch_prefill`) can take these caches: float
         ``KVCache`` layers over the parked tokens (``at-rest`` or float KV; no sliding window)."""
         return self.strategy == "at-rest" and all(
             type(c) is KVCache and c.offset == self.base.num_tokens for c in self.caches
@@ -283,7 +283,7 @@ class ActiveKV:
         """Freeze the first ``len(token_ids)`` tokens back into a parked cache.
 
         With ``keep_float`` (``at-rest`` only) the parked cache also keeps these float
-        buffers as its :class:`~runtime.float_resident.FloatResident`, the tokens this
+        buffers as its :class:`~runtime.kv.float_resident.FloatResident`, the tokens this
         turn added overwritten by their dequantized Q4: the sequence must not run again.
         Returns None if a sliding layer cannot be trimmed that far (the caller then
         drops the cache and the next turn starts cold).
@@ -430,7 +430,7 @@ def _park_layer(
     return layer, (cache.keys, cache.values)
 
 def with_kept_float(parked: ParkedCache, spec: ModelCacheSpec) -> ParkedCache:
-    """``parked`` with the float buffers a turn would leave it (:mod:`runtime.float_resident`), made now.
+    """``parked`` with the float buffers a turn would leave it (:mod:`runtime.kv.float_resident`), made now.
 
     For a cache restored from disk ahead of its turn: its Q4 layers dequantized (as
     :class:`ActiveKV` would) into buffers with room for the turn's first tokens.

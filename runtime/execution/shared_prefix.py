@@ -1,13 +1,13 @@
 """Finding the tokens every row of a decode batch holds the same keys and values for.
 
 Why. Agents that share a prompt (a system prompt, a scenario's briefing) share
-its Q4 chunks on disk and in memory (:mod:`runtime.kvstate`), and activating
+its Q4 chunks on disk and in memory (:mod:`runtime.kv.kvstate`), and activating
 them dequantizes each row's copy to the same float keys and values. A batched
 decode step reads every row's whole cache in every layer, and on the CPU that
 read is the step's attention cost (eight rows of 1.1K tokens: 13 MB a layer).
 Where the rows are known to begin alike, the step reads the common part once,
 from one row, for every row's queries
-(:func:`runtime.cpu_attention.shared_prefix_attention`).
+(:func:`runtime.cpu.attention.shared_prefix_attention`).
 
 How. "Alike" is checked, not assumed: the rows' token ids give an upper bound,
 and the rows' float keys and values are then compared bit for bit, in every
@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
-from runtime.prefix import common_prefix_length
+from runtime.plan.prefix import common_prefix_length
 
 __all__ = ["MIN_SHARED_TOKENS", "shared_prefix_length"]
 

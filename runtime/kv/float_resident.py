@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from runtime.kv_copy import place_rows
+from runtime.cpu.kv_copy import place_rows
 
 __all__ = ["FloatResident", "ResidentPool", "HEADROOM_TOKENS", "extract_with_room", "with_room"]
 

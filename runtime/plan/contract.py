@@ -2,7 +2,7 @@
 
 **The plan.** A :class:`TurnPlan` says what one turn reuses, from where
 (:data:`CacheSource`), and what it prefills. It is decided once per turn by
-:class:`runtime.kv_manager.KVCacheManager` (prefix match against the agent's
+:class:`runtime.plan.kv_manager.KVCacheManager` (prefix match against the agent's
 own cache, else a whole-block prefix of another agent's) and then carried,
 unchanged, by the agent actor to the GPU actor and the engine: nobody
 downstream matches the prompt again. The engine tokenizes only
@@ -15,11 +15,11 @@ turn's new text, build a sequence, one prefill chunk, one decode step for the
 whole batch, park a finished sequence — so the GPU actor can interleave agents
 token by token. It executes decisions made elsewhere: what a turn reuses comes
 in its plan, and a donor prefix to adopt from
-:meth:`runtime.kv_manager.KVCacheManager.adopt`; it never matches prompts itself.
+:meth:`runtime.plan.kv_manager.KVCacheManager.adopt`; it never matches prompts itself.
 
 This module is pure (msgspec, llguidance's schema check and the standard library; no trio, no mlx): the
 manager, the actors and the engines all import it. Implementations:
-:class:`runtime.mlx_engine.MlxEngine` (the real one),
+:class:`runtime.execution.mlx_engine.MlxEngine` (the real one),
 :class:`runtime.distributed.leader.LeaderEngine` (rank 0 of ``kvmem serve --distributed``: the
 real one, each call also sent to the other ranks) and
 ``tests/fake_engine.py`` (deterministic, no MLX; actor tests use it to pin down
@@ -37,8 +37,8 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from runtime.backend import BackendProfile
-from runtime.prefix import MatchKind
-from runtime.reply_format import schema_error
+from runtime.plan.prefix import MatchKind
+from runtime.reply.reply_format import schema_error
 from runtime.spec import CacheSnapshot
 
 __all__ = [
@@ -81,7 +81,7 @@ another agent's cache via a shared prefix, or nothing."""
 class HotCache(Protocol):
     """What code off the MLX thread may read of a parked cache.
 
-    :class:`runtime.kvstate.ParkedCache` satisfies it; the arrays it holds are
+    :class:`runtime.kv.kvstate.ParkedCache` satisfies it; the arrays it holds are
     MLX arrays that only the MLX thread computes with. Everything else only passes
     the object along and reads these plain attributes.
     """
@@ -148,8 +148,8 @@ class ToolUse(msgspec.Struct, frozen=True, kw_only=True):
     """A turn's tool definitions (OpenAI ``{"type": "function", "function": ...}``) and its :class:`ToolChoice`.
 
     The engine renders the definitions and parses the reply's tool calls with the
-    model's mlx-lm tool parser (``runtime.tool_calls``), or in kvmem's generic format
-    (``runtime.generic_tools``) for a model whose template has no tool syntax.
+    model's mlx-lm tool parser (``runtime.reply.tool_calls``), or in kvmem's generic format
+    (``runtime.reply.generic_tools``) for a model whose template has no tool syntax.
     ``parallel`` False: one call at most (OpenAI's ``parallel_tool_calls``; enforced in the
     generic format, whose grammar decides the calls).
     """
@@ -162,7 +162,7 @@ class ToolUse(msgspec.Struct, frozen=True, kw_only=True):
 class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
     """The reply is JSON (OpenAI's ``response_format``): valid against ``schema``, or any JSON object.
 
-    The engine decodes the reply under the schema's grammar (:mod:`runtime.grammar`), so
+    The engine decodes the reply under the schema's grammar (:mod:`runtime.reply.grammar`), so
     it parses, on every model; ``max_tokens`` can still cut it short (``finish_reason``
     ``length``).
 
@@ -236,7 +236,7 @@ class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """Sampling parameters as they travel to the engine (see ``runtime.sequence``); checked on construction.
+    """Sampling parameters as they travel to the engine (see ``runtime.execution.sequence``); checked on construction.
 
     ``temperature == 0`` is greedy; ``top_p`` / ``top_k`` follow mlx-lm's sampler;
     ``stop`` strings end the reply (they are not part of it). ``tool_use``: the
@@ -312,7 +312,7 @@ class OwnCache(msgspec.Struct, frozen=True, kw_only=True):
     ``source``: its hot cache, or its cache read from disk; ``tier``: where it came from
     (``hot``, ``warm``, or ``remote`` when it was just pulled from the shared tier).
     The GPU actor matches the rendered prompt against it
-    (:meth:`runtime.kv_manager.KVCacheManager.plan`).
+    (:meth:`runtime.plan.kv_manager.KVCacheManager.plan`).
     """
 
     source: FromHot | FromWarm
@@ -325,7 +325,7 @@ class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         tier: where the reused cache comes from (``cold`` when nothing is reused).
         source: the cache itself.
-        match: how the prompt matched it (:class:`runtime.prefix.MatchKind` value).
+        match: how the prompt matched it (:class:`runtime.plan.prefix.MatchKind` value).
         reuse_tokens: leading tokens of ``source`` the turn keeps.
         reuse_chars: characters of the prompt those tokens cover; the rest,
             ``prompt[reuse_chars:]``, is tokenized and prefilled.

@@ -9,14 +9,14 @@ itself:
 * :class:`ToolCallSplitter` runs mlx-lm's ``TextStateMachine`` over the reply as it
   streams: text outside the markers is content; text between them is held back until the
   closing marker (or the end of the reply) and handed to the parser, which yields
-  :class:`runtime.engine.ToolCall` s. A call the parser cannot read (cut off by
+  :class:`runtime.plan.contract.ToolCall` s. A call the parser cannot read (cut off by
   ``max_tokens``, malformed) comes back as content, as generated.
 * Whitespace between content and a call, and after the last call, is not content: a chat
   template that re-renders the assistant's message (content, then its calls) then writes
   the text the model generated, and the next turn extends the cache.
 * :func:`reply_rules` turns a turn's ``tool_choice`` (and ``response_format``) into what
   sampling enforces. A model whose template has no tool syntax gets
-  :mod:`runtime.generic_tools`' format and its grammar. On the others ``required`` makes the reply start with the call marker, a named function with the
+  :mod:`runtime.reply.generic_tools`' format and its grammar. On the others ``required`` makes the reply start with the call marker, a named function with the
   call's opening as the chat template renders it (up to the arguments); ``none`` bans the
   marker token (the prompt keeps the definitions, so the cache is unaffected) or, when the
   marker is not one token, leaves the definitions out of the prompt.
@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_lm.generate import TextStateMachine
 
-from runtime import generic_tools
-from runtime.engine import ResponseFormat, ToolCall, ToolUse
-from runtime.reply_format import answer_grammar
+from runtime.reply import generic_tools
+from runtime.plan.contract import ResponseFormat, ToolCall, ToolUse
+from runtime.reply.reply_format import answer_grammar
 
 if TYPE_CHECKING:
-    from runtime.models import LoadedModel
+    from runtime.model.loaded import LoadedModel
 
 __all__ = ["ToolCallFormat", "tool_call_format", "parse_tool_calls", "ToolCallSplitter", "ReplyRules", "reply_rules",
            "GENERIC_CALLS"]
@@ -199,7 +199,7 @@ class ToolCallSplitter:
 
 GENERIC_CALLS = ToolCallFormat(parser=generic_tools.FORMAT, start=generic_tools.CALL_START,
                                end=generic_tools.CALL_END, parse=generic_tools.parse_calls)
-"""How models whose template has no tool syntax write calls (:mod:`runtime.generic_tools`)."""
+"""How models whose template has no tool syntax write calls (:mod:`runtime.reply.generic_tools`)."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ class ReplyRules:
         banned: token ids never sampled (``none``: the call marker).
         render_tools: the definitions go into the prompt (``none`` on a model whose
             call marker is not one token: they are left out).
-        grammar: the Lark grammar the reply is decoded under (:mod:`runtime.grammar`;
+        grammar: the Lark grammar the reply is decoded under (:mod:`runtime.reply.grammar`;
             None: unconstrained).
     """
 
@@ -233,7 +233,7 @@ def reply_rules(lm: LoadedModel, use: ToolUse | None, answer: ResponseFormat | N
     """The rules that honour ``use.choice`` and ``answer`` on ``lm``.
 
     A model whose template has tool syntax writes calls its own way (mlx-lm's parser);
-    any other gets :mod:`runtime.generic_tools`' format, decoded under its grammar.
+    any other gets :mod:`runtime.reply.generic_tools`' format, decoded under its grammar.
 
     Raises:
         ValueError: the choice needs a tool-call parser (``required``) or a template that

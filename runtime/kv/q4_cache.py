@@ -1,7 +1,7 @@
 """Q4 KV caches that speak mlx-lm's cache protocol: one sequence's, and a batch's.
 
 **One sequence.** Both store keys and values in the packed format of
-:mod:`runtime.q4_packing` and differ only in what attention sees:
+:mod:`runtime.kv.q4_packing` and differ only in what attention sees:
 
 * :class:`QuantizedKVCache` has a ``bits`` attribute, so mlx-lm's
   ``scaled_dot_product_attention`` runs quantized SDPA on it.
@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import create_attention_mask, dynamic_roll
 
-from runtime.q4_packing import (
+from runtime.kv.q4_packing import (
     STORAGE_DTYPE,
     KVPair,
     PackedKV,

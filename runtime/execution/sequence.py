@@ -3,10 +3,10 @@
 A :class:`Sequence` is created from a prompt and its starting cache: the one the
 cache manager planned (:func:`start_from` makes it a :class:`StartFrom`) or,
 standalone, the agent's parked cache, matched against the prompt by the same
-matcher (:func:`runtime.kv_manager.own_plan`) and started by the same
-:func:`start_from`: the warm-up and ``runtime.generate`` take a real turn's path. It prefills the rest in chunks, and then produces one token
-per :meth:`accept` call, whether it decodes alone (``runtime.generate``) or
-inside a batch (:class:`runtime.decode_batch.DecodeBatch`).
+matcher (:func:`runtime.plan.kv_manager.own_plan`) and started by the same
+:func:`start_from`: the warm-up and ``runtime.execution.generate`` take a real turn's path. It prefills the rest in chunks, and then produces one token
+per :meth:`accept` call, whether it decodes alone (``runtime.execution.generate``) or
+inside a batch (:class:`runtime.execution.decode_batch.DecodeBatch`).
 
 What it generates is set by its :class:`SamplingParams` (length, temperature,
 top-p / top-k through mlx-lm's sampler, logit bias, stop strings);
@@ -24,13 +24,13 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 from runtime.backend import CPU_CHUNKS
-from runtime.engine import COLD, ColdStart, FromHot, FromShared, FromWarm, OwnCache, Tokenized, ToolCall, TurnPlan
-from runtime.grammar import ReplyGrammar, mask_rows
-from runtime.kvstate import ActiveKV, ParkedCache, Strategy
-from runtime.models import LoadedModel
-from runtime.kv_manager import own_plan
-from runtime.prefix import MatchKind
-from runtime.tool_calls import ToolCallSplitter
+from runtime.plan.contract import COLD, ColdStart, FromHot, FromShared, FromWarm, OwnCache, Tokenized, ToolCall, TurnPlan
+from runtime.reply.grammar import ReplyGrammar, mask_rows
+from runtime.kv.kvstate import ActiveKV, ParkedCache, Strategy
+from runtime.model.loaded import LoadedModel
+from runtime.plan.kv_manager import own_plan
+from runtime.plan.prefix import MatchKind
+from runtime.reply.tool_calls import ToolCallSplitter
 
 __all__ = ["SamplingParams", "StopMatcher", "build_sampler", "Sequence", "StartFrom", "TurnStats", "prefill_chunk_size", "start_from"]
 
@@ -46,7 +46,7 @@ class SamplingParams:
     ``logit_bias`` adds to the logits of the given token ids before sampling.
     ``forced``: token ids the reply starts with, whatever the model predicts (the
     opening of a tool call a ``tool_choice`` requires; tests force whole replies).
-    ``grammar``: the Lark grammar the reply is decoded under (:mod:`runtime.grammar`:
+    ``grammar``: the Lark grammar the reply is decoded under (:mod:`runtime.reply.grammar`:
     a generic-format tool call, a ``response_format``); None: unconstrained.
     """
 
@@ -192,11 +192,11 @@ class Sequence:
         lm: the loaded model.
         prompt: full prompt text (the whole conversation, rendered).
         parked: the agent's parked cache, or None: the sequence matches the prompt
-            against it itself (standalone use: ``runtime.generate``, tests, benches).
+            against it itself (standalone use: ``runtime.execution.generate``, tests, benches).
         params: sampling parameters.
         strategy: attention strategy for the active cache.
         partial_threshold: PARTIAL match threshold (fraction of cached text).
-        start: a turn planned by :class:`runtime.kv_manager.KVCacheManager`
+        start: a turn planned by :class:`runtime.plan.kv_manager.KVCacheManager`
             (``parked`` must then be None): no matching, no tokenizing here.
         tool_calls: splits the reply into content and tool calls (a turn with
             tools): :meth:`accept` then returns content only, and the calls
@@ -314,7 +314,7 @@ class Sequence:
     def first_token(self, token: int, *, prefill_started_at: float) -> str:
         """The prompt is in the cache and ``token`` sampled from its last position: record both.
 
-        Called by :meth:`prefill_step`, and by :mod:`runtime.batch_prefill` for a
+        Called by :meth:`prefill_step`, and by :mod:`runtime.execution.batch_prefill` for a
         row of a group prefilled in one pass. Returns the first streamable text.
         """
         self._prefilled = len(self.pending)
@@ -340,7 +340,7 @@ class Sequence:
 
     def sample(self, logits: mx.array) -> mx.array:
         """Sample one token per row from last-position logits ``(B, V)``, already masked by the grammars
-        (:func:`runtime.grammar.mask_rows`)."""
+        (:func:`runtime.reply.grammar.mask_rows`)."""
         step = len(self.generated)
         if step < len(self.params.forced):
             return mx.array([self.params.forced[step]] * logits.shape[0])
@@ -444,7 +444,7 @@ class Sequence:
     def park(self, *, keep_float: bool = False) -> ParkedCache | None:
         """Freeze the cache over the prompt and the reply tokens whose KV exists.
 
-        ``keep_float``: keep the float buffers with it (:mod:`runtime.float_resident`);
+        ``keep_float``: keep the float buffers with it (:mod:`runtime.kv.float_resident`);
         the sequence is done with them then.
 
         The last sampled token never went through the model, and tokens past a

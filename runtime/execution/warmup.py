@@ -13,7 +13,7 @@ with the thresholds fixed and 400 MB pre-touched, the first turn took the same
 freed buffers up to 32 MiB stay in the process, as MLX's Metal buffer cache keeps
 its buffers) and touches that memory once at start. A throwaway warm-up turn at model load (first calls
 through every code path) was measured too and made no difference once the
-memory was pre-touched; that was before NumPy attention (``runtime.cpu_attention``), and
+memory was pre-touched; that was before NumPy attention (``runtime.cpu.attention``), and
 since then :func:`warm_up` at model load is what makes a restored agent's first turn as fast as
 a hot one.
 """
@@ -62,7 +62,7 @@ def warm_up(lm: Any, strategy: str) -> float:
     longer than the same turn hot even with its cache restored ahead; with this at
     model load, 0.91-1.11x hot (``benches/results/README.md``). Must run on the model's thread.
     """
-    from runtime.sequence import SamplingParams, Sequence
+    from runtime.execution.sequence import SamplingParams, Sequence
 
     started = time.perf_counter()
     first = Sequence(lm, WARM_UP_PROMPT, None, SamplingParams(max_tokens=1), strategy=strategy)

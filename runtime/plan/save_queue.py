@@ -1,6 +1,6 @@
 """SaveQueue: the write-behind policy — which unsaved cache is written next, and what a save's outcome does.
 
-Plain Python (no trio, no MLX), like :mod:`runtime.kv_manager`: the cache store actor
+Plain Python (no trio, no MLX), like :mod:`runtime.plan.kv_manager`: the cache store actor
 (:mod:`actors.cache_store`) asks it and carries the answer out on its disk thread.
 
 * **Order**: unsaved ("dirty") caches are written oldest first. A newer cache of the same

@@ -17,7 +17,7 @@ written, and its new tokens land right after it. So every row's queries attend
 to exactly the keys and values its turn alone would (its cache as it was, then
 its new tokens, at the same positions), without a copy to close a gap. The
 padding costs compute only (bounded by :data:`MAX_PAD`). Each row's attention
-runs over its own keys (:func:`runtime.cpu_attention.numpy_attention`), and its
+runs over its own keys (:func:`runtime.cpu.attention.numpy_attention`), and its
 first token is sampled with its own parameters.
 
 Only float caches over the turn's parked cache are grouped (``at-rest`` Q4 or
@@ -33,8 +33,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from runtime.decode_batch import place_cache_rows, sample_rows
-from runtime.sequence import Sequence
+from runtime.execution.decode_batch import place_cache_rows, sample_rows
+from runtime.execution.sequence import Sequence
 
 __all__ = ["MAX_PAD", "LinedUpCache", "choose_group", "prefill_together"]
 

@@ -13,7 +13,7 @@ runs out of memory and nothing is ever preempted or swapped). Sequences decode
 in one left-padded batch (mlx-lm's ``BatchKVCache``), where every row is as
 long as the longest, so the footprint of ``n`` running sequences is
 ``n × max(blocks of each)`` blocks, not the sum. The scheduler keeps that
-footprint in a :class:`runtime.block_pool.BlockPool`: each sequence reserves its
+footprint in a :class:`runtime.plan.block_pool.BlockPool`: each sequence reserves its
 own blocks and a padding owner holds the difference. Admission is strict FIFO:
 the oldest waiting request is admitted as soon as the footprint with it fits
 and the batch is below ``max_batch``; later requests wait behind it (no
@@ -31,7 +31,7 @@ tokens as it has left, it goes first); and arrivals of equal length finish in
 arrival order instead of all finishing late together (round-robin), so the
 first of several agents that arrive at once with a shared system prompt is done
 before the others start and they can share its prefix
-(:meth:`runtime.mlx_engine.MlxEngine.prefill`).
+(:meth:`runtime.execution.mlx_engine.MlxEngine.prefill`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from runtime.block_pool import BlockPool, PoolStats
-from runtime.engine import FromShared
+from runtime.plan.block_pool import BlockPool, PoolStats
+from runtime.plan.contract import FromShared
 from runtime.errors import BudgetExceededError
 from runtime.spec import BLOCK_TOKENS
 
@@ -59,7 +59,7 @@ causes is a few short chunks. Longer prompts keep one chunk per step."""
 
 
 class Donors(Protocol):
-    """Who may start from another turn's blocks (:class:`runtime.kv_manager.KVCacheManager`)."""
+    """Who may start from another turn's blocks (:class:`runtime.plan.kv_manager.KVCacheManager`)."""
 
     def adopt(self, request_id: int) -> FromShared | None:
         """Before a turn's first prefill chunk: the donor blocks it starts from (marks its prefill started)."""

@@ -10,7 +10,7 @@ This module holds the format and the operations on it: :func:`quantize_kv` /
 :func:`dequantize_kv`, the buffer helpers (:func:`alloc_packed`,
 :func:`append_packed`, :func:`map_packed`, :func:`concat_packed`) and
 :class:`PackedKVStorage`, the base the caches store through. The caches live in
-:mod:`runtime.q4_cache` (one sequence, and a
+:mod:`runtime.kv.q4_cache` (one sequence, and a
 left-padded batch).
 
 A layer whose head dim no supported group size divides cannot be packed;

@@ -3,12 +3,12 @@
 Sequences join a :class:`DecodeBatch` (mlx-lm's ``merge``/``extend``), step
 together, and leave by ``extract``. It holds one batch cache per layer
 (mlx-lm's ``BatchKVCache``/``BatchRotatingKVCache`` for float and sliding
-layers, :class:`runtime.q4_cache.BatchQuantizedKVCache` for Q4 layers
+layers, :class:`runtime.kv.q4_cache.BatchQuantizedKVCache` for Q4 layers
 under the native strategy). Each :meth:`DecodeBatch.step_once` feeds every
 member its next input token and samples one token per member;
 :meth:`DecodeBatch.remove` extracts a member's cache back into its own
-:class:`runtime.kvstate.ActiveKV` so it can be parked. A group prefilled
-together (:mod:`runtime.batch_prefill`) joins as the batch cache it already is.
+:class:`runtime.kv.kvstate.ActiveKV` so it can be parked. A group prefilled
+together (:mod:`runtime.execution.batch_prefill`) joins as the batch cache it already is.
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
-from runtime import cpu_attention
-from runtime.float_resident import extract_with_room
-from runtime.grammar import mask_rows
-from runtime.kv_copy import place_rows
-from runtime.q4_cache import (
+from runtime.cpu import attention as cpu_attention
+from runtime.kv.float_resident import extract_with_room
+from runtime.reply.grammar import mask_rows
+from runtime.cpu.kv_copy import place_rows
+from runtime.kv.q4_cache import (
     BatchDequantizingQuantizedKVCache,
     BatchQuantizedKVCache,
     DequantizingQuantizedKVCache,
     QuantizedKVCache,
 )
-from runtime.sequence import Sequence
-from runtime.shared_prefix import shared_prefix_length
+from runtime.execution.sequence import Sequence
+from runtime.execution.shared_prefix import shared_prefix_length
 
 __all__ = ["DecodeBatch", "batch_cache_class", "merge_with_room", "place_cache_rows", "sample_rows"]
 
@@ -91,9 +91,9 @@ class DecodeBatch:
     copy instead of one per join. :meth:`remove` of the last row is a view.
 
     ``shared`` counts the first tokens every member holds the same keys and
-    values for (:mod:`runtime.shared_prefix`), checked whenever members join
+    values for (:mod:`runtime.execution.shared_prefix`), checked whenever members join
     and there are enough of them for the step to use it
-    (:data:`runtime.cpu_attention.MIN_SHARED_ROWS`; 0 otherwise); members
+    (:data:`runtime.cpu.attention.MIN_SHARED_ROWS`; 0 otherwise); members
     leaving keep it true. Steps attend to those tokens once for all rows.
 
     **Running one step ahead** (``run_ahead``, the GPU policy's): as mlx-lm's
@@ -102,7 +102,7 @@ class DecodeBatch:
     reads them, so the device computes step k+1 while the host detokenizes and
     streams step k. A row that finishes on a token has then been fed it once
     more than it needed: that position's KV lies past the tokens the row parks
-    (:meth:`runtime.sequence.Sequence.park` keeps only tokens that went through
+    (:meth:`runtime.execution.sequence.Sequence.park` keeps only tokens that went through
     the model), so nothing of it is kept. While a row's next token is forced
     (a tool call's opening) or under a grammar, the batch steps without running ahead.
     """
@@ -131,7 +131,7 @@ class DecodeBatch:
         self.pending.append(seq)
 
     def add_group(self, seqs: list[Sequence], caches: list[Any]) -> None:
-        """Join sequences prefilled together (:mod:`runtime.batch_prefill`): ``caches`` are
+        """Join sequences prefilled together (:mod:`runtime.execution.batch_prefill`): ``caches`` are
         their batch caches, row ``i`` is ``seqs[i]``; with no batch running they become it as they are."""
         self._merge_pending()
         if not self.members:
@@ -265,7 +265,7 @@ def sample_rows(members: list[Sequence], logits: mx.array) -> mx.array:
     """One token per row; greedy rows share one argmax, the others sample alone.
 
     Rows with a grammar have their forbidden tokens masked first, all in one go
-    (:func:`runtime.grammar.mask_rows`): constrained and free rows share the argmax.
+    (:func:`runtime.reply.grammar.mask_rows`): constrained and free rows share the argmax.
     """
     logits = mask_rows([s.grammar for s in members], logits)
     greedy = [not s.samples_alone for s in members]

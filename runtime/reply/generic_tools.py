@@ -1,7 +1,7 @@
 """kvmem's generic tool-call format, for models whose chat template has no tool syntax.
 
 A model whose template renders ``tools`` keeps its own format (mlx-lm's parsers,
-:mod:`runtime.tool_calls`). Any other model (kvmem-default, SmolLM2-135M-Instruct, among
+:mod:`runtime.reply.tool_calls`). Any other model (kvmem-default, SmolLM2-135M-Instruct, among
 them) gets this one, as llama.cpp's server falls back to its generic format:
 
 * **Rendered into the conversation** (:func:`render_messages`): the tool definitions and
@@ -9,14 +9,14 @@ them) gets this one, as llama.cpp's server falls back to its generic format:
   an assistant's earlier calls are written back exactly as the model writes them; tool
   results become a user message of ``<tool_response>`` sections. The model's own template
   then renders the messages as usual.
-* **Decoded under a grammar** (:func:`reply_grammar`, compiled by :mod:`runtime.grammar`):
+* **Decoded under a grammar** (:func:`reply_grammar`, compiled by :mod:`runtime.reply.grammar`):
   the reply is either calls, ``<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>``
   with each call's arguments valid against its function's JSON Schema, or an answer (plain
   text that never contains the call marker, or JSON valid against ``response_format``'s
   schema). ``tool_choice`` picks the branch: ``auto`` both, ``required`` calls, a named
   function calls of it only, ``none`` the answer (the definitions stay in the prompt, so
   the cache is the same whatever the choice).
-* **Parsed** by :func:`parse_calls`, through :class:`runtime.tool_calls.ToolCallSplitter`
+* **Parsed** by :func:`parse_calls`, through :class:`runtime.reply.tool_calls.ToolCallSplitter`
   as every format is.
 
 The JSON of a call is written as Python's ``json.dumps`` writes it (the grammar's
@@ -34,7 +34,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from runtime.reply_format import json_schema_rule
+from runtime.reply.reply_format import json_schema_rule
 
 __all__ = ["FORMAT", "CALL_START", "CALL_END", "render_messages", "reply_grammar", "parse_calls", "function_of"]
 

@@ -3,7 +3,7 @@
 No model can be downloaded where kvmem is built, so it builds its own: real
 mlx-lm architectures (llama, qwen2, gemma3_text, gpt_oss, deepseek_v2) with
 random float32 weights and a byte-level BPE tokenizer trained on text shipped
-in the package (:mod:`runtime.tokenizer_build`). Each model is an ordinary
+in the package (:mod:`runtime.model.tokenizer_build`). Each model is an ordinary
 Hugging Face folder that ``mlx_lm.load(path)`` opens:
 
     config.json  model.safetensors  tokenizer.json  tokenizer_config.json
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from runtime.tokenizer_build import (
+from runtime.model.tokenizer_build import (
     BOS_TOKEN,
     EOS_TOKEN,
     PAD_TOKEN,
@@ -153,7 +153,7 @@ def _test_config(architecture: str, **fields: Any) -> Mapping[str, Any]:
 
 RANDOM_SMOLLM2 = "smollm2-random"
 """SmolLM2-135M's geometry with random weights (540 MB): timings of the real
-default (``kvmem-default``, :mod:`runtime.default_model`) without its package."""
+default (``kvmem-default``, :mod:`runtime.model.default_model`) without its package."""
 
 RECIPES: dict[str, TinyModelRecipe] = {
     r.name: r

@@ -2,8 +2,8 @@
 
 What a turn asks of its reply's shape is written here as grammar text:
 :func:`answer_grammar` for OpenAI's ``response_format`` (any JSON object, or one valid
-against a JSON Schema), and the pieces :mod:`runtime.generic_tools` builds its tool-call
-grammar from. :mod:`runtime.grammar` compiles the text against a model's vocabulary and
+against a JSON Schema), and the pieces :mod:`runtime.reply.generic_tools` builds its tool-call
+grammar from. :mod:`runtime.reply.grammar` compiles the text against a model's vocabulary and
 masks the logits with it. Schemas are checked here too (:func:`schema_error`), so a bad
 one is a client's 400 before any turn starts.
 """

@@ -2,9 +2,9 @@
 
 Every method here calls MLX and must run on the GPU actor's MLX thread (the GPU actor guarantees it);
 memory is read with the backend-neutral ``mx.get_active_memory`` / ``mx.get_peak_memory``.
-:class:`MlxEngine` does what :class:`runtime.engine.Engine` asks: load a model, render a prompt,
+:class:`MlxEngine` does what :class:`runtime.plan.contract.Engine` asks: load a model, render a prompt,
 tokenize a turn's new text once, build its sequence from the plan's cache, prefill, step, park.
-Sequences that finished prefill decode together in a :class:`runtime.decode_batch.DecodeBatch`.
+Sequences that finished prefill decode together in a :class:`runtime.execution.decode_batch.DecodeBatch`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from runtime.engine import (
+from runtime.plan.contract import (
     ColdStart,
     Finished,
     FromHot,
@@ -37,17 +37,17 @@ from runtime.engine import (
 )
 from runtime.backend import BackendProfile, device_profile
 from runtime.errors import ModelError
-from runtime.batch_prefill import choose_group, prefill_together
-from runtime.decode_batch import DecodeBatch
-from runtime.float_resident import ResidentPool
-from runtime.kv_copy import use_host_views
-from runtime.kvstate import SLIDING_SLACK, ParkedCache, Strategy, settle_attention, with_kept_float
-from runtime.models import LoadedModel, load_model
-from runtime.prefix import MatchKind
-from runtime.sequence import SamplingParams, Sequence, start_from
+from runtime.execution.batch_prefill import choose_group, prefill_together
+from runtime.execution.decode_batch import DecodeBatch
+from runtime.kv.float_resident import ResidentPool
+from runtime.cpu.kv_copy import use_host_views
+from runtime.kv.kvstate import SLIDING_SLACK, ParkedCache, Strategy, settle_attention, with_kept_float
+from runtime.model.loaded import LoadedModel, load_model
+from runtime.plan.prefix import MatchKind
+from runtime.execution.sequence import SamplingParams, Sequence, start_from
 from runtime.spec import CacheSnapshot, KVFormat, LayerKind, ModelCacheSpec
-from runtime.tool_calls import ReplyRules, reply_rules
-from runtime.warmup import prewarm_memory, warm_up
+from runtime.reply.tool_calls import ReplyRules, reply_rules
+from runtime.execution.warmup import prewarm_memory, warm_up
 
 __all__ = ["MlxEngine", "active_token_bytes", "sequence_bytes"]
 
@@ -83,17 +83,17 @@ def sequence_bytes(spec: ModelCacheSpec) -> int:
 
 
 class MlxEngine:
-    """Sequences, the decode batch and the loaded model (see :class:`runtime.engine.Engine`).
+    """Sequences, the decode batch and the loaded model (see :class:`runtime.plan.contract.Engine`).
 
     Args:
         models_dir: where tiny models are built.
         kv_bits, kv_group_size: 4 or 8 (Q4/Q8 KV at rest) or None (float KV); the quantization group.
         strategy, weights: ``auto``, ``at-rest`` or ``native`` attention on Q4 caches; how GGUF
-            weights are held (:data:`runtime.gguf.WEIGHT_MODES`).
+            weights are held (:data:`runtime.model.gguf.WEIGHT_MODES`).
         prewarm_mb: memory to touch once when the first model loads and keep for activations,
-            and a throwaway turn at each load (:mod:`runtime.warmup`); 0 turns both off.
-        numpy_attention: attend through :mod:`runtime.cpu_attention` where it applies.
-        keep_float_mb: float KV kept after turns for the next hot turn (:mod:`runtime.float_resident`; 0: off).
+            and a throwaway turn at each load (:mod:`runtime.execution.warmup`); 0 turns both off.
+        numpy_attention: attend through :mod:`runtime.cpu.attention` where it applies.
+        keep_float_mb: float KV kept after turns for the next hot turn (:mod:`runtime.kv.float_resident`; 0: off).
         group: an ``mx.distributed`` group: load this rank's tensor-parallel part of each model.
         profile: ``auto`` (the device's backend policy) or ``cpu`` / ``gpu`` forced
             (:mod:`runtime.backend`); every CPU-versus-GPU decision reads :attr:`profile`.
@@ -124,7 +124,7 @@ class MlxEngine:
         self._group = group
         self._models_dir = models_dir
         self._prewarm_mb = self._profile.prewarm_mb  # touched at the first load only
-        self._warm_up = self._profile.prewarm_mb > 0  # a throwaway turn at each model load (runtime.warmup.warm_up)
+        self._warm_up = self._profile.prewarm_mb > 0  # a throwaway turn at each model load (runtime.execution.warmup.warm_up)
         self._kv_format = KVFormat(bits=kv_bits, group_size=kv_group_size)
         self._strategy: Strategy = "at-rest"
         self._lm: LoadedModel | None = None
@@ -262,7 +262,7 @@ class MlxEngine:
 
     def sampling_params(self, sampling: SamplingOptions, rules: ReplyRules | None = None) -> SamplingParams:
         """How a turn's sequence samples: its options, plus what its ``tool_choice`` and ``response_format``
-        enforce (``rules``: the turn's :func:`~runtime.tool_calls.reply_rules`, worked out here if not given)."""
+        enforce (``rules``: the turn's :func:`~runtime.reply.tool_calls.reply_rules`, worked out here if not given)."""
         params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                 top_p=sampling.top_p, top_k=sampling.top_k, stop=tuple(sampling.stop))
         if sampling.tool_use is None and sampling.response_format is None:
