@@ -44,7 +44,6 @@ from actors.messages_agent import (
     TurnDone,
     TurnReply,
     TurnResult,
-    TurnUsage,
 )
 from actors.messages_common import Failed
 from actors.messages_gpu import (
@@ -250,27 +249,8 @@ class AgentActor:
 
     def _done(self, turn: Turn, info: ModelInfo, generated: Generated) -> TurnDone:
         self.turns += 1
-        tier = generated.tier
-        usage = TurnUsage(
-            tokens_reused=generated.tokens_reused,
-            tokens_prefilled=generated.tokens_prefilled,
-            tokens_generated=generated.tokens_generated,
-            tier=tier,
-            match=generated.match,
-            queue_wait_ms=generated.queue_wait_s * 1000.0,
-            ttft_ms=generated.ttft_s * 1000.0,
-            decode_tps=generated.decode_tps,
-        )
-        self._metrics.turn_done(
-            agent_id=self.agent_id,
-            tier=tier,
-            finish_reason=generated.finish_reason,
-            tokens_reused=usage.tokens_reused,
-            tokens_prefilled=usage.tokens_prefilled,
-            tokens_generated=usage.tokens_generated,
-            ttft_ms=usage.ttft_ms,
-            queue_wait_ms=usage.queue_wait_ms,
-        )
+        usage = generated.usage
+        self._metrics.turn_done(agent_id=self.agent_id, finish_reason=generated.finish_reason, usage=usage)
         result = TurnResult(
             agent_id=self.agent_id,
             request_id=turn.request_id,

@@ -422,7 +422,7 @@ class CacheStoreActor:
         parked = message.cache.parked
         key = (message.agent_id, parked.model_tag)
         hashes = self._directory.block_hashes(parked.model_tag, parked.token_ids)
-        self._manager.put(message.agent_id, parked, share=message.cache.share_prefix,
+        self._manager.put(message.agent_id, parked, share_prefix=message.cache.share_prefix,
                           block_bytes=message.cache.block_bytes, block_hashes=hashes)
         self._saves.put(key, _Pending(message.agent_id, parked, message.cache.snapshot, hashes), message.saved)
         self._wake.set()

@@ -50,7 +50,7 @@ from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, PoolSnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
 from runtime.plan.scheduler import Scheduler, Step
-from runtime.plan.contract import Engine, Finished, FromShared, ModelInfo, PrefillResult, Started, Tokenized, ToolCall
+from runtime.plan.contract import Engine, Finished, FromShared, ModelInfo, PrefillResult, SequenceStarted, Tokenized, ToolCall
 from runtime.errors import ContextLengthExceededError
 from runtime.plan.kv_manager import KVCacheManager
 
@@ -212,7 +212,7 @@ class GPUActor:
             return
         try:
             prompt = await self._render(msg.prompt)
-            plan = self._manager.plan(msg.agent_id, msg.model_tag, prompt, share=msg.share_prefix, own=msg.own)
+            plan = self._manager.plan(msg.agent_id, msg.model_tag, prompt, share_prefix=msg.share_prefix, own=msg.own)
             tokens: Tokenized = await self._job(self._engine.tokenize, prompt, plan)
             need = plan.reuse_tokens + len(tokens.ids)
             context = self._info.context_length
@@ -259,14 +259,14 @@ class GPUActor:
         req = self._requests[request_id]
         req.admitted_at = time.perf_counter()
         try:
-            started: Started = await self._job(
+            started: SequenceStarted = await self._job(
                 self._engine.start, request_id, req.prompt, req.plan, req.tokens, req.msg.sampling
             )
         except Exception as exc:  # noqa: BLE001
             await self._fail(request_id, exc)
             return
         self._manager.begin(request_id, agent_id=req.msg.agent_id, model_tag=req.msg.model_tag,
-                            token_ids=started.token_ids, reused=started.tokens_reused, share=req.msg.share_prefix)
+                            token_ids=started.token_ids, tokens_reused=started.tokens_reused, share_prefix=req.msg.share_prefix)
         req.started = started
         req.to_prefill = started.tokens_to_prefill
         assert self._sched is not None
@@ -375,8 +375,8 @@ class GPUActor:
             return
         req.announced = True
         started = req.started
-        reused = adopt.keep_tokens if adopt is not None else started.tokens_reused
-        req.reused, req.to_prefill_total = reused, len(started.token_ids) - reused
+        reused = adopt.reuse_tokens if adopt is not None else started.tokens_reused
+        req.tokens_reused, req.to_prefill_total = reused, len(started.token_ids) - reused
         if req.msg.deltas is None:
             return
         announcement = TurnStarted(tokens_reused=reused, tokens_prefilled=req.to_prefill_total,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from actors.messages_common import TurnUsage
 from actors.messages_gpu import Generate, Generated
 from actors.metrics import RunningTurn
-from runtime.plan.contract import Finished, Started, Tier, Tokenized, ToolCall, TurnPlan
+from runtime.plan.contract import Finished, SequenceStarted, Tier, Tokenized, ToolCall, TurnPlan
 
 __all__ = ["GpuTurn", "generated_reply", "running_turn", "tier_of"]
 
@@ -27,9 +28,9 @@ class GpuTurn:
     client_gone: bool = False
     to_prefill: int | None = None  # prompt tokens to prefill when it started (None: not started)
     adopted: bool = False  # started from a prefix of another agent's turn in flight
-    started: Started | None = None
+    started: SequenceStarted | None = None
     announced: bool = False  # the TurnStarted went out
-    reused: int = 0  # tokens the turn started from (after an adoption)
+    tokens_reused: int = 0  # tokens the turn started from (after an adoption)
     to_prefill_total: int = 0
     prefilled: int = 0
     generated: int = 0
@@ -55,14 +56,16 @@ def generated_reply(req: GpuTurn, fin: Finished | None, *, cancelled: bool) -> G
         request_id=req.msg.request_id,
         reply=fin.reply if fin is not None else "",
         finish_reason=reason,
-        tier=tier,
-        match=fin.match if fin is not None else "empty",
-        tokens_reused=fin.tokens_reused if fin is not None else 0,
-        tokens_prefilled=fin.tokens_prefilled if fin is not None else 0,
-        tokens_generated=generated,
-        queue_wait_s=max(0.0, admitted - submitted),
-        ttft_s=max(0.0, first - submitted) if first is not None else 0.0,
-        decode_tps=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+        usage=TurnUsage(
+            tokens_reused=fin.tokens_reused if fin is not None else 0,
+            tokens_prefilled=fin.tokens_prefilled if fin is not None else 0,
+            tokens_generated=generated,
+            tier=tier,
+            match=fin.match if fin is not None else "empty",
+            queue_wait_ms=max(0.0, admitted - submitted) * 1000.0,
+            ttft_ms=max(0.0, first - submitted) * 1000.0 if first is not None else 0.0,
+            decode_tps=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+        ),
         parked=fin.parked if fin is not None else None,
         snapshot=fin.snapshot if fin is not None else None,
         stop_sequence=fin.stop_sequence if fin is not None and not cancelled else None,
@@ -83,7 +86,7 @@ def running_turn(request_id: int, req: GpuTurn) -> RunningTurn:
         agent_id=req.msg.agent_id,
         request_id=request_id,
         phase=phase,
-        tokens_reused=req.reused,
+        tokens_reused=req.tokens_reused,
         tokens_prefilled=req.prefilled,
         tokens_to_prefill=req.to_prefill_total,
         tokens_generated=req.generated,

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import trio
 
-from actors.messages_common import Failed, Message
+from actors.messages_common import Failed, Message, TurnUsage
 from actors.messages_gpu import SamplingOptions, StreamItem, Tier
 from runtime.plan.contract import ResponseFormat, ToolCall, ToolChoice, ToolUse
 from runtime.reply.reply_format import schema_error
@@ -44,32 +44,6 @@ __all__ = [
     "ForgetReply",
     "AgentInbox",
 ]
-
-
-class TurnUsage(msgspec.Struct, frozen=True, kw_only=True):
-    """Per-request accounting.
-
-    Attributes:
-        tokens_reused: cached tokens the turn started from (not prefilled).
-        tokens_prefilled: prompt tokens that went through the model.
-        tokens_generated: reply tokens sampled.
-        tier: where the starting cache came from: ``hot`` (RAM), ``warm``
-            (disk), ``shared`` (another agent's prefix) or ``cold`` (none).
-        match: how the prompt matched the cache (exact/extend/partial/diverge/empty).
-        queue_wait_ms: from submission until the GPU admitted the turn (waiting
-            behind the agent's earlier turns, the cache fetch, the memory budget).
-        ttft_ms: from submission to the first token.
-        decode_tps: reply tokens per second after the first.
-    """
-
-    tokens_reused: int
-    tokens_prefilled: int
-    tokens_generated: int
-    tier: Tier
-    match: str
-    queue_wait_ms: float
-    ttft_ms: float
-    decode_tps: float
 
 
 class TurnResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,4 +1,4 @@
-"""Message types every mailbox shares: the tagged ``Failed`` reply (and ``HotCache``, re-exported).
+"""Message types every mailbox shares: the tagged ``Failed`` reply, a turn's :class:`TurnUsage` (and ``HotCache``, re-exported).
 
 Every request/reply in kvmem is a frozen, keyword-only, tagged
 :class:`msgspec.Struct`. A request carries its own one-shot reply channel; an
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import msgspec
 
-from runtime.plan.contract import HotCache
+from runtime.plan.contract import HotCache, Tier
 
-__all__ = ["Failed", "HotCache", "failed_from", "Message"]
+__all__ = ["Failed", "HotCache", "failed_from", "Message", "TurnUsage"]
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -35,3 +35,29 @@ class Failed(Message, frozen=True, kw_only=True):
 def failed_from(exc: BaseException) -> Failed:
     """A :class:`Failed` reply describing ``exc``."""
     return Failed(kind=type(exc).__name__, error=str(exc) or type(exc).__name__)
+
+
+class TurnUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """A turn's accounting: one record from the GPU actor, where it is measured, to both APIs' usage.
+
+    Attributes:
+        tokens_reused: cached tokens the turn started from (not prefilled).
+        tokens_prefilled: prompt tokens that went through the model.
+        tokens_generated: reply tokens sampled.
+        tier: where the starting cache came from: ``hot`` (RAM), ``warm``
+            (disk), ``shared`` (another agent's prefix) or ``cold`` (none).
+        match: how the prompt matched the cache (exact/extend/partial/diverge/empty).
+        queue_wait_ms: from submission until the GPU admitted the turn (waiting
+            behind the agent's earlier turns, the cache fetch, the memory budget).
+        ttft_ms: from submission to the first token.
+        decode_tps: reply tokens per second after the first.
+    """
+
+    tokens_reused: int
+    tokens_prefilled: int
+    tokens_generated: int
+    tier: Tier
+    match: str
+    queue_wait_ms: float
+    ttft_ms: float
+    decode_tps: float

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import trio
 
-from actors.messages_common import Failed, HotCache, Message
+from actors.messages_common import Failed, HotCache, Message, TurnUsage
 from runtime.plan.contract import ModelInfo, OwnCache, SamplingOptions, Tier, ToolCall, ToolChoice
 from runtime.spec import CacheSnapshot
 
@@ -125,14 +125,7 @@ class Generated(Message, frozen=True, kw_only=True):
     request_id: int
     reply: str
     finish_reason: str
-    tier: Tier
-    match: str
-    tokens_reused: int
-    tokens_prefilled: int
-    tokens_generated: int
-    queue_wait_s: float
-    ttft_s: float
-    decode_tps: float
+    usage: TurnUsage
     parked: HotCache | None
     snapshot: CacheSnapshot | None
     stop_sequence: str | None = None

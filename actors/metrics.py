@@ -15,6 +15,7 @@ from bisect import bisect_left
 
 import msgspec
 
+from actors.messages_common import TurnUsage
 from actors.turn_log import TurnLog, TurnRecord
 from runtime.plan.block_pool import PoolStats
 from runtime.plan.contract import HotCache
@@ -115,39 +116,20 @@ class RuntimeMetrics:
     def request_failed(self) -> None:
         self.failed += 1
 
-    def turn_done(
-        self,
-        *,
-        tier: str,
-        finish_reason: str,
-        tokens_reused: int,
-        tokens_prefilled: int,
-        tokens_generated: int,
-        ttft_ms: float,
-        queue_wait_ms: float,
-        agent_id: str,
-    ) -> None:
-        """Count a turn that ended (completed or cancelled) and keep it in :attr:`turns`.
-
-        Args:
-            agent_id: whose turn it was.
-        """
-        self.turns.record(TurnRecord(
-            agent_id=agent_id, at=self.turns.clock(), tier=tier,
-            finish_reason=finish_reason, tokens_reused=tokens_reused, tokens_prefilled=tokens_prefilled,
-            tokens_generated=tokens_generated, ttft_ms=ttft_ms, queue_wait_ms=queue_wait_ms,
-        ))
+    def turn_done(self, *, agent_id: str, finish_reason: str, usage: TurnUsage) -> None:
+        """Count a turn of ``agent_id`` that ended (completed or cancelled) and keep it in :attr:`turns`."""
+        self.turns.record(TurnRecord.of(agent_id, self.turns.clock(), finish_reason, usage))
         if finish_reason == "cancelled":
             self.cancelled += 1
         else:
             self.completed += 1
-        self.tokens_reused += tokens_reused
-        self.tokens_prefilled += tokens_prefilled
-        self.tokens_generated += tokens_generated
-        self.hits[tier] = self.hits.get(tier, 0) + 1
-        if tokens_generated:
-            self.ttft.observe(ttft_ms)
-        self.queue_wait.observe(queue_wait_ms)
+        self.tokens_reused += usage.tokens_reused
+        self.tokens_prefilled += usage.tokens_prefilled
+        self.tokens_generated += usage.tokens_generated
+        self.hits[usage.tier] = self.hits.get(usage.tier, 0) + 1
+        if usage.tokens_generated:
+            self.ttft.observe(usage.ttft_ms)
+        self.queue_wait.observe(usage.queue_wait_ms)
 
     def snapshot(self) -> MetricsSnapshot:
         return MetricsSnapshot(

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
+from actors.messages_common import TurnUsage
+
 __all__ = [
     "TIERS",
     "TurnRecord",
@@ -55,6 +57,13 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     tokens_generated: int
     ttft_ms: float
     queue_wait_ms: float
+
+    @classmethod
+    def of(cls, agent_id: str | None, at: float, finish_reason: str, usage: TurnUsage) -> TurnRecord:
+        """The record of a turn that ended with ``usage`` (flat: the operator page's JSON)."""
+        return cls(agent_id=agent_id, at=at, tier=usage.tier, finish_reason=finish_reason,
+                   tokens_reused=usage.tokens_reused, tokens_prefilled=usage.tokens_prefilled,
+                   tokens_generated=usage.tokens_generated, ttft_ms=usage.ttft_ms, queue_wait_ms=usage.queue_wait_ms)
 
 
 class TurnLog:

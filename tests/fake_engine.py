@@ -30,7 +30,7 @@ from runtime.plan.contract import (
     ModelInfo,
     PrefillResult,
     SamplingOptions,
-    Started,
+    SequenceStarted,
     StepToken,
     Tokenized,
     ToolChoice,
@@ -177,13 +177,13 @@ class FakeEngine:
 
     def start(
         self, request_id: int, prompt: str, plan: TurnPlan, tokens: Tokenized, sampling: SamplingOptions
-    ) -> Started:
+    ) -> SequenceStarted:
         if not prompt:
             raise ValueError("empty prompt")
         reused = plan.reuse_tokens
         self._seqs[request_id] = _FakeSeq(prompt, reused, sampling.max_tokens, fake_reply(prompt, sampling.max_tokens),
                                           plan.match)
-        return Started(tokens_reused=reused, tokens_to_prefill=len(tokens.ids), match=plan.match,
+        return SequenceStarted(tokens_reused=reused, tokens_to_prefill=len(tokens.ids), match=plan.match,
                        token_ids=tuple(ord(c) for c in prompt))
 
     def prepare(self, snapshot: Any) -> None:
@@ -213,7 +213,7 @@ class FakeEngine:
     def prefill(self, request_id: int, chunk: int | None, *, adopt: FromShared | None = None) -> PrefillResult:
         seq = self._seqs[request_id]
         if adopt is not None and not seq.prefilled:
-            seq.reused, seq.match = adopt.keep_tokens, "extend"
+            seq.reused, seq.match = adopt.reuse_tokens, "extend"
         if self.chunk_delay_s:
             time.sleep(self.chunk_delay_s)
         todo = len(seq.prompt) - seq.context

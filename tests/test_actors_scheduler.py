@@ -196,7 +196,7 @@ def test_a_step_with_one_short_prefill_runs_it_alone_and_a_configured_chunk_caps
 def test_donors_keep_a_prefill_out_of_the_shared_pass() -> None:
     s = _sched(1000)
     _prefilling(s, {1: 20, 2: 20, 3: 20, 4: 900})
-    blocks = FromShared(parked=object(), keep_tokens=256, donor="d")  # type: ignore[arg-type]
+    blocks = FromShared(parked=object(), reuse_tokens=256, donor="d")  # type: ignore[arg-type]
     donors = _Donors(adopt={1: blocks, 4: blocks}, wanted={2})
     step = s.step(donors)
     assert step.join == (1, 2, 3)

@@ -52,10 +52,10 @@ def _manager(budget: int = 1 << 30) -> KVCacheManager:
     return KVCacheManager(hot_budget_bytes=budget)
 
 
-def _put(m: KVCacheManager, agent: str, parked: Parked, *, share: bool = True, block_bytes: int = 1) -> list:
+def _put(m: KVCacheManager, agent: str, parked: Parked, *, share_prefix: bool = True, block_bytes: int = 1) -> list:
     hashes = [f"{parked.model_tag}:{parked.text[:end]}" for end in range(BLOCK_TOKENS, parked.num_tokens + 1,
                                                                          BLOCK_TOKENS)]
-    return m.put(agent, parked, share=share, block_bytes=block_bytes, block_hashes=hashes)
+    return m.put(agent, parked, share_prefix=share_prefix, block_bytes=block_bytes, block_hashes=hashes)
 
 
 def test_a_prompt_that_extends_the_hot_cache_reuses_all_of_it():
@@ -63,7 +63,7 @@ def test_a_prompt_that_extends_the_hot_cache_reuses_all_of_it():
     parked = Parked(TAG, "system: be brief\nuser: hi\nassistant: hello")
     _put(m, "a", parked)
     assert not m.needs_disk("a", TAG)
-    plan = m.plan("a", TAG, parked.text + "\nuser: more", share=True, own=m.checkout("a", TAG))
+    plan = m.plan("a", TAG, parked.text + "\nuser: more", share_prefix=True, own=m.checkout("a", TAG))
     assert (plan.tier, plan.match, plan.reuse_tokens, plan.reuse_chars) == ("hot", "extend", parked.num_tokens,
                                                                              len(parked.text))
     assert isinstance(plan.source, FromHot) and plan.source.parked is parked
@@ -75,7 +75,7 @@ def test_the_same_prompt_again_recomputes_the_last_token():
     m = _manager()
     parked = Parked(TAG, "abcdef")
     _put(m, "a", parked)
-    plan = m.plan("a", TAG, "abcdef", share=False, own=m.checkout("a", TAG))
+    plan = m.plan("a", TAG, "abcdef", share_prefix=False, own=m.checkout("a", TAG))
     assert (plan.match, plan.reuse_tokens, plan.suffix("abcdef")) == ("exact", 5, "f")
 
 
@@ -83,25 +83,25 @@ def test_an_agent_without_a_hot_cache_is_planned_from_its_disk_cache():
     m = _manager()
     assert m.needs_disk("a", TAG)
     warm = _snapshot("hello there")
-    plan = m.plan("a", TAG, "hello there, again", share=True, own=m.checkout("a", TAG, warm=warm))
+    plan = m.plan("a", TAG, "hello there, again", share_prefix=True, own=m.checkout("a", TAG, warm=warm))
     assert (plan.tier, plan.reuse_tokens) == ("warm", len("hello there"))
     assert isinstance(plan.source, FromWarm) and plan.source.snapshot is warm
     # Another model's file is never used.
-    assert m.plan("a", OTHER_TAG, "hello there, again", share=True, own=m.checkout("a", OTHER_TAG, warm=warm)).tier == "cold"
+    assert m.plan("a", OTHER_TAG, "hello there, again", share_prefix=True, own=m.checkout("a", OTHER_TAG, warm=warm)).tier == "cold"
 
 
 def test_a_diverged_prompt_starts_cold_and_never_uses_another_models_cache():
     m = _manager()
     _put(m, "a", Parked(TAG, "one conversation entirely"))
-    plan = m.plan("a", TAG, "something else", share=True, own=m.checkout("a", TAG))
+    plan = m.plan("a", TAG, "something else", share_prefix=True, own=m.checkout("a", TAG))
     assert plan.tier == "cold" and isinstance(plan.source, ColdStart) and plan.reuse_tokens == 0
-    assert m.plan("a", OTHER_TAG, "one conversation entirely, more", share=True, own=m.checkout("a", OTHER_TAG)).tier == "cold"
+    assert m.plan("a", OTHER_TAG, "one conversation entirely, more", share_prefix=True, own=m.checkout("a", OTHER_TAG)).tier == "cold"
 
 
 def test_a_partial_match_reuses_up_to_where_the_texts_differ():
     m = _manager()
     _put(m, "a", Parked(TAG, "0123456789"))
-    plan = m.plan("a", TAG, "012345678X and more", share=False, own=m.checkout("a", TAG))
+    plan = m.plan("a", TAG, "012345678X and more", share_prefix=False, own=m.checkout("a", TAG))
     assert (plan.match, plan.reuse_tokens, plan.reuse_chars) == ("partial", 9, 9)
 
 
@@ -112,9 +112,9 @@ def test_another_agents_cache_gives_its_whole_blocks_when_own_cache_has_nothing(
     m = _manager()
     donor = Parked(TAG, SYSTEM + "user: donor's question")
     _put(m, "donor", donor)
-    plan = m.plan("new", TAG, SYSTEM + "user: my question", share=True, own=m.checkout("new", TAG))
+    plan = m.plan("new", TAG, SYSTEM + "user: my question", share_prefix=True, own=m.checkout("new", TAG))
     assert plan.tier == "shared" and isinstance(plan.source, FromShared)
-    assert plan.source.donor == "donor" and plan.source.keep_tokens == 2 * BLOCK_TOKENS
+    assert plan.source.donor == "donor" and plan.source.reuse_tokens == 2 * BLOCK_TOKENS
     assert (plan.match, plan.reuse_tokens, plan.reuse_chars) == ("extend", 2 * BLOCK_TOKENS, 2 * BLOCK_TOKENS)
     assert m.stats().prefix_hits == 1
 
@@ -122,14 +122,14 @@ def test_another_agents_cache_gives_its_whole_blocks_when_own_cache_has_nothing(
 @pytest.mark.parametrize(("requester_shares", "donor_shares"), [(False, True), (True, False)])
 def test_prefix_sharing_is_opt_out_both_ways(requester_shares, donor_shares):
     m = _manager()
-    _put(m, "donor", Parked(TAG, SYSTEM + "donor"), share=donor_shares)
-    assert m.plan("new", TAG, SYSTEM + "mine", share=requester_shares, own=m.checkout("new", TAG)).tier == "cold"
+    _put(m, "donor", Parked(TAG, SYSTEM + "donor"), share_prefix=donor_shares)
+    assert m.plan("new", TAG, SYSTEM + "mine", share_prefix=requester_shares, own=m.checkout("new", TAG)).tier == "cold"
 
 
 def test_a_prompt_that_ends_on_a_block_boundary_keeps_one_token_to_prefill():
     m = _manager()
     _put(m, "donor", Parked(TAG, SYSTEM))
-    plan = m.plan("new", TAG, SYSTEM[: 2 * BLOCK_TOKENS], share=True, own=m.checkout("new", TAG))
+    plan = m.plan("new", TAG, SYSTEM[: 2 * BLOCK_TOKENS], share_prefix=True, own=m.checkout("new", TAG))
     assert plan.reuse_tokens == BLOCK_TOKENS  # the second block would leave nothing to prefill
 
 
@@ -137,29 +137,29 @@ def test_a_turn_in_flight_donates_its_prompt_blocks_to_a_turn_that_has_not_start
     m = _manager()
     first = [ord(c) for c in SYSTEM + "first"]
     second = [ord(c) for c in SYSTEM + "second"]
-    m.begin(1, agent_id="a", model_tag=TAG, token_ids=first, reused=0, share=True)
-    m.begin(2, agent_id="b", model_tag=TAG, token_ids=second, reused=0, share=True)
+    m.begin(1, agent_id="a", model_tag=TAG, token_ids=first, tokens_reused=0, share_prefix=True)
+    m.begin(2, agent_id="b", model_tag=TAG, token_ids=second, tokens_reused=0, share_prefix=True)
     assert m.adopt(1) is None  # nobody has parked anything yet; request 1 starts prefill
     assert m.wants_donor(1) and not m.wants_donor(2)  # 2 has not prefilled: it cannot donate
     m.add_donor(1, Parked(TAG, SYSTEM + "first"))
     adopted = m.adopt(2)
-    assert adopted is not None and adopted.donor == "a" and adopted.keep_tokens == 2 * BLOCK_TOKENS
+    assert adopted is not None and adopted.donor == "a" and adopted.reuse_tokens == 2 * BLOCK_TOKENS
     assert m.adopt(2) is None  # only before the first chunk
     assert not m.wants_donor(1)  # 2 has it now
     # A new sharing turn of a third agent plans from the donor while it runs...
-    plan = m.plan("c", TAG, SYSTEM + "third", share=True, own=m.checkout("c", TAG))
+    plan = m.plan("c", TAG, SYSTEM + "third", share_prefix=True, own=m.checkout("c", TAG))
     assert plan.tier == "shared" and plan.source.donor == "a"
     # ... and not after it ended.
     m.end(1)
     m.end(2)
-    assert m.plan("c", TAG, SYSTEM + "third", share=True, own=m.checkout("c", TAG)).tier == "cold"
+    assert m.plan("c", TAG, SYSTEM + "third", share_prefix=True, own=m.checkout("c", TAG)).tier == "cold"
 
 
 def test_a_turn_that_does_not_share_neither_adopts_nor_is_wanted_as_donor():
     m = _manager()
     ids = [ord(c) for c in SYSTEM + "x"]
-    m.begin(1, agent_id="a", model_tag=TAG, token_ids=ids, reused=0, share=True)
-    m.begin(2, agent_id="b", model_tag=TAG, token_ids=ids, reused=0, share=False)
+    m.begin(1, agent_id="a", model_tag=TAG, token_ids=ids, tokens_reused=0, share_prefix=True)
+    m.begin(2, agent_id="b", model_tag=TAG, token_ids=ids, tokens_reused=0, share_prefix=False)
     assert not m.wants_donor(1)
     m.add_donor(1, Parked(TAG, SYSTEM + "x"))
     assert m.adopt(2) is None
@@ -180,7 +180,7 @@ def test_over_budget_caches_drop_the_least_recently_used_saved_ones():
     assert m.saved("c", c) is True
     assert m.get("c", TAG) is None and m.stats().demotions == 1
     # Touch a (a plan), then a new cache demotes b, the least recently used saved one.
-    m.plan("a", TAG, "a" * 100 + "!", share=False, own=m.checkout("a", TAG))
+    m.plan("a", TAG, "a" * 100 + "!", share_prefix=False, own=m.checkout("a", TAG))
     demoted = _put(m, "d", Parked(TAG, "d" * 100), block_bytes=block)
     assert [e.agent_id for e in demoted] == ["b"]
     assert [e.agent_id for e in m.entries()] == ["a", "d"]
@@ -202,15 +202,15 @@ def test_turns_in_flight_donate_within_their_tenant_only():
     m = _manager()
     a1, a2, b1 = namespaced("acme", "a1"), namespaced("acme", "a2"), namespaced("globex", "b1")
     ids = [ord(c) for c in SYSTEM + "first"]
-    m.begin(1, agent_id=a1, model_tag=TAG, token_ids=ids, reused=0, share=True)
-    m.begin(2, agent_id=b1, model_tag=TAG, token_ids=ids, reused=0, share=True)
+    m.begin(1, agent_id=a1, model_tag=TAG, token_ids=ids, tokens_reused=0, share_prefix=True)
+    m.begin(2, agent_id=b1, model_tag=TAG, token_ids=ids, tokens_reused=0, share_prefix=True)
     assert m.adopt(1) is None
     assert not m.wants_donor(1)  # only another tenant's turn waits: nobody of acme would reuse it
-    m.begin(3, agent_id=a2, model_tag=TAG, token_ids=ids, reused=0, share=True)
+    m.begin(3, agent_id=a2, model_tag=TAG, token_ids=ids, tokens_reused=0, share_prefix=True)
     assert m.wants_donor(1)  # acme's second turn would
     m.add_donor(1, Parked(TAG, SYSTEM + "first"))
     assert m.adopt(2) is None  # globex's turn does not start from acme's prompt
     adopted = m.adopt(3)
     assert adopted is not None and adopted.donor == a1
-    assert m.plan(b1, TAG, SYSTEM + "third", share=True, own=m.checkout(b1, TAG)).tier == "cold"  # nor plans from it
-    assert m.plan(namespaced("acme", "a3"), TAG, SYSTEM + "third", share=True, own=m.checkout(namespaced("acme", "a3"), TAG)).tier == "shared"
+    assert m.plan(b1, TAG, SYSTEM + "third", share_prefix=True, own=m.checkout(b1, TAG)).tier == "cold"  # nor plans from it
+    assert m.plan(namespaced("acme", "a3"), TAG, SYSTEM + "third", share_prefix=True, own=m.checkout(namespaced("acme", "a3"), TAG)).tier == "shared"

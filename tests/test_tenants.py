@@ -424,14 +424,14 @@ def test_the_manager_shares_prefixes_within_a_tenant_only() -> None:
     manager = KVCacheManager(hot_budget_bytes=2**20)
     text = "x" * 600
     donor = namespaced("acme", "a")
-    manager.put(donor, _hot(text), share=True, block_bytes=16, block_hashes=["h1", "h2"])
-    assert manager.plan(namespaced("acme", "b"), MODEL, text + "y", share=True, own=manager.checkout(namespaced("acme", "b"), MODEL)).tier == "shared"
-    assert manager.plan(namespaced("globex", "a"), MODEL, text + "y", share=True, own=manager.checkout(namespaced("globex", "a"), MODEL)).tier == "cold"
-    assert manager.plan("a", MODEL, text + "y", share=True, own=manager.checkout("a", MODEL)).tier == "cold"  # the default namespace too
+    manager.put(donor, _hot(text), share_prefix=True, block_bytes=16, block_hashes=["h1", "h2"])
+    assert manager.plan(namespaced("acme", "b"), MODEL, text + "y", share_prefix=True, own=manager.checkout(namespaced("acme", "b"), MODEL)).tier == "shared"
+    assert manager.plan(namespaced("globex", "a"), MODEL, text + "y", share_prefix=True, own=manager.checkout(namespaced("globex", "a"), MODEL)).tier == "cold"
+    assert manager.plan("a", MODEL, text + "y", share_prefix=True, own=manager.checkout("a", MODEL)).tier == "cold"  # the default namespace too
     # The same blocks held by another tenant are charged again: the pool's dedup is per tenant.
-    manager.put(namespaced("acme", "c"), _hot(text), share=True, block_bytes=16, block_hashes=["h1", "h2"])
+    manager.put(namespaced("acme", "c"), _hot(text), share_prefix=True, block_bytes=16, block_hashes=["h1", "h2"])
     shared_once = manager.stats().pools[MODEL].used_blocks
-    manager.put(namespaced("globex", "c"), _hot(text), share=True, block_bytes=16, block_hashes=["h1", "h2"])
+    manager.put(namespaced("globex", "c"), _hot(text), share_prefix=True, block_bytes=16, block_hashes=["h1", "h2"])
     assert manager.stats().pools[MODEL].used_blocks > shared_once
 
 

@@ -16,6 +16,7 @@ import pytest
 
 import runtime  # noqa: F401
 from actors import open_runtime
+from actors.messages_common import TurnUsage
 from actors.metrics import HotCacheBytes, RuntimeMetrics
 from actors.turn_log import Percentiles, TurnLog, TurnRecord, live_figures
 from fake_engine import FakeEngine
@@ -82,8 +83,9 @@ def test_live_figures_divide_by_the_uptime_while_it_is_shorter_than_the_window()
 def test_a_turn_is_kept_as_the_agent_named_s_last() -> None:
     metrics = RuntimeMetrics()
     for agent_id in ("a", "b", "a"):
-        metrics.turn_done(tier="cold", finish_reason="stop", tokens_reused=0, tokens_prefilled=5, tokens_generated=2,
-                          ttft_ms=3.0, queue_wait_ms=1.0, agent_id=agent_id)
+        metrics.turn_done(agent_id=agent_id, finish_reason="stop", usage=TurnUsage(
+            tokens_reused=0, tokens_prefilled=5, tokens_generated=2, tier="cold", match="empty", ttft_ms=3.0,
+            queue_wait_ms=1.0, decode_tps=0.0))
     assert metrics.turns.last("a") is not None and metrics.turns.last("b") is not None
     assert len(metrics.turns.recent(0.0)) == 3 and metrics.completed == 3
 

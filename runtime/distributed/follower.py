@@ -181,7 +181,7 @@ class Follower:
                         reuse_chars=wire.reuse_chars)
 
     def _shared(self, wire: SharedWire) -> FromShared:
-        return FromShared(parked=self._held(self._parked, wire.handle), keep_tokens=wire.keep_tokens,
+        return FromShared(parked=self._held(self._parked, wire.handle), reuse_tokens=wire.reuse_tokens,
                           donor=wire.donor)
 
     @staticmethod

@@ -67,7 +67,7 @@ from runtime.plan.contract import (
     ModelInfo,
     PrefillResult,
     SamplingOptions,
-    Started,
+    SequenceStarted,
     StepToken,
     Tokenized,
     ToolChoice,
@@ -213,7 +213,7 @@ class Leader:
                         reuse_chars=plan.reuse_chars)
 
     def wire_shared(self, shared: FromShared) -> SharedWire:
-        return SharedWire(self.handles.of(shared.parked), shared.keep_tokens, shared.donor)
+        return SharedWire(self.handles.of(shared.parked), shared.reuse_tokens, shared.donor)
 
     def close(self) -> None:
         """Tell every follower to exit (rank 0's caches are flushed) and close the connections."""
@@ -276,7 +276,7 @@ class LeaderEngine:
 
     def start(
         self, request_id: int, prompt: str, plan: TurnPlan, tokens: Tokenized, sampling: SamplingOptions
-    ) -> Started:
+    ) -> SequenceStarted:
         wire = self._leader.wire_plan(plan)  # before anything is sent: a plan no rank can run fails here alone
         self._leader.send(Start(request_id=request_id, prompt=prompt, plan=wire, tokens=tokens, sampling=sampling))
         return self._inner.start(request_id, prompt, plan, tokens, sampling)

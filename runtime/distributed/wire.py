@@ -56,10 +56,10 @@ class WarmWire(msgspec.Struct, frozen=True, tag="warm"):
 
 
 class SharedWire(msgspec.Struct, frozen=True, tag="shared"):
-    """The first ``keep_tokens`` tokens of another agent's parked cache (``handle``)."""
+    """The first ``reuse_tokens`` tokens of another agent's parked cache (``handle``)."""
 
     handle: int
-    keep_tokens: int
+    reuse_tokens: int
     donor: str
 
 

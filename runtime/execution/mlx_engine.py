@@ -28,7 +28,7 @@ from runtime.plan.contract import (
     ModelInfo,
     PrefillResult,
     SamplingOptions,
-    Started,
+    SequenceStarted,
     StepToken,
     Tokenized,
     ToolChoice,
@@ -241,7 +241,7 @@ class MlxEngine:
 
     def start(
         self, request_id: int, prompt: str, plan: TurnPlan, tokens: Tokenized, sampling: SamplingOptions
-    ) -> Started:
+    ) -> SequenceStarted:
         if not prompt:
             raise ValueError("empty prompt")
         rules = self._rules(sampling)  # once per turn: a named call's opening renders the template
@@ -253,7 +253,7 @@ class MlxEngine:
         self._seqs[request_id] = seq
         self._ids[id(seq)] = request_id
         self._sample_memory()
-        return Started(
+        return SequenceStarted(
             tokens_reused=seq.stats.tokens_reused,
             tokens_to_prefill=seq.stats.tokens_prefilled,
             match=seq.stats.match,
@@ -278,7 +278,7 @@ class MlxEngine:
         seq = self._seqs[request_id]
         if adopt is not None and not seq.prefill_started:
             assert isinstance(adopt.parked, ParkedCache)
-            base = adopt.parked.truncated(adopt.keep_tokens, self.lm.spec)
+            base = adopt.parked.truncated(adopt.reuse_tokens, self.lm.spec)
             if base is not None:
                 seq.adopt(replace(base, meta={}, resident=None))  # a shared prefix starts the new agent's own history
         text = seq.prefill_step(chunk or self._profile.chunk_for(seq.context))

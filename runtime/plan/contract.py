@@ -62,7 +62,7 @@ __all__ = [
     # the engine
     "Engine",
     "ModelInfo",
-    "Started",
+    "SequenceStarted",
     "PrefillResult",
     "StepToken",
     "Finished",
@@ -291,15 +291,15 @@ class FromWarm(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class FromShared(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """The first ``keep_tokens`` tokens (whole blocks) of another agent's cache.
+    """The first ``reuse_tokens`` tokens (whole blocks) of another agent's cache.
 
     ``donor`` is that agent; ``parked`` its hot cache, or the prompt of its turn
     still in flight. Only text the requesting agent sent itself is covered: the
-    donor's text up to ``keep_tokens`` is a prefix of the new prompt.
+    donor's text up to ``reuse_tokens`` is a prefix of the new prompt.
     """
 
     parked: HotCache
-    keep_tokens: int
+    reuse_tokens: int
     donor: str
 
 
@@ -399,7 +399,7 @@ class MemoryReading:
 
 
 @dataclass(frozen=True)
-class Started:
+class SequenceStarted:
     """A sequence built from its prompt and starting cache (``token_ids``: the whole prompt's)."""
 
     tokens_reused: int
@@ -494,7 +494,7 @@ class Engine(Protocol):
 
     def start(
         self, request_id: int, prompt: str, plan: TurnPlan, tokens: Tokenized, sampling: SamplingOptions
-    ) -> Started:
+    ) -> SequenceStarted:
         """Build the sequence: the plan's cache, truncated to what it reuses and activated, then ``tokens``."""
 
     def prefill(self, request_id: int, chunk: int | None, *, adopt: FromShared | None = None) -> PrefillResult:

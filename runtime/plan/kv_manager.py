@@ -75,7 +75,7 @@ class HotEntry:
     agent_id: str
     model_tag: str
     parked: HotCache
-    share: bool
+    share_prefix: bool
     on_disk: bool = False
     accounted: bool = False
 
@@ -101,8 +101,8 @@ class _InFlight:
     agent_id: str
     model_tag: str
     token_ids: tuple[int, ...]
-    reused: int
-    share: bool
+    tokens_reused: int
+    share_prefix: bool
     prefill_started: bool = False
     donor: HotCache | None = field(default=None, repr=False)
 
@@ -153,7 +153,7 @@ class KVCacheManager:
             return OwnCache(source=FromWarm(snapshot=warm, prepared=prepared), tier=warm_tier)
         return None
 
-    def plan(self, agent_id: str, model_tag: str, prompt: str, *, share: bool, own: OwnCache | None) -> TurnPlan:
+    def plan(self, agent_id: str, model_tag: str, prompt: str, *, share_prefix: bool, own: OwnCache | None) -> TurnPlan:
         """What this turn reuses, from where, and what it prefills.
 
         The agent's own cache first (``own``, from :meth:`checkout`). When nothing of it is
@@ -164,7 +164,7 @@ class KVCacheManager:
             plan = own_plan(own, prompt, partial_threshold=self._threshold)
             if plan is not None:
                 return plan
-        if share:
+        if share_prefix:
             shared = self._shared(agent_id, model_tag, prompt)
             if shared is not None:
                 return shared
@@ -174,7 +174,7 @@ class KVCacheManager:
         """The longest whole-block prefix of ``prompt`` another sharing agent's cache covers."""
         tenant = tenant_of(agent_id)
         candidates = [(e.agent_id, e.parked, e) for e in self._entries.values()
-                      if e.share and e.model_tag == model_tag and e.agent_id != agent_id
+                      if e.share_prefix and e.model_tag == model_tag and e.agent_id != agent_id
                       and tenant_of(e.agent_id) == tenant]
         candidates += [(f.agent_id, f.donor, None) for f in self._inflight.values()
                        if f.donor is not None and f.model_tag == model_tag and f.agent_id != agent_id
@@ -195,15 +195,15 @@ class KVCacheManager:
         self._prefix_hits += 1
         if entry is not None:
             self._touch(entry)
-        return TurnPlan(tier="shared", source=FromShared(parked=parked, keep_tokens=keep, donor=donor),
+        return TurnPlan(tier="shared", source=FromShared(parked=parked, reuse_tokens=keep, donor=donor),
                         match=MatchKind.EXTEND.value, reuse_tokens=keep, reuse_chars=parked.offsets[keep - 1])
 
     # -- turns in flight ----------------------------------------------------------
 
-    def begin(self, request_id: int, *, agent_id: str, model_tag: str, token_ids: Sequence[int], reused: int,
-              share: bool) -> None:
-        """A turn's sequence was built: ``token_ids`` is its whole prompt, ``reused`` of them cached."""
-        self._inflight[request_id] = _InFlight(agent_id, model_tag, tuple(token_ids), reused, share)
+    def begin(self, request_id: int, *, agent_id: str, model_tag: str, token_ids: Sequence[int], tokens_reused: int,
+              share_prefix: bool) -> None:
+        """A turn's sequence was built: ``token_ids`` is its whole prompt, ``tokens_reused`` of them cached."""
+        self._inflight[request_id] = _InFlight(agent_id, model_tag, tuple(token_ids), tokens_reused, share_prefix)
 
     def adopt(self, request_id: int) -> FromShared | None:
         """Before a sharing turn's first prefill chunk: a donor's whole blocks that cover more than it reuses.
@@ -215,7 +215,7 @@ class KVCacheManager:
         if turn is None or turn.prefill_started:
             return None
         turn.prefill_started = True
-        if not turn.share:
+        if not turn.share_prefix:
             return None
         best: tuple[int, _InFlight] | None = None
         tenant = tenant_of(turn.agent_id)
@@ -224,26 +224,26 @@ class KVCacheManager:
                     or tenant_of(other.agent_id) != tenant:
                 continue
             keep = min(self._shared_blocks(other.donor.token_ids, turn), _whole_blocks(len(turn.token_ids) - 1))
-            if keep > turn.reused and (best is None or keep > best[0]):
+            if keep > turn.tokens_reused and (best is None or keep > best[0]):
                 best = (keep, other)
         if best is None:
             return None
         keep, donor = best
         assert donor.donor is not None
-        turn.reused = keep
+        turn.tokens_reused = keep
         self._prefix_hits += 1
-        return FromShared(parked=donor.donor, keep_tokens=keep, donor=donor.agent_id)
+        return FromShared(parked=donor.donor, reuse_tokens=keep, donor=donor.agent_id)
 
     def wants_donor(self, request_id: int) -> bool:
         """Whether a sharing turn that has not started prefill would reuse more of this prefilled turn's prompt."""
         turn = self._inflight.get(request_id)
-        if turn is None or not turn.share:
+        if turn is None or not turn.share_prefix:
             return False
         tenant = tenant_of(turn.agent_id)
         return any(
-            other.share and not other.prefill_started and other.model_tag == turn.model_tag
+            other.share_prefix and not other.prefill_started and other.model_tag == turn.model_tag
             and tenant_of(other.agent_id) == tenant
-            and self._shared_blocks(turn.token_ids, other) > other.reused
+            and self._shared_blocks(turn.token_ids, other) > other.tokens_reused
             for other_id, other in self._inflight.items()
             if other_id != request_id
         )
@@ -272,7 +272,7 @@ class KVCacheManager:
         """Every hot cache, least recently used first."""
         return list(self._entries.values())
 
-    def put(self, agent_id: str, parked: HotCache, *, share: bool, block_bytes: int,
+    def put(self, agent_id: str, parked: HotCache, *, share_prefix: bool, block_bytes: int,
             block_hashes: Sequence[str]) -> list[HotEntry]:
         """Make ``parked`` the agent's hot cache for its model (not yet on disk).
 
@@ -282,10 +282,10 @@ class KVCacheManager:
         key = (agent_id, parked.model_tag)
         entry = self._entries.get(key)
         if entry is None:
-            entry = HotEntry(agent_id, parked.model_tag, parked, share)
+            entry = HotEntry(agent_id, parked.model_tag, parked, share_prefix)
         else:
             self._unaccount(entry)
-            entry.parked, entry.share, entry.on_disk = parked, share, False
+            entry.parked, entry.share_prefix, entry.on_disk = parked, share_prefix, False
         self._touch(entry)
         return self._account(entry, block_bytes, block_hashes)
 
