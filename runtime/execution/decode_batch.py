@@ -267,7 +267,8 @@ def sample_rows(members: list[Sequence], logits: mx.array) -> mx.array:
     Rows with a grammar have their forbidden tokens masked first, all in one go
     (:func:`runtime.reply.grammar.mask_rows`): constrained and free rows share the argmax.
     """
-    logits = mask_rows([s.grammar for s in members], logits)
+    if any(s.grammar is not None for s in members):
+        logits = mask_rows([s.grammar for s in members], logits)
     greedy = [not s.samples_alone for s in members]
     if all(greedy):
         return members[0].sample(logits)

@@ -244,9 +244,13 @@ class MlxEngine:
     ) -> SequenceStarted:
         if not prompt:
             raise ValueError("empty prompt")
-        rules = self._rules(sampling)  # once per turn: a named call's opening renders the template
-        params = self.sampling_params(sampling, rules)
-        splitter = rules.splitter(sampling.tool_use)
+        splitter = None
+        if sampling.tool_use is None and sampling.response_format is None:  # nothing for the reply rules to do
+            params = self.sampling_params(sampling)
+        else:
+            rules = self._rules(sampling)  # once per turn: a named call's opening renders the template
+            params = self.sampling_params(sampling, rules)
+            splitter = rules.splitter(sampling.tool_use)
         start = start_from(self.lm, prompt, plan, tokens)
         seq = Sequence(self.lm, prompt, None, params, strategy=self._strategy, start=start, tool_calls=splitter)
         seq.sync_chunks = not self._profile.run_ahead

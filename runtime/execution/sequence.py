@@ -307,7 +307,7 @@ class Sequence:
             return None
         logits = self.lm.forward_last(mx.array([piece]), self.kv.caches)
         self.observe(logits)
-        token = self.sample(mask_rows([self.grammar], logits))
+        token = self.sample(logits if self.grammar is None else mask_rows([self.grammar], logits))
         mx.eval(token)
         return self.first_token(int(token.item()), prefill_started_at=t0)
 
