@@ -76,12 +76,12 @@ from actors.messages_store import (
     Usage,
     Used,
 )
-from actors.metrics import PoolSnapshot
 from actors.prefetch import Prefetcher
 from actors.shared_tier import RemoteStats, SharedTier
 from runtime.plan.contract import Tier
 from runtime.errors import CacheMiss, InvalidAgentIdError
 from runtime.identity import AgentKey, local_id, safe_agent_dirname, tenant_of
+from runtime.plan.block_pool import PoolStats
 from runtime.plan.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
 from runtime.plan.save_queue import SaveQueue
@@ -115,7 +115,7 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     misses: int
     prefix_hits: int
     demotions: int
-    pools: dict[str, PoolSnapshot]
+    pools: dict[str, PoolStats]
     remote: RemoteStats | None = None
     prefetched: int = 0  # caches read ahead at start (actors/prefetch.py)
     prefetch_hits: int = 0  # turns that took a prefetched cache instead of reading the disk
@@ -505,7 +505,7 @@ class CacheStoreActor:
             misses=self._misses,
             prefix_hits=hot.prefix_hits,
             demotions=hot.demotions,
-            pools={tag: PoolSnapshot.of(pool) for tag, pool in hot.pools.items()},
+            pools=dict(hot.pools),
             remote=None if self.shared is None else self.shared.statistics(),
             prefetched=0 if self.prefetch is None else self.prefetch.read,
             prefetch_hits=0 if self.prefetch is None else self.prefetch.taken,

@@ -47,11 +47,12 @@ from actors.messages_gpu import (
     UnloadModel,
 )
 from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
-from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, PoolSnapshot, RunningTurn
+from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
 from runtime.plan.scheduler import Scheduler, Step
 from runtime.plan.contract import Engine, Finished, FromShared, ModelInfo, PrefillResult, SequenceStarted, Tokenized, ToolCall
 from runtime.errors import ContextLengthExceededError
+from runtime.plan.block_pool import PoolStats
 from runtime.plan.kv_manager import KVCacheManager
 
 __all__ = ["GPUActor"]
@@ -459,7 +460,7 @@ class GPUActor:
             memory_waits_total=sched.memory_waits_total if sched else 0,
             steps=self._steps,
             prefill_chunks=self._chunks,
-            pool=PoolSnapshot.of(sched.pool if sched else None),
+            pool=sched.pool if sched else PoolStats(),
             memory=MemorySnapshot(active=mem.active, peak=mem.peak, baseline=mem.baseline, model=mem.model),
             turns=tuple(self.running_turns()),
         )

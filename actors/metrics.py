@@ -27,7 +27,6 @@ __all__ = [
     "HistogramSnapshot",
     "MetricsSnapshot",
     "RuntimeMetrics",
-    "PoolSnapshot",
     "MemorySnapshot",
     "GpuStats",
     "GpuEvent",
@@ -146,33 +145,6 @@ class RuntimeMetrics:
         )
 
 
-class PoolSnapshot(_Snapshot, frozen=True, kw_only=True):
-    """A block pool's accounting (see :class:`runtime.plan.block_pool.PoolStats`)."""
-
-    budget_bytes: int
-    bytes_per_block: int
-    total_blocks: int
-    used_blocks: int
-    free_blocks: int
-    shared_blocks: int
-    owners: int
-
-    @classmethod
-    def of(cls, stats: PoolStats | None) -> PoolSnapshot:
-        if stats is None:
-            zero = dict.fromkeys(("budget_bytes", "bytes_per_block", "total_blocks", "used_blocks"), 0)
-            return cls(**zero, free_blocks=0, shared_blocks=0, owners=0)
-        return cls(
-            budget_bytes=stats.budget_bytes,
-            bytes_per_block=stats.bytes_per_block,
-            total_blocks=stats.total_blocks,
-            used_blocks=stats.used_blocks,
-            free_blocks=stats.free_blocks,
-            shared_blocks=stats.shared_blocks,
-            owners=stats.owners,
-        )
-
-
 class MemorySnapshot(_Snapshot, frozen=True, kw_only=True):
     """Accelerator memory (``mx.get_active_memory`` / ``mx.get_peak_memory``), bytes.
 
@@ -242,7 +214,7 @@ class GpuStats(msgspec.Struct, frozen=True, kw_only=True):
     memory_waits_total: int
     steps: int
     prefill_chunks: int
-    pool: PoolSnapshot
+    pool: PoolStats
     memory: MemorySnapshot
     turns: tuple[RunningTurn, ...] = ()
 

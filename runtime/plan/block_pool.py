@@ -19,8 +19,9 @@ thread-safe (one owner of the pool calls it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from fractions import Fraction
+
+import msgspec
 
 from runtime.errors import BudgetExceededError
 from runtime.spec import BLOCK_TOKENS
@@ -28,22 +29,21 @@ from runtime.spec import BLOCK_TOKENS
 __all__ = ["PoolStats", "BlockPool"]
 
 
-@dataclass(frozen=True)
-class PoolStats:
-    """A snapshot of a pool's accounting.
+class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of a pool's accounting, as ``/healthz`` and ``/metrics`` show it (all zero: no pool yet).
 
     ``used_blocks = private blocks of every owner + distinct shared blocks``;
     ``free_blocks = total_blocks - used_blocks``; ``owners`` counts owners that
     hold at least one block or reference.
     """
 
-    budget_bytes: int
-    bytes_per_block: int
-    total_blocks: int
-    used_blocks: int
-    free_blocks: int
-    shared_blocks: int
-    owners: int
+    budget_bytes: int = 0
+    bytes_per_block: int = 0
+    total_blocks: int = 0
+    used_blocks: int = 0
+    free_blocks: int = 0
+    shared_blocks: int = 0
+    owners: int = 0
 
 
 class BlockPool:
