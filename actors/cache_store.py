@@ -56,7 +56,7 @@ import msgspec
 import trio
 
 from actors.mailbox import send_reply
-from actors.messages_common import Failed, HotCache, failed_from
+from actors.messages_common import Failed, ParkedView, failed_from
 from actors.messages_store import (
     AgentRecord,
     AgentsListed,
@@ -130,7 +130,7 @@ class _Pending:
     """A hot cache not yet on disk: the cache, its numpy copy for the save, its full blocks' hashes."""
 
     agent_id: str
-    parked: HotCache
+    parked: ParkedView
     snapshot: CacheSnapshot
     block_hashes: list[str]  # computed once, for the hot tier's accounting and the save
 

@@ -1,4 +1,4 @@
-"""Message types every mailbox shares: the tagged ``Failed`` reply, a turn's :class:`TurnUsage` (and ``HotCache``, re-exported).
+"""Message types every mailbox shares: the tagged ``Failed`` reply, a turn's :class:`TurnUsage` (and ``ParkedView``, re-exported).
 
 Every request/reply in kvmem is a frozen, keyword-only, tagged
 :class:`msgspec.Struct`. A request carries its own one-shot reply channel; an
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import msgspec
 
-from runtime.plan.contract import HotCache, Tier
+from runtime.plan.contract import ParkedView, Tier
 
-__all__ = ["Failed", "HotCache", "failed_from", "Message", "TurnUsage"]
+__all__ = ["Failed", "ParkedView", "failed_from", "Message", "TurnUsage"]
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import trio
 
-from actors.messages_common import Failed, HotCache, Message, TurnUsage
+from actors.messages_common import Failed, ParkedView, Message, TurnUsage
 from runtime.plan.contract import ModelInfo, OwnCache, SamplingOptions, Tier, ToolCall, ToolChoice
 from runtime.spec import CacheSnapshot
 
@@ -126,7 +126,7 @@ class Generated(Message, frozen=True, kw_only=True):
     reply: str
     finish_reason: str
     usage: TurnUsage
-    parked: HotCache | None
+    parked: ParkedView | None
     snapshot: CacheSnapshot | None
     stop_sequence: str | None = None
     content: str = ""
@@ -136,7 +136,7 @@ class Generated(Message, frozen=True, kw_only=True):
 class Prepared(Message, frozen=True, kw_only=True):
     """The snapshot restored on the MLX thread (None: not the loaded model's)."""
 
-    parked: HotCache | None
+    parked: ParkedView | None
 
 
 LoadReply = ModelReady | Failed

@@ -24,7 +24,7 @@ import trio
 
 import msgspec
 
-from actors.messages_common import Failed, HotCache, Message
+from actors.messages_common import Failed, ParkedView, Message
 from runtime.plan.contract import OwnCache
 from runtime.spec import CacheSnapshot
 
@@ -161,7 +161,7 @@ class NewCache(msgspec.Struct, frozen=True, kw_only=True):
         share_prefix: whether other agents may start from this cache's prefix.
     """
 
-    parked: HotCache
+    parked: ParkedView
     snapshot: CacheSnapshot
     block_bytes: int
     share_prefix: bool

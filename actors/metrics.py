@@ -18,7 +18,7 @@ import msgspec
 from actors.messages_common import TurnUsage
 from actors.turn_log import TurnLog, TurnRecord
 from runtime.plan.block_pool import PoolStats
-from runtime.plan.contract import HotCache
+from runtime.plan.contract import ParkedView
 
 __all__ = [
     "TTFT_BUCKETS_MS",
@@ -193,7 +193,7 @@ class HotCacheBytes(msgspec.Struct, frozen=True, kw_only=True):
     float_bytes: int
 
     @classmethod
-    def of(cls, agent_id: str, parked: HotCache) -> HotCacheBytes:
+    def of(cls, agent_id: str, parked: ParkedView) -> HotCacheBytes:
         """The bytes of ``parked``, read from its plain attributes."""
         resident = getattr(parked, "resident", None)  # only the MLX engine's caches keep float beside them
         held = resident is not None and bool(getattr(resident, "held", False))

@@ -78,7 +78,7 @@ def _kvmem_prefill(lm: Any, prompt: str, *, numpy_attention: bool, chunk: int | 
 
     from runtime.execution.sequence import SamplingParams, Sequence
 
-    lm.cpu_attention = numpy_attention
+    lm.numpy_attention = numpy_attention
     mx.clear_cache()
     t0 = time.perf_counter()
     seq = Sequence(lm, prompt, None, SamplingParams(max_tokens=2))
@@ -163,7 +163,7 @@ def suffix_section(res: ResultFile, lm: Any, contexts: list[int], repeats: int) 
     for ctx in contexts:
         _, ids = _prompt_ids(lm, ctx)
         cache = make_prompt_cache(lm.model)
-        lm.cpu_attention = True
+        lm.numpy_attention = True
         for a in range(0, len(ids), 512):  # the context, prefilled once
             mx.eval(lm.forward(mx.array([ids[a : a + 512]]), cache))
         question = mx.array([lm.tokenize(" What was the last thing the notes said, in one sentence?")[0][:suffix]])
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     from runtime.model.loaded import load_model
 
     lm = load_model("kvmem-default", models_dir=harness.BENCH_HOME / "models")
-    if not lm.cpu_attention:
+    if not lm.numpy_attention:
         raise SystemExit("runtime.cpu.attention is not available here (not the CPU backend, or an untested mlx-lm)")
     res.setup += [
         f"kvmem's attention replaces `scaled_dot_product_attention` in mlx-lm's llama and qwen2 modules only inside "

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     from runtime.model.loaded import load_model
 
     lm = load_model("kvmem-default", models_dir=harness.BENCH_HOME / "models")
-    if not lm.cpu_attention:
+    if not lm.numpy_attention:
         raise SystemExit("runtime.cpu.attention is not available here (not the CPU backend, or an untested mlx-lm)")
     kernel_section(res, spans, reps)
     step_section(res, lm, spans, reps)

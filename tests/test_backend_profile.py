@@ -79,7 +79,7 @@ def test_the_gpu_policy_on_the_cpu_runs_native_attention_without_host_paths() ->
         assert info.profile is not None and info.profile == engine.profile
         assert (info.profile.attention, info.profile.attention_note) == ("native", None)  # its kernels ran
         assert info.profile.float_dtype == "float32"
-        assert not engine.lm.cpu_attention  # NumPy attention not installed
+        assert not engine.lm.numpy_attention  # NumPy attention not installed
         assert not kv_copy._host_views and not engine._batch.shared_prefix_check
     finally:
         engine.unload()
@@ -87,7 +87,7 @@ def test_the_gpu_policy_on_the_cpu_runs_native_attention_without_host_paths() ->
     cpu = _engine(profile="cpu")  # the CPU policy (forced, so this holds on a GPU machine too)
     try:
         profile = cpu.load("tiny-llama").profile
-        assert profile is not None and profile.attention == "at-rest" and cpu.lm.cpu_attention
+        assert profile is not None and profile.attention == "at-rest" and cpu.lm.numpy_attention
         assert kv_copy._host_views and cpu._batch.shared_prefix_check
     finally:
         cpu.unload()

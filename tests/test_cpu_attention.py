@@ -139,7 +139,7 @@ def test_install_refuses_modules_and_releases_it_was_not_tested_with(
 def test_model_logits_match_mlx_lm_untouched(name: str) -> None:
     """Chunked prefill and decode through LoadedModel.forward vs the same model called plainly."""
     lm = tiny(name)
-    assert lm.cpu_attention, f"{name}: expected kvmem's CPU attention to be on"
+    assert lm.numpy_attention, f"{name}: expected kvmem's CPU attention to be on"
     rng = np.random.default_rng(1)
     ids = mx.array(rng.integers(10, 200, size=(1, 300)).tolist())
     ours_cache, ref_cache = make_prompt_cache(lm.model), make_prompt_cache(lm.model)
@@ -151,7 +151,7 @@ def test_model_logits_match_mlx_lm_untouched(name: str) -> None:
 
 
 def test_models_that_are_not_llama_or_qwen2_keep_mlx_attention() -> None:
-    assert not tiny("tiny-gemma3").cpu_attention
+    assert not tiny("tiny-gemma3").numpy_attention
 
 
 @pytest.mark.parametrize("lengths", [(40, 37, 20), (100, 90, 120), (65, 64, 63)])

@@ -27,7 +27,7 @@ from fake_engine import FakeEngine
 from gateway.tenants import Limits, Tenant, load_tenant_keys
 from gateway.testing import ServerThread
 from runtime.config import Config, ConfigError, load_config
-from runtime.plan.contract import HotCache
+from runtime.plan.contract import ParkedView
 from runtime.plan.kv_manager import KVCacheManager
 from runtime.identity import namespaced
 
@@ -414,7 +414,7 @@ def test_single_key_mode_keeps_one_namespace_and_shares_prefixes(tmp_path: Path)
 # -- the cache manager -------------------------------------------------------------------------------
 
 
-def _hot(text: str) -> HotCache:
+def _hot(text: str) -> ParkedView:
     from fake_engine import FakeParked
 
     return FakeParked(MODEL, text, tuple(ord(c) for c in text), tuple(range(1, len(text) + 1)))

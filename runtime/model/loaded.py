@@ -81,12 +81,12 @@ class LoadedModel:
     spec: ModelCacheSpec
     model_id: str
     config: dict[str, Any]
-    cpu_attention: bool = False
+    numpy_attention: bool = False
     """Whether :meth:`forward` attends through :mod:`runtime.cpu.attention`."""
 
     def forward(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         """Logits of ``inputs`` over ``cache``: every forward pass kvmem runs goes through here."""
-        with cpu_attention.active(self.cpu_attention):
+        with cpu_attention.active(self.numpy_attention):
             return self.model(inputs, cache=cache)
 
     def forward_last(self, inputs: mx.array, cache: list[Any]) -> mx.array:
@@ -100,7 +100,7 @@ class LoadedModel:
         head = _last_position_head(self.model)
         if head is None:
             return self.forward(inputs, cache)[:, -1, :]
-        with cpu_attention.active(self.cpu_attention):
+        with cpu_attention.active(self.numpy_attention):
             hidden = self.model.model(inputs, cache=cache)
         return head(hidden[:, -1:, :])[:, -1, :]
 
@@ -240,11 +240,11 @@ def load_model(
         shard_model(loaded, config, group, name=name)
         model_id = shard_model_id(name, group.rank(), group.size())  # a rank's cache holds only its heads
     spec = read_cache_spec(loaded, model_id=model_id, config=config, kv_format=kv_format)
-    fast_attention = numpy_attention and cpu_attention.install(type(loaded).__module__)
+    numpy_on = numpy_attention and cpu_attention.install(type(loaded).__module__)
     log.info("loaded %s: %d layers, tag %s, attention %s", name, len(spec.layers), spec.tag,
-             "numpy (runtime.cpu.attention)" if fast_attention else "mlx")
+             "numpy (runtime.cpu.attention)" if numpy_on else "mlx")
     lm = LoadedModel(
-        model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config, cpu_attention=fast_attention
+        model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config, numpy_attention=numpy_on
     )
     if not lm.supports_tools:  # its prompts carry tools in kvmem's generic format: part of every cache's tag
         lm.spec = replace(spec, prompt_format=generic_tools.FORMAT)

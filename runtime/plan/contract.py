@@ -43,7 +43,7 @@ from runtime.spec import CacheSnapshot
 
 __all__ = [
     # the plan
-    "HotCache",
+    "ParkedView",
     "SamplingOptions",
     "Tier",
     "ColdStart",
@@ -78,7 +78,7 @@ cache, its cache another node published in the shared tier (remote: Redis),
 another agent's cache via a shared prefix, or nothing."""
 
 
-class HotCache(Protocol):
+class ParkedView(Protocol):
     """What code off the MLX thread may read of a parked cache.
 
     :class:`runtime.kv.kvstate.ParkedCache` satisfies it; the arrays it holds are
@@ -277,7 +277,7 @@ class ColdStart(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 class FromHot(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """The agent's own parked cache from the hot tier."""
 
-    parked: HotCache
+    parked: ParkedView
 
 
 class FromWarm(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -287,7 +287,7 @@ class FromWarm(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """
 
     snapshot: CacheSnapshot
-    prepared: HotCache | None = None
+    prepared: ParkedView | None = None
 
 
 class FromShared(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -298,7 +298,7 @@ class FromShared(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     donor's text up to ``reuse_tokens`` is a prefix of the new prompt.
     """
 
-    parked: HotCache
+    parked: ParkedView
     reuse_tokens: int
     donor: str
 
@@ -452,7 +452,7 @@ class Finished:
     tokens_reused: int
     tokens_prefilled: int
     tokens_generated: int
-    parked: HotCache | None
+    parked: ParkedView | None
     snapshot: CacheSnapshot | None
     stop_sequence: str | None = None  # the caller's stop string that ended the reply
     content: str | None = None
@@ -510,10 +510,10 @@ class Engine(Protocol):
         already in the batch (no :meth:`join`; one its first token finished leaves it at
         :meth:`finish`). The others are untouched; ``{}`` where the engine does not group prefills."""
 
-    def prepare(self, snapshot: CacheSnapshot) -> HotCache | None:
+    def prepare(self, snapshot: CacheSnapshot) -> ParkedView | None:
         """``snapshot`` restored ahead of its turn (float kept where there is room); None: not this model's."""
 
-    def park_prompt(self, request_id: int) -> HotCache | None:
+    def park_prompt(self, request_id: int) -> ParkedView | None:
         """Right after prefill: park the prompt's KV (a donor for turns that share it)."""
 
     def join(self, request_id: int) -> None:

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from runtime.plan.block_pool import BlockPool, PoolStats
-from runtime.plan.contract import COLD, FromHot, FromShared, FromWarm, HotCache, OwnCache, Tier, TurnPlan
+from runtime.plan.contract import COLD, FromHot, FromShared, FromWarm, ParkedView, OwnCache, Tier, TurnPlan
 from runtime.errors import BudgetExceededError
 from runtime.plan.prefix import MatchKind, common_prefix_length, match_prefix
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot
@@ -74,7 +74,7 @@ class HotEntry:
 
     agent_id: str
     model_tag: str
-    parked: HotCache
+    parked: ParkedView
     share_prefix: bool
     on_disk: bool = False
     accounted: bool = False
@@ -104,7 +104,7 @@ class _InFlight:
     tokens_reused: int
     share_prefix: bool
     prefill_started: bool = False
-    donor: HotCache | None = field(default=None, repr=False)
+    donor: ParkedView | None = field(default=None, repr=False)
 
 
 def _whole_blocks(tokens: int) -> int:
@@ -136,7 +136,7 @@ class KVCacheManager:
 
     def checkout(
         self, agent_id: str, model_tag: str, *, warm: CacheSnapshot | None = None, warm_tier: Tier = "warm",
-        prepared: HotCache | None = None,
+        prepared: ParkedView | None = None,
     ) -> OwnCache | None:
         """The agent's own cache a turn starts from: its hot cache (now the most recently used), else ``warm``.
 
@@ -179,7 +179,7 @@ class KVCacheManager:
         candidates += [(f.agent_id, f.donor, None) for f in self._inflight.values()
                        if f.donor is not None and f.model_tag == model_tag and f.agent_id != agent_id
                        and tenant_of(f.agent_id) == tenant]
-        best: tuple[int, str, HotCache, HotEntry | None] | None = None
+        best: tuple[int, str, ParkedView, HotEntry | None] | None = None
         for donor, parked, entry in candidates:
             assert parked is not None
             if parked.num_tokens < BLOCK_TOKENS:
@@ -248,7 +248,7 @@ class KVCacheManager:
             if other_id != request_id
         )
 
-    def add_donor(self, request_id: int, parked: HotCache) -> None:
+    def add_donor(self, request_id: int, parked: ParkedView) -> None:
         """The prompt a running turn parked for others (see :meth:`wants_donor`)."""
         turn = self._inflight.get(request_id)
         if turn is not None:
@@ -272,7 +272,7 @@ class KVCacheManager:
         """Every hot cache, least recently used first."""
         return list(self._entries.values())
 
-    def put(self, agent_id: str, parked: HotCache, *, share_prefix: bool, block_bytes: int,
+    def put(self, agent_id: str, parked: ParkedView, *, share_prefix: bool, block_bytes: int,
             block_hashes: Sequence[str]) -> list[HotEntry]:
         """Make ``parked`` the agent's hot cache for its model (not yet on disk).
 
@@ -289,7 +289,7 @@ class KVCacheManager:
         self._touch(entry)
         return self._account(entry, block_bytes, block_hashes)
 
-    def saved(self, agent_id: str, parked: HotCache) -> bool:
+    def saved(self, agent_id: str, parked: ParkedView) -> bool:
         """``parked`` is on disk now. Returns True when it was dropped from RAM (it never fit the budget)."""
         entry = self._entries.get((agent_id, parked.model_tag))
         if entry is None or entry.parked is not parked:
