@@ -172,7 +172,7 @@ def alone_baseline(
     from runtime.kv.kvstate import ParkedCache
     from runtime.model.loaded import load_model
     from runtime.persist import CacheDirectory
-    from runtime.execution.sequence import SamplingParams
+    from runtime.execution.sequence import SequenceSampling
     from runtime.spec import KVFormat
 
     kvhome = KvmemHome(home)
@@ -181,7 +181,7 @@ def alone_baseline(
     cache = ParkedCache.from_snapshot(snap, float_dtype=lm.float_dtype)
     rates = []
     for _ in range(repeats):
-        result = generate(lm, prompt, cache, SamplingParams(max_tokens=tokens))
+        result = generate(lm, prompt, cache, SequenceSampling(max_tokens=tokens))
         rates.append(result.stats.decode_tps)
         mx.clear_cache()
     mx.clear_streams()  # MLX's cleanup for this thread's streams before interpreter exit

@@ -80,7 +80,7 @@ def run_setting(lm: Any, constrained: int, timer: MaskTimer) -> tuple[list[float
     """
     from runtime.execution.decode_batch import DecodeBatch
     from runtime.plan.contract import ToolChoice, ToolUse
-    from runtime.execution.sequence import SamplingParams, Sequence
+    from runtime.execution.sequence import SequenceSampling, Sequence
     from runtime.reply.tool_calls import reply_rules
 
     use = ToolUse(tools=tuple(TOOLS), choice=ToolChoice(mode="required"))
@@ -90,7 +90,7 @@ def run_setting(lm: Any, constrained: int, timer: MaskTimer) -> tuple[list[float
     for i, question in enumerate(QUESTIONS[:ROWS]):
         grammar = rules.grammar if i < constrained else None
         prompt = lm.render([{"role": "user", "content": question}], tools=TOOLS)
-        seq = Sequence(lm, prompt, None, SamplingParams(max_tokens=STEPS + 40, grammar=grammar),
+        seq = Sequence(lm, prompt, None, SequenceSampling(max_tokens=STEPS + 40, grammar=grammar),
                        tool_calls=rules.splitter(use) if grammar else None)
         while seq.prefill_step() is None:
             pass

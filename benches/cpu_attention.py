@@ -76,12 +76,12 @@ def _kvmem_prefill(lm: Any, prompt: str, *, numpy_attention: bool, chunk: int | 
     """Seconds from a cold start to the first token through kvmem's sequence, and its first token."""
     import mlx.core as mx
 
-    from runtime.execution.sequence import SamplingParams, Sequence
+    from runtime.execution.sequence import SequenceSampling, Sequence
 
     lm.numpy_attention = numpy_attention
     mx.clear_cache()
     t0 = time.perf_counter()
-    seq = Sequence(lm, prompt, None, SamplingParams(max_tokens=2))
+    seq = Sequence(lm, prompt, None, SequenceSampling(max_tokens=2))
     while seq.prefill_step(chunk) is None:
         pass
     return time.perf_counter() - t0, seq.generated[0]

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from runtime.execution.generate import generate
     from runtime.model.loaded import load_model
-    from runtime.execution.sequence import SamplingParams
+    from runtime.execution.sequence import SequenceSampling
     from runtime.spec import KVFormat
 
     p = harness.parser(__doc__)
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     folder = harness.model_dir()
     base = context_text(folder, args.context, label="overhead") + "\n\nUser: Summarize.\nAssistant:"
     lm = load_model("kvmem-default", kv_format=KVFormat(bits=4), models_dir=harness.BENCH_HOME / "models")
-    params = SamplingParams(max_tokens=args.tokens)
+    params = SequenceSampling(max_tokens=args.tokens)
     direct: list[dict[str, float]] = []
     gateway: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-ovh-") as tmp, KvmemServer(Path(tmp) / "srv") as server:

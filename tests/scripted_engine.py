@@ -3,7 +3,7 @@
 A tiny random-weight model cannot write a tool call by itself. :class:`ScriptedEngine`
 runs the real model (prefill, decode, caches, parking all as in production) and only
 overrides sampling: the next turn's reply is forced, token by token, to a scripted text
-followed by end-of-sequence (``SamplingParams.forced``, the mechanism ``tool_choice``
+followed by end-of-sequence (``SequenceSampling.forced``, the mechanism ``tool_choice``
 uses for a call's opening). Without a script a turn samples as usual.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from runtime.plan.contract import SamplingOptions
 from runtime.execution.mlx_engine import MlxEngine
-from runtime.execution.sequence import SamplingParams
+from runtime.execution.sequence import SequenceSampling
 from runtime.reply.tool_calls import ReplyRules
 
 __all__ = ["ScriptedEngine"]
@@ -45,7 +45,7 @@ class ScriptedEngine(MlxEngine):
             self._replies.clear()
         self.boost = ()
 
-    def sampling_params(self, sampling: SamplingOptions, rules: ReplyRules | None = None) -> SamplingParams:
+    def sampling_params(self, sampling: SamplingOptions, rules: ReplyRules | None = None) -> SequenceSampling:
         params = super().sampling_params(sampling, rules)
         if self.boost:
             params = replace(params, logit_bias={**dict.fromkeys(self.boost, 50.0), **params.logit_bias})

@@ -20,7 +20,7 @@ from actors import open_runtime
 
 from runtime.execution.generate import decode_alone, generate
 from runtime.persist import CacheDirectory
-from runtime.execution.sequence import SamplingParams, Sequence
+from runtime.execution.sequence import SequenceSampling, Sequence
 
 CORPUS = Path(__file__).resolve().parents[1] / "runtime" / "corpus" / "stories.txt"
 TOPICS = [
@@ -50,7 +50,7 @@ def _conversation(i: int, reply: str | None) -> list[dict[str, str]]:
     return messages
 
 
-def _alone(lm, prompt: str, cache, params: SamplingParams):
+def _alone(lm, prompt: str, cache, params: SequenceSampling):
     """The reference turn, decoded on its own, with each token's text and top-1 margin."""
     seq = Sequence(lm, prompt, cache, params)
     seq.logits_trace = []
@@ -73,7 +73,7 @@ async def test_eight_concurrent_agents_reply_exactly_as_each_conversation_alone(
     at a near tie (top-1 margin < ``NEAR_TIE``: batching moves logits by ~2e-5);
     an agent that departed in turn 1 is not compared in turn 2 (its prompt differs)."""
     lm = tiny(model, bits=None)
-    params = SamplingParams(max_tokens=24)
+    params = SequenceSampling(max_tokens=24)
     expected = {}
     for i in range(8):
         first, cache, pieces1, margins1 = _alone(lm, lm.render(_conversation(i, None)), None, params)
@@ -289,7 +289,7 @@ async def test_agents_arriving_together_share_the_first_ones_prefix_and_reply_as
         system = system[:-50]
     questions = ["Who is the hero?", "Where does it happen?", "What is the weather?", "How does it end?"]
     conversations = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
-    params = SamplingParams(max_tokens=12)
+    params = SequenceSampling(max_tokens=12)
     expected = [generate(lm, lm.render(c), None, params).reply for c in conversations]
     prompt_tokens = [len(lm.tokenize(lm.render(c))[0]) for c in conversations]
     assert all(512 < n < 768 for n in prompt_tokens)
@@ -358,10 +358,10 @@ async def test_agents_answering_together_prefill_in_one_pass_and_reply_as_alone(
     wants = [16, 16, 16, 1]
     expected = {}
     for i, follow_up in enumerate(FOLLOW_UPS):
-        first, cache, _, _ = _alone(lm, lm.render(_conversation(i, None)), None, SamplingParams(max_tokens=16))
+        first, cache, _, _ = _alone(lm, lm.render(_conversation(i, None)), None, SequenceSampling(max_tokens=16))
         conv = _conversation(i, first)
         conv[-1]["content"] = follow_up
-        second = _alone(lm, lm.render(conv), cache, SamplingParams(max_tokens=wants[i]))
+        second = _alone(lm, lm.render(conv), cache, SequenceSampling(max_tokens=wants[i]))
         expected[i] = (first, second)
 
     got: dict[int, object] = {}

@@ -13,7 +13,7 @@ from conftest import tiny
 from runtime.execution.batch_prefill import MAX_PAD, choose_group, prefill_together
 from runtime.execution.decode_batch import DecodeBatch
 from runtime.execution.generate import decode_alone, generate
-from runtime.execution.sequence import SamplingParams, Sequence
+from runtime.execution.sequence import SequenceSampling, Sequence
 
 FLOAT_TOL = 2e-3
 STEPS = 8
@@ -27,7 +27,7 @@ def _turns(lm, strategy: str = "at-rest"):
     out = []
     for topic, follow_up in zip(TOPICS, FOLLOW_UPS, strict=True):
         first = [{"role": "user", "content": f"Tell me about {topic}."}]
-        done = generate(lm, lm.render(first), None, SamplingParams(max_tokens=10), strategy=strategy)
+        done = generate(lm, lm.render(first), None, SequenceSampling(max_tokens=10), strategy=strategy)
         second = first + [{"role": "assistant", "content": done.reply}, {"role": "user", "content": follow_up}]
         out.append((lm.render(second), done.cache))
     return out
@@ -38,7 +38,7 @@ def _turns(lm, strategy: str = "at-rest"):
 def test_a_group_replies_as_each_turn_alone(arch: str, bits: int | None) -> None:
     lm = tiny(arch, bits=bits)
     turns = _turns(lm)
-    params = SamplingParams(max_tokens=STEPS)
+    params = SequenceSampling(max_tokens=STEPS)
     alone = []
     for prompt, cache in turns:
         seq = Sequence(lm, prompt, cache, params)
@@ -73,7 +73,7 @@ def test_a_group_replies_as_each_turn_alone(arch: str, bits: int | None) -> None
 def test_rows_too_far_from_the_longest_or_already_started_stay_out() -> None:
     lm = tiny("tiny-llama")
     (p0, c0), (p1, c1), (p2, c2), _ = _turns(lm)
-    params = SamplingParams(max_tokens=2)
+    params = SequenceSampling(max_tokens=2)
     long_tail = p1.replace("And then what happened to them?", "And then " + "what happened to them, " * 8 + "?")
     rows = {0: Sequence(lm, p0, c0, params), 1: Sequence(lm, long_tail, c1, params), 2: Sequence(lm, p2, c2, params)}
     assert rows[1].to_prefill - rows[0].to_prefill > MAX_PAD
@@ -86,9 +86,9 @@ def test_rows_too_far_from_the_longest_or_already_started_stay_out() -> None:
 
 def test_sliding_window_and_native_caches_are_not_grouped() -> None:
     gemma = tiny("tiny-gemma3")
-    rows = {i: Sequence(gemma, p, c, SamplingParams(max_tokens=2)) for i, (p, c) in enumerate(_turns(gemma)[:2])}
+    rows = {i: Sequence(gemma, p, c, SequenceSampling(max_tokens=2)) for i, (p, c) in enumerate(_turns(gemma)[:2])}
     assert choose_group(rows) == {}
     llama = tiny("tiny-llama")
-    native = {i: Sequence(llama, p, c, SamplingParams(max_tokens=2), strategy="native")
+    native = {i: Sequence(llama, p, c, SequenceSampling(max_tokens=2), strategy="native")
               for i, (p, c) in enumerate(_turns(llama, "native")[:2])}
     assert choose_group(native) == {}

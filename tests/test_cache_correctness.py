@@ -23,7 +23,7 @@ from runtime.execution.generate import decode_alone, generate
 from runtime.kv.kvstate import ParkedCache
 from runtime.execution.decode_batch import DecodeBatch
 from runtime.persist import CacheDirectory
-from runtime.execution.sequence import SamplingParams, Sequence
+from runtime.execution.sequence import SequenceSampling, Sequence
 
 FLOAT_TOL = 2e-3
 STEPS = 8
@@ -53,11 +53,11 @@ def _prompts(lm, reply: str) -> tuple[str, str]:
 
 def _turn_one(lm, strategy="at-rest"):
     p1, _ = _prompts(lm, "")
-    return generate(lm, p1, None, SamplingParams(max_tokens=12), strategy=strategy)
+    return generate(lm, p1, None, SequenceSampling(max_tokens=12), strategy=strategy)
 
 
 def _traced(lm, prompt, cache, strategy="at-rest", steps=STEPS):
-    seq = Sequence(lm, prompt, cache, SamplingParams(max_tokens=steps), strategy=strategy)
+    seq = Sequence(lm, prompt, cache, SequenceSampling(max_tokens=steps), strategy=strategy)
     seq.logits_trace = []
     list(decode_alone(seq))
     return seq
@@ -85,7 +85,7 @@ def test_quantized_cache_stays_within_tolerance_of_cold_float(arch, strategy, bi
     lm_q, lm_f = tiny(arch, bits=bits), tiny(arch, bits=None)
     first = _turn_one(lm_q, strategy)
     _, p2 = _prompts(lm_q, first.reply)
-    seq = Sequence(lm_q, p2, first.cache, SamplingParams(max_tokens=STEPS), strategy=strategy)
+    seq = Sequence(lm_q, p2, first.cache, SequenceSampling(max_tokens=STEPS), strategy=strategy)
     seq.logits_trace = []
     while seq.prefill_step() is None:
         pass
@@ -130,7 +130,7 @@ def test_batched_decode_matches_each_sequence_alone(arch, strategy, joins):
     _, p2 = _prompts(lm, first.reply)
     prompts = [(p2, first.cache), (lm.render([{"role": "user", "content": "Short one."}]), None),
                (lm.render([{"role": "user", "content": TURN2 * 4}]), None)]
-    params = SamplingParams(max_tokens=STEPS)
+    params = SequenceSampling(max_tokens=STEPS)
     alone = []
     for prompt, cache in prompts:
         seq = Sequence(lm, prompt, cache, params, strategy=strategy)

@@ -20,14 +20,14 @@ from actors import open_runtime
 from conftest import models_dir, tiny
 from runtime.kv.float_resident import FloatResident, ResidentPool
 from runtime.kv.kvstate import ActiveKV
-from runtime.execution.sequence import SamplingParams, Sequence
+from runtime.execution.sequence import SequenceSampling, Sequence
 
 PROMPT = "The lighthouse keeper counted the ships every evening and wrote their names in a green book."
 FOLLOW_UP = " One night a ship with no name came past the rocks, and he wrote a question mark instead."
 
 
 def _turn(lm, prompt: str, parked=None, *, tokens: int = 6) -> Sequence:
-    seq = Sequence(lm, prompt, parked, SamplingParams(max_tokens=tokens))
+    seq = Sequence(lm, prompt, parked, SequenceSampling(max_tokens=tokens))
     while seq.prefill_step() is None:
         pass
     while seq.next_input is not None:
@@ -67,8 +67,8 @@ def test_a_turn_from_kept_floats_computes_the_same_logits_over_several_turns() -
     kept = without = None
     prompt = PROMPT
     for turn in range(3):
-        a = Sequence(lm, prompt, kept, SamplingParams(max_tokens=4))
-        b = Sequence(lm, prompt, without, SamplingParams(max_tokens=4))
+        a = Sequence(lm, prompt, kept, SequenceSampling(max_tokens=4))
+        b = Sequence(lm, prompt, without, SequenceSampling(max_tokens=4))
         assert a.kv.resumed_float == (turn > 0) and not b.kv.resumed_float
         a.logits_trace, b.logits_trace = [], []
         for seq in (a, b):

@@ -25,7 +25,7 @@ from runtime.execution.generate import decode_alone
 from runtime.reply.grammar import ReplyGrammar, mask_rows
 from runtime.model.loaded import LoadedModel, load_model
 from runtime.reply.reply_format import answer_grammar, schema_error
-from runtime.execution.sequence import SamplingParams, Sequence
+from runtime.execution.sequence import SequenceSampling, Sequence
 from runtime.model.tiny_models import ensure_tiny_model
 from runtime.reply.tool_calls import GENERIC_CALLS, reply_rules
 
@@ -181,7 +181,7 @@ def _decode(lm: LoadedModel, messages: list[dict[str, Any]], use: ToolUse | None
             answer: ResponseFormat | None = None, max_tokens: int = 60) -> Sequence:
     rules = reply_rules(lm, use, answer)
     seq = Sequence(lm, lm.render(messages, tools=[dict(t) for t in use.tools] if use else None), None,
-                   SamplingParams(max_tokens=max_tokens, grammar=rules.grammar), tool_calls=rules.splitter(use))
+                   SequenceSampling(max_tokens=max_tokens, grammar=rules.grammar), tool_calls=rules.splitter(use))
     seq.logits_trace = []
     for _ in decode_alone(seq):
         pass
@@ -250,7 +250,7 @@ def test_constrained_and_free_rows_decode_in_one_batch_as_each_alone(plain, run_
     for messages, use, answer in rows:
         rules = reply_rules(plain, use, answer)
         seq = Sequence(plain, plain.render(messages, tools=[dict(t) for t in use.tools] if use else None), None,
-                       SamplingParams(max_tokens=32, grammar=rules.grammar), tool_calls=rules.splitter(use))
+                       SequenceSampling(max_tokens=32, grammar=rules.grammar), tool_calls=rules.splitter(use))
         seq.logits_trace = []
         while seq.prefill_step() is None:
             pass

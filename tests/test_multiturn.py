@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from conftest import tiny
 from runtime.execution.generate import decode_alone, generate
-from runtime.execution.sequence import SamplingParams, Sequence
+from runtime.execution.sequence import SequenceSampling, Sequence
 
 SYSTEM = "You are a helpful assistant."
 Q1 = "Describe the old mill by the river in two sentences."
@@ -23,9 +23,9 @@ def _render(lm, reply, q2=Q2, *, assistant=None):
 def test_turn_two_prefills_only_the_new_message():
     lm = tiny("tiny-llama")
     p1, _ = _render(lm, "")
-    first = generate(lm, p1, None, SamplingParams(max_tokens=24))
+    first = generate(lm, p1, None, SequenceSampling(max_tokens=24))
     _, p2 = _render(lm, first.reply)
-    second = Sequence(lm, p2, first.cache, SamplingParams(max_tokens=4))
+    second = Sequence(lm, p2, first.cache, SequenceSampling(max_tokens=4))
     list(decode_alone(second))
     new_part = p2[len(p1) + len(first.reply) :]
     assert new_part.startswith("<|im_end|>") and Q2 in new_part
@@ -41,7 +41,7 @@ def test_turn_two_prefills_only_the_new_message():
 
 def _forced_reply(lm, prompt, forced):
     """Run a turn whose reply tokens are chosen by the test (greedy first token)."""
-    seq = Sequence(lm, prompt, None, SamplingParams(max_tokens=len(forced) + 2))
+    seq = Sequence(lm, prompt, None, SequenceSampling(max_tokens=len(forced) + 2))
     while seq.prefill_step() is None:
         pass
     for tok in forced:
@@ -66,7 +66,7 @@ def test_reply_with_broken_utf8_bytes_is_still_reused():
     assert "\ufffd" in seq.reply  # what the client receives and sends back
     parked = seq.park()
     _, p2 = _render(lm, seq.reply)
-    second = Sequence(lm, p2, parked, SamplingParams(max_tokens=2))
+    second = Sequence(lm, p2, parked, SequenceSampling(max_tokens=2))
     assert second.stats.match == "extend"
     new_part = p2[len(p1) + len(seq.reply) :]
     assert second.stats.tokens_prefilled <= len(lm.tokenize(new_part)[0])
@@ -77,11 +77,11 @@ def test_reply_with_broken_utf8_bytes_is_still_reused():
 def test_rerendered_earlier_turn_reprefills_only_the_changed_tail():
     lm = tiny("tiny-llama")
     p1, _ = _render(lm, "")
-    first = generate(lm, p1, None, SamplingParams(max_tokens=32))
+    first = generate(lm, p1, None, SequenceSampling(max_tokens=32))
     cut = len(first.reply) - 6  # the client re-renders the end of the reply differently
     changed = first.reply[:cut] + " [edited]"
     _, p2 = _render(lm, first.reply, assistant=changed)
-    second = Sequence(lm, p2, first.cache, SamplingParams(max_tokens=2))
+    second = Sequence(lm, p2, first.cache, SequenceSampling(max_tokens=2))
     assert second.stats.match == "partial"
     unchanged_chars = len(p1) + cut
     cached_inside = sum(1 for o in first.cache.offsets if o <= unchanged_chars)
@@ -92,8 +92,8 @@ def test_rerendered_earlier_turn_reprefills_only_the_changed_tail():
 def test_exact_repeat_recomputes_only_the_last_token():
     lm = tiny("tiny-gemma3")  # sliding layers: the trim must keep the window intact
     prompt = lm.render([{"role": "user", "content": Q1 * 4}])
-    first = generate(lm, prompt, None, SamplingParams(max_tokens=1))
-    again = Sequence(lm, prompt, first.cache, SamplingParams(max_tokens=1))
+    first = generate(lm, prompt, None, SequenceSampling(max_tokens=1))
+    again = Sequence(lm, prompt, first.cache, SequenceSampling(max_tokens=1))
     assert again.stats.match == "exact"
     assert again.stats.tokens_prefilled == 1
     list(decode_alone(again))
@@ -105,9 +105,9 @@ def test_exact_repeat_recomputes_only_the_last_token():
 def test_a_turn_appends_to_the_parked_cache_without_copying_earlier_turns():
     lm = tiny("tiny-llama")
     p1, _ = _render(lm, "")
-    first = generate(lm, p1, None, SamplingParams(max_tokens=8))
+    first = generate(lm, p1, None, SequenceSampling(max_tokens=8))
     _, p2 = _render(lm, first.reply)
-    second = generate(lm, p2, first.cache, SamplingParams(max_tokens=8))
+    second = generate(lm, p2, first.cache, SequenceSampling(max_tokens=8))
     for before, after in zip(first.cache.layers, second.cache.layers, strict=True):
         # The first turn's chunk objects are reused as they are: parking is O(new tokens).
         assert after.chunks[: len(before.chunks)] == before.chunks
@@ -120,7 +120,7 @@ def test_raw_prompt_plus_reply_extends_the_cache():
     # does not end in whitespace kvmem returns it, so prompt + reply is the model's text.
     lm = tiny("tiny-llama")
     prompt = "Notes from the harbour, day one. Question: what did the keeper see?\nAnswer:"
-    first = generate(lm, prompt, None, SamplingParams(max_tokens=16))
-    second = Sequence(lm, prompt + first.reply + "\nQuestion: and then?\nAnswer:", first.cache, SamplingParams(max_tokens=2))
+    first = generate(lm, prompt, None, SequenceSampling(max_tokens=16))
+    second = Sequence(lm, prompt + first.reply + "\nQuestion: and then?\nAnswer:", first.cache, SequenceSampling(max_tokens=2))
     assert second.stats.match == "extend"
     assert second.stats.tokens_reused == first.cache.num_tokens

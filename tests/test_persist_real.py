@@ -7,7 +7,7 @@ from pathlib import Path
 from conftest import tiny
 from runtime.execution.generate import generate
 from runtime.persist import CacheDirectory
-from runtime.execution.sequence import SamplingParams
+from runtime.execution.sequence import SequenceSampling
 
 SYSTEM = " ".join(f"Rule {i}: answer briefly, cite the harbour log, and keep the ledger tidy." for i in range(60))
 
@@ -23,7 +23,7 @@ def test_ten_turn_conversation_writes_at_most_1_2x_its_final_cache(tmp_path):
     cache, written = None, 0
     for turn in range(10):
         messages.append({"role": "user", "content": f"Day {turn}: the tide came in at {turn + 6} o'clock and the gulls were loud. " * 3})
-        result = generate(lm, lm.render(messages), cache, SamplingParams(max_tokens=40))
+        result = generate(lm, lm.render(messages), cache, SequenceSampling(max_tokens=40))
         messages.append({"role": "assistant", "content": result.reply})
         cache = result.cache
         written += store.save("diary", cache.to_snapshot()).bytes_written
@@ -40,7 +40,7 @@ def test_two_agents_with_the_same_system_prompt_store_its_blocks_once(tmp_path):
     reports = []
     for agent, question in (("a", "What is rule 3?"), ("b", "Summarize the rules, please.")):
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-        result = generate(lm, lm.render(msgs), None, SamplingParams(max_tokens=8))
+        result = generate(lm, lm.render(msgs), None, SequenceSampling(max_tokens=8))
         reports.append(store.save(agent, result.cache.to_snapshot()))
     shared = system_tokens // 256
     assert reports[0].blocks_written >= shared

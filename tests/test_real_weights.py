@@ -14,7 +14,7 @@ from reference import cold_generate
 from runtime.execution.generate import decode_alone, generate
 from runtime.kv.kvstate import ActiveKV, ParkedCache
 from runtime.persist import CacheDirectory
-from runtime.execution.sequence import SamplingParams, Sequence
+from runtime.execution.sequence import SequenceSampling, Sequence
 from runtime.spec import LayerKind
 
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play in the park with her dog."
@@ -40,10 +40,10 @@ def test_stories260k_head_dim_8_falls_back_to_float_kv(caplog):
 def test_stories260k_continuation_from_cache_equals_cold_run(source, tmp_path):
     lm = fixture_model("stories260K", bits=4)
     prompt = lm._with_bos(STORY)
-    first = generate(lm, prompt, None, SamplingParams(max_tokens=16))
+    first = generate(lm, prompt, None, SequenceSampling(max_tokens=16))
     cache = first.cache if source == "hot" else _warm(lm, first.cache, tmp_path)
     # A raw-text client appends the reply to its prompt: prompt + reply is the model's text.
-    seq = Sequence(lm, prompt + first.reply + " One day,", cache, SamplingParams(max_tokens=64))
+    seq = Sequence(lm, prompt + first.reply + " One day,", cache, SequenceSampling(max_tokens=64))
     list(decode_alone(seq))
     assert seq.stats.tokens_reused >= 16 and seq.stats.match == "extend"
     cold_tokens, _ = cold_generate(lm, seq.token_ids, 64)
@@ -57,7 +57,7 @@ def test_stories260k_multi_turn_conversation_reuses_cache():
     cache = None
     for i, question in enumerate(["Tell me a story about a cat.", "What did the cat eat?", "Where did it sleep?"]):
         messages.append({"role": "user", "content": question})
-        result = generate(lm, lm.render(messages), cache, SamplingParams(max_tokens=24))
+        result = generate(lm, lm.render(messages), cache, SequenceSampling(max_tokens=24))
         if i:
             assert result.stats.match == "extend"
             assert result.stats.tokens_reused > result.stats.tokens_prefilled
@@ -76,11 +76,11 @@ def test_tinystories_q4_cache_reloaded_from_disk_continues_bit_identically(tmp_p
     lm = fixture_model("tinystories-hd64", bits=4)
     assert set(lm.spec.layer_kinds()) == {LayerKind.Q4}
     prompt = lm._with_bos(STORY)
-    first = generate(lm, prompt, None, SamplingParams(max_tokens=32))
+    first = generate(lm, prompt, None, SequenceSampling(max_tokens=32))
     warm = _warm(lm, first.cache, tmp_path)
     runs = []
     for cache in (first.cache, warm):
-        seq = Sequence(lm, first.cache.text + " The end.", cache, SamplingParams(max_tokens=32))
+        seq = Sequence(lm, first.cache.text + " The end.", cache, SequenceSampling(max_tokens=32))
         seq.logits_trace = []
         list(decode_alone(seq))
         runs.append(seq)

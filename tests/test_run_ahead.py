@@ -13,14 +13,14 @@ from agreement import assert_decoded_alike
 from conftest import tiny
 
 from runtime.execution.decode_batch import DecodeBatch
-from runtime.execution.sequence import SamplingParams, Sequence
+from runtime.execution.sequence import SequenceSampling, Sequence
 
 ROWS = {  # name: (prompt, sampling, the step the row joins at)
-    "a": ("The harbour master kept a ledger of ships. " * 6, SamplingParams(max_tokens=5), 0),
-    "b": ("Once upon a time in a quiet town, " * 5, SamplingParams(max_tokens=14), 0),
-    "c": ("Numbers: one two three four five six. " * 4, SamplingParams(max_tokens=9), 3),
-    "d": ("A list of fruits and their colours. " * 7, SamplingParams(max_tokens=12, stop=("e",)), 1),
-    "e": ("Call the weather tool for Paris. " * 3, SamplingParams(max_tokens=7, forced=(5, 6, 7, 8)), 2),
+    "a": ("The harbour master kept a ledger of ships. " * 6, SequenceSampling(max_tokens=5), 0),
+    "b": ("Once upon a time in a quiet town, " * 5, SequenceSampling(max_tokens=14), 0),
+    "c": ("Numbers: one two three four five six. " * 4, SequenceSampling(max_tokens=9), 3),
+    "d": ("A list of fruits and their colours. " * 7, SequenceSampling(max_tokens=12, stop=("e",)), 1),
+    "e": ("Call the weather tool for Paris. " * 3, SequenceSampling(max_tokens=7, forced=(5, 6, 7, 8)), 2),
 }
 
 

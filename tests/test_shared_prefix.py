@@ -16,7 +16,7 @@ from conftest import cpu_only, tiny
 from runtime.cpu import attention as cpu_attention
 from runtime.execution.decode_batch import DecodeBatch, merge_with_room
 from runtime.execution.generate import decode_alone, generate
-from runtime.execution.sequence import SamplingParams, Sequence
+from runtime.execution.sequence import SequenceSampling, Sequence
 from runtime.execution.shared_prefix import MIN_SHARED_TOKENS, shared_prefix_length
 
 pytestmark = [
@@ -126,11 +126,11 @@ def test_agents_sharing_a_prompt_decode_together_as_each_alone(monkeypatch: pyte
     lm = tiny("tiny-llama")
     system = " ".join(f"Rule {i}: keep the mill by the river running and the lighthouse lit." for i in range(40))
     briefing = generate(lm, lm.render([{"role": "system", "content": system}]), None,
-                        SamplingParams(max_tokens=1)).cache
+                        SequenceSampling(max_tokens=1)).cache
     assert briefing.num_tokens > MIN_SHARED_TOKENS
     prompts = [lm.render([{"role": "system", "content": system}, {"role": "user", "content": q}])
                for q in ("What next?", "Who keeps the light?", "Why the mill?")]
-    params = SamplingParams(max_tokens=6)
+    params = SequenceSampling(max_tokens=6)
     alone = []
     for prompt in prompts:
         seq = Sequence(lm, prompt, briefing, params)

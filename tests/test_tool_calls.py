@@ -13,7 +13,7 @@ from mlx_lm.tool_parsers import mistral, pythonic
 from runtime.plan.contract import ToolCall, ToolChoice, ToolUse
 from runtime.execution.generate import generate
 from runtime.model.loaded import LoadedModel, load_model
-from runtime.execution.sequence import SamplingParams
+from runtime.execution.sequence import SequenceSampling
 from runtime.reply.tool_calls import (
     GENERIC_CALLS,
     ToolCallFormat,
@@ -144,12 +144,12 @@ def test_tool_choice_becomes_sampling_rules(qwen: LoadedModel) -> None:
 def test_forced_tokens_and_banned_tokens_steer_a_real_model(qwen: LoadedModel) -> None:
     prompt = qwen.render([{"role": "user", "content": "Weather?"}], tools=TOOLS)
     opening = '<tool_call>\n{"name": "get_weather", "arguments": {'
-    forced = generate(qwen, prompt, None, SamplingParams(max_tokens=24, forced=tuple(qwen.tokenize(opening)[0])))
+    forced = generate(qwen, prompt, None, SequenceSampling(max_tokens=24, forced=tuple(qwen.tokenize(opening)[0])))
     assert forced.reply.startswith(opening)
     marker = qwen.tokenize("<tool_call>")[0][0]
-    wants = generate(qwen, prompt, None, SamplingParams(max_tokens=6, logit_bias={marker: 50.0}))
+    wants = generate(qwen, prompt, None, SequenceSampling(max_tokens=6, logit_bias={marker: 50.0}))
     assert wants.reply.startswith("<tool_call>")
-    banned = generate(qwen, prompt, None, SamplingParams(max_tokens=6, logit_bias={marker: float("-inf")}))
+    banned = generate(qwen, prompt, None, SequenceSampling(max_tokens=6, logit_bias={marker: float("-inf")}))
     assert "<tool_call>" not in banned.reply
 
 

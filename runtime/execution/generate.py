@@ -10,7 +10,7 @@ import mlx.core as mx
 from runtime.reply.grammar import mask_rows
 from runtime.kv.kvstate import ParkedCache, Strategy
 from runtime.model.loaded import LoadedModel
-from runtime.execution.sequence import SamplingParams, Sequence, TurnStats
+from runtime.execution.sequence import SequenceSampling, Sequence, TurnStats
 
 __all__ = ["generate", "GenerationResult", "decode_alone"]
 
@@ -47,7 +47,7 @@ def generate(
     lm: LoadedModel,
     prompt: str,
     cache: ParkedCache | None = None,
-    params: SamplingParams | None = None,
+    params: SequenceSampling | None = None,
     *,
     strategy: Strategy = "at-rest",
     on_text: Callable[[str], None] | None = None,
@@ -62,7 +62,7 @@ def generate(
         strategy: ``at-rest`` (float while active) or ``native`` (quantized SDPA).
         on_text: called with each streamable piece of the reply.
     """
-    seq = Sequence(lm, prompt, cache, params or SamplingParams(), strategy=strategy)
+    seq = Sequence(lm, prompt, cache, params or SequenceSampling(), strategy=strategy)
     for delta in decode_alone(seq):
         if on_text is not None:
             on_text(delta)

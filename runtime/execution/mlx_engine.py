@@ -44,7 +44,7 @@ from runtime.cpu.kv_copy import use_host_views
 from runtime.kv.kvstate import SLIDING_SLACK, ParkedCache, Strategy, settle_attention, with_kept_float
 from runtime.model.loaded import LoadedModel, load_model
 from runtime.plan.prefix import MatchKind
-from runtime.execution.sequence import SamplingParams, Sequence, start_from
+from runtime.execution.sequence import SequenceSampling, Sequence, start_from
 from runtime.spec import CacheSnapshot, KVFormat, LayerKind, ModelCacheSpec
 from runtime.reply.tool_calls import ReplyRules, reply_rules
 from runtime.execution.warmup import prewarm_memory, warm_up
@@ -264,10 +264,10 @@ class MlxEngine:
             token_ids=tuple(seq.token_ids),
         )
 
-    def sampling_params(self, sampling: SamplingOptions, rules: ReplyRules | None = None) -> SamplingParams:
+    def sampling_params(self, sampling: SamplingOptions, rules: ReplyRules | None = None) -> SequenceSampling:
         """How a turn's sequence samples: its options, plus what its ``tool_choice`` and ``response_format``
         enforce (``rules``: the turn's :func:`~runtime.reply.tool_calls.reply_rules`, worked out here if not given)."""
-        params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+        params = SequenceSampling(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                 top_p=sampling.top_p, top_k=sampling.top_k, stop=tuple(sampling.stop))
         if sampling.tool_use is None and sampling.response_format is None:
             return params

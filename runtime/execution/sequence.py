@@ -8,7 +8,7 @@ matcher (:func:`runtime.plan.kv_manager.own_plan`) and started by the same
 per :meth:`accept` call, whether it decodes alone (``runtime.execution.generate``) or
 inside a batch (:class:`runtime.execution.decode_batch.DecodeBatch`).
 
-What it generates is set by its :class:`SamplingParams` (length, temperature,
+What it generates is set by its :class:`SequenceSampling` (length, temperature,
 top-p / top-k through mlx-lm's sampler, logit bias, stop strings);
 :class:`StopMatcher` finds stop strings in the growing reply and holds back
 text that could still become one.
@@ -32,15 +32,19 @@ from runtime.plan.kv_manager import own_plan
 from runtime.plan.prefix import MatchKind
 from runtime.reply.tool_calls import ToolCallSplitter
 
-__all__ = ["SamplingParams", "StopMatcher", "build_sampler", "Sequence", "StartFrom", "TurnStats", "prefill_chunk_size", "start_from"]
+__all__ = ["SequenceSampling", "StopMatcher", "build_sampler", "Sequence", "StartFrom", "TurnStats", "prefill_chunk_size", "start_from"]
 
 
 # -- sampling ------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """What to generate: length, randomness and where to stop.
+class SequenceSampling:
+    """How one sequence samples: what to generate, its randomness and where to stop.
+
+    Built from a turn's :class:`runtime.plan.contract.SamplingOptions` (what the client asked)
+    plus what its reply rules enforce (forced tokens, banned tokens, a grammar):
+    :meth:`runtime.execution.mlx_engine.MlxEngine.sampling_params`.
 
     ``temperature == 0`` is greedy. ``top_p`` / ``top_k`` follow mlx-lm's sampler.
     ``logit_bias`` adds to the logits of the given token ids before sampling.
@@ -64,7 +68,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def build_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+def build_sampler(params: SequenceSampling) -> Callable[[mx.array], mx.array]:
     """mlx-lm's sampler for these parameters (log-probabilities in, token ids out)."""
     top_p = params.top_p if 0.0 < params.top_p < 1.0 else 0.0
     return make_sampler(temp=params.temperature, top_p=top_p, top_k=params.top_k)
@@ -208,7 +212,7 @@ class Sequence:
         lm: LoadedModel,
         prompt: str,
         parked: ParkedCache | None,
-        params: SamplingParams,
+        params: SequenceSampling,
         *,
         strategy: Strategy = "at-rest",
         partial_threshold: float = 0.8,

@@ -62,16 +62,16 @@ def warm_up(lm: Any, strategy: str) -> float:
     longer than the same turn hot even with its cache restored ahead; with this at
     model load, 0.91-1.11x hot (``benches/results/README.md``). Must run on the model's thread.
     """
-    from runtime.execution.sequence import SamplingParams, Sequence
+    from runtime.execution.sequence import SequenceSampling, Sequence
 
     started = time.perf_counter()
-    first = Sequence(lm, WARM_UP_PROMPT, None, SamplingParams(max_tokens=1), strategy=strategy)
+    first = Sequence(lm, WARM_UP_PROMPT, None, SequenceSampling(max_tokens=1), strategy=strategy)
     while first.prefill_step() is None:
         pass
     parked = first.park()
     if parked is not None:
         # Four tokens or more, as a turn's new text usually is: prefill over a cache through NumPy attention.
-        again = Sequence(lm, parked.text + " Once more, the warm up.", parked, SamplingParams(max_tokens=1),
+        again = Sequence(lm, parked.text + " Once more, the warm up.", parked, SequenceSampling(max_tokens=1),
                          strategy=strategy)
         while again.prefill_step() is None:
             pass

@@ -78,10 +78,10 @@ def settle_attention(lm: Any, attention: Strategy) -> tuple[Strategy, str | None
     if attention != "native" or lm.spec.kv_format.bits is None:
         return attention, None
     from runtime.execution.decode_batch import DecodeBatch  # noqa: PLC0415 - the batch builds on this module
-    from runtime.execution.sequence import SamplingParams, Sequence  # noqa: PLC0415
+    from runtime.execution.sequence import SequenceSampling, Sequence  # noqa: PLC0415
 
     try:
-        probe = Sequence(lm, NATIVE_PROBE_PROMPT, None, SamplingParams(max_tokens=2), strategy="native")
+        probe = Sequence(lm, NATIVE_PROBE_PROMPT, None, SequenceSampling(max_tokens=2), strategy="native")
         while probe.prefill_step(NATIVE_PROBE_TOKENS) is None:
             pass
         if probe.finish_reason is None:
