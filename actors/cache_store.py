@@ -84,7 +84,7 @@ from runtime.identity import AgentKey, local_id, safe_agent_dirname, tenant_of
 from runtime.plan.block_pool import PoolStats
 from runtime.plan.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
-from runtime.plan.save_queue import SaveQueue
+from runtime.plan.save_queue import SaveQueue, WaitForLoads, WaitUntil, Write
 from runtime.persist.tenants import TenantDirectories
 from runtime.spec import CacheSnapshot
 
@@ -436,14 +436,14 @@ class CacheStoreActor:
                 case None:  # nothing dirty
                     await self._wake.wait()
                     self._wake = trio.Event()
-                case str():  # an agent waits for a load; a save can wait
+                case WaitForLoads():  # an agent waits for a load; a save can wait
                     await self._no_loads.wait()
                     self._no_loads = trio.Event()
-                case float() as retry_at:  # the last save failed: wait, or for the next turn
+                case WaitUntil(at=retry_at):  # the last save failed: wait, or for the next turn
                     with trio.move_on_at(retry_at):
                         await self._wake.wait()
                         self._wake = trio.Event()
-                case key:
+                case Write(key=key):
                     await self._write(key)
 
     async def _write(self, key: AgentKey) -> bool:

@@ -269,7 +269,6 @@ class GPUActor:
         self._manager.begin(request_id, agent_id=req.msg.agent_id, model_tag=req.msg.model_tag,
                             token_ids=started.token_ids, tokens_reused=started.tokens_reused, share_prefix=req.msg.share_prefix)
         req.started = started
-        req.to_prefill = started.tokens_to_prefill
         assert self._sched is not None
         self._sched.to_prefill(request_id, started.tokens_to_prefill)
         self._event("admit", request_id)
@@ -284,7 +283,7 @@ class GPUActor:
         for request_id in step.join:
             if self._prefilling(request_id):
                 await self._prefill(request_id, step.chunk, step.adopt.get(request_id), request_id in step.donate)
-        if any(r in self._requests for r in step.decode) and self._sched.decoding():
+        if step.decode and self._sched.decoding():  # a row may have finished in its first token
             await self._step()
         if step.prefill is not None and self._prefilling(step.prefill):
             await self._prefill(step.prefill, step.chunk, step.adopt.get(step.prefill), step.prefill in step.donate)

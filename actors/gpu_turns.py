@@ -26,7 +26,6 @@ class GpuTurn:
     last_token_at: float | None = None
     pending: list[str | ToolCall] = field(default_factory=list)  # what the client's channel had no room for
     client_gone: bool = False
-    to_prefill: int | None = None  # prompt tokens to prefill when it started (None: not started)
     adopted: bool = False  # started from a prefix of another agent's turn in flight
     started: SequenceStarted | None = None
     announced: bool = False  # the TurnStarted went out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.plan.save_queue import WAIT_FOR_LOADS, SaveQueue
+from runtime.plan.save_queue import SaveQueue, WaitForLoads, WaitUntil, Write
 
 
 def _queue() -> SaveQueue[str, str, str]:
@@ -15,7 +15,7 @@ def test_caches_are_written_oldest_first_and_a_newer_one_supersedes_an_unwritten
     q.put("b", "b1")
     q.put("a", "a2")  # supersedes a1, and moves behind b
     assert q.keys() == ["b", "a"]
-    assert q.next(0.0, loads_waiting=False) == "b"
+    assert q.next(0.0, loads_waiting=False) == Write("b")
     assert q.get("a").item == "a2" and len(q) == 2
 
 
@@ -23,8 +23,8 @@ def test_a_durable_cache_goes_first_and_nothing_is_written_while_a_load_waits() 
     q = _queue()
     q.put("a", "a1")
     q.put("b", "b1", waiter="client-b")
-    assert q.next(0.0, loads_waiting=False) == "b"
-    assert q.next(0.0, loads_waiting=True) == WAIT_FOR_LOADS
+    assert q.next(0.0, loads_waiting=False) == Write("b")
+    assert q.next(0.0, loads_waiting=True) == WaitForLoads()
     assert _queue().next(0.0, loads_waiting=True) is None  # nothing dirty: nothing to wait for
 
 
@@ -47,11 +47,11 @@ def test_a_save_that_may_recover_keeps_its_cache_dirty_behind_the_others_and_pau
     q.put("b", "b1")
     assert q.settle("a", a, saved=False, retry=True, now=100.0) is False
     assert q.keys() == ["b", "a"]
-    assert q.next(101.0, loads_waiting=False) == 105.0  # the pause ends at 105
-    assert q.next(105.0, loads_waiting=False) == "b"
+    assert q.next(101.0, loads_waiting=False) == WaitUntil(105.0)  # the pause ends at 105
+    assert q.next(105.0, loads_waiting=False) == Write("b")
     q.settle("a", a, saved=False, retry=True, now=110.0)
     q.put("c", "c1")  # a new turn ends the pause: the disk may have recovered
-    assert q.next(111.0, loads_waiting=False) == "b"
+    assert q.next(111.0, loads_waiting=False) == Write("b")
 
 
 def test_a_save_that_cannot_succeed_drops_its_cache() -> None:

@@ -244,13 +244,9 @@ class MlxEngine:
     ) -> SequenceStarted:
         if not prompt:
             raise ValueError("empty prompt")
-        splitter = None
-        if sampling.tool_use is None and sampling.response_format is None:  # nothing for the reply rules to do
-            params = self.sampling_params(sampling)
-        else:
-            rules = self._rules(sampling)  # once per turn: a named call's opening renders the template
-            params = self.sampling_params(sampling, rules)
-            splitter = rules.splitter(sampling.tool_use)
+        rules = self._rules(sampling)  # once per turn: a named call's opening renders the template
+        params = self.sampling_params(sampling, rules)
+        splitter = rules.splitter(sampling.tool_use) if rules is not None else None
         start = start_from(self.lm, prompt, plan, tokens)
         seq = Sequence(self.lm, prompt, None, params, strategy=self._strategy, start=start, tool_calls=splitter)
         seq.sync_chunks = not self._profile.run_ahead
@@ -269,13 +265,16 @@ class MlxEngine:
         enforce (``rules``: the turn's :func:`~runtime.reply.tool_calls.reply_rules`, worked out here if not given)."""
         params = SequenceSampling(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                 top_p=sampling.top_p, top_k=sampling.top_k, stop=tuple(sampling.stop))
-        if sampling.tool_use is None and sampling.response_format is None:
-            return params
         rules = rules or self._rules(sampling)
+        if rules is None:
+            return params
         return replace(params, forced=tuple(self.lm.tokenize(rules.forced)[0]) if rules.forced else (),
                        logit_bias={token: float("-inf") for token in rules.banned}, grammar=rules.grammar)
 
-    def _rules(self, sampling: SamplingOptions) -> ReplyRules:
+    def _rules(self, sampling: SamplingOptions) -> ReplyRules | None:
+        """The turn's reply rules; None when it has no tools and no ``response_format`` (nothing to enforce)."""
+        if sampling.tool_use is None and sampling.response_format is None:
+            return None
         return reply_rules(self.lm, sampling.tool_use, sampling.response_format)
 
     def prefill(self, request_id: int, chunk: int | None, *, adopt: FromShared | None = None) -> PrefillResult:

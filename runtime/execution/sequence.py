@@ -225,8 +225,10 @@ class Sequence:
         self.started = time.perf_counter()
         self.stats = TurnStats()
         if start is None:  # standalone: the runtime's matcher, as a real turn is planned
-            own = None if parked is None else OwnCache(source=FromHot(parked=parked), tier="hot")
-            plan = (own_plan(own, prompt, partial_threshold=partial_threshold) if own is not None else None) or COLD
+            plan = COLD
+            if parked is not None:
+                own = OwnCache(source=FromHot(parked=parked), tier="hot")
+                plan = own_plan(own, prompt, partial_threshold=partial_threshold) or COLD
             start = start_from(lm, prompt, plan)
         elif parked is not None:
             raise ValueError("a planned sequence takes its cache from `start`, not `parked`")

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["SaveQueue", "Dirty", "SAVE_RETRY_S", "WAIT_FOR_LOADS"]
+__all__ = ["SaveQueue", "Dirty", "Write", "WaitForLoads", "WaitUntil", "SAVE_RETRY_S"]
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -31,8 +31,25 @@ W = TypeVar("W")
 SAVE_RETRY_S = 5.0
 """After a save fails with a disk error (disk full, read-only), dirty caches wait this long or for the next turn."""
 
-WAIT_FOR_LOADS = "wait for loads"
-""":meth:`SaveQueue.next`'s answer while a load is waiting."""
+
+
+@dataclass(frozen=True)
+class Write(Generic[K]):
+    """:meth:`SaveQueue.next`: write the cache of ``key`` now."""
+
+    key: K
+
+
+@dataclass(frozen=True)
+class WaitForLoads:
+    """:meth:`SaveQueue.next`: a load is waiting; write once none is."""
+
+
+@dataclass(frozen=True)
+class WaitUntil:
+    """:meth:`SaveQueue.next`: the retry pause; write at ``at`` (``now``'s clock) or when a new cache arrives."""
+
+    at: float
 
 
 @dataclass(frozen=True)
@@ -77,16 +94,16 @@ class SaveQueue(Generic[K, T, W]):
 
     # -- what to do next --------------------------------------------------------------
 
-    def next(self, now: float, *, loads_waiting: bool) -> K | float | str | None:
-        """The key to write now; else why not: None (nothing dirty), :data:`WAIT_FOR_LOADS`,
-        or the time (a float, on ``now``'s clock) at which the retry pause ends."""
+    def next(self, now: float, *, loads_waiting: bool) -> Write[K] | WaitForLoads | WaitUntil | None:
+        """What the writer does now: write a key, or wait (for the loads, until the retry pause
+        ends); None: nothing is dirty."""
         if not self._dirty:
             return None
         if loads_waiting:
-            return WAIT_FOR_LOADS
+            return WaitForLoads()
         if now < self._retry_at:
-            return self._retry_at
-        return next(iter(self._dirty))
+            return WaitUntil(self._retry_at)
+        return Write(next(iter(self._dirty)))
 
     # -- what a save's outcome does ---------------------------------------------------
 

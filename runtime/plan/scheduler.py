@@ -222,6 +222,7 @@ class Scheduler:
         prefill = self.next_prefill(exclude=join)
         if prefill is not None and (shared := donors.adopt(prefill)) is not None:
             adopt[prefill] = shared
+        # Asked again, now that the next prefill took its donor: a prompt only it wanted is not parked.
         donate = frozenset(r for r in (*join, *([prefill] if prefill is not None else []))
                            if r not in together and donors.wants_donor(r))
         return Step(join=join, together=together if len(together) >= 2 else (), adopt=adopt, donate=donate,
