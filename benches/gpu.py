@@ -26,9 +26,9 @@ with ``mx.random``), in one process, plain mlx-lm first, then kvmem's runtime
 The random weights are tiny_models' scheme (peaky logits; padded vocabulary
 rows zero) with the end-of-turn token's output row zero too, so no turn stops
 early: every turn generates exactly what it asks. Then the needle rows of
-item 3 (:mod:`benches.needle`'s own functions on ``kvmem-default``: float and
-kvmem's default attention for the profile, ``--needles`` per length at
-``--needle-lengths``, while ``--deadline-s`` allows), the last summary line of
+item 3, run first (:mod:`benches.needle`'s own functions on ``kvmem-default``:
+float, Q4 at-rest and, under the GPU policy, Q4 native, ``--needles`` per length at
+``--needle-lengths``, longest first, while ``--needle-deadline-s`` allows), the last summary line of
 ``--suite-log`` (a pytest run captured earlier in the same script) and whether
 pytest-xdist (``pytest -n 8``) is importable. Medians of ``--repeats``.
 
@@ -471,27 +471,52 @@ def run_geometry(geom: Geometry, plan: Plan, models_dir: Path, tmp: Path) -> Geo
 
 
 def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadline: float) -> list[str]:
-    """Item 3's needle rows through :mod:`benches.needle`: float and kvmem's default attention for ``profile``."""
+    """Item 3's needle rows through :mod:`benches.needle`: float, Q4 at-rest and, where its kernels run,
+    Q4 native, so the report shows what the profile's default gives beside what it did not pick."""
     if count <= 0 or model == "none":
         return ["Not run (`--needles 0` or `--needle-model none`)."]
-    from benches import needle, prose
     from runtime.backend import device_profile
     from runtime.errors import ModelError
     from runtime.kv.kvstate import settle_attention
     from runtime.model.loaded import load_model
     from runtime.spec import KVFormat
 
-    try:
-        lm = load_model(model, kv_format=KVFormat(bits=4), models_dir=harness.BENCH_HOME / "models")
-    except ModelError as exc:
-        return [f"Skipped: {exc}."]
-    attention, note = settle_attention(lm, device_profile(profile=profile).attention)
-    fmt = "q4-native" if attention == "native" else "q4-at-rest"
+    chosen = device_profile(profile=profile)
+    default = "q4-native" if chosen.attention == "native" else "q4-at-rest"
+    rows: list[dict[str, Any]] = []
+    skipped: list[int] = []
+    weights_note = ""
+    for weights in ("auto", "bfloat16"):  # as the profile holds them; bf16 if a quantized kernel is missing
+        try:
+            lm = load_model(model, kv_format=KVFormat(bits=4), models_dir=harness.BENCH_HOME / "models",
+                            weights=weights)
+        except ModelError as exc:
+            return [f"Skipped: {exc}."]
+        # Native Q4 prefill runs single-threaded on MLX's CPU backend (hours at 8K): measured on GPUs only.
+        native_ok, note = settle_attention(lm, "native") if chosen.policy == "gpu" else (
+            "at-rest", "not run under the CPU policy (quantized SDPA is single-threaded there)")
+        formats = ["q4-at-rest", *(["q4-native"] if native_ok == "native" else [])]
+        try:
+            _needles_of(lm, formats, lengths, count, deadline, rows, skipped)
+            break
+        except Exception as exc:  # noqa: BLE001 - reported, and retried once with float weights
+            if rows or weights != "auto":
+                raise
+            weights_note = (f" Weights `auto` stopped ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                            "these rows hold the weights as bfloat16.")
+            log(f"needle rows:{weights_note}")
+    lines = render_needles(rows, formats, default, model=model, note=note, skipped=skipped)
+    return [lines[0] + weights_note, *lines[1:]]
+
+
+def _needles_of(lm: Any, formats: list[str], lengths: list[int], count: int, deadline: float,
+                rows: list[dict[str, Any]], skipped: list[int]) -> None:
+    """Float, then ``formats``, for ``count`` needles at each of ``lengths`` (appended to ``rows``)."""
+    from benches import needle, prose
+
     text = prose.prose()
     ids, ends = lm.tokenize(text)
     kinds = needle.cache_kinds(lm)
-    rows: list[dict[str, Any]] = []
-    skipped: list[int] = []
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-gpu-needle-") as tmp:
         for length in lengths:
             if time.time() > deadline:
@@ -504,17 +529,17 @@ def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadli
                 rows.append({"length": n, "format": f, "needle": nd.index, "hit": nd.value in reply, "answer": reply})
 
             t0 = time.perf_counter()
-            derived = [fmt] if fmt == "q4-at-rest" else []
-            needle.run_length(lm, hay, needles, kinds["float"], derived=derived, tmp=Path(tmp), on_result=on_result)
-            if fmt == "q4-native":
-                needle.run_length(lm, hay, needles, kinds[fmt], derived=[], tmp=Path(tmp), on_result=on_result)
+            needle.run_length(lm, hay, needles, kinds["float"], derived=["q4-at-rest"], tmp=Path(tmp),
+                              on_result=on_result)
+            if "q4-native" in formats:
+                needle.run_length(lm, hay, needles, kinds["q4-native"], derived=[], tmp=Path(tmp),
+                                  on_result=on_result)
             log(f"needle L={length}: {time.perf_counter() - t0:.1f} s")
-    return render_needles(rows, fmt, model=model, note=note, skipped=skipped)
 
 
-def render_needles(rows: list[dict[str, Any]], fmt: str, *, model: str, note: str | None,
-                   skipped: list[int]) -> list[str]:
-    """The needle table: hits per format and length, and agreement with float."""
+def render_needles(rows: list[dict[str, Any]], formats: list[str], default: str, *, model: str,
+                   note: str | None, skipped: list[int]) -> list[str]:
+    """The needle table: hits per format and length, and per format how many of float's answers it matched."""
     from benches.needle import FORMAT_LABELS
 
     lengths = sorted({r["length"] for r in rows})
@@ -524,17 +549,22 @@ def render_needles(rows: list[dict[str, Any]], fmt: str, *, model: str, note: st
         mine = [r for r in rows if r["length"] == n and r["format"] == f]
         return f"{sum(r['hit'] for r in mine)}/{len(mine)}" if mine else "—"
 
-    def agree(n: int) -> str:
-        pairs = [(r, by.get((n, "float", r["needle"]))) for r in rows if r["length"] == n and r["format"] == fmt]
-        return f"{sum(1 for r, f in pairs if f is not None and r['hit'] == f['hit'])}/{len(pairs)}"
+    def kept(f: str, n: int) -> str:
+        """Float's hits this format also found, of float's hits."""
+        hits = [r for r in rows if r["length"] == n and r["format"] == "float" and r["hit"]]
+        mine = [by.get((n, f, r["needle"])) for r in hits]
+        return f"{sum(1 for m in mine if m is not None and m['hit'])}/{len(hits)}"
 
-    lines = [f"Model `{model}`; kvmem's default attention here: {FORMAT_LABELS[fmt]}"
-             + (f" ({note})" if note else "") + "; needle form and haystack as in `benches/needle.py`.", ""]
+    label = {f: FORMAT_LABELS[f] + (" — **kvmem's default**" if f == default else "") for f in formats}
+    lines = [f"Model `{model}`; needle form and haystack as in `benches/needle.py`; kvmem's default attention "
+             f"for this profile: {FORMAT_LABELS[default]}."
+             + (f" Native Q4 not measured: {note}." if note else ""), ""]
     if lengths:
         lines += table(["KV format", *(f"L = {n}" for n in lengths)],
                        [["float", *(cell("float", n) for n in lengths)],
-                        [FORMAT_LABELS[fmt], *(cell(fmt, n) for n in lengths)],
-                        ["same hit/miss as float", *(agree(n) for n in lengths)]])
+                        *([label[f], *(cell(f, n) for n in lengths)] for f in formats),
+                        *([f"{FORMAT_LABELS[f]}: float's hits kept", *(kept(f, n) for n in lengths)]
+                          for f in formats)])
     if skipped:
         lines += ["", f"Not run for lack of time (`--deadline-s`): L = {skipped}."]
     return lines
@@ -666,7 +696,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-tokens", type=int, help="tokens per agent per batch round (default 64)")
     p.add_argument("--profile", choices=("auto", "cpu", "gpu"), default="auto", help="kvmem's backend profile")
     p.add_argument("--needle-model", default="kvmem-default", help="needle model: a name, a GGUF, or none")
-    p.add_argument("--needle-lengths", type=int, nargs="+", help="default 1024 2048 4096 8192 (1024 with --quick)")
+    p.add_argument("--needle-lengths", type=int, nargs="+", help="default 8192 4096 2048 1024 (1024 with --quick)")
+    p.add_argument("--needle-deadline-s", type=float, default=150.0,
+                   help="no needle length starts after this many seconds (the needle rows run first)")
     p.add_argument("--needles", type=int, help="needles per length (default 8; 2 with --quick; 0: skip)")
     p.add_argument("--deadline-s", type=float, default=450.0,
                    help="no geometry or needle length starts after this many seconds")
@@ -709,6 +741,19 @@ def main(argv: list[str] | None = None) -> None:
                 shutil.copy(f, args.out / f.name)
         return path
 
+    # The needle rows first (a 135M model: a minute or two), longest haystack first, under their own
+    # deadline; then the geometries. A device run cut short still has the needles in its report.
+    t0 = time.perf_counter()
+    count = args.needles if args.needles is not None else 2 if quick else 8
+    lengths = args.needle_lengths or ([1024] if quick else [8192, 4096, 2048, 1024])
+    try:
+        needles = needle_rows(args.needle_model, lengths, count, args.profile,
+                              min(deadline, res.started + args.needle_deadline_s))
+    except Exception as exc:  # noqa: BLE001 - a one-shot device run keeps its report and says why
+        needles = [f"Stopped: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"]
+        log(f"needle rows: {needles[0]}")
+    log(f"needle rows: {time.perf_counter() - t0:.0f} s")
+    report(needles)
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-gpu-") as tmp:
         for geom in geoms:
             log(f"== {geom.label}")
@@ -716,12 +761,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs.append(GeometryRun(geom, error=f"not run: past --deadline-s {args.deadline_s:g}"))
                 continue
             runs.append(run_geometry(geom, plan, harness.BENCH_HOME / "models", Path(tmp)))
-            report(["Not run yet."])
-    t0 = time.perf_counter()
-    count = args.needles if args.needles is not None else 2 if quick else 8
-    lengths = args.needle_lengths or ([1024] if quick else [1024, 2048, 4096, 8192])
-    needles = needle_rows(args.needle_model, lengths, count, args.profile, deadline)
-    log(f"needle rows: {time.perf_counter() - t0:.0f} s")
+            report(needles)
     print(report(needles).read_text())
 
 

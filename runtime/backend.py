@@ -16,7 +16,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 
 | decision | ``cpu`` policy | ``gpu`` policy |
 |--|--|--|
-| attention (``auto``) | at-rest (float while active: prefill into Q4 is 3-4x slower on CPU) | native Q4, if its kernels run the model's shapes, else at-rest |
+| attention (``auto``) | at-rest (float while active: prefill into Q4 is 3-4x slower on CPU) | at-rest too: quantizing each token as it arrives (native) loses needles float keeps (``docs/models.md``); ``native`` when asked, once its kernels run the model's shapes, else at-rest |
 | GGUF weights (``auto``) | float32 (the only fast matmul on MLX's CPU backend) | as stored (Q4/Q8) |
 | float dtype of activations and KV | the weights' (float32 for a GGUF) | the model's own (bf16 / f16 stay so; never float32 by accident) |
 | prefill chunk | 512 / 256 / 128 as the context grows | 2048 (mlx-lm's ``prefill_step_size``) |
@@ -154,7 +154,9 @@ def decide_profile(
         backend=backend,
         policy=policy,
         forced=profile != "auto",
-        attention=("at-rest" if cpu else "native") if attention == "auto" else attention,  # type: ignore[arg-type]
+        # Fidelity decides, on every device: native Q4 quantizes each token as it arrives and lost
+        # needles float keeps (11 of 20 at 8K where float found 15); at-rest attends in float.
+        attention="at-rest" if attention == "auto" else attention,  # type: ignore[arg-type]
         weights=("float32" if cpu else "quantized") if weights == "auto" else weights,
         prefill_chunks=chunks,
         numpy_attention=numpy_paths,

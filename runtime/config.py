@@ -112,9 +112,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         kv_bits: 4 or 8 (quantized KV at rest) or None (float KV; ``"float"`` in
             the environment, TOML and flags).
         kv_group_size: quantization group size.
-        attention: ``auto`` (at-rest on CPU, native on GPU backends), ``at-rest``
-            (Q4 at rest, float while a sequence runs; fastest on CPU) or
-            ``native`` (attend on packed Q4 with MLX's quantized SDPA).
+        attention: ``auto`` (at-rest on every device: native loses needles float keeps,
+            docs/models.md), ``at-rest`` (Q4 at rest, float while a sequence runs; fastest
+            on CPU) or ``native`` (attend on packed Q4 with MLX's quantized SDPA).
         profile: which backend policy applies (:mod:`runtime.backend`): ``auto`` (the
             device's), or ``cpu`` / ``gpu`` forced (the GPU policy on a CPU runs its paths'
             logic; the CPU policy on a GPU its host paths).

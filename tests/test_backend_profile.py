@@ -1,8 +1,9 @@
 """One backend profile, decided once (issue 33, items 1 and 2's check), tested on the CPU.
 
 The policy table is pure code (:func:`runtime.backend.decide_profile`); the GPU policy is then
-forced on the CPU device (``profile="gpu"``), so the paths a GPU takes run here: native Q4
-attention after its load check, 2048-token chunks, and none of the CPU's host paths.
+forced on the CPU device (``profile="gpu"``), so the paths a GPU takes run here: at-rest
+attention by default (fidelity decides it on every device), native Q4 only after its load check,
+2048-token chunks, and none of the CPU's host paths.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ def test_the_cpu_device_gets_the_cpu_policy() -> None:
 
 def test_a_gpu_gets_the_gpu_policy_with_no_host_paths() -> None:
     p = decide_profile(device="gpu", backend="cuda", prewarm_mb=512)
-    assert (p.policy, p.attention, p.weights) == ("gpu", "native", "quantized")
+    assert (p.policy, p.attention, p.weights) == ("gpu", "at-rest", "quantized")
     assert not (p.numpy_attention or p.numpy_kv_copy or p.shared_prefix_check or p.tune_allocator)
     assert p.prewarm_mb == 0 and p.chunk_for(0) == p.chunk_for(100_000) == GPU_CHUNK
 
 
 def test_the_policy_can_be_forced_either_way_and_explicit_settings_win() -> None:
     forced = decide_profile(device="cpu", backend="cpu", profile="gpu")
-    assert (forced.policy, forced.forced, forced.attention, forced.numpy_kv_copy) == ("gpu", True, "native", False)
+    assert (forced.policy, forced.forced, forced.attention, forced.numpy_kv_copy) == ("gpu", True, "at-rest", False)
     assert decide_profile(device="gpu", backend="metal", profile="cpu").numpy_attention
     explicit = decide_profile(device="gpu", backend="cuda", attention="at-rest", weights="bfloat16",
                               prefill_chunk=1024)
@@ -56,7 +57,7 @@ def test_the_cpu_schedule_is_the_one_sequences_use_alone() -> None:
 
 def test_the_profile_line_names_every_decision() -> None:
     line = decide_profile(device="cpu", backend="cpu", profile="gpu").line()
-    for part in ("backend cpu (gpu policy, forced)", "attention native", "weights quantized", "prefill chunk 2048",
+    for part in ("backend cpu (gpu policy, forced)", "attention at-rest", "weights quantized", "prefill chunk 2048",
                  "host paths none"):
         assert part in line
 
@@ -67,13 +68,18 @@ def test_the_profile_line_names_every_decision() -> None:
 def _engine(**settings: Any) -> Any:
     from runtime.execution.mlx_engine import MlxEngine
 
-    return MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, strategy="auto", **settings)
+    return MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, **{"strategy": "auto", **settings})
 
 
-def test_the_gpu_policy_on_the_cpu_runs_native_attention_without_host_paths() -> None:
+def test_the_gpu_policy_on_the_cpu_runs_native_attention_when_asked_without_host_paths() -> None:
     from runtime.cpu import kv_copy
 
-    engine = _engine(profile="gpu")
+    default = _engine(profile="gpu")
+    try:
+        assert default.load("tiny-llama").profile.attention == "at-rest"  # auto: fidelity decides
+    finally:
+        default.unload()
+    engine = _engine(profile="gpu", strategy="native")
     try:
         info = engine.load("tiny-llama")
         assert info.profile is not None and info.profile == engine.profile
@@ -108,7 +114,7 @@ async def test_a_backend_without_the_native_kernels_starts_at_rest_with_one_log_
     monkeypatch.setattr(q4_cache.QuantizedKVCache, "update_and_fetch", no_kernel)
     with caplog.at_level(logging.WARNING, logger="kvmem.kvstate"):
         async with open_runtime(home=tmp_path, models_dir=models_dir(), model="tiny-llama", prewarm_mb=0,
-                                profile="gpu") as rt:
+                                profile="gpu", attention="native") as rt:
             profile = rt.stats().registry.profile
             result = await rt.agent("a").send([{"role": "user", "content": "Hello there"}], max_tokens=4)
     assert profile is not None and (profile.policy, profile.attention) == ("gpu", "at-rest")
@@ -133,7 +139,7 @@ async def test_healthz_shows_the_profile(tmp_path: Path) -> None:
             body = (await http.get("/healthz")).json()
     profile = body["profile"]
     assert (profile["policy"], profile["forced"], profile["attention"], profile["backend"]) == \
-        ("gpu", True, "native", detect_device()[1])
+        ("gpu", True, "at-rest", detect_device()[1])
     assert profile["prefill_chunks"] == [[2**62, GPU_CHUNK]] and profile["numpy_attention"] is False
     from runtime.cpu import kv_copy
 

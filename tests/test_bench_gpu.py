@@ -54,11 +54,14 @@ def test_missing_measurements_are_not_verdicts() -> None:
 def test_report_names_each_goal_with_its_ratio_and_the_needle_table() -> None:
     needles = gpu.render_needles(
         [{"length": 1024, "format": "float", "needle": 0, "hit": True, "answer": " 12345."},
+         {"length": 1024, "format": "q4-at-rest", "needle": 0, "hit": True, "answer": " 12345."},
          {"length": 1024, "format": "q4-native", "needle": 0, "hit": False, "answer": " 12.."}],
-        "q4-native", model="kvmem-default", note=None, skipped=[8192])
+        ["q4-at-rest", "q4-native"], "q4-at-rest", model="kvmem-default", note=None, skipped=[8192])
     body = "\n".join(gpu.render_body([_run(kv_ttft=120.0)], PLAN, needles, ["- suite: `3 passed in 1.0s`"]))
     assert "| Llama-3.2-1B | cold TTFT at 16K ≤ 1.1x mlx-lm | 1.20x (120 / 100 ms) | **FAIL** |" in body
-    assert "| same hit/miss as float | 0/1 |" in body
+    assert "| kvmem Q4 at-rest (disk) — **kvmem's default** | 1/1 |" in body
+    assert "| kvmem Q4 at-rest (disk): float's hits kept | 1/1 |" in body
+    assert "float's hits kept | 0/1 |" in body  # native lost float's one hit
     assert "Not run for lack of time (`--deadline-s`): L = [8192]." in body
 
 

@@ -47,11 +47,11 @@ log = logging.getLogger("kvmem.kvstate")
 def resolve_strategy(name: str) -> Strategy:
     """Map ``auto`` to the backend profile's strategy for this device (:mod:`runtime.backend`).
 
-    On MLX's CPU backend float attention is 2-4x faster than quantized SDPA for
-    prefill (benches/results/attention_strategy.md), so ``auto`` is ``at-rest``
-    there; on GPU backends (Metal, CUDA), where the seed measurements attended
-    on Q4 directly, it is ``native`` (the engine checks the kernels at load:
-    :func:`settle_attention`).
+    ``auto`` is ``at-rest`` on every device: native Q4 quantizes each token as it
+    arrives and loses needles float keeps (docs/models.md), and on MLX's CPU backend
+    float attention is also 2-4x faster than quantized SDPA for prefill
+    (benches/results/attention_strategy.md). ``native`` is there when asked (the
+    engine checks its kernels at load: :func:`settle_attention`).
     """
     if name in ("at-rest", "native"):
         return name  # type: ignore[return-value]
