@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import models_dir
+from conftest import models_dir, skip_without_native_attention
 
 from runtime.backend import CPU_CHUNKS, GPU_CHUNK, decide_profile, detect_device
 from runtime.execution.sequence import prefill_chunk_size
@@ -79,6 +79,7 @@ def test_the_gpu_policy_on_the_cpu_runs_native_attention_when_asked_without_host
         assert default.load("tiny-llama").profile.attention == "at-rest"  # auto: fidelity decides
     finally:
         default.unload()
+    skip_without_native_attention()
     engine = _engine(profile="gpu", strategy="native")
     try:
         info = engine.load("tiny-llama")

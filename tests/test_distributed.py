@@ -80,7 +80,8 @@ def ring() -> None:
 def _env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVMEM_", "MLX_"))}
     return {**env, "KVMEM_HOME": str(home), "KVMEM_MODELS_DIR": str(models_dir()), "KVMEM_PREWARM_MB": "0",
-            "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+            "OPENBLAS_NUM_THREADS": "1"}
 
 
 def _free_port_pair() -> int:

@@ -31,6 +31,7 @@ import runtime  # noqa: F401  (loads OpenBLAS before mlx)
 
 import mlx.core as mx
 import pytest
+from conftest import skip_without_native_attention
 from mlx_lm.models import gpt_oss, llama
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -228,6 +229,7 @@ def test_trim_then_update_overwrites_the_tail() -> None:
 
 
 def test_q4_prefill_and_decode_logits_track_a_float_cache(model: llama.Model) -> None:
+    skip_without_native_attention()  # quantized SDPA over float32 activations
     tokens = _tokens(60, seed=3)
     float_cache: list[Any] = [KVCache() for _ in range(LAYERS)]
     q4_cache = _q4_caches()
@@ -261,6 +263,7 @@ def _batch_step(model: Any, tokens: Sequence[int], batch: list[Any]) -> mx.array
 
 
 def test_merge_copies_packed_bits_without_a_float_round_trip(model: llama.Model) -> None:
+    skip_without_native_attention()  # quantized SDPA over float32 activations
     lengths = [37, 70, 12]
     alone = [_q4_caches() for _ in lengths]
     for i, n in enumerate(lengths):
@@ -280,6 +283,7 @@ def test_merge_copies_packed_bits_without_a_float_round_trip(model: llama.Model)
 
 
 def test_batch_decode_matches_each_sequence_alone(model: llama.Model) -> None:
+    skip_without_native_attention()  # quantized SDPA over float32 activations
     lengths = [37, 70, 12]
     prompts = [_tokens(n, seed=10 + i) for i, n in enumerate(lengths)]
     alone = [_q4_caches() for _ in lengths]
@@ -326,6 +330,7 @@ def test_batch_decode_matches_each_sequence_alone(model: llama.Model) -> None:
 
 
 def test_right_padded_prompt_is_rolled_to_left_padding(model: llama.Model) -> None:
+    skip_without_native_attention()  # quantized SDPA over float32 activations
     prompts = [_tokens(30, seed=5), _tokens(18, seed=6)]
     alone = [_q4_caches() for _ in prompts]
     for p, c in zip(prompts, alone, strict=True):

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import socket
 import threading
@@ -212,7 +213,8 @@ def test_memory_stays_bounded_over_the_fuzzing(http: httpx.Client) -> None:
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     print(f"fuzz cases: {CASES['n']}, by status: {CASES['by_status']}, peak RSS growth {grown_mib:.1f} MiB")
     assert grown_mib < 256
-    assert CASES["n"] >= 300
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # under xdist the fuzzers may run in other workers
+        assert CASES["n"] >= 300
 
 
 # -- size and header limits -----------------------------------------------------------------

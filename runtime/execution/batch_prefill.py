@@ -31,10 +31,10 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
 
 from runtime.execution.decode_batch import place_cache_rows, sample_rows
 from runtime.execution.sequence import Sequence
+from runtime.kv.decode_kv import DecodeKVCache
 
 __all__ = ["MAX_PAD", "LinedUpCache", "choose_group", "prefill_together"]
 
@@ -62,7 +62,7 @@ def choose_group(seqs: dict[int, Sequence]) -> dict[int, int]:
     return {}
 
 
-class LinedUpCache(BatchKVCache):
+class LinedUpCache(DecodeKVCache):
     """One layer's batch cache for a group prefill (see the module docstring).
 
     Row ``i`` holds its ``length`` cached tokens ending ``pads[i]`` past the common

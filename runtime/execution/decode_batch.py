@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 from runtime.cpu import attention as cpu_attention
+from runtime.kv.decode_kv import DecodeKVCache
 from runtime.kv.float_resident import extract_with_room
 from runtime.reply.grammar import mask_rows
 from runtime.cpu.kv_copy import place_rows
@@ -34,7 +35,7 @@ from runtime.execution.shared_prefix import shared_prefix_length
 __all__ = ["DecodeBatch", "batch_cache_class", "merge_with_room", "place_cache_rows", "sample_rows"]
 
 _BATCH_CLASSES: dict[type, Any] = {
-    KVCache: BatchKVCache,
+    KVCache: DecodeKVCache,
     RotatingKVCache: BatchRotatingKVCache,
     QuantizedKVCache: BatchQuantizedKVCache,
     DequantizingQuantizedKVCache: BatchDequantizingQuantizedKVCache,
@@ -49,7 +50,7 @@ def batch_cache_class(cache: Any) -> Any:
         raise TypeError(f"no batch cache for {type(cache).__name__}") from None
 
 
-def merge_with_room(caches: list[Any], extra: int = 1) -> BatchKVCache:
+def merge_with_room(caches: list[Any], extra: int = 1) -> DecodeKVCache:
     """``BatchKVCache.merge`` of float ``KVCache`` rows, into buffers with room for ``extra``
     more tokens, rounded up to the cache's growth step.
 
@@ -59,8 +60,8 @@ def merge_with_room(caches: list[Any], extra: int = 1) -> BatchKVCache:
     lengths = [int(c.offset) if c.keys is not None else 0 for c in caches]
     longest = max(lengths)
     if longest == 0:
-        return BatchKVCache.merge(caches)
-    batch = BatchKVCache([longest - n for n in lengths])
+        return DecodeKVCache([0] * len(caches))
+    batch = DecodeKVCache([longest - n for n in lengths])
     place_cache_rows(batch, caches, [longest] * len(caches), write_at=longest, room=extra)
     return batch
 
