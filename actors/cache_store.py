@@ -157,6 +157,10 @@ class CacheStoreActor:
         self._directory = TenantDirectories(directory)
         self._manager = manager
         self._limiter = trio.CapacityLimiter(1)
+        # A turn's read has its own thread: it never waits behind a write in progress (a long
+        # context's save takes a while). Reads and writes never touch one file: an agent is read
+        # only when it has no hot cache, and a cache leaves RAM only once it is on disk.
+        self._read_limiter = trio.CapacityLimiter(1)
         # Unsaved caches and the durable turns waiting for them: the write-behind policy.
         self._saves: SaveQueue[AgentKey, _Pending, trio.MemorySendChannel[SaveReply]] = SaveQueue()
         self._wake = trio.Event()
@@ -216,6 +220,10 @@ class CacheStoreActor:
     async def _disk(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=self._limiter)
 
+    async def _read(self, fn: Any, *args: Any) -> Any:
+        """A turn's read of its agent's cache: beside the writes, not after them."""
+        return await trio.to_thread.run_sync(lambda: fn(*args), limiter=self._read_limiter)
+
     # -- mailbox ---------------------------------------------------------------
 
     async def _handle(self, message: StoreInbox) -> None:
@@ -274,7 +282,7 @@ class CacheStoreActor:
                 return
             taken = None if self.prefetch is None else await self.prefetch.take(*key)
             if taken is None:
-                warm, tier = await self._disk(self._load, message.agent_id, message.model_tag)
+                warm, tier = await self._read(self._load, message.agent_id, message.model_tag)
             else:
                 warm, prepared = taken
             self._warm_loads += 1

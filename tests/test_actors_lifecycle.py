@@ -153,6 +153,35 @@ async def test_saves_are_write_behind_and_flushed_on_exit(tmp_path, monkeypatch)
     assert _disk(tmp_path).load("w", model_tag=TAG).text == prompt[:-2]
 
 
+async def test_a_turn_reads_its_cache_while_another_agents_save_is_still_writing(tmp_path, monkeypatch):
+    """A long context's save takes a while (issue 33: a 32K cache delayed the next turn's first token
+    by 300 ms on an H200): reads do not queue behind it."""
+    async with _open(tmp_path) as rt:
+        first = await rt.agent("w").send_prompt("earlier", max_tokens=3)  # on disk at exit
+    gate, writing = threading.Event(), threading.Event()
+    real_save = CacheDirectory.save
+
+    def slow_save(self, agent_id, snapshot, **kw):
+        if agent_id == "x":
+            writing.set()
+            gate.wait(10)
+        return real_save(self, agent_id, snapshot, **kw)
+
+    monkeypatch.setattr(CacheDirectory, "save", slow_save)
+    try:
+        async with _open(tmp_path, prefetch_mb=0) as rt:
+            await rt.agent("x").send_prompt("a long context", max_tokens=3)
+            assert await trio.to_thread.run_sync(writing.wait, 5)  # x's save holds the writer
+            with trio.fail_after(5):
+                warm = await rt.agent("w").send_prompt("earlier" + first.reply + ".", max_tokens=3)
+                cold = await rt.agent("new").send_prompt("hello", max_tokens=3)
+            assert not gate.is_set() and rt.stats().store.writes == 0
+            assert (warm.usage.tier, cold.usage.tier) == ("warm", "cold")
+            gate.set()
+    finally:
+        gate.set()
+
+
 async def test_cancelling_the_runtime_flushes_completed_turns(tmp_path):
     engine = FakeEngine(step_delay_s=0.003)
     completed: dict[str, str] = {}

@@ -207,9 +207,13 @@ class ParkedCache:
 
     def to_snapshot(self) -> CacheSnapshot:
         """Copy to host numpy arrays (batch axis dropped) for persistence."""
+        # Every array the save copies is made (chunks joined, bfloat16 widened) in one evaluation,
+        # then copied: one wait for the device instead of one per array (six a layer).
+        host = [{k: _host_dtype(v[0]) for k, v in layer.arrays.items()} for layer in self.layers]
+        mx.eval([a for arrays in host for a in arrays.values()])
         layers = [
-            LayerSnapshot(layer.kind, {k: _to_numpy(v[0]) for k, v in layer.arrays.items()})
-            for layer in self.layers
+            LayerSnapshot(layer.kind, {k: np.array(a, copy=True) for k, a in arrays.items()})
+            for layer, arrays in zip(self.layers, host, strict=True)
         ]
         return CacheSnapshot(
             model_tag=self.model_tag,
@@ -241,11 +245,9 @@ class ParkedCache:
         )
 
 
-def _to_numpy(a: mx.array) -> np.ndarray:
+def _host_dtype(a: mx.array) -> mx.array:
     # numpy has no bfloat16: widen losslessly, ParkedCache.from_snapshot narrows back.
-    if a.dtype == mx.bfloat16:
-        a = a.astype(mx.float32)
-    return np.array(a, copy=True)
+    return a.astype(mx.float32) if a.dtype == mx.bfloat16 else a
 
 
 class ActiveKV:
@@ -300,6 +302,11 @@ class ActiveKV:
             layer, kept = parked
             layers.append(layer)
             floats.append(kept)
+        overwrites = [f for f in floats if isinstance(f, _KeptFloat)]
+        if overwrites:
+            # Every layer quantized in one evaluation, before any buffer is overwritten in place.
+            mx.eval([a for f in overwrites for a in (*f.kq, *f.vq)])
+            floats = [f.overwrite(self.spec.kv_format) if isinstance(f, _KeptFloat) else f for f in floats]
         pending = [a for layer in layers for chunk in layer.chunks for a in chunk.values()]
         resident = None
         if keep_float and any(kv is not None for kv in floats):
@@ -385,8 +392,9 @@ def _park_layer(
     n_base: int,
     keep: int,
     keep_float: bool = False,
-) -> tuple[ParkedLayer, LayerKV | None] | None:
-    """The parked layer, and (``keep_float``, Q4 at-rest layers) the float buffers to keep beside it."""
+) -> tuple[ParkedLayer, LayerKV | _KeptFloat | None] | None:
+    """The parked layer, and (``keep_float``, Q4 at-rest layers) the float buffers to keep beside it:
+    a :class:`_KeptFloat` when this turn's tokens must first be overwritten by their dequantized Q4."""
     if keep == 0:
         return ParkedLayer(base.kind), None
     if base.kind is LayerKind.SLIDING:
@@ -420,14 +428,27 @@ def _park_layer(
     layer = kept.appended(ParkedLayer.of(base.kind, dict(zip(_Q4_KEYS, (*kq, *vq), strict=True))))
     if not kept_float:
         return layer, None
-    # Quantized first, and no view of the buffers left, so that MLX overwrites them in place below.
-    mx.eval(kq, vq)
-    del keys, values
-    # What activating the parked layer would give for these tokens: their Q4, dequantized.
-    dtype = _float_dtype(spec)
-    cache.keys[..., start:keep, :] = dequantize_kv(kq, fmt.group_size, bits, dtype)
-    cache.values[..., start:keep, :] = dequantize_kv(vq, fmt.group_size, bits, dtype)
-    return layer, (cache.keys, cache.values)
+    return layer, _KeptFloat(cache, start, keep, kq, vq, _float_dtype(spec))
+
+
+@dataclass
+class _KeptFloat:
+    """A layer's float buffers to keep, once this turn's tokens hold what activating its Q4 would give."""
+
+    cache: KVCache
+    start: int
+    keep: int
+    kq: tuple[mx.array, ...]
+    vq: tuple[mx.array, ...]
+    dtype: mx.Dtype
+
+    def overwrite(self, fmt: Any) -> LayerKV:
+        """Write this turn's tokens as their dequantized Q4 (the quantized ones already evaluated, so
+        MLX overwrites the buffers in place), and return the buffers."""
+        bits = fmt.bits or 4
+        self.cache.keys[..., self.start : self.keep, :] = dequantize_kv(self.kq, fmt.group_size, bits, self.dtype)
+        self.cache.values[..., self.start : self.keep, :] = dequantize_kv(self.vq, fmt.group_size, bits, self.dtype)
+        return self.cache.keys, self.cache.values
 
 def with_kept_float(parked: ParkedCache, spec: ModelCacheSpec) -> ParkedCache:
     """``parked`` with the float buffers a turn would leave it (:mod:`runtime.kv.float_resident`), made now.
