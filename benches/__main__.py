@@ -40,6 +40,7 @@ BENCHES = {
     "ui_screenshots": "the operator page (/ui) at 1280 and 420 px after a workload on kvmem-default, headless Debian Chromium: benches/results/ui_wide.png, ui_narrow.png",
     "constrained": "decode steps at batch 8 with 0, 4 and 8 rows under a grammar (generic tool calls): the mask's share of a step",
     "gpu": "one-call GPU check: kvmem vs plain mlx-lm on random 1B/3B Llamas (TTFT, decode, restart, batch), needles, suite",
+    "gpu_probe": "GPU leads: fused attention vs a reference, tiny-gpt-oss repeated and vs CPU, a new shape's first pass, one decode row",
 }
 
 

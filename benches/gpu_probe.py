@@ -1,0 +1,217 @@
+"""GPU probes behind ``benches/results/gpu.md``'s open leads (issue 33), one call, under a minute.
+
+Not a comparison with a goal, but the measurements that say where the next fix goes:
+
+* **attention with sinks**: ``mx.fast.scaled_dot_product_attention`` (with and without
+  sinks, no / causal / array masks, float32 and bfloat16) against a float32 reference;
+* **tiny-gpt-oss**: the same prefill and decode twice on the device (does it repeat
+  itself?) and once on MLX's CPU stream (is it right?), logits compared position by position;
+  the suite's tiny-gpt-oss tests failed on CUDA, a different one each run;
+* **a new shape's first pass**: one forward of ``--probe-tokens`` new tokens over caches one
+  token longer each time (as every turn of a conversation is), first call against a repeat
+  at the same shape; if the first costs far more, per-shape setup (cuDNN's attention graphs)
+  is what a batch's join and a hot turn pay;
+* **one decode row**: tokens/s with mlx-lm's ``KVCache``, its ``BatchKVCache`` (an array
+  mask) and kvmem's ``DecodeKVCache`` (no mask for a lone row), in lockstep and run ahead.
+
+The model for the last two is the first folder matching ``--model-glob`` (``benches gpu``
+builds ``gpu-1b-*`` under the bench home), else ``tiny-llama``. Here (CPU)::
+
+    .venv/bin/python -m benches gpu_probe --quick
+"""
+
+from __future__ import annotations
+
+import glob
+import time
+from typing import Any
+
+import runtime  # noqa: F401  (OpenBLAS before mlx)
+from benches import harness
+from benches.harness import ResultFile, log, table
+
+
+def _reference(q: Any, k: Any, v: Any, scale: float, mask: Any, sinks: Any) -> Any:
+    import mlx.core as mx
+    from mlx_lm.models.base import create_causal_mask
+
+    rep = q.shape[1] // k.shape[1]
+    qf, kf, vf = (a.astype(mx.float32) for a in (q, k, v))
+    kf, vf = mx.repeat(kf, rep, axis=1), mx.repeat(vf, rep, axis=1)
+    scores = (qf * scale) @ kf.swapaxes(-1, -2)
+    if isinstance(mask, str):
+        scores = mx.where(create_causal_mask(q.shape[2], k.shape[2] - q.shape[2]), scores, -1e30)
+    elif mask is not None:
+        scores = mx.where(mask, scores, -1e30)
+    if sinks is None:
+        return mx.softmax(scores, axis=-1) @ vf
+    sink = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None, None], (*scores.shape[:3], 1))
+    return mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1] @ vf
+
+
+def sdpa_rows() -> list[list[str]]:
+    """Fused attention against the reference over masks, sinks, shapes and dtypes: the worst error of each."""
+    import mlx.core as mx
+    from mlx_lm.models.base import create_causal_mask
+
+    rows = []
+    for dtype in (mx.float32, mx.bfloat16):
+        for b, ql, kl in ((1, 1, 116), (2, 1, 300), (1, 3, 116), (2, 16, 200), (1, 116, 116), (2, 37, 70)):
+            for mask_kind in ("none", "causal", "array"):
+                if mask_kind == "none" and ql > 1:
+                    continue
+                worst = []
+                for sink in (False, True):
+                    mx.random.seed(0)
+                    q = mx.random.normal((b, 4, ql, 64)).astype(dtype)
+                    k, v = (mx.random.normal((b, 2, kl, 64)).astype(dtype) for _ in range(2))
+                    sinks = mx.random.normal((4,)).astype(dtype) if sink else None
+                    mask = {"none": None, "causal": "causal"}.get(mask_kind) or create_causal_mask(
+                        ql, kl - ql, left_padding=mx.array([0, 5][:b]))
+                    got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask, sinks=sinks)
+                    err = float(mx.abs(got.astype(mx.float32) - _reference(q, k, v, 0.125, mask, sinks)).max())
+                    worst.append(f"{err:.1e}")
+                rows.append([str(dtype).split(".")[-1], f"{b}x{ql}x{kl}", mask_kind, *worst])
+    return rows
+
+
+def gpt_oss_rows(steps: int) -> list[list[str]]:
+    """tiny-gpt-oss: a prefill and ``steps`` greedy steps twice on the device and once on the CPU stream."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from runtime.model.loaded import load_model
+    from runtime.spec import KVFormat
+
+    lm = load_model("tiny-gpt-oss", kv_format=KVFormat(bits=4), models_dir=harness.BENCH_HOME / "models",
+                    numpy_attention=False)
+    ids = mx.array([lm.tokenize("The harbour master kept a ledger of ships. " * 12)[0]])
+
+    def run(stream: Any) -> Any:
+        with mx.stream(stream):
+            cache = make_prompt_cache(lm.model)
+            out = [lm.model(ids, cache=cache)[:, -1]]
+            y = mx.argmax(out[-1], axis=-1)[:, None]
+            for _ in range(steps):
+                out.append(lm.model(y, cache=cache)[:, -1])
+                y = mx.argmax(out[-1], axis=-1)[:, None]
+            logits = mx.concatenate(out).astype(mx.float32)
+            mx.eval(logits)
+            return logits
+
+    first, second = run(mx.default_stream(mx.default_device())), run(mx.default_stream(mx.default_device()))
+    cpu = run(mx.cpu)
+    again = mx.abs(first - second).max(axis=-1).tolist()
+    vs_cpu = mx.abs(first - cpu).max(axis=-1).tolist()
+    return [[str(i), f"{a:.2e}", f"{c:.2e}"] for i, (a, c) in enumerate(zip(again, vs_cpu, strict=True))]
+
+
+def _model(glob_pattern: str) -> tuple[Any, str]:
+    from mlx_lm import load
+
+    folders = sorted(glob.glob(glob_pattern))
+    if folders:
+        return load(folders[0])[0], folders[0]
+    from runtime.model.loaded import load_model
+
+    lm = load_model("tiny-llama", models_dir=harness.BENCH_HOME / "models", numpy_attention=False)
+    return lm.model, "tiny-llama"
+
+
+def _prefilled(model: Any, n: int) -> list[Any]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    cache = [KVCache() for _ in model.layers]
+    ids = mx.random.randint(10, min(4000, model.args.vocab_size), (1, n))  # inside any vocabulary
+    for i in range(0, n, 2048):
+        model(ids[:, i : i + 2048], cache=cache)
+        mx.eval([c.keys for c in cache])
+    return cache
+
+
+def shape_rows(model: Any, contexts: list[int], new_tokens: int) -> list[list[str]]:
+    """One forward of ``new_tokens`` over a cache of each length: the first call at that shape, then a repeat."""
+    import mlx.core as mx
+
+    rows = []
+    for n in contexts:
+        times = []
+        for _ in range(2):
+            cache = _prefilled(model, n)
+            ids = mx.random.randint(10, min(4000, model.args.vocab_size), (1, new_tokens))
+            mx.synchronize()
+            t0 = time.perf_counter()
+            mx.eval(model(ids, cache=cache))
+            times.append((time.perf_counter() - t0) * 1e3)
+        rows.append([str(n), f"{times[0]:.1f}", f"{times[1]:.1f}"])
+        log(f"shape: {new_tokens} over {n}: first {times[0]:.1f} ms, again {times[1]:.1f} ms")
+    return rows
+
+
+def decode_rows(model: Any, contexts: list[int], steps: int) -> list[list[str]]:
+    """Tokens/s of one row's decode with each cache, in lockstep and run ahead (as mlx-lm's ``generate_step``)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from runtime.execution.decode_batch import merge_with_room
+
+    def rate(cache: list[Any], ahead: bool) -> float:
+        y = mx.array([[5]])
+        for _ in range(3):
+            y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+            mx.eval(y)
+        t0 = time.perf_counter()
+        if ahead:
+            nxt = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+            mx.async_eval(nxt)
+            for _ in range(steps):
+                cur, nxt = nxt, mx.argmax(model(nxt, cache=cache)[:, -1], axis=-1)[:, None]
+                mx.async_eval(nxt)
+                cur.tolist()
+        else:
+            for _ in range(steps):
+                y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+                mx.eval(y)
+        return steps / (time.perf_counter() - t0)
+
+    caches = {"mlx-lm KVCache": lambda c: c, "mlx-lm BatchKVCache (array mask)": lambda c: [
+        BatchKVCache.merge([x]) for x in c], "kvmem DecodeKVCache (no mask)": lambda c: [merge_with_room([x]) for x in c]}
+    rows = []
+    for n in contexts:
+        for name, wrap in caches.items():
+            rows.append([str(n), name, *(f"{rate(wrap(_prefilled(model, n)), ahead):.1f}" for ahead in (False, True))])
+        mx.clear_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = harness.parser(__doc__)
+    p.add_argument("--model-glob", default=str(harness.BENCH_HOME / "models" / "gpu-1b-*"))
+    p.add_argument("--contexts", type=int, nargs="+", help="cache lengths (default 1000 1001 1002 4000 4001)")
+    p.add_argument("--probe-tokens", type=int, default=15, help="new tokens per shape probe (a hot turn's size)")
+    args = p.parse_args(argv)
+    quick = args.quick
+    res = ResultFile("gpu_probe", "GPU probes: fused attention, tiny-gpt-oss, a new shape's first pass, one decode row",
+                     quick, argv or [], model=None)
+    from benches.gpu import device_lines
+
+    res.setup += device_lines()
+    res.body += ["## Fused attention against a float32 reference (worst |error|: without / with sinks)", "",
+                 *table(["dtype", "B x q x k", "mask", "no sinks", "sinks"], sdpa_rows()), ""]
+    res.body += ["## tiny-gpt-oss: the same tokens twice on the device, and on MLX's CPU stream", "",
+                 *table(["position", "max |logit diff|, device twice", "device vs CPU"], gpt_oss_rows(4 if quick else 8)),
+                 ""]
+    model, name = _model(args.model_glob)
+    contexts = args.contexts or ([100, 101] if quick else [1000, 1001, 1002, 4000, 4001])
+    res.body += [f"## A new shape's first pass (`{name}`, {args.probe_tokens} new tokens; ms)", "",
+                 *table(["cache tokens", "first call", "same shape again"], shape_rows(model, contexts,
+                                                                                    args.probe_tokens)), ""]
+    res.body += [f"## One decode row (`{name}`; tokens/s)", "",
+                 *table(["context", "cache", "lockstep", "run ahead"], decode_rows(
+                     model, [min(contexts), max(contexts) * 4] if not quick else [100], 16 if quick else 64)), ""]
+    print(res.write().read_text())
+
+
+if __name__ == "__main__":
+    main()
