@@ -89,7 +89,9 @@ class DecodeBatch:
     Sequences that :meth:`add` joins wait in ``pending`` until the next
     :meth:`step_once`, which merges all of them in one go: growing the batch
     copies every member's cache, so several joins between two steps cost one
-    copy instead of one per join. :meth:`remove` of the last row is a view.
+    copy instead of one per join. :meth:`remove` of the last row is a view. A row
+    alone decodes on its own float ``KVCache`` layers, as mlx-lm's ``generate_step``
+    does; it becomes a batch of one when another row joins.
 
     ``shared`` counts the first tokens every member holds the same keys and
     values for (:mod:`runtime.execution.shared_prefix`), checked whenever members join
@@ -138,6 +140,7 @@ class DecodeBatch:
         if not self.members:
             self.members, self.caches = list(seqs), caches
         else:
+            self._as_batch()
             for mine, theirs in zip(self.caches, caches, strict=True):
                 mine.extend(theirs)
             self.members.extend(seqs)
@@ -147,6 +150,14 @@ class DecodeBatch:
         if not self.pending:
             return
         joining, self.pending = self.pending, []
+        if not self.members and len(joining) == 1 and _own_caches_decode(joining[0].kv.caches):
+            # A lone row decodes on its own caches, as mlx-lm's generate_step does: no merge copy,
+            # no mask, and plain integer offsets (a batch cache's per-row arrays cost every layer
+            # of every step a little: 0.85x mlx-lm's decode rate at 1K on an H200's 1B geometry).
+            self.members, self.caches = joining, joining[0].kv.caches
+            joining[0].kv.caches = []
+            return
+        self._as_batch()
         merged = [
             merge_with_room(list(layer)) if type(layer[0]) is KVCache
             else batch_cache_class(layer[0]).merge(list(layer))
@@ -162,6 +173,11 @@ class DecodeBatch:
             seq.kv.caches = []
         self._find_shared()
 
+    def _as_batch(self) -> None:
+        """A lone row on its own caches becomes a batch of one, for rows to join it."""
+        if self.members and _own_caches_decode(self.caches):
+            self.caches = [merge_with_room([c]) for c in self.caches]
+
     def _find_shared(self) -> None:
         # Fewer rows than the step would attend shared keys for: comparing their KV is wasted reading.
         enough = self.shared_prefix_check and len(self.members) >= cpu_attention.MIN_SHARED_ROWS
@@ -173,7 +189,8 @@ class DecodeBatch:
             self.pending = [p for p in self.pending if p is not seq]
             return
         idx = self.members.index(seq)
-        seq.kv.caches = [extract_with_room(c, idx) for c in self.caches]
+        own = _own_caches_decode(self.caches)  # a lone row on its own caches takes them back as they are
+        seq.kv.caches = self.caches if own else [extract_with_room(c, idx) for c in self.caches]
         keep = [i for i in range(len(self.members)) if i != idx]
         self.members.pop(idx)
         if self._ahead is not None and idx < self._ahead_rows:
@@ -237,6 +254,11 @@ class DecodeBatch:
         tokens = self._ahead.tolist()
         self._ahead, self._ahead_rows = following, len(self.members) if following is not None else 0
         return [(s, s.accept(t)) for s, t in zip(rows, tokens, strict=True)]
+
+
+def _own_caches_decode(caches: list[Any]) -> bool:
+    """Whether ``caches`` are one sequence's float ``KVCache`` layers, which a lone row decodes on as they are."""
+    return bool(caches) and all(type(c) is KVCache for c in caches)
 
 
 def _keep_rows(cache: Any, keep: list[int]) -> None:
