@@ -1,4 +1,4 @@
-"""Attention strategy benchmark: quantized SDPA ("native") vs Q4 only at rest.
+"""Attention benchmark: quantized SDPA ("native") vs Q4 only at rest.
 
 Which is faster depends on the backend, so kvmem makes it a per-backend choice
 and this benchmark backs the choice:
@@ -71,7 +71,7 @@ def smollm2_135m_geometry() -> llama.Model:
 
 @dataclass(frozen=True)
 class Run:
-    """One repeat of one strategy at one context length (seconds)."""
+    """One repeat of one attention mode at one context length (seconds)."""
 
     prefill_s: float
     decode_s: float
@@ -136,10 +136,10 @@ def run_at_rest(model: Any, tokens: mx.array) -> Run:
 
 @dataclass(frozen=True)
 class Row:
-    """Medians over repeats for one (context, strategy)."""
+    """Medians over repeats for one (context, attention)."""
 
     context: int
-    strategy: str
+    attention: str
     prefill_tps: float
     decode_tps: float
     park_ms: float | None
@@ -152,7 +152,7 @@ class Row:
         return self.context / self.prefill_tps + DECODE_TOKENS / self.decode_tps + extra
 
 
-def summarize(context: int, strategy: str, runs: list[Run]) -> Row:
+def summarize(context: int, attention: str, runs: list[Run]) -> Row:
     def med(xs: list[float | None]) -> float | None:
         vals = [x for x in xs if x is not None]
         return statistics.median(vals) if vals else None
@@ -160,7 +160,7 @@ def summarize(context: int, strategy: str, runs: list[Run]) -> Row:
     park, act = med([r.park_s for r in runs]), med([r.activate_s for r in runs])
     return Row(
         context=context,
-        strategy=strategy,
+        attention=attention,
         prefill_tps=context / statistics.median(r.prefill_s for r in runs),
         decode_tps=DECODE_TOKENS / statistics.median(r.decode_s for r in runs),
         park_ms=None if park is None else park * 1e3,
@@ -169,10 +169,10 @@ def summarize(context: int, strategy: str, runs: list[Run]) -> Row:
 
 
 def recommendation(rows: list[Row]) -> str:
-    """One sentence: which strategy is faster here, from the largest context measured."""
+    """One sentence: which attention mode is faster here, from the largest context measured."""
     ctx = max(r.context for r in rows)
-    native = next(r for r in rows if r.context == ctx and r.strategy == "native")
-    rest = next(r for r in rows if r.context == ctx and r.strategy == "at-rest")
+    native = next(r for r in rows if r.context == ctx and r.attention == "native")
+    rest = next(r for r in rows if r.context == ctx and r.attention == "at-rest")
     winner = "at-rest" if rest.turn_s < native.turn_s else "native"
     return (
         f"On this backend ({mx.default_device()}) use **{winner}**: at {ctx} tokens, "
@@ -192,7 +192,7 @@ def write_markdown(
     path: Path, rows: list[Row], *, command: str, repeats: int, load: tuple[float, float]
 ) -> None:
     lines = [
-        "# Attention strategy: quantized SDPA (native) vs Q4 at rest",
+        "# Attention, at rest or native: quantized SDPA (native) vs Q4 at rest",
         "",
         f"- command: `{command}`",
         f"- git rev: {git_revision()}",
@@ -209,12 +209,12 @@ def write_markdown(
         f"- medians of {repeats} repeat(s); park = float→Q4 of the whole cache, "
         "activate = Q4→float (both evaluated); turn = prefill + decode (+ park + activate)",
         "",
-        "| context | strategy | prefill tok/s | decode tok/s | park ms | activate ms | turn s |",
+        "| context | attention | prefill tok/s | decode tok/s | park ms | activate ms | turn s |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.context} | {r.strategy} | {r.prefill_tps:.1f} | {r.decode_tps:.2f} | "
+            f"| {r.context} | {r.attention} | {r.prefill_tps:.1f} | {r.decode_tps:.2f} | "
             f"{_fmt(r.park_ms, '.1f')} | {_fmt(r.activate_ms, '.1f')} | {r.turn_s:.2f} |"
         )
     lines += ["", recommendation(rows), ""]
@@ -228,25 +228,25 @@ def write_plot(path: Path, rows: list[Row]) -> None:
     import matplotlib.pyplot as plt
 
     contexts = sorted({r.context for r in rows})
-    strategies = ["native", "at-rest"]
+    modes = ["native", "at-rest"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     width = 0.38
     for ax, attr, title in (
         (axes[0], "prefill_tps", "prefill tok/s"),
         (axes[1], "decode_tps", "decode tok/s"),
     ):
-        for j, strategy in enumerate(strategies):
+        for j, attention in enumerate(modes):
             vals = [
-                getattr(next(r for r in rows if r.context == c and r.strategy == strategy), attr)
+                getattr(next(r for r in rows if r.context == c and r.attention == attention), attr)
                 for c in contexts
             ]
             xs = [i + (j - 0.5) * width for i in range(len(contexts))]
-            bars = ax.bar(xs, vals, width, label=strategy)
+            bars = ax.bar(xs, vals, width, label=attention)
             ax.bar_label(bars, fmt="%.1f", fontsize=8)
         ax.set_xticks(range(len(contexts)), [f"{c} tokens" for c in contexts])
         ax.set_title(title)
         ax.legend()
-    rest = [next(r for r in rows if r.context == c and r.strategy == "at-rest") for c in contexts]
+    rest = [next(r for r in rows if r.context == c and r.attention == "at-rest") for c in contexts]
     for j, (attr, label) in enumerate((("park_ms", "park (float→Q4)"), ("activate_ms", "activate (Q4→float)"))):
         xs = [i + (j - 0.5) * width for i in range(len(contexts))]
         bars = axes[2].bar(xs, [getattr(r, attr) or 0.0 for r in rest], width, label=label)
@@ -254,7 +254,7 @@ def write_plot(path: Path, rows: list[Row]) -> None:
     axes[2].set_xticks(range(len(contexts)), [f"{c} tokens" for c in contexts])
     axes[2].set_title("at-rest conversion ms (whole cache)")
     axes[2].legend()
-    fig.suptitle(f"Attention strategy, SmolLM2-135M geometry, mlx {mx.__version__} {mx.default_device()}")
+    fig.suptitle(f"Attention at rest or native, SmolLM2-135M geometry, mlx {mx.__version__} {mx.default_device()}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -279,10 +279,10 @@ def main(argv: list[str] | None = None) -> None:
         tokens = mx.random.randint(0, 49152, (1, context), key=mx.random.key(context))
         runs: dict[str, list[Run]] = {"native": [], "at-rest": []}
         for rep in range(repeats):
-            for strategy, fn in (("native", run_native), ("at-rest", run_at_rest)):
+            for attention, fn in (("native", run_native), ("at-rest", run_at_rest)):
                 run = fn(model, tokens)
-                runs[strategy].append(run)
-                print(f"{context:5d} {strategy:8s} rep {rep}: {run}", file=sys.stderr, flush=True)
+                runs[attention].append(run)
+                print(f"{context:5d} {attention:8s} rep {rep}: {run}", file=sys.stderr, flush=True)
                 mx.clear_cache()
         rows += [summarize(context, s, r) for s, r in runs.items()]
 

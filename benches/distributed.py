@@ -97,7 +97,7 @@ def worker(args: argparse.Namespace) -> int:
         rank, engine = opened, opened.engine
     else:
         engine = MlxEngine(models_dir=config.models_path, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
-                           strategy=config.attention, prewarm_mb=0)
+                           attention=config.attention, prewarm_mb=0)
     try:
         t0 = time.perf_counter()
         engine.load(args.model)

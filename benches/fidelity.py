@@ -5,7 +5,7 @@ head_dim 64, trained weights); text ``../shared/fixtures/tinystories-heldout/val
 (held-out 512-token sequences; 20, 8 with ``--quick``). For each sequence:
 
 1. the reference: one float forward pass over all 512 tokens (``model.make_cache()``);
-2. kvmem: prefill the first half into an ``ActiveKV`` (strategy at-rest or native),
+2. kvmem: prefill the first half into an ``ActiveKV`` (attention at-rest or native),
    **park** it (quantize to Q8 / Q4, or keep float), **save and load** it with
    ``CacheDirectory`` (safetensors on disk, fsync), then run the second half on
    the reloaded cache;
@@ -92,10 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict[str, Any]] = {}
     ref_cache: dict[int, tuple[Any, list[int]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-fid-") as tmp:
-        for label, bits, strategy in configs:
+        for label, bits, attention in configs:
             lm = load_model(str(MODEL), kv_format=KVFormat(bits=bits))
             model = lm.model
-            store = CacheDirectory(Path(tmp) / f"{label}-{strategy}", fsync=True)
+            store = CacheDirectory(Path(tmp) / f"{label}-{attention}", fsync=True)
             nll, nll_ref, kls, agree, identical = [], [], [], [], 0
             for i, row in enumerate(rows_all):
                 tokens = mx.array(row[None])
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                     mx.eval(ref_lp)
                     ref_cache[i] = (ref_lp, ref_cont)
                 ref_lp, ref_cont = ref_cache[i]
-                kv = ActiveKV(ParkedCache.empty(lm.spec), lm.spec, strategy)
+                kv = ActiveKV(ParkedCache.empty(lm.spec), lm.spec, attention)
                 pre = model(tokens[:, :SPLIT], cache=kv.caches)[0, -1]
                 first = _top(pre)
                 ids = [int(t) for t in row[:SPLIT]]
@@ -116,13 +116,13 @@ def main(argv: list[str] | None = None) -> None:
                 store.save(f"s{i}", parked.to_snapshot())
                 loaded = ParkedCache.from_snapshot(store.load(f"s{i}", model_tag=lm.spec.tag),
                                                    float_dtype=lm.float_dtype)
-                ours = _log_probs(model(tokens[:, SPLIT:], cache=ActiveKV(loaded, lm.spec, strategy).caches)[0])
-                cont = _greedy(model, first, ActiveKV(loaded, lm.spec, strategy).caches, GREEDY)
+                ours = _log_probs(model(tokens[:, SPLIT:], cache=ActiveKV(loaded, lm.spec, attention).caches)[0])
+                cont = _greedy(model, first, ActiveKV(loaded, lm.spec, attention).caches, GREEDY)
                 for acc, value in zip((nll, nll_ref, kls, agree), _score(ours, ref_lp, row), strict=True):
                     acc.append(value)
                 identical += int(cont == ref_cont)
-            new = {f"kvmem {label} {strategy}": _summary(nll, nll_ref, kls, agree, identical, nseq)}
-            if bits is not None and strategy == "at-rest":
+            new = {f"kvmem {label} {attention}": _summary(nll, nll_ref, kls, agree, identical, nseq)}
+            if bits is not None and attention == "at-rest":
                 new[f"mlx-lm QuantizedKVCache q{bits}"] = _mlx_lm_reference(
                     model, rows_all, bits, ref_cache, QuantizedKVCache)
             for k, v in new.items():
@@ -437,7 +437,7 @@ def _experiment_findings(experiment: dict[str, dict[str, Any]], results: dict[st
          f"{transient_kib:.0f} KiB per layer for R = 128 at fp16 ({transient_kib * layers:.0f} KiB for this "
          f"{layers}-layer model)."),
         "",
-        (f"**kvmem's at-rest strategy** is the same idea with the residual stretched to the whole running turn: "
+        (f"**kvmem's at-rest attention** is the same idea with the residual stretched to the whole running turn: "
          f"the parked prefix is per-token Q4 at rest (as in A) and every token of the current turn stays float until "
          f"the turn is parked, so here the second half never sees its own tokens quantized (KL {rest['kl']:.5f}, "
          f"{rest['identical']}/{nseq}): {mlx['kl'] / rest['kl']:.0f}x below mlx-lm, between A'/B and C/D. C and D "

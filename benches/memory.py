@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                 for mode in MODES]
     q4_ratio = spec_bpt["q4"] / fp16
     res.setup.append(f"hot agents: {CONTEXT}-token caches; float32 is this model's dtype (the at-rest "
-                     "strategy runs an active sequence in float32 on CPU)")
+                     "attention runs an active sequence in float32 on CPU)")
     res.body += [
         "## Bytes per token and agents at 4K in a 2 GiB budget",
         "",

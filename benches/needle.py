@@ -12,7 +12,7 @@ counts everything: chat template, haystack, needle, question and the answer's
 What each format's KV is, and how it is produced:
 
 * ``float``: the whole prompt prefilled into mlx-lm's float ``KVCache``.
-* ``q4-at-rest`` / ``q8-at-rest``: kvmem's at-rest strategy. The context (template,
+* ``q4-at-rest`` / ``q8-at-rest``: kvmem's at-rest attention. The context (template,
   haystack with the needle) was a turn run in float: it is the float run's
   context KV, parked by ``ActiveKV.park`` (quantized to Q4 / Q8), saved and
   loaded with ``CacheDirectory`` (fsync), activated (dequantized); the question

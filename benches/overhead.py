@@ -3,7 +3,7 @@
 The same conversation is run two ways, turn by turn, side by side:
 
 * **direct** — ``runtime.execution.generate.generate(lm, prompt, cache)`` in this process
-  (kvmem-default, Q4 KV, at-rest strategy), the previous turn's parked cache passed in;
+  (kvmem-default, Q4 KV, at-rest attention), the previous turn's parked cache passed in;
 * **gateway** — a ``kvmem serve`` subprocess on 127.0.0.1 (same model and settings),
   one streamed ``POST /v1/agents/{id}/messages`` per turn (httpx).
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         cache = None
         for i in range(turns + 1):
             t0 = time.perf_counter()
-            out = generate(lm, d_prompt, cache, params, strategy="at-rest")
+            out = generate(lm, d_prompt, cache, params, attention="at-rest")
             d_e2e = (time.perf_counter() - t0) * 1e3
             cache = out.cache
             mx.clear_cache()

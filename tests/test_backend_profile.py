@@ -68,7 +68,7 @@ def test_the_profile_line_names_every_decision() -> None:
 def _engine(**settings: Any) -> Any:
     from runtime.execution.mlx_engine import MlxEngine
 
-    return MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, **{"strategy": "auto", **settings})
+    return MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, **{"attention": "auto", **settings})
 
 
 def test_the_gpu_policy_on_the_cpu_runs_native_attention_when_asked_without_host_paths() -> None:
@@ -80,7 +80,7 @@ def test_the_gpu_policy_on_the_cpu_runs_native_attention_when_asked_without_host
     finally:
         default.unload()
     skip_without_native_attention()
-    engine = _engine(profile="gpu", strategy="native")
+    engine = _engine(profile="gpu", attention="native")
     try:
         info = engine.load("tiny-llama")
         assert info.profile is not None and info.profile == engine.profile
@@ -180,14 +180,14 @@ def test_a_bfloat16_model_keeps_bfloat16_activations_and_kv_under_the_gpu_policy
         layer = engine.lm.spec.layers[0]
         token_k = mx.zeros((1, layer.kv_heads, 1, layer.k_head_dim), dtype=mx.bfloat16)
         token_v = mx.zeros((1, layer.kv_heads, 1, layer.v_head_dim), dtype=mx.bfloat16)
-        for strategy in ("at-rest", "native"):
+        for attention in ("at-rest", "native"):
             for cache in ActiveKV(ParkedCache.from_snapshot(snapshot, float_dtype=engine.lm.float_dtype),
-                                  engine.lm.spec, strategy).caches:
+                                  engine.lm.spec, attention).caches:
                 # What attention sees of the restored cache plus one new token: the model's dtype only
                 # (native Q4 keeps float16 scales on disk; attention gets them as bfloat16).
                 seen = [a for _, a in tree_flatten(cache.update_and_fetch(token_k, token_v))
                         if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)]
-                assert seen and all(a.dtype == mx.bfloat16 for a in seen), (strategy, [a.dtype for a in seen])
+                assert seen and all(a.dtype == mx.bfloat16 for a in seen), (attention, [a.dtype for a in seen])
     finally:
         engine.unload()
         kv_copy.use_host_views(True)

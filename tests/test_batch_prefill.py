@@ -22,12 +22,12 @@ TOPICS = ["the old mill by the river", "a lighthouse in a storm", "the baker's s
 FOLLOW_UPS = ["What next?", "And then what happened to them?", "Why?", "Tell me more about the ending, please."]
 
 
-def _turns(lm, strategy: str = "at-rest"):
+def _turns(lm, attention: str = "at-rest"):
     """Each agent's first turn (its parked cache) and its second prompt."""
     out = []
     for topic, follow_up in zip(TOPICS, FOLLOW_UPS, strict=True):
         first = [{"role": "user", "content": f"Tell me about {topic}."}]
-        done = generate(lm, lm.render(first), None, SequenceSampling(max_tokens=10), strategy=strategy)
+        done = generate(lm, lm.render(first), None, SequenceSampling(max_tokens=10), attention=attention)
         second = first + [{"role": "assistant", "content": done.reply}, {"role": "user", "content": follow_up}]
         out.append((lm.render(second), done.cache))
     return out
@@ -90,6 +90,6 @@ def test_sliding_window_and_native_caches_are_not_grouped() -> None:
     assert choose_group(rows) == {}
     skip_without_native_attention()  # the native rows' first turns run quantized SDPA
     llama = tiny("tiny-llama")
-    native = {i: Sequence(llama, p, c, SequenceSampling(max_tokens=2), strategy="native")
+    native = {i: Sequence(llama, p, c, SequenceSampling(max_tokens=2), attention="native")
               for i, (p, c) in enumerate(_turns(llama, "native")[:2])}
     assert choose_group(native) == {}

@@ -34,7 +34,7 @@ class _Tol(NamedTuple):
     kl: float  # mean KL(float || quantized) per step, nats
 
 
-# Measured on these models (max over archs and strategies): Q8 0.50 / 0.004,
+# Measured on these models (max over archs and attention modes): Q8 0.50 / 0.004,
 # Q4 9.0 / 0.58. Random weights with a deliberately peaky head (logit std 8)
 # amplify 4-bit KV noise far more than trained weights do: the Q4 quality bar on
 # real weights is tests/test_real_weights.py (tinystories-hd64, KL ≤ 0.01).
@@ -51,13 +51,13 @@ def _prompts(lm, reply: str) -> tuple[str, str]:
     return lm.render(first), lm.render(second)
 
 
-def _turn_one(lm, strategy="at-rest"):
+def _turn_one(lm, attention="at-rest"):
     p1, _ = _prompts(lm, "")
-    return generate(lm, p1, None, SequenceSampling(max_tokens=12), strategy=strategy)
+    return generate(lm, p1, None, SequenceSampling(max_tokens=12), attention=attention)
 
 
-def _traced(lm, prompt, cache, strategy="at-rest", steps=STEPS):
-    seq = Sequence(lm, prompt, cache, SequenceSampling(max_tokens=steps), strategy=strategy)
+def _traced(lm, prompt, cache, attention="at-rest", steps=STEPS):
+    seq = Sequence(lm, prompt, cache, SequenceSampling(max_tokens=steps), attention=attention)
     seq.logits_trace = []
     list(decode_alone(seq))
     return seq
@@ -79,13 +79,13 @@ def test_float_cache_plus_suffix_equals_cold_run(arch):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("strategy", ["at-rest", "native"])
+@pytest.mark.parametrize("attention", ["at-rest", "native"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_quantized_cache_stays_within_tolerance_of_cold_float(arch, strategy, bits):
+def test_quantized_cache_stays_within_tolerance_of_cold_float(arch, attention, bits):
     lm_q, lm_f = tiny(arch, bits=bits), tiny(arch, bits=None)
-    first = _turn_one(lm_q, strategy)
+    first = _turn_one(lm_q, attention)
     _, p2 = _prompts(lm_q, first.reply)
-    seq = Sequence(lm_q, p2, first.cache, SequenceSampling(max_tokens=STEPS), strategy=strategy)
+    seq = Sequence(lm_q, p2, first.cache, SequenceSampling(max_tokens=STEPS), attention=attention)
     seq.logits_trace = []
     while seq.prefill_step() is None:
         pass
@@ -103,17 +103,17 @@ def test_quantized_cache_stays_within_tolerance_of_cold_float(arch, strategy, bi
     assert (ours.argmax(-1)[confident] == np.array(ref_tokens)[confident]).all()
 
 
-@pytest.mark.parametrize("strategy", ["at-rest", "native"])
+@pytest.mark.parametrize("attention", ["at-rest", "native"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_warm_cache_from_disk_is_bit_identical_to_hot(arch, strategy, tmp_path):
+def test_warm_cache_from_disk_is_bit_identical_to_hot(arch, attention, tmp_path):
     lm = tiny(arch, bits=4)
-    first = _turn_one(lm, strategy)
+    first = _turn_one(lm, attention)
     store = CacheDirectory(tmp_path)
     store.save("agent", first.cache.to_snapshot())
     warm = ParkedCache.from_snapshot(store.load("agent", model_tag=lm.spec.tag), float_dtype=lm.float_dtype)
     _, p2 = _prompts(lm, first.reply)
-    hot_seq = _traced(lm, p2, first.cache, strategy)
-    warm_seq = _traced(lm, p2, warm, strategy)
+    hot_seq = _traced(lm, p2, first.cache, attention)
+    warm_seq = _traced(lm, p2, warm, attention)
     assert hot_seq.stats.tokens_reused == warm_seq.stats.tokens_reused > 0
     # Bitwise on any backend: the same Q4 bytes through the same path and kernels on one device.
     for a, b in zip(hot_seq.logits_trace, warm_seq.logits_trace, strict=True):
@@ -122,18 +122,18 @@ def test_warm_cache_from_disk_is_bit_identical_to_hot(arch, strategy, tmp_path):
 
 
 @pytest.mark.parametrize("joins", ["staggered", "at-once"])
-@pytest.mark.parametrize("strategy", ["at-rest", "native"])
+@pytest.mark.parametrize("attention", ["at-rest", "native"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_batched_decode_matches_each_sequence_alone(arch, strategy, joins):
+def test_batched_decode_matches_each_sequence_alone(arch, attention, joins):
     lm = tiny(arch, bits=4)
-    first = _turn_one(lm, strategy)
+    first = _turn_one(lm, attention)
     _, p2 = _prompts(lm, first.reply)
     prompts = [(p2, first.cache), (lm.render([{"role": "user", "content": "Short one."}]), None),
                (lm.render([{"role": "user", "content": TURN2 * 4}]), None)]
     params = SequenceSampling(max_tokens=STEPS)
     alone = []
     for prompt, cache in prompts:
-        seq = Sequence(lm, prompt, cache, params, strategy=strategy)
+        seq = Sequence(lm, prompt, cache, params, attention=attention)
         seq.logits_trace = []
         list(decode_alone(seq))
         alone.append(seq)
@@ -141,7 +141,7 @@ def test_batched_decode_matches_each_sequence_alone(arch, strategy, joins):
     batch = DecodeBatch()
     together = []
     for prompt, cache in prompts:
-        seq = Sequence(lm, prompt, cache, params, strategy=strategy)
+        seq = Sequence(lm, prompt, cache, params, attention=attention)
         seq.logits_trace = []
         while seq.prefill_step() is None:
             pass
@@ -159,4 +159,4 @@ def test_batched_decode_matches_each_sequence_alone(arch, strategy, joins):
             batch.remove(s)
 
     for a, b in zip(alone, together, strict=True):
-        assert_decoded_alike(a, b, lm.vocab_limit, FLOAT_TOL if strategy == "at-rest" else 5e-2)
+        assert_decoded_alike(a, b, lm.vocab_limit, FLOAT_TOL if attention == "at-rest" else 5e-2)

@@ -217,7 +217,7 @@ def test_a_model_whose_context_kvmem_cannot_read_says_so_at_load(
     config = json.loads((folder / "config.json").read_text())
     del config["max_position_embeddings"]
     (folder / "config.json").write_text(json.dumps(config))
-    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, strategy="auto")
+    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="auto")
     with caplog.at_level(logging.WARNING, logger="kvmem.engine"):
         info = engine.load(str(folder))
     assert info.context_length is None

@@ -22,7 +22,7 @@ PROMPTS = ("The harbour master kept a ledger of ships. " * 6, "Once upon a time,
 
 
 def _prefilled(prompt: str, steps: int) -> Sequence:
-    seq = Sequence(tiny("tiny-llama"), prompt, None, SequenceSampling(max_tokens=steps), strategy="at-rest")
+    seq = Sequence(tiny("tiny-llama"), prompt, None, SequenceSampling(max_tokens=steps), attention="at-rest")
     while seq.prefill_step() is None:
         pass
     return seq
@@ -42,7 +42,7 @@ def _lone_row_has_no_padding_and_no_mask(batch: DecodeBatch) -> None:
 
 
 def test_a_lone_row_decodes_with_no_mask_through_joins_and_leaves() -> None:
-    alone = Sequence(tiny("tiny-llama"), PROMPTS[0], None, SequenceSampling(max_tokens=12), strategy="at-rest")
+    alone = Sequence(tiny("tiny-llama"), PROMPTS[0], None, SequenceSampling(max_tokens=12), attention="at-rest")
     list(decode_alone(alone))
     long, short = _prefilled(PROMPTS[0], 12), _prefilled(PROMPTS[1], 3)
     batch = DecodeBatch(shared_prefix_check=False)

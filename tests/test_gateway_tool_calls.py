@@ -38,7 +38,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def _engine() -> ScriptedEngine:
-    return ScriptedEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, strategy="auto")
+    return ScriptedEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="auto")
 
 
 @pytest.fixture(scope="module")

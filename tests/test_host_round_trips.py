@@ -68,7 +68,7 @@ def test_the_gpu_policy_syncs_once_per_chunk_and_step_and_copies_to_the_host_onl
     from runtime.cpu import kv_copy
     from runtime.execution.mlx_engine import MlxEngine
 
-    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, strategy=attention, profile="gpu",
+    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention=attention, profile="gpu",
                        prefill_chunk=128, keep_float_mb=64)
     try:
         engine.load("tiny-llama")
@@ -113,7 +113,7 @@ def test_the_cpu_policy_takes_its_host_paths(host_calls: HostCalls) -> None:
     """The counter sees the CPU's NumPy paths, so the test above would see them leak."""
     from runtime.execution.mlx_engine import MlxEngine
 
-    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, strategy="auto", prefill_chunk=128,
+    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="auto", prefill_chunk=128,
                        profile="cpu")
     try:
         engine.load("tiny-llama")

@@ -90,8 +90,8 @@ def test_tinystories_q4_cache_reloaded_from_disk_continues_bit_identically(tmp_p
         assert np.array_equal(np.array(a), np.array(b))
 
 
-@pytest.mark.parametrize("strategy", ["at-rest", "native"])
-def test_tinystories_q4_kv_stays_within_stated_kl_on_heldout_text(strategy):
+@pytest.mark.parametrize("attention", ["at-rest", "native"])
+def test_tinystories_q4_kv_stays_within_stated_kl_on_heldout_text(attention):
     lm = fixture_model("tinystories-hd64", bits=4)
     seqs = _heldout(8)
     split = 256
@@ -101,11 +101,11 @@ def test_tinystories_q4_kv_stays_within_stated_kl_on_heldout_text(strategy):
         ref = lm.model(tokens, cache=lm.model.make_cache())[0, split:].astype(mx.float32)
         # Cache the first half as Q4 (park), then run the second half on it.
         empty = ParkedCache.empty(lm.spec)
-        kv = ActiveKV(empty, lm.spec, strategy)
+        kv = ActiveKV(empty, lm.spec, attention)
         lm.model(tokens[:, :split], cache=kv.caches)
         ids = [int(t) for t in row[:split]]
         parked = kv.park(text="", token_ids=ids, offsets=list(range(1, split + 1)))
-        kv2 = ActiveKV(parked, lm.spec, strategy)
+        kv2 = ActiveKV(parked, lm.spec, attention)
         ours = lm.model(tokens[:, split:], cache=kv2.caches)[0].astype(mx.float32)
         lp_ref = ref - mx.logsumexp(ref, axis=-1, keepdims=True)
         lp_q = ours - mx.logsumexp(ours, axis=-1, keepdims=True)
@@ -114,6 +114,6 @@ def test_tinystories_q4_kv_stays_within_stated_kl_on_heldout_text(strategy):
         agree.append(np.array(ref.argmax(-1) == ours.argmax(-1)))
     mean_kl = float(np.concatenate(kls).mean())
     top1 = float(np.concatenate(agree).mean())
-    print(f"{strategy}: mean KL {mean_kl:.5f}, top-1 agreement {top1:.3f}")
+    print(f"{attention}: mean KL {mean_kl:.5f}, top-1 agreement {top1:.3f}")
     assert mean_kl <= KL_TOL
     assert top1 >= TOP1_MIN

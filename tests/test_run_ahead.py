@@ -24,11 +24,11 @@ ROWS = {  # name: (prompt, sampling, the step the row joins at)
 }
 
 
-def _decode(strategy: str, run_ahead: bool) -> dict[str, Sequence]:
+def _decode(attention: str, run_ahead: bool) -> dict[str, Sequence]:
     lm = tiny("tiny-llama")
     seqs = {}
     for name, (prompt, params, _) in ROWS.items():
-        seq = Sequence(lm, prompt, None, params, strategy=strategy)
+        seq = Sequence(lm, prompt, None, params, attention=attention)
         seq.logits_trace = []
         while seq.prefill_step() is None:
             pass
@@ -50,9 +50,9 @@ def _decode(strategy: str, run_ahead: bool) -> dict[str, Sequence]:
     return seqs
 
 
-@pytest.mark.parametrize("strategy", ["native", "at-rest"])
-def test_one_step_ahead_decodes_what_lockstep_decodes(strategy: str) -> None:
-    lockstep, ahead = _decode(strategy, run_ahead=False), _decode(strategy, run_ahead=True)
+@pytest.mark.parametrize("attention", ["native", "at-rest"])
+def test_one_step_ahead_decodes_what_lockstep_decodes(attention: str) -> None:
+    lockstep, ahead = _decode(attention, run_ahead=False), _decode(attention, run_ahead=True)
     limit = tiny("tiny-llama").vocab_limit
     for name in ROWS:
         assert ahead[name].finish_reason == lockstep[name].finish_reason, name

@@ -66,9 +66,9 @@ def test_invalid_kv_format_is_rejected():
 
 
 def test_auto_attention_is_at_rest_on_every_device():
-    from runtime.kv.kvstate import resolve_strategy
+    from runtime.kv.kvstate import resolve_attention
 
-    assert resolve_strategy("native") == "native"
-    assert resolve_strategy("auto") == "at-rest"  # fidelity decides, on the CPU and on GPUs alike
+    assert resolve_attention("native") == "native"
+    assert resolve_attention("auto") == "at-rest"  # fidelity decides, on the CPU and on GPUs alike
     with pytest.raises(ValueError):
-        resolve_strategy("fast")
+        resolve_attention("fast")

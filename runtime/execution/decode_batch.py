@@ -4,7 +4,7 @@ Sequences join a :class:`DecodeBatch` (mlx-lm's ``merge``/``extend``), step
 together, and leave by ``extract``. It holds one batch cache per layer
 (mlx-lm's ``BatchKVCache``/``BatchRotatingKVCache`` for float and sliding
 layers, :class:`runtime.kv.q4_cache.BatchQuantizedKVCache` for Q4 layers
-under the native strategy). Each :meth:`DecodeBatch.step_once` feeds every
+under the native attention). Each :meth:`DecodeBatch.step_once` feeds every
 member its next input token and samples one token per member;
 :meth:`DecodeBatch.remove` extracts a member's cache back into its own
 :class:`runtime.kv.kvstate.ActiveKV` so it can be parked. A group prefilled

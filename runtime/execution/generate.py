@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from runtime.reply.grammar import mask_rows
-from runtime.kv.kvstate import ParkedCache, Strategy
+from runtime.kv.kvstate import ParkedCache, AttentionMode
 from runtime.model.loaded import LoadedModel
 from runtime.execution.sequence import SequenceSampling, Sequence, TurnStats
 
@@ -49,7 +49,7 @@ def generate(
     cache: ParkedCache | None = None,
     params: SequenceSampling | None = None,
     *,
-    strategy: Strategy = "at-rest",
+    attention: AttentionMode = "at-rest",
     on_text: Callable[[str], None] | None = None,
 ) -> GenerationResult:
     """Generate a reply to ``prompt`` reusing ``cache`` where the texts agree.
@@ -59,10 +59,10 @@ def generate(
         prompt: the full prompt text.
         cache: the agent's parked cache from its previous turn, or None.
         params: sampling parameters (greedy, 256 tokens by default).
-        strategy: ``at-rest`` (float while active) or ``native`` (quantized SDPA).
+        attention: ``at-rest`` (float while active) or ``native`` (quantized SDPA).
         on_text: called with each streamable piece of the reply.
     """
-    seq = Sequence(lm, prompt, cache, params or SequenceSampling(), strategy=strategy)
+    seq = Sequence(lm, prompt, cache, params or SequenceSampling(), attention=attention)
     for delta in decode_alone(seq):
         if on_text is not None:
             on_text(delta)

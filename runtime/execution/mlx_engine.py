@@ -41,7 +41,7 @@ from runtime.execution.batch_prefill import choose_group, prefill_together
 from runtime.execution.decode_batch import DecodeBatch
 from runtime.kv.float_resident import ResidentPool
 from runtime.cpu.kv_copy import use_host_views
-from runtime.kv.kvstate import SLIDING_SLACK, ParkedCache, Strategy, settle_attention, with_kept_float
+from runtime.kv.kvstate import SLIDING_SLACK, ParkedCache, AttentionMode, settle_attention, with_kept_float
 from runtime.model.loaded import LoadedModel, load_model
 from runtime.plan.prefix import MatchKind
 from runtime.execution.sequence import SequenceSampling, Sequence, start_from
@@ -54,7 +54,7 @@ __all__ = ["MlxEngine", "active_token_bytes", "sequence_bytes"]
 log = logging.getLogger("kvmem.engine")
 
 
-def active_token_bytes(spec: ModelCacheSpec, strategy: Strategy) -> int:
+def active_token_bytes(spec: ModelCacheSpec, attention: AttentionMode) -> int:
     """Bytes of one token's KV over the full-attention layers while a sequence runs.
 
     Under ``at-rest`` a Q4 layer is dequantized to the model's float dtype while
@@ -65,7 +65,7 @@ def active_token_bytes(spec: ModelCacheSpec, strategy: Strategy) -> int:
         if kind is LayerKind.SLIDING:
             continue
         dims = layer.k_head_dim + layer.v_head_dim
-        if kind is LayerKind.Q4 and strategy == "native":
+        if kind is LayerKind.Q4 and attention == "native":
             bits, group = spec.kv_format.bits or 4, spec.kv_format.group_size
             total += layer.kv_heads * (dims * bits // 8 + (dims // group) * 2 * 2)
         else:
@@ -88,7 +88,7 @@ class MlxEngine:
     Args:
         models_dir: where tiny models are built.
         kv_bits, kv_group_size: 4 or 8 (Q4/Q8 KV at rest) or None (float KV); the quantization group.
-        strategy, weights: ``auto``, ``at-rest`` or ``native`` attention on Q4 caches; how GGUF
+        attention, weights: ``auto``, ``at-rest`` or ``native`` attention on Q4 caches; how GGUF
             weights are held (:data:`runtime.model.gguf.WEIGHT_MODES`).
         prewarm_mb: memory to touch once when the first model loads and keep for activations,
             and a throwaway turn at each load (:mod:`runtime.execution.warmup`); 0 turns both off.
@@ -106,7 +106,7 @@ class MlxEngine:
         models_dir: Path,
         kv_bits: int | None,
         kv_group_size: int,
-        strategy: str,
+        attention: str,
         weights: str = "auto",
         prewarm_mb: float = 0,
         numpy_attention: bool = True,
@@ -116,7 +116,7 @@ class MlxEngine:
         prefill_chunk: int | None = None,
     ) -> None:
         # Every CPU-versus-GPU decision, once (runtime.backend); a model load settles the attention.
-        self._profile = device_profile(profile=profile, attention=strategy, weights=weights,
+        self._profile = device_profile(profile=profile, attention=attention, weights=weights,
                                        numpy_attention=numpy_attention, prewarm_mb=prewarm_mb,
                                        prefill_chunk=prefill_chunk)
         use_host_views(self._profile.numpy_kv_copy)
@@ -126,7 +126,7 @@ class MlxEngine:
         self._prewarm_mb = self._profile.prewarm_mb  # touched at the first load only
         self._warm_up = self._profile.prewarm_mb > 0  # a throwaway turn at each model load (runtime.execution.warmup.warm_up)
         self._kv_format = KVFormat(bits=kv_bits, group_size=kv_group_size)
-        self._strategy: Strategy = "at-rest"
+        self._attention: AttentionMode = "at-rest"
         self._lm: LoadedModel | None = None
         self._seqs: dict[int, Sequence] = {}
         self._ids: dict[int, int] = {}  # id(seq) -> request id
@@ -138,7 +138,7 @@ class MlxEngine:
     def from_config(cls, config: Any, group: Any = None) -> MlxEngine:
         """The engine a :class:`runtime.config.Config` describes (``group``: this rank's, under ``--distributed``)."""
         return cls(models_dir=config.models_path, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
-                   strategy=config.attention, weights=config.weights, prewarm_mb=config.prewarm_mb,
+                   attention=config.attention, weights=config.weights, prewarm_mb=config.prewarm_mb,
                    numpy_attention=config.numpy_attention, keep_float_mb=config.keep_float_mb, group=group,
                    profile=config.profile, prefill_chunk=config.prefill_chunk)
 
@@ -184,12 +184,12 @@ class MlxEngine:
             group=self._group,
         )
         self._lm = lm
-        self._strategy, note = settle_attention(lm, self._profile.attention)
-        self._profile = self._profile.with_model(attention=self._strategy, note=note,
+        self._attention, note = settle_attention(lm, self._profile.attention)
+        self._profile = self._profile.with_model(attention=self._attention, note=note,
                                                  float_dtype=str(lm.float_dtype).removeprefix("mlx.core."))
         log.info("%s: %s", name, self._profile.line())
         if self._warm_up:
-            log.info("warmed %s up in %.2f s", name, warm_up(lm, self._strategy))
+            log.info("warmed %s up in %.2f s", name, warm_up(lm, self._attention))
             if lm.tool_format != "template":  # agent clients send tools on every request: not on the first one's clock
                 lm.grammar_vocabulary  # noqa: B018 - a cached property, built here (~0.5 s)
         weights = tree_flatten(lm.model.parameters(), destination={})
@@ -201,7 +201,7 @@ class MlxEngine:
             log.warning("model %s: no context length in its config; prompts are limited by the KV budget only",
                         name)
         return ModelInfo(name=name, tag=lm.spec.tag, block_bytes=lm.spec.bytes_per_block(),
-                         active_token_bytes=active_token_bytes(lm.spec, self._strategy),
+                         active_token_bytes=active_token_bytes(lm.spec, self._attention),
                          sequence_bytes=sequence_bytes(lm.spec), model_bytes=self._model_bytes,
                          context_length=context, profile=self._profile)
 
@@ -248,7 +248,7 @@ class MlxEngine:
         params = self.sampling_params(sampling, rules)
         splitter = rules.splitter(sampling.tool_use) if rules is not None else None
         start = start_from(self.lm, prompt, plan, tokens)
-        seq = Sequence(self.lm, prompt, None, params, strategy=self._strategy, start=start, tool_calls=splitter)
+        seq = Sequence(self.lm, prompt, None, params, attention=self._attention, start=start, tool_calls=splitter)
         seq.sync_chunks = not self._profile.run_ahead
         self._seqs[request_id] = seq
         self._ids[id(seq)] = request_id
@@ -310,7 +310,7 @@ class MlxEngine:
         if snapshot.model_tag != lm.spec.tag:
             return None
         parked = ParkedCache.from_snapshot(snapshot, float_dtype=lm.float_dtype)
-        if self._strategy != "at-rest" or not self._residents.fits(8 * parked.nbytes):  # ~float's size
+        if self._attention != "at-rest" or not self._residents.fits(8 * parked.nbytes):  # ~float's size
             return parked
         kept = with_kept_float(parked, lm.spec)
         return kept if kept.resident is not None and self._residents.add(kept.resident) else parked

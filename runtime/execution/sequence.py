@@ -26,7 +26,7 @@ from mlx_lm.sample_utils import make_sampler
 from runtime.backend import CPU_CHUNKS
 from runtime.plan.contract import COLD, ColdStart, FromHot, FromShared, FromWarm, OwnCache, Tokenized, ToolCall, TurnPlan
 from runtime.reply.grammar import ReplyGrammar, mask_rows
-from runtime.kv.kvstate import ActiveKV, ParkedCache, Strategy
+from runtime.kv.kvstate import ActiveKV, ParkedCache, AttentionMode
 from runtime.model.loaded import LoadedModel
 from runtime.plan.kv_manager import own_plan
 from runtime.plan.prefix import MatchKind
@@ -198,7 +198,7 @@ class Sequence:
         parked: the agent's parked cache, or None: the sequence matches the prompt
             against it itself (standalone use: ``runtime.execution.generate``, tests, benches).
         params: sampling parameters.
-        strategy: attention strategy for the active cache.
+        attention: ``at-rest`` or ``native``: how the active cache attends (:mod:`runtime.kv.kvstate`).
         partial_threshold: PARTIAL match threshold (fraction of cached text).
         start: a turn planned by :class:`runtime.plan.kv_manager.KVCacheManager`
             (``parked`` must then be None): no matching, no tokenizing here.
@@ -214,7 +214,7 @@ class Sequence:
         parked: ParkedCache | None,
         params: SequenceSampling,
         *,
-        strategy: Strategy = "at-rest",
+        attention: AttentionMode = "at-rest",
         partial_threshold: float = 0.8,
         start: StartFrom | None = None,
         tool_calls: ToolCallSplitter | None = None,
@@ -236,7 +236,7 @@ class Sequence:
         suffix_ids, suffix_ends = start.suffix_ids, start.suffix_ends
         self.stats.match = start.match
         self.pending: list[int] = suffix_ids
-        self.kv = ActiveKV(base, lm.spec, strategy)
+        self.kv = ActiveKV(base, lm.spec, attention)
         self.token_ids: list[int] = list(base.token_ids) + suffix_ids
         self.offsets: list[int] = list(base.offsets) + [shift + e for e in suffix_ends]
         self.stats.tokens_reused = base.num_tokens
@@ -271,7 +271,7 @@ class Sequence:
         n = base.num_tokens
         if self._prefilled or not 0 < n < len(self.token_ids) or tuple(self.token_ids[:n]) != tuple(base.token_ids):
             raise ValueError("a sequence can only adopt a proper prefix of its own tokens before prefill")
-        self.kv = ActiveKV(base, self.lm.spec, self.kv.strategy)
+        self.kv = ActiveKV(base, self.lm.spec, self.kv.attention)
         self.pending = self.token_ids[n:]
         self.stats.tokens_reused, self.stats.tokens_prefilled = n, len(self.pending)
         self.stats.match = MatchKind.EXTEND.value

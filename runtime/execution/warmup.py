@@ -53,7 +53,7 @@ WARM_UP_PROMPT = "Warm up. " * 40
 """The throwaway turn's prompt: about 120 tokens, so prefill takes the NumPy attention path."""
 
 
-def warm_up(lm: Any, strategy: str) -> float:
+def warm_up(lm: Any, attention: str) -> float:
     """Run a throwaway turn and a continuation of it through ``lm``; returns the seconds it took.
 
     A restarted server's first turn otherwise pays for every code path's first run
@@ -65,14 +65,14 @@ def warm_up(lm: Any, strategy: str) -> float:
     from runtime.execution.sequence import SequenceSampling, Sequence
 
     started = time.perf_counter()
-    first = Sequence(lm, WARM_UP_PROMPT, None, SequenceSampling(max_tokens=1), strategy=strategy)
+    first = Sequence(lm, WARM_UP_PROMPT, None, SequenceSampling(max_tokens=1), attention=attention)
     while first.prefill_step() is None:
         pass
     parked = first.park()
     if parked is not None:
         # Four tokens or more, as a turn's new text usually is: prefill over a cache through NumPy attention.
         again = Sequence(lm, parked.text + " Once more, the warm up.", parked, SequenceSampling(max_tokens=1),
-                         strategy=strategy)
+                         attention=attention)
         while again.prefill_step() is None:
             pass
     return time.perf_counter() - started

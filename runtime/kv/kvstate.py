@@ -7,11 +7,11 @@ in the hot tier and are what persistence writes and reads.
 
 When a sequence runs, its cache is *activated* into mlx-lm cache objects:
 
-* strategy ``at-rest``: Q4 layers are dequantized once into float ``KVCache``;
+* attention ``at-rest``: Q4 layers are dequantized once into float ``KVCache``;
   on parking only the tokens added this turn are quantized and appended to the
   parked Q4 prefix (quantization groups run along the head dim, so per-token
   quantization equals whole-cache quantization).
-* strategy ``native``: Q4 layers become :class:`runtime.kv.q4_cache.QuantizedKVCache`
+* attention ``native``: Q4 layers become :class:`runtime.kv.q4_cache.QuantizedKVCache`
   and the model attends with MLX's quantized SDPA on the packed data (layers with
   attention sinks attend on a transient dequantized copy).
 
@@ -36,16 +36,24 @@ from runtime.kv.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.kv.q4_packing import dequantize_kv, quantize_kv
 from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot, ModelCacheSpec
 
-__all__ = ["ParkedCache", "ParkedLayer", "ActiveKV", "Strategy", "SLIDING_SLACK", "resolve_strategy", "settle_attention",
-           "with_kept_float"]
+__all__ = [
+    "ParkedCache",
+    "ParkedLayer",
+    "ActiveKV",
+    "AttentionMode",
+    "SLIDING_SLACK",
+    "resolve_attention",
+    "settle_attention",
+    "with_kept_float",
+]
 
-Strategy = Literal["at-rest", "native"]
+AttentionMode = Literal["at-rest", "native"]
 
 log = logging.getLogger("kvmem.kvstate")
 
 
-def resolve_strategy(name: str) -> Strategy:
-    """Map ``auto`` to the backend profile's strategy for this device (:mod:`runtime.backend`).
+def resolve_attention(name: str) -> AttentionMode:
+    """Map ``auto`` to the backend profile's attention for this device (:mod:`runtime.backend`).
 
     ``auto`` is ``at-rest`` on every device: native Q4 quantizes each token as it
     arrives and loses needles float keeps (docs/models.md), and on MLX's CPU backend
@@ -66,7 +74,7 @@ kernels a real chunk does (a few tokens take the vector kernels); then one decod
 a batch, as real turns take."""
 
 
-def settle_attention(lm: Any, attention: Strategy) -> tuple[Strategy, str | None]:
+def settle_attention(lm: Any, attention: AttentionMode) -> tuple[AttentionMode, str | None]:
     """The attention ``lm`` can run here: ``native`` only once a throwaway native turn ran.
 
     MLX's backends do not implement every quantized kernel for every shape and dtype
@@ -81,7 +89,7 @@ def settle_attention(lm: Any, attention: Strategy) -> tuple[Strategy, str | None
     from runtime.execution.sequence import SequenceSampling, Sequence  # noqa: PLC0415
 
     try:
-        probe = Sequence(lm, NATIVE_PROBE_PROMPT, None, SequenceSampling(max_tokens=2), strategy="native")
+        probe = Sequence(lm, NATIVE_PROBE_PROMPT, None, SequenceSampling(max_tokens=2), attention="native")
         while probe.prefill_step(NATIVE_PROBE_TOKENS) is None:
             pass
         if probe.finish_reason is None:
@@ -256,19 +264,19 @@ class ActiveKV:
     Args:
         parked: the (possibly truncated) parked cache this turn starts from.
         spec: the model's cache spec.
-        strategy: ``at-rest`` or ``native`` (see the module docstring).
+        attention: ``at-rest`` or ``native`` (see the module docstring).
     """
 
-    def __init__(self, parked: ParkedCache, spec: ModelCacheSpec, strategy: Strategy | str) -> None:
+    def __init__(self, parked: ParkedCache, spec: ModelCacheSpec, attention: AttentionMode | str) -> None:
         self.base = parked
         self.spec = spec
-        self.strategy = resolve_strategy(strategy)
+        self.attention = resolve_attention(attention)
         kept: list[LayerKV | None] | None = None
-        if parked.resident is not None and self.strategy == "at-rest":
+        if parked.resident is not None and self.attention == "at-rest":
             kept = parked.resident.take(parked.num_tokens)
         self.resumed_float = kept is not None  # the activation was skipped (runtime.kv.float_resident)
         self.caches: list[Any] = [
-            _activate_layer(layer, lspec, spec, self.strategy, parked.num_tokens, kept[i] if kept else None)
+            _activate_layer(layer, lspec, spec, self.attention, parked.num_tokens, kept[i] if kept else None)
             for i, (layer, lspec) in enumerate(zip(parked.layers, spec.layers, strict=True))
         ]
 
@@ -276,7 +284,7 @@ class ActiveKV:
     def groupable(self) -> bool:
         """Whether a group prefill (:mod:`runtime.execution.batch_prefill`) can take these caches: float
         ``KVCache`` layers over the parked tokens (``at-rest`` or float KV; no sliding window)."""
-        return self.strategy == "at-rest" and all(
+        return self.attention == "at-rest" and all(
             type(c) is KVCache and c.offset == self.base.num_tokens for c in self.caches
         ) and all(layer.kind is not LayerKind.SLIDING for layer in self.base.layers)
 
@@ -292,10 +300,10 @@ class ActiveKV:
         """
         keep = len(token_ids)
         n_base = self.base.num_tokens
-        keep_float = keep_float and self.strategy == "at-rest"
+        keep_float = keep_float and self.attention == "at-rest"
         layers, floats = [], []
         for cache, base, lspec in zip(self.caches, self.base.layers, self.spec.layers, strict=True):
-            parked = _park_layer(cache, base, lspec, self.spec, self.strategy, n_base=n_base, keep=keep,
+            parked = _park_layer(cache, base, lspec, self.spec, self.attention, n_base=n_base, keep=keep,
                                  keep_float=keep_float)
             if parked is None:
                 return None
@@ -324,7 +332,7 @@ class ActiveKV:
         )
 
 
-def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, strategy: Strategy, offset: int,
+def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, attention: AttentionMode, offset: int,
                     kept: LayerKV | None = None) -> Any:
     fmt = spec.kv_format
     a = layer.arrays
@@ -342,7 +350,7 @@ def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, strate
     packed = None
     if a:
         packed = ((a["k_w"], a["k_s"], a["k_b"]), (a["v_w"], a["v_s"], a["v_b"]))
-    if strategy == "native":
+    if attention == "native":
         cls = DequantizingQuantizedKVCache if lspec.sinks else QuantizedKVCache
         if packed is None:
             return cls(group_size=group, bits=bits)
@@ -387,7 +395,7 @@ def _park_layer(
     base: ParkedLayer,
     lspec: Any,
     spec: ModelCacheSpec,
-    strategy: Strategy,
+    attention: AttentionMode,
     *,
     n_base: int,
     keep: int,
@@ -410,7 +418,7 @@ def _park_layer(
         keys, values = _kv_of(cache)
         return ParkedLayer.of(base.kind, {"k": keys[:, :, :keep], "v": values[:, :, :keep]}), None
     start = min(n_base, keep)
-    if strategy == "native" and keep > start:
+    if attention == "native" and keep > start:
         (kw, ks, kb), (vw, vs, vb) = cache.packed()
         arrays = dict(zip(_Q4_KEYS, (kw, ks, kb, vw, vs, vb), strict=True))
         # Only the new tokens become a chunk (compacted, so it keeps no view of the rest).

@@ -364,7 +364,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
         tag: model + KV format; caches with another tag are never served.
         block_bytes: at-rest bytes of one 256-token block (hot tier accounting).
         active_token_bytes: bytes of one token's KV while a sequence runs
-            (float under the ``at-rest`` strategy), the unit of admission.
+            (float under the ``at-rest`` attention), the unit of admission.
         sequence_bytes: fixed bytes per running sequence (sliding windows).
         model_bytes: bytes of the weights.
         context_length: the most positions (prompt plus reply) the model takes, from
