@@ -20,7 +20,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | GGUF weights (``auto``) | float32 (the only fast matmul on MLX's CPU backend) | as stored (Q4/Q8) |
 | float dtype of activations and KV | the weights' (float32 for a GGUF) | the model's own (bf16 / f16 stay so; never float32 by accident) |
 | prefill chunk | 512 / 256 / 128 as the context grows | 2048 (mlx-lm's ``prefill_step_size``) |
-| decode | in lockstep (the host waits for each step) | one step ahead (``mx.async_eval``, as mlx-lm's ``generate_step``) |
+| decode | in lockstep (the host waits for each step); a lone row is a batch of one | one step ahead (``mx.async_eval``, as mlx-lm's ``generate_step``); a lone row on its own caches, as there |
 | NumPy attention, NumPy KV copies, the shared-prefix check | on (``numpy_attention``) | off: no host round trip |
 | allocator tuning and pre-warm | on | off (device memory is not the glibc heap) |
 """
@@ -62,6 +62,9 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         shared_prefix_check: a decode batch looks for a prompt every row holds alike (host compare).
         run_ahead: a decode step is launched before the previous one's tokens are read
             (:class:`runtime.execution.decode_batch.DecodeBatch`).
+        alone_on_own_caches: a row decoding alone runs on its own ``KVCache`` layers, as
+            mlx-lm does, instead of a batch of one (whose mask and per-row offsets cost a GPU
+            every layer of every step; on the CPU the batch path measured as fast or faster).
         tune_allocator: glibc keeps freed memory and one arena (``runtime.allocator``).
         prewarm_mb: memory touched at the first model load (0: none).
         openblas: the OpenBLAS library loaded at import (None: MLX's own BLAS).
@@ -80,6 +83,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     numpy_kv_copy: bool
     shared_prefix_check: bool
     run_ahead: bool = False
+    alone_on_own_caches: bool = False
     tune_allocator: bool
     prewarm_mb: float
     openblas: str | None = None
@@ -163,6 +167,7 @@ def decide_profile(
         numpy_kv_copy=cpu,
         shared_prefix_check=numpy_paths,  # its only reader is the NumPy decode attention
         run_ahead=not cpu,
+        alone_on_own_caches=not cpu,
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,
         openblas=openblas,

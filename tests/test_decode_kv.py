@@ -45,7 +45,7 @@ def test_a_lone_row_decodes_with_no_mask_through_joins_and_leaves() -> None:
     alone = Sequence(tiny("tiny-llama"), PROMPTS[0], None, SequenceSampling(max_tokens=12), attention="at-rest")
     list(decode_alone(alone))
     long, short = _prefilled(PROMPTS[0], 12), _prefilled(PROMPTS[1], 3)
-    batch = DecodeBatch(shared_prefix_check=False)
+    batch = DecodeBatch(shared_prefix_check=False, alone_on_own_caches=True)  # the GPU policy's
     batch.add(long)
     batch.step_once()
     _lone_row_on_its_own_caches(batch)  # alone: no merge
@@ -73,4 +73,11 @@ def test_a_lone_row_decodes_with_no_mask_through_joins_and_leaves() -> None:
     batch.add(longer)
     batch.step_once()
     batch.remove(longer)  # the longer row leaves first: the padded row's padding is trimmed
+    _lone_row_has_no_padding_and_no_mask(batch)
+
+
+def test_under_the_cpu_policy_a_lone_row_is_a_batch_of_one_without_a_mask() -> None:
+    batch = DecodeBatch(shared_prefix_check=False)
+    batch.add(_prefilled(PROMPTS[0], 3))
+    batch.step_once()
     _lone_row_has_no_padding_and_no_mask(batch)

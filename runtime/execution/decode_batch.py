@@ -89,9 +89,10 @@ class DecodeBatch:
     Sequences that :meth:`add` joins wait in ``pending`` until the next
     :meth:`step_once`, which merges all of them in one go: growing the batch
     copies every member's cache, so several joins between two steps cost one
-    copy instead of one per join. :meth:`remove` of the last row is a view. A row
-    alone decodes on its own float ``KVCache`` layers, as mlx-lm's ``generate_step``
-    does; it becomes a batch of one when another row joins.
+    copy instead of one per join. :meth:`remove` of the last row is a view. With
+    ``alone_on_own_caches`` (the GPU policy's) a row alone decodes on its own float
+    ``KVCache`` layers, as mlx-lm's ``generate_step`` does, and becomes a batch of
+    one when another row joins.
 
     ``shared`` counts the first tokens every member holds the same keys and
     values for (:mod:`runtime.execution.shared_prefix`), checked whenever members join
@@ -110,9 +111,11 @@ class DecodeBatch:
     (a tool call's opening) or under a grammar, the batch steps without running ahead.
     """
 
-    def __init__(self, *, shared_prefix_check: bool = True, run_ahead: bool = False) -> None:
+    def __init__(self, *, shared_prefix_check: bool = True, run_ahead: bool = False,
+                 alone_on_own_caches: bool = False) -> None:
         self.shared_prefix_check = shared_prefix_check  # the backend profile's (a host compare of KV)
         self.run_ahead = run_ahead  # the backend profile's: launch step k+1 before reading step k
+        self.alone_on_own_caches = alone_on_own_caches  # the backend profile's: a lone row skips the batch cache
         self.members: list[Sequence] = []
         self.caches: list[Any] = []
         self.pending: list[Sequence] = []
@@ -150,7 +153,8 @@ class DecodeBatch:
         if not self.pending:
             return
         joining, self.pending = self.pending, []
-        if not self.members and len(joining) == 1 and _own_caches_decode(joining[0].kv.caches):
+        lone = not self.members and len(joining) == 1
+        if lone and self.alone_on_own_caches and _own_caches_decode(joining[0].kv.caches):
             # A lone row decodes on its own caches, as mlx-lm's generate_step does: no merge copy,
             # no mask, and plain integer offsets (a batch cache's per-row arrays cost every layer
             # of every step a little: 0.85x mlx-lm's decode rate at 1K on an H200's 1B geometry).

@@ -148,7 +148,8 @@ class MlxEngine:
         return self._profile
 
     def _new_batch(self) -> DecodeBatch:
-        return DecodeBatch(shared_prefix_check=self._profile.shared_prefix_check, run_ahead=self._profile.run_ahead)
+        return DecodeBatch(shared_prefix_check=self._profile.shared_prefix_check, run_ahead=self._profile.run_ahead,
+                           alone_on_own_caches=self._profile.alone_on_own_caches)
 
     @property
     def memory(self) -> MemoryReading:
