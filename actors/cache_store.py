@@ -217,12 +217,9 @@ class CacheStoreActor:
                 send_reply(message.reply, Failed(kind="Cancelled", error="the cache store is shutting down"))
         self._inbox.close()
 
-    async def _disk(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=self._limiter)
-
-    async def _read(self, fn: Any, *args: Any) -> Any:
-        """A turn's read of its agent's cache: beside the writes, not after them."""
-        return await trio.to_thread.run_sync(lambda: fn(*args), limiter=self._read_limiter)
+    async def _disk(self, fn: Any, *args: Any, limiter: trio.CapacityLimiter | None = None, **kwargs: Any) -> Any:
+        """``fn`` on a disk thread: the writes' one (default), or ``limiter``'s."""
+        return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=limiter or self._limiter)
 
     # -- mailbox ---------------------------------------------------------------
 
@@ -282,7 +279,8 @@ class CacheStoreActor:
                 return
             taken = None if self.prefetch is None else await self.prefetch.take(*key)
             if taken is None:
-                warm, tier = await self._read(self._load, message.agent_id, message.model_tag)
+                warm, tier = await self._disk(self._load, message.agent_id, message.model_tag,
+                                              limiter=self._read_limiter)  # beside the writes, not after them
             else:
                 warm, prepared = taken
             self._warm_loads += 1
