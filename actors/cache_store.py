@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, assert_never
 
 import msgspec
@@ -72,6 +73,8 @@ from actors.messages_store import (
     ListAgents,
     Saved,
     SaveReply,
+    SnapshotDue,
+    SnapshotLost,
     StoreInbox,
     Usage,
     Used,
@@ -127,11 +130,12 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
 
 @dataclass(frozen=True)
 class _Pending:
-    """A hot cache not yet on disk: the cache, its numpy copy for the save, its full blocks' hashes."""
+    """A hot cache not yet on disk: the cache, its numpy copy for the save (or the copy the GPU
+    actor owes), its full blocks' hashes."""
 
     agent_id: str
     parked: ParkedView
-    snapshot: CacheSnapshot
+    snapshot: CacheSnapshot | SnapshotDue
     block_hashes: list[str]  # computed once, for the hot tier's accounting and the save
 
 class CacheStoreActor:
@@ -405,6 +409,8 @@ class CacheStoreActor:
         if self.prefetch is not None:
             self.prefetch.drop(agent_id)
         existed = self._manager.forget(agent_id) > 0
+        for due in self._copies_owed(lambda key: key[0] == agent_id):
+            due.drop()
         for waiter in self._saves.drop(lambda key: key[0] == agent_id):
             send_reply(waiter, Failed(kind="NotSaved", error=f"agent {agent_id!r} was forgotten first"))
         if self.shared is not None:
@@ -430,8 +436,24 @@ class CacheStoreActor:
         hashes = self._directory.block_hashes(parked.model_tag, parked.token_ids)
         self._manager.put(message.agent_id, parked, share_prefix=message.cache.share_prefix,
                           block_bytes=message.cache.block_bytes, block_hashes=hashes)
+        for due in self._copies_owed(lambda k: k == key):
+            due.drop()  # superseded: its copy is never made (nor waited for)
         self._saves.put(key, _Pending(message.agent_id, parked, message.cache.snapshot, hashes), message.saved)
+        if message.saved is not None:
+            # A turn waits for this save, written first: the copy it needs is wanted now, and so are
+            # those of a save the writer may be waiting on.
+            for due in self._copies_owed(lambda k: True):
+                due.want()
         self._wake.set()
+
+    def _copies_owed(self, which: Callable[[AgentKey], bool]) -> list[SnapshotDue]:
+        """The host copies the GPU actor still owes for the unsaved caches whose key ``which`` accepts."""
+        dues = []
+        for key in self._saves.keys():
+            dirty = self._saves.get(key)
+            if which(key) and dirty is not None and isinstance(dirty.item.snapshot, SnapshotDue):
+                dues.append(dirty.item.snapshot)
+        return dues
 
     # -- writes ----------------------------------------------------------------
 
@@ -460,9 +482,15 @@ class CacheStoreActor:
         pending = dirty.item
         retry = False
         try:
-            report = await self._disk(self._directory.save, pending.agent_id, pending.snapshot,
+            snapshot = pending.snapshot
+            if isinstance(snapshot, SnapshotDue):
+                snapshot = await snapshot.wait()
+                if snapshot is None or self._saves.get(key) is not dirty:
+                    # Superseded (the newer cache is written instead) or forgotten while it waited.
+                    return False
+            report = await self._disk(self._directory.save, pending.agent_id, snapshot,
                                       block_hashes=pending.block_hashes)
-        except (OSError, ValueError, InvalidAgentIdError) as exc:
+        except (OSError, ValueError, InvalidAgentIdError, SnapshotLost) as exc:
             retry = isinstance(exc, OSError)  # a full or read-only disk may recover; a bad cache will not
             self._write_errors += 1
             log.error("saving the cache of %r failed: %s; it stays in RAM, retried in %.0f s or on the next turn",
@@ -490,6 +518,8 @@ class CacheStoreActor:
     async def _flush_all(self, model_tag: str | None = None) -> int:
         """Write every dirty cache (of ``model_tag``, if given); returns how many were written."""
         written = 0
+        for due in self._copies_owed(lambda key: model_tag is None or key[1] == model_tag):
+            due.want()  # all at once: the GPU actor makes them while the first is written
         for key in self._saves.keys():
             if model_tag is None or key[1] == model_tag:
                 written += await self._write(key)

@@ -13,6 +13,15 @@ bounded job of a :class:`runtime.plan.contract.Engine`. The loop::
         last chunk -> first token; the sequence joins the batch (merge/extend)
     finished sequences leave the batch (extract/filter), are parked, and their
     updated cache goes back to the agent in the ``Generated`` reply
+    one owed host copy (below), if one is wanted or overdue
+
+Under the GPU policy (``BackendProfile.copy_after_turn``) a turn's end waits for
+nothing: the engine launches the park and leaves the cache's host copy for its
+save to later. The reply carries a :class:`~actors.messages_store.SnapshotDue`
+and the actor makes the copies it owes when it has no turn to run, or one per
+loop pass once the store wants it (a durable turn, a flush) or it is
+:data:`COPY_OVERDUE_S` old; a copy a newer cache superseded is never made, and
+the ones still owed are made before the actor stops.
 
 Tokens reach clients through each request's ``deltas`` channel with
 ``send_nowait``: a slow reader never stalls the batch (undelivered text is
@@ -24,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, assert_never
 
@@ -47,6 +57,7 @@ from actors.messages_gpu import (
     UnloadModel,
 )
 from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
+from actors.messages_store import SnapshotDue
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
 from runtime.plan.scheduler import Scheduler, Step
@@ -55,9 +66,26 @@ from runtime.errors import ContextLengthExceededError
 from runtime.plan.block_pool import PoolStats
 from runtime.plan.kv_manager import KVCacheManager
 
-__all__ = ["GPUActor"]
+__all__ = ["GPUActor", "COPY_OVERDUE_S"]
 
 log = logging.getLogger("kvmem.gpu")
+
+COPY_OVERDUE_S = 1.0
+"""A host copy owed this long is made between two loop passes even while turns run: it bounds how
+long a write-behind save waits behind a busy batch (an idle actor makes its copies at once)."""
+
+STOP_COPIES_S = 60.0
+"""At shutdown, how long the copies still owed may take before the rest are given up (their saves fail)."""
+
+
+@dataclass
+class _OwedCopy:
+    """A finished turn's cache whose host copy the actor still owes the store."""
+
+    request_id: int
+    parked: Any
+    due: SnapshotDue
+    since: float
 
 class GPUActor:
     """Runs generation for every agent, one MLX job at a time.
@@ -95,6 +123,7 @@ class GPUActor:
         self._info: ModelInfo | None = None
         self._sched: Scheduler | None = None
         self._requests: dict[int, GpuTurn] = {}
+        self._owed: deque[_OwedCopy] = deque()
         self._steps = 0
         self._chunks = 0
         self.events: deque[GpuEvent] | None = deque(maxlen=100_000) if trace else None
@@ -115,6 +144,12 @@ class GPUActor:
                 for req in self._requests.values():
                     send_reply(req.msg.reply, Failed(kind="Cancelled", error="the runtime is shutting down"))
                 self._requests.clear()
+                with trio.CancelScope(shield=True):  # the store's last saves wait for these
+                    with trio.move_on_after(STOP_COPIES_S):
+                        await self._make_copies(every=True)
+                    for owed in self._owed:
+                        owed.due.failed("the GPU actor stopped before making the copy")
+                    self._owed.clear()
 
     async def _job(self, fn: Any, *args: Any) -> Any:
         return await self._thread.run(fn, *args)
@@ -127,6 +162,7 @@ class GPUActor:
         closing = False
         while True:
             if not self._requests:
+                await self._make_copies(every=True)  # nothing to run: the copies owed cost no turn
                 if closing:
                     return
                 try:
@@ -148,6 +184,7 @@ class GPUActor:
             for request_id in self._sched.admit():
                 await self._start(request_id)
             await self._run_step(self._sched.step(self._manager))
+            await self._make_copies(every=False)
             await trio.lowlevel.checkpoint()
 
     # -- mailbox ---------------------------------------------------------------
@@ -160,6 +197,7 @@ class GPUActor:
                 if self._requests:
                     send_reply(reply, Failed(kind="RuntimeError", error="generations are running"))
                     return
+                await self._make_copies(every=True)
                 await self._job(self._engine.unload)
                 self._info, self._sched = None, None
                 send_reply(reply, Unloaded())
@@ -187,6 +225,7 @@ class GPUActor:
         if self._requests:
             send_reply(reply, Failed(kind="RuntimeError", error="generations are running"))
             return
+        await self._make_copies(every=True)  # before the model they were made with goes
         self._info, self._sched = None, None
         try:
             info: ModelInfo = await self._job(self._engine.load, name)
@@ -428,7 +467,37 @@ class GPUActor:
         self._manager.end(request_id)
         del self._requests[request_id]
         self._event("finish", request_id)
-        send_reply(req.msg.reply, generated_reply(req, finished, cancelled=cancelled))
+        due = None
+        if finished is not None and finished.parked is not None and finished.snapshot is None \
+                and not receiver_left(req.msg.reply):
+            due = SnapshotDue()
+            self._owed.append(_OwedCopy(request_id, finished.parked, due, trio.current_time()))
+        send_reply(req.msg.reply, generated_reply(req, finished, cancelled=cancelled, due=due))
+
+    async def _make_copies(self, *, every: bool) -> None:
+        """Make the host copies owed: ``every`` one, or (turns running) the first one wanted or overdue."""
+        overdue = trio.current_time() - COPY_OVERDUE_S
+        while self._owed:
+            ready = [o for o in self._owed if o.due.dropped or every or o.due.wanted or o.since <= overdue]
+            if not ready:
+                return
+            owed = ready[0]
+            self._owed.remove(owed)
+            if owed.due.dropped:
+                continue  # superseded: no save needs it
+            try:
+                snapshot = await self._job(self._engine.snapshot, owed.parked)
+            except Exception as exc:  # noqa: BLE001 - the save fails, the cache stays hot
+                log.exception("copying the cache of request %d for its save failed", owed.request_id)
+                owed.due.failed(f"the copy for the save failed: {type(exc).__name__}: {exc}")
+                continue
+            except BaseException:
+                owed.due.failed("the GPU actor stopped before making the copy")
+                raise
+            owed.due.made(snapshot)
+            self._event("copy", owed.request_id)
+            if not every:
+                return
 
     async def _fail(self, request_id: int, exc: BaseException) -> None:
         log.warning("request %d failed: %s: %s", request_id, type(exc).__name__, exc)

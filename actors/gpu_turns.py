@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from actors.messages_common import TurnUsage
 from actors.messages_gpu import Generate, Generated
+from actors.messages_store import SnapshotDue
 from actors.metrics import RunningTurn
 from runtime.plan.contract import Finished, SequenceStarted, Tier, Tokenized, ToolCall, TurnPlan
 
@@ -42,8 +43,10 @@ def tier_of(req: GpuTurn, reused: int) -> Tier:
     return "shared" if req.adopted else req.plan.tier
 
 
-def generated_reply(req: GpuTurn, fin: Finished | None, *, cancelled: bool) -> Generated:
-    """The ``Generated`` reply of a turn that left the GPU (``fin``: its engine result; None if it had none)."""
+def generated_reply(req: GpuTurn, fin: Finished | None, *, cancelled: bool, due: SnapshotDue | None = None
+                    ) -> Generated:
+    """The ``Generated`` reply of a turn that left the GPU (``fin``: its engine result; None if it had none;
+    ``due``: the host copy of its cache the GPU actor owes, when the engine left it for later)."""
     submitted = req.msg.submitted_at
     admitted = req.admitted_at if req.admitted_at is not None else time.perf_counter()
     first, last = req.first_token_at, req.last_token_at
@@ -66,7 +69,7 @@ def generated_reply(req: GpuTurn, fin: Finished | None, *, cancelled: bool) -> G
             decode_tps=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
         ),
         parked=fin.parked if fin is not None else None,
-        snapshot=fin.snapshot if fin is not None else None,
+        snapshot=due if due is not None else fin.snapshot if fin is not None else None,
         stop_sequence=fin.stop_sequence if fin is not None and not cancelled else None,
         content=(fin.reply if fin.content is None else fin.content) if fin is not None else "",
         tool_calls=fin.tool_calls if fin is not None else (),

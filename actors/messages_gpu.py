@@ -24,6 +24,7 @@ import msgspec
 import trio
 
 from actors.messages_common import Failed, ParkedView, Message, TurnUsage
+from actors.messages_store import SnapshotDue
 from runtime.plan.contract import ModelInfo, OwnCache, SamplingOptions, Tier, ToolCall, ToolChoice
 from runtime.spec import CacheSnapshot
 
@@ -119,7 +120,7 @@ class Generated(Message, frozen=True, kw_only=True):
         ttft_s: submission to the first token.
         parked: the updated cache (None when nothing new was computed or a
             sliding window could not be kept); ``snapshot`` is its numpy copy
-            for the write-behind save.
+            for the write-behind save, or the copy the GPU actor owes (:class:`SnapshotDue`).
     """
 
     request_id: int
@@ -127,7 +128,7 @@ class Generated(Message, frozen=True, kw_only=True):
     finish_reason: str
     usage: TurnUsage
     parked: ParkedView | None
-    snapshot: CacheSnapshot | None
+    snapshot: CacheSnapshot | SnapshotDue | None
     stop_sequence: str | None = None
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()

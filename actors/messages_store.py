@@ -33,6 +33,8 @@ __all__ = [
     "CheckedOut",
     "CheckIn",
     "NewCache",
+    "SnapshotDue",
+    "SnapshotLost",
     "Forget",
     "Evict",
     "Flush",
@@ -153,8 +155,58 @@ class CheckOut(Message, frozen=True, kw_only=True):
     reply: trio.MemorySendChannel[CheckOutReply]
 
 
+class SnapshotLost(Exception):
+    """A :class:`SnapshotDue` the GPU actor could not make (its job failed, or it stopped without it)."""
+
+
+class SnapshotDue:
+    """A finished turn's host copy for its save, owed by the GPU actor (``BackendProfile.copy_after_turn``).
+
+    The GPU actor makes it after the turn, when it has nothing to run or once it is wanted
+    or overdue, never between two decode steps of a busy batch (:mod:`actors.gpu`). The
+    store waits for it when it writes: :meth:`want` asks for it now (a durable turn, a
+    flush, shutdown), :meth:`drop` says no save needs it any more (a newer cache of the
+    same agent superseded it), so it is never made.
+    """
+
+    def __init__(self) -> None:
+        self._settled = trio.Event()
+        self._snapshot: CacheSnapshot | None = None
+        self._error: str | None = None
+        self.wanted = False
+        self.dropped = False
+
+    def want(self) -> None:
+        self.wanted = True
+
+    def drop(self) -> None:
+        self.dropped = True
+        self._settled.set()
+
+    def made(self, snapshot: CacheSnapshot) -> None:
+        if not self._settled.is_set():
+            self._snapshot = snapshot
+            self._settled.set()
+
+    def failed(self, error: str) -> None:
+        if not self._settled.is_set():
+            self._error = error
+            self._settled.set()
+
+    async def wait(self) -> CacheSnapshot | None:
+        """The copy, once made; None when it was dropped.
+
+        Raises:
+            SnapshotLost: the GPU actor could not make it.
+        """
+        await self._settled.wait()
+        if self._error is not None:
+            raise SnapshotLost(self._error)
+        return self._snapshot
+
+
 class NewCache(msgspec.Struct, frozen=True, kw_only=True):
-    """A turn's updated cache; ``snapshot`` is its numpy copy for the write-behind save.
+    """A turn's updated cache; ``snapshot`` is its numpy copy for the write-behind save (or the copy owed).
 
     Attributes:
         block_bytes: at-rest bytes of one 256-token block of this model (hot-tier accounting).
@@ -162,7 +214,7 @@ class NewCache(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     parked: ParkedView
-    snapshot: CacheSnapshot
+    snapshot: CacheSnapshot | SnapshotDue
     block_bytes: int
     share_prefix: bool
 

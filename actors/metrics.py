@@ -224,7 +224,8 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
 
     ``kind``: ``admit`` (sequence built: prefix match, tokenization, cache activation),
     ``chunk`` (one prefill chunk), ``step`` (one decode step of the batch; ``request_ids``
-    are its members), ``finish`` (left the batch, parked).
+    are its members), ``finish`` (left the batch, parked), ``copy`` (a finished turn's host
+    copy for its save, made after the turn under the GPU policy).
     """
 
     kind: str

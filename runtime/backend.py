@@ -23,6 +23,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | decode | in lockstep (the host waits for each step); a lone row is a batch of one | one step ahead (``mx.async_eval``, as mlx-lm's ``generate_step``); a lone row on its own caches, as there |
 | NumPy attention, NumPy KV copies, the shared-prefix check | on (``numpy_attention``) | off: no host round trip |
 | allocator tuning and pre-warm | on | off (device memory is not the glibc heap) |
+| a turn's end | the cache is quantized and copied to the host for its save at once | quantized without waiting; the save's host copy is made later, when the GPU actor has nothing to run or the store needs it, never between two decode steps (``actors.gpu``) |
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         alone_on_own_caches: a row decoding alone runs on its own ``KVCache`` layers, as
             mlx-lm does, instead of a batch of one (whose mask and per-row offsets cost a GPU
             every layer of every step; on the CPU the batch path measured as fast or faster).
+        copy_after_turn: a finished turn's park is launched, not waited for, and its host copy for
+            the save is made after the turn (:meth:`runtime.plan.contract.Engine.snapshot`), off the
+            decode loop. On the CPU the copy is a memcpy of memory the host already holds: made at once.
         tune_allocator: glibc keeps freed memory and one arena (``runtime.allocator``).
         prewarm_mb: memory touched at the first model load (0: none).
         openblas: the OpenBLAS library loaded at import (None: MLX's own BLAS).
@@ -84,6 +88,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     shared_prefix_check: bool
     run_ahead: bool = False
     alone_on_own_caches: bool = False
+    copy_after_turn: bool = False
     tune_allocator: bool
     prewarm_mb: float
     openblas: str | None = None
@@ -113,6 +118,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             f"float {self.float_dtype or '?'}",
             f"prefill chunk {chunks}",
             f"decode {'one step ahead' if self.run_ahead else 'in lockstep'}",
+            f"save copy {'after the turn' if self.copy_after_turn else 'at the turn end'}",
             f"host paths {', '.join(host) if host else 'none'}",
             f"prewarm {self.prewarm_mb:g} MB",
             f"openblas {'yes' if self.openblas else 'no'}",
@@ -168,6 +174,7 @@ def decide_profile(
         shared_prefix_check=numpy_paths,  # its only reader is the NumPy decode attention
         run_ahead=not cpu,
         alone_on_own_caches=not cpu,
+        copy_after_turn=not cpu,
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,
         openblas=openblas,

@@ -112,8 +112,10 @@ class FakeEngine:
     profile = None  # no backend profile: nothing here runs on a device
 
     def __init__(self, *, step_delay_s: float = 0.0, chunk_delay_s: float = 0.0, default_chunk: int = 64,
-                 context_length: int | None = None) -> None:
+                 context_length: int | None = None, copy_after_turn: bool = False) -> None:
         self.step_delay_s = step_delay_s
+        self.copy_after_turn = copy_after_turn  # as the GPU policy: finish leaves the save's copy for later
+        self.snapshots: list[str] = []  # the texts of the copies snapshot() made
         self.context_length = context_length
         self.chunk_delay_s = chunk_delay_s
         self.default_chunk = default_chunk
@@ -262,8 +264,12 @@ class FakeEngine:
             tokens_prefilled=seq.prefilled,
             tokens_generated=len(seq.generated),
             parked=parked,
-            snapshot=parked.to_snapshot() if parked is not None else None,
+            snapshot=parked.to_snapshot() if parked is not None and not self.copy_after_turn else None,
         )
+
+    def snapshot(self, parked: Any) -> CacheSnapshot:
+        self.snapshots.append(parked.text)
+        return parked.to_snapshot()
 
     def discard(self, request_id: int) -> None:
         self._seqs.pop(request_id, None)

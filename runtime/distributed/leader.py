@@ -28,6 +28,7 @@ import secrets
 import socket
 import threading
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -316,12 +317,18 @@ class LeaderEngine:
         self._leader.send(Finish(request_id=request_id, handle=handle))
         try:
             finished = self._inner.finish(request_id)
+            if finished.parked is not None and finished.snapshot is None:
+                # The copy is made now: the followers' parts of it are bound to this finish's handle.
+                finished = replace(finished, snapshot=self._inner.snapshot(finished.parked))
             for part in (finished.parked, finished.snapshot):
                 if part is not None:
                     self._leader.handles.bind(part, handle)
             return finished
         finally:
             self._leader.handles.settle(handle)
+
+    def snapshot(self, parked: Any) -> Any:
+        return self._inner.snapshot(parked)  # not called: finish makes the copy itself
 
     def discard(self, request_id: int) -> None:
         self._leader.send(Discard(request_id))

@@ -26,6 +26,7 @@ from runtime.plan.contract import (
     FromWarm,
     MemoryReading,
     ModelInfo,
+    ParkedView,
     PrefillResult,
     SamplingOptions,
     SequenceStarted,
@@ -345,9 +346,12 @@ class MlxEngine:
 
     def finish(self, request_id: int) -> Finished:
         seq = self._leave(request_id)
+        # The GPU policy launches the park and leaves the host copy for later (Engine.snapshot):
+        # the decode loop waits for neither.
+        later = self.profile.copy_after_turn
         parked: ParkedCache | None
         if seq.prefill_done:
-            parked = seq.park(keep_float=self._residents.max_bytes > 0)
+            parked = seq.park(keep_float=self._residents.max_bytes > 0, wait=not later)
             if parked is not None and parked.resident is not None:
                 self._residents.add(parked.resident)
         elif seq.context > seq.stats.tokens_reused:
@@ -357,10 +361,11 @@ class MlxEngine:
                 text=seq.prompt[: seq.offsets[ctx - 1]],
                 token_ids=seq.token_ids[:ctx],
                 offsets=seq.offsets[:ctx],
+                wait=not later,
             )
         else:
             parked = None
-        snapshot = parked.to_snapshot() if parked is not None else None
+        snapshot = parked.to_snapshot() if parked is not None and not later else None
         self._sample_memory()
         stats = seq.stats
         return Finished(
@@ -376,6 +381,10 @@ class MlxEngine:
             content=seq.content,
             tool_calls=tuple(seq.tool_calls),
         )
+
+    def snapshot(self, parked: ParkedView) -> CacheSnapshot:
+        assert isinstance(parked, ParkedCache)
+        return parked.to_snapshot()
 
     def discard(self, request_id: int) -> None:
         if request_id in self._seqs:

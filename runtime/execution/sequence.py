@@ -447,11 +447,11 @@ class Sequence:
         return text
 
     # -- parking ----------------------------------------------------------------
-    def park(self, *, keep_float: bool = False) -> ParkedCache | None:
+    def park(self, *, keep_float: bool = False, wait: bool = True) -> ParkedCache | None:
         """Freeze the cache over the prompt and the reply tokens whose KV exists.
 
         ``keep_float``: keep the float buffers with it (:mod:`runtime.kv.float_resident`);
-        the sequence is done with them then.
+        the sequence is done with them then. ``wait``: see :meth:`runtime.kv.kvstate.ActiveKV.park`.
 
         The last sampled token never went through the model, and tokens past a
         stop string are not part of the reply, so both are left out. Returns None
@@ -465,7 +465,7 @@ class Sequence:
         token_ids = self.token_ids + fed[:keep]
         offsets = self.offsets + [len(self.prompt) + e for e in ends[:keep]]
         text = self.prompt + self.reply[: ends[keep - 1]] if keep else self.prompt
-        return self.kv.park(text=text, token_ids=token_ids, offsets=offsets, keep_float=keep_float)
+        return self.kv.park(text=text, token_ids=token_ids, offsets=offsets, keep_float=keep_float, wait=wait)
 
     def _text(self) -> str:
         raw = self._detok.text

@@ -289,12 +289,14 @@ class ActiveKV:
         ) and all(layer.kind is not LayerKind.SLIDING for layer in self.base.layers)
 
     def park(self, *, text: str, token_ids: list[int], offsets: list[int],
-             keep_float: bool = False) -> ParkedCache | None:
+             keep_float: bool = False, wait: bool = True) -> ParkedCache | None:
         """Freeze the first ``len(token_ids)`` tokens back into a parked cache.
 
         With ``keep_float`` (``at-rest`` only) the parked cache also keeps these float
         buffers as its :class:`~runtime.kv.float_resident.FloatResident`, the tokens this
         turn added overwritten by their dequantized Q4: the sequence must not run again.
+        ``wait=False`` (the GPU policy's turn end) launches the quantization without waiting
+        for the device: the next job queues behind it on the same stream.
         Returns None if a sliding layer cannot be trimmed that far (the caller then
         drops the cache and the next turn starts cold).
         """
@@ -312,15 +314,20 @@ class ActiveKV:
             floats.append(kept)
         overwrites = [f for f in floats if isinstance(f, _KeptFloat)]
         if overwrites:
-            # Every layer quantized in one evaluation, before any buffer is overwritten in place.
-            mx.eval([a for f in overwrites for a in (*f.kq, *f.vq)])
+            if wait:
+                # Every layer quantized in one evaluation, before any buffer is overwritten in place.
+                # (Not waiting is as correct: MLX then copies the buffer instead of writing in place.)
+                mx.eval([a for f in overwrites for a in (*f.kq, *f.vq)])
             floats = [f.overwrite(self.spec.kv_format) if isinstance(f, _KeptFloat) else f for f in floats]
         pending = [a for layer in layers for chunk in layer.chunks for a in chunk.values()]
         resident = None
         if keep_float and any(kv is not None for kv in floats):
             resident = FloatResident(floats, keep)
             pending += [a for kv in floats if kv is not None for a in kv]
-        mx.eval(pending)
+        if wait:
+            mx.eval(pending)
+        else:
+            mx.async_eval(pending)
         return ParkedCache(
             model_tag=self.spec.tag,
             text=text,

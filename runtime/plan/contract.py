@@ -444,6 +444,8 @@ class Finished:
     holds); ``content`` the reply without its tool calls (None: the turn parsed
     none, the content is the reply) and ``tool_calls`` the calls parsed out of it.
     ``finish_reason`` is ``tool_calls`` when the reply stopped after calling tools.
+    ``snapshot`` is ``parked``'s host copy for the save; None with a parked cache when the
+    engine leaves the copy for later (``BackendProfile.copy_after_turn``): :meth:`Engine.snapshot`.
     """
 
     reply: str
@@ -524,6 +526,9 @@ class Engine(Protocol):
 
     def finish(self, request_id: int) -> Finished:
         """Take the sequence out of the batch and park its cache (finished or cancelled)."""
+
+    def snapshot(self, parked: ParkedView) -> CacheSnapshot:
+        """``parked``'s host copy for its save, when :meth:`finish` left it for later."""
 
     def discard(self, request_id: int) -> None:
         """Drop a sequence without parking it."""

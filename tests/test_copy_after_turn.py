@@ -1,0 +1,251 @@
+"""A turn's end off the decode loop (issue 33, item 4): the GPU policy's copy for the save, made after the turn.
+
+Under the GPU policy (``BackendProfile.copy_after_turn``) the engine launches a finished
+turn's park without waiting for it and leaves the host copy its save needs for later; the
+GPU actor owes it (:class:`actors.messages_store.SnapshotDue`) and makes it when it has
+nothing to run, or between two loop passes once the store wants it or it is overdue. These
+tests hold that to what a user relies on: the copy made later is the copy made at once; a
+busy batch never stops for it; a durable turn still answers with its cache on disk; a cache
+superseded or forgotten before its copy is never copied (nor written); a failed copy fails
+only that save; and shutdown still writes every completed turn.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+from conftest import models_dir
+
+import actors.gpu
+from actors import open_runtime
+from actors.client import TurnFailedError
+from fake_engine import FakeEngine
+from runtime.errors import CacheMiss
+from runtime.persist import CacheDirectory
+
+TAG = "fake-a@0000/fake"
+PROMPT = "Tell me about the sea and the ships on it. " * 30
+
+
+def _open(tmp_path: Path, engine: FakeEngine, **kw):
+    kw.setdefault("handle_signals", False)
+    return open_runtime(model="fake-a", home=tmp_path, engine=engine, fsync=False, **kw)
+
+
+def _disk(tmp_path: Path) -> CacheDirectory:
+    return CacheDirectory(tmp_path / "caches", fsync=False)
+
+
+# -- the engine: the copy made later is the copy made at once -------------------------------------
+
+
+def _engine(attention: str):
+    from runtime.execution.mlx_engine import MlxEngine
+
+    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention=attention, profile="gpu",
+                       prefill_chunk=128, keep_float_mb=64)
+    engine.load("tiny-llama")
+    return engine
+
+
+def _turn(engine, request_id: int, prompt: str, plan, max_tokens: int = 6):
+    from runtime.plan.contract import SamplingOptions
+
+    engine.start(request_id, prompt, plan, engine.tokenize(prompt, plan), SamplingOptions(max_tokens=max_tokens))
+    while (result := engine.prefill(request_id, None)).remaining:
+        pass
+    if not result.finished:
+        engine.join(request_id)
+        while not any(t.finished for t in engine.step()):
+            pass
+    return engine.finish(request_id)
+
+
+@pytest.mark.parametrize("attention", ["at-rest", "native"])
+def test_a_copy_made_after_the_next_turn_ran_on_the_kept_buffers_is_the_copy_made_at_once(attention: str) -> None:
+    """Two engines run the same turns. One copies the first turn's cache at once; the other only
+    after the agent's next turn ran from it (at-rest: on the float buffers the park kept, written in
+    place). Any buffer the unwaited park still read and the next turn overwrote would show here."""
+    from runtime.cpu import kv_copy
+    from runtime.plan.contract import ColdStart, FromHot, TurnPlan
+
+    at_once, later = _engine(attention), _engine(attention)
+    try:
+        cold = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
+        copies = []
+        for engine, copy_first in ((at_once, True), (later, False)):
+            first = _turn(engine, 1, PROMPT, cold)
+            assert first.parked is not None and first.snapshot is None
+            copy = engine.snapshot(first.parked) if copy_first else None
+            parked = first.parked
+            hot = TurnPlan(tier="hot", source=FromHot(parked=parked), match="extend", reuse_tokens=parked.num_tokens,
+                           reuse_chars=len(parked.text))
+            second = _turn(engine, 2, parked.text + " And the harbour?", hot)
+            assert second.parked is not None and second.parked.num_tokens > parked.num_tokens
+            copies.append(copy if copy is not None else engine.snapshot(parked))
+        made_at_once, made_later = copies
+        assert made_later.token_ids == made_at_once.token_ids and made_later.text == made_at_once.text
+        for a, b in zip(made_at_once.layers, made_later.layers, strict=True):
+            assert a.arrays.keys() == b.arrays.keys()
+            for name in a.arrays:
+                np.testing.assert_array_equal(a.arrays[name], b.arrays[name], err_msg=name)
+    finally:
+        at_once.unload()
+        later.unload()
+        kv_copy.use_host_views(True)
+
+
+# -- the actors: when the copy is made, and what each save does with it ------------------------------
+
+
+async def _busy(rt, started: trio.Event) -> None:
+    """A long turn that keeps the batch decoding."""
+    stream = rt.agent("busy").stream_prompt("keep the batch decoding", max_tokens=400)
+    async with stream:
+        async for _ in stream:
+            started.set()
+
+
+async def _while_busy(rt, nursery: trio.Nursery) -> None:
+    started = trio.Event()
+    nursery.start_soon(_busy, rt, started)
+    await started.wait()
+
+
+async def test_a_busy_batch_never_stops_for_a_copy_and_an_idle_actor_makes_it_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(actors.gpu, "COPY_OVERDUE_S", 60.0)
+    engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
+    async with _open(tmp_path, engine) as rt:
+        async with trio.open_nursery() as nursery:
+            await _while_busy(rt, nursery)
+            result = await rt.agent("a").send_prompt("a short turn", max_tokens=3)
+            await trio.sleep(0.2)  # many steps of the busy turn
+            assert engine.snapshots == [] and rt.stats().store.writes == 0  # owed, not made
+            assert rt.stats().gpu.batch_size == 1
+            nursery.cancel_scope.cancel()  # the busy client leaves: its turn ends, the actor idles
+        with trio.fail_after(5):
+            while rt.stats().store.writes < 2:  # both turns' copies made and written, not at shutdown
+                await trio.sleep(0.02)
+    assert _disk(tmp_path).load("a", model_tag=TAG).text == "a short turn" + result.reply[:-1]
+
+
+async def test_an_overdue_copy_is_made_while_the_batch_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(actors.gpu, "COPY_OVERDUE_S", 0.1)
+    engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
+    async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
+        await _while_busy(rt, nursery)
+        await rt.agent("a").send_prompt("a short turn", max_tokens=3)
+        with trio.fail_after(5):
+            while rt.stats().store.writes < 1:
+                await trio.sleep(0.02)
+        assert rt.stats().gpu.batch_size == 1  # saved while the other turn still decodes
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_durable_turn_answers_with_its_cache_on_disk_while_the_batch_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(actors.gpu, "COPY_OVERDUE_S", 60.0)
+    engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
+    async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
+        await _while_busy(rt, nursery)
+        loose = await rt.agent("loose").send_prompt("write-behind", max_tokens=3)
+        with trio.fail_after(5):
+            result = await rt.agent("d").send_prompt("a durable turn", max_tokens=3, durable=True)
+        assert _disk(tmp_path).load("d", model_tag=TAG).text == "a durable turn" + result.reply[:-1]
+        # The copy a save queued ahead of it waited for was wanted too.
+        with trio.fail_after(5):
+            while rt.stats().store.writes < 2:
+                await trio.sleep(0.02)
+        assert _disk(tmp_path).load("loose", model_tag=TAG).text == "write-behind" + loose.reply[:-1]
+        assert rt.stats().gpu.batch_size == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_cache_superseded_or_forgotten_before_its_copy_is_never_copied_nor_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(actors.gpu, "COPY_OVERDUE_S", 60.0)
+    engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
+    async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
+        await _while_busy(rt, nursery)
+        prompt = "turn one"
+        for _ in range(3):
+            result = await rt.agent("a").send_prompt(prompt, max_tokens=3)
+            prompt += result.reply + "."
+        await rt.agent("gone").send_prompt("soon forgotten", max_tokens=3)
+        assert await rt.agent("gone").forget()
+        nursery.cancel_scope.cancel()
+    assert [text for text in engine.snapshots if not text.startswith("keep")] == [prompt[:-2]]
+    assert _disk(tmp_path).load("a", model_tag=TAG).text == prompt[:-2]
+    with pytest.raises(CacheMiss):
+        _disk(tmp_path).load("gone", model_tag=TAG)
+
+
+async def test_a_failed_copy_fails_only_its_save(tmp_path, caplog):
+    engine = FakeEngine(copy_after_turn=True)
+    real = engine.snapshot
+
+    def failing(parked):
+        if parked.text.startswith("unlucky"):
+            raise RuntimeError("device lost")
+        return real(parked)
+
+    engine.snapshot = failing
+    with caplog.at_level(logging.ERROR):
+        async with _open(tmp_path, engine) as rt:
+            with pytest.raises(TurnFailedError, match="device lost"):
+                await rt.agent("u").send_prompt("unlucky turn", max_tokens=3, durable=True)
+            again = await rt.agent("u").send_prompt("unlucky turn" + "x", max_tokens=3)
+            assert again.usage.tier == "hot"  # the cache stayed in RAM
+            fine = await rt.agent("f").send_prompt("a lucky turn", max_tokens=3, durable=True)
+    assert _disk(tmp_path).load("f", model_tag=TAG).text == "a lucky turn" + fine.reply[:-1]
+    assert any("device lost" in r.getMessage() for r in caplog.records)
+
+
+async def test_cancelling_the_runtime_writes_every_turn_whose_copy_was_still_owed(tmp_path, monkeypatch):
+    monkeypatch.setattr(actors.gpu, "COPY_OVERDUE_S", 60.0)
+    engine = FakeEngine(step_delay_s=0.003, copy_after_turn=True)
+    completed: dict[str, str] = {}
+    with trio.move_on_after(0.6):
+        async with _open(tmp_path, engine) as rt:
+
+            async def chat(name: str) -> None:
+                prompt = f"{name}:"
+                while True:
+                    result = await rt.agent(name).send_prompt(prompt, max_tokens=4)
+                    completed[name] = prompt + result.reply[:-1]
+                    prompt += result.reply + "."
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(chat, f"agent{i}")
+    assert len(completed) == 4
+    for name, covered in completed.items():
+        assert _disk(tmp_path).load(name, model_tag=TAG).text.startswith(covered)
+
+
+# -- the real engine under the forced GPU policy: the deferred copy round-trips through a restart ----------
+
+
+async def test_under_the_gpu_policy_a_returning_agent_is_served_from_the_copy_made_after_its_turn(tmp_path):
+    from runtime.cpu import kv_copy
+
+    messages = [{"role": "user", "content": "Describe the harbour at dawn."}]
+    try:
+        async with open_runtime(model="tiny-llama", home=tmp_path, models_dir=models_dir(), fsync=False,
+                                handle_signals=False, profile="gpu") as rt:
+            first = await rt.agent("returning").send(messages, max_tokens=12)
+        disk = _disk(tmp_path)
+        async with open_runtime(model="tiny-llama", home=tmp_path, models_dir=models_dir(), fsync=False,
+                                handle_signals=False, profile="gpu") as rt:
+            tag = rt.stats().registry.model_tag
+            saved = disk.load("returning", model_tag=tag)  # verified: checksums, hash chain, shapes
+            messages += [{"role": "assistant", "content": first.reply}, {"role": "user", "content": "And at night?"}]
+            second = await rt.agent("returning").send(messages, max_tokens=4)
+    finally:
+        kv_copy.use_host_views(True)
+    # Every token that went through the model: the prompt and the reply but its last sampled token.
+    assert len(saved.token_ids) == first.usage.tokens_prefilled + first.usage.tokens_generated - 1
+    assert saved.offsets[-1] == len(saved.text)
+    assert second.usage.tier == "warm" and second.usage.tokens_reused == len(saved.token_ids)
