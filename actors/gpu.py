@@ -18,10 +18,10 @@ bounded job of a :class:`runtime.plan.contract.Engine`. The loop::
 Under the GPU policy (``BackendProfile.copy_after_turn``) a turn's end waits for
 nothing: the engine launches the park and leaves the cache's host copy for its
 save to later. The reply carries a :class:`~actors.messages_store.SnapshotDue`
-and the actor makes the copies it owes when it has no turn to run, or one per
-loop pass once the store wants it (a durable turn, a flush) or it is
-:data:`COPY_OVERDUE_S` old; a copy a newer cache superseded is never made, and
-the ones still owed are made before the actor stops.
+and the actor makes the copies it owes when the write-behind policy says
+(:func:`runtime.plan.save_queue.next_copy`: when it has no turn to run, else one
+per loop pass once the store wants it or it is overdue); a copy a newer cache
+superseded is never made, and the ones still owed are made before the actor stops.
 
 Tokens reach clients through each request's ``deltas`` channel with
 ``send_nowait``: a slow reader never stalls the batch (undelivered text is
@@ -60,19 +60,16 @@ from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
 from actors.messages_store import SnapshotDue
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
+from runtime.plan.save_queue import next_copy
 from runtime.plan.scheduler import Scheduler, Step
 from runtime.plan.contract import Engine, Finished, FromShared, ModelInfo, PrefillResult, SequenceStarted, Tokenized, ToolCall
 from runtime.errors import ContextLengthExceededError
 from runtime.plan.block_pool import PoolStats
 from runtime.plan.kv_manager import KVCacheManager
 
-__all__ = ["GPUActor", "COPY_OVERDUE_S"]
+__all__ = ["GPUActor"]
 
 log = logging.getLogger("kvmem.gpu")
-
-COPY_OVERDUE_S = 1.0
-"""A host copy owed this long is made between two loop passes even while turns run: it bounds how
-long a write-behind save waits behind a busy batch (an idle actor makes its copies at once)."""
 
 STOP_COPIES_S = 60.0
 """At shutdown, how long the copies still owed may take before the rest are given up (their saves fail)."""
@@ -475,16 +472,15 @@ class GPUActor:
         send_reply(req.msg.reply, generated_reply(req, finished, cancelled=cancelled, due=due))
 
     async def _make_copies(self, *, every: bool) -> None:
-        """Make the host copies owed: ``every`` one, or (turns running) the first one wanted or overdue."""
-        overdue = trio.current_time() - COPY_OVERDUE_S
+        """Make the host copies owed: ``every`` one (no turn to run, or stopping), else what
+        :func:`~runtime.plan.save_queue.next_copy` picks (at most one)."""
+        self._owed = deque(o for o in self._owed if not o.due.dropped)  # superseded: no save needs them
         while self._owed:
-            ready = [o for o in self._owed if o.due.dropped or every or o.due.wanted or o.since <= overdue]
-            if not ready:
+            pick = next_copy([(o.due.wanted, o.since) for o in self._owed], now=trio.current_time(), idle=every)
+            if pick is None:
                 return
-            owed = ready[0]
-            self._owed.remove(owed)
-            if owed.due.dropped:
-                continue  # superseded: no save needs it
+            owed = self._owed[pick]
+            del self._owed[pick]
             try:
                 snapshot = await self._job(self._engine.snapshot, owed.parked)
             except Exception as exc:  # noqa: BLE001 - the save fails, the cache stays hot

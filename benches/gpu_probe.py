@@ -7,6 +7,9 @@ Not a comparison with a goal, but the measurements that say where the next fix g
 * **tiny-gpt-oss**: the same prefill and decode twice on the device (does it repeat
   itself?) and once on MLX's CPU stream (is it right?), logits compared position by position;
   the suite's tiny-gpt-oss tests failed on CUDA, a different one each run;
+* **attention alone at new shapes**: MLX's fused attention (on CUDA, cuDNN builds a graph for
+  each new set of shapes and strides) against the same attention from plain ops, first call and
+  again: whether short prefill chunks (hot turns, group joins) should skip the fused kernel;
 * **a new shape's first pass**: one forward of ``--probe-tokens`` new tokens over caches one
   token longer each time (as every turn of a conversation is), first call against a repeat
   at the same shape; if the first costs far more, per-shape setup (cuDNN's attention graphs)
@@ -149,6 +152,54 @@ def shape_rows(model: Any, contexts: list[int], new_tokens: int) -> list[list[st
     return rows
 
 
+def _unfused(q: Any, k: Any, v: Any, scale: float) -> Any:
+    """Causal attention (bottom-right) from plain ops, each KV head's query heads folded: no fused kernel, no graph."""
+    import mlx.core as mx
+
+    b, h, ql, d = q.shape
+    hkv, kl = k.shape[1], k.shape[2]
+    qg = (q * scale).reshape(b, hkv, h // hkv, ql, d)
+    scores = qg @ mx.swapaxes(k, -1, -2)[:, :, None]
+    allowed = mx.arange(kl)[None] <= (mx.arange(ql)[:, None] + (kl - ql))
+    scores = mx.where(allowed, scores, mx.finfo(scores.dtype).min)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    return (weights @ v[:, :, None]).reshape(b, h, ql, -1)
+
+
+def attention_shape_rows(queries: list[int], contexts: list[int]) -> list[list[str]]:
+    """Attention alone (1B geometry, bf16, keys a slice of a 256-step buffer as in mlx-lm's ``KVCache``) at
+    shapes never seen before: the fused kernel (cuDNN: one graph per shape) against plain ops, first call and
+    again, and the largest difference between the two outputs."""
+    import mlx.core as mx
+
+    rows = []
+    heads, kv_heads, dim, scale = 32, 8, 64, 64**-0.5
+    for ql in queries:
+        for n in contexts:
+            kl = n + ql
+            cap = (kl + 255) // 256 * 256
+            q = mx.random.normal((1, heads, ql, dim)).astype(mx.bfloat16)
+            kbuf, vbuf = (mx.random.normal((1, kv_heads, cap, dim)).astype(mx.bfloat16) for _ in range(2))
+            k, v = kbuf[:, :, :kl], vbuf[:, :, :kl]
+            mx.eval(q, kbuf, vbuf)
+            times: dict[str, list[float]] = {}
+            outs = {}
+            for name, fn in (("fused", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
+                                                                                      mask="causal")),
+                             ("plain", lambda: _unfused(q, k, v, scale))):
+                for _ in range(2):
+                    mx.synchronize()
+                    t0 = time.perf_counter()
+                    outs[name] = fn()
+                    mx.eval(outs[name])
+                    times.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+            diff = mx.abs(outs["fused"].astype(mx.float32) - outs["plain"].astype(mx.float32)).max().item()
+            rows.append([str(ql), str(n), *(f"{t:.2f}" for name in ("fused", "plain") for t in times[name]),
+                         f"{diff:.2g}"])
+            log(f"attention {ql} over {n}: fused {times['fused']}, plain {times['plain']} ms")
+    return rows
+
+
 def decode_rows(model: Any, contexts: list[int], steps: int) -> list[list[str]]:
     """Tokens/s of one row's decode with each cache, in lockstep and run ahead (as mlx-lm's ``generate_step``)."""
     import mlx.core as mx
@@ -202,6 +253,11 @@ def main(argv: list[str] | None = None) -> None:
     res.body += ["## tiny-gpt-oss: the same tokens twice on the device, and on MLX's CPU stream", "",
                  *table(["position", "max |logit diff|, device twice", "device vs CPU"], gpt_oss_rows(4 if quick else 8)),
                  ""]
+    res.body += ["## Attention alone at new shapes: fused (cuDNN, a graph per shape) against plain ops (ms)", "",
+                 *table(["new tokens", "cache tokens", "fused first", "fused again", "plain first", "plain again",
+                         "max |diff|"],
+                        attention_shape_rows([16] if quick else [16, 128, 1024],
+                                             [100, 101] if quick else [1000, 1001, 4000, 16000])), ""]
     model, name = _model(args.model_glob)
     contexts = args.contexts or ([100, 101] if quick else [1000, 1001, 1002, 4000, 4001])
     res.body += [f"## A new shape's first pass (`{name}`, {args.probe_tokens} new tokens; ms)", "",

@@ -20,12 +20,12 @@ import pytest
 import trio
 from conftest import models_dir
 
-import actors.gpu
 from actors import open_runtime
 from actors.client import TurnFailedError
 from fake_engine import FakeEngine
 from runtime.errors import CacheMiss
 from runtime.persist import CacheDirectory
+from runtime.plan import save_queue
 
 TAG = "fake-a@0000/fake"
 PROMPT = "Tell me about the sea and the ships on it. " * 30
@@ -117,7 +117,7 @@ async def _while_busy(rt, nursery: trio.Nursery) -> None:
 
 
 async def test_a_busy_batch_never_stops_for_a_copy_and_an_idle_actor_makes_it_at_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(actors.gpu, "COPY_OVERDUE_S", 60.0)
+    monkeypatch.setattr(save_queue, "COPY_OVERDUE_S", 60.0)
     engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
     async with _open(tmp_path, engine) as rt:
         async with trio.open_nursery() as nursery:
@@ -134,7 +134,7 @@ async def test_a_busy_batch_never_stops_for_a_copy_and_an_idle_actor_makes_it_at
 
 
 async def test_an_overdue_copy_is_made_while_the_batch_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(actors.gpu, "COPY_OVERDUE_S", 0.1)
+    monkeypatch.setattr(save_queue, "COPY_OVERDUE_S", 0.1)
     engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
     async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
         await _while_busy(rt, nursery)
@@ -147,7 +147,7 @@ async def test_an_overdue_copy_is_made_while_the_batch_runs(tmp_path, monkeypatc
 
 
 async def test_a_durable_turn_answers_with_its_cache_on_disk_while_the_batch_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(actors.gpu, "COPY_OVERDUE_S", 60.0)
+    monkeypatch.setattr(save_queue, "COPY_OVERDUE_S", 60.0)
     engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
     async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
         await _while_busy(rt, nursery)
@@ -165,7 +165,7 @@ async def test_a_durable_turn_answers_with_its_cache_on_disk_while_the_batch_run
 
 
 async def test_a_cache_superseded_or_forgotten_before_its_copy_is_never_copied_nor_written(tmp_path, monkeypatch):
-    monkeypatch.setattr(actors.gpu, "COPY_OVERDUE_S", 60.0)
+    monkeypatch.setattr(save_queue, "COPY_OVERDUE_S", 60.0)
     engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
     async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
         await _while_busy(rt, nursery)
@@ -204,7 +204,7 @@ async def test_a_failed_copy_fails_only_its_save(tmp_path, caplog):
 
 
 async def test_cancelling_the_runtime_writes_every_turn_whose_copy_was_still_owed(tmp_path, monkeypatch):
-    monkeypatch.setattr(actors.gpu, "COPY_OVERDUE_S", 60.0)
+    monkeypatch.setattr(save_queue, "COPY_OVERDUE_S", 60.0)
     engine = FakeEngine(step_delay_s=0.003, copy_after_turn=True)
     completed: dict[str, str] = {}
     with trio.move_on_after(0.6):

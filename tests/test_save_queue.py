@@ -1,8 +1,9 @@
-"""The write-behind policy as pure code (runtime/plan/save_queue.py): order, supersession, loads first, retry, waiters."""
+"""The write-behind policy as pure code (runtime/plan/save_queue.py): order, supersession, loads first, retry, waiters,
+and when the GPU actor makes the host copy a save needs."""
 
 from __future__ import annotations
 
-from runtime.plan.save_queue import SaveQueue, WaitForLoads, WaitUntil, Write
+from runtime.plan.save_queue import COPY_OVERDUE_S, SaveQueue, WaitForLoads, WaitUntil, Write, next_copy
 
 
 def _queue() -> SaveQueue[str, str, str]:
@@ -69,3 +70,13 @@ def test_dropping_keys_returns_their_waiters_and_keeps_the_rest() -> None:
     assert q.drop(lambda key: key[0] == "x") == ["wx"]
     assert q.keys() == [("y", "m1")]
     assert q.drop(lambda key: True) == ["wy"] and len(q) == 0
+
+
+def test_an_idle_gpu_makes_every_copy_it_owes_and_a_busy_one_only_those_wanted_or_overdue() -> None:
+    now = 100.0
+    fresh, old = now - COPY_OVERDUE_S / 2, now - COPY_OVERDUE_S
+    assert next_copy([], now=now, idle=True) is None
+    assert next_copy([(False, fresh), (False, fresh)], now=now, idle=True) == 0  # idle: oldest first
+    assert next_copy([(False, fresh), (False, fresh)], now=now, idle=False) is None  # busy: never between steps
+    assert next_copy([(False, fresh), (True, fresh)], now=now, idle=False) == 1  # a durable turn or a flush
+    assert next_copy([(False, fresh), (False, old)], now=now, idle=False) == 1  # overdue

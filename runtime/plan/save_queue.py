@@ -13,16 +13,20 @@ Plain Python (no trio, no MLX), like :mod:`runtime.plan.kv_manager`: the cache s
   cache arrives, whichever comes first. A save that cannot succeed (a bad cache) is dropped.
 * **Waiters**: each durable turn waits for its own cache or a newer one of the same key; a
   save answers the waiters of every cache it covers (:meth:`SaveQueue.answered`).
+* **The copy a save needs** (the GPU policy, ``BackendProfile.copy_after_turn``): the GPU actor
+  owes each finished turn's host copy and makes it when :func:`next_copy` says: every one when
+  it has no turn to run; while turns run, one per loop pass, the first the store wants (a durable
+  turn, a flush) or that is :data:`COPY_OVERDUE_S` old; never between two steps otherwise.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["SaveQueue", "Dirty", "Write", "WaitForLoads", "WaitUntil", "SAVE_RETRY_S"]
+__all__ = ["SaveQueue", "Dirty", "Write", "WaitForLoads", "WaitUntil", "SAVE_RETRY_S", "COPY_OVERDUE_S", "next_copy"]
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -30,6 +34,24 @@ W = TypeVar("W")
 
 SAVE_RETRY_S = 5.0
 """After a save fails with a disk error (disk full, read-only), dirty caches wait this long or for the next turn."""
+
+COPY_OVERDUE_S = 1.0
+"""A host copy owed this long is made between two loop passes even while turns run: it bounds how
+long a write-behind save waits behind a busy batch."""
+
+
+def next_copy(owed: Sequence[tuple[bool, float]], *, now: float, idle: bool) -> int | None:
+    """Which owed copy the GPU actor makes now (its index), if any.
+
+    Args:
+        owed: each copy owed, oldest first: whether the store wants it, and since when it is owed.
+        now: the clock ``since`` was read from.
+        idle: the actor has no turn to run (a copy then costs no turn anything).
+    """
+    for i, (wanted, since) in enumerate(owed):
+        if idle or wanted or now - since >= COPY_OVERDUE_S:
+            return i
+    return None
 
 
 
