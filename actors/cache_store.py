@@ -271,7 +271,7 @@ class CacheStoreActor:
                 return
             key = (message.agent_id, message.model_tag)
             if self.shared is not None:
-                match await self._disk(self.shared.remote.check, *key):
+                match await self._disk(self.shared.remote.check, *key, limiter=self._read_limiter):  # a Redis read
                     case "forgotten":  # on another node, since this node last held the agent: drop every copy
                         await self._forget_here(message.agent_id)
                     case "newer" if not self._manager.needs_disk(*key) and key not in self._saves:
