@@ -14,6 +14,7 @@
 #
 # CMD runs in the project root on MLX's CUDA backend, with $KVMEM_NEEDLE_GGUF naming the GGUF, e.g.
 #   bash -c 'python3 -m benches gpu --out $OUT --needle-model $KVMEM_NEEDLE_GGUF --needles 20'
+# or the prepared session, `bash benches/gpu_session.sh bench`, then `... suite` (see its header).
 set -euo pipefail
 [ -x .venv/bin/python ] || { echo "run from the project root after bash .ci/setup" >&2; exit 1; }
 bash ../shared/gpu/make-bundle.sh
