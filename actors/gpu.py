@@ -474,6 +474,8 @@ class GPUActor:
     async def _make_copies(self, *, every: bool) -> None:
         """Make the host copies owed: ``every`` one (no turn to run, or stopping), else what
         :func:`~runtime.plan.save_queue.next_copy` picks (at most one)."""
+        if not self._owed:
+            return
         self._owed = deque(o for o in self._owed if not o.due.dropped)  # superseded: no save needs them
         while self._owed:
             pick = next_copy([(o.due.wanted, o.since) for o in self._owed], now=trio.current_time(), idle=every)
