@@ -182,8 +182,10 @@ async def test_a_turn_reads_its_cache_while_another_agents_save_is_still_writing
         gate.set()
 
 
-async def test_cancelling_the_runtime_flushes_completed_turns(tmp_path):
-    engine = FakeEngine(step_delay_s=0.003)
+@pytest.mark.parametrize("copy_after_turn", [False, True], ids=["copy-at-turn-end", "copy-after-turn"])
+async def test_cancelling_the_runtime_flushes_completed_turns(tmp_path, copy_after_turn):
+    """Also under the GPU policy's turn end, the copies the GPU actor still owed made before it stopped."""
+    engine = FakeEngine(step_delay_s=0.003, copy_after_turn=copy_after_turn)
     completed: dict[str, str] = {}
     with trio.move_on_after(0.5):
         async with _open(tmp_path, engine) as rt:

@@ -7,11 +7,12 @@ nothing to run, or between two loop passes once the store wants it or it is over
 tests hold that to what a user relies on: the copy made later is the copy made at once; a
 busy batch never stops for it; a durable turn still answers with its cache on disk; a cache
 superseded or forgotten before its copy is never copied (nor written); a failed copy fails
-only that save; and shutdown still writes every completed turn.
+only that save. (Shutdown writing every completed turn: ``tests/test_actors_lifecycle.py``.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -102,80 +103,69 @@ def test_a_copy_made_after_the_next_turn_ran_on_the_kept_buffers_is_the_copy_mad
 # -- the actors: when the copy is made, and what each save does with it ------------------------------
 
 
-async def _busy(rt, started: trio.Event) -> None:
-    """A long turn that keeps the batch decoding."""
-    stream = rt.agent("busy").stream_prompt("keep the batch decoding", max_tokens=400)
-    async with stream:
-        async for _ in stream:
-            started.set()
+@contextlib.asynccontextmanager
+async def _busy_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, overdue_s: float):
+    """A runtime whose batch decodes a long turn: (runtime, engine, the long turn's cancel scope)."""
+    monkeypatch.setattr(save_queue, "COPY_OVERDUE_S", overdue_s)
+    engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
+    busy, started = trio.CancelScope(), trio.Event()
+
+    async def keep_decoding() -> None:
+        with busy:
+            async with rt.agent("busy").stream_prompt("keep the batch decoding", max_tokens=400) as stream:
+                async for _ in stream:
+                    started.set()
+
+    async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
+        nursery.start_soon(keep_decoding)
+        await started.wait()
+        yield rt, engine, busy
+        busy.cancel()
 
 
-async def _while_busy(rt, nursery: trio.Nursery) -> None:
-    started = trio.Event()
-    nursery.start_soon(_busy, rt, started)
-    await started.wait()
+async def _until_written(rt, writes: int) -> None:
+    with trio.fail_after(5):
+        while rt.stats().store.writes < writes:
+            await trio.sleep(0.02)
 
 
 async def test_a_busy_batch_never_stops_for_a_copy_and_an_idle_actor_makes_it_at_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(save_queue, "COPY_OVERDUE_S", 60.0)
-    engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
-    async with _open(tmp_path, engine) as rt:
-        async with trio.open_nursery() as nursery:
-            await _while_busy(rt, nursery)
-            result = await rt.agent("a").send_prompt("a short turn", max_tokens=3)
-            await trio.sleep(0.2)  # many steps of the busy turn
-            assert engine.snapshots == [] and rt.stats().store.writes == 0  # owed, not made
-            assert rt.stats().gpu.batch_size == 1
-            nursery.cancel_scope.cancel()  # the busy client leaves: its turn ends, the actor idles
-        with trio.fail_after(5):
-            while rt.stats().store.writes < 2:  # both turns' copies made and written, not at shutdown
-                await trio.sleep(0.02)
+    async with _busy_runtime(tmp_path, monkeypatch, overdue_s=60.0) as (rt, engine, busy):
+        result = await rt.agent("a").send_prompt("a short turn", max_tokens=3)
+        await trio.sleep(0.2)  # many steps of the busy turn
+        assert engine.snapshots == [] and rt.stats().store.writes == 0  # owed, not made
+        assert rt.stats().gpu.batch_size == 1
+        busy.cancel()  # the busy client leaves: its turn ends, the actor idles
+        await _until_written(rt, 2)  # both turns' copies made and written, not at shutdown
     assert _disk(tmp_path).load("a", model_tag=TAG).text == "a short turn" + result.reply[:-1]
 
 
 async def test_an_overdue_copy_is_made_while_the_batch_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(save_queue, "COPY_OVERDUE_S", 0.1)
-    engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
-    async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
-        await _while_busy(rt, nursery)
+    async with _busy_runtime(tmp_path, monkeypatch, overdue_s=0.1) as (rt, engine, busy):
         await rt.agent("a").send_prompt("a short turn", max_tokens=3)
-        with trio.fail_after(5):
-            while rt.stats().store.writes < 1:
-                await trio.sleep(0.02)
+        await _until_written(rt, 1)
         assert rt.stats().gpu.batch_size == 1  # saved while the other turn still decodes
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_durable_turn_answers_with_its_cache_on_disk_while_the_batch_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(save_queue, "COPY_OVERDUE_S", 60.0)
-    engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
-    async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
-        await _while_busy(rt, nursery)
+    async with _busy_runtime(tmp_path, monkeypatch, overdue_s=60.0) as (rt, engine, busy):
         loose = await rt.agent("loose").send_prompt("write-behind", max_tokens=3)
         with trio.fail_after(5):
             result = await rt.agent("d").send_prompt("a durable turn", max_tokens=3, durable=True)
         assert _disk(tmp_path).load("d", model_tag=TAG).text == "a durable turn" + result.reply[:-1]
-        # The copy a save queued ahead of it waited for was wanted too.
-        with trio.fail_after(5):
-            while rt.stats().store.writes < 2:
-                await trio.sleep(0.02)
+        await _until_written(rt, 2)  # the copy of a save queued ahead of it was wanted too
         assert _disk(tmp_path).load("loose", model_tag=TAG).text == "write-behind" + loose.reply[:-1]
         assert rt.stats().gpu.batch_size == 1
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_cache_superseded_or_forgotten_before_its_copy_is_never_copied_nor_written(tmp_path, monkeypatch):
-    monkeypatch.setattr(save_queue, "COPY_OVERDUE_S", 60.0)
-    engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
-    async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
-        await _while_busy(rt, nursery)
+    async with _busy_runtime(tmp_path, monkeypatch, overdue_s=60.0) as (rt, engine, busy):
         prompt = "turn one"
         for _ in range(3):
             result = await rt.agent("a").send_prompt(prompt, max_tokens=3)
             prompt += result.reply + "."
         await rt.agent("gone").send_prompt("soon forgotten", max_tokens=3)
         assert await rt.agent("gone").forget()
-        nursery.cancel_scope.cancel()
     assert [text for text in engine.snapshots if not text.startswith("keep")] == [prompt[:-2]]
     assert _disk(tmp_path).load("a", model_tag=TAG).text == prompt[:-2]
     with pytest.raises(CacheMiss):
@@ -201,28 +191,6 @@ async def test_a_failed_copy_fails_only_its_save(tmp_path, caplog):
             fine = await rt.agent("f").send_prompt("a lucky turn", max_tokens=3, durable=True)
     assert _disk(tmp_path).load("f", model_tag=TAG).text == "a lucky turn" + fine.reply[:-1]
     assert any("device lost" in r.getMessage() for r in caplog.records)
-
-
-async def test_cancelling_the_runtime_writes_every_turn_whose_copy_was_still_owed(tmp_path, monkeypatch):
-    monkeypatch.setattr(save_queue, "COPY_OVERDUE_S", 60.0)
-    engine = FakeEngine(step_delay_s=0.003, copy_after_turn=True)
-    completed: dict[str, str] = {}
-    with trio.move_on_after(0.6):
-        async with _open(tmp_path, engine) as rt:
-
-            async def chat(name: str) -> None:
-                prompt = f"{name}:"
-                while True:
-                    result = await rt.agent(name).send_prompt(prompt, max_tokens=4)
-                    completed[name] = prompt + result.reply[:-1]
-                    prompt += result.reply + "."
-
-            async with trio.open_nursery() as nursery:
-                for i in range(4):
-                    nursery.start_soon(chat, f"agent{i}")
-    assert len(completed) == 4
-    for name, covered in completed.items():
-        assert _disk(tmp_path).load(name, model_tag=TAG).text.startswith(covered)
 
 
 # -- the real engine under the forced GPU policy: the deferred copy round-trips through a restart ----------
