@@ -19,9 +19,10 @@ Under the GPU policy (``BackendProfile.copy_after_turn``) a turn's end waits for
 nothing: the engine launches the park and leaves the cache's host copy for its
 save to later. The reply carries a :class:`~actors.messages_store.SnapshotDue`
 and the actor makes the copies it owes when the write-behind policy says
-(:func:`runtime.plan.save_queue.next_copy`: when it has no turn to run, else one
-per loop pass once the store wants it or it is overdue); a copy a newer cache
-superseded is never made, and the ones still owed are made before the actor stops.
+(:func:`runtime.plan.save_queue.next_copy`: once it has had no turn to run for a
+moment, else one per loop pass once the store wants it or it is overdue); a copy
+a newer cache superseded is never made, and the ones still owed are made before
+the actor stops or swaps models.
 
 Tokens reach clients through each request's ``deltas`` channel with
 ``send_nowait``: a slow reader never stalls the batch (undelivered text is
@@ -60,7 +61,7 @@ from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
 from actors.messages_store import SnapshotDue
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
-from runtime.plan.save_queue import next_copy
+from runtime.plan.save_queue import copy_wait, next_copy
 from runtime.plan.scheduler import Scheduler, Step
 from runtime.plan.contract import Engine, Finished, FromShared, ModelInfo, PrefillResult, SequenceStarted, Tokenized, ToolCall
 from runtime.errors import ContextLengthExceededError
@@ -121,6 +122,7 @@ class GPUActor:
         self._sched: Scheduler | None = None
         self._requests: dict[int, GpuTurn] = {}
         self._owed: deque[_OwedCopy] = deque()
+        self._idle_wait: trio.CancelScope | None = None
         self._steps = 0
         self._chunks = 0
         self.events: deque[GpuEvent] | None = deque(maxlen=100_000) if trace else None
@@ -159,13 +161,21 @@ class GPUActor:
         closing = False
         while True:
             if not self._requests:
-                await self._make_copies(every=True)  # nothing to run: the copies owed cost no turn
                 if closing:
                     return
+                message = None
                 try:
-                    await self._handle(await self._inbox.receive())
+                    with trio.move_on_after(copy_wait(self._copies_owed(), now=trio.current_time())) as wait:
+                        self._idle_wait = wait  # a copy the store wants ends it (SnapshotDue.want)
+                        message = await self._inbox.receive()
                 except trio.EndOfChannel:
                     return
+                finally:
+                    self._idle_wait = None
+                if message is None:  # nothing came while copies came due: they cost no turn now
+                    await self._make_copies(idle=True)
+                    continue
+                await self._handle(message)
             while not closing:
                 try:
                     message = self._inbox.receive_nowait()
@@ -181,7 +191,7 @@ class GPUActor:
             for request_id in self._sched.admit():
                 await self._start(request_id)
             await self._run_step(self._sched.step(self._manager))
-            await self._make_copies(every=False)
+            await self._make_copies()
             await trio.lowlevel.checkpoint()
 
     # -- mailbox ---------------------------------------------------------------
@@ -467,18 +477,26 @@ class GPUActor:
         due = None
         if finished is not None and finished.parked is not None and finished.snapshot is None \
                 and not receiver_left(req.msg.reply):
-            due = SnapshotDue()
+            due = SnapshotDue(on_wanted=self._copy_wanted)
             self._owed.append(_OwedCopy(request_id, finished.parked, due, trio.current_time()))
         send_reply(req.msg.reply, generated_reply(req, finished, cancelled=cancelled, due=due))
 
-    async def _make_copies(self, *, every: bool) -> None:
-        """Make the host copies owed: ``every`` one (no turn to run, or stopping), else what
-        :func:`~runtime.plan.save_queue.next_copy` picks (at most one)."""
+    def _copy_wanted(self) -> None:
+        if self._idle_wait is not None:
+            self._idle_wait.cancel()
+
+    def _copies_owed(self) -> list[tuple[bool, float]]:
+        """The copies owed, as the write-behind policy reads them: (wanted, since)."""
+        return [(o.due.wanted, o.since) for o in self._owed if not o.due.dropped]
+
+    async def _make_copies(self, *, idle: bool = False, every: bool = False) -> None:
+        """Make the host copies :func:`~runtime.plan.save_queue.next_copy` picks (at most one while
+        turns run; all that are due when ``idle``), or ``every`` one (a model swap, stopping)."""
         if not self._owed:
             return
         self._owed = deque(o for o in self._owed if not o.due.dropped)  # superseded: no save needs them
         while self._owed:
-            pick = next_copy([(o.due.wanted, o.since) for o in self._owed], now=trio.current_time(), idle=every)
+            pick = 0 if every else next_copy(self._copies_owed(), now=trio.current_time(), idle=idle)
             if pick is None:
                 return
             owed = self._owed[pick]
@@ -494,7 +512,7 @@ class GPUActor:
                 raise
             owed.due.made(snapshot)
             self._event("copy", owed.request_id)
-            if not every:
+            if not (idle or every):
                 return
 
     async def _fail(self, request_id: int, exc: BaseException) -> None:

@@ -20,6 +20,8 @@ model B never replaces the agent's model-A cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
 import msgspec
@@ -169,15 +171,19 @@ class SnapshotDue:
     same agent superseded it), so it is never made.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_wanted: Callable[[], None] | None = None) -> None:
         self._settled = trio.Event()
         self._snapshot: CacheSnapshot | None = None
         self._error: str | None = None
+        self._on_wanted = on_wanted  # wakes the GPU actor if it is waiting for work
         self.wanted = False
         self.dropped = False
 
     def want(self) -> None:
-        self.wanted = True
+        if not self.wanted and not self._settled.is_set():
+            self.wanted = True
+            if self._on_wanted is not None:
+                self._on_wanted()
 
     def drop(self) -> None:
         self.dropped = True

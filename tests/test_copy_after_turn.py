@@ -172,6 +172,30 @@ async def test_a_cache_superseded_or_forgotten_before_its_copy_is_never_copied_n
         _disk(tmp_path).load("gone", model_tag=TAG)
 
 
+async def test_turns_right_behind_their_replies_go_first_and_only_the_last_ones_copy_is_made(tmp_path, monkeypatch):
+    """An agent in a tool loop sends its next turn as soon as it has the reply: on an idle actor the
+    copy waits out a grace period, the next turn runs first, and its cache supersedes that copy."""
+    monkeypatch.setattr(save_queue, "COPY_IDLE_GRACE_S", 2.0)
+    engine = FakeEngine(copy_after_turn=True)
+    async with _open(tmp_path, engine) as rt:
+        prompt = "step one"
+        for _ in range(4):
+            result = await rt.agent("loop").send_prompt(prompt, max_tokens=3)
+            prompt += result.reply + "."
+        assert engine.snapshots == []
+        await _until_written(rt, 1)
+    assert engine.snapshots == [prompt[:-2]]
+
+
+async def test_a_durable_turn_on_an_idle_actor_does_not_wait_out_the_grace(tmp_path, monkeypatch):
+    monkeypatch.setattr(save_queue, "COPY_IDLE_GRACE_S", 60.0)
+    engine = FakeEngine(copy_after_turn=True)
+    async with _open(tmp_path, engine) as rt:
+        with trio.fail_after(5):  # the store's want wakes the actor waiting for work
+            result = await rt.agent("d").send_prompt("a durable turn", max_tokens=3, durable=True)
+    assert _disk(tmp_path).load("d", model_tag=TAG).text == "a durable turn" + result.reply[:-1]
+
+
 async def test_a_failed_copy_fails_only_its_save(tmp_path, caplog):
     engine = FakeEngine(copy_after_turn=True)
     real = engine.snapshot

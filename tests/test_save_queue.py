@@ -3,7 +3,18 @@ and when the GPU actor makes the host copy a save needs."""
 
 from __future__ import annotations
 
-from runtime.plan.save_queue import COPY_OVERDUE_S, SaveQueue, WaitForLoads, WaitUntil, Write, next_copy
+import pytest
+
+from runtime.plan.save_queue import (
+    COPY_IDLE_GRACE_S,
+    COPY_OVERDUE_S,
+    SaveQueue,
+    WaitForLoads,
+    WaitUntil,
+    Write,
+    copy_wait,
+    next_copy,
+)
 
 
 def _queue() -> SaveQueue[str, str, str]:
@@ -72,11 +83,16 @@ def test_dropping_keys_returns_their_waiters_and_keeps_the_rest() -> None:
     assert q.drop(lambda key: True) == ["wy"] and len(q) == 0
 
 
-def test_an_idle_gpu_makes_every_copy_it_owes_and_a_busy_one_only_those_wanted_or_overdue() -> None:
+def test_an_idle_gpu_makes_the_copies_it_owes_after_a_grace_and_a_busy_one_only_those_wanted_or_overdue() -> None:
     now = 100.0
-    fresh, old = now - COPY_OVERDUE_S / 2, now - COPY_OVERDUE_S
+    fresh, graced, old = now - COPY_IDLE_GRACE_S / 2, now - 2 * COPY_IDLE_GRACE_S, now - 2 * COPY_OVERDUE_S
     assert next_copy([], now=now, idle=True) is None
-    assert next_copy([(False, fresh), (False, fresh)], now=now, idle=True) == 0  # idle: oldest first
-    assert next_copy([(False, fresh), (False, fresh)], now=now, idle=False) is None  # busy: never between steps
+    assert next_copy([(False, fresh)], now=now, idle=True) is None  # a reply's next turn may come first
+    assert next_copy([(False, graced), (False, graced)], now=now, idle=True) == 0  # idle: oldest first
+    assert next_copy([(False, graced), (False, graced)], now=now, idle=False) is None  # busy: never between steps
     assert next_copy([(False, fresh), (True, fresh)], now=now, idle=False) == 1  # a durable turn or a flush
     assert next_copy([(False, fresh), (False, old)], now=now, idle=False) == 1  # overdue
+    # How long an idle actor waits for a message first: until the first copy's grace ends; none owed: forever.
+    assert copy_wait([], now=now) == float("inf")
+    assert copy_wait([(False, fresh), (False, now)], now=now) == pytest.approx(COPY_IDLE_GRACE_S / 2)
+    assert copy_wait([(False, fresh), (True, now)], now=now) == 0.0

@@ -14,19 +14,24 @@ Plain Python (no trio, no MLX), like :mod:`runtime.plan.kv_manager`: the cache s
 * **Waiters**: each durable turn waits for its own cache or a newer one of the same key; a
   save answers the waiters of every cache it covers (:meth:`SaveQueue.answered`).
 * **The copy a save needs** (the GPU policy, ``BackendProfile.copy_after_turn``): the GPU actor
-  owes each finished turn's host copy and makes it when :func:`next_copy` says: every one when
-  it has no turn to run; while turns run, one per loop pass, the first the store wants (a durable
-  turn, a flush) or that is :data:`COPY_OVERDUE_S` old; never between two steps otherwise.
+  owes each finished turn's host copy and makes it when :func:`next_copy` says: the ones the
+  store wants (a durable turn, a flush) or that are :data:`COPY_OVERDUE_S` old, one per loop pass
+  while turns run; when it has no turn to run, every one owed :data:`COPY_IDLE_GRACE_S` or more
+  (:func:`copy_wait`: how long it may wait for the next message first); never between two steps
+  otherwise. An agent's next turn often comes right behind its reply (a tool loop): it goes first,
+  and a copy its new cache supersedes is never made.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["SaveQueue", "Dirty", "Write", "WaitForLoads", "WaitUntil", "SAVE_RETRY_S", "COPY_OVERDUE_S", "next_copy"]
+__all__ = ["SaveQueue", "Dirty", "Write", "WaitForLoads", "WaitUntil", "SAVE_RETRY_S", "COPY_OVERDUE_S",
+           "COPY_IDLE_GRACE_S", "next_copy", "copy_wait"]
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -40,6 +45,10 @@ COPY_OVERDUE_S = 1.0
 long a write-behind save waits behind a busy batch."""
 
 
+COPY_IDLE_GRACE_S = 0.1
+"""How long a copy waits on an idle GPU actor: long enough for a reply's next turn to arrive first."""
+
+
 def next_copy(owed: Sequence[tuple[bool, float]], *, now: float, idle: bool) -> int | None:
     """Which owed copy the GPU actor makes now (its index), if any.
 
@@ -49,9 +58,16 @@ def next_copy(owed: Sequence[tuple[bool, float]], *, now: float, idle: bool) -> 
         idle: the actor has no turn to run (a copy then costs no turn anything).
     """
     for i, (wanted, since) in enumerate(owed):
-        if idle or wanted or now - since >= COPY_OVERDUE_S:
+        age = now - since
+        if wanted or age >= COPY_OVERDUE_S or (idle and age >= COPY_IDLE_GRACE_S):
             return i
     return None
+
+
+def copy_wait(owed: Sequence[tuple[bool, float]], *, now: float) -> float:
+    """How long an idle GPU actor may wait for its next message before a copy is due (inf: none owed)."""
+    return min((0.0 if wanted else max(0.0, since + COPY_IDLE_GRACE_S - now) for wanted, since in owed),
+               default=math.inf)
 
 
 
