@@ -2,7 +2,7 @@
 
 The tests that can fail: a turn that starts from the kept float buffers holds, layer by layer,
 exactly the floats that dequantizing the parked Q4 cache gives (bitwise), and computes exactly
-the same logits; the buffers serve one turn only; the pool's budget drops the oldest; and a
+the same logits, also when the park was launched without a wait (the GPU policy); the buffers serve one turn only; the pool's budget drops the oldest; and a
 runtime with the buffers kept replies as one without them, through the decode batch.
 """
 
@@ -40,11 +40,14 @@ def _layer_floats(kv: ActiveKV) -> list[tuple[mx.array, mx.array]]:
     return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in kv.caches]
 
 
+# wait=False: the GPU policy's turn end, which launches the park without waiting for it and leaves the
+# kept buffers' last writes to the turn that takes them (runtime/kv/float_resident.py PendingKV).
+@pytest.mark.parametrize("wait", [True, False], ids=["park-waited", "park-launched"])
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
-def test_kept_floats_are_bitwise_the_dequantized_parked_cache(model: str) -> None:
+def test_kept_floats_are_bitwise_the_dequantized_parked_cache(model: str, wait: bool) -> None:
     lm = tiny(model)
     first = _turn(lm, PROMPT)
-    parked = first.park(keep_float=True)
+    parked = first.park(keep_float=True, wait=wait)
     assert parked is not None and parked.resident is not None and parked.resident.held
     without = replace(parked, resident=None)  # the same Q4 layers: the ordinary activation
 
@@ -62,7 +65,8 @@ def test_kept_floats_are_bitwise_the_dequantized_parked_cache(model: str) -> Non
     assert not ActiveKV(parked, lm.spec, "at-rest").resumed_float  # a second reader dequantizes
 
 
-def test_a_turn_from_kept_floats_computes_the_same_logits_over_several_turns() -> None:
+@pytest.mark.parametrize("wait", [True, False], ids=["park-waited", "park-launched"])
+def test_a_turn_from_kept_floats_computes_the_same_logits_over_several_turns(wait: bool) -> None:
     lm = tiny("tiny-llama")
     kept = without = None
     prompt = PROMPT
@@ -82,7 +86,7 @@ def test_a_turn_from_kept_floats_computes_the_same_logits_over_several_turns() -
         assert a.generated == b.generated
         for x, y in zip(a.logits_trace, b.logits_trace, strict=True):
             assert mx.array_equal(x, y).item()
-        kept, without = a.park(keep_float=True), b.park()
+        kept, without = a.park(keep_float=True, wait=wait), b.park(wait=wait)
         assert kept is not None and without is not None and without.resident is None
         prompt = kept.text + FOLLOW_UP
 

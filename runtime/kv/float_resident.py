@@ -23,14 +23,14 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from runtime.cpu.kv_copy import place_rows
 
-__all__ = ["FloatResident", "ResidentPool", "HEADROOM_TOKENS", "extract_with_room", "with_room"]
+__all__ = ["FloatResident", "PendingKV", "ResidentPool", "HEADROOM_TOKENS", "extract_with_room", "with_room"]
 
 HEADROOM_TOKENS = 256
 """Room kept past a resident's tokens, so the next turn's first tokens do not grow (copy) the buffers."""
@@ -38,18 +38,29 @@ HEADROOM_TOKENS = 256
 LayerKV = tuple[mx.array, mx.array]
 
 
+class PendingKV(Protocol):
+    """Float buffers whose last writes wait for the turn that takes them (``runtime.kv.kvstate``'s
+    park without a wait): calling it makes the writes and returns the buffers."""
+
+    nbytes: int
+
+    def __call__(self) -> LayerKV: ...
+
+
 class FloatResident:
     """The float keys and values ``(1, H, capacity, D)`` of a parked cache's Q4 layers (None elsewhere).
 
     Args:
-        layers: per layer, the float buffers or None (layers kept some other way).
+        layers: per layer, the float buffers, buffers still to be finished (:class:`PendingKV`: done
+            by :meth:`take`), or None (layers kept some other way).
         tokens: how many leading tokens of the buffers are the parked cache's.
     """
 
-    def __init__(self, layers: list[LayerKV | None], tokens: int) -> None:
-        self._layers: list[LayerKV | None] | None = layers
+    def __init__(self, layers: list[LayerKV | PendingKV | None], tokens: int) -> None:
+        self._layers: list[LayerKV | PendingKV | None] | None = layers
         self.tokens = tokens
-        self.nbytes = sum(k.nbytes + v.nbytes for k, v in filter(None, layers))
+        self.nbytes = sum(kv[0].nbytes + kv[1].nbytes if isinstance(kv, tuple) else kv.nbytes
+                          for kv in layers if kv is not None)
         self._on_empty: weakref.finalize | None = None
 
     @property
@@ -62,7 +73,7 @@ class FloatResident:
         if layers is None or tokens > self.tokens:
             return None
         self.drop()
-        return layers
+        return [kv if kv is None or isinstance(kv, tuple) else kv() for kv in layers]
 
     def drop(self) -> None:
         """Free the buffers (the next turn dequantizes)."""

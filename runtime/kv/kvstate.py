@@ -313,17 +313,17 @@ class ActiveKV:
             layers.append(layer)
             floats.append(kept)
         overwrites = [f for f in floats if isinstance(f, _KeptFloat)]
-        if overwrites:
-            if wait:
-                # Every layer quantized in one evaluation, before any buffer is overwritten in place.
-                # (Not waiting is as correct: MLX then copies the buffer instead of writing in place.)
-                mx.eval([a for f in overwrites for a in (*f.kq, *f.vq)])
-            floats = [f.overwrite(self.spec.kv_format) if isinstance(f, _KeptFloat) else f for f in floats]
+        if overwrites and wait:
+            # Every layer quantized in one evaluation, before any buffer is overwritten in place.
+            mx.eval([a for f in overwrites for a in (*f.kq, *f.vq)])
+            floats = [f() if isinstance(f, _KeptFloat) else f for f in floats]
+        # Not waiting, the overwrite waits for the resident's next turn (FloatResident.take): by then the
+        # quantization has run and MLX writes the buffers in place (now it would copy every buffer whole).
         pending = [a for layer in layers for chunk in layer.chunks for a in chunk.values()]
         resident = None
         if keep_float and any(kv is not None for kv in floats):
             resident = FloatResident(floats, keep)
-            pending += [a for kv in floats if kv is not None for a in kv]
+            pending += [a for kv in floats if isinstance(kv, tuple) for a in kv]
         if wait:
             mx.eval(pending)
         else:
@@ -443,7 +443,7 @@ def _park_layer(
     layer = kept.appended(ParkedLayer.of(base.kind, dict(zip(_Q4_KEYS, (*kq, *vq), strict=True))))
     if not kept_float:
         return layer, None
-    return layer, _KeptFloat(cache, start, keep, kq, vq, _float_dtype(spec))
+    return layer, _KeptFloat(cache, start, keep, kq, vq, _float_dtype(spec), spec.kv_format)
 
 
 @dataclass
@@ -456,10 +456,16 @@ class _KeptFloat:
     kq: tuple[mx.array, ...]
     vq: tuple[mx.array, ...]
     dtype: mx.Dtype
+    fmt: Any
 
-    def overwrite(self, fmt: Any) -> LayerKV:
+    @property
+    def nbytes(self) -> int:
+        return self.cache.keys.nbytes + self.cache.values.nbytes
+
+    def __call__(self) -> LayerKV:
         """Write this turn's tokens as their dequantized Q4 (the quantized ones already evaluated, so
         MLX overwrites the buffers in place), and return the buffers."""
+        fmt = self.fmt
         bits = fmt.bits or 4
         self.cache.keys[..., self.start : self.keep, :] = dequantize_kv(self.kq, fmt.group_size, bits, self.dtype)
         self.cache.values[..., self.start : self.keep, :] = dequantize_kv(self.vq, fmt.group_size, bits, self.dtype)
