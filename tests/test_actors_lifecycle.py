@@ -133,7 +133,12 @@ async def test_idle_agent_actor_stops_and_its_cache_stays_hot(tmp_path, autojump
         assert again.usage.tier == "hot" and rt.live_agents() == ["idle"]
 
 
-async def test_saves_are_write_behind_and_flushed_on_exit(tmp_path, monkeypatch):
+COPY_MODES = pytest.mark.parametrize("copy_after_turn", [False, True], ids=["copy-at-turn-end", "copy-after-turn"])
+"""The store's behaviour with the save's copy made at the turn's end (CPU policy) and after it (GPU policy)."""
+
+
+@COPY_MODES
+async def test_saves_are_write_behind_and_flushed_on_exit(tmp_path, monkeypatch, copy_after_turn):
     gate = threading.Event()
     real_save = CacheDirectory.save
 
@@ -142,7 +147,7 @@ async def test_saves_are_write_behind_and_flushed_on_exit(tmp_path, monkeypatch)
         return real_save(self, agent_id, snapshot, **kw)
 
     monkeypatch.setattr(CacheDirectory, "save", slow_save)
-    async with _open(tmp_path) as rt:
+    async with _open(tmp_path, FakeEngine(copy_after_turn=copy_after_turn)) as rt:
         prompt = "prompt"
         for _ in range(3):  # each turn returns while the first save still waits
             result = await rt.agent("w").send_prompt(prompt, max_tokens=3)
@@ -182,7 +187,7 @@ async def test_a_turn_reads_its_cache_while_another_agents_save_is_still_writing
         gate.set()
 
 
-@pytest.mark.parametrize("copy_after_turn", [False, True], ids=["copy-at-turn-end", "copy-after-turn"])
+@COPY_MODES
 async def test_cancelling_the_runtime_flushes_completed_turns(tmp_path, copy_after_turn):
     """Also under the GPU policy's turn end, the copies the GPU actor still owed made before it stopped."""
     engine = FakeEngine(step_delay_s=0.003, copy_after_turn=copy_after_turn)
@@ -207,9 +212,11 @@ async def test_cancelling_the_runtime_flushes_completed_turns(tmp_path, copy_aft
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
-async def test_sigterm_flushes_and_exits(tmp_path):
+@COPY_MODES
+async def test_sigterm_flushes_and_exits(tmp_path, copy_after_turn):
     with pytest.raises(SystemExit) as exit_info:
-        async with open_runtime(model="fake-a", home=tmp_path, engine=FakeEngine(), fsync=False) as rt:
+        async with open_runtime(model="fake-a", home=tmp_path, engine=FakeEngine(copy_after_turn=copy_after_turn),
+                                fsync=False) as rt:
             await rt.agent("sig").send_prompt("before the signal", max_tokens=3)
             os.kill(os.getpid(), signal.SIGTERM)
             await trio.sleep(10)
@@ -217,8 +224,9 @@ async def test_sigterm_flushes_and_exits(tmp_path):
     assert _disk(tmp_path).load("sig", model_tag=TAG).text.startswith("before the signal")
 
 
-async def test_model_swap_flushes_hot_caches_and_they_return_warm(tmp_path):
-    engine = FakeEngine()
+@COPY_MODES
+async def test_model_swap_flushes_hot_caches_and_they_return_warm(tmp_path, copy_after_turn):
+    engine = FakeEngine(copy_after_turn=copy_after_turn)
     async with _open(tmp_path, engine, models=["fake-b"]) as rt:
         x1 = await rt.agent("x").send_prompt("on model a", max_tokens=3)
         y = await rt.agent("y").send_prompt("on model b", max_tokens=3, model="fake-b")
