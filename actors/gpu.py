@@ -63,7 +63,9 @@ from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
 from runtime.plan.save_queue import copy_wait, next_copy
 from runtime.plan.scheduler import Scheduler, Step
-from runtime.plan.contract import Engine, Finished, FromShared, ModelInfo, PrefillResult, SequenceStarted, Tokenized, ToolCall
+from runtime.plan.contract import (
+    Engine, Finished, FromShared, ModelInfo, ParkedView, PrefillResult, SequenceStarted, Tokenized, ToolCall,
+)
 from runtime.errors import ContextLengthExceededError
 from runtime.plan.block_pool import PoolStats
 from runtime.plan.kv_manager import KVCacheManager
@@ -81,7 +83,7 @@ class _OwedCopy:
     """A finished turn's cache whose host copy the actor still owes the store."""
 
     request_id: int
-    parked: Any
+    parked: ParkedView
     due: SnapshotDue
     since: float
 
@@ -492,10 +494,11 @@ class GPUActor:
     async def _make_copies(self, *, idle: bool = False, every: bool = False) -> None:
         """Make the host copies :func:`~runtime.plan.save_queue.next_copy` picks (at most one while
         turns run; all that are due when ``idle``), or ``every`` one (a model swap, stopping)."""
-        if not self._owed:
-            return
-        self._owed = deque(o for o in self._owed if not o.due.dropped)  # superseded: no save needs them
         while self._owed:
+            # Superseded or forgotten (also while the last copy was being made): no save needs them.
+            self._owed = deque(o for o in self._owed if not o.due.dropped)
+            if not self._owed:
+                return
             pick = 0 if every else next_copy(self._copies_owed(), now=trio.current_time(), idle=idle)
             if pick is None:
                 return
