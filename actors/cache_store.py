@@ -493,8 +493,9 @@ class CacheStoreActor:
         except (OSError, ValueError, InvalidAgentIdError, SnapshotLost) as exc:
             retry = isinstance(exc, OSError)  # a full or read-only disk may recover; a bad cache will not
             self._write_errors += 1
-            log.error("saving the cache of %r failed: %s; it stays in RAM, retried in %.0f s or on the next turn",
-                      pending.agent_id, exc, self._saves.retry_delay_s)
+            later = f"retried in {self._saves.retry_delay_s:.0f} s or on the next turn" if retry else \
+                "saved with the agent's next turn"
+            log.error("saving the cache of %r failed: %s; it stays in RAM, %s", pending.agent_id, exc, later)
             report = None
             answer: SaveReply = Failed(kind="NotSaved", error=f"the cache was not saved: {exc}")
         else:
