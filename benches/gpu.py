@@ -331,6 +331,7 @@ class Plan:
     batch_context: int
     batch_tokens: int
     profile: str
+    plain_attention_queries: int = 0
 
     def tokens_for(self, size: int) -> int:
         return self.decode_tokens if size in self.decode_sizes else 1
@@ -364,6 +365,7 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
     kv_mb = geom.kv_bytes_per_token() * (max(plan.sizes) + plan.decode_tokens + 512) / 2**20
     settings: dict[str, Any] = dict(
         model=str(folder), home=str(home), fsync=False, handle_signals=False, trace=True, profile=plan.profile,
+        plain_attention_queries=plan.plain_attention_queries,
         prefetch_mb=0, budget_mb=max(2048.0, 2 * kv_mb), hot_budget_mb=max(512.0, 4 * kv_mb))
     windows: list[tuple[float, float]] = []
     marks: list[tuple[str, float, float]] = []
@@ -720,6 +722,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-context", type=int, help="each batch agent's cache in tokens (default 1024)")
     p.add_argument("--batch-tokens", type=int, help="tokens per agent per batch round (default 64)")
     p.add_argument("--profile", choices=("auto", "cpu", "gpu"), default="auto", help="kvmem's backend profile")
+    p.add_argument("--plain-attention-queries", type=int, default=0,
+                   help="kvmem's setting of that name: short passes' attention from plain MLX operations")
     p.add_argument("--needle-model", default="kvmem-default", help="needle model: a name, a GGUF, or none")
     p.add_argument("--needle-lengths", type=int, nargs="+", help="default 8192 4096 2048 1024 (1024 with --quick)")
     p.add_argument("--needle-deadline-s", type=float, default=150.0,
@@ -743,7 +747,8 @@ def main(argv: list[str] | None = None) -> None:
         (256, 1024) if quick else (1024, 16384))), decode_tokens=args.decode_tokens or (16 if quick else 128),
         restart_size=restart, repeats=harness.repeats(args), batch=args.batch,
         batch_context=args.batch_context or (256 if quick else 1024),
-        batch_tokens=args.batch_tokens or (16 if quick else 64), profile=args.profile)
+        batch_tokens=args.batch_tokens or (16 if quick else 64), profile=args.profile,
+        plain_attention_queries=args.plain_attention_queries)
     geoms = [GEOMETRIES[g] for g in (args.geometries or (["tiny"] if quick else ["1b", "3b"]))]
     res = ResultFile("gpu", "GPU check: kvmem beside plain mlx-lm, needle rows, suite", quick, argv or [], model=None)
     deadline = res.started + args.deadline_s
@@ -798,7 +803,9 @@ def setup_lines(plan: Plan) -> list[str]:
     return [
         (f"each geometry: random weights (tiny_models' scheme, end-of-turn never sampled, so every turn generates "
          f"what it asks), plain mlx-lm (`generate_step`, float KV) then kvmem (`actors.open_runtime`, Q4 KV, "
-         f"profile `{plan.profile}`, fsync off) in this one process; medians of {plan.repeats} repeats, after a "
+         f"profile `{plan.profile}`"
+         f"{f', plain attention up to {plan.plain_attention_queries} queries' if plan.plain_attention_queries else ''}"
+         f", fsync off) in this one process; medians of {plan.repeats} repeats, after a "
          f"warm-up turn each"),
         (f"cold prompts {', '.join(_k(s) for s in plan.sizes)}; decode {plan.decode_tokens} tokens at "
          f"{', '.join(_k(s) for s in plan.decode_sizes)}; restart at {_k(plan.restart_size)} = runtime closed and "

@@ -11,23 +11,24 @@
 #      the GPU actor's trace per geometry (the turn's end now leaves its save's copy for later);
 #   2. python -m benches gpu_probe: attention alone at new shapes (fused against plain ops), a new
 #      shape's first forward, tiny-gpt-oss twice, one decode row per cache kind;
-#   3. the 1B's batch of 8 again with MLX_CUDA_USE_CUDNN_SDPA=0 (prefill attention from plain ops,
-#      no cuDNN graph per shape): does the batch's join stop costing 600-760 ms a round?
+#   3. the 1B again (1K turns, the batch of 8, the restart) with --plain-attention-queries 64: short
+#      passes (hot turns, a batch's join) attend with plain MLX operations, no cuDNN graph per shape.
+#      Does the join stop costing 600-760 ms a round? If so, make it the GPU policy's default.
 # suite: the test suite on the device (pytest -n 8), its log into $OUT.
 set -u
 out=${OUT:-/tmp/kvmem-out}
 mkdir -p "$out"
 case "${1:-bench}" in
   bench)
-    timeout -s INT 400 python3 -m benches gpu --out "$out" --needle-model "$KVMEM_NEEDLE_GGUF" --needles 20 \
-      --deadline-s 380 > "$out/gpu.log" 2>&1
+    timeout -s INT 390 python3 -m benches gpu --out "$out" --needle-model "$KVMEM_NEEDLE_GGUF" --needles 20 \
+      --deadline-s 370 > "$out/gpu.log" 2>&1
     echo "benches gpu: exit $?"; tail -n 25 "$out/gpu.log"
     timeout -s INT 80 python3 -m benches gpu_probe > "$out/probe.log" 2>&1
     echo "gpu_probe: exit $?"; cp benches/results/gpu_probe.md "$out/" 2>/dev/null; grep -A12 "Attention alone" "$out/probe.log"
-    mkdir -p "$out/no-cudnn"
-    MLX_CUDA_USE_CUDNN_SDPA=0 timeout -s INT 80 python3 -m benches gpu --geometries 1b --sizes 1024 \
-      --decode-sizes 1024 --needles 0 --out "$out/no-cudnn" > "$out/no-cudnn/gpu.log" 2>&1
-    echo "no cuDNN: exit $?"; grep -iE "batch|FAIL|PASS" "$out/no-cudnn/gpu.log" | tail -n 12
+    mkdir -p "$out/plain"
+    timeout -s INT 90 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 \
+      --plain-attention-queries 64 --out "$out/plain" > "$out/plain/gpu.log" 2>&1
+    echo "plain short passes: exit $?"; grep -iE "batch|hot|warm|FAIL|PASS" "$out/plain/gpu.log" | tail -n 16
     ;;
   suite)
     timeout -s INT 260 python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n 8 --timeout 60 > "$out/suite.log" 2>&1

@@ -23,6 +23,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | decode | in lockstep (the host waits for each step); a lone row is a batch of one | one step ahead (``mx.async_eval``, as mlx-lm's ``generate_step``); a lone row on its own caches, as there |
 | NumPy attention, NumPy KV copies, the shared-prefix check | on (``numpy_attention``) | off: no host round trip |
 | allocator tuning and pre-warm | on | off (device memory is not the glibc heap) |
+| short passes' attention (2 to ``plain_attention_queries`` query positions a row) | NumPy (above) | plain MLX operations instead of the fused kernel when set (off by default until a GPU run measures it: on CUDA the fused kernel builds a cuDNN graph per new shape) |
 | a turn's end | the cache is quantized and copied to the host for its save at once | quantized without waiting; the save's host copy is made later, when the GPU actor has nothing to run or the store needs it, never between two decode steps (``actors.gpu``) |
 """
 
@@ -66,6 +67,10 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         alone_on_own_caches: a row decoding alone runs on its own ``KVCache`` layers, as
             mlx-lm does, instead of a batch of one (whose mask and per-row offsets cost a GPU
             every layer of every step; on the CPU the batch path measured as fast or faster).
+        plain_attention_queries: under the GPU policy, forward passes of 2 to this many query
+            positions a row attend with plain MLX operations, not the fused kernel
+            (:func:`runtime.cpu.attention.plain_attention`); 0: never (the CPU policy's NumPy
+            attention covers such passes there).
         copy_after_turn: a finished turn's park is launched, not waited for, and its host copy for
             the save is made after the turn (:meth:`runtime.plan.contract.Engine.snapshot`), off the
             decode loop. On the CPU the copy is a memcpy of memory the host already holds: made at once.
@@ -88,6 +93,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     shared_prefix_check: bool
     run_ahead: bool = False
     alone_on_own_caches: bool = False
+    plain_attention_queries: int = 0
     copy_after_turn: bool = False
     tune_allocator: bool
     prewarm_mb: float
@@ -108,12 +114,13 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     def line(self) -> str:
         """One line for the log: ``backend cuda (gpu policy); attention native; weights quantized; ...``."""
         chunks = "/".join(str(c) for _, c in self.prefill_chunks)
+        plain = f"; plain attention up to {self.plain_attention_queries} queries" if self.plain_attention_queries else ""
         host = [name for name, on in (("numpy-attention", self.numpy_attention), ("numpy-kv-copy", self.numpy_kv_copy),
                                       ("shared-prefix-check", self.shared_prefix_check),
                                       ("allocator", self.tune_allocator)) if on]
         parts = [
             f"backend {self.backend} ({self.policy} policy{', forced' if self.forced else ''})",
-            f"attention {self.attention}" + (f" ({self.attention_note})" if self.attention_note else ""),
+            f"attention {self.attention}" + (f" ({self.attention_note})" if self.attention_note else "") + plain,
             f"weights {self.weights}",
             f"float {self.float_dtype or '?'}",
             f"prefill chunk {chunks}",
@@ -134,6 +141,7 @@ def decide_profile(
     attention: str = "auto",
     weights: str = "auto",
     numpy_attention: bool = True,
+    plain_attention_queries: int = 0,
     prewarm_mb: float = 0.0,
     prefill_chunk: int | None = None,
     openblas: str | None = None,
@@ -144,7 +152,8 @@ def decide_profile(
         device: MLX's default device type (``cpu``/``gpu``).
         backend: ``cpu``, ``metal`` or ``cuda``.
         profile: ``auto`` (the device's policy), ``cpu`` or ``gpu`` (forced).
-        attention, weights, numpy_attention, prewarm_mb, prefill_chunk: the settings of the same names;
+        attention, weights, numpy_attention, plain_attention_queries, prewarm_mb, prefill_chunk: the
+            settings of the same names;
             an explicit value wins over the policy's default.
         openblas: the OpenBLAS library loaded, if any (reported).
 
@@ -174,6 +183,7 @@ def decide_profile(
         shared_prefix_check=numpy_paths,  # its only reader is the NumPy decode attention
         run_ahead=not cpu,
         alone_on_own_caches=not cpu,
+        plain_attention_queries=0 if cpu else plain_attention_queries,
         copy_after_turn=not cpu,
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,

@@ -121,6 +121,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         numpy_attention: on the CPU backend, float attention of llama and qwen2
             models runs in NumPy (:mod:`runtime.cpu.attention`: 4-6x faster
             than MLX's there); off: MLX's own attention everywhere.
+        plain_attention_queries: under the GPU policy, forward passes of 2 to this many new
+            tokens a row (a hot turn's message, a batch's join) attend with plain MLX operations
+            instead of the fused kernel, which on CUDA builds a cuDNN graph for every new shape;
+            0 (the default): never. Experimental: not yet measured faster on a GPU.
         budget_mb: KV memory for running sequences (admission, batch size), MiB.
         hot_budget_mb: memory for idle caches kept in RAM (the hot tier), MiB.
         keep_float_mb: memory for the float KV of recently finished turns (``at-rest``),
@@ -170,6 +174,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     kv_group_size: Literal[32, 64, 128] = 64
     attention: Attention = "auto"
     numpy_attention: bool = True
+    plain_attention_queries: Annotated[int, Meta(ge=0, le=4096)] = 0
     profile: Literal["auto", "cpu", "gpu"] = "auto"
     # -- memory and scheduling
     budget_mb: Annotated[float, Meta(gt=0)] = 2048

@@ -50,6 +50,7 @@ SAMPLES: dict[str, tuple[str, Any, Any]] = {
     "kv_group_size": ("32", 32, 32),
     "attention": ("native", "native", "native"),
     "numpy_attention": ("false", False, False),
+    "plain_attention_queries": ("64", 64, 64),
     "profile": ("gpu", "gpu", "gpu"),
     "budget_mb": ("100", 100, 100.0),
     "hot_budget_mb": ("64", 64, 64.0),

@@ -35,6 +35,17 @@ are float32. Otherwise the call goes to mlx-lm's function.
 NumPy needs evaluated inputs, so each layer's queries, keys and values are
 evaluated where attention runs; kvmem evaluates every forward pass right after
 it anyway, and the measurements include that.
+
+**Plain attention for short passes (GPU policy, off unless set).** With the
+``plain_attention_queries`` setting, a forward pass of 2 to that many query
+positions per row (a hot turn's new message, a batch's join) attends with plain
+MLX operations (:func:`plain_attention`) instead of the fused kernel. Why: on
+CUDA, MLX's fused attention builds a cuDNN graph for every new set of shapes and
+strides, and every turn of a growing conversation has a new one (issue 33's H200
+trace: a batch of 8's join took 600-760 ms a round, 77 ms once the shapes
+repeated). It stays off until a GPU run measures it faster
+(``benches/gpu_session.sh``); decode steps (one query) and long prefill chunks
+keep the fused kernels.
 """
 
 from __future__ import annotations
@@ -55,7 +66,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 __all__ = [
     "REPLACED", "TESTED_MLX_LM", "install", "active", "sharing", "numpy_attention", "decode_attention",
-    "shared_prefix_attention", "is_installed",
+    "shared_prefix_attention", "plain_attention", "is_installed",
 ]
 
 log = logging.getLogger("kvmem.cpu_attention")
@@ -132,14 +143,15 @@ def is_installed(model_module: str) -> bool:
 
 
 @contextmanager
-def active(on: bool = True) -> Iterator[None]:
-    """Within this block, on this thread, installed models attend through :func:`numpy_attention`."""
-    before = getattr(_scope, "on", False)
-    _scope.on = on
+def active(on: bool = True, *, plain_queries: int = 0) -> Iterator[None]:
+    """Within this block, on this thread, installed models attend through :func:`numpy_attention`
+    (``on``), and passes of 2 to ``plain_queries`` query positions through :func:`plain_attention`."""
+    before = getattr(_scope, "on", False), getattr(_scope, "plain", 0)
+    _scope.on, _scope.plain = on, plain_queries
     try:
         yield
     finally:
-        _scope.on = before
+        _scope.on, _scope.plain = before
 
 
 @contextmanager
@@ -164,7 +176,10 @@ def _attention(
     mask: Any,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """mlx-lm's ``scaled_dot_product_attention``, through NumPy inside :func:`active`."""
+    """mlx-lm's ``scaled_dot_product_attention``, through NumPy (or plain MLX operations) inside :func:`active`."""
+    plain = getattr(_scope, "plain", 0)
+    if plain and 1 < queries.shape[2] <= plain and sinks is None and not hasattr(cache, "bits"):
+        return plain_attention(queries, keys, values, scale=scale, mask=mask)
     if (
         getattr(_scope, "on", False)
         and sinks is None
@@ -183,6 +198,34 @@ def _attention(
             if queries.shape[0] * keys.shape[2] >= MIN_DECODE_KEYS:
                 return decode_attention(queries, keys, values, scale=scale, mask=mask)
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def plain_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Any) -> mx.array:
+    """Attention from plain MLX operations: no fused kernel, so nothing is built per shape.
+
+    ``queries`` ``(B, H, L, D)``, ``keys`` / ``values`` ``(B, H_kv, S, D)``; the query heads that
+    share a KV head are folded into one product. ``mask``: None, ``"causal"`` (aligned to the
+    last key, as MLX's), a boolean array (True attends) or an additive one, broadcast to
+    ``(B, H, L, S)``. The softmax runs in float32; the result has the queries' dtype.
+    """
+    b, h, n, d = queries.shape
+    kv_heads, s = keys.shape[1], keys.shape[2]
+    q = (queries * scale).reshape(b, kv_heads, h // kv_heads, n, d)
+    scores = (q @ mx.swapaxes(keys, -1, -2)[:, :, None]).astype(mx.float32)  # (B, H_kv, G, L, S)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        mask = mx.arange(s)[None] <= (mx.arange(n)[:, None] + (s - n))
+    if mask is not None:
+        if mask.ndim == 4:  # (B or 1, H or 1, L, S): split the heads as the scores are
+            mask = mask.reshape(mask.shape[0], -1 if mask.shape[1] == 1 else kv_heads,
+                                1 if mask.shape[1] == 1 else h // kv_heads, n, s)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(mx.float32).min)
+        else:
+            scores = scores + mask.astype(mx.float32)
+    weights = mx.softmax(scores, axis=-1).astype(values.dtype)
+    return (weights @ values[:, :, None]).reshape(b, h, n, -1)
 
 
 _CACHED_TRIANGLE_MAX = 4096

@@ -94,6 +94,8 @@ class MlxEngine:
         prewarm_mb: memory to touch once when the first model loads and keep for activations,
             and a throwaway turn at each load (:mod:`runtime.execution.warmup`); 0 turns both off.
         numpy_attention: attend through :mod:`runtime.cpu.attention` where it applies.
+        plain_attention_queries: the setting of that name (GPU policy: short passes' attention
+            from plain MLX operations; 0: never).
         keep_float_mb: float KV kept after turns for the next hot turn (:mod:`runtime.kv.float_resident`; 0: off).
         group: an ``mx.distributed`` group: load this rank's tensor-parallel part of each model.
         profile: ``auto`` (the device's backend policy) or ``cpu`` / ``gpu`` forced
@@ -111,6 +113,7 @@ class MlxEngine:
         weights: str = "auto",
         prewarm_mb: float = 0,
         numpy_attention: bool = True,
+        plain_attention_queries: int = 0,
         keep_float_mb: float = 0,
         group: Any = None,
         profile: str = "auto",
@@ -119,6 +122,7 @@ class MlxEngine:
         # Every CPU-versus-GPU decision, once (runtime.backend); a model load settles the attention.
         self._profile = device_profile(profile=profile, attention=attention, weights=weights,
                                        numpy_attention=numpy_attention, prewarm_mb=prewarm_mb,
+                                       plain_attention_queries=plain_attention_queries,
                                        prefill_chunk=prefill_chunk)
         use_host_views(self._profile.numpy_kv_copy)
         self._residents = ResidentPool(int(keep_float_mb * 2**20))
@@ -141,6 +145,7 @@ class MlxEngine:
         return cls(models_dir=config.models_path, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
                    attention=config.attention, weights=config.weights, prewarm_mb=config.prewarm_mb,
                    numpy_attention=config.numpy_attention, keep_float_mb=config.keep_float_mb, group=group,
+                   plain_attention_queries=config.plain_attention_queries,
                    profile=config.profile, prefill_chunk=config.prefill_chunk)
 
     @property
@@ -183,6 +188,7 @@ class MlxEngine:
             models_dir=self._models_dir,
             weights=self._profile.weights,
             numpy_attention=self._profile.numpy_attention,
+            plain_attention_queries=self._profile.plain_attention_queries,
             group=self._group,
         )
         self._lm = lm

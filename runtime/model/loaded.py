@@ -83,10 +83,12 @@ class LoadedModel:
     config: dict[str, Any]
     numpy_attention: bool = False
     """Whether :meth:`forward` attends through :mod:`runtime.cpu.attention`."""
+    plain_attention_queries: int = 0
+    """Passes of 2 to this many query positions attend with plain MLX operations (0: never)."""
 
     def forward(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         """Logits of ``inputs`` over ``cache``: every forward pass kvmem runs goes through here."""
-        with cpu_attention.active(self.numpy_attention):
+        with cpu_attention.active(self.numpy_attention, plain_queries=self.plain_attention_queries):
             return self.model(inputs, cache=cache)
 
     def forward_last(self, inputs: mx.array, cache: list[Any]) -> mx.array:
@@ -100,7 +102,7 @@ class LoadedModel:
         head = _last_position_head(self.model)
         if head is None:
             return self.forward(inputs, cache)[:, -1, :]
-        with cpu_attention.active(self.numpy_attention):
+        with cpu_attention.active(self.numpy_attention, plain_queries=self.plain_attention_queries):
             hidden = self.model.model(inputs, cache=cache)
         return head(hidden[:, -1:, :])[:, -1, :]
 
@@ -212,6 +214,7 @@ def load_model(
     models_dir: Path | None = None,
     weights: str = "auto",
     numpy_attention: bool = True,
+    plain_attention_queries: int = 0,
     group: Any = None,
 ) -> LoadedModel:
     """Load ``model``: ``kvmem-default``, a GGUF file, a tiny recipe name, a folder or a Hugging Face id.
@@ -219,7 +222,8 @@ def load_model(
     ``weights`` applies to GGUF files (:data:`runtime.model.gguf.WEIGHT_MODES`):
     ``auto`` dequantizes to float32 on CPU and keeps the file's quantization on GPUs.
     ``numpy_attention`` lets :meth:`LoadedModel.forward` use :mod:`runtime.cpu.attention`
-    where it applies (llama and qwen2 models on the CPU backend).
+    where it applies (llama and qwen2 models on the CPU backend); ``plain_attention_queries``
+    (0: never) sends their short passes' attention through plain MLX operations instead.
     ``group``: an ``mx.distributed`` group of more than one rank keeps this rank's
     tensor-parallel part of the model (:mod:`runtime.distributed.shard`).
     """
@@ -241,10 +245,12 @@ def load_model(
         model_id = shard_model_id(name, group.rank(), group.size())  # a rank's cache holds only its heads
     spec = read_cache_spec(loaded, model_id=model_id, config=config, kv_format=kv_format)
     numpy_on = numpy_attention and cpu_attention.install(type(loaded).__module__)
+    plain = plain_attention_queries if plain_attention_queries and cpu_attention.install(type(loaded).__module__) else 0
     log.info("loaded %s: %d layers, tag %s, attention %s", name, len(spec.layers), spec.tag,
              "numpy (runtime.cpu.attention)" if numpy_on else "mlx")
     lm = LoadedModel(
-        model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config, numpy_attention=numpy_on
+        model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config, numpy_attention=numpy_on,
+        plain_attention_queries=plain,
     )
     if not lm.supports_tools:  # its prompts carry tools in kvmem's generic format: part of every cache's tag
         lm.spec = replace(spec, prompt_format=generic_tools.FORMAT)
