@@ -51,9 +51,9 @@ def test_plain_attention_is_mlx_fused_attention(b: int, h: int, kv_heads: int, n
         assert error <= TOLERANCE[dtype], (name, error)
 
 
-def test_only_short_passes_over_float_caches_take_the_plain_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    lm = tiny("tiny-llama")
-    assert adapter.install(type(lm.model).__module__)
+@pytest.fixture
+def plain_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The query lengths of the passes that went through the plain path."""
     calls: list[int] = []
     plain = adapter.plain_attention
 
@@ -62,6 +62,13 @@ def test_only_short_passes_over_float_caches_take_the_plain_path(monkeypatch: py
         return plain(queries, *args, **kwargs)
 
     monkeypatch.setattr(adapter, "plain_attention", counted)
+    return calls
+
+
+def test_only_short_passes_over_float_caches_take_the_plain_path(plain_passes: list[int]) -> None:
+    lm = tiny("tiny-llama")
+    assert adapter.install(type(lm.model).__module__)
+    calls = plain_passes
     layers = len(lm.model.layers)
     for tokens, expected in ((5, layers), (8, layers), (1, 0), (9, 0)):
         calls.clear()
@@ -99,15 +106,8 @@ async def _replies(home: Path, plain: int) -> list[str]:
 
 
 async def test_a_runtime_with_plain_short_passes_replies_as_one_without(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    passes: list[int] = []
-    plain = adapter.plain_attention
-
-    def counted(queries: mx.array, *args: object, **kwargs: object) -> mx.array:
-        passes.append(queries.shape[2])
-        return plain(queries, *args, **kwargs)
-
-    monkeypatch.setattr(adapter, "plain_attention", counted)
+                                                                        plain_passes: list[int]) -> None:
+    passes = plain_passes
     with_plain = await _replies(tmp_path / "plain", 64)
     assert passes and max(passes) <= 64  # the hot turns' short passes, and only those
     passes.clear()
