@@ -128,3 +128,47 @@ async def test_a_runtime_keeping_floats_replies_as_one_that_does_not(tmp_path: P
             results[keep] = seen
     assert [tier for _, tier, _ in results[256]] == ["cold", "hot", "hot"]
     assert results[256] == results[0]
+
+
+def test_a_cache_restored_ahead_keeps_its_float_when_the_float_itself_fits_the_budget(tmp_path: Path) -> None:
+    """The budget check at ``prepare`` (a cache read ahead at start) sizes the float buffers it
+    would make: the model's dtype, the room a turn writes into. It used to take eight times the
+    Q4 size, which refused a bfloat16 model's caches (their float is 3.6 times the Q4 size) where
+    they fit: a GPU's warm turn after a restart then dequantized its whole cache at the turn."""
+    from gguf_writer import write_gguf
+
+    from runtime.cpu import kv_copy
+    from runtime.execution.mlx_engine import MlxEngine, kept_float_bytes
+    from runtime.model import tiny_models
+    from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
+
+    gguf = write_gguf(tiny_models.ensure_tiny_model("tiny-llama", models_dir()), tmp_path / "tiny.gguf")
+
+    def engine(keep_float_mb: float) -> MlxEngine:
+        built = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="at-rest",
+                          keep_float_mb=keep_float_mb, prewarm_mb=0, profile="gpu", weights="bfloat16")
+        built.load(str(gguf))
+        return built
+
+    first = engine(1024)
+    try:
+        prompt = "The harbour wakes at dawn. " * 300
+        plan = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
+        first.start(1, prompt, plan, first.tokenize(prompt, plan), SamplingOptions(max_tokens=2))
+        while first.prefill(1, None).remaining:
+            pass
+        parked = first.finish(1).parked
+        assert parked is not None
+        snapshot, spec = first.snapshot(parked), first.lm.spec
+    finally:
+        first.unload()
+    need = kept_float_bytes(spec, len(snapshot.token_ids))
+    assert spec.dtype_bytes == 2 and 8 * parked.nbytes > 1.5 * need  # the old rule would have refused it
+    second = engine(1.05 * need / 2**20)
+    try:
+        prepared = second.prepare(snapshot)
+        assert prepared is not None and prepared.resident is not None and prepared.resident.held
+        assert prepared.resident.nbytes == need  # the estimate is the buffers' size
+    finally:
+        second.unload()
+        kv_copy.use_host_views(True)

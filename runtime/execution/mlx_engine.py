@@ -40,7 +40,7 @@ from runtime.backend import BackendProfile, device_profile
 from runtime.errors import ModelError
 from runtime.execution.batch_prefill import choose_group, prefill_together
 from runtime.execution.decode_batch import DecodeBatch
-from runtime.kv.float_resident import ResidentPool
+from runtime.kv.float_resident import ResidentPool, room_for
 from runtime.cpu.kv_copy import use_host_views
 from runtime.kv.kvstate import SLIDING_SLACK, ParkedCache, AttentionMode, settle_attention, with_kept_float
 from runtime.model.loaded import LoadedModel, load_model
@@ -72,6 +72,12 @@ def active_token_bytes(spec: ModelCacheSpec, attention: AttentionMode) -> int:
         else:
             total += layer.kv_heads * dims * spec.dtype_bytes
     return total
+
+
+def kept_float_bytes(spec: ModelCacheSpec, tokens: int) -> int:
+    """The float buffers :func:`runtime.kv.kvstate.with_kept_float` makes for a cache of ``tokens``:
+    the model's float dtype over its full-attention layers, with the room a turn writes into."""
+    return active_token_bytes(spec, "at-rest") * room_for(tokens)
 
 
 def sequence_bytes(spec: ModelCacheSpec) -> int:
@@ -318,7 +324,7 @@ class MlxEngine:
         if snapshot.model_tag != lm.spec.tag:
             return None
         parked = ParkedCache.from_snapshot(snapshot, float_dtype=lm.float_dtype)
-        if self._attention != "at-rest" or not self._residents.fits(8 * parked.nbytes):  # ~float's size
+        if self._attention != "at-rest" or not self._residents.fits(kept_float_bytes(lm.spec, parked.num_tokens)):
             return parked
         kept = with_kept_float(parked, lm.spec)
         return kept if kept.resident is not None and self._residents.add(kept.resident) else parked

@@ -30,7 +30,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from runtime.cpu.kv_copy import place_rows
 
-__all__ = ["FloatResident", "PendingKV", "ResidentPool", "HEADROOM_TOKENS", "extract_with_room", "with_room"]
+__all__ = ["FloatResident", "PendingKV", "ResidentPool", "HEADROOM_TOKENS", "extract_with_room", "room_for",
+           "with_room"]
 
 HEADROOM_TOKENS = 256
 """Room kept past a resident's tokens, so the next turn's first tokens do not grow (copy) the buffers."""
@@ -133,12 +134,16 @@ class ResidentPool:
                 self.bytes -= held[1]
 
 
+def room_for(tokens: int) -> int:
+    """The length of a buffer kept for ``tokens`` tokens: :data:`HEADROOM_TOKENS` more, rounded up
+    to ``KVCache``'s growth step."""
+    return -(-(tokens + HEADROOM_TOKENS) // KVCache.step) * KVCache.step
+
+
 def with_room(tokens: mx.array) -> mx.array:
-    """``tokens`` ``(B, H, T, D)`` copied into a buffer with :data:`HEADROOM_TOKENS` of room past ``T``,
-    rounded to ``KVCache``'s growth step, so a turn's first tokens do not grow (copy) it again."""
-    n = tokens.shape[2]
-    room = -(-(n + HEADROOM_TOKENS) // KVCache.step) * KVCache.step
-    return place_rows([(tokens[i : i + 1], 0) for i in range(tokens.shape[0])], room, tokens)
+    """``tokens`` ``(B, H, T, D)`` copied into a buffer of :func:`room_for` ``T`` tokens, so a turn's
+    first tokens do not grow (copy) it again."""
+    return place_rows([(tokens[i : i + 1], 0) for i in range(tokens.shape[0])], room_for(tokens.shape[2]), tokens)
 
 
 def extract_with_room(cache: Any, idx: int) -> Any:
