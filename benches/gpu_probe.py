@@ -152,25 +152,14 @@ def shape_rows(model: Any, contexts: list[int], new_tokens: int) -> list[list[st
     return rows
 
 
-def _unfused(q: Any, k: Any, v: Any, scale: float) -> Any:
-    """Causal attention (bottom-right) from plain ops, each KV head's query heads folded: no fused kernel, no graph."""
-    import mlx.core as mx
-
-    b, h, ql, d = q.shape
-    hkv, kl = k.shape[1], k.shape[2]
-    qg = (q * scale).reshape(b, hkv, h // hkv, ql, d)
-    scores = qg @ mx.swapaxes(k, -1, -2)[:, :, None]
-    allowed = mx.arange(kl)[None] <= (mx.arange(ql)[:, None] + (kl - ql))
-    scores = mx.where(allowed, scores, mx.finfo(scores.dtype).min)
-    weights = mx.softmax(scores, axis=-1, precise=True)
-    return (weights @ v[:, :, None]).reshape(b, h, ql, -1)
-
-
 def attention_shape_rows(queries: list[int], contexts: list[int]) -> list[list[str]]:
     """Attention alone (1B geometry, bf16, keys a slice of a 256-step buffer as in mlx-lm's ``KVCache``) at
-    shapes never seen before: the fused kernel (cuDNN: one graph per shape) against plain ops, first call and
-    again, and the largest difference between the two outputs."""
+    shapes never seen before: the fused kernel (cuDNN: one graph per shape) against kvmem's plain-operation
+    attention (:func:`runtime.cpu.attention.plain_attention`), first call and again, and the largest
+    difference between the two outputs."""
     import mlx.core as mx
+
+    from runtime.cpu.attention import plain_attention  # kvmem's own (the plain_attention_queries setting)
 
     rows = []
     heads, kv_heads, dim, scale = 32, 8, 64, 64**-0.5
@@ -186,7 +175,7 @@ def attention_shape_rows(queries: list[int], contexts: list[int]) -> list[list[s
             outs = {}
             for name, fn in (("fused", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
                                                                                       mask="causal")),
-                             ("plain", lambda: _unfused(q, k, v, scale))):
+                             ("plain", lambda: plain_attention(q, k, v, scale=scale, mask="causal"))):
                 for _ in range(2):
                     mx.synchronize()
                     t0 = time.perf_counter()
