@@ -244,8 +244,10 @@ def load_model(
         shard_model(loaded, config, group, name=name)
         model_id = shard_model_id(name, group.rank(), group.size())  # a rank's cache holds only its heads
     spec = read_cache_spec(loaded, model_id=model_id, config=config, kv_format=kv_format)
-    numpy_on = numpy_attention and cpu_attention.install(type(loaded).__module__)
-    plain = plain_attention_queries if plain_attention_queries and cpu_attention.install(type(loaded).__module__) else 0
+    # One adapter serves both: installed only where one of them is asked for.
+    adapted = (numpy_attention or plain_attention_queries > 0) and cpu_attention.install(type(loaded).__module__)
+    numpy_on = numpy_attention and adapted
+    plain = plain_attention_queries if adapted else 0
     log.info("loaded %s: %d layers, tag %s, attention %s", name, len(spec.layers), spec.tag,
              "numpy (runtime.cpu.attention)" if numpy_on else "mlx")
     lm = LoadedModel(
