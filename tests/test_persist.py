@@ -36,7 +36,7 @@ from runtime.persist import (
     manifest_name,
 )
 from runtime.identity import safe_agent_dirname
-from runtime.persist.format import pack_text
+from runtime.persist.format import READABLE_FORMATS, pack_text
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 
 TAG = "tiny-llama@0123abcd/q4g64"
@@ -534,7 +534,7 @@ CORRUPTIONS: dict[str, tuple[Callable[[CacheDirectory], object], type[CacheMiss]
     ),
     "old-format-version": (
         lambda c: edit_manifest(
-            c, "a", lambda m: m.update(format_version=FORMAT_VERSION - 1)
+            c, "a", lambda m: m.update(format_version=min(READABLE_FORMATS) - 1)
         ),
         FormatVersionError,
     ),

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
+import xxhash
 from test_persist import (
     TAG,
     agent_dir,
@@ -23,8 +24,8 @@ from test_persist import (
 
 import runtime.persist.load
 from runtime.errors import CorruptCacheError
-from runtime.persist import CacheDirectory
-from runtime.persist.codec import FileLayout, encode_file, header_sha256, parse_file
+from runtime.persist import FORMAT_VERSION, CacheDirectory
+from runtime.persist.codec import FileLayout, data_is_intact, encode_file, header_sha256, parse_file
 from runtime.persist.files import AtomicBatch, open_regular_file, read_exactly_into
 
 
@@ -47,8 +48,9 @@ def test_block_files_are_standard_safetensors_holding_the_snapshot_slice(
         assert np.array_equal(tensors[f"L0.{key}"], array[:, 256:512])
     with safetensors.safe_open(path, framework="numpy") as opened:
         info = json.loads(opened.metadata()["kvmem"])
-    assert (info["kind"], info["format_version"]) == ("block", "3")
-    assert len(info["data_crc32"]) == 8
+    assert (info["kind"], info["format_version"]) == ("block", str(FORMAT_VERSION))
+    data = path.read_bytes()
+    assert info["data_xxh3"] == xxhash.xxh3_64_hexdigest(data[parse_file(data).data_start :])
 
 
 def test_encoding_is_canonical(tmp_path: Path) -> None:
@@ -63,11 +65,16 @@ def test_encoding_is_canonical(tmp_path: Path) -> None:
     assert read_manifest(first, "a")["pieces"] == read_manifest(second, "a")["pieces"]
 
 
-def test_the_checksum_is_the_header_digest_and_the_header_records_the_data_crc() -> None:
+def test_the_checksum_is_the_header_digest_and_the_header_records_the_data_checksum() -> None:
     tensors = {"b": np.arange(6, dtype=np.float16).reshape(2, 3), "a": np.ones(4, np.uint32)}
     data = encode_file(tensors, {"kind": "state"})
     parsed = parse_file(data)
     assert parsed.header_sha256 == header_sha256(data)
+    assert parsed.info["data_xxh3"] == xxhash.xxh3_64_hexdigest(data[parsed.data_start :])
+    assert data_is_intact(data, parsed)
+    damaged = bytearray(data)
+    damaged[-1] ^= 0x01
+    assert not data_is_intact(bytes(damaged), parse_file(bytes(damaged)))
     assert parsed.matches(FileLayout.of({n: (a.dtype, a.shape) for n, a in tensors.items()}))
     assert parsed.data_start % 8 == 0
     loaded = safetensors.numpy.load(data)

@@ -93,7 +93,7 @@ async def test_damaged_bytes_in_redis_are_a_logged_miss_and_the_turn_runs_cold(
     else:
         for key in client.keys("kvmem:agent:{keeper}:seg-*") + client.keys("kvmem:block:*"):
             raw = bytearray(client.get(key))
-            raw[-1] ^= 0xFF  # one bit of the data: the CRC catches it
+            raw[-1] ^= 0xFF  # one bit of the data: the data checksum catches it
             client.set(key, bytes(raw))
     caplog.set_level(logging.WARNING, logger="kvmem")
     async with _open(tmp_path / "node-b", redis_server.url) as rt:

@@ -41,7 +41,7 @@ the sliding-window layers (bounded by their window), rewritten whole on each
 save where they changed, and a zero-token slice of every blocked layer that
 records its dtype and shape. The **manifest** (JSON) holds format version,
 model tag, agent id, the pieces with their sizes and checksums (the SHA-256 of
-a file's header, which records the CRC-32 of its data), the state file's,
+a file's header, which records the XXH3 checksum of its data), the state file's,
 layer kinds and keys, meta, times, and the text, token ids and offsets
 compressed (about 6 bytes per token): the only thing rewritten in full every
 turn.
@@ -76,7 +76,7 @@ Where each part lives:
 ``format``      manifest schema and its packed text, token ids and offsets,
                 file names, block hash chain, which tensors the files hold,
                 file metadata
-``codec``       canonical safetensors encoding with CRC-32
+``codec``       canonical safetensors encoding with a data checksum (XXH3)
 ``files``       atomic file replacement (``write_atomic``), private folders,
                 batches of atomic writes, safe reads
 ``tenants``     which cache directory an agent id names: the default one, or

@@ -3,7 +3,7 @@
 :func:`load_cache` is :meth:`runtime.persist.CacheDirectory.load`. It checks
 the manifest against itself first (:func:`runtime.persist.manifests.check_manifest`),
 reads the state file whole, then each piece's file straight into the final
-arrays, checking every file's metadata, layout and CRC against the manifest.
+arrays, checking every file's metadata, layout and data checksum against the manifest.
 Any problem becomes a :class:`~runtime.errors.CacheMiss` (logged), never an
 uncaught error.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,9 +40,11 @@ from runtime.persist.codec import (
     decode_arrays,
     layout_of_entries,
     parse_file,
+    regions_are_intact,
 )
 from runtime.persist.files import open_regular_file, read_exactly_into, read_regular_file, remove_file
 from runtime.persist.format import (
+    FORMAT_VERSION,
     BlockPiece,
     Manifest,
     Piece,
@@ -97,7 +98,7 @@ def load_cache(paths: CachePaths, agent_id: str, *, model_tag: str) -> CacheSnap
             raise CacheMiss(f"no cache stored for agent {agent_id!r} and model {model_tag!r}")
         manifest = decode_manifest(data)
         contents = check_manifest(manifest, agent_id=agent_id, model_tag=model_tag)
-        files = AgentPieces(paths, agent_dir, model_tag)
+        files = AgentPieces(paths, agent_dir, model_tag, version=manifest.format_version)
         return assemble_snapshot(manifest, contents, state=files.read_state(manifest.state), files=files)
     except (CorruptCacheError, FormatVersionError) as exc:
         log.warning("cache of agent %r is unusable: %s", agent_id, exc)
@@ -118,7 +119,7 @@ def _read_state(
         for index, record in enumerate(manifest.layers)
         for key in record.keys
     }
-    if not parsed.has_info(state_info(model_tag=manifest.model_tag)):
+    if not parsed.has_info(state_info(model_tag=manifest.model_tag, version=manifest.format_version)):
         raise CorruptCacheError("state file is not this cache's")
     try:
         entries = parsed.entries()
@@ -149,16 +150,10 @@ def _read_state(
 
 
 def _expected_info(piece: Piece, manifest: Manifest) -> dict[str, str]:
+    version = manifest.format_version
     if isinstance(piece, BlockPiece):
-        return block_info(model_tag=manifest.model_tag, block_hash=piece.name)
-    return segment_info(model_tag=manifest.model_tag, start=piece.start, end=piece.end)
-
-
-def _crc32_of(regions: list[memoryview]) -> str:
-    crc = 0
-    for region in regions:
-        crc = zlib.crc32(region, crc)
-    return f"{crc:08x}"
+        return block_info(model_tag=manifest.model_tag, block_hash=piece.name, version=version)
+    return segment_info(model_tag=manifest.model_tag, start=piece.start, end=piece.end, version=version)
 
 
 def assemble_snapshot(
@@ -173,11 +168,9 @@ def assemble_snapshot(
     The blocked arrays are allocated from the state file's zero-token layouts,
     and each piece's file is read straight into them: one ``preadv`` per file
     scatters the header into a small buffer and each row of each tensor into
-    its place (no copy after the kernel's), and the CRC of its data is
+    its place (no copy after the kernel's), and the checksum of its data is
     computed right after, while the data is still in the CPU cache. The
     kernel reads :data:`READ_AHEAD_BYTES` ahead, so the disk works meanwhile.
-    (CRCs on helper threads measured no faster: most rows are short, and
-    their CRC calls hold the GIL.)
 
     Raises:
         CorruptCacheError: a file's metadata, tensor set, dtype, shape or data
@@ -204,7 +197,7 @@ def assemble_snapshot(
         if scatter is None:
             scatter = scatters[tokens] = Scatter.of(piece_layout(blocked, tokens), arena)
         expected = _expected_info(piece, manifest)
-        header = bytearray(len(scatter.layout.header({**expected, "data_crc32": "0" * 8})))
+        header = bytearray(scatter.layout.header_size(expected))
         regions = scatter.regions(whole, piece.start, tokens)
         parsed = files.read_into(piece, header, regions)
         if not parsed.has_info(expected):
@@ -213,7 +206,7 @@ def assemble_snapshot(
             raise CorruptCacheError(
                 f"{piece.name} tensors do not match the manifest's layers"
             )
-        if _crc32_of(regions) != parsed.info.get("data_crc32"):
+        if not regions_are_intact(regions, parsed):
             files.reject(piece)
 
     layers = []
@@ -309,11 +302,13 @@ class AgentPieces:
         paths: the cache directory.
         agent_dir: the agent's folder.
         model_tag: the model the cache is for (a block file records it).
+        version: the format of the manifest being read (a block file records it too).
     """
 
     paths: CachePaths
     agent_dir: Path
     model_tag: str
+    version: int = FORMAT_VERSION
 
     def prefetch(self, pieces: Sequence[Piece]) -> None:
         """Have the kernel start reading the files of ``pieces`` ahead (missing ones are skipped)."""
@@ -328,7 +323,7 @@ class AgentPieces:
         The file must be exactly as long as they are together, and ``header``
         must hold exactly its header, with the checksum the manifest records;
         otherwise the file is handled as :meth:`reject` says. The data is not
-        checked here: the caller checks its CRC (regions may lie anywhere, in
+        checked here: the caller checks its data checksum (regions may lie anywhere, in
         the arrays the data belongs in, so it is read without a copy).
         """
         fd = open_regular_file(self.paths.piece_path(self.agent_dir, piece), size=piece.size)
@@ -377,8 +372,8 @@ class AgentPieces:
 
         A file that fails its own check is removed, so that the next save
         rewrites it instead of trusting it: a block by its header's metadata
-        and data CRC, an agent file (``<kind>-<sha256>.safetensors``) by the
-        checksum in its name and the CRC of its data. A file that is intact
+        and data checksum, an agent file (``<kind>-<sha256>.safetensors``) by the
+        checksum in its name and the checksum of its data. A file that is intact
         but not the one the manifest lists stays.
         """
         if isinstance(ref, StateRef):
@@ -389,7 +384,9 @@ class AgentPieces:
         if raw is None:
             raise CorruptCacheError(f"{path.name} is missing")
         if isinstance(ref, BlockPiece):
-            damaged = not block_is_intact(raw, model_tag=self.model_tag, block_hash=ref.name, like=None)
+            damaged = not block_is_intact(
+                raw, model_tag=self.model_tag, block_hash=ref.name, like=None, version=self.version
+            )
         else:
             damaged = not _agent_file_is_intact(path.name, raw)
         if damaged:

@@ -46,7 +46,7 @@ import numpy as np
 from runtime.errors import CorruptCacheError, ForeignModelError, FormatVersionError
 from runtime.persist.files import read_regular_file
 from runtime.persist.format import (
-    FORMAT_VERSION,
+    READABLE_FORMATS,
     BlockListProbe,
     BlockPiece,
     FormatProbe,
@@ -136,7 +136,7 @@ def own_files(manifest: Manifest) -> set[str]:
 
 
 def decode_manifest(data: bytes) -> Manifest:
-    """Strictly decode a manifest of this format version.
+    """Strictly decode a manifest of a format this kvmem reads (:data:`~runtime.persist.format.READABLE_FORMATS`).
 
     Raises:
         FormatVersionError: the manifest has another ``format_version``.
@@ -146,9 +146,9 @@ def decode_manifest(data: bytes) -> Manifest:
         version = _probe_decoder.decode(data).format_version
     except msgspec.DecodeError as exc:
         raise CorruptCacheError(f"manifest does not decode: {exc}") from exc
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMATS:
         raise FormatVersionError(
-            f"manifest has format {version}; this kvmem reads {FORMAT_VERSION}"
+            f"manifest has format {version}; this kvmem reads {', '.join(map(str, READABLE_FORMATS))}"
         )
     try:
         return _manifest_decoder.decode(data)
@@ -229,7 +229,8 @@ def check_manifest(
         raise CorruptCacheError("offsets run past the text")
     if num_tokens and token_ids.min() < 0:
         raise CorruptCacheError("negative token id")
-    _check_pieces(manifest.pieces, num_tokens, block_chain_hashes(model_tag, token_ids))
+    chain = block_chain_hashes(model_tag, token_ids, version=manifest.format_version)
+    _check_pieces(manifest.pieces, num_tokens, chain)
     if manifest.state.name != state_name(manifest.state.sha256):
         raise CorruptCacheError("state file is not named by its checksum")
     keys = [

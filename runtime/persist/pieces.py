@@ -31,8 +31,8 @@ are encoded together, as one run (:func:`runtime.persist.codec.encode_run`).
 
 Whether a file on disk is still the piece it should be is decided here too:
 :func:`piece_is_intact` for a piece a previous manifest lists (by its header),
-:func:`block_is_intact` for a block file on its own (by its metadata and data
-CRC), which a save asks before it adopts a block already there and a load
+:func:`block_is_intact` for a block file on its own (by its metadata and
+data checksum), which a save asks before it adopts a block already there and a load
 before it removes a block that failed against its manifest.
 """
 
@@ -65,6 +65,7 @@ from runtime.persist.files import (
 )
 from runtime.persist.format import (
     AGENT_FILE_NAME,
+    FORMAT_VERSION,
     BlockPiece,
     Piece,
     SegmentPiece,
@@ -243,17 +244,17 @@ def piece_is_intact(paths: CachePaths, agent_dir: Path, piece: Piece) -> bool:
 
 
 def block_is_intact(
-    data: Any, *, model_tag: str, block_hash: str, like: FileLayout | None
+    data: Any, *, model_tag: str, block_hash: str, like: FileLayout | None, version: int = FORMAT_VERSION
 ) -> bool:
-    """Whether ``data`` is a whole block file for ``block_hash`` (laid out as ``like``).
+    """Whether ``data`` is a whole block file of format ``version`` for ``block_hash`` (laid out as ``like``).
 
-    Checks the block's own metadata and the CRC of its data, no manifest needed.
+    Checks the block's own metadata and the checksum of its data, no manifest needed.
     """
     try:
         parsed = parse_file(data)
     except ValueError:
         return False
-    if not parsed.has_info(block_info(model_tag=model_tag, block_hash=block_hash)):
+    if not parsed.has_info(block_info(model_tag=model_tag, block_hash=block_hash, version=version)):
         return False
     if not data_is_intact(data, parsed):
         return False

@@ -2,7 +2,7 @@
 
 :class:`RemoteTier` copies an agent's cache between this node's cache directory
 (the fast tier) and a Redis server (the shared tier), file by file, as the
-very bytes the directory holds: canonical safetensors files with their CRC-32
+very bytes the directory holds: canonical safetensors files with their data checksum
 and manifests that record each file's checksum. Keys (``<dir>`` is
 :func:`~runtime.persist.directory.safe_agent_dirname` of the agent id; the
 braces keep an agent's keys in one Redis Cluster slot)::
@@ -28,7 +28,7 @@ braces keep an agent's keys in one Redis Cluster slot)::
 * :meth:`RemoteTier.pull` (before a load, for an agent with no hot cache)
   compares Redis's manifest with the local one; when they differ it checks
   the manifest (:func:`~runtime.persist.manifests.check_manifest`), fetches the
-  files the disk lacks, checks each one's size, header checksum and data CRC,
+  files the disk lacks, checks each one's size, header checksum and data checksum,
   writes them atomically and the manifest last. The caller then loads from
   disk, which verifies everything again (:func:`~runtime.persist.load.load_cache`).
   Anything wrong in Redis is a logged miss, never an error.
@@ -313,7 +313,7 @@ class RemoteTier:
             refs = [ref for ref in (*manifest.pieces, manifest.state) if not self._on_disk(agent_dir, ref)]
             raws = self._redis.mget([self._key(agent_dir, ref) for ref in refs]) if refs else []
             for ref, raw in zip(refs, raws, strict=True):
-                self._check_file(ref, raw, model_tag)
+                self._check_file(ref, raw, model_tag, manifest.format_version)
         except CacheMiss as exc:
             self.corrupt += 1
             log.warning("the cache of %r in Redis is unusable: %s", agent_id, exc)
@@ -360,8 +360,8 @@ class RemoteTier:
         return header is not None and header_sha256(header) == ref.sha256
 
     @staticmethod
-    def _check_file(ref: Piece | StateRef, raw: Any, model_tag: str) -> None:
-        """CorruptCacheError unless ``raw`` is the whole file ``ref`` names: size, header checksum, data CRC."""
+    def _check_file(ref: Piece | StateRef, raw: Any, model_tag: str, version: int) -> None:
+        """CorruptCacheError unless ``raw`` is the whole file ``ref`` names: size, header checksum, data checksum."""
         if not isinstance(raw, bytes) or len(raw) != ref.size:
             raise CorruptCacheError(f"{ref.name} is missing or has the wrong size")
         try:
@@ -371,7 +371,7 @@ class RemoteTier:
         if parsed.header_sha256 != ref.sha256 or not data_is_intact(raw, parsed):
             raise CorruptCacheError(f"{ref.name}: checksum differs from the manifest")
         if isinstance(ref, BlockPiece) and not block_is_intact(raw, model_tag=model_tag, block_hash=ref.name,
-                                                               like=None):
+                                                               like=None, version=version):
             raise CorruptCacheError(f"block {ref.name} is not the block its name says")
 
     # -- forget ------------------------------------------------------------------

@@ -202,7 +202,8 @@ def _previous(
         contents = check_manifest(manifest, agent_id=agent_id, model_tag=snapshot.model_tag)
     except (OSError, ValueError, CacheMiss):
         return None
-    pieces = list(manifest.pieces)
+    # Pieces of an older format are read, never kept: its blocks are named by that format's chain.
+    pieces = list(manifest.pieces) if manifest.format_version == FORMAT_VERSION else []
     header = read_header(agent_dir / manifest.state.name, size=manifest.state.size)
     try:
         theirs = read_tensor_entries(header) if header is not None else {}
