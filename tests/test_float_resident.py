@@ -152,7 +152,7 @@ def test_a_cache_restored_ahead_keeps_its_float_when_the_float_itself_fits_the_b
 
     first = engine(1024)
     try:
-        prompt = "The harbour wakes at dawn. " * 300
+        prompt = "The harbour wakes at dawn. " * 120
         plan = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
         first.start(1, prompt, plan, first.tokenize(prompt, plan), SamplingOptions(max_tokens=2))
         while first.prefill(1, None).remaining:
