@@ -18,7 +18,8 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 |--|--|--|
 | attention (``auto``) | at-rest (float while active: prefill into Q4 is 3-4x slower on CPU) | at-rest too: quantizing each token as it arrives (native) loses needles float keeps (``docs/models.md``); ``native`` when asked, once its kernels run the model's shapes, else at-rest |
 | GGUF weights (``auto``) | float32 (the only fast matmul on MLX's CPU backend) | as stored (Q4/Q8) |
-| float dtype of activations and KV | the weights' (float32 for a GGUF) | the model's own (bf16 / f16 stay so; never float32 by accident) |
+| a packed GGUF's float tensors (its norms: llama.cpp stores them float32) | float32 (MLX's CPU quantized matmul is several times slower in float16) | float16, the packed blocks' own scale dtype: activations and KV follow the norms, and MLX's CUDA quantized matmul has no float32 kernel |
+| float dtype of activations and KV | the weights' (float32 for a GGUF) | the model's own (bf16 / f16 stay so; a packed GGUF float16; never float32 by accident) |
 | prefill chunk | 512 / 256 / 128 as the context grows | 2048 (mlx-lm's ``prefill_step_size``) |
 | decode | in lockstep (the host waits for each step); a lone row is a batch of one | one step ahead (``mx.async_eval``, as mlx-lm's ``generate_step``); a lone row on its own caches, as there |
 | NumPy attention, NumPy KV copies, the shared-prefix check | on (``numpy_attention``) | off: no host round trip |
@@ -57,6 +58,8 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         attention: ``at-rest`` or ``native``.
         attention_note: why, when it is not what was asked (a missing kernel, named).
         weights: how GGUF weights are held when ``auto`` is asked (``float32``, ``quantized``, ...).
+        packed_floats: the dtype a GGUF's float tensors (norms, biases) take when its weights stay
+            packed (``quantized``), and so the dtype of activations and KV: ``float32`` or ``float16``.
         float_dtype: the dtype of activations and float KV, read from the loaded model (empty before a load).
         prefill_chunks: the chunk schedule, (context below, chunk) pairs.
         numpy_attention: llama/qwen2 attention runs through NumPy (``runtime.cpu.attention``).
@@ -86,6 +89,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     attention: Literal["at-rest", "native"]
     attention_note: str | None = None
     weights: str
+    packed_floats: str = "float32"
     float_dtype: str = ""
     prefill_chunks: tuple[tuple[int, int], ...]
     numpy_attention: bool
@@ -177,6 +181,7 @@ def decide_profile(
         # needles float keeps (11 of 20 at 8K where float found 15); at-rest attends in float.
         attention="at-rest" if attention == "auto" else attention,  # type: ignore[arg-type]
         weights=("float32" if cpu else "quantized") if weights == "auto" else weights,
+        packed_floats="float32" if cpu else "float16",
         prefill_chunks=chunks,
         numpy_attention=numpy_paths,
         numpy_kv_copy=cpu,

@@ -24,14 +24,14 @@ from runtime.execution.sequence import prefill_chunk_size
 
 def test_the_cpu_device_gets_the_cpu_policy() -> None:
     p = decide_profile(device="cpu", backend="cpu", prewarm_mb=512)
-    assert (p.policy, p.forced, p.attention, p.weights) == ("cpu", False, "at-rest", "float32")
+    assert (p.policy, p.forced, p.attention, p.weights, p.packed_floats) == ("cpu", False, "at-rest", "float32", "float32")
     assert p.numpy_attention and p.numpy_kv_copy and p.shared_prefix_check and p.tune_allocator
     assert p.prewarm_mb == 512 and p.prefill_chunks == CPU_CHUNKS
 
 
 def test_a_gpu_gets_the_gpu_policy_with_no_host_paths() -> None:
     p = decide_profile(device="gpu", backend="cuda", prewarm_mb=512)
-    assert (p.policy, p.attention, p.weights) == ("gpu", "at-rest", "quantized")
+    assert (p.policy, p.attention, p.weights, p.packed_floats) == ("gpu", "at-rest", "quantized", "float16")
     assert not (p.numpy_attention or p.numpy_kv_copy or p.shared_prefix_check or p.tune_allocator)
     assert p.prewarm_mb == 0 and p.chunk_for(0) == p.chunk_for(100_000) == GPU_CHUNK
 
@@ -189,6 +189,30 @@ def test_a_bfloat16_model_keeps_bfloat16_activations_and_kv_under_the_gpu_policy
                 seen = [a for _, a in tree_flatten(cache.update_and_fetch(token_k, token_v))
                         if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)]
                 assert seen and all(a.dtype == mx.bfloat16 for a in seen), (attention, [a.dtype for a in seen])
+    finally:
+        engine.unload()
+        kv_copy.use_host_views(True)
+
+
+@pytest.mark.parametrize(("profile", "float_dtype"), [("gpu", "float16"), ("cpu", "float32")])
+def test_a_packed_gguf_computes_in_float16_under_the_gpu_policy(tmp_path: Path, profile: str, float_dtype: str) -> None:
+    """llama.cpp stores a GGUF's norms in float32, and activations follow the norms: a packed
+    GGUF computed in float32 on a GPU (twice the activation and KV memory, and no CUDA kernel
+    for a float32 quantized matmul). The GPU policy gives its float tensors the blocks' float16;
+    the CPU policy, where MLX's quantized matmul is several times slower in float16, keeps float32."""
+    from gguf_writer import write_gguf, write_quantized_gguf
+
+    from runtime.cpu import kv_copy
+    from runtime.model import tiny_models
+
+    floats = write_gguf(tiny_models.ensure_tiny_model("tiny-llama", models_dir()), tmp_path / "tiny.gguf")
+    write_quantized_gguf(floats, tmp_path / "q4.gguf", "Q4_0")
+    engine = _engine(profile=profile, weights="quantized")
+    try:
+        info = engine.load(str(tmp_path / "q4.gguf"))
+        assert info.profile is not None and (info.profile.weights, info.profile.float_dtype) == ("quantized", float_dtype)
+        assert f"float {float_dtype}" in info.profile.line()
+        assert engine.lm.spec.float_dtype == float_dtype  # the KV a turn writes
     finally:
         engine.unload()
         kv_copy.use_host_views(True)

@@ -193,6 +193,7 @@ class MlxEngine:
             kv_format=self._kv_format,
             models_dir=self._models_dir,
             weights=self._profile.weights,
+            packed_floats=self._profile.packed_floats,
             numpy_attention=self._profile.numpy_attention,
             plain_attention_queries=self._profile.plain_attention_queries,
             group=self._group,

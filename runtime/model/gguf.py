@@ -119,6 +119,17 @@ def resolve_weight_mode(mode: str) -> str:
     return device_profile().weights
 
 
+PACKED_FLOATS = ("auto", "float32", "float16")
+"""The dtypes a packed GGUF's float tensors may take (``auto``: the backend profile's)."""
+
+
+def resolve_packed_floats(floats: str) -> str:
+    """``auto`` becomes the backend profile's choice: ``float32`` under the CPU policy, ``float16`` under the GPU one."""
+    if floats not in PACKED_FLOATS:
+        raise ModelError(f"packed_floats must be one of {', '.join(PACKED_FLOATS)}, got {floats!r}")
+    return device_profile().packed_floats if floats == "auto" else floats
+
+
 class GGUFModel:
     """A GGUF file read into mlx-lm terms: config, tokenizer folder and weights.
 
@@ -165,8 +176,15 @@ class GGUFModel:
         return model
 
 
-def prepare_gguf(path: str | Path, *, models_dir: Path, weights: str = "auto") -> GGUFModel:
+def prepare_gguf(
+    path: str | Path, *, models_dir: Path, weights: str = "auto", packed_floats: str = "auto"
+) -> GGUFModel:
     """Read a GGUF file and write (once) the folder mlx-lm's tokenizer loader needs.
+
+    ``packed_floats``: with ``quantized`` weights, the dtype of the file's float tensors
+    (``float32`` as llama.cpp stores its norms, or ``float16``, the blocks' scale dtype);
+    activations and KV follow it. ``auto``: the backend profile's choice
+    (:attr:`runtime.backend.BackendProfile.packed_floats`).
 
     Raises:
         ModelError: the file cannot be read, or its architecture, a tensor type
@@ -174,6 +192,7 @@ def prepare_gguf(path: str | Path, *, models_dir: Path, weights: str = "auto") -
     """
     path = Path(path).resolve()
     mode = resolve_weight_mode(weights)
+    floats = resolve_packed_floats(packed_floats) if mode == "quantized" else mode
     try:
         tensors, meta = mx.load(str(path), return_metadata=True)
     except Exception as exc:  # MLX raises ValueError/RuntimeError with its own text
@@ -187,8 +206,8 @@ def prepare_gguf(path: str | Path, *, models_dir: Path, weights: str = "auto") -
         )
     named, quantized = _rename_tensors(tensors, path)
     digest = _file_digest(path, memo=models_dir / "gguf" / "digests.json")
-    config = _config(meta, named, architecture, digest=digest, mode=mode)
-    named, quantized = _apply_weight_mode(named, quantized, mode)
+    config = _config(meta, named, architecture, digest=digest, mode=mode, floats=floats)
+    named, quantized = _apply_weight_mode(named, quantized, mode, floats)
     folder = _ensure_folder(path, meta, config, digest=digest, models_dir=models_dir)
     return GGUFModel(path, folder, config, named, quantized)
 
@@ -234,10 +253,14 @@ def _target_name(name: str) -> str | None:
 
 
 def _apply_weight_mode(
-    named: dict[str, mx.array], quantized: dict[str, dict[str, int]], mode: str
+    named: dict[str, mx.array], quantized: dict[str, dict[str, int]], mode: str, floats: str
 ) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
     if mode == "quantized":
-        return named, quantized
+        if floats == "float32":
+            return named, quantized  # as stored: float32 norms, float16 scales
+        half = getattr(mx, floats)
+        return {name: value.astype(half) if mx.issubdtype(value.dtype, mx.floating) else value
+                for name, value in named.items()}, quantized
     dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[mode]
     out: dict[str, mx.array] = {}
     for module, params in quantized.items():
@@ -265,7 +288,7 @@ def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
 
 
 def _config(
-    meta: dict[str, Any], named: dict[str, mx.array], architecture: str, *, digest: str, mode: str
+    meta: dict[str, Any], named: dict[str, mx.array], architecture: str, *, digest: str, mode: str, floats: str
 ) -> dict[str, Any]:
     def hp(key: str, default: Any = None) -> Any:
         value = _scalar(meta, f"{architecture}.{key}", default)
@@ -293,6 +316,8 @@ def _config(
         "eos_token_id": _eos_ids(meta),
         "kvmem_source": {"gguf_sha256": digest, "weights": mode},
     }
+    if floats != mode and floats != "float32":  # packed, with half floats: another model tag (its KV differs)
+        config["kvmem_source"]["floats"] = floats
     context = _scalar(meta, f"{architecture}.context_length")
     if context is not None:  # absent: kvmem says at load that it cannot read the model's context
         config["max_position_embeddings"] = int(context)

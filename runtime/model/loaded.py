@@ -213,6 +213,7 @@ def load_model(
     kv_format: KVFormat | None = None,
     models_dir: Path | None = None,
     weights: str = "auto",
+    packed_floats: str = "auto",
     numpy_attention: bool = True,
     plain_attention_queries: int = 0,
     group: Any = None,
@@ -220,7 +221,9 @@ def load_model(
     """Load ``model``: ``kvmem-default``, a GGUF file, a tiny recipe name, a folder or a Hugging Face id.
 
     ``weights`` applies to GGUF files (:data:`runtime.model.gguf.WEIGHT_MODES`):
-    ``auto`` dequantizes to float32 on CPU and keeps the file's quantization on GPUs.
+    ``auto`` dequantizes to float32 on CPU and keeps the file's quantization on GPUs;
+    ``packed_floats`` is the dtype of a packed GGUF's float tensors, and so of its activations
+    (:func:`runtime.model.gguf.prepare_gguf`).
     ``numpy_attention`` lets :meth:`LoadedModel.forward` use :mod:`runtime.cpu.attention`
     where it applies (llama and qwen2 models on the CPU backend); ``plain_attention_queries``
     (0: never) sends their short passes' attention through plain MLX operations instead.
@@ -230,7 +233,8 @@ def load_model(
     name = str(model)
     path = _source(name, models_dir)
     if is_gguf(path):
-        gguf = prepare_gguf(path, models_dir=_need_models_dir(name, models_dir), weights=weights)
+        gguf = prepare_gguf(path, models_dir=_need_models_dir(name, models_dir), weights=weights,
+                            packed_floats=packed_floats)
         loaded = gguf.build_model()
         config = gguf.config
         tokenizer = load_tokenizer(gguf.folder, eos_token_ids=config["eos_token_id"])
