@@ -25,6 +25,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | NumPy attention, NumPy KV copies, the shared-prefix check | on (``numpy_attention``) | off: no host round trip |
 | allocator tuning and pre-warm | on | off (device memory is not the glibc heap) |
 | short passes' attention (2 to ``plain_attention_queries`` query positions a row) | NumPy (above) | plain MLX operations instead of the fused kernel when set (off by default until a GPU run measures it: on CUDA the fused kernel builds a cuDNN graph per new shape) |
+| memory budgets (``budget_mb``, ``hot_budget_mb``, ``keep_float_mb`` left unset) | 2048 / 512 / 1024 MiB | 25% / 10% / 10% of the device's memory (CUDA's total, Metal's recommended working set); the CPU's where it is not known (the GPU policy forced on a CPU) |
 | a turn's end | the cache is quantized and copied to the host for its save at once | quantized without waiting; the save's host copy is made later, when the GPU actor has nothing to run or the store needs it, never between two decode steps (``actors.gpu``) |
 """
 
@@ -34,7 +35,8 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["BackendProfile", "Policy", "decide_profile", "detect_device", "device_profile", "CPU_CHUNKS", "GPU_CHUNK"]
+__all__ = ["BackendProfile", "Policy", "decide_profile", "detect_device", "device_profile", "memory_mb",
+           "CPU_CHUNKS", "GPU_CHUNK", "CPU_MEMORY_MB", "GPU_MEMORY_SHARES"]
 
 Policy = Literal["cpu", "gpu"]
 
@@ -45,6 +47,15 @@ with the context, so chunks shrink to bound each chunk's latency (the decode sta
 GPU_CHUNK = 2048
 """Prefill chunk on a GPU: mlx-lm's own ``prefill_step_size``; a chunk is one kernel launch
 per layer, so fewer, larger chunks keep the device busy."""
+
+
+CPU_MEMORY_MB: dict[str, float] = {"budget_mb": 2048.0, "hot_budget_mb": 512.0, "keep_float_mb": 1024.0}
+"""The memory settings' defaults on a CPU (sized for a small machine), and wherever the device's memory is unknown."""
+
+GPU_MEMORY_SHARES: dict[str, float] = {"budget_mb": 0.25, "hot_budget_mb": 0.10, "keep_float_mb": 0.10}
+"""On a GPU, each memory setting's default as a share of the device's memory: 45% in all, beside the
+model's weights. The CPU's 1 GiB float pool, for one, cannot hold a 3B model's 16K-token cache as
+float (1.9 GB): restored ahead after a restart, it was dequantized at the turn instead (H200 run 2)."""
 
 
 class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,6 +71,8 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         weights: how GGUF weights are held when ``auto`` is asked (``float32``, ``quantized``, ...).
         packed_floats: the dtype a GGUF's float tensors (norms, biases) take when its weights stay
             packed (``quantized``), and so the dtype of activations and KV: ``float32`` or ``float16``.
+        budget_mb, hot_budget_mb, keep_float_mb: the memory settings of the same names, in MiB: as set,
+            else the policy's defaults (:data:`CPU_MEMORY_MB`, :data:`GPU_MEMORY_SHARES`).
         float_dtype: the dtype of activations and float KV, read from the loaded model (empty before a load).
         prefill_chunks: the chunk schedule, (context below, chunk) pairs.
         numpy_attention: llama/qwen2 attention runs through NumPy (``runtime.cpu.attention``).
@@ -90,6 +103,9 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     attention_note: str | None = None
     weights: str
     packed_floats: str = "float32"
+    budget_mb: float = CPU_MEMORY_MB["budget_mb"]
+    hot_budget_mb: float = CPU_MEMORY_MB["hot_budget_mb"]
+    keep_float_mb: float = CPU_MEMORY_MB["keep_float_mb"]
     float_dtype: str = ""
     prefill_chunks: tuple[tuple[int, int], ...]
     numpy_attention: bool
@@ -131,6 +147,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             f"decode {'one step ahead' if self.run_ahead else 'in lockstep'}",
             f"save copy {'after the turn' if self.copy_after_turn else 'at the turn end'}",
             f"host paths {', '.join(host) if host else 'none'}",
+            f"memory KV {self.budget_mb:.0f} / hot {self.hot_budget_mb:.0f} / float {self.keep_float_mb:.0f} MB",
             f"prewarm {self.prewarm_mb:g} MB",
             f"openblas {'yes' if self.openblas else 'no'}",
         ]
@@ -148,6 +165,10 @@ def decide_profile(
     plain_attention_queries: int = 0,
     prewarm_mb: float = 0.0,
     prefill_chunk: int | None = None,
+    budget_mb: float | None = None,
+    hot_budget_mb: float | None = None,
+    keep_float_mb: float | None = None,
+    device_memory_mb: float | None = None,
     openblas: str | None = None,
 ) -> BackendProfile:
     """The profile for ``device`` and the settings (attention not yet checked against a model).
@@ -159,6 +180,8 @@ def decide_profile(
         attention, weights, numpy_attention, plain_attention_queries, prewarm_mb, prefill_chunk: the
             settings of the same names;
             an explicit value wins over the policy's default.
+        budget_mb, hot_budget_mb, keep_float_mb: the memory settings; None: the policy's default.
+        device_memory_mb: the device's memory (None: unknown), which the GPU policy's defaults share out.
         openblas: the OpenBLAS library loaded, if any (reported).
 
     Raises:
@@ -172,6 +195,13 @@ def decide_profile(
     cpu = policy == "cpu"
     chunks = ((2**62, prefill_chunk),) if prefill_chunk else CPU_CHUNKS if cpu else ((2**62, GPU_CHUNK),)
     numpy_paths = cpu and numpy_attention
+    asked = {"budget_mb": budget_mb, "hot_budget_mb": hot_budget_mb, "keep_float_mb": keep_float_mb}
+    memory = {
+        name: value if value is not None
+        else CPU_MEMORY_MB[name] if cpu or not device_memory_mb
+        else round(GPU_MEMORY_SHARES[name] * device_memory_mb)
+        for name, value in asked.items()
+    }
     return BackendProfile(
         device=device,
         backend=backend,
@@ -182,6 +212,7 @@ def decide_profile(
         attention="at-rest" if attention == "auto" else attention,  # type: ignore[arg-type]
         weights=("float32" if cpu else "quantized") if weights == "auto" else weights,
         packed_floats="float32" if cpu else "float16",
+        **memory,
         prefill_chunks=chunks,
         numpy_attention=numpy_paths,
         numpy_kv_copy=cpu,
@@ -212,9 +243,28 @@ def detect_device() -> tuple[str, str]:
     return "gpu", "cuda" if cuda is not None and cuda.is_available() else "gpu"
 
 
+def detect_device_memory_mb() -> float | None:
+    """The device's memory in MiB: CUDA's total, Metal's recommended working set; None on a CPU (or not reported)."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return None
+    info = mx.device_info()
+    size = info.get("max_recommended_working_set_size") or info.get("total_memory")
+    return float(size) / 2**20 if isinstance(size, int | float) and size > 0 else None
+
+
 def device_profile(**settings: object) -> BackendProfile:
     """:func:`decide_profile` for this process's device, with the OpenBLAS it loaded (``settings``: its arguments)."""
     from runtime.blas import openblas_path
 
     device, backend = detect_device()
-    return decide_profile(device=device, backend=backend, openblas=openblas_path(), **settings)  # type: ignore[arg-type]
+    return decide_profile(device=device, backend=backend, openblas=openblas_path(),  # type: ignore[arg-type]
+                          device_memory_mb=detect_device_memory_mb(), **settings)
+
+
+def memory_mb(setting: str, value: float | None, profile: BackendProfile | None) -> float:
+    """A memory setting in MiB: ``value`` where set, else ``profile``'s default (the CPU's without a profile)."""
+    if value is not None:
+        return value
+    return float(getattr(profile, setting)) if profile is not None else CPU_MEMORY_MB[setting]

@@ -92,7 +92,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             folder, a Hugging Face id or a tiny test model's name.
         models: other models requests may name (the runtime swaps to them).
         weights: how GGUF weights are held: ``auto`` (float32 on CPU, as stored on
-            GPU backends), ``float32``, ``float16``, ``bfloat16`` or ``quantized``.
+            GPU backends), ``float32``, ``float16``, ``bfloat16`` or ``quantized``. Packed
+            (``quantized``), a GGUF's float tensors, and so its activations and KV, are float32
+            under the CPU policy and float16 (the blocks' scale dtype) under the GPU one.
         model_idle_s: unload the model after this long without requests (None: never).
         home: the kvmem home (built models, caches, conversations); None:
             ``$KVMEM_HOME`` or ``~/.local/share/kvmem`` (:func:`default_home`).
@@ -125,10 +127,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             tokens a row (a hot turn's message, a batch's join) attend with plain MLX operations
             instead of the fused kernel, which on CUDA builds a cuDNN graph for every new shape;
             0 (the default): never. Experimental: not yet measured faster on a GPU.
-        budget_mb: KV memory for running sequences (admission, batch size), MiB.
-        hot_budget_mb: memory for idle caches kept in RAM (the hot tier), MiB.
+        budget_mb: KV memory for running sequences (admission, batch size), MiB; unset
+            (``auto``): 2048 on a CPU, 25% of a GPU's memory (the backend profile's, :mod:`runtime.backend`).
+        hot_budget_mb: memory for idle caches kept in memory (the hot tier), MiB; unset
+            (``auto``): 512 on a CPU, 10% of a GPU's memory.
         keep_float_mb: memory for the float KV of recently finished turns (``at-rest``),
-            so an agent's next hot turn skips dequantizing its Q4 cache, MiB (0: off).
+            so an agent's next hot turn skips dequantizing its Q4 cache, MiB (0: off); unset
+            (``auto``): 1024 on a CPU, 10% of a GPU's memory.
         prefetch_mb: at start, the most recently saved caches are read from disk while the
             model loads, up to this many MiB, so their agents' first turns wait for no disk
             (0: off; not with a shared ``store``).
@@ -177,10 +182,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     plain_attention_queries: Annotated[int, Meta(ge=0, le=4096)] = 0
     profile: Literal["auto", "cpu", "gpu"] = "auto"
     # -- memory and scheduling
-    budget_mb: Annotated[float, Meta(gt=0)] = 2048
-    hot_budget_mb: Annotated[float, Meta(gt=0)] = 512
+    budget_mb: Annotated[float, Meta(gt=0)] | None = None
+    hot_budget_mb: Annotated[float, Meta(gt=0)] | None = None
     prefetch_mb: Annotated[float, Meta(ge=0)] = 256
-    keep_float_mb: Annotated[float, Meta(ge=0)] = 1024
+    keep_float_mb: Annotated[float, Meta(ge=0)] | None = None
     prewarm_mb: Annotated[float, Meta(ge=0)] = 512
     max_batch: Annotated[int, Meta(ge=1, le=1024)] = 32
     prefill_chunk: Annotated[int, Meta(ge=1)] | None = None
@@ -238,6 +243,8 @@ SERVER_FIELDS: frozenset[str] = frozenset({
 _BOOLS = frozenset({"fsync", "durable", "accept_any_model", "numpy_attention"})
 _NONE_WORDS = ("", "none", "null")
 _NONE_ALLOWED = frozenset({"model_idle_s", "prefill_chunk", "api_key", "api_keys", "store"})
+_AUTO_IS_NONE = frozenset({"budget_mb", "hot_budget_mb", "keep_float_mb"})
+"""Memory settings whose default the backend profile decides: ``auto`` (or nothing) leaves it to the profile."""
 
 
 def _normalize(key: str, value: Any) -> Any:
@@ -261,6 +268,8 @@ def _normalize(key: str, value: Any) -> Any:
             return False
         return value  # validation names it
     if key in _NONE_ALLOWED and value.strip().lower() in _NONE_WORDS:
+        return None
+    if key in _AUTO_IS_NONE and value.strip().lower() in (*_NONE_WORDS, "auto"):
         return None
     return value
 

@@ -216,3 +216,37 @@ def test_a_packed_gguf_computes_in_float16_under_the_gpu_policy(tmp_path: Path, 
     finally:
         engine.unload()
         kv_copy.use_host_views(True)
+
+
+def test_unset_memory_settings_are_shares_of_a_gpus_memory_and_fixed_on_a_cpu() -> None:
+    """The CPU's budgets (2 GiB of running KV, a 1 GiB float pool) starve a GPU: a 3B model's 16K
+    cache is 1.9 GB as float, so the float pool could not keep a restored agent's cache."""
+    from runtime.backend import CPU_MEMORY_MB, memory_mb
+
+    gpu = decide_profile(device="gpu", backend="cuda", device_memory_mb=80_000)
+    assert (gpu.budget_mb, gpu.hot_budget_mb, gpu.keep_float_mb) == (20_000, 8_000, 8_000)
+    assert "memory KV 20000 / hot 8000 / float 8000 MB" in gpu.line()
+    cpu = decide_profile(device="cpu", backend="cpu", device_memory_mb=80_000)
+    assert (cpu.budget_mb, cpu.hot_budget_mb, cpu.keep_float_mb) == (2048, 512, 1024) == tuple(CPU_MEMORY_MB.values())
+    forced = decide_profile(device="cpu", backend="cpu", profile="gpu")  # no device memory to share out
+    assert (forced.budget_mb, forced.keep_float_mb) == (2048, 1024)
+    explicit = decide_profile(device="gpu", backend="cuda", device_memory_mb=80_000, budget_mb=300, keep_float_mb=0)
+    assert (explicit.budget_mb, explicit.hot_budget_mb, explicit.keep_float_mb) == (300, 8_000, 0)
+    assert memory_mb("budget_mb", None, gpu) == 20_000 and memory_mb("budget_mb", 64, gpu) == 64
+    assert memory_mb("hot_budget_mb", None, None) == 512  # an engine without a profile: the CPU's
+
+
+async def test_a_runtime_sizes_its_unset_budgets_from_the_engines_profile(tmp_path: Path) -> None:
+    from fake_engine import FakeEngine
+
+    from actors import open_runtime
+
+    engine = FakeEngine()
+    engine.profile = decide_profile(device="gpu", backend="cuda", device_memory_mb=8_000)  # type: ignore[misc]
+    async with open_runtime(model="fake-a", home=tmp_path, engine=engine, fsync=False, handle_signals=False) as rt:
+        await rt.agent("a").send([{"role": "user", "content": "hello"}], max_tokens=2)
+        assert rt.stats().gpu.pool.budget_bytes == 2_000 * 2**20
+    async with open_runtime(model="fake-a", home=tmp_path, engine=engine, fsync=False, handle_signals=False,
+                            budget_mb=64) as rt:
+        await rt.agent("a").send([{"role": "user", "content": "hello again"}], max_tokens=2)
+        assert rt.stats().gpu.pool.budget_bytes == 64 * 2**20

@@ -209,3 +209,9 @@ def test_the_config_module_imports_neither_mlx_nor_trio() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_auto_leaves_a_memory_setting_to_the_backend_profile() -> None:
+    assert load_config({}, env={"KVMEM_BUDGET_MB": "auto", "KVMEM_KEEP_FLOAT_MB": "auto"}).budget_mb is None
+    assert load_config({}, env={"KVMEM_KEEP_FLOAT_MB": "0"}).keep_float_mb == 0
+    assert Config().hot_budget_mb is None

@@ -102,7 +102,8 @@ class MlxEngine:
         numpy_attention: attend through :mod:`runtime.cpu.attention` where it applies.
         plain_attention_queries: the setting of that name (GPU policy: short passes' attention
             from plain MLX operations; 0: never).
-        keep_float_mb: float KV kept after turns for the next hot turn (:mod:`runtime.kv.float_resident`; 0: off).
+        keep_float_mb: float KV kept after turns for the next hot turn (:mod:`runtime.kv.float_resident`; 0: off;
+            None: the backend profile's default).
         group: an ``mx.distributed`` group: load this rank's tensor-parallel part of each model.
         profile: ``auto`` (the device's backend policy) or ``cpu`` / ``gpu`` forced
             (:mod:`runtime.backend`); every CPU-versus-GPU decision reads :attr:`profile`.
@@ -120,7 +121,7 @@ class MlxEngine:
         prewarm_mb: float = 0,
         numpy_attention: bool = True,
         plain_attention_queries: int = 0,
-        keep_float_mb: float = 0,
+        keep_float_mb: float | None = 0,
         group: Any = None,
         profile: str = "auto",
         prefill_chunk: int | None = None,
@@ -129,9 +130,9 @@ class MlxEngine:
         self._profile = device_profile(profile=profile, attention=attention, weights=weights,
                                        numpy_attention=numpy_attention, prewarm_mb=prewarm_mb,
                                        plain_attention_queries=plain_attention_queries,
-                                       prefill_chunk=prefill_chunk)
+                                       prefill_chunk=prefill_chunk, keep_float_mb=keep_float_mb)
         use_host_views(self._profile.numpy_kv_copy)
-        self._residents = ResidentPool(int(keep_float_mb * 2**20))
+        self._residents = ResidentPool(int(self._profile.keep_float_mb * 2**20))
         self._group = group
         self._models_dir = models_dir
         self._prewarm_mb = self._profile.prewarm_mb  # touched at the first load only
