@@ -22,6 +22,8 @@ from runtime.persist.codec import parse_file
 from runtime.spec import CacheSnapshot
 
 FIXTURE = Path(__file__).parent / "data" / "format3" / "caches"
+HOME_FIXTURE = Path(__file__).parent / "data" / "format3" / "home"
+"""A home whose agent ``keeper`` ran one turn on tiny-llama under kvmem 305672a (``turn1.json``: what it was)."""
 
 
 def format3_snapshot(num_tokens: int) -> CacheSnapshot:
@@ -30,14 +32,17 @@ def format3_snapshot(num_tokens: int) -> CacheSnapshot:
     return dataclasses.replace(full, layers=[full.layers[0], full.layers[4]])
 
 
+def _copy(source: Path, root: Path) -> Path:
+    shutil.copytree(source, root)
+    for path in root.rglob("*"):  # as a save leaves them (git checks files out 0644)
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    return root
+
+
 @pytest.fixture
 def upgraded(tmp_path: Path) -> CacheDirectory:
     """A copy of the format-3 cache directory, opened by this kvmem."""
-    root = tmp_path / "caches"
-    shutil.copytree(FIXTURE, root)
-    for path in root.rglob("*"):  # as a save leaves them (git checks files out 0644)
-        path.chmod(0o700 if path.is_dir() else 0o600)
-    return CacheDirectory(root, fsync=False)
+    return CacheDirectory(_copy(FIXTURE, tmp_path / "caches"), fsync=False)
 
 
 def _files(cache: CacheDirectory) -> list[Path]:
@@ -93,3 +98,36 @@ def test_an_intact_format_3_block_the_manifest_does_not_match_stays(upgraded: Ca
     with pytest.raises(CorruptCacheError):
         upgraded.load("alice", model_tag=TAG)
     assert upgraded.paths.block_path(block["name"]).exists()  # judged by format 3's rules: intact, kept
+
+
+
+async def test_an_agent_of_a_format_3_home_resumes_warm_after_an_upgrade(tmp_path: Path) -> None:
+    """The runtime's path, not only the directory's: read ahead at start, checked out warm, saved again
+    in this format. Compared with the same two turns where this kvmem saved turn 1 itself."""
+    from conftest import models_dir
+
+    from actors import open_runtime
+
+    turn1 = json.loads((HOME_FIXTURE / "turn1.json").read_text())
+    second_prompt = turn1["prompt"] + turn1["reply"] + " The next morning"
+    old_home = tmp_path / "old"
+    _copy(HOME_FIXTURE / "caches", old_home / "caches")
+    new_home = tmp_path / "new"
+
+    def runtime(home: Path):  # noqa: ANN202
+        return open_runtime(model="tiny-llama", home=home, models_dir=models_dir(), fsync=False,
+                            handle_signals=False, prewarm_mb=0)
+
+    async with runtime(new_home) as rt:
+        first = await rt.agent("keeper").send_prompt(turn1["prompt"], max_tokens=8)
+    second = {}
+    for name, home in (("old", old_home), ("new", new_home)):
+        async with runtime(home) as rt:
+            second[name] = await rt.agent("keeper").send_prompt(second_prompt, max_tokens=8)
+    old, new = second["old"], second["new"]
+    assert old.usage.tier == new.usage.tier == "warm"
+    assert old.usage.tokens_reused == new.usage.tokens_reused > 0.9 * turn1["tokens"]
+    if first.reply == turn1["reply"]:  # this kvmem computed turn 1 as 305672a did: the same KV, so the same turn 2
+        assert old.reply == new.reply
+    (manifest,) = (old_home / "caches" / "agents" / "keeper").glob("manifest-*.json")
+    assert json.loads(manifest.read_text())["format_version"] == FORMAT_VERSION  # saved again, in this format
