@@ -171,6 +171,9 @@ def assemble_snapshot(
     its place (no copy after the kernel's), and the checksum of its data is
     computed right after, while the data is still in the CPU cache. The
     kernel reads :data:`READ_AHEAD_BYTES` ahead, so the disk works meanwhile.
+    (A reader thread reading the next piece while this one is checked measured
+    slower at every size, 2.7x at 16K from disk: each read waits to take the
+    GIL back from the checking loop. So did CRCs on helper threads, before XXH3.)
 
     Raises:
         CorruptCacheError: a file's metadata, tensor set, dtype, shape or data
