@@ -236,6 +236,16 @@ def test_unset_memory_settings_are_shares_of_a_gpus_memory_and_fixed_on_a_cpu() 
     assert memory_mb("hot_budget_mb", None, None) == 512  # an engine without a profile: the CPU's
 
 
+
+def test_the_engines_profile_reports_the_memory_settings_it_was_given() -> None:
+    from runtime.config import Config
+    from runtime.execution.mlx_engine import MlxEngine
+
+    engine = MlxEngine.from_config(Config(home=str(models_dir().parent), budget_mb=300, keep_float_mb=0))
+    assert (engine.profile.budget_mb, engine.profile.hot_budget_mb, engine.profile.keep_float_mb) == (300, 512, 0)
+    assert "memory KV 300 / hot 512 / float 0 MB" in engine.profile.line()
+
+
 async def test_a_runtime_sizes_its_unset_budgets_from_the_engines_profile(tmp_path: Path) -> None:
     from fake_engine import FakeEngine
 

@@ -104,6 +104,8 @@ class MlxEngine:
             from plain MLX operations; 0: never).
         keep_float_mb: float KV kept after turns for the next hot turn (:mod:`runtime.kv.float_resident`; 0: off;
             None: the backend profile's default).
+        budget_mb, hot_budget_mb: the runtime's KV and hot-tier budgets (None: the profile's defaults),
+            which the actors size themselves from; here only so the profile line reports them as run.
         group: an ``mx.distributed`` group: load this rank's tensor-parallel part of each model.
         profile: ``auto`` (the device's backend policy) or ``cpu`` / ``gpu`` forced
             (:mod:`runtime.backend`); every CPU-versus-GPU decision reads :attr:`profile`.
@@ -122,6 +124,8 @@ class MlxEngine:
         numpy_attention: bool = True,
         plain_attention_queries: int = 0,
         keep_float_mb: float | None = 0,
+        budget_mb: float | None = None,
+        hot_budget_mb: float | None = None,
         group: Any = None,
         profile: str = "auto",
         prefill_chunk: int | None = None,
@@ -130,7 +134,8 @@ class MlxEngine:
         self._profile = device_profile(profile=profile, attention=attention, weights=weights,
                                        numpy_attention=numpy_attention, prewarm_mb=prewarm_mb,
                                        plain_attention_queries=plain_attention_queries,
-                                       prefill_chunk=prefill_chunk, keep_float_mb=keep_float_mb)
+                                       prefill_chunk=prefill_chunk, keep_float_mb=keep_float_mb,
+                                       budget_mb=budget_mb, hot_budget_mb=hot_budget_mb)
         use_host_views(self._profile.numpy_kv_copy)
         self._residents = ResidentPool(int(self._profile.keep_float_mb * 2**20))
         self._group = group
@@ -152,6 +157,7 @@ class MlxEngine:
         return cls(models_dir=config.models_path, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
                    attention=config.attention, weights=config.weights, prewarm_mb=config.prewarm_mb,
                    numpy_attention=config.numpy_attention, keep_float_mb=config.keep_float_mb, group=group,
+                   budget_mb=config.budget_mb, hot_budget_mb=config.hot_budget_mb,
                    plain_attention_queries=config.plain_attention_queries,
                    profile=config.profile, prefill_chunk=config.prefill_chunk)
 

@@ -316,7 +316,7 @@ def _config(
         "eos_token_id": _eos_ids(meta),
         "kvmem_source": {"gguf_sha256": digest, "weights": mode},
     }
-    if floats != mode and floats != "float32":  # packed, with half floats: another model tag (its KV differs)
+    if mode == "quantized" and floats != "float32":  # half floats: another model tag (its KV differs)
         config["kvmem_source"]["floats"] = floats
     context = _scalar(meta, f"{architecture}.context_length")
     if context is not None:  # absent: kvmem says at load that it cannot read the model's context
