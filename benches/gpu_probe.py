@@ -6,7 +6,9 @@ Not a comparison with a goal, but the measurements that say where the next fix g
   sinks, no / causal / array masks, float32 and bfloat16) against a float32 reference;
 * **tiny-gpt-oss**: the same prefill and decode twice on the device (does it repeat
   itself?) and once on MLX's CPU stream (is it right?), logits compared position by position;
-  the suite's tiny-gpt-oss tests failed on CUDA, a different one each run;
+  the suite's tiny-gpt-oss tests failed on CUDA, a different one each run (with TF32 off);
+  then layer by layer, which block the device and the CPU part at first: attention (its
+  rotating cache, sinks) or the MoE block (its router's choice, the sorted expert gather);
 * **attention alone at new shapes**: MLX's fused attention (on CUDA, cuDNN builds a graph for
   each new set of shapes and strides) against the same attention from plain ops, first call and
   again: whether short prefill chunks (hot turns, group joins) should skip the fused kernel;
@@ -26,6 +28,7 @@ builds ``gpu-1b-*`` under the bench home), else ``tiny-llama``. Here (CPU)::
 from __future__ import annotations
 
 import glob
+import os
 import time
 from typing import Any
 
@@ -107,6 +110,73 @@ def gpt_oss_rows(steps: int) -> list[list[str]]:
     again = mx.abs(first - second).max(axis=-1).tolist()
     vs_cpu = mx.abs(first - cpu).max(axis=-1).tolist()
     return [[str(i), f"{a:.2e}", f"{c:.2e}"] for i, (a, c) in enumerate(zip(again, vs_cpu, strict=True))]
+
+
+def gpt_oss_part_rows() -> list[list[str]]:
+    """tiny-gpt-oss layer by layer, device against MLX's CPU stream: which block parts them first.
+
+    For each layer and each pass (the prefill, whose expert gather is sorted, and one decode
+    token, whose gather is not), the worst difference of the attention block's and the MoE
+    block's outputs, then the MoE block alone on the device fed the CPU's own input (a
+    difference there is the MoE kernels', not an inherited one), and the share of tokens whose
+    router picks other experts from that same input.
+    """
+    import mlx.core as mx
+    from mlx_lm.models import gpt_oss
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from runtime.model.loaded import load_model
+    from runtime.spec import KVFormat
+
+    lm = load_model("tiny-gpt-oss", kv_format=KVFormat(bits=4), models_dir=harness.BENCH_HOME / "models",
+                    numpy_attention=False)
+    model = lm.model
+    ids = mx.array([lm.tokenize("The harbour master kept a ledger of ships. " * 12)[0]])
+    layer_of = {id(m): i for i, layer in enumerate(model.layers) for m in (layer.self_attn, layer.mlp)}
+    calls = {"attention": gpt_oss.AttentionBlock.__call__, "moe": gpt_oss.MLPBlock.__call__}
+    seen: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
+    where = {"run": "", "pass": ""}
+
+    def recording(kind: str) -> Any:
+        def call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+            out = calls[kind](self, x, *args, **kwargs)
+            seen[(where["run"], where["pass"], kind, layer_of[id(self)])] = (x, out)
+            return out
+        return call
+
+    device = mx.default_stream(mx.default_device())
+    gpt_oss.AttentionBlock.__call__, gpt_oss.MLPBlock.__call__ = recording("attention"), recording("moe")
+    try:
+        for run, stream in (("device", device), ("cpu", mx.cpu)):
+            with mx.stream(stream):
+                where.update(run=run, **{"pass": "prefill"})
+                cache = make_prompt_cache(model)
+                y = mx.argmax(model(ids, cache=cache)[:, -1], axis=-1)[:, None]
+                where["pass"] = "one token"
+                model(y, cache=cache)
+                mx.eval([v for key, pair in seen.items() if key[0] == run for v in pair])
+    finally:
+        gpt_oss.AttentionBlock.__call__, gpt_oss.MLPBlock.__call__ = calls["attention"], calls["moe"]
+
+    def worst(a: Any, b: Any) -> float:
+        return float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max())
+
+    def experts(mlp: Any, x: Any, stream: Any) -> Any:
+        with mx.stream(stream):
+            return mx.sort(mx.argpartition(mlp.router(x), kth=-mlp.num_experts_per_tok, axis=-1)
+                           [..., -mlp.num_experts_per_tok:], axis=-1)
+
+    rows = []
+    for phase in ("prefill", "one token"):
+        for i, layer in enumerate(model.layers):
+            x_cpu, out_cpu = seen[("cpu", phase, "moe", i)]
+            with mx.stream(device):
+                alone = calls["moe"](layer.mlp, x_cpu)
+            other = mx.any(experts(layer.mlp, x_cpu, device) != experts(layer.mlp, x_cpu, mx.cpu), axis=-1)
+            rows.append([phase, str(i), f"{worst(*(seen[(r, phase, 'attention', i)][1] for r in ('device', 'cpu'))):.2e}",
+                         f"{worst(seen[('device', phase, 'moe', i)][1], out_cpu):.2e}", f"{worst(alone, out_cpu):.2e}",
+                         f"{float(other.astype(mx.float32).mean()):.0%} of {other.size}"])
+    return rows
 
 
 def _model(glob_pattern: str) -> tuple[Any, str]:
@@ -237,11 +307,15 @@ def main(argv: list[str] | None = None) -> None:
     from benches.gpu import device_lines
 
     res.setup += device_lines()
+    res.setup.append(f"MLX_ENABLE_TF32={os.environ.get('MLX_ENABLE_TF32', 'unset (MLX: 1, float32 products in TF32 on CUDA)')}"
+                     " (the suite runs with 0: tests/conftest.py)")
     res.body += ["## Fused attention against a float32 reference (worst |error|: without / with sinks)", "",
                  *table(["dtype", "B x q x k", "mask", "no sinks", "sinks"], sdpa_rows()), ""]
     res.body += ["## tiny-gpt-oss: the same tokens twice on the device, and on MLX's CPU stream", "",
                  *table(["position", "max |logit diff|, device twice", "device vs CPU"], gpt_oss_rows(4 if quick else 8)),
-                 ""]
+                 "", "## tiny-gpt-oss layer by layer: the device against the CPU stream (worst |diff|)", "",
+                 *table(["pass", "layer", "attention block", "MoE block", "MoE block alone, the CPU's input",
+                         "tokens routed to other experts"], gpt_oss_part_rows()), ""]
     res.body += ["## Attention alone at new shapes: fused (cuDNN, a graph per shape) against plain ops (ms)", "",
                  *table(["new tokens", "cache tokens", "fused first", "fused again", "plain first", "plain again",
                          "max |diff|"],

@@ -10,7 +10,8 @@
 #   1. python -m benches gpu: item 4 beside plain mlx-lm (1B, 3B), the needle rows (20 per length),
 #      the GPU actor's trace per geometry (the turn's end now leaves its save's copy for later);
 #   2. python -m benches gpu_probe: attention alone at new shapes (fused against plain ops), a new
-#      shape's first forward, tiny-gpt-oss twice, one decode row per cache kind;
+#      shape's first forward, tiny-gpt-oss twice and layer by layer against the CPU stream (which
+#      block parts them: attention or the MoE block), one decode row per cache kind;
 #   3. the 1B again (1K turns, the batch of 8, the restart) with --plain-attention-queries 64: short
 #      passes (hot turns, a batch's join) attend with plain MLX operations, no cuDNN graph per shape.
 #      Does the join stop costing 600-760 ms a round? If so, make it the GPU policy's default.
@@ -23,7 +24,8 @@ case "${1:-bench}" in
     timeout -s INT 390 python3 -m benches gpu --out "$out" --needle-model "$KVMEM_NEEDLE_GGUF" --needles 20 \
       --deadline-s 370 > "$out/gpu.log" 2>&1
     echo "benches gpu: exit $?"; tail -n 25 "$out/gpu.log"
-    timeout -s INT 80 python3 -m benches gpu_probe > "$out/probe.log" 2>&1
+    # full float32 products, as the suite runs (tests/conftest.py): MLX's CUDA default is TF32
+    MLX_ENABLE_TF32=0 timeout -s INT 80 python3 -m benches gpu_probe > "$out/probe.log" 2>&1
     echo "gpu_probe: exit $?"; cp benches/results/gpu_probe.md "$out/" 2>/dev/null; grep -A12 "Attention alone" "$out/probe.log"
     mkdir -p "$out/plain"
     timeout -s INT 90 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 \
