@@ -8,7 +8,9 @@ bounded job of a :class:`runtime.plan.contract.Engine`. The loop::
     start the requests the scheduler admits (the block budget can hold them)
     carry out the scheduler's Step (runtime.plan.scheduler: decided as a value, before any of it runs):
         short prefills join first (one pass for those that can), each with its donor's blocks
-        one decode step for every sequence in the batch  -> deliver each new token
+        decode steps for every sequence in the batch  -> deliver each new token
+            (several back to back on the MLX thread when no prefill is left, each step's
+            tokens posted to trio as it ends; a finished row or a message ends the run)
         one prefill chunk for the admitted prefill with the least left (aged)
         last chunk -> first token; the sequence joins the batch (merge/extend)
     finished sequences leave the batch (extract/filter), are parked, and their
@@ -32,12 +34,14 @@ coalesced into the next delta; the final reply carries the whole text).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, assert_never
 
+import outcome
 import trio
 
 from actors.mailbox import receiver_left, send_reply
@@ -126,6 +130,11 @@ class GPUActor:
         self._owed: deque[_OwedCopy] = deque()
         self._idle_wait: trio.CancelScope | None = None
         self._steps = 0
+        # A decode run (several steps in one MLX job) ends after the step in progress once this is set:
+        # a message arrived (kept in _early until the loop handles it) or a client left.
+        self._doorbell = threading.Event()
+        self._early: deque[GpuInbox] = deque()
+        self._inbox_ended = False
         self._chunks = 0
         self.events: deque[GpuEvent] | None = deque(maxlen=100_000) if trace else None
 
@@ -162,6 +171,9 @@ class GPUActor:
     async def _loop(self) -> None:
         closing = False
         while True:
+            closing = closing or self._inbox_ended
+            while self._early:
+                await self._handle(self._early.popleft())
             if not self._requests:
                 if closing:
                     return
@@ -332,7 +344,7 @@ class GPUActor:
             if self._prefilling(request_id):
                 await self._prefill(request_id, step.chunk, step.adopt.get(request_id), request_id in step.donate)
         if step.decode and self._sched.decoding():  # a row may have finished in its first token
-            await self._step()
+            await self._step(step.decode_steps)
         if step.prefill is not None and self._prefilling(step.prefill):
             await self._prefill(step.prefill, step.chunk, step.adopt.get(step.prefill), step.prefill in step.donate)
 
@@ -397,24 +409,81 @@ class GPUActor:
             return
         self._sched.prefilled(request_id)
 
-    async def _step(self) -> None:
+    async def _step(self, steps: int = 1) -> None:
+        """Decode ``steps`` steps at most (a finished row or a message ends a run early), then
+        let the rows that finished in the last one leave."""
         assert self._sched is not None
         members = self._sched.decoding()
         try:
-            tokens = await self._job(self._engine.step)
+            if steps > 1:
+                tokens = await self._decode_run(steps)
+            else:
+                tokens = await self._job(self._engine.step)
+                self._stepped(tokens)
         except Exception as exc:  # noqa: BLE001 - the batch is unusable: fail its members
             log.exception("decode step failed")
             for request_id in members:
                 await self._fail(request_id, exc)
             return
-        self._steps += 1
-        self._event("step", *(t.request_id for t in tokens))
-        for token in tokens:
-            self._deliver(token.request_id, token.text, token.tool_calls)
         # Last row first: dropping a batch's last row is a view, any other row a copy of the rest.
         for token in reversed(tokens):
             if token.finished:
                 await self._complete(token.request_id)
+
+    async def _decode_run(self, steps: int) -> list[Any]:
+        """Up to ``steps`` decode steps in one MLX job; returns the last step's tokens.
+
+        Each step's tokens are posted to trio as the step ends (:meth:`_stepped`), so clients get
+        them as they would one job per step; the MLX thread does not wait for trio between steps.
+        The run ends after the step in progress once a row finishes or the doorbell rings (a
+        message for this actor, a client that left), so a new turn joins one step later at most.
+        """
+        engine, post, doorbell = self._engine, self._thread.post, self._doorbell
+        doorbell.clear()
+
+        def run() -> list[Any]:  # on the MLX thread
+            tokens: list[Any] = []
+            for _ in range(steps):
+                tokens = engine.step()
+                post(self._stepped, tokens)
+                if not tokens or doorbell.is_set() or any(t.finished for t in tokens):
+                    break
+            return tokens
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._ring_on_message)
+                result = await outcome.acapture(self._job, run)  # an engine error is the step's, not the nursery's
+                nursery.cancel_scope.cancel()
+        finally:
+            doorbell.set()  # cancelled (the actor stops): the run ends after its step in flight
+        tokens: list[Any] = result.unwrap()
+        return tokens
+
+    async def _ring_on_message(self) -> None:
+        """During a decode run: keep the next message for the loop and end the run."""
+        try:
+            self._early.append(await self._inbox.receive())
+        except trio.EndOfChannel:
+            self._inbox_ended = True
+        self._doorbell.set()
+
+    def _stepped(self, tokens: list[Any]) -> None:
+        """One decode step's tokens, on trio: counted, traced and delivered (a run posts this per step)."""
+        try:
+            self._steps += 1
+            self._event("step", *(t.request_id for t in tokens))
+            for token in tokens:
+                req = self._requests.get(token.request_id)
+                if req is None:  # the actor stopped and answered its requests while the run went on
+                    self._doorbell.set()
+                    continue
+                self._deliver(token.request_id, token.text, token.tool_calls)
+                if req.client_gone or receiver_left(req.msg.client) or receiver_left(req.msg.reply):
+                    self._doorbell.set()  # the run ends; the loop reaps it
+        except Exception:  # noqa: BLE001 - posted to trio, which cannot report it: end the run instead
+            log.exception("delivering a decode step failed")
+            self._doorbell.set()
 
     def _announce(self, request_id: int, adopt: FromShared | None) -> None:
         """Before the first prefill chunk: tell a streaming client what the turn reuses and prefills."""

@@ -119,6 +119,17 @@ class MlxThread:
         value: T = result.unwrap()
         return value
 
+    def post(self, fn: Callable[..., None], *args: Any) -> None:
+        """From a job on the MLX thread: run the plain function ``fn(*args)`` on trio soon.
+
+        Callbacks run in the order they were posted, and before the result of the job that
+        posted them is delivered. ``fn`` must not raise (trio cannot report it to anyone)."""
+        assert self._token is not None
+        try:
+            self._token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            pass  # trio is gone; nobody listens
+
     def _main(self) -> None:
         token = self._token
         assert token is not None

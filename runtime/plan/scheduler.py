@@ -46,7 +46,7 @@ from runtime.plan.contract import FromShared
 from runtime.errors import BudgetExceededError
 from runtime.spec import BLOCK_TOKENS
 
-__all__ = ["Scheduler", "Step", "Donors", "SchedulerStats", "JOIN_AHEAD_TOKENS"]
+__all__ = ["Scheduler", "Step", "Donors", "SchedulerStats", "JOIN_AHEAD_TOKENS", "DECODE_RUN_STEPS"]
 
 _PADDING = "(batch padding)"
 
@@ -56,6 +56,15 @@ conversation) prefill before the next decode step instead of one chunk per step.
 A step reads the weights once for all rows, so an agent that joins now rides along
 in every following step instead of waiting through several of them; the stall this
 causes is a few short chunks. Longer prompts keep one chunk per step."""
+
+
+DECODE_RUN_STEPS = 16
+"""Decode steps the batch may run back to back on the model's thread when no prefill is left to
+interleave. Each step's tokens still stream out at once; the run ends early when a row finishes or
+a message reaches the GPU actor (a new turn joins after at most one more step). Without runs,
+every token paid a round trip between the model's thread and trio, which idled the model's
+thread: a 1-layer model decoded at 0.57x plain mlx-lm's tokens/s through the actors
+(``benches/results/decode_runs.md``)."""
 
 
 class Donors(Protocol):
@@ -83,6 +92,8 @@ class Step:
         decode: the rows the batch steps: those decoding, and those that join first.
         prefill: the sequence that gets one chunk after the step (None: none left).
         chunk: that chunk's tokens (None: the engine's adaptive size).
+        decode_steps: how many decode steps may run back to back (:data:`DECODE_RUN_STEPS` when no
+            prefill is left to interleave, else one: a long prompt gets a chunk between any two steps).
     """
 
     join: tuple[int, ...] = ()
@@ -92,6 +103,7 @@ class Step:
     decode: tuple[int, ...] = ()
     prefill: int | None = None
     chunk: int | None = None
+    decode_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -226,7 +238,8 @@ class Scheduler:
         donate = frozenset(r for r in (*join, *([prefill] if prefill is not None else []))
                            if r not in together and donors.wants_donor(r))
         return Step(join=join, together=together if len(together) >= 2 else (), adopt=adopt, donate=donate,
-                    decode=tuple(sorted({*self._decoding, *join})), prefill=prefill, chunk=self.prefill_chunk)
+                    decode=tuple(sorted({*self._decoding, *join})), prefill=prefill, chunk=self.prefill_chunk,
+                    decode_steps=DECODE_RUN_STEPS if prefill is None else 1)
 
     def next_prefill(self, exclude: tuple[int, ...] = ()) -> int | None:
         """The prefilling sequence that gets the next chunk: least prefill left less

@@ -1,0 +1,147 @@
+"""Decode runs: several decode steps in one job on the model's thread (``runtime.plan.scheduler.DECODE_RUN_STEPS``).
+
+Without runs every token paid a round trip between the MLX thread and trio, during which the
+model's thread had nothing to do. With them the batch decodes back to back while nothing else
+needs the GPU actor, and these tests hold what a client relies on to it: every token still
+streams as it is made; a turn that arrives during a run joins one step later, not a run later;
+a client that leaves stops being decoded at once; an engine error in the middle of a run fails
+that turn and nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from actors import open_runtime
+from actors.client import TurnFailedError
+from actors.mlx_thread import MlxThread
+from fake_engine import FakeEngine, fake_reply
+from runtime.plan import scheduler
+from runtime.plan.contract import StepToken
+
+STEP_S = 0.01
+
+
+def _open(tmp_path: Path, engine: FakeEngine):
+    return open_runtime(model="fake-a", home=tmp_path, engine=engine, fsync=False, handle_signals=False)
+
+
+@pytest.fixture
+def jobs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The name of every job the GPU actor gives the MLX thread, in order."""
+    names: list[str] = []
+    run = MlxThread.run
+
+    async def counted(self: MlxThread, fn, *args):
+        names.append(getattr(fn, "__name__", repr(fn)))
+        return await run(self, fn, *args)
+
+    monkeypatch.setattr(MlxThread, "run", counted)
+    return names
+
+
+@pytest.mark.parametrize("run_steps", [1, 16])
+async def test_a_lone_turn_decodes_in_runs_and_streams_every_token_as_it_is_made(tmp_path, monkeypatch, jobs,
+                                                                                  run_steps):
+    monkeypatch.setattr(scheduler, "DECODE_RUN_STEPS", run_steps)
+    engine = FakeEngine(step_delay_s=STEP_S)
+    arrivals: list[float] = []
+    text = ""
+    async with _open(tmp_path, engine) as rt:
+        jobs.clear()
+        async with rt.agent("a").stream_prompt("tell me", max_tokens=64) as stream:
+            async for delta in stream:
+                arrivals.append(time.perf_counter())
+                text += delta
+    assert text == fake_reply("tell me", 64)
+    decode_jobs = [n for n in jobs if n in ("step", "run")]
+    if run_steps == 1:
+        assert len(decode_jobs) >= 62  # a job, and a round trip through trio, for every token
+    else:
+        assert len(decode_jobs) <= 64 // run_steps + 2
+    # Streamed as made, not a run at a time: no gap near a whole run's length, and the tokens
+    # spread over the turn's decoding time.
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(arrivals) >= 60 and max(gaps) < 8 * STEP_S, max(gaps)
+    assert arrivals[-1] - arrivals[0] >= 0.5 * 60 * STEP_S
+
+
+async def test_a_turn_that_arrives_during_a_run_joins_after_one_more_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(scheduler, "DECODE_RUN_STEPS", 10_000)  # only the message can end the run
+    engine = FakeEngine(step_delay_s=STEP_S)
+    async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
+        await rt.agent("warm").send_prompt("x", max_tokens=2)
+        long_done = trio.Event()
+
+        async def long_turn() -> None:
+            await rt.agent("long").send_prompt("a long story", max_tokens=400)
+            long_done.set()
+
+        nursery.start_soon(long_turn)
+        await trio.sleep(30 * STEP_S)  # well into its run
+        t0 = time.perf_counter()
+        async with rt.agent("late").stream_prompt("hello", max_tokens=3) as stream:
+            first = await stream.__anext__()
+            ttft = time.perf_counter() - t0
+            async for _ in stream:
+                pass
+        assert first and not long_done.is_set()
+        assert ttft < 10 * STEP_S, ttft  # one step of the run, its own prefill, one step
+        assert stream.result is not None and stream.result.reply == fake_reply("hello", 3)
+        await long_done.wait()
+    assert rt.stats().metrics.completed >= 3
+
+
+async def test_a_client_that_leaves_during_a_run_stops_being_decoded(tmp_path, monkeypatch):
+    monkeypatch.setattr(scheduler, "DECODE_RUN_STEPS", 10_000)
+    steps: list[int] = []
+
+    class Counting(FakeEngine):
+        def step(self) -> list[StepToken]:
+            tokens = super().step()
+            steps.append(len(tokens))
+            return tokens
+
+    engine = Counting(step_delay_s=STEP_S)
+    async with _open(tmp_path, engine) as rt:
+        received = ""
+        async with rt.agent("c").stream_prompt("tell me everything", max_tokens=2000) as stream:
+            async for delta in stream:
+                received += delta
+                if len(received) >= 5:
+                    break
+        left_at = len(steps)
+        await trio.sleep(30 * STEP_S)
+        assert rt.stats().gpu.batch_size == 0
+        assert len(steps) - left_at <= 5  # the step in flight, then the run ended and the turn was reaped
+        assert rt.stats().metrics.cancelled == 1
+
+
+async def test_an_engine_error_in_the_middle_of_a_run_fails_that_turn_and_the_runtime_serves_on(tmp_path,
+                                                                                                  monkeypatch):
+    monkeypatch.setattr(scheduler, "DECODE_RUN_STEPS", 16)
+
+    class Failing(FakeEngine):
+        fail_at = 5
+        steps = 0
+
+        def step(self) -> list[StepToken]:
+            self.steps += 1
+            if self.steps == self.fail_at:
+                raise RuntimeError("the device fell over")
+            return super().step()
+
+    engine = Failing()
+    async with _open(tmp_path, engine) as rt:
+        received = ""
+        with pytest.raises(TurnFailedError, match="fell over"):
+            async with rt.agent("a").stream_prompt("tell me", max_tokens=40) as stream:
+                async for delta in stream:
+                    received += delta
+        assert fake_reply("tell me", 40).startswith(received) and len(received) >= 3  # the steps before it came
+        again = await rt.agent("b").send_prompt("and now", max_tokens=8)
+        assert again.reply == fake_reply("and now", 8)
