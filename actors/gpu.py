@@ -102,6 +102,7 @@ class GPUActor:
         budget_bytes: KV memory for running sequences (admission, batch size).
         max_batch: most sequences running at once.
         prefill_chunk: tokens per prefill chunk (None: adaptive, see ``runtime.execution.sequence``).
+        decode_run_steps: decode steps that may run back to back in one MLX job (the setting).
         trace: record a :class:`GpuEvent` per unit of work (tests, diagnostics).
     """
 
@@ -114,6 +115,7 @@ class GPUActor:
         budget_bytes: int,
         max_batch: int = 32,
         prefill_chunk: int | None = None,
+        decode_run_steps: int = 1,
         trace: bool = False,
     ) -> None:
         self._inbox = inbox
@@ -122,6 +124,7 @@ class GPUActor:
         self._budget_bytes = budget_bytes
         self._max_batch = max_batch
         self._prefill_chunk = prefill_chunk
+        self._decode_run_steps = decode_run_steps
         profile = engine.profile
         self._thread = MlxThread(on_exit=engine.close, tune_allocator=profile is None or profile.tune_allocator)
         self._info: ModelInfo | None = None
@@ -261,6 +264,7 @@ class GPUActor:
             sequence_bytes=info.sequence_bytes,
             max_batch=self._max_batch,
             prefill_chunk=self._prefill_chunk,
+            decode_run_steps=self._decode_run_steps,
         )
         send_reply(reply, ModelReady(info=info))
 

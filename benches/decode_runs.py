@@ -1,8 +1,8 @@
 """Decode runs: one agent's decode tokens/s through the actors, runs of steps against one step per job.
 
-Without runs (``runtime.plan.scheduler.DECODE_RUN_STEPS`` = 1) every decode step is one job on
-the MLX thread and a round trip through trio before the next; with runs the batch steps back to
-back while nothing else needs the GPU actor (each step's tokens still streamed at once). What the
+With ``decode_run_steps`` 1 every decode step is one job on the MLX thread and a round trip
+through trio before the next; with runs (the setting's default, 16) the batch steps back to back
+while nothing else needs the GPU actor (each step's tokens still streamed at once). What the
 round trip costs depends on how long a step takes, so three models:
 
 * **micro** (1 layer, hidden 64: a step far shorter than the round trip; what a small model on a
@@ -11,9 +11,9 @@ round trip costs depends on how long a step takes, so three models:
 * **kvmem-default** (SmolLM2-135M, 30 layers: a CPU step of ~40 ms) under the CPU policy, as
   kvmem runs here by default.
 
-In one runtime per row the two settings alternate turn by turn (each turn a new agent: the same
-cold prompt, then ``--tokens`` greedy tokens), medians of ``--repeats``; plain mlx-lm's
-``generate_step`` on the same folder, in the same process, is the floor. Here (2-core CPU)::
+Two runtimes side by side per row, one per setting, their turns alternating (each turn a new
+agent: the same cold prompt, then ``--tokens`` greedy tokens), medians of ``--repeats``; plain
+mlx-lm's ``generate_step`` on the same folder, in the same process, is the floor. Here (2-core CPU)::
 
     .venv/bin/python -m benches decode_runs
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness
@@ -31,6 +32,7 @@ from benches.harness import ResultFile, log, median, table
 
 MICRO = Geometry("micro", "micro (1 layer)", 64, 128, 1, 1, 1, 64, vocab=4096, dtype="float32",
                  rope_theta=10000.0, llama3_rope=False)
+ROWS = (("micro", "gpu"), ("micro", "cpu"), ("tiny-llama", "gpu"), ("kvmem-default", "cpu"))
 PROMPT = "The harbour master kept a ledger of ships, and every evening he wrote down who came in. " * 4
 
 
@@ -41,24 +43,26 @@ def _folder(model: str) -> Path:
 
 
 async def _kvmem_rates(folder: Path, profile: str, tokens: int, repeats: int) -> dict[int, list[float]]:
-    """Decode tokens/s per turn with runs of 1 and of the default, alternating, in one runtime."""
+    """Decode tokens/s per turn in two runtimes side by side (``decode_run_steps`` 1 and the
+    default), their turns alternating."""
     from actors import open_runtime
-    from runtime.plan import scheduler
+    from runtime.config import Config
 
-    default = scheduler.DECODE_RUN_STEPS
-    rates: dict[int, list[float]] = {1: [], default: []}
+    runs_of = Config().decode_run_steps
+    rates: dict[int, list[float]] = {1: [], runs_of: []}
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-runs-") as home:
-        try:
-            async with open_runtime(model=str(folder), home=home, fsync=False, handle_signals=False, profile=profile,
-                                    prefetch_mb=0) as rt:
+        def opened(steps: int) -> Any:
+            return open_runtime(model=str(folder), home=Path(home) / str(steps), fsync=False, handle_signals=False,
+                                profile=profile, decode_run_steps=steps, prefetch_mb=0, prewarm_mb=0)
+
+        async with opened(1) as one, opened(runs_of) as runs:
+            by_steps = {1: one, runs_of: runs}
+            for rt in by_steps.values():
                 await rt.agent("warm-up").send_prompt(PROMPT, max_tokens=16)
-                for r in range(repeats):
-                    for steps in (1, default) if r % 2 == 0 else (default, 1):
-                        scheduler.DECODE_RUN_STEPS = steps
-                        result = await rt.agent(f"r{r}-{steps}").send_prompt(PROMPT, max_tokens=tokens)
-                        rates[steps].append(result.usage.decode_tps)
-        finally:
-            scheduler.DECODE_RUN_STEPS = default
+            for r in range(repeats):
+                for steps in (1, runs_of) if r % 2 == 0 else (runs_of, 1):
+                    result = await by_steps[steps].agent(f"r{r}").send_prompt(PROMPT, max_tokens=tokens)
+                    rates[steps].append(result.usage.decode_tps)
     return rates
 
 
@@ -73,35 +77,41 @@ def _mlx_lm_rates(folder: Path, tokens: int, repeats: int) -> list[float]:
 def main(argv: list[str] | None = None) -> None:
     import trio
 
-    from runtime.plan.scheduler import DECODE_RUN_STEPS
+    from runtime.config import Config
+
+    RUNS = Config().decode_run_steps  # the default
 
     p = harness.parser(__doc__, repeats=6, quick_repeats=2)
     p.add_argument("--tokens", type=int, help="tokens per turn (default 400, 200 for kvmem-default; 64 with --quick)")
+    p.add_argument("--rows", nargs="+", choices=[f"{m}:{pol}" for m, pol in ROWS], help="only these rows (model:policy)")
     args = p.parse_args(argv)
     repeats = harness.repeats(args, full=6, quick=2)
     res = ResultFile("decode_runs", "Decode runs: one agent's decode tokens/s, runs of steps against one step per job",
                      args.quick, argv or [], model=None,
-                     setup=[f"runs of up to {DECODE_RUN_STEPS} steps (`DECODE_RUN_STEPS`) against 1; the two "
-                            f"alternate turn by turn in one runtime; {repeats} turns each, medians; plain mlx-lm "
+                     setup=[f"runs of up to {RUNS} steps (`decode_run_steps`, its default) against 1, under "
+                            f"the policy each row names; two runtimes side by side, their turns alternating; {repeats} "
+                            "turns each, medians; plain mlx-lm "
                             "`generate_step` on the same folder in the same process"])
     rows, points = [], []
-    for model, profile in (("micro", "gpu"), ("micro", "cpu"), ("tiny-llama", "gpu"), ("kvmem-default", "cpu")):
+    for model, profile in ROWS:
+        if args.rows and f"{model}:{profile}" not in args.rows:
+            continue
         tokens = args.tokens or (64 if args.quick else 200 if model == "kvmem-default" else 400)
         folder = _folder(model)
         t0 = time.perf_counter()
         floor = _mlx_lm_rates(folder, tokens, max(2, repeats // 2))
         rates = trio.run(_kvmem_rates, folder, profile, tokens, repeats)
-        one, runs, mlx = median(rates[1]), median(rates[DECODE_RUN_STEPS]), median(floor)
+        one, runs, mlx = median(rates[1]), median(rates[RUNS]), median(floor)
         log(f"{model} ({profile} policy): mlx-lm {mlx:.1f}, one step per job {one:.1f}, runs {runs:.1f} tok/s "
             f"({time.perf_counter() - t0:.0f} s)")
         rows.append([f"`{model}`", profile, str(tokens), f"{mlx:.1f}", f"{one:.1f} ({one / mlx:.2f}x)",
                      f"{runs:.1f} ({runs / mlx:.2f}x)", f"{runs / one:.2f}x"])
         points.append((f"{model}\n{profile} policy", mlx, one, runs))
         res.record(model=model, profile=profile, tokens=tokens, mlx_lm=floor, one_step=rates[1],
-                   runs=rates[DECODE_RUN_STEPS])
+                   runs=rates[RUNS])
     res.body += ["## Decode tokens/s of one agent (medians)", "",
                  *table(["model", "policy", "tokens", "plain mlx-lm", "kvmem, one step per job",
-                         f"kvmem, runs of {DECODE_RUN_STEPS}", "runs / one step"], rows), ""]
+                         f"kvmem, runs of {RUNS}", "runs / one step"], rows), ""]
     _plot(res, points)
     print(res.write(plot=True).read_text())
 

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 import runtime  # noqa: F401  (OpenBLAS before mlx)
-from runtime.plan.scheduler import DECODE_RUN_STEPS, JOIN_AHEAD_TOKENS, Scheduler, Step
+from runtime.plan.scheduler import JOIN_AHEAD_TOKENS, Scheduler, Step
 from runtime.plan.contract import FromShared
 from runtime.errors import BudgetExceededError
 from runtime.spec import BLOCK_TOKENS
@@ -213,16 +213,24 @@ def test_the_tail_of_a_long_prefill_does_not_join_ahead() -> None:
     assert s.step(_Donors()) == Step(prefill=1)  # one chunk, then the batch steps again
 
 
-def test_a_step_with_nothing_to_prefill_only_decodes_and_may_run_several_steps() -> None:
+def test_a_step_with_nothing_to_prefill_only_decodes() -> None:
     s = _sched(1000)
     _prefilling(s, {1: 20})
     s.prefilled(1)
-    assert s.step(_Donors()) == Step(decode=(1,), decode_steps=DECODE_RUN_STEPS)
-    assert DECODE_RUN_STEPS > 1
+    assert s.step(_Donors()) == Step(decode=(1,))
+
+
+def test_with_nothing_to_prefill_the_batch_may_run_several_steps_back_to_back() -> None:
+    s = _sched(1000, decode_run_steps=16)
+    _prefilling(s, {1: 20})
+    s.prefilled(1)
+    assert s.step(_Donors()) == Step(decode=(1,), decode_steps=16)
+    with pytest.raises(ValueError, match="decode_run_steps"):
+        _sched(1000, decode_run_steps=0)
 
 
 def test_the_batch_steps_once_between_two_chunks_of_a_long_prefill() -> None:
-    s = _sched(1000)
+    s = _sched(1000, decode_run_steps=16)
     _prefilling(s, {1: 20, 2: 300})
     s.prefilled(1)
     s.to_prefill(2, 300)

@@ -58,6 +58,7 @@ SAMPLES: dict[str, tuple[str, Any, Any]] = {
     "keep_float_mb": ("16", 16, 16.0),
     "prewarm_mb": ("0", 0, 0.0),
     "max_batch": ("4", 4, 4),
+    "decode_run_steps": ("8", 8, 8),
     "prefill_chunk": ("64", 64, 64),
     "idle_timeout_s": ("5", 5, 5.0),
     "host": ("0.0.0.0", "0.0.0.0", "0.0.0.0"),

@@ -1,4 +1,4 @@
-"""Decode runs: several decode steps in one job on the model's thread (``runtime.plan.scheduler.DECODE_RUN_STEPS``).
+"""Decode runs: several decode steps in one job on the model's thread (the ``decode_run_steps`` setting).
 
 Without runs every token paid a round trip between the MLX thread and trio, during which the
 model's thread had nothing to do. With them the batch decodes back to back while nothing else
@@ -20,14 +20,14 @@ from actors import open_runtime
 from actors.client import TurnFailedError
 from actors.mlx_thread import MlxThread
 from fake_engine import FakeEngine, fake_reply
-from runtime.plan import scheduler
 from runtime.plan.contract import StepToken
 
 STEP_S = 0.01
 
 
-def _open(tmp_path: Path, engine: FakeEngine):
-    return open_runtime(model="fake-a", home=tmp_path, engine=engine, fsync=False, handle_signals=False)
+def _open(tmp_path: Path, engine: FakeEngine, run_steps: int):
+    return open_runtime(model="fake-a", home=tmp_path, engine=engine, fsync=False, handle_signals=False,
+                        decode_run_steps=run_steps)
 
 
 @pytest.fixture
@@ -45,13 +45,11 @@ def jobs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 @pytest.mark.parametrize("run_steps", [1, 16])
-async def test_a_lone_turn_decodes_in_runs_and_streams_every_token_as_it_is_made(tmp_path, monkeypatch, jobs,
-                                                                                  run_steps):
-    monkeypatch.setattr(scheduler, "DECODE_RUN_STEPS", run_steps)
+async def test_a_lone_turn_decodes_in_runs_and_streams_every_token_as_it_is_made(tmp_path, jobs, run_steps):
     engine = FakeEngine(step_delay_s=STEP_S)
     arrivals: list[float] = []
     text = ""
-    async with _open(tmp_path, engine) as rt:
+    async with _open(tmp_path, engine, run_steps) as rt:
         jobs.clear()
         async with rt.agent("a").stream_prompt("tell me", max_tokens=64) as stream:
             async for delta in stream:
@@ -70,10 +68,10 @@ async def test_a_lone_turn_decodes_in_runs_and_streams_every_token_as_it_is_made
     assert arrivals[-1] - arrivals[0] >= 0.5 * 60 * STEP_S
 
 
-async def test_a_turn_that_arrives_during_a_run_joins_after_one_more_step(tmp_path, monkeypatch):
-    monkeypatch.setattr(scheduler, "DECODE_RUN_STEPS", 10_000)  # only the message can end the run
+async def test_a_turn_that_arrives_during_a_run_joins_after_one_more_step(tmp_path):
     engine = FakeEngine(step_delay_s=STEP_S)
-    async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
+    # Runs as long as the whole turn: only the message can end one.
+    async with _open(tmp_path, engine, 1000) as rt, trio.open_nursery() as nursery:
         await rt.agent("warm").send_prompt("x", max_tokens=2)
         long_done = trio.Event()
 
@@ -96,8 +94,7 @@ async def test_a_turn_that_arrives_during_a_run_joins_after_one_more_step(tmp_pa
     assert rt.stats().metrics.completed >= 3
 
 
-async def test_a_client_that_leaves_during_a_run_stops_being_decoded(tmp_path, monkeypatch):
-    monkeypatch.setattr(scheduler, "DECODE_RUN_STEPS", 10_000)
+async def test_a_client_that_leaves_during_a_run_stops_being_decoded(tmp_path):
     steps: list[int] = []
 
     class Counting(FakeEngine):
@@ -107,7 +104,7 @@ async def test_a_client_that_leaves_during_a_run_stops_being_decoded(tmp_path, m
             return tokens
 
     engine = Counting(step_delay_s=STEP_S)
-    async with _open(tmp_path, engine) as rt:
+    async with _open(tmp_path, engine, 1000) as rt:
         received = ""
         async with rt.agent("c").stream_prompt("tell me everything", max_tokens=2000) as stream:
             async for delta in stream:
@@ -121,10 +118,7 @@ async def test_a_client_that_leaves_during_a_run_stops_being_decoded(tmp_path, m
         assert rt.stats().metrics.cancelled == 1
 
 
-async def test_an_engine_error_in_the_middle_of_a_run_fails_that_turn_and_the_runtime_serves_on(tmp_path,
-                                                                                                  monkeypatch):
-    monkeypatch.setattr(scheduler, "DECODE_RUN_STEPS", 16)
-
+async def test_an_engine_error_in_the_middle_of_a_run_fails_that_turn_and_the_runtime_serves_on(tmp_path):
     class Failing(FakeEngine):
         fail_at = 5
         steps = 0
@@ -136,7 +130,7 @@ async def test_an_engine_error_in_the_middle_of_a_run_fails_that_turn_and_the_ru
             return super().step()
 
     engine = Failing()
-    async with _open(tmp_path, engine) as rt:
+    async with _open(tmp_path, engine, 16) as rt:
         received = ""
         with pytest.raises(TurnFailedError, match="fell over"):
             async with rt.agent("a").stream_prompt("tell me", max_tokens=40) as stream:
@@ -145,3 +139,28 @@ async def test_an_engine_error_in_the_middle_of_a_run_fails_that_turn_and_the_ru
         assert fake_reply("tell me", 40).startswith(received) and len(received) >= 3  # the steps before it came
         again = await rt.agent("b").send_prompt("and now", max_tokens=8)
         assert again.reply == fake_reply("and now", 8)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+async def test_on_the_real_engine_runs_reply_exactly_as_one_step_per_job(tmp_path, profile):
+    """tiny-llama under each policy: four agents arriving one after another, so they join runs in
+    progress, get the replies they get with one decode step per job."""
+    from conftest import models_dir
+
+    async def replies(steps: int) -> dict[str, tuple[str, int, int]]:
+        out: dict[str, tuple[str, int, int]] = {}
+        async with open_runtime(model="tiny-llama", home=tmp_path / f"runs-{steps}", models_dir=models_dir(),
+                                fsync=False, handle_signals=False, profile=profile, decode_run_steps=steps,
+                                prefetch_mb=0) as rt:
+            async def one(i: int) -> None:
+                await trio.sleep(0.05 * i)
+                r = await rt.agent(f"a{i}").send_prompt(f"Agent {i} tells the story of the harbour. " * 3,
+                                                        max_tokens=24 + 8 * i)
+                out[f"a{i}"] = (r.reply, r.usage.tokens_generated, r.usage.tokens_prefilled)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(one, i)
+        return out
+
+    assert await replies(16) == await replies(1)

@@ -46,7 +46,7 @@ from runtime.plan.contract import FromShared
 from runtime.errors import BudgetExceededError
 from runtime.spec import BLOCK_TOKENS
 
-__all__ = ["Scheduler", "Step", "Donors", "SchedulerStats", "JOIN_AHEAD_TOKENS", "DECODE_RUN_STEPS"]
+__all__ = ["Scheduler", "Step", "Donors", "SchedulerStats", "JOIN_AHEAD_TOKENS"]
 
 _PADDING = "(batch padding)"
 
@@ -56,15 +56,6 @@ conversation) prefill before the next decode step instead of one chunk per step.
 A step reads the weights once for all rows, so an agent that joins now rides along
 in every following step instead of waiting through several of them; the stall this
 causes is a few short chunks. Longer prompts keep one chunk per step."""
-
-
-DECODE_RUN_STEPS = 16
-"""Decode steps the batch may run back to back on the model's thread when no prefill is left to
-interleave. Each step's tokens still stream out at once; the run ends early when a row finishes or
-a message reaches the GPU actor (a new turn joins after at most one more step). Without runs,
-every token paid a round trip between the model's thread and trio, which idled the model's
-thread: a 1-layer model decoded at 0.57x plain mlx-lm's tokens/s through the actors
-(``benches/results/decode_runs.md``)."""
 
 
 class Donors(Protocol):
@@ -92,8 +83,12 @@ class Step:
         decode: the rows the batch steps: those decoding, and those that join first.
         prefill: the sequence that gets one chunk after the step (None: none left).
         chunk: that chunk's tokens (None: the engine's adaptive size).
-        decode_steps: how many decode steps may run back to back (:data:`DECODE_RUN_STEPS` when no
-            prefill is left to interleave, else one: a long prompt gets a chunk between any two steps).
+        decode_steps: how many decode steps may run back to back in one job on the model's thread
+            (the scheduler's ``decode_run_steps`` when no prefill is left to interleave, else one: a
+            long prompt gets a chunk between any two steps). Each step's tokens still stream at
+            once; the run ends early when a row finishes or a message reaches the GPU actor, so a
+            new turn joins one step later at most. Without runs every token pays a round trip
+            between the model's thread and trio, during which the thread idles.
     """
 
     join: tuple[int, ...] = ()
@@ -139,6 +134,8 @@ class Scheduler:
         sequence_bytes: fixed bytes per running sequence (sliding windows).
         max_batch: most sequences admitted at once.
         prefill_chunk: tokens per prefill chunk (None: the engine's adaptive size).
+        decode_run_steps: decode steps that may run back to back when no prefill is waiting
+            (the setting of that name; 1: one step per loop iteration).
     """
 
     def __init__(
@@ -149,14 +146,18 @@ class Scheduler:
         sequence_bytes: int = 0,
         max_batch: int = 32,
         prefill_chunk: int | None = None,
+        decode_run_steps: int = 1,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, not {max_batch}")
+        if decode_run_steps < 1:
+            raise ValueError(f"decode_run_steps must be >= 1, not {decode_run_steps}")
         self._block_bytes = max(1, token_bytes) * BLOCK_TOKENS
         self.pool = BlockPool(budget_bytes=budget_bytes, bytes_per_block=self._block_bytes)
         self._extra_blocks = -(-sequence_bytes // self._block_bytes)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self.decode_run_steps = decode_run_steps
         self._waiting: deque[_Entry] = deque()
         self._running: dict[int, _Entry] = {}
         self._prefilling: list[int] = []  # admission order
@@ -239,7 +240,7 @@ class Scheduler:
                            if r not in together and donors.wants_donor(r))
         return Step(join=join, together=together if len(together) >= 2 else (), adopt=adopt, donate=donate,
                     decode=tuple(sorted({*self._decoding, *join})), prefill=prefill, chunk=self.prefill_chunk,
-                    decode_steps=DECODE_RUN_STEPS if prefill is None else 1)
+                    decode_steps=self.decode_run_steps if prefill is None else 1)
 
     def next_prefill(self, exclude: tuple[int, ...] = ()) -> int | None:
         """The prefilling sequence that gets the next chunk: least prefill left less
