@@ -127,6 +127,6 @@ def _plot(res: ResultFile, points: list[tuple[str, float, float, float]]) -> Non
     ax.set_xticks(range(len(points)), [p[0] for p in points], fontsize=8)
     ax.set_ylabel("decode tokens/s, relative to plain mlx-lm")
     ax.axhline(1.0, color="#444444", linewidth=0.8)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     ax.set_title("One agent's decode through kvmem's actors")
     harness.save_figure(res, fig)
