@@ -8,7 +8,8 @@
 #
 # bench (about 9 minutes, each step under its own time limit, everything into $OUT):
 #   1. python -m benches gpu: item 4 beside plain mlx-lm (1B, 3B), the needle rows (20 per length),
-#      the GPU actor's trace per geometry (the turn's end now leaves its save's copy for later);
+#      the GPU actor's trace per geometry (the turn's end now leaves its save's copy for later; the
+#      batch decodes in runs of 16 steps per MLX job, decode_run_steps, since run 2's 0.71x / 0.78x);
 #   2. python -m benches gpu_probe: attention alone at new shapes (fused against plain ops), a new
 #      shape's first forward, tiny-gpt-oss twice and layer by layer against the CPU stream (which
 #      block parts them: attention or the MoE block), one decode row per cache kind;
