@@ -478,7 +478,7 @@ async def _owned_runtime(
         budget_bytes=int(memory_mb("budget_mb", config.budget_mb, engine.profile) * 2**20),
         max_batch=config.max_batch,
         prefill_chunk=config.prefill_chunk,
-        decode_run_steps=config.decode_run_steps,
+        decode_run_steps=config.decode_run_steps or (engine.profile.decode_run_steps if engine.profile else 1),
         trace=trace,
     )
     registry = ModelRegistry(

@@ -1,7 +1,7 @@
 """Decode runs: one agent's decode tokens/s through the actors, runs of steps against one step per job.
 
 With ``decode_run_steps`` 1 every decode step is one job on the MLX thread and a round trip
-through trio before the next; with runs (the setting's default, 16) the batch steps back to back
+through trio before the next; with runs (the GPU policy's default, 16) the batch steps back to back
 while nothing else needs the GPU actor (each step's tokens still streamed at once). What the
 round trip costs depends on how long a step takes, so three models:
 
@@ -43,12 +43,12 @@ def _folder(model: str) -> Path:
 
 
 async def _kvmem_rates(folder: Path, profile: str, tokens: int, repeats: int) -> dict[int, list[float]]:
-    """Decode tokens/s per turn in two runtimes side by side (``decode_run_steps`` 1 and the
-    default), their turns alternating."""
+    """Decode tokens/s per turn in two runtimes side by side (``decode_run_steps`` 1 and the GPU
+    policy's), their turns alternating."""
     from actors import open_runtime
-    from runtime.config import Config
+    from runtime.backend import GPU_DECODE_RUN_STEPS
 
-    runs_of = Config().decode_run_steps
+    runs_of = GPU_DECODE_RUN_STEPS
     rates: dict[int, list[float]] = {1: [], runs_of: []}
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-runs-") as home:
         def opened(steps: int) -> Any:
@@ -77,9 +77,7 @@ def _mlx_lm_rates(folder: Path, tokens: int, repeats: int) -> list[float]:
 def main(argv: list[str] | None = None) -> None:
     import trio
 
-    from runtime.config import Config
-
-    RUNS = Config().decode_run_steps  # the default
+    from runtime.backend import GPU_DECODE_RUN_STEPS as RUNS
 
     p = harness.parser(__doc__, repeats=6, quick_repeats=2)
     p.add_argument("--tokens", type=int, help="tokens per turn (default 400, 200 for kvmem-default; 64 with --quick)")
@@ -88,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     repeats = harness.repeats(args, full=6, quick=2)
     res = ResultFile("decode_runs", "Decode runs: one agent's decode tokens/s, runs of steps against one step per job",
                      args.quick, argv or [], model=None,
-                     setup=[f"runs of up to {RUNS} steps (`decode_run_steps`, its default) against 1, under "
+                     setup=[f"runs of up to {RUNS} steps (`decode_run_steps`, the GPU policy's) against 1, under "
                             f"the policy each row names; two runtimes side by side, their turns alternating; {repeats} "
                             "turns each, medians; plain mlx-lm "
                             "`generate_step` on the same folder in the same process"])

@@ -22,6 +22,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | float dtype of activations and KV | the weights' (float32 for a GGUF) | the model's own (bf16 / f16 stay so; a packed GGUF float16; never float32 by accident) |
 | prefill chunk | 512 / 256 / 128 as the context grows | 2048 (mlx-lm's ``prefill_step_size``) |
 | decode | in lockstep (the host waits for each step); a lone row is a batch of one | one step ahead (``mx.async_eval``, as mlx-lm's ``generate_step``); a lone row on its own caches, as there |
+| decode steps back to back in one job on the model's thread (``decode_run_steps`` unset) | 1: a run's thread contends with trio and OpenBLAS for the two cores and the GIL (8 agents on kvmem-default: about 10% fewer tokens/s with runs; one agent: no change) | :data:`GPU_DECODE_RUN_STEPS`: the device computes while the host would wait for trio between steps (a 1-layer model: 0.83x plain mlx-lm's tokens/s with runs, 0.66x without; ``benches/results/decode_runs.md``) |
 | NumPy attention, NumPy KV copies, the shared-prefix check | on (``numpy_attention``) | off: no host round trip |
 | allocator tuning and pre-warm | on | off (device memory is not the glibc heap) |
 | short passes' attention (2 to ``plain_attention_queries`` query positions a row) | NumPy (above) | plain MLX operations instead of the fused kernel when set (off by default until a GPU run measures it: on CUDA the fused kernel builds a cuDNN graph per new shape) |
@@ -36,7 +37,7 @@ from typing import Literal
 import msgspec
 
 __all__ = ["BackendProfile", "Policy", "decide_profile", "detect_device", "device_profile", "memory_mb",
-           "CPU_CHUNKS", "GPU_CHUNK", "CPU_MEMORY_MB", "GPU_MEMORY_SHARES"]
+           "CPU_CHUNKS", "GPU_CHUNK", "CPU_MEMORY_MB", "GPU_MEMORY_SHARES", "GPU_DECODE_RUN_STEPS"]
 
 Policy = Literal["cpu", "gpu"]
 
@@ -47,6 +48,11 @@ with the context, so chunks shrink to bound each chunk's latency (the decode sta
 GPU_CHUNK = 2048
 """Prefill chunk on a GPU: mlx-lm's own ``prefill_step_size``; a chunk is one kernel launch
 per layer, so fewer, larger chunks keep the device busy."""
+
+GPU_DECODE_RUN_STEPS = 16
+"""Decode steps a batch runs back to back in one job on a GPU's model thread when no prefill is
+waiting (:class:`runtime.plan.scheduler.Step`'s ``decode_steps``); each step's tokens still stream
+as it ends, and a finished row or a message ends the run early."""
 
 
 CPU_MEMORY_MB: dict[str, float] = {"budget_mb": 2048.0, "hot_budget_mb": 512.0, "keep_float_mb": 1024.0}
@@ -80,6 +86,9 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         shared_prefix_check: a decode batch looks for a prompt every row holds alike (host compare).
         run_ahead: a decode step is launched before the previous one's tokens are read
             (:class:`runtime.execution.decode_batch.DecodeBatch`).
+        decode_run_steps: decode steps the batch may run back to back in one job on the model's
+            thread when no prefill is waiting (the setting; unset: 1 on the CPU policy,
+            :data:`GPU_DECODE_RUN_STEPS` on the GPU's).
         alone_on_own_caches: a row decoding alone runs on its own ``KVCache`` layers, as
             mlx-lm does, instead of a batch of one (whose mask and per-row offsets cost a GPU
             every layer of every step; on the CPU the batch path measured as fast or faster).
@@ -112,6 +121,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     numpy_kv_copy: bool
     shared_prefix_check: bool
     run_ahead: bool = False
+    decode_run_steps: int = 1
     alone_on_own_caches: bool = False
     plain_attention_queries: int = 0
     copy_after_turn: bool = False
@@ -144,7 +154,8 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             f"weights {self.weights}",
             f"float {self.float_dtype or '?'}",
             f"prefill chunk {chunks}",
-            f"decode {'one step ahead' if self.run_ahead else 'in lockstep'}",
+            f"decode {'one step ahead' if self.run_ahead else 'in lockstep'}"
+            + (f", runs of {self.decode_run_steps}" if self.decode_run_steps > 1 else ""),
             f"save copy {'after the turn' if self.copy_after_turn else 'at the turn end'}",
             f"host paths {', '.join(host) if host else 'none'}",
             f"memory KV {self.budget_mb:.0f} / hot {self.hot_budget_mb:.0f} / float {self.keep_float_mb:.0f} MB",
@@ -165,6 +176,7 @@ def decide_profile(
     plain_attention_queries: int = 0,
     prewarm_mb: float = 0.0,
     prefill_chunk: int | None = None,
+    decode_run_steps: int | None = None,
     budget_mb: float | None = None,
     hot_budget_mb: float | None = None,
     keep_float_mb: float | None = None,
@@ -177,8 +189,8 @@ def decide_profile(
         device: MLX's default device type (``cpu``/``gpu``).
         backend: ``cpu``, ``metal`` or ``cuda``.
         profile: ``auto`` (the device's policy), ``cpu`` or ``gpu`` (forced).
-        attention, weights, numpy_attention, plain_attention_queries, prewarm_mb, prefill_chunk: the
-            settings of the same names;
+        attention, weights, numpy_attention, plain_attention_queries, prewarm_mb, prefill_chunk,
+            decode_run_steps: the settings of the same names;
             an explicit value wins over the policy's default.
         budget_mb, hot_budget_mb, keep_float_mb: the memory settings; None: the policy's default.
         device_memory_mb: the device's memory (None: unknown), which the GPU policy's defaults share out.
@@ -218,6 +230,7 @@ def decide_profile(
         numpy_kv_copy=cpu,
         shared_prefix_check=numpy_paths,  # its only reader is the NumPy decode attention
         run_ahead=not cpu,
+        decode_run_steps=decode_run_steps or (1 if cpu else GPU_DECODE_RUN_STEPS),
         alone_on_own_caches=not cpu,
         plain_attention_queries=0 if cpu else plain_attention_queries,
         copy_after_turn=not cpu,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from conftest import models_dir, skip_without_native_attention
 
-from runtime.backend import CPU_CHUNKS, GPU_CHUNK, decide_profile, detect_device
+from runtime.backend import CPU_CHUNKS, GPU_CHUNK, GPU_DECODE_RUN_STEPS, decide_profile, detect_device
 from runtime.execution.sequence import prefill_chunk_size
 
 # -- the policy, as a value ----------------------------------------------------------
@@ -27,6 +27,7 @@ def test_the_cpu_device_gets_the_cpu_policy() -> None:
     assert (p.policy, p.forced, p.attention, p.weights, p.packed_floats) == ("cpu", False, "at-rest", "float32", "float32")
     assert p.numpy_attention and p.numpy_kv_copy and p.shared_prefix_check and p.tune_allocator
     assert p.prewarm_mb == 512 and p.prefill_chunks == CPU_CHUNKS
+    assert p.decode_run_steps == 1 and not p.run_ahead
 
 
 def test_a_gpu_gets_the_gpu_policy_with_no_host_paths() -> None:
@@ -34,6 +35,7 @@ def test_a_gpu_gets_the_gpu_policy_with_no_host_paths() -> None:
     assert (p.policy, p.attention, p.weights, p.packed_floats) == ("gpu", "at-rest", "quantized", "float16")
     assert not (p.numpy_attention or p.numpy_kv_copy or p.shared_prefix_check or p.tune_allocator)
     assert p.prewarm_mb == 0 and p.chunk_for(0) == p.chunk_for(100_000) == GPU_CHUNK
+    assert p.decode_run_steps == GPU_DECODE_RUN_STEPS > 1 and p.run_ahead
 
 
 def test_the_policy_can_be_forced_either_way_and_explicit_settings_win() -> None:
@@ -43,6 +45,8 @@ def test_the_policy_can_be_forced_either_way_and_explicit_settings_win() -> None
     explicit = decide_profile(device="gpu", backend="cuda", attention="at-rest", weights="bfloat16",
                               prefill_chunk=1024)
     assert (explicit.attention, explicit.weights, explicit.chunk_for(50_000)) == ("at-rest", "bfloat16", 1024)
+    assert decide_profile(device="gpu", backend="cuda", decode_run_steps=1).decode_run_steps == 1
+    assert decide_profile(device="cpu", backend="cpu", decode_run_steps=8).decode_run_steps == 8
     assert not decide_profile(device="cpu", backend="cpu", numpy_attention=False).shared_prefix_check
     with pytest.raises(ValueError, match="profile"):
         decide_profile(device="cpu", backend="cpu", profile="tpu")
@@ -58,7 +62,7 @@ def test_the_cpu_schedule_is_the_one_sequences_use_alone() -> None:
 def test_the_profile_line_names_every_decision() -> None:
     line = decide_profile(device="cpu", backend="cpu", profile="gpu").line()
     for part in ("backend cpu (gpu policy, forced)", "attention at-rest", "weights quantized", "prefill chunk 2048",
-                 "host paths none"):
+                 f"decode one step ahead, runs of {GPU_DECODE_RUN_STEPS}", "host paths none"):
         assert part in line
 
 

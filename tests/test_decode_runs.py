@@ -164,3 +164,18 @@ async def test_on_the_real_engine_runs_reply_exactly_as_one_step_per_job(tmp_pat
         return out
 
     assert await replies(16) == await replies(1)
+
+
+@pytest.mark.parametrize(("profile", "per_token"), [("cpu", True), ("gpu", False)])
+async def test_unset_the_policy_decides_cpu_one_step_per_job_gpu_runs(tmp_path, jobs, profile, per_token):
+    """On two cores a run's thread contends with trio for the cores and the GIL (8 agents on the
+    default model decoded about 10% slower with runs), so the CPU policy keeps a job per step."""
+    from conftest import models_dir
+
+    async with open_runtime(model="tiny-llama", home=tmp_path, models_dir=models_dir(), fsync=False,
+                            handle_signals=False, profile=profile, prefetch_mb=0) as rt:
+        jobs.clear()
+        result = await rt.agent("a").send_prompt("Tell the story of the harbour. " * 3, max_tokens=40)
+    assert result.usage.tokens_generated == 40
+    decode_jobs = [n for n in jobs if n in ("step", "run")]
+    assert (len(decode_jobs) >= 38) if per_token else (len(decode_jobs) <= 6), decode_jobs

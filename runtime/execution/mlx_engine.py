@@ -110,6 +110,7 @@ class MlxEngine:
         profile: ``auto`` (the device's backend policy) or ``cpu`` / ``gpu`` forced
             (:mod:`runtime.backend`); every CPU-versus-GPU decision reads :attr:`profile`.
         prefill_chunk: a fixed prefill chunk (None: the profile's schedule).
+        decode_run_steps: the setting of that name (None: the profile's), which the GPU actor runs by.
     """
 
     def __init__(
@@ -129,12 +130,14 @@ class MlxEngine:
         group: Any = None,
         profile: str = "auto",
         prefill_chunk: int | None = None,
+        decode_run_steps: int | None = None,
     ) -> None:
         # Every CPU-versus-GPU decision, once (runtime.backend); a model load settles the attention.
         self._profile = device_profile(profile=profile, attention=attention, weights=weights,
                                        numpy_attention=numpy_attention, prewarm_mb=prewarm_mb,
                                        plain_attention_queries=plain_attention_queries,
-                                       prefill_chunk=prefill_chunk, keep_float_mb=keep_float_mb,
+                                       prefill_chunk=prefill_chunk, decode_run_steps=decode_run_steps,
+                                       keep_float_mb=keep_float_mb,
                                        budget_mb=budget_mb, hot_budget_mb=hot_budget_mb)
         use_host_views(self._profile.numpy_kv_copy)
         self._residents = ResidentPool(int(self._profile.keep_float_mb * 2**20))
@@ -159,7 +162,8 @@ class MlxEngine:
                    numpy_attention=config.numpy_attention, keep_float_mb=config.keep_float_mb, group=group,
                    budget_mb=config.budget_mb, hot_budget_mb=config.hot_budget_mb,
                    plain_attention_queries=config.plain_attention_queries,
-                   profile=config.profile, prefill_chunk=config.prefill_chunk)
+                   profile=config.profile, prefill_chunk=config.prefill_chunk,
+                   decode_run_steps=config.decode_run_steps)
 
     @property
     def profile(self) -> BackendProfile:
