@@ -94,7 +94,7 @@ from actors.registry import (
 )
 from actors.signals import watch_signals
 from actors.turn_log import TurnRecord
-from runtime.backend import memory_mb
+from runtime.backend import profile_setting
 from runtime.config import Config
 from runtime.plan.contract import Engine, ToolChoice
 from runtime.identity import check_agent_id, local_id, safe_agent_dirname, tenant_of
@@ -467,7 +467,7 @@ async def _owned_runtime(
     store_send, store_receive = trio.open_memory_channel[StoreInbox](_MAILBOX_SIZE)
     gpu_send, gpu_receive = trio.open_memory_channel[GpuInbox](_MAILBOX_SIZE)
     registry_send, registry_receive = trio.open_memory_channel[RegistryInbox](_MAILBOX_SIZE)
-    hot_mb = memory_mb("hot_budget_mb", config.hot_budget_mb, engine.profile)
+    hot_mb = profile_setting("hot_budget_mb", config.hot_budget_mb, engine.profile)
     manager = KVCacheManager(hot_budget_bytes=int(hot_mb * 2**20))
     store = CacheStoreActor(store_receive, directory=directory, manager=manager, remote=remote,
                             prefetch_bytes=int(config.prefetch_mb * 2**20))
@@ -475,10 +475,10 @@ async def _owned_runtime(
         gpu_receive,
         engine=engine,
         manager=manager,
-        budget_bytes=int(memory_mb("budget_mb", config.budget_mb, engine.profile) * 2**20),
+        budget_bytes=int(profile_setting("budget_mb", config.budget_mb, engine.profile) * 2**20),
         max_batch=config.max_batch,
         prefill_chunk=config.prefill_chunk,
-        decode_run_steps=config.decode_run_steps or (engine.profile.decode_run_steps if engine.profile else 1),
+        decode_run_steps=int(profile_setting("decode_run_steps", config.decode_run_steps, engine.profile)),
         trace=trace,
     )
     registry = ModelRegistry(

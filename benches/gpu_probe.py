@@ -81,17 +81,24 @@ def sdpa_rows() -> list[list[str]]:
     return rows
 
 
-def gpt_oss_rows(steps: int) -> list[list[str]]:
-    """tiny-gpt-oss: a prefill and ``steps`` greedy steps twice on the device and once on the CPU stream."""
+def _tiny_gpt_oss() -> tuple[Any, Any]:
+    """tiny-gpt-oss as the suite loads it (Q4 KV, no NumPy attention), and the probes' prompt as a (1, N) array."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
     from runtime.model.loaded import load_model
     from runtime.spec import KVFormat
 
     lm = load_model("tiny-gpt-oss", kv_format=KVFormat(bits=4), models_dir=harness.BENCH_HOME / "models",
                     numpy_attention=False)
-    ids = mx.array([lm.tokenize("The harbour master kept a ledger of ships. " * 12)[0]])
+    return lm, mx.array([lm.tokenize("The harbour master kept a ledger of ships. " * 12)[0]])
+
+
+def gpt_oss_rows(steps: int) -> list[list[str]]:
+    """tiny-gpt-oss: a prefill and ``steps`` greedy steps twice on the device and once on the CPU stream."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    lm, ids = _tiny_gpt_oss()
 
     def run(stream: Any) -> Any:
         with mx.stream(stream):
@@ -125,13 +132,8 @@ def gpt_oss_part_rows() -> list[list[str]]:
     from mlx_lm.models import gpt_oss
     from mlx_lm.models.cache import make_prompt_cache
 
-    from runtime.model.loaded import load_model
-    from runtime.spec import KVFormat
-
-    lm = load_model("tiny-gpt-oss", kv_format=KVFormat(bits=4), models_dir=harness.BENCH_HOME / "models",
-                    numpy_attention=False)
+    lm, ids = _tiny_gpt_oss()
     model = lm.model
-    ids = mx.array([lm.tokenize("The harbour master kept a ledger of ships. " * 12)[0]])
     layer_of = {id(m): i for i, layer in enumerate(model.layers) for m in (layer.self_attn, layer.mlp)}
     calls = {"attention": gpt_oss.AttentionBlock.__call__, "moe": gpt_oss.MLPBlock.__call__}
     seen: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}

@@ -40,7 +40,7 @@ from actors.turn_log import LiveFigures, TurnRecord, live_figures
 from gateway.context import Gateway, tenant_of_request
 from gateway.errors import runtime_errors
 from gateway.tenants import Tenant
-from runtime.backend import memory_mb
+from runtime.backend import profile_setting
 from runtime.identity import local_id, tenant_of
 
 __all__ = ["routes", "Status", "AgentStatus", "AgentStatusList", "Gauge", "MemoryPicture", "BatchNow"]
@@ -188,13 +188,14 @@ async def _memory(gw: Gateway) -> MemoryPicture:
     pool, profile = stats.gpu.pool, stats.registry.profile
     float_bytes = sum(h.float_bytes for h in gw.rt.hot_caches())
     caches = config.caches_path
+    budget_mb = profile_setting("budget_mb", config.budget_mb, profile)
     return MemoryPicture(
         kv_budget=Gauge(used_bytes=pool.used_blocks * pool.bytes_per_block,
-                        limit_bytes=pool.budget_bytes or int(memory_mb("budget_mb", config.budget_mb, profile) * MIB)),
+                        limit_bytes=pool.budget_bytes or int(budget_mb * MIB)),
         hot_tier=Gauge(used_bytes=stats.store.hot_bytes,
-                       limit_bytes=int(memory_mb("hot_budget_mb", config.hot_budget_mb, profile) * MIB)),
+                       limit_bytes=int(profile_setting("hot_budget_mb", config.hot_budget_mb, profile) * MIB)),
         float_pool=Gauge(used_bytes=float_bytes,
-                         limit_bytes=int(memory_mb("keep_float_mb", config.keep_float_mb, profile) * MIB)),
+                         limit_bytes=int(profile_setting("keep_float_mb", config.keep_float_mb, profile) * MIB)),
         prefetch=Gauge(used_bytes=stats.store.prefetch_held_bytes, limit_bytes=int(config.prefetch_mb * MIB)),
         disk=await trio.to_thread.run_sync(_disk, str(caches)),
         accelerator_active=stats.gpu.memory.active,

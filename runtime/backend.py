@@ -36,7 +36,7 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["BackendProfile", "Policy", "decide_profile", "detect_device", "device_profile", "memory_mb",
+__all__ = ["BackendProfile", "Policy", "decide_profile", "detect_device", "device_profile", "profile_setting",
            "CPU_CHUNKS", "GPU_CHUNK", "CPU_MEMORY_MB", "GPU_MEMORY_SHARES", "GPU_DECODE_RUN_STEPS"]
 
 Policy = Literal["cpu", "gpu"]
@@ -276,8 +276,13 @@ def device_profile(**settings: object) -> BackendProfile:
                           device_memory_mb=detect_device_memory_mb(), **settings)
 
 
-def memory_mb(setting: str, value: float | None, profile: BackendProfile | None) -> float:
-    """A memory setting in MiB: ``value`` where set, else ``profile``'s default (the CPU's without a profile)."""
+_WITHOUT_PROFILE: dict[str, float] = {**CPU_MEMORY_MB, "decode_run_steps": 1}
+"""The CPU policy's values of the settings the profile defaults, for an engine that has no profile."""
+
+
+def profile_setting(setting: str, value: float | None, profile: BackendProfile | None) -> float:
+    """A setting the backend profile defaults (the memory budgets in MiB, ``decode_run_steps``):
+    ``value`` where set, else ``profile``'s, else the CPU policy's (an engine without a profile)."""
     if value is not None:
         return value
-    return float(getattr(profile, setting)) if profile is not None else CPU_MEMORY_MB[setting]
+    return float(getattr(profile, setting)) if profile is not None else _WITHOUT_PROFILE[setting]

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from conftest import models_dir, skip_without_native_attention
 
-from runtime.backend import CPU_CHUNKS, GPU_CHUNK, GPU_DECODE_RUN_STEPS, decide_profile, detect_device
+from runtime.backend import CPU_CHUNKS, GPU_CHUNK, GPU_DECODE_RUN_STEPS, decide_profile, detect_device, profile_setting
 from runtime.execution.sequence import prefill_chunk_size
 
 # -- the policy, as a value ----------------------------------------------------------
@@ -47,6 +47,10 @@ def test_the_policy_can_be_forced_either_way_and_explicit_settings_win() -> None
     assert (explicit.attention, explicit.weights, explicit.chunk_for(50_000)) == ("at-rest", "bfloat16", 1024)
     assert decide_profile(device="gpu", backend="cuda", decode_run_steps=1).decode_run_steps == 1
     assert decide_profile(device="cpu", backend="cpu", decode_run_steps=8).decode_run_steps == 8
+    gpu = decide_profile(device="gpu", backend="cuda")
+    assert profile_setting("decode_run_steps", None, gpu) == GPU_DECODE_RUN_STEPS
+    assert profile_setting("decode_run_steps", 4, gpu) == 4
+    assert profile_setting("decode_run_steps", None, None) == 1  # an engine without a profile: the CPU's
     assert not decide_profile(device="cpu", backend="cpu", numpy_attention=False).shared_prefix_check
     with pytest.raises(ValueError, match="profile"):
         decide_profile(device="cpu", backend="cpu", profile="tpu")
@@ -225,7 +229,7 @@ def test_a_packed_gguf_computes_in_float16_under_the_gpu_policy(tmp_path: Path, 
 def test_unset_memory_settings_are_shares_of_a_gpus_memory_and_fixed_on_a_cpu() -> None:
     """The CPU's budgets (2 GiB of running KV, a 1 GiB float pool) starve a GPU: a 3B model's 16K
     cache is 1.9 GB as float, so the float pool could not keep a restored agent's cache."""
-    from runtime.backend import CPU_MEMORY_MB, memory_mb
+    from runtime.backend import CPU_MEMORY_MB
 
     gpu = decide_profile(device="gpu", backend="cuda", device_memory_mb=80_000)
     assert (gpu.budget_mb, gpu.hot_budget_mb, gpu.keep_float_mb) == (20_000, 8_000, 8_000)
@@ -236,8 +240,8 @@ def test_unset_memory_settings_are_shares_of_a_gpus_memory_and_fixed_on_a_cpu() 
     assert (forced.budget_mb, forced.keep_float_mb) == (2048, 1024)
     explicit = decide_profile(device="gpu", backend="cuda", device_memory_mb=80_000, budget_mb=300, keep_float_mb=0)
     assert (explicit.budget_mb, explicit.hot_budget_mb, explicit.keep_float_mb) == (300, 8_000, 0)
-    assert memory_mb("budget_mb", None, gpu) == 20_000 and memory_mb("budget_mb", 64, gpu) == 64
-    assert memory_mb("hot_budget_mb", None, None) == 512  # an engine without a profile: the CPU's
+    assert profile_setting("budget_mb", None, gpu) == 20_000 and profile_setting("budget_mb", 64, gpu) == 64
+    assert profile_setting("hot_budget_mb", None, None) == 512  # an engine without a profile: the CPU's
 
 
 
