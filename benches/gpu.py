@@ -331,7 +331,7 @@ class Plan:
     batch_context: int
     batch_tokens: int
     profile: str
-    plain_attention_queries: int = 0
+    plain_attention_queries: int | None = None  # None: the profile's
 
     def tokens_for(self, size: int) -> int:
         return self.decode_tokens if size in self.decode_sizes else 1
@@ -722,8 +722,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-context", type=int, help="each batch agent's cache in tokens (default 1024)")
     p.add_argument("--batch-tokens", type=int, help="tokens per agent per batch round (default 64)")
     p.add_argument("--profile", choices=("auto", "cpu", "gpu"), default="auto", help="kvmem's backend profile")
-    p.add_argument("--plain-attention-queries", type=int, default=0,
-                   help="kvmem's setting of that name: short passes' attention from plain MLX operations")
+    p.add_argument("--plain-attention-queries", type=int,
+                   help="kvmem's setting of that name: short passes' attention from plain MLX operations "
+                        "(default: the profile's; 0: the fused kernel for every pass)")
     p.add_argument("--needle-model", default="kvmem-default", help="needle model: a name, a GGUF, or none")
     p.add_argument("--needle-lengths", type=int, nargs="+", help="default 8192 4096 2048 1024 (1024 with --quick)")
     p.add_argument("--needle-deadline-s", type=float, default=150.0,
@@ -804,7 +805,7 @@ def setup_lines(plan: Plan) -> list[str]:
         (f"each geometry: random weights (tiny_models' scheme, end-of-turn never sampled, so every turn generates "
          f"what it asks), plain mlx-lm (`generate_step`, float KV) then kvmem (`actors.open_runtime`, Q4 KV, "
          f"profile `{plan.profile}`"
-         f"{f', plain attention up to {plan.plain_attention_queries} queries' if plan.plain_attention_queries else ''}"
+         f"{f', plain_attention_queries={plan.plain_attention_queries}' if plan.plain_attention_queries is not None else ''}"
          f", fsync off) in this one process; medians of {plan.repeats} repeats, after a "
          f"warm-up turn each"),
         (f"cold prompts {', '.join(_k(s) for s in plan.sizes)}; decode {plan.decode_tokens} tokens at "

@@ -25,7 +25,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | decode steps back to back in one job on the model's thread (``decode_run_steps`` unset) | 1: a run's thread contends with trio and OpenBLAS for the two cores and the GIL (8 agents on kvmem-default: about 10% fewer tokens/s with runs; one agent: no change) | :data:`GPU_DECODE_RUN_STEPS`: the device computes while the host would wait for trio between steps (a 1-layer model: 0.83x plain mlx-lm's tokens/s with runs, 0.66x without; ``benches/results/decode_runs.md``) |
 | NumPy attention, NumPy KV copies, the shared-prefix check | on (``numpy_attention``) | off: no host round trip |
 | allocator tuning and pre-warm | on | off (device memory is not the glibc heap) |
-| short passes' attention (2 to ``plain_attention_queries`` query positions a row) | NumPy (above) | plain MLX operations instead of the fused kernel when set (off by default until a GPU run measures it: on CUDA the fused kernel builds a cuDNN graph per new shape) |
+| short passes' attention (2 to ``plain_attention_queries`` query positions a row) | NumPy (above) | plain MLX operations, up to :data:`GPU_PLAIN_ATTENTION_QUERIES` (unset): on CUDA the fused kernel builds a cuDNN graph per new shape, about 65 ms each, and a growing conversation's every turn has new ones (an H200, run 3: a batch of 8's join took 263 ms a round instead of 1,071) |
 | memory budgets (``budget_mb``, ``hot_budget_mb``, ``keep_float_mb`` left unset) | 2048 / 512 / 1024 MiB | 25% / 10% / 10% of the device's memory (CUDA's total, Metal's recommended working set); the CPU's where it is not known (the GPU policy forced on a CPU) |
 | a turn's end | the cache is quantized and copied to the host for its save at once | quantized without waiting; the save's host copy is made later, when the GPU actor has nothing to run or the store needs it, never between two decode steps (``actors.gpu``) |
 """
@@ -37,7 +37,8 @@ from typing import Literal
 import msgspec
 
 __all__ = ["BackendProfile", "Policy", "decide_profile", "detect_device", "device_profile", "profile_setting",
-           "CPU_CHUNKS", "GPU_CHUNK", "CPU_MEMORY_MB", "GPU_MEMORY_SHARES", "GPU_DECODE_RUN_STEPS"]
+           "CPU_CHUNKS", "GPU_CHUNK", "CPU_MEMORY_MB", "GPU_MEMORY_SHARES", "GPU_DECODE_RUN_STEPS",
+           "GPU_PLAIN_ATTENTION_QUERIES"]
 
 Policy = Literal["cpu", "gpu"]
 
@@ -53,6 +54,12 @@ GPU_DECODE_RUN_STEPS = 16
 """Decode steps a batch runs back to back in one job on a GPU's model thread when no prefill is
 waiting (:class:`runtime.plan.scheduler.Step`'s ``decode_steps``); each step's tokens still stream
 as it ends, and a finished row or a message ends the run early."""
+
+GPU_PLAIN_ATTENTION_QUERIES = 64
+"""Under the GPU policy, forward passes of 2 to this many query positions a row attend with plain
+MLX operations (``plain_attention_queries`` unset): a hot turn's message or a batch's join costs
+no new fused-kernel graph. Longer passes (prefill chunks) keep the fused kernel, whose graph per
+shape is then small beside the pass, and one-token decode steps keep MLX's vector kernel."""
 
 
 CPU_MEMORY_MB: dict[str, float] = {"budget_mb": 2048.0, "hot_budget_mb": 512.0, "keep_float_mb": 1024.0}
@@ -95,7 +102,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         plain_attention_queries: under the GPU policy, forward passes of 2 to this many query
             positions a row attend with plain MLX operations, not the fused kernel
             (:func:`runtime.cpu.attention.plain_attention`); 0: never (the CPU policy's NumPy
-            attention covers such passes there).
+            attention covers such passes there); the setting, else :data:`GPU_PLAIN_ATTENTION_QUERIES`.
         copy_after_turn: a finished turn's park is launched, not waited for, and its host copy for
             the save is made after the turn (:meth:`runtime.plan.contract.Engine.snapshot`), off the
             decode loop. On the CPU the copy is a memcpy of memory the host already holds: made at once.
@@ -173,7 +180,7 @@ def decide_profile(
     attention: str = "auto",
     weights: str = "auto",
     numpy_attention: bool = True,
-    plain_attention_queries: int = 0,
+    plain_attention_queries: int | None = None,
     prewarm_mb: float = 0.0,
     prefill_chunk: int | None = None,
     decode_run_steps: int | None = None,
@@ -232,7 +239,8 @@ def decide_profile(
         run_ahead=not cpu,
         decode_run_steps=decode_run_steps or (1 if cpu else GPU_DECODE_RUN_STEPS),
         alone_on_own_caches=not cpu,
-        plain_attention_queries=0 if cpu else plain_attention_queries,
+        plain_attention_queries=0 if cpu else GPU_PLAIN_ATTENTION_QUERIES if plain_attention_queries is None
+        else plain_attention_queries,
         copy_after_turn=not cpu,
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,

@@ -221,7 +221,7 @@ async def test_cancelling_the_runtime_mid_traffic_leaves_completed_turns_on_disk
 
 async def test_small_budget_serves_every_agent_and_bounds_peak_memory(tmp_path):
     """Budget 4 MiB of running KV (float32 tiny-llama: 4 KiB/token, 1 MiB per 256-token
-    block), hot tier 2 MiB. Each agent needs 2 blocks, so at most 2 run at once; the
+    block), hot tier 2 MiB, kept float KV 2 MiB. Each agent needs 2 blocks, so at most 2 run at once; the
     other 6 wait. Stated margin: 16 MiB over budget + hot budget + weights, for
     transients: a prefill chunk's logits and attention scores (<= 512 tokens: 512 x 2048
     vocab x 4 B = 4 MiB of logits, 4 heads x 512 x 512 x 4 B = 4 MiB of scores per layer),
@@ -230,9 +230,12 @@ async def test_small_budget_serves_every_agent_and_bounds_peak_memory(tmp_path):
     on the CPU; on an H200 (MLX's CUDA backend, whose attention and matmuls keep larger temporaries)
     34 MiB, so GPU devices get a 32 MiB margin (limit 42.75)."""
     prompt = "User: " + CORPUS.read_text()[:1200] + "\nAssistant:"
-    budget_mb, hot_mb = 4, 2
+    # The float KV kept for hot turns is a third budget: named, so the bound holds on every device
+    # (left unset, a GPU keeps 10% of its memory: an H200's run 3 peaked at 49 MiB here).
+    budget_mb, hot_mb, float_mb = 4, 2, 2
     margin = (16 if detect_device()[0] == "cpu" else 32) * 2**20
-    async with _open(tmp_path, "tiny-llama", kv_bits=None, budget_mb=budget_mb, hot_budget_mb=hot_mb, trace=True) as rt:
+    async with _open(tmp_path, "tiny-llama", kv_bits=None, budget_mb=budget_mb, hot_budget_mb=hot_mb,
+                     keep_float_mb=float_mb, trace=True) as rt:
         results = []
 
         async def agent(i: int) -> None:
@@ -248,7 +251,7 @@ async def test_small_budget_serves_every_agent_and_bounds_peak_memory(tmp_path):
     assert stats.gpu.memory_waits_total >= 1 and max(r.usage.queue_wait_ms for r in results) > 0
     assert stats.gpu.pool.total_blocks == 4
     mem = stats.gpu.memory
-    assert mem.peak - mem.baseline <= mem.model + (budget_mb + hot_mb) * 2**20 + margin
+    assert mem.peak - mem.baseline <= mem.model + (budget_mb + hot_mb + float_mb) * 2**20 + margin
 
 
 async def test_second_agent_prefills_only_its_own_part_of_a_shared_system_prompt(tmp_path):

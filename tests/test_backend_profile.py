@@ -16,7 +16,16 @@ import httpx
 import pytest
 from conftest import models_dir, skip_without_native_attention
 
-from runtime.backend import CPU_CHUNKS, GPU_CHUNK, GPU_DECODE_RUN_STEPS, decide_profile, detect_device, profile_setting
+from runtime.backend import (
+    CPU_CHUNKS,
+    GPU_CHUNK,
+    GPU_DECODE_RUN_STEPS,
+    GPU_PLAIN_ATTENTION_QUERIES,
+    decide_profile,
+    detect_device,
+    device_profile,
+    profile_setting,
+)
 from runtime.execution.sequence import prefill_chunk_size
 
 # -- the policy, as a value ----------------------------------------------------------
@@ -28,6 +37,7 @@ def test_the_cpu_device_gets_the_cpu_policy() -> None:
     assert p.numpy_attention and p.numpy_kv_copy and p.shared_prefix_check and p.tune_allocator
     assert p.prewarm_mb == 512 and p.prefill_chunks == CPU_CHUNKS
     assert p.decode_run_steps == 1 and not p.run_ahead
+    assert p.plain_attention_queries == 0  # NumPy attention covers short passes there
 
 
 def test_a_gpu_gets_the_gpu_policy_with_no_host_paths() -> None:
@@ -36,6 +46,7 @@ def test_a_gpu_gets_the_gpu_policy_with_no_host_paths() -> None:
     assert not (p.numpy_attention or p.numpy_kv_copy or p.shared_prefix_check or p.tune_allocator)
     assert p.prewarm_mb == 0 and p.chunk_for(0) == p.chunk_for(100_000) == GPU_CHUNK
     assert p.decode_run_steps == GPU_DECODE_RUN_STEPS > 1 and p.run_ahead
+    assert p.plain_attention_queries == GPU_PLAIN_ATTENTION_QUERIES > 1
 
 
 def test_the_policy_can_be_forced_either_way_and_explicit_settings_win() -> None:
@@ -47,6 +58,9 @@ def test_the_policy_can_be_forced_either_way_and_explicit_settings_win() -> None
     assert (explicit.attention, explicit.weights, explicit.chunk_for(50_000)) == ("at-rest", "bfloat16", 1024)
     assert decide_profile(device="gpu", backend="cuda", decode_run_steps=1).decode_run_steps == 1
     assert decide_profile(device="cpu", backend="cpu", decode_run_steps=8).decode_run_steps == 8
+    assert decide_profile(device="gpu", backend="cuda", plain_attention_queries=0).plain_attention_queries == 0
+    assert decide_profile(device="gpu", backend="cuda", plain_attention_queries=16).plain_attention_queries == 16
+    assert decide_profile(device="cpu", backend="cpu", plain_attention_queries=16).plain_attention_queries == 0
     gpu = decide_profile(device="gpu", backend="cuda")
     assert profile_setting("decode_run_steps", None, gpu) == GPU_DECODE_RUN_STEPS
     assert profile_setting("decode_run_steps", 4, gpu) == 4
@@ -250,8 +264,9 @@ def test_the_engines_profile_reports_the_memory_settings_it_was_given() -> None:
     from runtime.execution.mlx_engine import MlxEngine
 
     engine = MlxEngine.from_config(Config(home=str(models_dir().parent), budget_mb=300, keep_float_mb=0))
-    assert (engine.profile.budget_mb, engine.profile.hot_budget_mb, engine.profile.keep_float_mb) == (300, 512, 0)
-    assert "memory KV 300 / hot 512 / float 0 MB" in engine.profile.line()
+    hot = device_profile().hot_budget_mb  # left unset: this device's default (512 on a CPU, sized on a GPU)
+    assert (engine.profile.budget_mb, engine.profile.hot_budget_mb, engine.profile.keep_float_mb) == (300, hot, 0)
+    assert f"memory KV 300 / hot {hot:.0f} / float 0 MB" in engine.profile.line()
 
 
 async def test_a_runtime_sizes_its_unset_budgets_from_the_engines_profile(tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, no_template_model: Path) ->
         home=str(models_dir().parent),
         cache_dir=str(tmp_path_factory.mktemp("caches")),
         api_key=KEY,
-        max_tokens_limit=256,
+        max_tokens_limit=2400,  # a reply longer than a client waits for on a GPU (below)
         max_body_bytes=64 * 1024,
         budget_mb=256,
         hot_budget_mb=64,
@@ -458,7 +458,9 @@ def test_extra_routes_share_the_middleware_and_the_openapi_document(server: Serv
 
 def test_a_client_that_leaves_a_non_streaming_request_cancels_it(server: ServerThread, http: httpx.Client) -> None:
     cancelled = _metric(http, "kvmem_requests_cancelled_total")
-    body = {"model": MODEL, "max_tokens": 256, "messages": [{"role": "user", "content": "Go on and on. " * 200}]}
+    # Longer than the client waits on any device: 256 tokens took under 0.3 s on an H200.
+    # tiny-llama samples no end of turn here: the reply runs to max_tokens unless cancelled.
+    body = {"model": MODEL, "max_tokens": 2400, "messages": [{"role": "user", "content": "Go on and on. " * 200}]}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": KEY, "X-Agent-ID": "impatient"},
                    timeout=httpx.Timeout(60, read=0.3))

@@ -101,7 +101,7 @@ class MlxEngine:
             and a throwaway turn at each load (:mod:`runtime.execution.warmup`); 0 turns both off.
         numpy_attention: attend through :mod:`runtime.cpu.attention` where it applies.
         plain_attention_queries: the setting of that name (GPU policy: short passes' attention
-            from plain MLX operations; 0: never).
+            from plain MLX operations; 0: never; None: the profile's).
         keep_float_mb: float KV kept after turns for the next hot turn (:mod:`runtime.kv.float_resident`; 0: off;
             None: the backend profile's default).
         budget_mb, hot_budget_mb: the runtime's KV and hot-tier budgets (None: the profile's defaults),
@@ -123,7 +123,7 @@ class MlxEngine:
         weights: str = "auto",
         prewarm_mb: float = 0,
         numpy_attention: bool = True,
-        plain_attention_queries: int = 0,
+        plain_attention_queries: int | None = None,
         keep_float_mb: float | None = 0,
         budget_mb: float | None = None,
         hot_budget_mb: float | None = None,
