@@ -112,8 +112,11 @@ class FakeEngine:
     profile = None  # no backend profile: nothing here runs on a device
 
     def __init__(self, *, step_delay_s: float = 0.0, chunk_delay_s: float = 0.0, default_chunk: int = 64,
-                 context_length: int | None = None, copy_after_turn: bool = False) -> None:
+                 context_length: int | None = None, copy_after_turn: bool = False, copy_layers: int = 1,
+                 copy_layer_delay_s: float = 0.0) -> None:
         self.step_delay_s = step_delay_s
+        self.copy_layers, self.copy_layer_delay_s = copy_layers, copy_layer_delay_s  # a copy's parts, as layers
+        self.copied_layers = 0  # parts copied in all (a copy resumed, not restarted, adds each part once)
         self.copy_after_turn = copy_after_turn  # as the GPU policy: finish leaves the save's copy for later
         self.snapshots: list[str] = []  # the texts of the copies snapshot() made
         self.context_length = context_length
@@ -267,7 +270,17 @@ class FakeEngine:
             snapshot=parked.to_snapshot() if parked is not None and not self.copy_after_turn else None,
         )
 
-    def snapshot(self, parked: Any) -> CacheSnapshot:
+    def snapshot(self, parked: Any, *, stop: Any = None, done: list[Any] | None = None) -> CacheSnapshot | None:
+        """The copy in ``copy_layers`` parts of ``copy_layer_delay_s`` each, resumable as the contract says."""
+        done = [] if done is None else done
+        made = 0
+        while len(done) < self.copy_layers:
+            if made and stop is not None and stop():
+                return None
+            time.sleep(self.copy_layer_delay_s)
+            done.append(len(done))
+            self.copied_layers += 1
+            made += 1
         self.snapshots.append(parked.text)
         return parked.to_snapshot()
 

@@ -66,11 +66,23 @@ def _turn(engine, request_id: int, prompt: str, plan, max_tokens: int = 6):
     return engine.finish(request_id)
 
 
+def _in_parts(engine, parked):
+    """The copy as an idle GPU actor makes it when messages keep coming: a layer per call, resumed."""
+    done: list = []
+    calls = 0
+    while (snapshot := engine.snapshot(parked, stop=lambda: True, done=done)) is None:
+        calls += 1
+        assert len(done) == calls  # one layer per call, none copied twice
+    assert calls == len(snapshot.layers) - 1
+    return snapshot
+
+
 @pytest.mark.parametrize("attention", ["at-rest", "native"])
 def test_a_copy_made_after_the_next_turn_ran_on_the_kept_buffers_is_the_copy_made_at_once(attention: str) -> None:
     """Two engines run the same turns. One copies the first turn's cache at once; the other only
     after the agent's next turn ran from it (at-rest: on the float buffers the park kept, written in
-    place). Any buffer the unwaited park still read and the next turn overwrote would show here."""
+    place), and a layer at a time, as an idle actor whose copies messages interrupt makes it. Any
+    buffer the unwaited park still read and the next turn overwrote would show here."""
     from runtime.cpu import kv_copy
     from runtime.plan.contract import ColdStart, FromHot, TurnPlan
 
@@ -87,7 +99,7 @@ def test_a_copy_made_after_the_next_turn_ran_on_the_kept_buffers_is_the_copy_mad
                            reuse_chars=len(parked.text))
             second = _turn(engine, 2, parked.text + " And the harbour?", hot)
             assert second.parked is not None and second.parked.num_tokens > parked.num_tokens
-            copies.append(copy if copy is not None else engine.snapshot(parked))
+            copies.append(copy if copy is not None else _in_parts(engine, parked))
         made_at_once, made_later = copies
         assert made_later.token_ids == made_at_once.token_ids and made_later.text == made_at_once.text
         for a, b in zip(made_at_once.layers, made_later.layers, strict=True):
@@ -196,14 +208,34 @@ async def test_a_durable_turn_on_an_idle_actor_does_not_wait_out_the_grace(tmp_p
     assert _disk(tmp_path).load("d", model_tag=TAG).text == "a durable turn" + result.reply[:-1]
 
 
+async def test_a_turn_that_comes_while_an_idle_actor_copies_waits_for_a_layer_not_the_copy(tmp_path, monkeypatch):
+    """H200 run 3: a cold 1K turn waited 410 ms behind two copies an idle actor made back to back
+    (a 16K and a 32K cache, host copies at about 0.6 GB/s). A message now stops an idle copy
+    between two layers; the turn runs, and the copy resumes where it stopped."""
+    monkeypatch.setattr(save_queue, "COPY_IDLE_GRACE_S", 0.0)
+    engine = FakeEngine(copy_after_turn=True, copy_layers=30, copy_layer_delay_s=0.02)  # 0.6 s a copy
+    async with _open(tmp_path, engine) as rt:
+        first = await rt.agent("a").send_prompt("the first turn", max_tokens=3)
+        await trio.sleep(0.1)  # the idle actor is copying its cache
+        assert 0 < engine.copied_layers < 30
+        t0 = trio.current_time()
+        await rt.agent("b").send_prompt("a turn in the middle of it", max_tokens=3)
+        waited = trio.current_time() - t0
+        assert engine.snapshots == []  # a's copy, stopped for b's turn, is not finished yet
+        assert waited < 0.3  # a layer (0.02 s) and the turn; the rest of the copy would be 0.4 s or more
+        await _until_written(rt, 2)
+    assert engine.copied_layers == 60  # both copies, each layer once: a's resumed, not restarted
+    assert _disk(tmp_path).load("a", model_tag=TAG).text == "the first turn" + first.reply[:-1]
+
+
 async def test_a_failed_copy_fails_only_its_save(tmp_path, caplog):
     engine = FakeEngine(copy_after_turn=True)
     real = engine.snapshot
 
-    def failing(parked):
+    def failing(parked, **parts):
         if parked.text.startswith("unlucky"):
             raise RuntimeError("device lost")
-        return real(parked)
+        return real(parked, **parts)
 
     engine.snapshot = failing
     with caplog.at_level(logging.ERROR):

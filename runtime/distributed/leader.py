@@ -327,8 +327,8 @@ class LeaderEngine:
         finally:
             self._leader.handles.settle(handle)
 
-    def snapshot(self, parked: Any) -> Any:
-        return self._inner.snapshot(parked)  # not called: finish makes the copy itself
+    def snapshot(self, parked: Any, *, stop: Any = None, done: Any = None) -> Any:
+        return self._inner.snapshot(parked)  # not called: finish makes the copy itself (whole)
 
     def discard(self, request_id: int) -> None:
         self._leader.send(Discard(request_id))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -406,9 +407,21 @@ class MlxEngine:
             tool_calls=tuple(seq.tool_calls),
         )
 
-    def snapshot(self, parked: ParkedView) -> CacheSnapshot:
+    def snapshot(self, parked: ParkedView, *, stop: Callable[[], bool] | None = None,
+                 done: list[Any] | None = None) -> CacheSnapshot | None:
         assert isinstance(parked, ParkedCache)
-        return parked.to_snapshot()
+        if stop is None and not done:
+            return parked.to_snapshot()
+        # A layer at a time: on a GPU each is a host copy of its own (about 0.6 GB/s on an H200:
+        # 260 ms for a 32K cache of a 1B model), so a new turn waits for one layer, not all.
+        done = [] if done is None else done
+        made = 0
+        while len(done) < len(parked.layers):
+            if made and stop is not None and stop():
+                return None
+            done.extend(parked.host_layers(len(done), len(done) + 1))
+            made += 1
+        return parked.snapshot_of(done)
 
     def discard(self, request_id: int) -> None:
         if request_id in self._seqs:

@@ -215,14 +215,22 @@ class ParkedCache:
 
     def to_snapshot(self) -> CacheSnapshot:
         """Copy to host numpy arrays (batch axis dropped) for persistence."""
-        # Every array the save copies is made (chunks joined, bfloat16 widened) in one evaluation,
-        # then copied: one wait for the device instead of one per array (six a layer).
-        host = [{k: _host_dtype(v[0]) for k, v in layer.arrays.items()} for layer in self.layers]
+        return self.snapshot_of(self.host_layers(0, len(self.layers)))
+
+    def host_layers(self, start: int, stop: int) -> list[LayerSnapshot]:
+        """Layers ``start`` to ``stop``'s host copies (batch axis dropped), for a copy made in parts."""
+        # Every array copied is made (chunks joined, bfloat16 widened) in one evaluation, then
+        # copied: one wait for the device instead of one per array (six a layer).
+        picked = self.layers[start:stop]
+        host = [{k: _host_dtype(v[0]) for k, v in layer.arrays.items()} for layer in picked]
         mx.eval([a for arrays in host for a in arrays.values()])
-        layers = [
-            LayerSnapshot(layer.kind, {k: np.array(a, copy=True) for k, a in arrays.items()})
-            for layer, arrays in zip(self.layers, host, strict=True)
-        ]
+        return [LayerSnapshot(layer.kind, {k: np.array(a, copy=True) for k, a in arrays.items()})
+                for layer, arrays in zip(picked, host, strict=True)]
+
+    def snapshot_of(self, layers: list[LayerSnapshot]) -> CacheSnapshot:
+        """The snapshot whose layers are ``layers`` (every one of :meth:`host_layers`' copies, in order)."""
+        if len(layers) != len(self.layers):
+            raise ValueError(f"a snapshot needs all {len(self.layers)} layers, got {len(layers)}")
         return CacheSnapshot(
             model_tag=self.model_tag,
             text=self.text,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -527,8 +527,15 @@ class Engine(Protocol):
     def finish(self, request_id: int) -> Finished:
         """Take the sequence out of the batch and park its cache (finished or cancelled)."""
 
-    def snapshot(self, parked: ParkedView) -> CacheSnapshot:
-        """``parked``'s host copy for its save, when :meth:`finish` left it for later."""
+    def snapshot(self, parked: ParkedView, *, stop: Callable[[], bool] | None = None,
+                 done: list[Any] | None = None) -> CacheSnapshot | None:
+        """``parked``'s host copy for its save, when :meth:`finish` left it for later.
+
+        With ``stop``, the copy may go a part (a layer) at a time: each part's copy is appended to
+        ``done``, the copy resumes from what ``done`` holds, and once at least one part was made
+        by this call, ``stop()`` returning True between two parts ends it with None (the GPU
+        actor asks so while a message waits). An engine may also make it whole and never stop.
+        """
 
     def discard(self, request_id: int) -> None:
         """Drop a sequence without parking it."""
