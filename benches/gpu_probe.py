@@ -30,6 +30,7 @@ from __future__ import annotations
 import glob
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import runtime  # noqa: F401  (OpenBLAS before mlx)
@@ -297,11 +298,40 @@ def decode_rows(model: Any, contexts: list[int], steps: int) -> list[list[str]]:
     return rows
 
 
+def gguf_prefill_rows(gguf: str, lengths: list[int]) -> list[list[str]]:
+    """The needle GGUF's forward pass of each length (new shapes), weights packed as the GPU policy holds
+    them (float16 around the blocks) and unpacked to float16: the first call, then the same shape again.
+    H200 run 3's 8K needle rows took 232 s on this 135M model; a first call far above its repeat under
+    ``quantized`` only would point at MLX compiling its quantized matmul kernels (NVRTC) at first use."""
+    import mlx.core as mx
+
+    from runtime.model.loaded import load_model
+
+    rows = []
+    for weights, floats in (("quantized", "float16"), ("float16", "auto")):
+        lm = load_model(gguf, models_dir=harness.BENCH_HOME / "models", weights=weights, packed_floats=floats,
+                        numpy_attention=False)
+        for n in lengths:
+            times = []
+            for _ in range(2):
+                ids = mx.random.randint(10, 4000, (1, n))
+                mx.synchronize()
+                t0 = time.perf_counter()
+                mx.eval(lm.model(ids))
+                times.append((time.perf_counter() - t0) * 1e3)
+            rows.append([weights, str(n), f"{times[0]:.1f}", f"{times[1]:.1f}"])
+            log(f"gguf {weights} {n}: first {times[0]:.1f} ms, again {times[1]:.1f} ms")
+        del lm
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = harness.parser(__doc__)
     p.add_argument("--model-glob", default=str(harness.BENCH_HOME / "models" / "gpu-1b-*"))
     p.add_argument("--contexts", type=int, nargs="+", help="cache lengths (default 1000 1001 1002 4000 4001)")
     p.add_argument("--probe-tokens", type=int, default=15, help="new tokens per shape probe (a hot turn's size)")
+    p.add_argument("--gguf", default=os.environ.get("KVMEM_NEEDLE_GGUF"),
+                   help="a GGUF whose forward passes are timed packed and unpacked (default $KVMEM_NEEDLE_GGUF; none: skipped)")
     args = p.parse_args(argv)
     quick = args.quick
     res = ResultFile("gpu_probe", "GPU probes: fused attention, tiny-gpt-oss, a new shape's first pass, one decode row",
@@ -331,6 +361,14 @@ def main(argv: list[str] | None = None) -> None:
     res.body += [f"## One decode row (`{name}`; tokens/s)", "",
                  *table(["context", "cache", "lockstep", "run ahead"], decode_rows(
                      model, [min(contexts), max(contexts) * 4] if not quick else [100], 16 if quick else 64)), ""]
+    if args.gguf:
+        res.write()  # the probes above are kept if this one runs past the session's time limit
+        res.body += [f"## The needle GGUF's forward at new lengths, packed and unpacked (`{Path(args.gguf).name}`; ms)", ""]
+        try:  # last, and on its own: the probes above keep their report whatever happens here
+            res.body += [*table(["weights", "tokens", "first call", "same shape again"],
+                                gguf_prefill_rows(args.gguf, [100, 101] if quick else [1000, 1001, 2048, 4000])), ""]
+        except Exception as exc:  # noqa: BLE001 - a one-shot device run reports it
+            res.body += [f"Stopped: {type(exc).__name__}: {str(exc)[:300]}", ""]
     print(res.write().read_text())
 
 
