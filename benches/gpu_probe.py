@@ -127,7 +127,11 @@ def gpt_oss_part_rows() -> list[list[str]]:
     token, whose gather is not), the worst difference of the attention block's and the MoE
     block's outputs, then the MoE block alone on the device fed the CPU's own input (a
     difference there is the MoE kernels', not an inherited one), and the share of tokens whose
-    router picks other experts from that same input.
+    router picks other experts from that same input. Two more device runs ask why (H200 run 3: the
+    MoE block fed its own device input was off by 4.5 at layer 2, fed the CPU's input it matched):
+    one evaluates each block's input before the block (a graph boundary), one with ``mx.compile``
+    off (mlx-lm's ``swiglu_oai`` is compiled shapeless). The one-token rows follow each run's own
+    argmax, so past a differing prefill they compare different tokens.
     """
     import mlx.core as mx
     from mlx_lm.models import gpt_oss
@@ -142,6 +146,8 @@ def gpt_oss_part_rows() -> list[list[str]]:
 
     def recording(kind: str) -> Any:
         def call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+            if where["run"] == "device, inputs evaluated":
+                mx.eval(x)
             out = calls[kind](self, x, *args, **kwargs)
             seen[(where["run"], where["pass"], kind, layer_of[id(self)])] = (x, out)
             return out
@@ -150,7 +156,10 @@ def gpt_oss_part_rows() -> list[list[str]]:
     device = mx.default_stream(mx.default_device())
     gpt_oss.AttentionBlock.__call__, gpt_oss.MLPBlock.__call__ = recording("attention"), recording("moe")
     try:
-        for run, stream in (("device", device), ("cpu", mx.cpu)):
+        for run, stream in (("device", device), ("device, inputs evaluated", device), ("device, compile off", device),
+                            ("cpu", mx.cpu)):
+            if run == "device, compile off":
+                mx.disable_compile()
             with mx.stream(stream):
                 where.update(run=run, **{"pass": "prefill"})
                 cache = make_prompt_cache(model)
@@ -158,7 +167,9 @@ def gpt_oss_part_rows() -> list[list[str]]:
                 where["pass"] = "one token"
                 model(y, cache=cache)
                 mx.eval([v for key, pair in seen.items() if key[0] == run for v in pair])
+            mx.enable_compile()
     finally:
+        mx.enable_compile()
         gpt_oss.AttentionBlock.__call__, gpt_oss.MLPBlock.__call__ = calls["attention"], calls["moe"]
 
     def worst(a: Any, b: Any) -> float:
@@ -178,7 +189,9 @@ def gpt_oss_part_rows() -> list[list[str]]:
             other = mx.any(experts(layer.mlp, x_cpu, device) != experts(layer.mlp, x_cpu, mx.cpu), axis=-1)
             rows.append([phase, str(i), f"{worst(*(seen[(r, phase, 'attention', i)][1] for r in ('device', 'cpu'))):.2e}",
                          f"{worst(seen[('device', phase, 'moe', i)][1], out_cpu):.2e}", f"{worst(alone, out_cpu):.2e}",
-                         f"{float(other.astype(mx.float32).mean()):.0%} of {other.size}"])
+                         f"{float(other.astype(mx.float32).mean()):.0%} of {other.size}",
+                         *(f"{worst(seen[(r, phase, 'moe', i)][1], out_cpu):.2e}"
+                           for r in ("device, inputs evaluated", "device, compile off"))])
     return rows
 
 
@@ -347,7 +360,8 @@ def main(argv: list[str] | None = None) -> None:
                  *table(["position", "max |logit diff|, device twice", "device vs CPU"], gpt_oss_rows(4 if quick else 8)),
                  "", "## tiny-gpt-oss layer by layer: the device against the CPU stream (worst |diff|)", "",
                  *table(["pass", "layer", "attention block", "MoE block", "MoE block alone, the CPU's input",
-                         "tokens routed to other experts"], gpt_oss_part_rows()), ""]
+                         "tokens routed to other experts", "MoE block, each block's input evaluated first",
+                         "MoE block, mx.compile off"], gpt_oss_part_rows()), ""]
     res.body += ["## Attention alone at new shapes: fused (cuDNN, a graph per shape) against plain ops (ms)", "",
                  *table(["new tokens", "cache tokens", "fused first", "fused again", "plain first", "plain again",
                          "max |diff|"],
