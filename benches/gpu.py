@@ -635,6 +635,30 @@ def device_lines() -> list[str]:
     return [f"device: MLX {mx.__version__} default device {device} ({backend}); {shown}{smi}"]
 
 
+def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
+    """Each cold turn's window read against the GPU actor's trace: when the actor admitted it, the host
+    copies for earlier turns' saves it made first (how many, and roughly how long: each copy's time
+    since the event before it), and when the turn's prefill ended (its first token). H200 run 3 read
+    this by hand to find cold 1K turns waiting 91-417 ms behind copies."""
+    events = trace.get("events", [])
+    rows = []
+    for mark in trace.get("cold", []):
+        t0, t1 = mark["t0"], mark["t1"]
+        inside = [(i, e) for i, e in enumerate(events) if t0 <= e["at"] <= t1]
+        admit = next((e for _, e in inside if e["kind"] == "admit"), None)
+        if admit is None:
+            continue
+        copies = [(i, e) for i, e in inside if e["kind"] == "copy" and e["at"] < admit["at"]]
+        copy_ms = sum((e["at"] - events[i - 1]["at"]) * 1e3 for i, e in copies if i > 0)
+        mine = [e for _, e in inside if e["ids"] == admit["ids"]]
+        first_step = next((e["at"] for e in mine if e["kind"] in ("step", "finish")), t1)
+        chunks = [e["at"] for e in mine if e["kind"] == "chunk" and e["at"] <= first_step]
+        rows.append([mark["agent"], f"{(admit['at'] - t0) * 1e3:.0f}",
+                     f"{len(copies)} ({copy_ms:.0f} ms)" if copies else "0",
+                     f"{(chunks[-1] - t0) * 1e3:.0f}" if chunks else "—"])
+    return rows
+
+
 def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], suite: list[str]) -> list[str]:
     """The report's body: one verdict table over all geometries, then each geometry's numbers, needles, suite."""
     rows = [[r.geometry.label, v.goal, v.measured, v.word]
@@ -672,6 +696,10 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
              f"{statistics.median(t for b in bs for t in b.ttfts_ms):.0f} / "
              f"{max(t for b in bs for t in b.ttfts_ms):.0f}"]
             for n, bs in ((1, one), (plan.batch, many)) if bs])]
+        waits = waits_before_first_token(r.trace)
+        if waits:
+            lines += ["", "Where the cold turns' first tokens went (the GPU actor's trace; ms from sending the turn):",
+                      "", *table(["turn", "admitted after", "save copies made first", "prefill ended after"], waits)]
         lines.append("")
     lines += ["## Needle rows (item 3, reduced)", "", *needle_lines, "", "## Test suite", "", *suite, ""]
     return lines

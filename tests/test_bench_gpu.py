@@ -82,3 +82,17 @@ def test_geometries_are_the_llama_shapes_the_issue_names() -> None:
             one["head_dim"], one["torch_dtype"]) == (2048, 16, 32, 8, 64, "bfloat16")
     assert (three["hidden_size"], three["num_hidden_layers"], three["num_attention_heads"],
             three["num_key_value_heads"], three["head_dim"]) == (3072, 28, 24, 8, 128)
+
+
+def test_a_cold_turns_wait_is_read_from_the_trace_copies_before_its_admission_included() -> None:
+    def ev(kind: str, rid: int, at: float) -> dict:
+        return {"kind": kind, "ids": [rid], "at": at}
+
+    trace = {"cold": [{"agent": "waits", "t0": 10.0, "t1": 10.5}, {"agent": "straight", "t0": 11.0, "t1": 11.2}],
+             "events": [ev("finish", 1, 9.99), ev("copy", 7, 10.15), ev("copy", 8, 10.40), ev("admit", 2, 10.41),
+                        ev("chunk", 2, 10.42), ev("chunk", 2, 10.43), ev("finish", 2, 10.44),
+                        ev("admit", 3, 11.01), ev("chunk", 3, 11.05), ev("step", 3, 11.06), ev("chunk", 4, 11.07)]}
+    assert gpu.waits_before_first_token(trace) == [["waits", "410", "2 (410 ms)", "430"],
+                                                   ["straight", "10", "0", "50"]]
+    body = "\n".join(gpu.render_body([_run()], PLAN, [], []))
+    assert "first tokens went" not in body  # a run without a trace reports none
