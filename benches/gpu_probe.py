@@ -311,6 +311,50 @@ def decode_rows(model: Any, contexts: list[int], steps: int) -> list[list[str]]:
     return rows
 
 
+def engine_decode_rows(folder: str, steps: int) -> list[list[str]]:
+    """One row's decode on the same model in this process: plain mlx-lm (``generate_step``) and kvmem's
+    engine called directly (``MlxEngine.step`` in a loop: no actors, no trio). The runtime's own rate is
+    the bench's decode row; the engine alone between the two splits run 3's 0.81x into the engine's
+    work and the actors'."""
+    import statistics as stats
+
+    from benches.gpu import mlx_lm_turn
+    from runtime.execution.mlx_engine import MlxEngine
+    from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
+
+    text = " ".join(f"note{i % 97} was kept" for i in range(300))  # about a thousand tokens
+    from mlx_lm import load
+
+    model, tokenizer = load(folder)
+    mlx_lm_turn(model, tokenizer, text, 16)  # warm-up
+    plain = [mlx_lm_turn(model, tokenizer, text, steps).decode_tps for _ in range(3)]
+    del model
+    engine = MlxEngine(models_dir=Path(folder).parent, kv_bits=4, kv_group_size=64, attention="auto")
+    engine.load(folder)
+    cold = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
+
+    def engine_rate(rid: int, n: int) -> float:
+        engine.start(rid, text, cold, engine.tokenize(text, cold), SamplingOptions(max_tokens=n))
+        while engine.prefill(rid, None).remaining:
+            pass
+        engine.join(rid)
+        engine.step()  # the first token
+        t0, made = time.perf_counter(), 1
+        while not any(t.finished for t in engine.step()):
+            made += 1
+        rate = made / (time.perf_counter() - t0)
+        engine.finish(rid)
+        return rate
+
+    engine_rate(1, 16)  # warm-up
+    alone = [engine_rate(2 + i, steps) for i in range(3)]
+    engine.unload()
+    log(f"decode: mlx-lm {plain}, engine alone {alone} tok/s")
+    return [["mlx-lm generate_step", f"{stats.median(plain):.1f}", "1.00x"],
+            ["kvmem MlxEngine.step, no actors", f"{stats.median(alone):.1f}",
+             f"{stats.median(alone) / stats.median(plain):.2f}x"]]
+
+
 def gguf_prefill_rows(gguf: str, lengths: list[int]) -> list[list[str]]:
     """The needle GGUF's forward pass of each length (new shapes), weights packed as the GPU policy holds
     them (float16 around the blocks) and unpacked to float16: the first call, then the same shape again.
@@ -375,6 +419,14 @@ def main(argv: list[str] | None = None) -> None:
     res.body += [f"## One decode row (`{name}`; tokens/s)", "",
                  *table(["context", "cache", "lockstep", "run ahead"], decode_rows(
                      model, [min(contexts), max(contexts) * 4] if not quick else [100], 16 if quick else 64)), ""]
+    if not name.startswith("tiny"):
+        res.write()  # kept if what follows runs past the session's time limit
+        try:
+            res.body += [f"## One row's decode, plain mlx-lm against kvmem's engine with no actors (`{name}`; tokens/s)",
+                         "", *table(["path", "tokens/s (median of 3)", "against mlx-lm"],
+                                    engine_decode_rows(name, 128)), ""]
+        except Exception as exc:  # noqa: BLE001 - a one-shot device run reports it
+            res.body += [f"Stopped: {type(exc).__name__}: {str(exc)[:300]}", ""]
     if args.gguf:
         res.write()  # the probes above are kept if this one runs past the session's time limit
         res.body += [f"## The needle GGUF's forward at new lengths, packed and unpacked (`{Path(args.gguf).name}`; ms)", ""]
