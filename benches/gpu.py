@@ -589,6 +589,12 @@ def render_needles(rows: list[dict[str, Any]], formats: list[str], default: str,
                         *([label[f], *(cell(f, n) for n in lengths)] for f in formats),
                         *([f"{FORMAT_LABELS[f]}: float's hits kept", *(kept(f, n) for n in lengths)]
                           for f in formats)])
+    lost = [(r, by[(r["length"], f, r["needle"])]) for r in rows if r["format"] == "float" and r["hit"]
+            for f in formats if (r["length"], f, r["needle"]) in by and not by[(r["length"], f, r["needle"])]["hit"]]
+    if lost:  # what a lost hit answered: a near miss or a wrong fact (item 3 asks for every one of float's)
+        lines += ["", "Float's hits a Q4 format lost (the answers, as generated):", ""]
+        lines += [f"- L = {f['length']}, needle {f['needle']}, {FORMAT_LABELS[q['format']]}: float {f['answer']!r}, "
+                  f"this {q['answer']!r}" for f, q in lost]
     if skipped:
         lines += ["", f"Not run for lack of time (`--deadline-s`): L = {skipped}."]
     return lines

@@ -63,6 +63,8 @@ def test_report_names_each_goal_with_its_ratio_and_the_needle_table() -> None:
     assert "| kvmem Q4 at-rest (disk) — **kvmem's default** | 1/1 |" in body
     assert "| kvmem Q4 at-rest (disk): float's hits kept | 1/1 |" in body
     assert "float's hits kept | 0/1 |" in body  # native lost float's one hit
+    assert "- L = 1024, needle 0, kvmem Q4 native: float ' 12345.', this ' 12..'" in body  # and what it said
+    assert body.count("- L = ") == 1  # at-rest kept it: not listed
     assert "Not run for lack of time (`--deadline-s`): L = [8192]." in body
 
 
