@@ -71,7 +71,7 @@ from actors.mlx_thread import MlxThread
 from runtime.plan.save_queue import copy_wait, next_copy
 from runtime.plan.scheduler import Scheduler, Step
 from runtime.plan.contract import (
-    Engine, Finished, FromShared, ModelInfo, ParkedView, PrefillResult, SequenceStarted, Tokenized, ToolCall,
+    Engine, Finished, FromShared, ModelInfo, ParkedView, PrefillResult, SequenceStarted, StepTiming, Tokenized, ToolCall,
 )
 from runtime.errors import ContextLengthExceededError
 from runtime.plan.block_pool import PoolStats
@@ -171,9 +171,10 @@ class GPUActor:
     async def _job(self, fn: Any, *args: Any) -> Any:
         return await self._thread.run(fn, *args)
 
-    def _event(self, kind: str, *request_ids: int) -> None:
+    def _event(self, kind: str, *request_ids: int, at: float | None = None, timing: StepTiming | None = None) -> None:
         if self.events is not None:
-            self.events.append(GpuEvent(kind=kind, request_ids=request_ids, at=time.perf_counter()))
+            self.events.append(GpuEvent(kind=kind, request_ids=request_ids, at=time.perf_counter() if at is None else at,
+                                        timing=timing))
 
     async def _loop(self) -> None:
         closing = False
@@ -427,7 +428,7 @@ class GPUActor:
                 tokens = await self._decode_run(steps)
             else:
                 tokens = await self._job(self._engine.step)
-                self._stepped(tokens)
+                self._stepped(tokens, self._engine.last_step_timing)
         except Exception as exc:  # noqa: BLE001 - the batch is unusable: fail its members
             log.exception("decode step failed")
             for request_id in members:
@@ -452,7 +453,7 @@ class GPUActor:
             tokens: list[Any] = []
             for _ in range(steps):
                 tokens = engine.step()
-                post(self._stepped, tokens)
+                post(self._stepped, tokens, engine.last_step_timing, time.perf_counter())
                 if not tokens or doorbell.is_set() or any(t.finished for t in tokens):
                     break
             return tokens
@@ -483,11 +484,12 @@ class GPUActor:
             self._inbox_ended = True
         self._doorbell.set()
 
-    def _stepped(self, tokens: list[Any]) -> None:
-        """One decode step's tokens, on trio: counted, traced and delivered (a run posts this per step)."""
+    def _stepped(self, tokens: list[Any], timing: StepTiming | None = None, at: float | None = None) -> None:
+        """One decode step's tokens, on trio: counted, traced and delivered (a run posts this per step,
+        with the time it ended on the model's thread)."""
         try:
             self._steps += 1
-            self._event("step", *(t.request_id for t in tokens))
+            self._event("step", *(t.request_id for t in tokens), at=at, timing=timing)
             for token in tokens:
                 req = self._requests.get(token.request_id)
                 if req is None:  # the actor stopped and answered its requests while the run went on

@@ -18,7 +18,7 @@ import msgspec
 from actors.messages_common import TurnUsage
 from actors.turn_log import TurnLog, TurnRecord
 from runtime.plan.block_pool import PoolStats
-from runtime.plan.contract import ParkedView
+from runtime.plan.contract import ParkedView, StepTiming
 
 __all__ = [
     "TTFT_BUCKETS_MS",
@@ -226,8 +226,13 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     ``chunk`` (one prefill chunk), ``step`` (one decode step of the batch; ``request_ids``
     are its members), ``finish`` (left the batch, parked), ``copy`` (a finished turn's host
     copy for its save, made after the turn under the GPU policy).
+
+    ``at`` is when it completed (``time.perf_counter``); a step's is taken on the model's thread
+    as it ends, and ``timing`` says where its time went there (:class:`runtime.plan.contract.StepTiming`;
+    None for other kinds, or an engine that does not measure).
     """
 
     kind: str
     request_ids: tuple[int, ...]
     at: float
+    timing: StepTiming | None = None

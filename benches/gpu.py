@@ -431,7 +431,9 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
                 b = run.rounds[-1]
                 log(f"{geom.name} batch N={n}: {b.system_tps:.1f} tok/s, ttft max {max(b.ttfts_ms):.0f} ms")
         run.phases["kvmem batch"] = time.perf_counter() - t_phase
-        run.trace["events"] = [{"kind": e.kind, "ids": list(e.request_ids), "at": e.at} for e in rt.gpu_events()]
+        run.trace["events"] = [{"kind": e.kind, "ids": list(e.request_ids), "at": e.at,
+                                **({"timing": [e.timing.launch_ms, e.timing.wait_ms, e.timing.host_ms]} if e.timing else {})}
+                               for e in rt.gpu_events()]
         await rt.flush()
     t0 = time.perf_counter()
     async with open_runtime(**settings) as rt:
@@ -665,6 +667,32 @@ def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def decode_step_split(trace: dict[str, Any]) -> list[list[str]]:
+    """Where decode steps' time went, from the GPU actor's trace: each kind of window (cold turns by
+    size, batch rounds by agents) pools its steps; per step, the time since the step before ended and
+    its :class:`runtime.plan.contract.StepTiming` on the model's thread (launch, wait for the device,
+    host work on the tokens). What the three leave of the interval ("elsewhere") is time the model's
+    thread spent outside the engine's step: the GPU actor between jobs, and waits for the GIL while
+    trio runs. A wait near zero says the host, not the device, set the pace."""
+    events = [e for e in trace.get("events", []) if e["kind"] == "step" and e.get("timing")]
+    windows = [(m["agent"].rsplit("-r", 1)[0], m["t0"], m["t1"]) for m in trace.get("cold", [])]
+    windows += [(f"batch round, {r['agents']} agent{'s' if r['agents'] > 1 else ''}", r["t0"], r["t1"])
+                for r in trace.get("rounds", [])]
+    pooled: dict[str, list[tuple[float, float, float, float]]] = {}
+    for name, t0, t1 in windows:
+        inside = [e for e in events if t0 <= e["at"] <= t1]
+        for prev, ev in zip(inside, inside[1:], strict=False):
+            interval = (ev["at"] - prev["at"]) * 1e3
+            launch, wait, host = ev["timing"]
+            pooled.setdefault(name, []).append((interval, launch, wait, host))
+    rows = []
+    for name, steps in pooled.items():
+        med = [statistics.median(s[i] for s in steps) for i in range(4)]
+        elsewhere = statistics.median(s[0] - s[1] - s[2] - s[3] for s in steps)
+        rows.append([name, str(len(steps)), *(f"{v:.2f}" for v in med), f"{elsewhere:.2f}"])
+    return rows
+
+
 def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], suite: list[str]) -> list[str]:
     """The report's body: one verdict table over all geometries, then each geometry's numbers, needles, suite."""
     rows = [[r.geometry.label, v.goal, v.measured, v.word]
@@ -706,6 +734,12 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
         if waits:
             lines += ["", "Where the cold turns' first tokens went (the GPU actor's trace; ms from sending the turn):",
                       "", *table(["turn", "admitted after", "save copies made first", "prefill ended after"], waits)]
+        split = decode_step_split(r.trace)
+        if split:
+            lines += ["", "Where the decode steps' time went (the GPU actor's trace; medians over each kind of window, ms "
+                      "a step): the time since the step before, then the model thread's launch, wait for the device "
+                      "and host work; elsewhere is the rest (the actor between jobs, the GIL):", "",
+                      *table(["window", "steps", "interval", "launch", "wait", "host", "elsewhere"], split)]
         lines.append("")
     lines += ["## Needle rows (item 3, reduced)", "", *needle_lines, "", "## Test suite", "", *suite, ""]
     return lines

@@ -144,7 +144,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         decode_run_steps: decode steps the batch may run back to back in one job on the model's
             thread when no prefill is waiting (each step's tokens still stream at once; a finished
             row, a new turn or a client that left ends the run after its step); 1: a job, and a
-            round trip through trio, per step; unset (``auto``): 1 on a CPU, 16 on a GPU (the
+            round trip through trio, per step; unset (``auto``): 1 on a CPU, 64 on a GPU (the
             backend profile's, :mod:`runtime.backend`).
         prefill_chunk: tokens per prefill chunk (None: adaptive, 512/256/128 by context).
         idle_timeout_s: an agent's actor stops after this long without requests.

@@ -31,6 +31,7 @@ from runtime.plan.contract import (
     PrefillResult,
     SamplingOptions,
     SequenceStarted,
+    StepTiming,
     StepToken,
     Tokenized,
     ToolChoice,
@@ -237,6 +238,11 @@ class FakeEngine:
 
     def join(self, request_id: int) -> None:
         self._batch.append(request_id)
+
+    @property
+    def last_step_timing(self) -> StepTiming | None:
+        """A step's delay is its wait for the "device"; nothing else takes time here."""
+        return StepTiming(launch_ms=0.0, wait_ms=self.step_delay_s * 1e3, host_ms=0.0) if self._batch else None
 
     def step(self) -> list[StepToken]:
         if self.step_delay_s:

@@ -98,3 +98,20 @@ def test_a_cold_turns_wait_is_read_from_the_trace_copies_before_its_admission_in
                                                    ["straight", "10", "0", "50"]]
     body = "\n".join(gpu.render_body([_run()], PLAN, [], []))
     assert "first tokens went" not in body  # a run without a trace reports none
+
+
+def test_decode_steps_are_split_from_the_trace_by_kind_of_window() -> None:
+    def step(at: float, timing: list[float] | None) -> dict:
+        return {"kind": "step", "ids": [1], "at": at, **({"timing": timing} if timing else {})}
+
+    trace = {"cold": [{"agent": "cold-1024-r0", "t0": 0.0, "t1": 1.0}, {"agent": "cold-1024-r1", "t0": 2.0, "t1": 3.0}],
+             "rounds": [{"agents": 8, "t0": 4.0, "t1": 5.0}],
+             "events": [step(0.100, [1.0, 2.0, 0.5]), step(0.104, [1.0, 2.0, 0.5]), step(0.109, [1.0, 2.5, 0.5]),
+                        step(2.100, [1.0, 0.0, 0.5]), step(2.104, [1.5, 0.0, 0.5]), step(2.5, None),
+                        step(4.000, [2.0, 1.0, 1.0]), step(4.007, [2.0, 1.0, 1.0]), step(4.015, [2.0, 2.0, 1.0])]}
+    rows = gpu.decode_step_split(trace)
+    # cold 1K pools three intervals (4, 5 and 4 ms) from two repeats; a step without timing is left out
+    assert rows[0] == ["cold-1024", "3", "4.00", "1.00", "2.00", "0.50", "1.00"]
+    assert rows[1] == ["batch round, 8 agents", "2", "7.50", "2.00", "1.50", "1.00", "3.00"]
+    body = "\n".join(gpu.render_body([_run()], PLAN, [], []))
+    assert "decode steps' time went" not in body  # a run without a trace reports none

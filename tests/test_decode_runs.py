@@ -25,9 +25,9 @@ from runtime.plan.contract import StepToken
 STEP_S = 0.01
 
 
-def _open(tmp_path: Path, engine: FakeEngine, run_steps: int):
+def _open(tmp_path: Path, engine: FakeEngine, run_steps: int, *, trace: bool = False):
     return open_runtime(model="fake-a", home=tmp_path, engine=engine, fsync=False, handle_signals=False,
-                        decode_run_steps=run_steps)
+                        decode_run_steps=run_steps, trace=trace)
 
 
 @pytest.fixture
@@ -66,6 +66,31 @@ async def test_a_lone_turn_decodes_in_runs_and_streams_every_token_as_it_is_made
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     assert len(arrivals) >= 60 and max(gaps) < 8 * STEP_S, max(gaps)
     assert arrivals[-1] - arrivals[0] >= 0.5 * 60 * STEP_S
+
+
+@pytest.mark.parametrize("run_steps", [1, 16])
+async def test_the_trace_times_each_step_on_the_model_thread(tmp_path, run_steps):
+    """A step event carries the engine's timing of it (:class:`runtime.plan.contract.StepTiming`) and,
+    in a run, the time it ended on the model's thread: a device run reads the decode loop from them."""
+
+    class Clocked(FakeEngine):
+        ended: list[float] = []
+
+        def step(self) -> list[StepToken]:
+            tokens = super().step()
+            self.ended.append(time.perf_counter())
+            return tokens
+
+    engine = Clocked(step_delay_s=STEP_S)
+    async with _open(tmp_path, engine, run_steps, trace=True) as rt:
+        await rt.agent("a").send_prompt("tell me", max_tokens=12)
+        steps = [e for e in rt.gpu_events() if e.kind == "step"]
+    assert len(steps) == len(engine.ended) >= 10
+    for event, ended in zip(steps, engine.ended, strict=True):
+        assert event.timing is not None and event.timing.wait_ms == pytest.approx(STEP_S * 1e3)
+        assert event.at >= ended
+        if run_steps > 1:
+            assert event.at == pytest.approx(ended, abs=2e-3)
 
 
 async def test_a_turn_that_arrives_during_a_run_joins_after_one_more_step(tmp_path):

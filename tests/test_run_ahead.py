@@ -62,3 +62,31 @@ def test_one_step_ahead_decodes_what_lockstep_decodes(attention: str) -> None:
         assert_decoded_alike(lockstep[name], ahead[name], limit, atol=1e-3)
     assert ahead["e"].generated[:4] == [5, 6, 7, 8]
     assert ahead["d"].finish_reason == "stop" and lockstep["a"].finish_reason == "length"
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_every_step_records_where_its_time_went(run_ahead: bool) -> None:
+    """The GPU actor's trace carries each step's launch / wait / host split (``StepTiming``): its parts
+    are the step's own time, nothing before it or after it."""
+    import time
+
+    lm = tiny("tiny-llama")
+    batch = DecodeBatch(shared_prefix_check=False, run_ahead=run_ahead)
+    for name in ("a", "b"):
+        prompt, params, _ = ROWS[name]
+        seq = Sequence(lm, prompt, None, params, attention="at-rest")
+        while seq.prefill_step() is None:
+            pass
+        batch.add(seq)
+    assert batch.last_timing is None
+    for _ in range(4):
+        time.sleep(0.02)  # time between steps is no step's
+        t0 = time.perf_counter()
+        batch.step_once()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        timing = batch.last_timing
+        assert timing is not None
+        parts = (timing.launch_ms, timing.wait_ms, timing.host_ms)
+        assert all(p >= 0 for p in parts) and timing.host_ms > 0
+        assert sum(parts) <= wall_ms
+        assert sum(parts) >= 0.5 * wall_ms  # the step's merge and bookkeeping aside, it is all here

@@ -69,6 +69,7 @@ from runtime.plan.contract import (
     PrefillResult,
     SamplingOptions,
     SequenceStarted,
+    StepTiming,
     StepToken,
     Tokenized,
     ToolChoice,
@@ -311,6 +312,10 @@ class LeaderEngine:
     def step(self) -> list[StepToken]:
         self._leader.send(Step())
         return self._inner.step()
+
+    @property
+    def last_step_timing(self) -> StepTiming | None:
+        return self._inner.last_step_timing
 
     def finish(self, request_id: int) -> Finished:
         handle = self._leader.handles.new()

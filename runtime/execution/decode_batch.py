@@ -13,6 +13,7 @@ together (:mod:`runtime.execution.batch_prefill`) joins as the batch cache it al
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -23,6 +24,7 @@ from runtime.kv.decode_kv import DecodeKVCache
 from runtime.kv.float_resident import extract_with_room
 from runtime.reply.grammar import mask_rows
 from runtime.cpu.kv_copy import place_rows
+from runtime.plan.contract import StepTiming
 from runtime.kv.q4_cache import (
     BatchDequantizingQuantizedKVCache,
     BatchQuantizedKVCache,
@@ -123,6 +125,7 @@ class DecodeBatch:
         # The step launched ahead: one token per leading member, not yet read back (run_ahead only).
         self._ahead: mx.array | None = None
         self._ahead_rows = 0
+        self.last_timing: StepTiming | None = None
 
     def __len__(self) -> int:
         return len(self.members) + len(self.pending)
@@ -218,13 +221,15 @@ class DecodeBatch:
         self._merge_pending()
         if not self.members:
             return []
+        started = time.perf_counter()
         if self.run_ahead and not any(_forcing(s) for s in self.members):
-            return self._step_ahead()
+            return self._step_ahead(started)
         if self._ahead is not None:  # a forced token next: read the step in flight, then step in lockstep
-            return self._read_ahead(None)
+            return self._read_ahead(None, started)
         tokens = self._launch(self._own_inputs())
-        mx.eval(tokens)
-        return [(s, s.accept(t)) for s, t in zip(self.members, tokens.tolist(), strict=True)]
+        launched = time.perf_counter()
+        ids = _evaluated(tokens)
+        return self._accept(self.members, ids, started, launched)
 
     def _own_inputs(self) -> mx.array:
         """Every member's next input token, as the ``(B, 1)`` input of a step."""
@@ -239,7 +244,7 @@ class DecodeBatch:
                 s.observe(logits[i : i + 1])
         return sample_rows(self.members, logits)
 
-    def _step_ahead(self) -> list[tuple[Sequence, str]]:
+    def _step_ahead(self, started: float) -> list[tuple[Sequence, str]]:
         """Launch the next step from the tokens in flight, then read those (see the class docstring)."""
         if self._ahead is None:  # nothing in flight: this step's tokens come from the rows' inputs
             self._ahead = self._launch(self._own_inputs())
@@ -249,15 +254,33 @@ class DecodeBatch:
         inputs = self._ahead if not joined else mx.concatenate([self._ahead, mx.array(joined)])
         following = self._launch(inputs[:, None])
         mx.async_eval(following)
-        return self._read_ahead(following)
+        return self._read_ahead(following, started)
 
-    def _read_ahead(self, following: mx.array | None) -> list[tuple[Sequence, str]]:
+    def _read_ahead(self, following: mx.array | None, started: float) -> list[tuple[Sequence, str]]:
         """Accept the tokens in flight; ``following`` (launched for every member) becomes the step in flight."""
         assert self._ahead is not None
+        launched = time.perf_counter()
         rows = self.members[: self._ahead_rows]
         tokens = self._ahead.tolist()
         self._ahead, self._ahead_rows = following, len(self.members) if following is not None else 0
-        return [(s, s.accept(t)) for s, t in zip(rows, tokens, strict=True)]
+        return self._accept(rows, tokens, started, launched)
+
+    def _accept(self, rows: list[Sequence], tokens: list[int], started: float,
+                launched: float) -> list[tuple[Sequence, str]]:
+        """Each row takes its token; the step's timing is recorded (``tokens`` are read: the wait is over)."""
+        read = time.perf_counter()
+        out = [(s, s.accept(t)) for s, t in zip(rows, tokens, strict=True)]
+        done = time.perf_counter()
+        self.last_timing = StepTiming(launch_ms=(launched - started) * 1e3, wait_ms=(read - launched) * 1e3,
+                                      host_ms=(done - read) * 1e3)
+        return out
+
+
+def _evaluated(tokens: mx.array) -> list[int]:
+    """A lockstep step's tokens, evaluated and read back."""
+    mx.eval(tokens)
+    ids: list[int] = tokens.tolist()
+    return ids
 
 
 def _own_caches_decode(caches: list[Any]) -> bool:

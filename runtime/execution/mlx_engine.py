@@ -31,6 +31,7 @@ from runtime.plan.contract import (
     PrefillResult,
     SamplingOptions,
     SequenceStarted,
+    StepTiming,
     StepToken,
     Tokenized,
     ToolChoice,
@@ -361,6 +362,10 @@ class MlxEngine:
                       tool_calls=seq.take_tool_calls())
             for seq, text in results
         ]
+
+    @property
+    def last_step_timing(self) -> StepTiming | None:
+        return self._batch.last_timing
 
     def _leave(self, request_id: int) -> Sequence:
         seq = self._seqs.pop(request_id)

@@ -65,6 +65,7 @@ __all__ = [
     "SequenceStarted",
     "PrefillResult",
     "StepToken",
+    "StepTiming",
     "Finished",
     "MemoryReading",
 ]
@@ -437,6 +438,27 @@ class StepToken:
 
 
 @dataclass(frozen=True)
+class StepTiming:
+    """Where one decode step's time went on the model's thread, in milliseconds.
+
+    On a GPU a decode loop is bound by whichever is slower: the device computing a step, or the
+    host building the next one and handling the last one's tokens. ``wait_ms`` near zero says the
+    device was done before the host asked (the host is the bottleneck); the GPU actor's trace
+    carries these, so a device run can tell which without a profiler.
+
+    Attributes:
+        launch_ms: building the step's graph (the forward pass and sampling, lazily) and handing
+            it to the device (``mx.async_eval``, or the launch part of a lockstep step).
+        wait_ms: waiting for the device to hand back the tokens this step reads.
+        host_ms: the host's work on those tokens: detokenizing, stop strings, tool calls.
+    """
+
+    launch_ms: float
+    wait_ms: float
+    host_ms: float
+
+
+@dataclass(frozen=True)
 class Finished:
     """A sequence out of the batch, parked (when anything new was computed).
 
@@ -523,6 +545,10 @@ class Engine(Protocol):
 
     def step(self) -> list[StepToken]:
         """One decode step for every batch member."""
+
+    @property
+    def last_step_timing(self) -> StepTiming | None:
+        """Where the last :meth:`step`'s time went on the model's thread (None: not measured)."""
 
     def finish(self, request_id: int) -> Finished:
         """Take the sequence out of the batch and park its cache (finished or cancelled)."""
