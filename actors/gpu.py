@@ -40,6 +40,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, assert_never
@@ -68,6 +69,7 @@ from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
 from actors.messages_store import SnapshotDue
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
+from runtime.plan import save_queue
 from runtime.plan.save_queue import copy_wait, next_copy
 from runtime.plan.scheduler import Scheduler, Step
 from runtime.plan.contract import (
@@ -94,6 +96,13 @@ class _OwedCopy:
     due: SnapshotDue
     since: float
     done: list[Any] = field(default_factory=list)  # the parts copied so far (an idle copy a message stopped)
+
+def _after(seconds: float) -> Callable[[], bool]:
+    """A ``stop`` for :meth:`runtime.plan.contract.Engine.snapshot`: true once ``seconds`` went by
+    from now (read on the model's thread, between two layers)."""
+    deadline = time.perf_counter() + seconds
+    return lambda: time.perf_counter() >= deadline
+
 
 class GPUActor:
     """Runs generation for every agent, one MLX job at a time.
@@ -595,8 +604,13 @@ class GPUActor:
                         partial(self._engine.snapshot, owed.parked, stop=self._doorbell.is_set, done=owed.done))
                     if snapshot is None:
                         return  # the message goes first; the copy resumes from owed.done later
-                else:
+                elif owed.due.wanted or every:  # someone waits for it (a durable turn, a flush, stopping): whole
                     snapshot = await self._job(partial(self._engine.snapshot, owed.parked, done=owed.done))
+                else:  # overdue while turns run: a slice of layers a pass, so the batch waits for a slice
+                    snapshot = await self._job(partial(self._engine.snapshot, owed.parked,
+                                                       stop=_after(save_queue.COPY_SLICE_S), done=owed.done))
+                    if snapshot is None:
+                        return  # the next pass resumes it from owed.done
             except Exception as exc:  # noqa: BLE001 - the save fails, the cache stays hot
                 self._owed.remove(owed)
                 log.exception("copying the cache of request %d for its save failed", owed.request_id)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -116,10 +117,12 @@ def test_a_copy_made_after_the_next_turn_ran_on_the_kept_buffers_is_the_copy_mad
 
 
 @contextlib.asynccontextmanager
-async def _busy_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, overdue_s: float):
-    """A runtime whose batch decodes a long turn: (runtime, engine, the long turn's cancel scope)."""
+async def _busy_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, overdue_s: float,
+                        arrivals: list[float] | None = None, **engine_args: Any):
+    """A runtime whose batch decodes a long turn: (runtime, engine, the long turn's cancel scope);
+    ``arrivals`` gets the time each of the long turn's deltas came."""
     monkeypatch.setattr(save_queue, "COPY_OVERDUE_S", overdue_s)
-    engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True)
+    engine = FakeEngine(step_delay_s=0.005, copy_after_turn=True, **engine_args)
     busy, started = trio.CancelScope(), trio.Event()
 
     async def keep_decoding() -> None:
@@ -127,6 +130,8 @@ async def _busy_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, over
             async with rt.agent("busy").stream_prompt("keep the batch decoding", max_tokens=400) as stream:
                 async for _ in stream:
                     started.set()
+                    if arrivals is not None:
+                        arrivals.append(trio.current_time())
 
     async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
         nursery.start_soon(keep_decoding)
@@ -157,6 +162,23 @@ async def test_an_overdue_copy_is_made_while_the_batch_runs(tmp_path, monkeypatc
         await rt.agent("a").send_prompt("a short turn", max_tokens=3)
         await _until_written(rt, 1)
         assert rt.stats().gpu.batch_size == 1  # saved while the other turn still decodes
+
+
+async def test_an_overdue_copy_is_made_a_slice_a_pass_and_the_batch_waits_for_a_slice(tmp_path, monkeypatch):
+    """H200 run 3: an overdue copy made whole stalled a running decode 56 ms (a 4K cache; a 32K cache
+    of a 1B model took 258 ms). While turns run it now goes a few layers a loop pass."""
+    arrivals: list[float] = []
+    async with _busy_runtime(tmp_path, monkeypatch, overdue_s=0.05, arrivals=arrivals,
+                             copy_layers=30, copy_layer_delay_s=0.02) as (rt, engine, busy):  # 0.6 s whole
+        result = await rt.agent("a").send_prompt("a short turn", max_tokens=3)
+        since = trio.current_time()
+        await _until_written(rt, 1)
+        assert rt.stats().gpu.batch_size == 1  # made while the other turn decodes
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if a >= since]
+        assert len(gaps) >= 20  # the busy turn went on between the slices
+        assert max(gaps) < 0.3, max(gaps)  # a slice (a 0.02 s layer) and a step, never the 0.6 s copy
+        assert engine.copied_layers == 30  # each layer once: resumed pass after pass, never restarted
+    assert _disk(tmp_path).load("a", model_tag=TAG).text == "a short turn" + result.reply[:-1]
 
 
 async def test_a_durable_turn_answers_with_its_cache_on_disk_while_the_batch_runs(tmp_path, monkeypatch):
