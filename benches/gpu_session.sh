@@ -16,6 +16,8 @@
 #      And tiny-gpt-oss layer by layer with each block's input evaluated first, and with compile off;
 #   3. the 1B's batch and cold 1K turns again with MLX_USE_CUDA_GRAPHS=0: every new batch makes new
 #      graph topologies, and CUDA graphs are instantiated per topology. Do the 263 ms joins shrink?
+# Since session 20 each report has a table of where decode steps' time went (launch / wait for the
+# device / host / elsewhere, from the trace): printed after step 1 as well.
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses).
 set -u
@@ -26,6 +28,8 @@ case "${1:-bench}" in
     timeout -s INT 370 python3 -m benches gpu --out "$out" --needle-model "$KVMEM_NEEDLE_GGUF" --needles 10 \
       --needle-lengths 8192 --deadline-s 350 > "$out/gpu.log" 2>&1
     echo "benches gpu: exit $?"; tail -n 25 "$out/gpu.log"
+    # where decode steps' time went (the trace's StepTiming), in the call's own output too
+    grep -A 12 "decode steps' time went" "$out/gpu.md" | head -n 40
     # full float32 products, as the suite runs (tests/conftest.py): MLX's CUDA default is TF32
     MLX_ENABLE_TF32=0 timeout -s INT 90 python3 -m benches gpu_probe > /tmp/probe.log 2>&1
     echo "gpu_probe: exit $?"; tail -n 12 /tmp/probe.log
@@ -35,6 +39,7 @@ case "${1:-bench}" in
       --needles 0 --out /tmp/nographs > /tmp/nographs.log 2>&1
     echo "no CUDA graphs: exit $?"; cp /tmp/nographs/gpu.md "$out/nographs.md"; cp /tmp/nographs/trace_1b.json "$out/trace_nographs.json"
     grep -iE "batch|decode" /tmp/nographs.log | tail -n 8
+    grep -A 12 "decode steps' time went" /tmp/nographs/gpu.md | head -n 20
     ;;
   suite)
     timeout -s INT 260 python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n 8 --timeout 150 > "$out/suite.log" 2>&1
