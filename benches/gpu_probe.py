@@ -127,7 +127,8 @@ def gpt_oss_part_rows() -> list[list[str]]:
     token, whose gather is not), the worst difference of the attention block's and the MoE
     block's outputs, then the MoE block alone on the device fed the CPU's own input (a
     difference there is the MoE kernels', not an inherited one), and the share of tokens whose
-    router picks other experts from that same input. Two more device runs ask why (H200 run 3: the
+    router picks other experts from that same input, then from the device's own input (a router
+    near a tie flips on float noise: run 3's 4.5 at layer 2 may be that, and no kernel's fault). Two more device runs ask why (H200 run 3: the
     MoE block fed its own device input was off by 4.5 at layer 2, fed the CPU's input it matched):
     one evaluates each block's input before the block (a graph boundary), one with ``mx.compile``
     off (mlx-lm's ``swiglu_oai`` is compiled shapeless). The one-token rows follow each run's own
@@ -187,9 +188,14 @@ def gpt_oss_part_rows() -> list[list[str]]:
             with mx.stream(device):
                 alone = calls["moe"](layer.mlp, x_cpu)
             other = mx.any(experts(layer.mlp, x_cpu, device) != experts(layer.mlp, x_cpu, mx.cpu), axis=-1)
+            # The device's own input (off from the CPU's by float noise) against the CPU's: a router near a
+            # tie flips an expert here, and that token's output moves by O(1) with no kernel at fault.
+            x_dev = seen[("device", phase, "moe", i)][0]
+            own = mx.any(experts(layer.mlp, x_dev, device) != experts(layer.mlp, x_cpu, mx.cpu), axis=-1)
             rows.append([phase, str(i), f"{worst(*(seen[(r, phase, 'attention', i)][1] for r in ('device', 'cpu'))):.2e}",
                          f"{worst(seen[('device', phase, 'moe', i)][1], out_cpu):.2e}", f"{worst(alone, out_cpu):.2e}",
                          f"{float(other.astype(mx.float32).mean()):.0%} of {other.size}",
+                         f"{float(own.astype(mx.float32).mean()):.0%} of {own.size}",
                          *(f"{worst(seen[(r, phase, 'moe', i)][1], out_cpu):.2e}"
                            for r in ("device, inputs evaluated", "device, compile off"))])
     return rows
@@ -404,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
                  *table(["position", "max |logit diff|, device twice", "device vs CPU"], gpt_oss_rows(4 if quick else 8)),
                  "", "## tiny-gpt-oss layer by layer: the device against the CPU stream (worst |diff|)", "",
                  *table(["pass", "layer", "attention block", "MoE block", "MoE block alone, the CPU's input",
-                         "tokens routed to other experts", "MoE block, each block's input evaluated first",
+                         "tokens routed to other experts", "same, the device's own input",
+                         "MoE block, each block's input evaluated first",
                          "MoE block, mx.compile off"], gpt_oss_part_rows()), ""]
     res.body += ["## Attention alone at new shapes: fused (cuDNN, a graph per shape) against plain ops (ms)", "",
                  *table(["new tokens", "cache tokens", "fused first", "fused again", "plain first", "plain again",
