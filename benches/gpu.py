@@ -672,8 +672,8 @@ def decode_step_split(trace: dict[str, Any]) -> list[list[str]]:
     size, batch rounds by agents) pools its steps; per step, the time since the step before ended and
     its :class:`runtime.plan.contract.StepTiming` on the model's thread (launch, wait for the device,
     host work on the tokens). What the three leave of the interval ("elsewhere") is time the model's
-    thread spent outside the engine's step: the GPU actor between jobs, and waits for the GIL while
-    trio runs. A wait near zero says the host, not the device, set the pace."""
+    thread spent outside them: the GPU actor between jobs, waits for the GIL while trio runs, and a
+    step's merge of rows that joined. A wait near zero says the host, not the device, set the pace."""
     events = [e for e in trace.get("events", []) if e["kind"] == "step" and e.get("timing")]
     windows = [(m["agent"].rsplit("-r", 1)[0], m["t0"], m["t1"]) for m in trace.get("cold", [])]
     windows += [(f"batch round, {r['agents']} agent{'s' if r['agents'] > 1 else ''}", r["t0"], r["t1"])
@@ -738,7 +738,7 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
         if split:
             lines += ["", "Where the decode steps' time went (the GPU actor's trace; medians over each kind of window, ms "
                       "a step): the time since the step before, then the model thread's launch, wait for the device "
-                      "and host work; elsewhere is the rest (the actor between jobs, the GIL):", "",
+                      "and host work; elsewhere is the rest (the actor between jobs, the GIL, joins' merges):", "",
                       *table(["window", "steps", "interval", "launch", "wait", "host", "elsewhere"], split)]
         lines.append("")
     lines += ["## Needle rows (item 3, reduced)", "", *needle_lines, "", "## Test suite", "", *suite, ""]
