@@ -95,7 +95,8 @@ class _OwedCopy:
     parked: ParkedView
     due: SnapshotDue
     since: float
-    done: list[Any] = field(default_factory=list)  # the parts copied so far (an idle copy a message stopped)
+    done: list[Any] = field(default_factory=list)  # the parts copied so far (a copy stopped between two)
+
 
 def _after(seconds: float) -> Callable[[], bool]:
     """A ``stop`` for :meth:`runtime.plan.contract.Engine.snapshot`: true once ``seconds`` went by
@@ -598,19 +599,16 @@ class GPUActor:
             if pick is None:
                 return
             owed = self._owed[pick]
+            if idle:  # nothing runs: a message that comes stops the copy between two layers
+                run, stop = self._until_message, self._doorbell.is_set
+            elif owed.due.wanted or every:  # someone waits for it (a durable turn, a flush, stopping): whole
+                run, stop = self._job, None
+            else:  # overdue while turns run: a slice of layers a pass, so the batch waits for a slice
+                run, stop = self._job, _after(save_queue.COPY_SLICE_S)
             try:
-                if idle:  # nothing runs: a message that comes stops the copy between two layers
-                    snapshot = await self._until_message(
-                        partial(self._engine.snapshot, owed.parked, stop=self._doorbell.is_set, done=owed.done))
-                    if snapshot is None:
-                        return  # the message goes first; the copy resumes from owed.done later
-                elif owed.due.wanted or every:  # someone waits for it (a durable turn, a flush, stopping): whole
-                    snapshot = await self._job(partial(self._engine.snapshot, owed.parked, done=owed.done))
-                else:  # overdue while turns run: a slice of layers a pass, so the batch waits for a slice
-                    snapshot = await self._job(partial(self._engine.snapshot, owed.parked,
-                                                       stop=_after(save_queue.COPY_SLICE_S), done=owed.done))
-                    if snapshot is None:
-                        return  # the next pass resumes it from owed.done
+                snapshot = await run(partial(self._engine.snapshot, owed.parked, stop=stop, done=owed.done))
+                if snapshot is None:
+                    return  # stopped: a message goes first, or the next pass resumes it from owed.done
             except Exception as exc:  # noqa: BLE001 - the save fails, the cache stays hot
                 self._owed.remove(owed)
                 log.exception("copying the cache of request %d for its save failed", owed.request_id)
@@ -621,7 +619,6 @@ class GPUActor:
                 owed.due.failed("the GPU actor stopped before making the copy")
                 raise
             self._owed.remove(owed)
-            assert snapshot is not None
             owed.due.made(snapshot)
             self._event("copy", owed.request_id)
             if not (idle or every):

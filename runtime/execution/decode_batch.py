@@ -228,8 +228,8 @@ class DecodeBatch:
             return self._read_ahead(None, started)
         tokens = self._launch(self._own_inputs())
         launched = time.perf_counter()
-        ids = _evaluated(tokens)
-        return self._accept(self.members, ids, started, launched)
+        mx.eval(tokens)
+        return self._accept(self.members, tokens.tolist(), started, launched)
 
     def _own_inputs(self) -> mx.array:
         """Every member's next input token, as the ``(B, 1)`` input of a step."""
@@ -274,13 +274,6 @@ class DecodeBatch:
         self.last_timing = StepTiming(launch_ms=(launched - started) * 1e3, wait_ms=(read - launched) * 1e3,
                                       host_ms=(done - read) * 1e3)
         return out
-
-
-def _evaluated(tokens: mx.array) -> list[int]:
-    """A lockstep step's tokens, evaluated and read back."""
-    mx.eval(tokens)
-    ids: list[int] = tokens.tolist()
-    return ids
 
 
 def _own_caches_decode(caches: list[Any]) -> bool:
