@@ -22,7 +22,8 @@ nothing: the engine launches the park and leaves the cache's host copy for its
 save to later. The reply carries a :class:`~actors.messages_store.SnapshotDue`
 and the actor makes the copies it owes when the write-behind policy says
 (:func:`runtime.plan.save_queue.next_copy`: once it has had no turn to run for a
-moment, else one per loop pass once the store wants it or it is overdue); a copy
+moment, else one per loop pass once the store wants it or it is overdue, an overdue
+one after the prefill under way, whose chunks a host copy would wait for); a copy
 a newer cache superseded is never made, and the ones still owed are made before
 the actor stops or swaps models. A copy made while idle goes a layer at a time
 and stops when a message comes (the message goes first; the copy resumes where
@@ -223,7 +224,7 @@ class GPUActor:
             for request_id in self._sched.admit():
                 await self._start(request_id)
             await self._run_step(self._sched.step(self._manager))
-            await self._make_copies()
+            await self._make_copies(prefilling=bool(self._sched.prefilling()))
             await trio.lowlevel.checkpoint()
 
     # -- mailbox ---------------------------------------------------------------
@@ -587,15 +588,17 @@ class GPUActor:
         """The copies owed, as the write-behind policy reads them: (wanted, since)."""
         return [(o.due.wanted, o.since) for o in self._owed if not o.due.dropped]
 
-    async def _make_copies(self, *, idle: bool = False, every: bool = False) -> None:
+    async def _make_copies(self, *, idle: bool = False, every: bool = False, prefilling: bool = False) -> None:
         """Make the host copies :func:`~runtime.plan.save_queue.next_copy` picks (at most one while
-        turns run; all that are due when ``idle``), or ``every`` one (a model swap, stopping)."""
+        turns run, none merely overdue while a prefill is under way; all that are due when ``idle``),
+        or ``every`` one (a model swap, stopping)."""
         while self._owed:
             # Superseded or forgotten (also while the last copy was being made): no save needs them.
             self._owed = deque(o for o in self._owed if not o.due.dropped)
             if not self._owed:
                 return
-            pick = 0 if every else next_copy(self._copies_owed(), now=trio.current_time(), idle=idle)
+            pick = 0 if every else next_copy(self._copies_owed(), now=trio.current_time(), idle=idle,
+                                             prefilling=prefilling)
             if pick is None:
                 return
             owed = self._owed[pick]

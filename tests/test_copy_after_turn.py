@@ -181,6 +181,25 @@ async def test_an_overdue_copy_is_made_a_slice_a_pass_and_the_batch_waits_for_a_
     assert _disk(tmp_path).load("a", model_tag=TAG).text == "a short turn" + result.reply[:-1]
 
 
+async def test_an_overdue_copy_waits_for_a_prefill_under_way_to_end(tmp_path, monkeypatch):
+    """H200 run 4: an overdue copy went a slice between the chunks of a cold 32K prompt, and each host
+    copy waited for the chunks launched before it (15 ms a chunk, 658 ms against mlx-lm's 481). A copy
+    no one waits for now lets a prefill under way finish first, then goes on between decode steps."""
+    monkeypatch.setattr(save_queue, "COPY_OVERDUE_S", 0.05)
+    engine = FakeEngine(chunk_delay_s=0.01, default_chunk=16, copy_after_turn=True, copy_layers=4,
+                        copy_layer_delay_s=0.01)
+    async with _open(tmp_path, engine, trace=True) as rt:
+        await rt.agent("a").send_prompt("a short turn", max_tokens=3)  # its copy is owed from here
+        long = await rt.agent("b").send_prompt("x" * 16 * 30, max_tokens=8)  # 30 chunks: 0.3 s of prefill
+        await _until_written(rt, 2)
+        events = rt.gpu_events()
+    assert long.usage.tokens_prefilled == 16 * 30
+    last_chunk = max(e.at for e in events if e.kind == "chunk")
+    copies = [e.at for e in events if e.kind == "copy"]
+    assert copies and min(copies) > last_chunk  # overdue after 0.05 s, made once the prefill ended
+    assert engine.copied_layers == 2 * 4  # both turns' copies, each layer once
+
+
 async def test_a_durable_turn_answers_with_its_cache_on_disk_while_the_batch_runs(tmp_path, monkeypatch):
     async with _busy_runtime(tmp_path, monkeypatch, overdue_s=60.0) as (rt, engine, busy):
         loose = await rt.agent("loose").send_prompt("write-behind", max_tokens=3)

@@ -8,6 +8,7 @@ import pytest
 from runtime.plan.save_queue import (
     COPY_IDLE_GRACE_S,
     COPY_OVERDUE_S,
+    COPY_STARVED_S,
     SaveQueue,
     WaitForLoads,
     WaitUntil,
@@ -92,6 +93,12 @@ def test_an_idle_gpu_makes_the_copies_it_owes_after_a_grace_and_a_busy_one_only_
     assert next_copy([(False, graced), (False, graced)], now=now, idle=False) is None  # busy: never between steps
     assert next_copy([(False, fresh), (True, fresh)], now=now, idle=False) == 1  # a durable turn or a flush
     assert next_copy([(False, fresh), (False, old)], now=now, idle=False) == 1  # overdue
+    # A prefill under way: an overdue copy waits for its end (its host read would wait for the chunks
+    # launched before it), a wanted one does not, and a starved one stops waiting.
+    starved = now - 2 * COPY_STARVED_S
+    assert next_copy([(False, fresh), (False, old)], now=now, idle=False, prefilling=True) is None
+    assert next_copy([(False, old), (True, fresh)], now=now, idle=False, prefilling=True) == 1
+    assert next_copy([(False, old), (False, starved)], now=now, idle=False, prefilling=True) == 1
     # How long an idle actor waits for a message first: until the first copy's grace ends; none owed: forever.
     assert copy_wait([], now=now) == float("inf")
     assert copy_wait([(False, fresh), (False, now)], now=now) == pytest.approx(COPY_IDLE_GRACE_S / 2)

@@ -16,7 +16,8 @@ Plain Python (no trio, no MLX), like :mod:`runtime.plan.kv_manager`: the cache s
 * **The copy a save needs** (the GPU policy, ``BackendProfile.copy_after_turn``): the GPU actor
   owes each finished turn's host copy and makes it when :func:`next_copy` says: the ones the
   store wants (a durable turn, a flush) or that are :data:`COPY_OVERDUE_S` old, one per loop pass
-  while turns run (an overdue one a :data:`COPY_SLICE_S` slice of layers a pass); when it has no
+  while turns run (an overdue one a :data:`COPY_SLICE_S` slice of layers a pass, and not while a
+  prompt's prefill is under way unless it is :data:`COPY_STARVED_S` old); when it has no
   turn to run, every one owed :data:`COPY_IDLE_GRACE_S` or more
   (:func:`copy_wait`: how long it may wait for the next message first); never between two steps
   otherwise. An agent's next turn often comes right behind its reply (a tool loop): it goes first,
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 __all__ = ["SaveQueue", "Dirty", "Write", "WaitForLoads", "WaitUntil", "SAVE_RETRY_S", "COPY_OVERDUE_S",
-           "COPY_IDLE_GRACE_S", "COPY_SLICE_S", "next_copy", "copy_wait"]
+           "COPY_IDLE_GRACE_S", "COPY_SLICE_S", "COPY_STARVED_S", "next_copy", "copy_wait"]
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -56,18 +57,27 @@ turn waits for what a pass copies: H200 run 3 saw an overdue 4K cache's copy sta
 a 32K cache of a 1B model took 258 ms whole. A copy the store wants (a durable turn, a flush) is
 still made whole: someone waits for it."""
 
+COPY_STARVED_S = 5.0
+"""An overdue copy waits for a prompt's prefill to end (its chunks run ahead of the host on a GPU, and
+a host copy waits for every chunk launched before it: H200 run 4's cold 32K turn took 658 ms against
+mlx-lm's 481, its chunks 15 ms slower each while an overdue copy went a slice between them), but not
+longer than this: a stream of long prompts cannot hold a save back for ever."""
 
-def next_copy(owed: Sequence[tuple[bool, float]], *, now: float, idle: bool) -> int | None:
+
+def next_copy(owed: Sequence[tuple[bool, float]], *, now: float, idle: bool, prefilling: bool = False) -> int | None:
     """Which owed copy the GPU actor makes now (its index), if any.
 
     Args:
         owed: each copy owed, oldest first: whether the store wants it, and since when it is owed.
         now: the clock ``since`` was read from.
         idle: the actor has no turn to run (a copy then costs no turn anything).
+        prefilling: a prompt's prefill is under way (more chunks to come): an overdue copy waits
+            for its end, up to :data:`COPY_STARVED_S`.
     """
+    overdue = COPY_STARVED_S if prefilling else COPY_OVERDUE_S
     for i, (wanted, since) in enumerate(owed):
         age = now - since
-        if wanted or age >= COPY_OVERDUE_S or (idle and age >= COPY_IDLE_GRACE_S):
+        if wanted or age >= overdue or (idle and age >= COPY_IDLE_GRACE_S):
             return i
     return None
 
