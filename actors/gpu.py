@@ -291,6 +291,7 @@ class GPUActor:
         if msg.request_id in self._requests:
             send_reply(msg.reply, Failed(kind="ValueError", error=f"duplicate request id {msg.request_id}"))
             return
+        self._event("submit", msg.request_id)
         try:
             prompt = await self._render(msg.prompt)
             plan = self._manager.plan(msg.agent_id, msg.model_tag, prompt, share_prefix=msg.share_prefix, own=msg.own)
@@ -306,6 +307,7 @@ class GPUActor:
             send_reply(msg.reply, failed_from(exc))
             return
         self._requests[msg.request_id] = GpuTurn(msg, prompt, plan, tokens)
+        self._event("tokenized", msg.request_id)
         if msg.deltas is not None:  # the client may answer its status now: nothing it asked for is refused
             try:
                 msg.deltas.send_nowait(TurnAccepted(prompt_tokens=need))

@@ -222,7 +222,8 @@ class GpuStats(msgspec.Struct, frozen=True, kw_only=True):
 class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     """One unit of GPU work, recorded when it completed (when tracing).
 
-    ``kind``: ``admit`` (sequence built: prefix match, tokenization, cache activation),
+    ``kind``: ``submit`` (the turn reached the GPU actor), ``tokenized`` (its prompt rendered,
+    planned and tokenized: it waits for admission), ``admit`` (sequence built: cache activation),
     ``chunk`` (one prefill chunk), ``step`` (one decode step of the batch; ``request_ids``
     are its members), ``finish`` (left the batch, parked), ``copy`` (a finished turn's host
     copy for its save, made after the turn under the GPU policy).

@@ -26,7 +26,7 @@ with ``mx.random``), in one process, plain mlx-lm first, then kvmem's runtime
 The random weights are tiny_models' scheme (peaky logits; padded vocabulary
 rows zero) with the end-of-turn token's output row zero too, so no turn stops
 early: every turn generates exactly what it asks. Then the needle rows of
-item 3, run first (:mod:`benches.needle`'s own functions on ``kvmem-default``:
+item 3, run after the geometries (:mod:`benches.needle`'s own functions on ``kvmem-default``:
 float, Q4 at-rest and, under the GPU policy, Q4 native, ``--needles`` per length at
 ``--needle-lengths``, longest first, while ``--needle-deadline-s`` allows), the last summary line of
 ``--suite-log`` (a pytest run captured earlier in the same script) and whether
@@ -644,7 +644,8 @@ def device_lines() -> list[str]:
 
 
 def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
-    """Each cold turn's window read against the GPU actor's trace: when the actor admitted it, the host
+    """Each cold turn's window read against the GPU actor's trace: when it reached the GPU actor, when its
+    prompt was tokenized (H200 run 4: admission took 120-206 ms at 32K), when the actor admitted it, the host
     copies for earlier turns' saves it made first (how many, and roughly how long: each copy's time
     since the event before it), and when the turn's prefill ended (its first token). H200 run 3 read
     this by hand to find cold 1K turns waiting 91-417 ms behind copies."""
@@ -661,7 +662,9 @@ def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
         mine = [e for _, e in inside if e["ids"] == admit["ids"]]
         first_step = next((e["at"] for e in mine if e["kind"] in ("step", "finish")), t1)
         chunks = [e["at"] for e in mine if e["kind"] == "chunk" and e["at"] <= first_step]
-        rows.append([mark["agent"], f"{(admit['at'] - t0) * 1e3:.0f}",
+        reached, tokenized = (next((f"{(e['at'] - t0) * 1e3:.0f}" for e in mine if e["kind"] == kind), "—")
+                              for kind in ("submit", "tokenized"))
+        rows.append([mark["agent"], reached, tokenized, f"{(admit['at'] - t0) * 1e3:.0f}",
                      f"{len(copies)} ({copy_ms:.0f} ms)" if copies else "0",
                      f"{(chunks[-1] - t0) * 1e3:.0f}" if chunks else "—"])
     return rows
@@ -733,7 +736,8 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
         waits = waits_before_first_token(r.trace)
         if waits:
             lines += ["", "Where the cold turns' first tokens went (the GPU actor's trace; ms from sending the turn):",
-                      "", *table(["turn", "admitted after", "save copies made first", "prefill ended after"], waits)]
+                      "", *table(["turn", "reached the GPU actor", "tokenized", "admitted",
+                                                "save copies made first", "prefill ended"], waits)]
         split = decode_step_split(r.trace)
         if split:
             lines += ["", "Where the decode steps' time went (the GPU actor's trace; medians over each kind of window, ms "
@@ -796,7 +800,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--needle-model", default="kvmem-default", help="needle model: a name, a GGUF, or none")
     p.add_argument("--needle-lengths", type=int, nargs="+", help="default 8192 4096 2048 1024 (1024 with --quick)")
     p.add_argument("--needle-deadline-s", type=float, default=150.0,
-                   help="no needle length starts after this many seconds (the needle rows run first)")
+                   help="no needle length starts after this many seconds of needle rows (they run after the geometries)")
     p.add_argument("--needles", type=int, help="needles per length (default 8; 2 with --quick; 0: skip)")
     p.add_argument("--deadline-s", type=float, default=450.0,
                    help="no geometry or needle length starts after this many seconds")
@@ -843,19 +847,10 @@ def main(argv: list[str] | None = None) -> None:
                     (args.out / f"trace_{r.geometry.name}.json").write_text(json.dumps(r.trace))
         return path
 
-    # The needle rows first (a 135M model: a minute or two), longest haystack first, under their own
-    # deadline; then the geometries. A device run cut short still has the needles in its report.
-    t0 = time.perf_counter()
-    count = args.needles if args.needles is not None else 2 if quick else 8
-    lengths = args.needle_lengths or ([1024] if quick else [8192, 4096, 2048, 1024])
-    try:
-        needles = needle_rows(args.needle_model, lengths, count, args.profile,
-                              min(deadline, res.started + args.needle_deadline_s))
-    except Exception as exc:  # noqa: BLE001 - a one-shot device run keeps its report and says why
-        needles = [f"Stopped: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"]
-        log(f"needle rows: {needles[0]}")
-    log(f"needle rows: {time.perf_counter() - t0:.0f} s")
-    report(needles)
+    # The geometries first, then the needle rows under what is left of the deadline: H200 run 4's
+    # needles (a 135M GGUF whose every new length is slow the first time on CUDA) took 221 s for one
+    # length, and the 3B, run after them, was cut before its verdicts.
+    needles = ["Not run yet (the geometries go first)."]
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-gpu-") as tmp:
         for geom in geoms:
             log(f"== {geom.label}")
@@ -864,6 +859,16 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             runs.append(run_geometry(geom, plan, harness.BENCH_HOME / "models", Path(tmp)))
             report(needles)
+    t0 = time.perf_counter()
+    count = args.needles if args.needles is not None else 2 if quick else 8
+    lengths = args.needle_lengths or ([1024] if quick else [8192, 4096, 2048, 1024])
+    try:
+        needles = needle_rows(args.needle_model, lengths, count, args.profile,
+                              min(deadline, time.time() + args.needle_deadline_s))
+    except Exception as exc:  # noqa: BLE001 - a one-shot device run keeps its report and says why
+        needles = [f"Stopped: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"]
+        log(f"needle rows: {needles[0]}")
+    log(f"needle rows: {time.perf_counter() - t0:.0f} s")
     print(report(needles).read_text())
 
 
