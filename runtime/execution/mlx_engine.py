@@ -211,6 +211,7 @@ class MlxEngine:
             plain_attention_queries=self._profile.plain_attention_queries,
             group=self._group,
         )
+        lm.upload_by_copy = self._profile.upload_by_copy
         self._lm = lm
         self._attention, note = settle_attention(lm, self._profile.attention)
         self._profile = self._profile.with_model(attention=self._attention, note=note,
@@ -337,7 +338,7 @@ class MlxEngine:
         lm = self.lm
         if snapshot.model_tag != lm.spec.tag:
             return None
-        parked = ParkedCache.from_snapshot(snapshot, float_dtype=lm.float_dtype)
+        parked = ParkedCache.from_snapshot(snapshot, float_dtype=lm.float_dtype, by_copy=lm.upload_by_copy)
         if self._attention != "at-rest" or not self._residents.fits(kept_float_bytes(lm.spec, parked.num_tokens)):
             return parked
         kept = with_kept_float(parked, lm.spec)

@@ -164,7 +164,7 @@ def _base(lm: LoadedModel, plan: TurnPlan) -> ParkedCache | None:
             if snapshot.model_tag != lm.spec.tag:
                 return None
             cache = prepared if isinstance(prepared, ParkedCache) else \
-                ParkedCache.from_snapshot(snapshot, float_dtype=lm.float_dtype)
+                ParkedCache.from_snapshot(snapshot, float_dtype=lm.float_dtype, by_copy=lm.upload_by_copy)
     if cache.model_tag != lm.spec.tag:
         return None
     base = cache.truncated(plan.reuse_tokens, lm.spec)

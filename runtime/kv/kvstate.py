@@ -34,6 +34,7 @@ from runtime.backend import device_profile
 from runtime.kv.float_resident import FloatResident, LayerKV, with_room
 from runtime.kv.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.kv.q4_packing import dequantize_kv, quantize_kv
+from runtime.kv.upload import to_device
 from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot, ModelCacheSpec
 
 __all__ = [
@@ -241,12 +242,16 @@ class ParkedCache:
         )
 
     @classmethod
-    def from_snapshot(cls, snap: CacheSnapshot, *, float_dtype: mx.Dtype) -> ParkedCache:
+    def from_snapshot(cls, snap: CacheSnapshot, *, float_dtype: mx.Dtype, by_copy: bool = False) -> ParkedCache:
+        """The parked cache of ``snap`` (host arrays) on the device; ``by_copy``: through ``mx.load``,
+        one copy an array, not the page faults of managed memory on CUDA (:mod:`runtime.kv.upload`)."""
+        flat = {f"{i}.{name}": arr for i, layer in enumerate(snap.layers) for name, arr in layer.arrays.items()}
+        on_device = to_device(flat, by_copy=by_copy)
         layers = []
-        for layer in snap.layers:
+        for i, layer in enumerate(snap.layers):
             arrays = {}
             for name, arr in layer.arrays.items():
-                value = mx.array(arr)[None]
+                value = on_device[f"{i}.{name}"][None]
                 if arr.dtype == np.float32 and name in ("k", "v"):
                     value = value.astype(float_dtype)
                 arrays[name] = value

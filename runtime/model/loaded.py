@@ -85,6 +85,8 @@ class LoadedModel:
     """Whether :meth:`forward` attends through :mod:`runtime.cpu.attention`."""
     plain_attention_queries: int = 0
     """Passes of 2 to this many query positions attend with plain MLX operations (0: never)."""
+    upload_by_copy: bool = False
+    """A cache read from disk reaches the device by ``mx.load`` (:mod:`runtime.kv.upload`), not ``mx.array``."""
 
     def forward(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         """Logits of ``inputs`` over ``cache``: every forward pass kvmem runs goes through here."""
