@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
                                     engine_decode_rows(name, 128)), ""]
         except Exception as exc:  # noqa: BLE001 - a one-shot device run reports it
             res.body += [f"Stopped: {type(exc).__name__}: {str(exc)[:300]}", ""]
-    if args.gguf:
+    if args.gguf and args.gguf != "none":
         res.write()  # the probes above are kept if this one runs past the session's time limit
         res.body += [f"## The needle GGUF's forward at new lengths, packed and unpacked (`{Path(args.gguf).name}`; ms)", ""]
         try:  # last, and on its own: the probes above keep their report whatever happens here
