@@ -484,7 +484,10 @@ class Finished:
 
 
 class Engine(Protocol):
-    """What the GPU actor needs from a model runtime. Not thread-safe: one thread calls it."""
+    """What the GPU actor needs from a model runtime. One thread (the model's) calls it, except
+    :meth:`render`, :meth:`count_tokens` and :meth:`tokenize`: the GPU actor calls those on a
+    worker thread, one at a time, while the model's thread runs other turns. They must not touch
+    MLX, and may see a model swapped under them (they then raise, or the turn is refused after)."""
 
     @property
     def memory(self) -> MemoryReading: ...
