@@ -28,6 +28,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | short passes' attention (2 to ``plain_attention_queries`` query positions a row) | NumPy (above) | plain MLX operations, up to :data:`GPU_PLAIN_ATTENTION_QUERIES` (unset): on CUDA the fused kernel builds a cuDNN graph per new shape, about 65 ms each, and a growing conversation's every turn has new ones (an H200, run 3: a batch of 8's join took 263 ms a round instead of 1,071) |
 | memory budgets (``budget_mb``, ``hot_budget_mb``, ``keep_float_mb`` left unset) | 2048 / 512 / 1024 MiB | 25% / 10% / 10% of the device's memory (CUDA's total, Metal's recommended working set); the CPU's where it is not known (the GPU policy forced on a CPU) |
 | a turn's end | the cache is quantized and copied to the host for its save at once | quantized without waiting; the save's host copy is made later, when the GPU actor has nothing to run or the store needs it, never between two decode steps; made while idle, it stops between two layers for a message; overdue while turns run, it goes a few layers a loop pass, after the prefill under way (``actors.gpu``) |
+| quantized projections MLX's fast CUDA prefill kernel does not take (an output width not a multiple of 128, ...) | (CUDA only, whatever the policy) | made float at load: the other kernel is JIT-compiled, and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute (``runtime.model.cuda_qmm``) |
 | a cache read from disk, onto the device | ``mx.array`` (host memory is the device's) | ``mx.load`` of the arrays as a safetensors stream: one copy each to device memory, not managed memory paged in at about 0.6 GB/s on CUDA (``runtime.kv.upload``) |
 """
 
@@ -113,6 +114,9 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         upload_by_copy: a cache read from disk reaches the device through ``mx.load``, one copy an
             array (:mod:`runtime.kv.upload`): on CUDA ``mx.array`` of host data is managed memory the
             device pages in at about 0.6 GB/s (an H200's warm 16K turn, read at the turn: 294 ms).
+        float_slow_projections: on CUDA, quantized projections whose shapes MLX's fast prefill kernel
+            does not take are made float at load (:mod:`runtime.model.cuda_qmm`: the other kernel is
+            JIT-compiled and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute).
         tune_allocator: glibc keeps freed memory and one arena (``runtime.allocator``).
         prewarm_mb: memory touched at the first model load (0: none).
         openblas: the OpenBLAS library loaded at import (None: MLX's own BLAS).
@@ -140,6 +144,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     plain_attention_queries: int = 0
     copy_after_turn: bool = False
     upload_by_copy: bool = False
+    float_slow_projections: bool = False
     tune_allocator: bool
     prewarm_mb: float
     openblas: str | None = None
@@ -251,6 +256,7 @@ def decide_profile(
         else plain_attention_queries,
         copy_after_turn=not cpu,
         upload_by_copy=not cpu,
+        float_slow_projections=backend == "cuda",
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,
         openblas=openblas,
