@@ -11,6 +11,8 @@
 #      rows went first), then 6 needles at 8K; the GPU actor's trace per geometry. Since run 4: the
 #      cold table splits a turn's wait before admission (reached the actor / tokenized / admitted); an
 #      overdue save copy waits for a prefill under way; a cache read from disk reaches the device by mx.load;
+#      prompts are tokenized off the model's thread; the needle model's (and any model's) quantized projections
+#      MLX's fast CUDA prefill kernel does not take are made float (run 4: 221 s for 10 needles at 8K);
 #   2. python -m benches gpu_probe --gguf none: as in run 4 (its GGUF rows did not finish);
 #   3. the tiny-gpt-oss correctness tests with MLX_DISABLE_COMPILE=1 (run 4's two suite failures);
 #   4. the 1B's batch and cold 1K turns again with MLX_USE_CUDA_GRAPHS=0 (run 4: the batch of 8 went
