@@ -17,21 +17,14 @@ from __future__ import annotations
 
 import bisect
 import io
-import json
-import struct
 from collections.abc import Mapping
 
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["SafetensorsView", "to_device"]
+from runtime.persist.codec import FileLayout, can_store
 
-_SAFETENSORS_DTYPES = {
-    np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.float64): "F64",
-    np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.uint32): "U32", np.dtype(np.uint64): "U64",
-    np.dtype(np.int8): "I8", np.dtype(np.int16): "I16", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64",
-    np.dtype(np.bool_): "BOOL",
-}
+__all__ = ["SafetensorsView", "to_device"]
 
 
 class SafetensorsView(io.RawIOBase):
@@ -40,17 +33,11 @@ class SafetensorsView(io.RawIOBase):
 
     def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
         super().__init__()
-        header: dict[str, dict[str, object]] = {}
-        data: list[memoryview] = []
-        offset = 0
-        for name, array in arrays.items():
-            array = np.ascontiguousarray(array)
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape),
-                            "data_offsets": [offset, offset + array.nbytes]}
-            data.append(memoryview(array.reshape(-1).view(np.uint8)))
-            offset += array.nbytes
-        head = json.dumps(header, separators=(",", ":")).encode()
-        self._parts = [memoryview(struct.pack("<Q", len(head)) + head), *data]
+        contiguous = {name: np.ascontiguousarray(array) for name, array in arrays.items()}
+        # The cache files' own layout and header (runtime.persist.codec), with no kvmem metadata in it.
+        layout = FileLayout.of({name: (a.dtype, a.shape) for name, a in contiguous.items()})
+        self._parts = [memoryview(layout.header({})),
+                       *(memoryview(contiguous[name].reshape(-1).view(np.uint8)) for name in layout.offsets)]
         self._starts = [0]
         for part in self._parts[:-1]:
             self._starts.append(self._starts[-1] + len(part))
@@ -90,7 +77,7 @@ def to_device(arrays: Mapping[str, np.ndarray], *, by_copy: bool) -> dict[str, m
     else ``mx.array``. An empty array, or a dtype safetensors has no name for, goes by ``mx.array``."""
     if not by_copy:
         return {name: mx.array(array) for name, array in arrays.items()}
-    loadable = {name: a for name, a in arrays.items() if a.size and a.dtype in _SAFETENSORS_DTYPES}
+    loadable = {name: a for name, a in arrays.items() if a.size and can_store(a.dtype)}
     loaded = mx.load(SafetensorsView(loadable), format="safetensors") if loadable else {}
     assert isinstance(loaded, dict)
     return {name: loaded[name] if name in loaded else mx.array(array) for name, array in arrays.items()}

@@ -109,6 +109,11 @@ def dtype_of_code(code: Any) -> np.dtype:
     return dtype
 
 
+def can_store(dtype: np.dtype) -> bool:
+    """Whether a file can hold a tensor of ``dtype`` (safetensors has a code for it)."""
+    return (dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype) in _CODES
+
+
 def _code(dtype: np.dtype) -> str:
     try:
         return _CODES[dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype]
