@@ -89,6 +89,8 @@ log = logging.getLogger("kvmem.gpu")
 STOP_COPIES_S = 60.0
 """At shutdown, how long the copies still owed may take before the rest are given up (their saves fail)."""
 
+_SHUTTING_DOWN = Failed(kind="Cancelled", error="the runtime is shutting down")
+
 
 @dataclass(frozen=True)
 class _Tokenized:
@@ -189,13 +191,12 @@ class GPUActor:
                     await self._loop()
             finally:
                 self._texts = None
-                shutting_down = Failed(kind="Cancelled", error="the runtime is shutting down")
                 for req in self._requests.values():
-                    send_reply(req.msg.reply, shutting_down)
+                    send_reply(req.msg.reply, _SHUTTING_DOWN)
                 self._requests.clear()
                 for item in self._early:
                     if isinstance(item, _Tokenized):
-                        send_reply(item.turn.msg.reply, shutting_down)
+                        send_reply(item.turn.msg.reply, _SHUTTING_DOWN)
                 with trio.CancelScope(shield=True):  # the store's last saves wait for these
                     with trio.move_on_after(STOP_COPIES_S):
                         await self._make_copies(every=True)
@@ -310,8 +311,7 @@ class GPUActor:
                 self._info, self._sched = None, None
                 send_reply(reply, Unloaded())
             case CountTokens(model_tag=tag, chat=chat, reply=reply):
-                if self._info is None or self._info.tag != tag:
-                    send_reply(reply, Failed(kind="ModelError", error=f"model {tag!r} is not loaded"))
+                if not self._serves(tag, reply):
                     return
                 try:
                     count = await self._text_job(self._engine.count_tokens, await self._render(chat))
@@ -354,14 +354,20 @@ class GPUActor:
         )
         send_reply(reply, ModelReady(info=info))
 
+    def _serves(self, model_tag: str, reply: Any) -> bool:
+        """Whether ``model_tag`` is the model loaded (else ``reply`` is told it is not)."""
+        if self._info is None or self._sched is None or self._info.tag != model_tag:
+            send_reply(reply, Failed(kind="ModelError", error=f"model {model_tag!r} is not loaded"))
+            return False
+        return True
+
     def _accept(self, msg: Generate) -> bool:
         """Whether ``msg`` goes on to be tokenized (else it was answered); counted as tokenizing from here,
         so the loop knows of it before :meth:`_submit` first runs."""
         if self._texts is None:
-            send_reply(msg.reply, Failed(kind="Cancelled", error="the runtime is shutting down"))
+            send_reply(msg.reply, _SHUTTING_DOWN)
             return False
-        if self._info is None or self._sched is None or self._info.tag != msg.model_tag:
-            send_reply(msg.reply, Failed(kind="ModelError", error=f"model {msg.model_tag!r} is not loaded"))
+        if not self._serves(msg.model_tag, msg.reply):
             return False
         if msg.request_id in self._requests or msg.request_id in self._tokenizing:
             send_reply(msg.reply, Failed(kind="ValueError", error=f"duplicate request id {msg.request_id}"))
@@ -377,7 +383,6 @@ class GPUActor:
         hand it to the loop (``_early``) to register. An H200's host tokenized about 4 ms per 1K
         tokens on the model's thread (run 4: a 32K prompt waited 120-206 ms before admission), and
         every running turn waited for it too."""
-        answered = False
         try:
             prompt = await self._render(msg.prompt)
             plan = self._manager.plan(msg.agent_id, msg.model_tag, prompt, share_prefix=msg.share_prefix, own=msg.own)
@@ -390,14 +395,13 @@ class GPUActor:
                     f"the model's context of {context:,} tokens")
             self._event("tokenized", msg.request_id)
             self._early.append(_Tokenized(GpuTurn(msg, prompt, plan, tokens), need))
-            answered = True
             self._ring()
         except Exception as exc:  # noqa: BLE001 - template, tokenizer or context errors go back to the agent
-            answered = True
             send_reply(msg.reply, failed_from(exc))
+        except BaseException:  # cancelled: the actor stops
+            send_reply(msg.reply, _SHUTTING_DOWN)
+            raise
         finally:
-            if not answered:  # cancelled: the actor stops
-                send_reply(msg.reply, Failed(kind="Cancelled", error="the runtime is shutting down"))
             self._tokenizing.discard(msg.request_id)
             if not self._tokenizing:
                 self._no_texts.set()
@@ -405,9 +409,9 @@ class GPUActor:
     def _register(self, turn: GpuTurn, need: int) -> None:
         """A tokenized turn joins the scheduler's queue (the model may have changed while it was tokenized)."""
         msg = turn.msg
-        if self._info is None or self._sched is None or self._info.tag != msg.model_tag:
-            send_reply(msg.reply, Failed(kind="ModelError", error=f"model {msg.model_tag!r} is not loaded"))
+        if not self._serves(msg.model_tag, msg.reply):
             return
+        assert self._sched is not None
         try:
             self._sched.submit(msg.request_id, need + msg.sampling.max_tokens)
         except Exception as exc:  # noqa: BLE001 - a request the budget can never hold
