@@ -504,7 +504,6 @@ def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadli
     from runtime.backend import device_profile
     from runtime.errors import ModelError
     from runtime.kv.kvstate import settle_attention
-    from runtime.model.cuda_qmm import float_where_no_fast_kernel
     from runtime.model.loaded import load_model
     from runtime.spec import KVFormat
 
@@ -516,12 +515,9 @@ def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadli
     for weights in ("auto", "bfloat16"):  # as the profile holds them; bf16 if a quantized kernel is missing
         try:
             lm = load_model(model, kv_format=KVFormat(bits=4), models_dir=harness.BENCH_HOME / "models",
-                            weights=weights)
+                            weights=weights, float_slow_projections=chosen.float_slow_projections)
         except ModelError as exc:
             return [f"Skipped: {exc}."]
-        if chosen.float_slow_projections:  # as kvmem's engine loads it (run 4 did not: 221 s for 10 needles)
-            made_float, _ = float_where_no_fast_kernel(lm.model, lm.float_dtype)
-            log(f"needle rows: {len(made_float)} quantized projections made float (no fast CUDA prefill kernel)")
         # Native Q4 prefill runs single-threaded on MLX's CPU backend (hours at 8K): measured on GPUs only.
         native_ok, note = settle_attention(lm, "native") if chosen.policy == "gpu" else (
             "at-rest", "not run under the CPU policy (quantized SDPA is single-threaded there)")

@@ -45,7 +45,6 @@ from runtime.execution.decode_batch import DecodeBatch
 from runtime.kv.float_resident import ResidentPool, room_for
 from runtime.cpu.kv_copy import use_host_views
 from runtime.kv.kvstate import SLIDING_SLACK, ParkedCache, AttentionMode, settle_attention, with_kept_float
-from runtime.model.cuda_qmm import float_where_no_fast_kernel
 from runtime.model.loaded import LoadedModel, load_model
 from runtime.plan.prefix import MatchKind
 from runtime.execution.sequence import SequenceSampling, Sequence, start_from
@@ -210,15 +209,10 @@ class MlxEngine:
             packed_floats=self._profile.packed_floats,
             numpy_attention=self._profile.numpy_attention,
             plain_attention_queries=self._profile.plain_attention_queries,
+            float_slow_projections=self._profile.float_slow_projections,
             group=self._group,
         )
         lm.upload_by_copy = self._profile.upload_by_copy
-        if self._profile.float_slow_projections:
-            made_float, quantized = float_where_no_fast_kernel(lm.model, lm.float_dtype)
-            if made_float:
-                log.info("%s: %d of %d quantized projections made %s, their shapes outside MLX's fast CUDA prefill "
-                         "kernel (%s, ...)", name, len(made_float), quantized,
-                         str(lm.float_dtype).removeprefix("mlx.core."), made_float[0])
         self._lm = lm
         self._attention, note = settle_attention(lm, self._profile.attention)
         self._profile = self._profile.with_model(attention=self._attention, note=note,

@@ -33,6 +33,7 @@ from runtime.cpu import attention as cpu_attention
 
 from runtime.reply import generic_tools
 from runtime.distributed.shard import shard_model, shard_model_id
+from runtime.model.cuda_qmm import float_where_no_fast_kernel
 from runtime.model.default_model import DEFAULT_MODEL, default_model_file
 from runtime.errors import ModelError, UnsupportedModelError
 from runtime.model.gguf import is_gguf, prepare_gguf
@@ -218,6 +219,7 @@ def load_model(
     packed_floats: str = "auto",
     numpy_attention: bool = True,
     plain_attention_queries: int = 0,
+    float_slow_projections: bool = False,
     group: Any = None,
 ) -> LoadedModel:
     """Load ``model``: ``kvmem-default``, a GGUF file, a tiny recipe name, a folder or a Hugging Face id.
@@ -229,6 +231,8 @@ def load_model(
     ``numpy_attention`` lets :meth:`LoadedModel.forward` use :mod:`runtime.cpu.attention`
     where it applies (llama and qwen2 models on the CPU backend); ``plain_attention_queries``
     (0: never) sends their short passes' attention through plain MLX operations instead.
+    ``float_slow_projections`` makes float the quantized projections MLX's fast CUDA prefill kernel
+    does not take (:mod:`runtime.model.cuda_qmm`; the profile's choice on CUDA).
     ``group``: an ``mx.distributed`` group of more than one rank keeps this rank's
     tensor-parallel part of the model (:mod:`runtime.distributed.shard`).
     """
@@ -260,6 +264,12 @@ def load_model(
         model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config, numpy_attention=numpy_on,
         plain_attention_queries=plain,
     )
+    if float_slow_projections:
+        made_float, quantized = float_where_no_fast_kernel(loaded, lm.float_dtype)
+        if made_float:
+            log.info("%s: %d of %d quantized projections made %s, their shapes outside MLX's fast CUDA prefill "
+                     "kernel (%s, ...)", name, len(made_float), quantized,
+                     str(lm.float_dtype).removeprefix("mlx.core."), made_float[0])
     if not lm.supports_tools:  # its prompts carry tools in kvmem's generic format: part of every cache's tag
         lm.spec = replace(spec, prompt_format=generic_tools.FORMAT)
     return lm
