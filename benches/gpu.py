@@ -432,7 +432,8 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
                 log(f"{geom.name} batch N={n}: {b.system_tps:.1f} tok/s, ttft max {max(b.ttfts_ms):.0f} ms")
         run.phases["kvmem batch"] = time.perf_counter() - t_phase
         run.trace["events"] = [{"kind": e.kind, "ids": list(e.request_ids), "at": e.at,
-                                **({"timing": [e.timing.launch_ms, e.timing.wait_ms, e.timing.host_ms]} if e.timing else {})}
+                                **({"timing": [e.timing.launch_ms, e.timing.wait_ms, e.timing.host_ms,
+                                               e.timing.build_ms, e.timing.launch_cpu_ms]} if e.timing else {})}
                                for e in rt.gpu_events()]
         await rt.flush()
     t0 = time.perf_counter()
@@ -672,27 +673,34 @@ def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
 
 def decode_step_split(trace: dict[str, Any]) -> list[list[str]]:
     """Where decode steps' time went, from the GPU actor's trace: each kind of window (cold turns by
-    size, batch rounds by agents) pools its steps; per step, the time since the step before ended and
-    its :class:`runtime.plan.contract.StepTiming` on the model's thread (launch, wait for the device,
-    host work on the tokens). What the three leave of the interval ("elsewhere") is time the model's
-    thread spent outside them: the GPU actor between jobs, waits for the GIL while trio runs, and a
-    step's merge of rows that joined. A wait near zero says the host, not the device, set the pace."""
+    size, batch rounds by agents) pools its steps; per step, the time since the step before ended
+    (median, and mean: a rate is the mean's) and its :class:`runtime.plan.contract.StepTiming` on the
+    model's thread: the launch, split into building the graph in Python and MLX handing it to the
+    device, with the thread's CPU time over the launch (far below the launch: the thread waited, for
+    the GIL or MLX's queue); the wait for the device; host work on the tokens. What the three leave of
+    the interval ("elsewhere") is time the model's thread spent outside them: the GPU actor between
+    jobs, waits for the GIL while trio runs, and a step's merge of rows that joined. A wait near zero
+    says the host, not the device, set the pace. Traces from before the split (three timings a step)
+    show dashes for it."""
     events = [e for e in trace.get("events", []) if e["kind"] == "step" and e.get("timing")]
     windows = [(m["agent"].rsplit("-r", 1)[0], m["t0"], m["t1"]) for m in trace.get("cold", [])]
     windows += [(f"batch round, {r['agents']} agent{'s' if r['agents'] > 1 else ''}", r["t0"], r["t1"])
                 for r in trace.get("rounds", [])]
-    pooled: dict[str, list[tuple[float, float, float, float]]] = {}
+    pooled: dict[str, list[tuple[float, ...]]] = {}
     for name, t0, t1 in windows:
         inside = [e for e in events if t0 <= e["at"] <= t1]
         for prev, ev in zip(inside, inside[1:], strict=False):
             interval = (ev["at"] - prev["at"]) * 1e3
-            launch, wait, host = ev["timing"]
-            pooled.setdefault(name, []).append((interval, launch, wait, host))
+            launch, wait, host, *split = ev["timing"]
+            build, cpu = split if split else (math.nan, math.nan)
+            pooled.setdefault(name, []).append((interval, launch, build, launch - build, cpu, wait, host))
     rows = []
     for name, steps in pooled.items():
-        med = [statistics.median(s[i] for s in steps) for i in range(4)]
-        elsewhere = statistics.median(s[0] - s[1] - s[2] - s[3] for s in steps)
-        rows.append([name, str(len(steps)), *(f"{v:.2f}" for v in med), f"{elsewhere:.2f}"])
+        med = [statistics.median(s[i] for s in steps) for i in range(len(steps[0]))]
+        mean = statistics.fmean(s[0] for s in steps)
+        elsewhere = statistics.median(s[0] - s[1] - s[5] - s[6] for s in steps)
+        rows.append([name, str(len(steps)), f"{med[0]:.2f}", f"{mean:.2f}",
+                     *("—" if math.isnan(v) else f"{v:.2f}" for v in med[1:]), f"{elsewhere:.2f}"])
     return rows
 
 
@@ -741,9 +749,13 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
         split = decode_step_split(r.trace)
         if split:
             lines += ["", "Where the decode steps' time went (the GPU actor's trace; medians over each kind of window, ms "
-                      "a step): the time since the step before, then the model thread's launch, wait for the device "
-                      "and host work; elsewhere is the rest (the actor between jobs, the GIL, joins' merges):", "",
-                      *table(["window", "steps", "interval", "launch", "wait", "host", "elsewhere"], split)]
+                      "a step, and the intervals' mean): the time since the step before, then the model thread's "
+                      "launch (building the graph in Python, then MLX handing it to the device; the thread's CPU "
+                      "time over the launch: far below it, the thread waited for the GIL or MLX's queue), wait for "
+                      "the device and host work; elsewhere is the rest (the actor between jobs, the GIL, joins' "
+                      "merges):", "",
+                      *table(["window", "steps", "interval", "mean", "launch", "build", "submit", "launch CPU",
+                              "wait", "host", "elsewhere"], split)]
         lines.append("")
     lines += ["## Needle rows (item 3, reduced)", "", *needle_lines, "", "## Test suite", "", *suite, ""]
     return lines

@@ -107,12 +107,15 @@ def test_decode_steps_are_split_from_the_trace_by_kind_of_window() -> None:
 
     trace = {"cold": [{"agent": "cold-1024-r0", "t0": 0.0, "t1": 1.0}, {"agent": "cold-1024-r1", "t0": 2.0, "t1": 3.0}],
              "rounds": [{"agents": 8, "t0": 4.0, "t1": 5.0}],
-             "events": [step(0.100, [1.0, 2.0, 0.5]), step(0.104, [1.0, 2.0, 0.5]), step(0.109, [1.0, 2.5, 0.5]),
-                        step(2.100, [1.0, 0.0, 0.5]), step(2.104, [1.5, 0.0, 0.5]), step(2.5, None),
+             "events": [step(0.100, [1.0, 2.0, 0.5, 0.6, 0.9]), step(0.104, [1.0, 2.0, 0.5, 0.6, 0.9]),
+                        step(0.109, [1.0, 2.5, 0.5, 0.7, 0.2]),
+                        step(2.100, [1.0, 0.0, 0.5, 0.6, 0.9]), step(2.104, [1.5, 0.0, 0.5, 0.5, 1.4]), step(2.5, None),
+                        # a trace from before the launch's split: three timings a step
                         step(4.000, [2.0, 1.0, 1.0]), step(4.007, [2.0, 1.0, 1.0]), step(4.015, [2.0, 2.0, 1.0])]}
     rows = gpu.decode_step_split(trace)
-    # cold 1K pools three intervals (4, 5 and 4 ms) from two repeats; a step without timing is left out
-    assert rows[0] == ["cold-1024", "3", "4.00", "1.00", "2.00", "0.50", "1.00"]
-    assert rows[1] == ["batch round, 8 agents", "2", "7.50", "2.00", "1.50", "1.00", "3.00"]
+    # cold 1K pools three intervals (4, 5 and 4 ms) from two repeats; a step without timing is left out;
+    # the launch splits into build and submit (medians of each: 0.6 and 0.4), with the thread's CPU time
+    assert rows[0] == ["cold-1024", "3", "4.00", "4.33", "1.00", "0.60", "0.40", "0.90", "2.00", "0.50", "1.00"]
+    assert rows[1] == ["batch round, 8 agents", "2", "7.50", "7.50", "2.00", "—", "—", "—", "1.50", "1.00", "3.00"]
     body = "\n".join(gpu.render_body([_run()], PLAN, [], []))
     assert "decode steps' time went" not in body  # a run without a trace reports none

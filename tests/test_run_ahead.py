@@ -90,3 +90,36 @@ def test_every_step_records_where_its_time_went(run_ahead: bool) -> None:
         assert all(p >= 0 for p in parts) and timing.host_ms > 0
         assert sum(parts) <= wall_ms
         assert sum(parts) >= 0.5 * wall_ms  # the step's merge and bookkeeping aside, it is all here
+        # Building the graph is part of the launch; the thread ran for at most the launch's wall time.
+        assert 0 < timing.build_ms <= timing.launch_ms
+        assert 0 < timing.launch_cpu_ms <= timing.launch_ms + 0.5  # thread_time ticks coarser than perf_counter
+
+
+def test_a_launch_that_waits_off_the_cpu_is_told_apart() -> None:
+    """``launch_cpu_ms`` is the model thread's own CPU time: a launch that waits (here: for a lock
+    another thread holds, as the GIL would be) shows wall time the CPU time does not have."""
+    import threading
+    import time
+
+    lm = tiny("tiny-llama")
+    batch = DecodeBatch(shared_prefix_check=False, run_ahead=True)
+    prompt, params, _ = ROWS["a"]
+    seq = Sequence(lm, prompt, None, params, attention="at-rest")
+    while seq.prefill_step() is None:
+        pass
+    batch.add(seq)
+    batch.step_once()
+    held = threading.Event()
+    original = batch._launch
+
+    def waiting_launch(inputs):  # the launch blocks 50 ms off the CPU before it builds the graph
+        held.wait(0.05)
+        return original(inputs)
+
+    batch._launch = waiting_launch
+    batch.step_once()
+    timing = batch.last_timing
+    assert timing is not None
+    assert timing.launch_ms >= 50
+    assert timing.launch_cpu_ms < 0.5 * timing.launch_ms
+    assert timing.build_ms < 0.5 * timing.launch_ms  # the wait came before the build, not in it

@@ -126,6 +126,8 @@ class DecodeBatch:
         self._ahead: mx.array | None = None
         self._ahead_rows = 0
         self.last_timing: StepTiming | None = None
+        self._built_s = 0.0  # this step's graph building so far (StepTiming.build_ms)
+        self._cpu_at_start = 0.0  # the thread's CPU time when this step began
 
     def __len__(self) -> int:
         return len(self.members) + len(self.pending)
@@ -222,14 +224,15 @@ class DecodeBatch:
         if not self.members:
             return []
         started = time.perf_counter()
+        self._built_s, self._cpu_at_start = 0.0, time.thread_time()
         if self.run_ahead and not any(_forcing(s) for s in self.members):
             return self._step_ahead(started)
         if self._ahead is not None:  # a forced token next: read the step in flight, then step in lockstep
             return self._read_ahead(None, started)
         tokens = self._launch(self._own_inputs())
-        launched = time.perf_counter()
+        launched, launched_cpu = time.perf_counter(), time.thread_time()
         mx.eval(tokens)
-        return self._accept(self.members, tokens.tolist(), started, launched)
+        return self._accept(self.members, tokens.tolist(), started, launched, launched_cpu)
 
     def _own_inputs(self) -> mx.array:
         """Every member's next input token, as the ``(B, 1)`` input of a step."""
@@ -237,12 +240,15 @@ class DecodeBatch:
 
     def _launch(self, inputs: mx.array) -> mx.array:
         """One forward pass and sampling for every member (lazy: nothing is evaluated here)."""
+        began = time.perf_counter()
         with cpu_attention.sharing(self.shared):
             logits = self.members[0].lm.forward(inputs, self.caches)[:, -1, :]
         for i, s in enumerate(self.members):
             if s.logits_trace is not None:
                 s.observe(logits[i : i + 1])
-        return sample_rows(self.members, logits)
+        tokens = sample_rows(self.members, logits)
+        self._built_s += time.perf_counter() - began
+        return tokens
 
     def _step_ahead(self, started: float) -> list[tuple[Sequence, str]]:
         """Launch the next step from the tokens in flight, then read those (see the class docstring)."""
@@ -259,20 +265,21 @@ class DecodeBatch:
     def _read_ahead(self, following: mx.array | None, started: float) -> list[tuple[Sequence, str]]:
         """Accept the tokens in flight; ``following`` (launched for every member) becomes the step in flight."""
         assert self._ahead is not None
-        launched = time.perf_counter()
+        launched, launched_cpu = time.perf_counter(), time.thread_time()
         rows = self.members[: self._ahead_rows]
         tokens = self._ahead.tolist()
         self._ahead, self._ahead_rows = following, len(self.members) if following is not None else 0
-        return self._accept(rows, tokens, started, launched)
+        return self._accept(rows, tokens, started, launched, launched_cpu)
 
     def _accept(self, rows: list[Sequence], tokens: list[int], started: float,
-                launched: float) -> list[tuple[Sequence, str]]:
+                launched: float, launched_cpu: float) -> list[tuple[Sequence, str]]:
         """Each row takes its token; the step's timing is recorded (``tokens`` are read: the wait is over)."""
         read = time.perf_counter()
         out = [(s, s.accept(t)) for s, t in zip(rows, tokens, strict=True)]
         done = time.perf_counter()
         self.last_timing = StepTiming(launch_ms=(launched - started) * 1e3, wait_ms=(read - launched) * 1e3,
-                                      host_ms=(done - read) * 1e3)
+                                      host_ms=(done - read) * 1e3, build_ms=self._built_s * 1e3,
+                                      launch_cpu_ms=(launched_cpu - self._cpu_at_start) * 1e3)
         return out
 
 

@@ -451,11 +451,18 @@ class StepTiming:
             it to the device (``mx.async_eval``, or the launch part of a lockstep step).
         wait_ms: waiting for the device to hand back the tokens this step reads.
         host_ms: the host's work on those tokens: detokenizing, stop strings, tool calls.
+        build_ms: the part of ``launch_ms`` spent building the graph in Python; the rest is MLX
+            handing it to the device (on CUDA: recording kernels, instantiating or updating graphs).
+        launch_cpu_ms: the model thread's CPU time over ``launch_ms`` (``time.thread_time``). Far
+            below ``launch_ms``, the thread was not running: waiting for the GIL (another Python
+            thread held it), for MLX's queue of work in flight, or for a core.
     """
 
     launch_ms: float
     wait_ms: float
     host_ms: float
+    build_ms: float = 0.0
+    launch_cpu_ms: float = 0.0
 
 
 @dataclass(frozen=True)
