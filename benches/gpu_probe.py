@@ -2,6 +2,9 @@
 
 Not a comparison with a goal, but the measurements that say where the next fix goes:
 
+* **a save's host copy, then the cache's next use**: on CUDA MLX moves any buffer the host reads
+  to managed memory for good; a parked cache copied for its save in place would page back onto the
+  device at its next use, one copied from a device copy (the GPU policy's road) should not;
 * **attention with sinks**: ``mx.fast.scaled_dot_product_attention`` (with and without
   sinks, no / causal / array masks, float32 and bfloat16) against a float32 reference;
 * **tiny-gpt-oss**: the same prefill and decode twice on the device (does it repeat
@@ -334,6 +337,52 @@ def batch_decode_attention_rows(rows: int, contexts: list[int], repeats: int = 2
     return out
 
 
+def host_read_rows(tokens: int, layers: int = 16, repeats: int = 3) -> list[list[str]]:
+    """What a save's host copy costs a parked cache afterwards, by each road of
+    :func:`runtime.kv.kvstate.host_readable`. A cache of a 1B model's Q4 shape (``layers`` layers of
+    packed keys and values, ``tokens`` tokens) is read by a device pass (one reduction an array)
+    before any host copy, then copied to the host (numpy) in place or from a device copy, then read
+    by the same device pass again. On CUDA, MLX moves a buffer the host reads to managed memory for
+    good, so after an in-place copy the pass would page the cache back onto the device; after a copy
+    of a copy it should cost what it did before. Medians of ``repeats`` fresh caches, ms."""
+    import statistics as stats
+
+    import mlx.core as mx
+    import numpy as np
+
+    from runtime.kv.kvstate import host_readable
+
+    def device_pass(arrays: list[Any]) -> float:
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval([a.sum() for a in arrays])
+        return (time.perf_counter() - t0) * 1e3
+
+    rows = []
+    for road, by_copy in (("the cache's own arrays (the road before)", False), ("a device copy (the GPU policy's road)", True)):
+        before, copy, after = [], [], []
+        for _ in range(repeats):
+            cache = [mx.random.randint(0, 2**31, (1, 8, tokens, 8)).astype(mx.uint32) for _ in range(2 * layers)]
+            mx.eval(cache)
+            device_pass(cache)  # the reduction's kernels built outside the samples
+            before.append(device_pass(cache))
+            t0 = time.perf_counter()
+            host = [host_readable(a[0], by_copy=by_copy) for a in cache]
+            mx.eval(host)
+            [np.array(h, copy=True) for h in host]
+            copy.append((time.perf_counter() - t0) * 1e3)
+            del host
+            after.append(device_pass(cache))
+            del cache
+            mx.clear_cache()
+        mb = 2 * layers * 8 * tokens * 8 * 4 / 2**20
+        rows.append([road, f"{mb:.0f}", f"{stats.median(before):.2f}", f"{stats.median(copy):.1f}",
+                     f"{stats.median(after):.2f}"])
+        log(f"host read {road}: device pass {stats.median(before):.2f} ms before, host copy {stats.median(copy):.1f} ms, "
+            f"device pass after {stats.median(after):.2f} ms")
+    return rows
+
+
 def decode_rows(model: Any, contexts: list[int], steps: int) -> list[list[str]]:
     """Tokens/s of one row's decode with each cache, in lockstep and run ahead (as mlx-lm's ``generate_step``)."""
     import mlx.core as mx
@@ -457,6 +506,10 @@ def main(argv: list[str] | None = None) -> None:
     res.setup += device_lines()
     res.setup.append(f"MLX_ENABLE_TF32={os.environ.get('MLX_ENABLE_TF32', 'unset (MLX: 1, float32 products in TF32 on CUDA)')}"
                      " (the suite runs with 0: tests/conftest.py)")
+    res.body += ["## A save's host copy, then the cache's next use on the device (a 1B model's Q4 cache; ms)", "",
+                 *table(["host reads", "MB", "device pass before", "host copy", "device pass after"],
+                        host_read_rows(512 if quick else 16384)), ""]
+    res.write()  # kept if what follows runs past the session's time limit
     res.body += ["## Fused attention against a float32 reference (worst |error|: without / with sinks)", "",
                  *table(["dtype", "B x q x k", "mask", "no sinks", "sinks"], sdpa_rows()), ""]
     res.body += ["## tiny-gpt-oss: the same tokens twice on the device, and on MLX's CPU stream", "",

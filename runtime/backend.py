@@ -30,6 +30,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | a turn's end | the cache is quantized and copied to the host for its save at once | quantized without waiting; the save's host copy is made later, when the GPU actor has nothing to run or the store needs it, never between two decode steps; made while idle, it stops between two layers for a message; overdue while turns run, it goes a few layers a loop pass, after the prefill under way (``actors.gpu``) |
 | quantized projections MLX's fast CUDA prefill kernel does not take (an output width not a multiple of 128, ...) | (CUDA only, whatever the policy) | made float at load: the other kernel is JIT-compiled, and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute (``runtime.model.cuda_qmm``) |
 | a cache read from disk, onto the device | ``mx.array`` (host memory is the device's) | ``mx.load`` of the arrays as a safetensors stream: one copy each to device memory, not managed memory paged in at about 0.6 GB/s on CUDA (``runtime.kv.upload``) |
+| a cache copied to the host for its save | its own arrays read in place | a device copy read, so the cache's own buffers stay device memory (MLX moves any buffer the host reads to managed memory for good) |
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         upload_by_copy: a cache read from disk reaches the device through ``mx.load``, one copy an
             array (:mod:`runtime.kv.upload`): on CUDA ``mx.array`` of host data is managed memory the
             device pages in at about 0.6 GB/s (an H200's warm 16K turn, read at the turn: 294 ms).
+        download_by_copy: the host reads a device copy of a cache for its save, never the cache's
+            own arrays: on CUDA MLX moves any buffer the host reads to managed memory for good
+            (``Buffer::raw_ptr``), so a parked cache read in place would page-fault back onto the
+            device at its next use (``runtime.kv.kvstate.ParkedCache.host_layers``).
         float_slow_projections: on CUDA, quantized projections whose shapes MLX's fast prefill kernel
             does not take are made float at load (:mod:`runtime.model.cuda_qmm`: the other kernel is
             JIT-compiled and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute).
@@ -144,6 +149,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     plain_attention_queries: int = 0
     copy_after_turn: bool = False
     upload_by_copy: bool = False
+    download_by_copy: bool = False
     float_slow_projections: bool = False
     tune_allocator: bool
     prewarm_mb: float
@@ -256,6 +262,7 @@ def decide_profile(
         else plain_attention_queries,
         copy_after_turn=not cpu,
         upload_by_copy=not cpu,
+        download_by_copy=not cpu,
         float_slow_projections=backend == "cuda",
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,

@@ -419,8 +419,9 @@ class MlxEngine:
         assert isinstance(parked, ParkedCache)
         done = [] if done is None else done
         layers = len(parked.layers)
+        by_copy = self._profile.download_by_copy
         if stop is None:  # nothing waits on it: what is left, in one evaluation
-            done.extend(parked.host_layers(len(done), layers))
+            done.extend(parked.host_layers(len(done), layers, by_copy=by_copy))
             return parked.snapshot_of(done)
         # A layer at a time: on a GPU each is a host copy of its own (about 0.6 GB/s on an H200:
         # 260 ms for a 32K cache of a 1B model), so a new turn waits for one layer, not all.
@@ -428,7 +429,7 @@ class MlxEngine:
         while len(done) < layers:
             if made and stop():
                 return None
-            done.extend(parked.host_layers(len(done), len(done) + 1))
+            done.extend(parked.host_layers(len(done), len(done) + 1, by_copy=by_copy))
             made += 1
         return parked.snapshot_of(done)
 

@@ -43,6 +43,7 @@ __all__ = [
     "ActiveKV",
     "AttentionMode",
     "SLIDING_SLACK",
+    "host_readable",
     "resolve_attention",
     "settle_attention",
     "with_kept_float",
@@ -218,12 +219,13 @@ class ParkedCache:
         """Copy to host numpy arrays (batch axis dropped) for persistence."""
         return self.snapshot_of(self.host_layers(0, len(self.layers)))
 
-    def host_layers(self, start: int, stop: int) -> list[LayerSnapshot]:
-        """Layers ``start`` to ``stop``'s host copies (batch axis dropped), for a copy made in parts."""
+    def host_layers(self, start: int, stop: int, *, by_copy: bool = False) -> list[LayerSnapshot]:
+        """Layers ``start`` to ``stop``'s host copies (batch axis dropped), for a copy made in parts;
+        ``by_copy``: read from copies made on the device (:func:`host_readable`)."""
         # Every array copied is made (chunks joined, bfloat16 widened) in one evaluation, then
         # copied: one wait for the device instead of one per array (six a layer).
         picked = self.layers[start:stop]
-        host = [{k: _host_dtype(v[0]) for k, v in layer.arrays.items()} for layer in picked]
+        host = [{k: host_readable(v[0], by_copy=by_copy) for k, v in layer.arrays.items()} for layer in picked]
         mx.eval([a for arrays in host for a in arrays.values()])
         return [LayerSnapshot(layer.kind, {k: np.array(a, copy=True) for k, a in arrays.items()})
                 for layer, arrays in zip(picked, host, strict=True)]
@@ -266,9 +268,16 @@ class ParkedCache:
         )
 
 
-def _host_dtype(a: mx.array) -> mx.array:
-    # numpy has no bfloat16: widen losslessly, ParkedCache.from_snapshot narrows back.
-    return a.astype(mx.float32) if a.dtype == mx.bfloat16 else a
+def host_readable(a: mx.array, *, by_copy: bool) -> mx.array:
+    """``a`` as the host reads it for a save (lazily): bfloat16 widened to float32, which numpy
+    has (losslessly: :meth:`ParkedCache.from_snapshot` narrows it back), and with ``by_copy`` never
+    ``a``'s own buffer. On CUDA the host reading an array moves its whole buffer to managed memory
+    for good (MLX's ``Buffer::raw_ptr``); ``a`` is a view of a parked cache, which would then page
+    back onto the device at its next use, so the host reads a copy made on the device instead
+    (``x * 1`` is exact for every dtype)."""
+    if a.dtype == mx.bfloat16:
+        return a.astype(mx.float32)  # a new array already
+    return a * 1 if by_copy else a
 
 
 class ActiveKV:
