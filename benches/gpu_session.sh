@@ -13,7 +13,11 @@
 #      overdue save copy waits for a prefill under way; a cache read from disk reaches the device by mx.load;
 #      prompts are tokenized off the model's thread; the needle model's (and any model's) quantized projections
 #      MLX's fast CUDA prefill kernel does not take are made float (run 4: 221 s for 10 needles at 8K);
-#   2. python -m benches gpu_probe --gguf none: as in run 4 (its GGUF rows did not finish);
+#      Since run 4 too: each decode step's launch splits into building the graph in Python and MLX's
+#      submit, with the model thread's CPU time over it (the step table: far below the launch, the thread
+#      waited for the GIL or MLX's queue, not for work); a save's host copy reads a device copy;
+#   2. python -m benches gpu_probe --gguf none: as in run 4 (its GGUF rows did not finish), with its new
+#      first rows: a save's host copy by either road, then the cache's next use on the device;
 #   3. the tiny-gpt-oss correctness tests with MLX_DISABLE_COMPILE=1 (run 4's two suite failures);
 #   4. the 1B's batch and cold 1K turns again with MLX_USE_CUDA_GRAPHS=0 (run 4: the batch of 8 went
 #      3.67x one agent with graphs, 4.98x without; plain mlx-lm's decode lost a quarter without them).
