@@ -496,7 +496,7 @@ class GPUActor:
         if not results:
             return
         self._chunks += 1
-        self._event("chunk", *results)
+        self._event("chunk", *results, timing=next(iter(results.values())).timing)
         for request_id, result in results.items():
             self._announce(request_id, None)
             if await self._prefilled(request_id, result):
@@ -528,7 +528,7 @@ class GPUActor:
             await self._fail(request_id, exc)
             return
         self._chunks += 1
-        self._event("chunk", request_id)
+        self._event("chunk", request_id, timing=result.timing)
         if not await self._prefilled(request_id, result):
             return
         try:

@@ -229,8 +229,8 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     copy for its save, made after the turn under the GPU policy).
 
     ``at`` is when it completed (``time.perf_counter``); a step's is taken on the model's thread
-    as it ends, and ``timing`` says where its time went there (:class:`runtime.plan.contract.StepTiming`;
-    None for other kinds, or an engine that does not measure).
+    as it ends, and ``timing`` says where a step's or a chunk's time went there
+    (:class:`runtime.plan.contract.StepTiming`; None for other kinds, or an engine that does not measure).
     """
 
     kind: str

@@ -704,6 +704,33 @@ def decode_step_split(trace: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def chunk_split(trace: dict[str, Any]) -> list[list[str]]:
+    """Where prefill chunks' time went, from the GPU actor's trace: each kind of window (cold turns by
+    size, batch rounds by agents; a batch's joint pass is one chunk) pools its chunks' StepTimings
+    (medians, ms a chunk): the launch, split into building the graph in Python (for a batch's joint
+    pass, lining the rows' caches up too) and MLX handing it to the device, the thread's CPU time over
+    the launch, the wait for the device (for a chunk run ahead, none: the next job waits) and the host
+    work after it (the first token's); and the chunks' whole time per window (median over windows)."""
+    events = [e for e in trace.get("events", []) if e["kind"] == "chunk" and len(e.get("timing") or ()) >= 5]
+    windows = [(m["agent"].rsplit("-r", 1)[0], m["t0"], m["t1"]) for m in trace.get("cold", [])]
+    windows += [(f"batch round, {r['agents']} agent{'s' if r['agents'] > 1 else ''}", r["t0"], r["t1"])
+                for r in trace.get("rounds", [])]
+    pooled: dict[str, list[tuple[float, ...]]] = {}
+    totals: dict[str, list[float]] = {}
+    for name, t0, t1 in windows:
+        inside = [e["timing"] for e in events if t0 <= e["at"] <= t1]
+        if not inside:
+            continue
+        for launch, wait, host, build, cpu in inside:
+            pooled.setdefault(name, []).append((launch, build, launch - build, cpu, wait, host))
+        totals.setdefault(name, []).append(sum(t[0] + t[1] + t[2] for t in inside))
+    rows = []
+    for name, chunks in pooled.items():
+        med = [statistics.median(c[i] for c in chunks) for i in range(6)]
+        rows.append([name, str(len(chunks)), *(f"{v:.2f}" for v in med), f"{statistics.median(totals[name]):.1f}"])
+    return rows
+
+
 def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], suite: list[str]) -> list[str]:
     """The report's body: one verdict table over all geometries, then each geometry's numbers, needles, suite."""
     rows = [[r.geometry.label, v.goal, v.measured, v.word]
@@ -756,6 +783,15 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
                       "merges):", "",
                       *table(["window", "steps", "interval", "mean", "launch", "build", "submit", "launch CPU",
                               "wait", "host", "elsewhere"], split)]
+        chunks = chunk_split(r.trace)
+        if chunks:
+            lines += ["", "Where the prefill chunks' time went (the GPU actor's trace; medians over each kind of window, "
+                      "ms a chunk; a batch's joint pass is one chunk): the launch (building the graph in Python, for "
+                      "a joint pass lining the rows' caches up too, then MLX's submit; the thread's CPU time over it), "
+                      "the wait for the device (none for a chunk run ahead: the next job waits for it) and the host "
+                      "work after it; then the chunks' whole time in a window:", "",
+                      *table(["window", "chunks", "launch", "build", "submit", "launch CPU", "wait", "host",
+                              "a window's chunks"], chunks)]
         lines.append("")
     lines += ["## Needle rows (item 3, reduced)", "", *needle_lines, "", "## Test suite", "", *suite, ""]
     return lines

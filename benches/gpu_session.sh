@@ -15,7 +15,8 @@
 #      MLX's fast CUDA prefill kernel does not take are made float (run 4: 221 s for 10 needles at 8K);
 #      Since run 4 too: each decode step's launch splits into building the graph in Python and MLX's
 #      submit, with the model thread's CPU time over it (the step table: far below the launch, the thread
-#      waited for the GIL or MLX's queue, not for work); a save's host copy reads a device copy;
+#      waited for the GIL or MLX's queue, not for work), and so does each prefill chunk's (a batch's
+#      joint pass is one: its own table); a save's host copy reads a device copy;
 #   2. python -m benches gpu_probe --gguf none: as in run 4 (its GGUF rows did not finish), with its new
 #      first rows: a save's host copy by either road, then the cache's next use on the device;
 #   3. the tiny-gpt-oss correctness tests with MLX_DISABLE_COMPILE=1 (run 4's two suite failures);
@@ -35,6 +36,7 @@ case "${1:-bench}" in
     # where decode steps' time went (the trace's StepTiming), in the call's own output too
     grep -A 12 "decode steps' time went" "$out/gpu.md" | head -n 40
     grep -A 16 "first tokens went" "$out/gpu.md" | head -n 40
+    grep -A 12 "prefill chunks' time went" "$out/gpu.md" | head -n 30
     # full float32 products, as the suite runs (tests/conftest.py): MLX's CUDA default is TF32. No GGUF rows:
     # run 4 answered them (the needle GGUF's first forward at 1000 tokens did not end in a minute).
     MLX_ENABLE_TF32=0 timeout -s INT 50 python3 -m benches gpu_probe --gguf none > /tmp/probe.log 2>&1

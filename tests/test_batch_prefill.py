@@ -93,3 +93,23 @@ def test_sliding_window_and_native_caches_are_not_grouped() -> None:
     native = {i: Sequence(llama, p, c, SequenceSampling(max_tokens=2), attention="native")
               for i, (p, c) in enumerate(_turns(llama, "native")[:2])}
     assert choose_group(native) == {}
+
+
+def test_a_group_pass_records_where_its_time_went() -> None:
+    """Every row of a group prefilled together carries its one pass's ``StepTiming`` (the GPU actor's
+    trace shows it on the group's chunk): building the lined-up caches and the pass, then the wait."""
+    import time
+
+    lm = tiny("tiny-llama")
+    rows = [Sequence(lm, prompt, cache, SequenceSampling(max_tokens=4)) for prompt, cache in _turns(lm)]
+    group = choose_group(dict(enumerate(rows)))
+    grouped = [rows[i] for i in group]
+    t0 = time.perf_counter()
+    prefill_together(grouped, list(group.values()))
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    timings = {id(seq.last_chunk_timing) for seq in grouped}
+    assert len(timings) == 1  # one pass, one timing
+    timing = grouped[0].last_chunk_timing
+    assert timing is not None
+    assert 0 < timing.build_ms <= timing.launch_ms and timing.wait_ms >= 0 and timing.host_ms > 0
+    assert timing.launch_ms + timing.wait_ms + timing.host_ms <= wall_ms

@@ -119,3 +119,22 @@ def test_decode_steps_are_split_from_the_trace_by_kind_of_window() -> None:
     assert rows[1] == ["batch round, 8 agents", "2", "7.50", "7.50", "2.00", "—", "—", "—", "1.50", "1.00", "3.00"]
     body = "\n".join(gpu.render_body([_run()], PLAN, [], []))
     assert "decode steps' time went" not in body  # a run without a trace reports none
+
+
+def test_prefill_chunks_are_split_from_the_trace_by_kind_of_window() -> None:
+    def chunk(at: float, timing: list[float] | None) -> dict:
+        return {"kind": "chunk", "ids": [1], "at": at, **({"timing": timing} if timing else {})}
+
+    trace = {"cold": [{"agent": "cold-4096-r0", "t0": 0.0, "t1": 1.0}, {"agent": "cold-4096-r1", "t0": 2.0, "t1": 3.0}],
+             "rounds": [{"agents": 8, "t0": 4.0, "t1": 5.0}],
+             "events": [chunk(0.1, [10.0, 0.0, 0.0, 8.0, 9.0]), chunk(0.2, [12.0, 5.0, 1.0, 9.0, 11.0]),
+                        chunk(2.1, [11.0, 0.0, 0.0, 8.5, 10.0]), chunk(2.2, [13.0, 4.0, 1.0, 10.0, 12.0]),
+                        chunk(2.3, [1.0, 1.0, 1.0]),  # a trace from before the split: left out
+                        chunk(4.5, [40.0, 20.0, 2.0, 30.0, 39.0]),
+                        {"kind": "step", "ids": [1], "at": 4.6, "timing": [1.0, 1.0, 1.0, 1.0, 1.0]}]}
+    rows = gpu.chunk_split(trace)
+    # cold 4K: four chunks from two repeats (medians of each part); its windows' chunks took 28 and 29 ms in all
+    assert rows[0] == ["cold-4096", "4", "11.50", "8.75", "2.75", "10.50", "2.00", "0.50", "28.5"]
+    assert rows[1] == ["batch round, 8 agents", "1", "40.00", "30.00", "10.00", "39.00", "20.00", "2.00", "62.0"]
+    body = "\n".join(gpu.render_body([_run()], PLAN, [], []))
+    assert "prefill chunks' time went" not in body  # a run without a trace reports none

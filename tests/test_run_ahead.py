@@ -123,3 +123,40 @@ def test_a_launch_that_waits_off_the_cpu_is_told_apart() -> None:
     assert timing.launch_ms >= 50
     assert timing.launch_cpu_ms < 0.5 * timing.launch_ms
     assert timing.build_ms < 0.5 * timing.launch_ms  # the wait came before the build, not in it
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_every_prefill_chunk_records_where_its_time_went(profile: str) -> None:
+    """A prefill chunk's result carries its ``StepTiming``: a middle chunk is launched and (in lockstep)
+    waited for; the last one also reads the first token back and accepts it."""
+    import time
+
+    from conftest import models_dir
+
+    from runtime.execution.mlx_engine import MlxEngine
+    from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
+
+    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="at-rest", profile=profile)
+    try:
+        engine.load("tiny-llama")
+        plan = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
+        prompt = "User: " + "Tell me about the harbour and its boats. " * 8 + "\nAssistant:"
+        engine.start(1, prompt, plan, engine.tokenize(prompt, plan), SamplingOptions(max_tokens=2))
+        results = []
+        while True:
+            t0 = time.perf_counter()
+            result = engine.prefill(1, 16)
+            results.append((result, (time.perf_counter() - t0) * 1e3))
+            if not result.remaining:
+                break
+        assert len(results) >= 3
+        for result, wall_ms in results:
+            timing = result.timing
+            assert timing is not None
+            assert 0 < timing.build_ms <= timing.launch_ms
+            assert timing.launch_ms + timing.wait_ms + timing.host_ms <= wall_ms
+        last = results[-1][0].timing
+        assert last is not None and last.host_ms > 0 and results[-1][0].text is not None  # the first token, accepted
+        engine.discard(1)
+    finally:
+        engine.unload()

@@ -33,6 +33,7 @@ from typing import Any
 import mlx.core as mx
 
 from runtime.execution.decode_batch import place_cache_rows, sample_rows
+from runtime.execution.pass_clock import PassClock
 from runtime.execution.sequence import Sequence
 from runtime.kv.decode_kv import DecodeKVCache
 
@@ -97,20 +98,28 @@ def prefill_together(rows: list[Sequence], pads: list[int]) -> tuple[list[str], 
     per layer, row ``i`` is ``rows[i]``); the rows' own caches are emptied.
     """
     started = time.perf_counter()
+    clock = PassClock()
     widths = {seq.to_prefill + pad for seq, pad in zip(rows, pads, strict=True)}
     if len(widths) != 1:
         raise ValueError(f"a group's rows must line up to one width, not {sorted(widths)}")
     width = widths.pop()
-    caches = [LinedUpCache(list(layer), pads, width) for layer in zip(*(s.kv.caches for s in rows), strict=True)]
-    inputs = mx.array([seq.token_ids[seq.context - pad : seq.context] + seq.remaining_ids
-                       for seq, pad in zip(rows, pads, strict=True)])
-    logits = rows[0].lm.forward_last(inputs, caches)
-    for i, seq in enumerate(rows):
-        seq.observe(logits[i : i + 1])
-    tokens = sample_rows(rows, logits)
-    mx.eval(tokens)
+    with clock.building():  # the rows' caches lined up in one batch cache, the pass, sampling
+        caches = [LinedUpCache(list(layer), pads, width) for layer in zip(*(s.kv.caches for s in rows), strict=True)]
+        inputs = mx.array([seq.token_ids[seq.context - pad : seq.context] + seq.remaining_ids
+                           for seq, pad in zip(rows, pads, strict=True)])
+        logits = rows[0].lm.forward_last(inputs, caches)
+        for i, seq in enumerate(rows):
+            seq.observe(logits[i : i + 1])
+        tokens = sample_rows(rows, logits)
+    mx.async_eval(tokens)
+    clock.launched()
+    firsts = tokens.tolist()
+    clock.read()
     texts = []
-    for seq, token in zip(rows, tokens.tolist(), strict=True):
+    for seq, token in zip(rows, firsts, strict=True):
         seq.kv.caches = []
         texts.append(seq.first_token(int(token), prefill_started_at=started))
+    timing = clock.timing()
+    for seq in rows:
+        seq.last_chunk_timing = timing
     return texts, caches

@@ -13,7 +13,6 @@ together (:mod:`runtime.execution.batch_prefill`) joins as the batch cache it al
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import mlx.core as mx
@@ -24,6 +23,7 @@ from runtime.kv.decode_kv import DecodeKVCache
 from runtime.kv.float_resident import extract_with_room
 from runtime.reply.grammar import mask_rows
 from runtime.cpu.kv_copy import place_rows
+from runtime.execution.pass_clock import PassClock
 from runtime.plan.contract import StepTiming
 from runtime.kv.q4_cache import (
     BatchDequantizingQuantizedKVCache,
@@ -126,8 +126,7 @@ class DecodeBatch:
         self._ahead: mx.array | None = None
         self._ahead_rows = 0
         self.last_timing: StepTiming | None = None
-        self._built_s = 0.0  # this step's graph building so far (StepTiming.build_ms)
-        self._cpu_at_start = 0.0  # the thread's CPU time when this step began
+        self._clock = PassClock()  # the step under way's
 
     def __len__(self) -> int:
         return len(self.members) + len(self.pending)
@@ -223,16 +222,15 @@ class DecodeBatch:
         self._merge_pending()
         if not self.members:
             return []
-        started = time.perf_counter()
-        self._built_s, self._cpu_at_start = 0.0, time.thread_time()
+        self._clock = PassClock()
         if self.run_ahead and not any(_forcing(s) for s in self.members):
-            return self._step_ahead(started)
+            return self._step_ahead()
         if self._ahead is not None:  # a forced token next: read the step in flight, then step in lockstep
-            return self._read_ahead(None, started)
+            return self._read_ahead(None)
         tokens = self._launch(self._own_inputs())
-        launched, launched_cpu = time.perf_counter(), time.thread_time()
-        mx.eval(tokens)
-        return self._accept(self.members, tokens.tolist(), started, launched, launched_cpu)
+        mx.async_eval(tokens)
+        self._clock.launched()
+        return self._accept(self.members, tokens.tolist())
 
     def _own_inputs(self) -> mx.array:
         """Every member's next input token, as the ``(B, 1)`` input of a step."""
@@ -240,17 +238,15 @@ class DecodeBatch:
 
     def _launch(self, inputs: mx.array) -> mx.array:
         """One forward pass and sampling for every member (lazy: nothing is evaluated here)."""
-        began = time.perf_counter()
-        with cpu_attention.sharing(self.shared):
-            logits = self.members[0].lm.forward(inputs, self.caches)[:, -1, :]
-        for i, s in enumerate(self.members):
-            if s.logits_trace is not None:
-                s.observe(logits[i : i + 1])
-        tokens = sample_rows(self.members, logits)
-        self._built_s += time.perf_counter() - began
-        return tokens
+        with self._clock.building():
+            with cpu_attention.sharing(self.shared):
+                logits = self.members[0].lm.forward(inputs, self.caches)[:, -1, :]
+            for i, s in enumerate(self.members):
+                if s.logits_trace is not None:
+                    s.observe(logits[i : i + 1])
+            return sample_rows(self.members, logits)
 
-    def _step_ahead(self, started: float) -> list[tuple[Sequence, str]]:
+    def _step_ahead(self) -> list[tuple[Sequence, str]]:
         """Launch the next step from the tokens in flight, then read those (see the class docstring)."""
         if self._ahead is None:  # nothing in flight: this step's tokens come from the rows' inputs
             self._ahead = self._launch(self._own_inputs())
@@ -260,26 +256,22 @@ class DecodeBatch:
         inputs = self._ahead if not joined else mx.concatenate([self._ahead, mx.array(joined)])
         following = self._launch(inputs[:, None])
         mx.async_eval(following)
-        return self._read_ahead(following, started)
+        return self._read_ahead(following)
 
-    def _read_ahead(self, following: mx.array | None, started: float) -> list[tuple[Sequence, str]]:
+    def _read_ahead(self, following: mx.array | None) -> list[tuple[Sequence, str]]:
         """Accept the tokens in flight; ``following`` (launched for every member) becomes the step in flight."""
         assert self._ahead is not None
-        launched, launched_cpu = time.perf_counter(), time.thread_time()
+        self._clock.launched()
         rows = self.members[: self._ahead_rows]
         tokens = self._ahead.tolist()
         self._ahead, self._ahead_rows = following, len(self.members) if following is not None else 0
-        return self._accept(rows, tokens, started, launched, launched_cpu)
+        return self._accept(rows, tokens)
 
-    def _accept(self, rows: list[Sequence], tokens: list[int], started: float,
-                launched: float, launched_cpu: float) -> list[tuple[Sequence, str]]:
+    def _accept(self, rows: list[Sequence], tokens: list[int]) -> list[tuple[Sequence, str]]:
         """Each row takes its token; the step's timing is recorded (``tokens`` are read: the wait is over)."""
-        read = time.perf_counter()
+        self._clock.read()
         out = [(s, s.accept(t)) for s, t in zip(rows, tokens, strict=True)]
-        done = time.perf_counter()
-        self.last_timing = StepTiming(launch_ms=(launched - started) * 1e3, wait_ms=(read - launched) * 1e3,
-                                      host_ms=(done - read) * 1e3, build_ms=self._built_s * 1e3,
-                                      launch_cpu_ms=(launched_cpu - self._cpu_at_start) * 1e3)
+        self.last_timing = self._clock.timing()
         return out
 
 

@@ -317,7 +317,7 @@ class MlxEngine:
         text = seq.prefill_step(chunk or self._profile.chunk_for(seq.context))
         self._sample_memory()
         return PrefillResult(text=text, finished=seq.finish_reason is not None, context=seq.context,
-                             remaining=seq.to_prefill, tool_calls=seq.take_tool_calls())
+                             remaining=seq.to_prefill, tool_calls=seq.take_tool_calls(), timing=seq.last_chunk_timing)
 
     def prefill_together(self, request_ids: list[int]) -> dict[int, PrefillResult]:
         group = choose_group({r: self._seqs[r] for r in request_ids})
@@ -331,7 +331,7 @@ class MlxEngine:
         self._sample_memory()
         return {
             r: PrefillResult(text=text, finished=seq.finish_reason is not None, context=seq.context, remaining=0,
-                             tool_calls=seq.take_tool_calls())
+                             tool_calls=seq.take_tool_calls(), timing=seq.last_chunk_timing)
             for r, seq, text in zip(ids, rows, texts, strict=True)
         }
 

@@ -24,7 +24,10 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 from runtime.backend import CPU_CHUNKS
-from runtime.plan.contract import COLD, ColdStart, FromHot, FromShared, FromWarm, OwnCache, Tokenized, ToolCall, TurnPlan
+from runtime.execution.pass_clock import PassClock
+from runtime.plan.contract import (
+    COLD, ColdStart, FromHot, FromShared, FromWarm, OwnCache, StepTiming, Tokenized, ToolCall, TurnPlan,
+)
 from runtime.reply.grammar import ReplyGrammar, mask_rows
 from runtime.kv.kvstate import ActiveKV, ParkedCache, AttentionMode
 from runtime.model.loaded import LoadedModel
@@ -256,6 +259,7 @@ class Sequence:
         self.next_input: int | None = None
         self.logits_trace: list[mx.array] | None = None  # set to [] to record each step's logits
         self.sync_chunks = True  # wait for each prefill chunk (the engine's profile: not when running ahead)
+        self.last_chunk_timing: StepTiming | None = None  # where the last prefill chunk's time went
         self._splitter = tool_calls
         self.tool_calls: list[ToolCall] = []
         self._calls_taken = 0
@@ -301,21 +305,35 @@ class Sequence:
         (possibly empty) once the first token has been produced.
         """
         t0 = time.perf_counter()
+        clock = PassClock()
         size = chunk or prefill_chunk_size(self.context)
         piece = self.pending[self._prefilled : self._prefilled + size]
         self._prefilled += len(piece)
         if not self.prefill_done:
-            self.lm.forward(mx.array([piece]), self.kv.caches)  # logits never evaluated: only the caches
+            with clock.building():
+                self.lm.forward(mx.array([piece]), self.kv.caches)  # logits never evaluated: only the caches
             # The chunk is computed before the next one is built (bounding the graph); the host waits
             # for it only in lockstep: run ahead (the GPU policy) it goes on to the next job meanwhile.
-            (mx.eval if self.sync_chunks else mx.async_eval)([c.state for c in self.kv.caches])
+            states = [c.state for c in self.kv.caches]
+            mx.async_eval(states)
+            clock.launched()
+            if self.sync_chunks:
+                mx.eval(states)
+            clock.read()
+            self.last_chunk_timing = clock.timing()
             self.stats.prefill_s += time.perf_counter() - t0
             return None
-        logits = self.lm.forward_last(mx.array([piece]), self.kv.caches)
-        self.observe(logits)
-        token = self.sample(logits if self.grammar is None else mask_rows([self.grammar], logits))
-        mx.eval(token)
-        return self.first_token(int(token.item()), prefill_started_at=t0)
+        with clock.building():
+            logits = self.lm.forward_last(mx.array([piece]), self.kv.caches)
+            self.observe(logits)
+            token = self.sample(logits if self.grammar is None else mask_rows([self.grammar], logits))
+        mx.async_eval(token)
+        clock.launched()
+        first = int(token.item())
+        clock.read()
+        text = self.first_token(first, prefill_started_at=t0)
+        self.last_chunk_timing = clock.timing()
+        return text
 
     def first_token(self, token: int, *, prefill_started_at: float) -> str:
         """The prompt is in the cache and ``token`` sampled from its last position: record both.

@@ -413,13 +413,15 @@ class SequenceStarted:
 class PrefillResult:
     """One prefill chunk: ``text`` is None until the last chunk samples the first token;
     ``remaining`` is how many prompt tokens are still to prefill. ``text`` and
-    ``tool_calls`` as in :class:`StepToken`."""
+    ``tool_calls`` as in :class:`StepToken`; ``timing``: where the chunk's time went
+    on the model's thread (a group prefilled together shares its pass's; None: not measured)."""
 
     text: str | None
     finished: bool
     context: int
     remaining: int = 0
     tool_calls: tuple[ToolCall, ...] = ()
+    timing: StepTiming | None = None
 
 
 @dataclass(frozen=True)
@@ -439,7 +441,7 @@ class StepToken:
 
 @dataclass(frozen=True)
 class StepTiming:
-    """Where one decode step's time went on the model's thread, in milliseconds.
+    """Where one decode step's (or prefill chunk's) time went on the model's thread, in milliseconds.
 
     On a GPU a decode loop is bound by whichever is slower: the device computing a step, or the
     host building the next one and handling the last one's tokens. ``wait_ms`` near zero says the
