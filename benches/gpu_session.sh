@@ -19,7 +19,9 @@
 #      joint pass is one: its own table); a save's host copy reads a device copy;
 #   2. python -m benches gpu_probe --gguf none: as in run 4 (its GGUF rows did not finish), with its new
 #      first rows: a save's host copy by either road, then the cache's next use on the device;
-#   3. the tiny-gpt-oss correctness tests with MLX_DISABLE_COMPILE=1 (run 4's two suite failures);
+#   3. the tiny-gpt-oss correctness tests with MLX_DISABLE_COMPILE=1 (run 4's two suite failures); since
+#      run 4 loading a gpt-oss model on CUDA turns compile off itself (runtime/model/cuda_compile.py), so
+#      the suite's own run of them says whether that is enough;
 #   4. the 1B's batch and cold 1K turns again with MLX_USE_CUDA_GRAPHS=0 (run 4: the batch of 8 went
 #      3.67x one agent with graphs, 4.98x without; plain mlx-lm's decode lost a quarter without them).
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s

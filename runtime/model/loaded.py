@@ -33,6 +33,8 @@ from runtime.cpu import attention as cpu_attention
 
 from runtime.reply import generic_tools
 from runtime.distributed.shard import shard_model, shard_model_id
+from runtime.backend import detect_device
+from runtime.model.cuda_compile import turn_compile_off_if_wrong
 from runtime.model.cuda_qmm import float_where_no_fast_kernel
 from runtime.model.default_model import DEFAULT_MODEL, default_model_file
 from runtime.errors import ModelError, UnsupportedModelError
@@ -270,6 +272,7 @@ def load_model(
             log.info("%s: %d of %d quantized projections made %s, their shapes outside MLX's fast CUDA prefill "
                      "kernel (%s, ...)", name, len(made_float), quantized,
                      str(lm.float_dtype).removeprefix("mlx.core."), made_float[0])
+    turn_compile_off_if_wrong(name, config, detect_device()[1])
     if not lm.supports_tools:  # its prompts carry tools in kvmem's generic format: part of every cache's tag
         lm.spec = replace(spec, prompt_format=generic_tools.FORMAT)
     return lm
