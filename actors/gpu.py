@@ -27,10 +27,11 @@ and the actor makes the copies it owes when the write-behind policy says
 moment, else one per loop pass once the store wants it or it is overdue, an overdue
 one after the prefill under way, whose chunks a host copy would wait for); a copy
 a newer cache superseded is never made, and the ones still owed are made before
-the actor stops or swaps models. A copy made while idle goes a layer at a time
-and stops when a message comes (the message goes first; the copy resumes where
-it stopped): on a GPU a host copy is slow (about 0.6 GB/s on an H200), and a new
-turn should wait for one layer's, not for a whole cache's.
+the actor stops or swaps models. A copy made while idle goes a part at a time
+(a few MB of one array: :mod:`runtime.kv.host_copy`) and stops when a message comes
+(the message goes first; the copy resumes where it stopped): on a GPU a host copy
+is slow (about 0.6 GB/s on an H200), and a new turn should wait for one part's,
+not for a layer's or a whole cache's.
 
 Tokens reach clients through each request's ``deltas`` channel with
 ``send_nowait``: a slow reader never stalls the batch (undelivered text is
@@ -113,7 +114,7 @@ class _OwedCopy:
 
 def _after(seconds: float) -> Callable[[], bool]:
     """A ``stop`` for :meth:`runtime.plan.contract.Engine.snapshot`: true once ``seconds`` went by
-    from now (read on the model's thread, between two layers)."""
+    from now (read on the model's thread, between two parts of the copy)."""
     deadline = time.perf_counter() + seconds
     return lambda: time.perf_counter() >= deadline
 
@@ -716,7 +717,7 @@ class GPUActor:
             if pick is None:
                 return
             owed = self._owed[pick]
-            if idle:  # nothing runs: a message that comes stops the copy between two layers
+            if idle:  # nothing runs: a message that comes stops the copy between two parts
                 run, stop = self._until_message, self._doorbell.is_set
             elif owed.due.wanted or every:  # someone waits for it (a durable turn, a flush, stopping): whole
                 run, stop = self._job, None

@@ -16,7 +16,9 @@
 #      Since run 4 too: each decode step's launch splits into building the graph in Python and MLX's
 #      submit, with the model thread's CPU time over it (the step table: far below the launch, the thread
 #      waited for the GIL or MLX's queue, not for work), and so does each prefill chunk's (a batch's
-#      joint pass is one: its own table); a save's host copy reads a device copy;
+#      joint pass is one: its own table); a save's host copy reads a device copy, a part (at most 4 MiB of
+#      one array) at a time, so a turn behind an idle copy waits for a part, not a layer (run 4's 1K turns
+#      behind a 32K one waited 9-21 ms before admission);
 #   2. python -m benches gpu_probe --gguf none: as in run 4 (its GGUF rows did not finish), with its new
 #      first rows: a save's host copy by either road, then the cache's next use on the device;
 #   3. the tiny-gpt-oss correctness tests with MLX_DISABLE_COMPILE=1 (run 4's two suite failures); since

@@ -68,13 +68,13 @@ def _turn(engine, request_id: int, prompt: str, plan, max_tokens: int = 6):
 
 
 def _in_parts(engine, parked):
-    """The copy as an idle GPU actor makes it when messages keep coming: a layer per call, resumed."""
+    """The copy as an idle GPU actor makes it when messages keep coming: a part per call, resumed."""
     done: list = []
     calls = 0
     while (snapshot := engine.snapshot(parked, stop=lambda: True, done=done)) is None:
         calls += 1
-        assert len(done) == calls  # one layer per call, none copied twice
-    assert calls == len(snapshot.layers) - 1
+        assert done[0].made == calls  # one part per call, none copied twice
+    assert calls == len(done[0].parts) - 1 and len(done[0].parts) >= 2 * len(snapshot.layers)
     return snapshot
 
 
@@ -82,7 +82,7 @@ def _in_parts(engine, parked):
 def test_a_copy_made_after_the_next_turn_ran_on_the_kept_buffers_is_the_copy_made_at_once(attention: str) -> None:
     """Two engines run the same turns. One copies the first turn's cache at once; the other only
     after the agent's next turn ran from it (at-rest: on the float buffers the park kept, written in
-    place), and a layer at a time, as an idle actor whose copies messages interrupt makes it. Any
+    place), and a part at a time, as an idle actor whose copies messages interrupt makes it. Any
     buffer the unwaited park still read and the next turn overwrote would show here."""
     from runtime.cpu import kv_copy
     from runtime.plan.contract import ColdStart, FromHot, TurnPlan
@@ -166,7 +166,7 @@ async def test_an_overdue_copy_is_made_while_the_batch_runs(tmp_path, monkeypatc
 
 async def test_an_overdue_copy_is_made_a_slice_a_pass_and_the_batch_waits_for_a_slice(tmp_path, monkeypatch):
     """H200 run 3: an overdue copy made whole stalled a running decode 56 ms (a 4K cache; a 32K cache
-    of a 1B model took 258 ms). While turns run it now goes a few layers a loop pass."""
+    of a 1B model took 258 ms). While turns run it now goes a few parts a loop pass."""
     arrivals: list[float] = []
     async with _busy_runtime(tmp_path, monkeypatch, overdue_s=0.05, arrivals=arrivals,
                              copy_layers=30, copy_layer_delay_s=0.02) as (rt, engine, busy):  # 0.6 s whole
@@ -249,10 +249,10 @@ async def test_a_durable_turn_on_an_idle_actor_does_not_wait_out_the_grace(tmp_p
     assert _disk(tmp_path).load("d", model_tag=TAG).text == "a durable turn" + result.reply[:-1]
 
 
-async def test_a_turn_that_comes_while_an_idle_actor_copies_waits_for_a_layer_not_the_copy(tmp_path, monkeypatch):
+async def test_a_turn_that_comes_while_an_idle_actor_copies_waits_for_a_part_not_the_copy(tmp_path, monkeypatch):
     """H200 run 3: a cold 1K turn waited 410 ms behind two copies an idle actor made back to back
     (a 16K and a 32K cache, host copies at about 0.6 GB/s). A message now stops an idle copy
-    between two layers; the turn runs, and the copy resumes where it stopped."""
+    between two parts; the turn runs, and the copy resumes where it stopped."""
     monkeypatch.setattr(save_queue, "COPY_IDLE_GRACE_S", 0.0)
     engine = FakeEngine(copy_after_turn=True, copy_layers=30, copy_layer_delay_s=0.02)  # 0.6 s a copy
     async with _open(tmp_path, engine) as rt:
@@ -265,7 +265,7 @@ async def test_a_turn_that_comes_while_an_idle_actor_copies_waits_for_a_layer_no
         await rt.agent("b").send_prompt("a turn in the middle of it", max_tokens=3)
         waited = trio.current_time() - t0
         assert engine.snapshots == []  # a's copy, stopped for b's turn, is not finished yet
-        assert waited < 0.35  # a layer (0.02 s) and the turn; the rest of the copy would be 0.5 s or more
+        assert waited < 0.35  # a part (0.02 s) and the turn; the rest of the copy would be 0.5 s or more
         await _until_written(rt, 2)
     assert engine.copied_layers == 60  # both copies, each layer once: a's resumed, not restarted
     assert _disk(tmp_path).load("a", model_tag=TAG).text == "the first turn" + first.reply[:-1]

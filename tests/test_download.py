@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import models_dir
 
-from runtime.kv import kvstate
+from runtime.kv import host_copy, kvstate
 from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
 
 
@@ -71,7 +71,7 @@ def test_the_engine_reads_a_save_copy_as_its_profile_says(profile: str, by_copy:
         assert finished.parked is not None
         roads: list[bool] = []
         real = kvstate.host_readable
-        monkeypatch.setattr(kvstate, "host_readable", lambda a, *, by_copy: roads.append(by_copy) or real(a, by_copy=by_copy))
+        monkeypatch.setattr(host_copy, "host_readable", lambda a, *, by_copy: roads.append(by_copy) or real(a, by_copy=by_copy))
         made = engine.snapshot(finished.parked)  # what the GPU actor calls for a copy after the turn
         assert made is not None and roads and set(roads) == {by_copy}
         # the same bytes by either road

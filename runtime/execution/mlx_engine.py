@@ -44,6 +44,7 @@ from runtime.execution.batch_prefill import choose_group, prefill_together
 from runtime.execution.decode_batch import DecodeBatch
 from runtime.kv.float_resident import ResidentPool, room_for
 from runtime.cpu.kv_copy import use_host_views
+from runtime.kv.host_copy import HostCopy
 from runtime.kv.kvstate import SLIDING_SLACK, ParkedCache, AttentionMode, settle_attention, with_kept_float
 from runtime.model.loaded import LoadedModel, load_model
 from runtime.plan.prefix import MatchKind
@@ -418,20 +419,18 @@ class MlxEngine:
                  done: list[Any] | None = None) -> CacheSnapshot | None:
         assert isinstance(parked, ParkedCache)
         done = [] if done is None else done
-        layers = len(parked.layers)
-        by_copy = self._profile.download_by_copy
-        if stop is None:  # nothing waits on it: what is left, in one evaluation
-            done.extend(parked.host_layers(len(done), layers, by_copy=by_copy))
-            return parked.snapshot_of(done)
-        # A layer at a time: on a GPU each is a host copy of its own (about 0.6 GB/s on an H200:
-        # 260 ms for a 32K cache of a 1B model), so a new turn waits for one layer, not all.
+        if not done:  # the copy's progress (runtime.kv.host_copy), which the caller keeps between calls
+            done.append(HostCopy(parked, by_copy=self._profile.download_by_copy))
+        copy: HostCopy = done[0]
+        # A part at a time: on a GPU a host copy is slow (about 0.6 GB/s on an H200), so a new turn
+        # waits for one part (a few MB of one array), not a layer or the whole cache.
         made = 0
-        while len(done) < layers:
-            if made and stop():
+        while not copy.complete:
+            if made and stop is not None and stop():
                 return None
-            done.extend(parked.host_layers(len(done), len(done) + 1, by_copy=by_copy))
+            copy.make_next()
             made += 1
-        return parked.snapshot_of(done)
+        return copy.snapshot()
 
     def discard(self, request_id: int) -> None:
         if request_id in self._seqs:

@@ -569,10 +569,11 @@ class Engine(Protocol):
                  done: list[Any] | None = None) -> CacheSnapshot | None:
         """``parked``'s host copy for its save, when :meth:`finish` left it for later.
 
-        With ``stop``, the copy may go a part (a layer) at a time: each part's copy is appended to
-        ``done``, the copy resumes from what ``done`` holds, and once at least one part was made
-        by this call, ``stop()`` returning True between two parts ends it with None (the GPU
-        actor asks so while a message waits). An engine may also make it whole and never stop.
+        With ``stop``, the copy may go a part at a time: ``done`` (a list the caller keeps, empty at
+        first) holds the copy's progress, which only the engine reads; the copy resumes from it,
+        and once at least one part was made by this call, ``stop()`` returning True between two
+        parts ends it with None (the GPU actor asks so while a message waits). An engine may also
+        make it whole and never stop.
         """
 
     def discard(self, request_id: int) -> None:

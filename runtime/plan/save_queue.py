@@ -16,7 +16,7 @@ Plain Python (no trio, no MLX), like :mod:`runtime.plan.kv_manager`: the cache s
 * **The copy a save needs** (the GPU policy, ``BackendProfile.copy_after_turn``): the GPU actor
   owes each finished turn's host copy and makes it when :func:`next_copy` says: the ones the
   store wants (a durable turn, a flush) or that are :data:`COPY_OVERDUE_S` old, one per loop pass
-  while turns run (an overdue one a :data:`COPY_SLICE_S` slice of layers a pass, and not while a
+  while turns run (an overdue one a :data:`COPY_SLICE_S` slice of its parts a pass, and not while a
   prompt's prefill is under way unless it is :data:`COPY_STARVED_S` old); when it has no
   turn to run, every one owed :data:`COPY_IDLE_GRACE_S` or more
   (:func:`copy_wait`: how long it may wait for the next message first); never between two steps
@@ -51,8 +51,8 @@ COPY_IDLE_GRACE_S = 0.1
 """How long a copy waits on an idle GPU actor: long enough for a reply's next turn to arrive first."""
 
 COPY_SLICE_S = 0.005
-"""While turns run, an overdue copy no one waits for is made a slice a loop pass: layers until this
-long went by (at least one), then the batch goes on and the next pass resumes the copy. Every running
+"""While turns run, an overdue copy no one waits for is made a slice a loop pass: parts (a few MB of
+one array each, ``runtime.kv.host_copy``) until this long went by (at least one), then the batch goes on and the next pass resumes the copy. Every running
 turn waits for what a pass copies: H200 run 3 saw an overdue 4K cache's copy stall a decode 56 ms, and
 a 32K cache of a 1B model took 258 ms whole. A copy the store wants (a durable turn, a flush) is
 still made whole: someone waits for it."""

@@ -1,0 +1,74 @@
+"""A parked cache's host copy made a part at a time (runtime.kv.host_copy) is the copy made whole.
+
+Parts are token ranges of one array of one layer, each under the part size on the host; the parts
+cover every array's tokens once, in order, and whatever the part size, the assembled snapshot is,
+array for array, the one the whole-layer road (``ParkedCache.host_layers``) makes.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import models_dir
+
+from runtime.kv.host_copy import HostCopy, _parts
+from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
+
+
+@pytest.fixture(scope="module")
+def parked():
+    from runtime.execution.mlx_engine import MlxEngine
+
+    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="at-rest", profile="gpu")
+    engine.load("tiny-llama")
+    plan = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
+    prompt = "User: " + "Tell me about the harbour, its boats and the people who sail them. " * 6 + "\nAssistant:"
+    engine.start(1, prompt, plan, engine.tokenize(prompt, plan), SamplingOptions(max_tokens=4))
+    while engine.prefill(1, None).remaining:
+        pass
+    engine.join(1)
+    while not any(token.finished for token in engine.step()):
+        pass
+    finished = engine.finish(1)
+    yield finished.parked
+    engine.unload()
+
+
+@pytest.mark.parametrize("part_bytes", [1, 700, 5000, 2**30])
+@pytest.mark.parametrize("by_copy", [True, False])
+def test_a_copy_in_parts_is_the_copy_made_whole(parked, part_bytes: int, by_copy: bool) -> None:
+    copy = HostCopy(parked, by_copy=by_copy, part_bytes=part_bytes)
+    arrays = sum(len(layer.arrays) for layer in parked.layers)
+    assert len(copy.parts) >= arrays and (part_bytes > 2**20 or len(copy.parts) > arrays)
+    while not copy.complete:
+        copy.make_next()
+    made = copy.snapshot()
+    whole = parked.snapshot_of(parked.host_layers(0, len(parked.layers)))
+    assert made.token_ids == whole.token_ids and made.text == whole.text
+    for a, b in zip(made.layers, whole.layers, strict=True):
+        assert a.kind == b.kind and list(a.arrays) == list(b.arrays)
+        for name in a.arrays:
+            assert a.arrays[name].dtype == b.arrays[name].dtype
+            np.testing.assert_array_equal(a.arrays[name], b.arrays[name], err_msg=name)
+
+
+def test_a_snapshot_needs_every_part(parked) -> None:
+    copy = HostCopy(parked, by_copy=True)
+    copy.make_next()
+    with pytest.raises(ValueError, match="not copied yet"):
+        copy.snapshot()
+
+
+def test_parts_cover_each_arrays_tokens_once_under_the_part_size() -> None:
+    arrays = {"packed": mx.zeros((1, 2, 100, 8), dtype=mx.uint32),  # 64 bytes a token
+              "scales": mx.zeros((1, 2, 100, 1), dtype=mx.bfloat16),  # 4 bytes a token, read as float32: 8
+              "empty": mx.zeros((1, 2, 0, 8), dtype=mx.uint32)}
+    parts = _parts(3, arrays, 1000)
+    assert {p[0] for p in parts} == {3}
+    for name, per_token in (("packed", 64), ("scales", 8)):
+        ranges = [(start, stop) for _, n, start, stop in parts if n == name]
+        assert ranges[0][0] == 0 and ranges[-1][1] == 100
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))  # contiguous, in order
+        assert all(0 < (stop - start) * per_token <= 1000 for start, stop in ranges)
+    assert [p for p in parts if p[1] == "empty"] == [(3, "empty", 0, 0)]  # one (empty) part all the same
