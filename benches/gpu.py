@@ -398,7 +398,9 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
                     f"{s.prompt_tokens} tokens")
                 if size == plan.restart_size:
                     await turn(agent, prompt_of[agent] + _ask(0), 1)  # settles the reply's tokens
+                    t0 = time.perf_counter()
                     run.hot.append(await turn(agent, prompt_of[agent] + _ask(1), 1))
+                    marks.append((f"hot-{size}-r{r}", t0, time.perf_counter()))  # the trace's tables show it too
                     log(f"{geom.name} kvmem r{r} hot: {run.hot[-1]}")
         run.phases["kvmem cold+hot"] = time.perf_counter() - t_phase
         run.chunk_ms = _chunk_ms(rt.gpu_events(), windows)
@@ -645,7 +647,7 @@ def device_lines() -> list[str]:
 
 
 def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
-    """Each cold turn's window read against the GPU actor's trace: when it reached the GPU actor, when its
+    """Each cold (and hot) turn's window read against the GPU actor's trace: when it reached the GPU actor, when its
     prompt was tokenized (H200 run 4: admission took 120-206 ms at 32K), when the actor admitted it, the host
     copies for earlier turns' saves it made first (how many, and roughly how long: each copy's time
     since the event before it), and when the turn's prefill ended (its first token). H200 run 3 read
@@ -770,7 +772,7 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
             for n, bs in ((1, one), (plan.batch, many)) if bs])]
         waits = waits_before_first_token(r.trace)
         if waits:
-            lines += ["", "Where the cold turns' first tokens went (the GPU actor's trace; ms from sending the turn):",
+            lines += ["", "Where the cold and hot turns' first tokens went (the GPU actor's trace; ms from sending the turn):",
                       "", *table(["turn", "reached the GPU actor", "tokenized", "admitted",
                                                 "save copies made first", "prefill ended"], waits)]
         split = decode_step_split(r.trace)

@@ -39,7 +39,7 @@ case "${1:-bench}" in
     echo "benches gpu: exit $?"; tail -n 25 "$out/gpu.log"
     # where decode steps' time went (the trace's StepTiming), in the call's own output too
     grep -A 12 "decode steps' time went" "$out/gpu.md" | head -n 40
-    grep -A 16 "first tokens went" "$out/gpu.md" | head -n 40
+    grep -A 20 "first tokens went" "$out/gpu.md" | head -n 40
     grep -A 12 "prefill chunks' time went" "$out/gpu.md" | head -n 30
     # full float32 products, as the suite runs (tests/conftest.py): MLX's CUDA default is TF32. No GGUF rows:
     # run 4 answered them (the needle GGUF's first forward at 1000 tokens did not end in a minute).
