@@ -24,6 +24,7 @@ from conftest import models_dir
 
 from actors import open_runtime
 from actors.client import TurnFailedError
+from engine_turns import COLD, run_turn
 from fake_engine import FakeEngine
 from runtime.errors import CacheMiss
 from runtime.persist import CacheDirectory
@@ -54,19 +55,6 @@ def _engine(attention: str):
     return engine
 
 
-def _turn(engine, request_id: int, prompt: str, plan, max_tokens: int = 6):
-    from runtime.plan.contract import SamplingOptions
-
-    engine.start(request_id, prompt, plan, engine.tokenize(prompt, plan), SamplingOptions(max_tokens=max_tokens))
-    while (result := engine.prefill(request_id, None)).remaining:
-        pass
-    if not result.finished:
-        engine.join(request_id)
-        while not any(t.finished for t in engine.step()):
-            pass
-    return engine.finish(request_id)
-
-
 def _in_parts(engine, parked):
     """The copy as an idle GPU actor makes it when messages keep coming: a part per call, resumed."""
     done: list = []
@@ -85,20 +73,19 @@ def test_a_copy_made_after_the_next_turn_ran_on_the_kept_buffers_is_the_copy_mad
     place), and a part at a time, as an idle actor whose copies messages interrupt makes it. Any
     buffer the unwaited park still read and the next turn overwrote would show here."""
     from runtime.cpu import kv_copy
-    from runtime.plan.contract import ColdStart, FromHot, TurnPlan
+    from runtime.plan.contract import FromHot, TurnPlan
 
     at_once, later = _engine(attention), _engine(attention)
     try:
-        cold = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
         copies = []
         for engine, copy_first in ((at_once, True), (later, False)):
-            first = _turn(engine, 1, PROMPT, cold)
+            first = run_turn(engine, 1, PROMPT, COLD, max_tokens=6)
             assert first.parked is not None and first.snapshot is None
             copy = engine.snapshot(first.parked) if copy_first else None
             parked = first.parked
             hot = TurnPlan(tier="hot", source=FromHot(parked=parked), match="extend", reuse_tokens=parked.num_tokens,
                            reuse_chars=len(parked.text))
-            second = _turn(engine, 2, parked.text + " And the harbour?", hot)
+            second = run_turn(engine, 2, parked.text + " And the harbour?", hot, max_tokens=6)
             assert second.parked is not None and second.parked.num_tokens > parked.num_tokens
             copies.append(copy if copy is not None else _in_parts(engine, parked))
         made_at_once, made_later = copies

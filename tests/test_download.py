@@ -17,10 +17,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import models_dir
+from engine_turns import run_turn, tiny_engine
 
 from runtime.kv import host_copy, kvstate
-from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
 
 
 def _ops(a: mx.array, tmp_path: Path) -> set[str]:
@@ -53,21 +52,9 @@ def test_bfloat16_is_widened_to_a_new_float32_array_either_way(tmp_path: Path) -
 @pytest.mark.parametrize(("profile", "by_copy"), [("gpu", True), ("cpu", False)])
 def test_the_engine_reads_a_save_copy_as_its_profile_says(profile: str, by_copy: bool,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtime.execution.mlx_engine import MlxEngine
-
-    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="at-rest", profile=profile)
-    try:
-        engine.load("tiny-llama")
+    with tiny_engine(profile) as engine:
         assert engine.profile.download_by_copy is by_copy
-        plan = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
-        prompt = "User: Tell me about the harbour and its boats.\nAssistant:"
-        engine.start(1, prompt, plan, engine.tokenize(prompt, plan), SamplingOptions(max_tokens=4))
-        while engine.prefill(1, None).remaining:
-            pass
-        engine.join(1)
-        while not any(token.finished for token in engine.step()):
-            pass
-        finished = engine.finish(1)
+        finished = run_turn(engine)
         assert finished.parked is not None
         roads: list[bool] = []
         real = kvstate.host_readable
@@ -80,5 +67,3 @@ def test_the_engine_reads_a_save_copy_as_its_profile_says(profile: str, by_copy:
             assert a.arrays.keys() == b.arrays.keys()
             for name in a.arrays:
                 np.testing.assert_array_equal(a.arrays[name], b.arrays[name], err_msg=name)
-    finally:
-        engine.unload()

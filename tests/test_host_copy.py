@@ -10,29 +10,16 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import models_dir
+from engine_turns import run_turn, tiny_engine
 
 from runtime.kv.host_copy import HostCopy, _parts
-from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
 
 
 @pytest.fixture(scope="module")
 def parked():
-    from runtime.execution.mlx_engine import MlxEngine
-
-    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="at-rest", profile="gpu")
-    engine.load("tiny-llama")
-    plan = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
     prompt = "User: " + "Tell me about the harbour, its boats and the people who sail them. " * 6 + "\nAssistant:"
-    engine.start(1, prompt, plan, engine.tokenize(prompt, plan), SamplingOptions(max_tokens=4))
-    while engine.prefill(1, None).remaining:
-        pass
-    engine.join(1)
-    while not any(token.finished for token in engine.step()):
-        pass
-    finished = engine.finish(1)
-    yield finished.parked
-    engine.unload()
+    with tiny_engine("gpu") as engine:
+        yield run_turn(engine, prompt=prompt).parked
 
 
 @pytest.mark.parametrize("part_bytes", [1, 700, 5000, 2**30])

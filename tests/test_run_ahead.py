@@ -131,17 +131,13 @@ def test_every_prefill_chunk_records_where_its_time_went(profile: str) -> None:
     waited for; the last one also reads the first token back and accepts it."""
     import time
 
-    from conftest import models_dir
+    from engine_turns import COLD, tiny_engine
 
-    from runtime.execution.mlx_engine import MlxEngine
-    from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
+    from runtime.plan.contract import SamplingOptions
 
-    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="at-rest", profile=profile)
-    try:
-        engine.load("tiny-llama")
-        plan = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
+    with tiny_engine(profile) as engine:
         prompt = "User: " + "Tell me about the harbour and its boats. " * 8 + "\nAssistant:"
-        engine.start(1, prompt, plan, engine.tokenize(prompt, plan), SamplingOptions(max_tokens=2))
+        engine.start(1, prompt, COLD, engine.tokenize(prompt, COLD), SamplingOptions(max_tokens=2))
         results = []
         while True:
             t0 = time.perf_counter()
@@ -158,5 +154,3 @@ def test_every_prefill_chunk_records_where_its_time_went(profile: str) -> None:
         last = results[-1][0].timing
         assert last is not None and last.host_ms > 0 and results[-1][0].text is not None  # the first token, accepted
         engine.discard(1)
-    finally:
-        engine.unload()

@@ -12,12 +12,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import models_dir
+from engine_turns import run_turn, tiny_engine
 from safetensors.numpy import load as safetensors_load
 
 from runtime.kv import upload
 from runtime.kv.kvstate import ParkedCache
-from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
 
 
 def _arrays() -> dict[str, np.ndarray]:
@@ -74,21 +73,9 @@ def test_by_copy_goes_through_mx_load(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(("profile", "by_copy"), [("gpu", True), ("cpu", False)])
 def test_a_snapshot_made_hot_again_is_the_same_cache_by_either_road(profile: str, by_copy: bool,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtime.execution.mlx_engine import MlxEngine
-
-    engine = MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="at-rest", profile=profile)
-    try:
-        engine.load("tiny-llama")
+    with tiny_engine(profile) as engine:
         assert engine.lm.upload_by_copy is by_copy  # the profile decides, once, at load
-        plan = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
-        prompt = "User: Tell me about the harbour and its boats.\nAssistant:"
-        engine.start(1, prompt, plan, engine.tokenize(prompt, plan), SamplingOptions(max_tokens=4))
-        while engine.prefill(1, None).remaining:
-            pass
-        engine.join(1)
-        while not any(token.finished for token in engine.step()):
-            pass
-        finished = engine.finish(1)
+        finished = run_turn(engine)
         assert finished.parked is not None
         snapshot = finished.snapshot or engine.snapshot(finished.parked)
         assert snapshot is not None
@@ -103,5 +90,3 @@ def test_a_snapshot_made_hot_again_is_the_same_cache_by_either_road(profile: str
         monkeypatch.setattr(upload.mx, "load", lambda *a, **k: loads.append(1) or real(*a, **k))
         assert engine.prepare(snapshot) is not None  # the engine's own road, as its profile says
         assert len(loads) == (1 if by_copy else 0)  # one mx.load for the whole cache under the GPU policy
-    finally:
-        engine.unload()
