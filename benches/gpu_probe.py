@@ -441,13 +441,18 @@ def decode_rows(model: Any, contexts: list[int], steps: int) -> list[list[str]]:
     return rows
 
 
-def engine_decode_rows(folder: str, steps: int) -> list[list[str]]:
+def engine_decode_rows(folder: str, steps: int, profile: str = "auto") -> list[list[str]]:
     """One row's decode on the same model in this process: plain mlx-lm (``generate_step``) and kvmem's
-    engine called directly (``MlxEngine.step`` in a loop: no actors, no trio). The runtime's own rate is
-    the bench's decode row; the engine alone between the two splits run 3's 0.81x into the engine's
-    work and the actors'."""
+    engine called directly (``MlxEngine.step`` in a loop: no actors), three ways: on this thread; on an
+    :class:`actors.mlx_thread.MlxThread` (the runtime's own thread) with no trio work; and on one whose
+    every step posts to trio, which then runs a callback, as the GPU actor's decode runs do. The runtime's
+    own rate is the bench's decode row; the engine alone between the two splits run 4's 0.78x (the engine
+    alone made 282 tokens/s against mlx-lm's 263) into the engine's work, the thread's and trio's."""
     import statistics as stats
 
+    import trio
+
+    from actors.mlx_thread import MlxThread
     from benches.gpu import mlx_lm_turn
     from runtime.execution.mlx_engine import MlxEngine
     from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
@@ -459,30 +464,59 @@ def engine_decode_rows(folder: str, steps: int) -> list[list[str]]:
     mlx_lm_turn(model, tokenizer, text, 16)  # warm-up
     plain = [mlx_lm_turn(model, tokenizer, text, steps).decode_tps for _ in range(3)]
     del model
-    engine = MlxEngine(models_dir=Path(folder).parent, kv_bits=4, kv_group_size=64, attention="auto")
-    engine.load(folder)
     cold = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
 
-    def engine_rate(rid: int, n: int) -> float:
+    def loaded() -> MlxEngine:
+        engine = MlxEngine(models_dir=Path(folder).parent, kv_bits=4, kv_group_size=64, attention="auto",
+                           profile=profile)
+        engine.load(folder)
+        return engine
+
+    def engine_rate(engine: MlxEngine, rid: int, n: int, post: Any = None) -> float:
         engine.start(rid, text, cold, engine.tokenize(text, cold), SamplingOptions(max_tokens=n))
         while engine.prefill(rid, None).remaining:
             pass
         engine.join(rid)
         engine.step()  # the first token
         t0, made = time.perf_counter(), 1
-        while not any(t.finished for t in engine.step()):
+        while True:
+            tokens = engine.step()
+            if post is not None:
+                post(tokens)
+            if any(t.finished for t in tokens):
+                break
             made += 1
         rate = made / (time.perf_counter() - t0)
         engine.finish(rid)
         return rate
 
-    engine_rate(1, 16)  # warm-up
-    alone = [engine_rate(2 + i, steps) for i in range(3)]
+    engine = loaded()
+    engine_rate(engine, 1, 16)  # warm-up
+    alone = [engine_rate(engine, 2 + i, steps) for i in range(3)]
     engine.unload()
-    log(f"decode: mlx-lm {plain}, engine alone {alone} tok/s")
-    return [["mlx-lm generate_step", f"{stats.median(plain):.1f}", "1.00x"],
-            ["kvmem MlxEngine.step, no actors", f"{stats.median(alone):.1f}",
-             f"{stats.median(alone) / stats.median(plain):.2f}x"]]
+
+    async def on_the_mlx_thread() -> tuple[list[float], list[float]]:
+        received = []
+        async with MlxThread(on_exit=None, tune_allocator=False) as thread:
+            engine = await thread.run(loaded)
+            await thread.run(engine_rate, engine, 1, 16)
+
+            def post(tokens: Any) -> None:  # the GPU actor's per-step post: trio wakes and runs a callback
+                thread.post(received.append, len(tokens))
+
+            quiet = [await thread.run(engine_rate, engine, 10 + i, steps) for i in range(3)]
+            posting = [await thread.run(engine_rate, engine, 20 + i, steps, post) for i in range(3)]
+            await thread.run(engine.close)
+        return quiet, posting
+
+    quiet, posting = trio.run(on_the_mlx_thread)
+    log(f"decode: mlx-lm {plain}, engine alone {alone}, on an MlxThread {quiet}, posting to trio {posting} tok/s")
+    base = stats.median(plain)
+    return [["mlx-lm generate_step", f"{base:.1f}", "1.00x"]] + [
+        [name, f"{stats.median(rates):.1f}", f"{stats.median(rates) / base:.2f}x"]
+        for name, rates in (("kvmem MlxEngine.step, no actors, this thread", alone),
+                            ("same, on the runtime's MLX thread (MlxThread), no trio work", quiet),
+                            ("same, each step posting to trio (as the GPU actor's decode runs)", posting))]
 
 
 def gguf_prefill_rows(gguf: str, lengths: list[int]) -> list[list[str]]:

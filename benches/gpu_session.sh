@@ -20,7 +20,8 @@
 #      one array) at a time, so a turn behind an idle copy waits for a part, not a layer (run 4's 1K turns
 #      behind a 32K one waited 9-21 ms before admission);
 #   2. python -m benches gpu_probe --gguf none: as in run 4 (its GGUF rows did not finish), with its new
-#      first rows: a save's host copy by either road, then the cache's next use on the device;
+#      first rows: a save's host copy by either road, then the cache's next use on the device; and the
+#      engine-alone decode rows now also on the runtime's MLX thread, quiet and posting to trio per step;
 #   3. the tiny-gpt-oss correctness tests with MLX_DISABLE_COMPILE=1 (run 4's two suite failures); since
 #      run 4 loading a gpt-oss model on CUDA turns compile off itself (runtime/model/cuda_compile.py), so
 #      the suite's own run of them says whether that is enough;
