@@ -433,19 +433,24 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
                 b = run.rounds[-1]
                 log(f"{geom.name} batch N={n}: {b.system_tps:.1f} tok/s, ttft max {max(b.ttfts_ms):.0f} ms")
         run.phases["kvmem batch"] = time.perf_counter() - t_phase
-        run.trace["events"] = [{"kind": e.kind, "ids": list(e.request_ids), "at": e.at,
-                                **({"timing": [e.timing.launch_ms, e.timing.wait_ms, e.timing.host_ms,
-                                               e.timing.build_ms, e.timing.launch_cpu_ms]} if e.timing else {})}
-                               for e in rt.gpu_events()]
+        run.trace["events"] = _trace_events(rt)
         await rt.flush()
+
+    async def marked(name: str, agent: str, prompt: str) -> Sample:
+        t0 = time.perf_counter()
+        sample = await turn(agent, prompt, 1)
+        run.trace["cold"].append({"agent": name, "t0": t0, "t1": time.perf_counter()})  # its rows in the tables
+        return sample
+
     t0 = time.perf_counter()
     async with open_runtime(**settings) as rt:
         run.reopen_s = time.perf_counter() - t0
         for r in range(plan.repeats):
             agent = f"cold-{plan.restart_size}-r{r}"
-            run.warm.append(await turn(agent, prompt_of[agent] + _ask(2), 1))
+            run.warm.append(await marked(f"warm-{plan.restart_size}-r{r}", agent, prompt_of[agent] + _ask(2)))
             run.hot.append(await turn(agent, prompt_of[agent] + _ask(3), 1))
             log(f"{geom.name} kvmem r{r} warm: {run.warm[-1]}; hot: {run.hot[-1]}")
+        run.trace["events"] += _trace_events(rt)
     run.phases["kvmem restart"] = time.perf_counter() - t0
     # The restart a server makes by default: the newest caches are read ahead before it serves
     # (``prefetch_mb``, here room for every repeat's cache), so the first turn reads no disk.
@@ -455,9 +460,19 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
         run.reopen_ahead_s = time.perf_counter() - t0
         for r in range(plan.repeats):
             agent = f"cold-{plan.restart_size}-r{r}"
-            run.warm_ahead.append(await turn(agent, prompt_of[agent] + _ask(4), 1))
+            run.warm_ahead.append(await marked(f"warm-ahead-{plan.restart_size}-r{r}", agent,
+                                               prompt_of[agent] + _ask(4)))
             log(f"{geom.name} kvmem r{r} warm, read ahead: {run.warm_ahead[-1]}")
+        run.trace["events"] += _trace_events(rt)
     run.phases["kvmem restart, read ahead"] = time.perf_counter() - t0
+
+
+def _trace_events(rt: Any) -> list[dict[str, Any]]:
+    """A runtime's GPU actor trace as the report's JSON keeps it (a step's or chunk's StepTiming as a list)."""
+    return [{"kind": e.kind, "ids": list(e.request_ids), "at": e.at,
+             **({"timing": [e.timing.launch_ms, e.timing.wait_ms, e.timing.host_ms,
+                            e.timing.build_ms, e.timing.launch_cpu_ms]} if e.timing else {})}
+            for e in rt.gpu_events()]
 
 
 def _chunk_ms(events: list[Any], windows: list[tuple[float, float]]) -> float:
@@ -647,7 +662,7 @@ def device_lines() -> list[str]:
 
 
 def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
-    """Each cold (and hot) turn's window read against the GPU actor's trace: when it reached the GPU actor, when its
+    """Each cold (and hot, and warm) turn's window read against the GPU actor's trace: when it reached the GPU actor, when its
     prompt was tokenized (H200 run 4: admission took 120-206 ms at 32K), when the actor admitted it, the host
     copies for earlier turns' saves it made first (how many, and roughly how long: each copy's time
     since the event before it), and when the turn's prefill ended (its first token). H200 run 3 read
@@ -772,7 +787,7 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
             for n, bs in ((1, one), (plan.batch, many)) if bs])]
         waits = waits_before_first_token(r.trace)
         if waits:
-            lines += ["", "Where the cold and hot turns' first tokens went (the GPU actor's trace; ms from sending the turn):",
+            lines += ["", "Where the cold, hot and warm turns' first tokens went (the GPU actor's trace; ms from sending the turn):",
                       "", *table(["turn", "reached the GPU actor", "tokenized", "admitted",
                                                 "save copies made first", "prefill ended"], waits)]
         split = decode_step_split(r.trace)
