@@ -30,6 +30,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | a turn's end | the cache is quantized and copied to the host for its save at once | quantized without waiting; the save's host copy is made later, when the GPU actor has nothing to run or the store needs it, never between two decode steps; made while idle, it stops between two parts (a few MB of one array: ``runtime.kv.host_copy``) for a message; overdue while turns run, it goes a few parts a loop pass, after the prefill under way (``actors.gpu``) |
 | quantized projections MLX's fast CUDA prefill kernel does not take (an output width not a multiple of 128, ...) | (CUDA only, whatever the policy) | made float at load: the other kernel is JIT-compiled, and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute (``runtime.model.cuda_qmm``) |
 | a cache read from disk, onto the device | ``mx.array`` (host memory is the device's) | ``mx.load`` of the arrays as a safetensors stream: one copy each to device memory, not managed memory paged in at about 0.6 GB/s on CUDA (``runtime.kv.upload``) |
+| a Q4 cache dequantized (a turn's activation, a park's kept float) | unpacked in float32 by plain operations (MLX's kernel is about 8x slower on the CPU) | ``mx.dequantize``: one kernel an array, not nine, and no float32 intermediates |
 | a cache copied to the host for its save | its own arrays read in place | a device copy read, so the cache's own buffers stay device memory (MLX moves any buffer the host reads to managed memory for good) |
 """
 
@@ -115,6 +116,9 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         upload_by_copy: a cache read from disk reaches the device through ``mx.load``, one copy an
             array (:mod:`runtime.kv.upload`): on CUDA ``mx.array`` of host data is managed memory the
             device pages in at about 0.6 GB/s (an H200's warm 16K turn, read at the turn: 294 ms).
+        fused_dequantize: a Q4 cache is dequantized by MLX's one kernel (``mx.dequantize``) instead of
+            unpacked in float32 by nine plain operations an array, which the CPU runs about 8x faster
+            (:func:`runtime.kv.q4_packing.dequantize_kv`; the engine puts it in the model's cache spec).
         download_by_copy: the host reads a device copy of a cache for its save, never the cache's
             own arrays: on CUDA MLX moves any buffer the host reads to managed memory for good
             (``Buffer::raw_ptr``), so a parked cache read in place would page-fault back onto the
@@ -150,6 +154,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     copy_after_turn: bool = False
     upload_by_copy: bool = False
     download_by_copy: bool = False
+    fused_dequantize: bool = False
     float_slow_projections: bool = False
     tune_allocator: bool
     prewarm_mb: float
@@ -263,6 +268,7 @@ def decide_profile(
         copy_after_turn=not cpu,
         upload_by_copy=not cpu,
         download_by_copy=not cpu,
+        fused_dequantize=not cpu,
         float_slow_projections=backend == "cuda",
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,

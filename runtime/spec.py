@@ -110,6 +110,9 @@ class ModelCacheSpec:
         prompt_format: how prompts of this model carry what its chat template cannot
             render (:data:`runtime.reply.generic_tools.FORMAT` for models without tool syntax; ""
             for none). Part of the tag: a cache rendered one way is never reused for another.
+        fused_dequantize: a Q4 cache is dequantized by MLX's one kernel (``mx.dequantize``, the
+            backend profile's choice on a GPU) instead of unpacked in float32 by plain operations
+            (:func:`runtime.kv.q4_packing.dequantize_kv`). Not part of the tag (the same data either way).
     """
 
     model_id: str
@@ -119,6 +122,7 @@ class ModelCacheSpec:
     kv_format: KVFormat
     float_dtype: str = ""
     prompt_format: str = ""
+    fused_dequantize: bool = False
 
     @property
     def float_dtype_name(self) -> str:

@@ -214,6 +214,7 @@ class MlxEngine:
             group=self._group,
         )
         lm.upload_by_copy = self._profile.upload_by_copy
+        lm.spec = replace(lm.spec, fused_dequantize=self._profile.fused_dequantize)
         self._lm = lm
         self._attention, note = settle_attention(lm, self._profile.attention)
         self._profile = self._profile.with_model(attention=self._attention, note=note,

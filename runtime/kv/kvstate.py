@@ -392,7 +392,7 @@ def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, attent
         return cache
     if packed is not None:
         q = QuantizedKVCache.from_packed(*packed, group_size=group, bits=bits)
-        keys, values = q.dequantized(_float_dtype(spec))
+        keys, values = q.dequantized(_float_dtype(spec), fused=spec.fused_dequantize)
         cache.state = (keys, values, offset)
     return cache
 
@@ -465,7 +465,7 @@ def _park_layer(
     layer = kept.appended(ParkedLayer.of(base.kind, dict(zip(_Q4_KEYS, (*kq, *vq), strict=True))))
     if not kept_float:
         return layer, None
-    return layer, _KeptFloat(cache, start, keep, kq, vq, _float_dtype(spec), spec.kv_format)
+    return layer, _KeptFloat(cache, start, keep, kq, vq, _float_dtype(spec), spec.kv_format, spec.fused_dequantize)
 
 
 @dataclass
@@ -479,6 +479,7 @@ class _KeptFloat:
     vq: tuple[mx.array, ...]
     dtype: mx.Dtype
     fmt: Any
+    fused: bool = False  # the spec's fused_dequantize: the same road as activating the Q4
 
     @property
     def nbytes(self) -> int:
@@ -489,8 +490,10 @@ class _KeptFloat:
         MLX overwrites the buffers in place), and return the buffers."""
         fmt = self.fmt
         bits = fmt.bits or 4
-        self.cache.keys[..., self.start : self.keep, :] = dequantize_kv(self.kq, fmt.group_size, bits, self.dtype)
-        self.cache.values[..., self.start : self.keep, :] = dequantize_kv(self.vq, fmt.group_size, bits, self.dtype)
+        self.cache.keys[..., self.start : self.keep, :] = dequantize_kv(self.kq, fmt.group_size, bits, self.dtype,
+                                                                        fused=self.fused)
+        self.cache.values[..., self.start : self.keep, :] = dequantize_kv(self.vq, fmt.group_size, bits, self.dtype,
+                                                                          fused=self.fused)
         return self.cache.keys, self.cache.values
 
 def with_kept_float(parked: ParkedCache, spec: ModelCacheSpec) -> ParkedCache:

@@ -105,9 +105,10 @@ class PackedKVCache(PackedKVStorage):
         """Contiguous copies of keys and values trimmed to the offset, ``(1, H, T, ...)``."""
         return map_packed(mx.contiguous, self.keys_and_values())
 
-    def dequantized(self, dtype: mx.Dtype = mx.float16) -> tuple[mx.array, mx.array]:
-        """Float keys and values ``(1, H, T, D)`` up to the offset."""
-        return self._dequantize(self.keys_and_values(), dtype)
+    def dequantized(self, dtype: mx.Dtype = mx.float16, *, fused: bool = False) -> tuple[mx.array, mx.array]:
+        """Float keys and values ``(1, H, T, D)`` up to the offset (``fused``: by ``mx.dequantize``,
+        :func:`runtime.kv.q4_packing.dequantize_kv`)."""
+        return self._dequantize(self.keys_and_values(), dtype, fused=fused)
 
     @classmethod
     def from_packed(

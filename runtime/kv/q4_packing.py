@@ -80,7 +80,7 @@ def quantize_kv(x: mx.array, group_size: int = 64, bits: int = 4) -> PackedKV:
 
 
 def dequantize_kv(
-    packed: PackedKV, group_size: int = 64, bits: int = 4, dtype: mx.Dtype = mx.float16
+    packed: PackedKV, group_size: int = 64, bits: int = 4, dtype: mx.Dtype = mx.float16, *, fused: bool = False
 ) -> mx.array:
     """Dequantize a packed tuple back to a float array in ``dtype``.
 
@@ -89,8 +89,16 @@ def dequantize_kv(
     the default model takes ~0.9 s to activate), the unpacked form ~3 ns. It is
     also exact to float32 before the one cast to ``dtype``, where ``mx.dequantize``
     rounds through the scales' float16.
+
+    ``fused`` (the GPU policy's, :attr:`runtime.spec.ModelCacheSpec.fused_dequantize`) takes
+    ``mx.dequantize`` instead: on a GPU the unpacked form is nine kernels an array and float32
+    intermediates eight times the packed size, where the fused one is one kernel (and a cast);
+    a 16-layer cache's activation or park launches some 250 kernels fewer. Its float16
+    arithmetic differs from the float32 road by about float16's rounding, far under Q4's own error.
     """
     w, scales, biases = packed
+    if fused:
+        return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(dtype)
     lead, words = w.shape[:-1], w.shape[-1]
     dim = words * (32 // bits)
     shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
@@ -213,10 +221,10 @@ class PackedKVStorage(_BaseCache):
         dtype = self.dtype
         return tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in kv)  # type: ignore[return-value]
 
-    def _dequantize(self, kv: KVPair, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    def _dequantize(self, kv: KVPair, dtype: mx.Dtype, *, fused: bool = False) -> tuple[mx.array, mx.array]:
         return (
-            dequantize_kv(kv[0], self.group_size, self.q_bits, dtype),
-            dequantize_kv(kv[1], self.group_size, self.q_bits, dtype),
+            dequantize_kv(kv[0], self.group_size, self.q_bits, dtype, fused=fused),
+            dequantize_kv(kv[1], self.group_size, self.q_bits, dtype, fused=fused),
         )
 
     def is_trimmable(self) -> bool:
