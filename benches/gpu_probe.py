@@ -98,7 +98,9 @@ def _tiny_gpt_oss() -> tuple[Any, Any]:
 
 
 def gpt_oss_rows(steps: int) -> list[list[str]]:
-    """tiny-gpt-oss: a prefill and ``steps`` greedy steps twice on the device and once on the CPU stream."""
+    """tiny-gpt-oss: a prefill and ``steps`` greedy steps twice on the device and once on the CPU stream,
+    as kvmem loads it (on CUDA with MLX's compile off since run 4: :mod:`runtime.model.cuda_compile`;
+    the layer-by-layer rows below set compile per run)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -162,8 +164,8 @@ def gpt_oss_part_rows() -> list[list[str]]:
     try:
         for run, stream in (("device", device), ("device, inputs evaluated", device), ("device, compile off", device),
                             ("cpu", mx.cpu)):
-            if run == "device, compile off":
-                mx.disable_compile()
+            # Loading the model turned compile off on CUDA (runtime.model.cuda_compile): each run sets its own.
+            (mx.disable_compile if run == "device, compile off" else mx.enable_compile)()
             with mx.stream(stream):
                 where.update(run=run, **{"pass": "prefill"})
                 cache = make_prompt_cache(model)
