@@ -187,7 +187,10 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             f"prefill chunk {chunks}",
             f"decode {'one step ahead' if self.run_ahead else 'in lockstep'}"
             + (f", runs of {self.decode_run_steps}" if self.decode_run_steps > 1 else ""),
-            f"save copy {'after the turn' if self.copy_after_turn else 'at the turn end'}",
+            f"save copy {'after the turn' if self.copy_after_turn else 'at the turn end'}"
+            + (", from a device copy" if self.download_by_copy else ""),
+            f"disk to device {'by mx.load' if self.upload_by_copy else 'in place'}",
+            f"dequantize {'fused' if self.fused_dequantize else 'unpacked'}",
             f"host paths {', '.join(host) if host else 'none'}",
             f"memory KV {self.budget_mb:.0f} / hot {self.hot_budget_mb:.0f} / float {self.keep_float_mb:.0f} MB",
             f"prewarm {self.prewarm_mb:g} MB",

@@ -80,8 +80,12 @@ def test_the_cpu_schedule_is_the_one_sequences_use_alone() -> None:
 def test_the_profile_line_names_every_decision() -> None:
     line = decide_profile(device="cpu", backend="cpu", profile="gpu").line()
     for part in ("backend cpu (gpu policy, forced)", "attention at-rest", "weights quantized", "prefill chunk 2048",
-                 f"decode one step ahead, runs of {GPU_DECODE_RUN_STEPS}", "host paths none"):
+                 f"decode one step ahead, runs of {GPU_DECODE_RUN_STEPS}", "host paths none",
+                 "save copy after the turn, from a device copy", "disk to device by mx.load", "dequantize fused"):
         assert part in line
+    cpu = decide_profile(device="cpu", backend="cpu").line()
+    for part in ("save copy at the turn end;", "disk to device in place", "dequantize unpacked"):
+        assert part in cpu
 
 
 # -- the GPU policy, forced on the CPU device ----------------------------------------
