@@ -340,7 +340,7 @@ def batch_decode_attention_rows(rows: int, contexts: list[int], repeats: int = 2
 
 
 def host_read_rows(tokens: int, layers: int = 16, repeats: int = 3) -> list[list[str]]:
-    """What a save's host copy costs afterwards, by each road of :func:`runtime.kv.kvstate.host_readable`.
+    """What a save's host copy costs afterwards, by each road of :func:`runtime.kv.host_copy.host_readable`.
 
     A cache of a 1B model's Q4 shape (``layers`` layers of packed keys and values, ``tokens``
     tokens) is read by a device pass (one reduction an array), and as many new arrays of its
@@ -357,7 +357,7 @@ def host_read_rows(tokens: int, layers: int = 16, repeats: int = 3) -> list[list
     import mlx.core as mx
     import numpy as np
 
-    from runtime.kv.kvstate import host_readable
+    from runtime.kv.host_copy import host_readable
 
     def timed(fn: Any) -> float:
         mx.synchronize()

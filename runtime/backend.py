@@ -122,7 +122,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         download_by_copy: the host reads a device copy of a cache for its save, never the cache's
             own arrays: on CUDA MLX moves any buffer the host reads to managed memory for good
             (``Buffer::raw_ptr``), so a parked cache read in place would page-fault back onto the
-            device at its next use (``runtime.kv.kvstate.ParkedCache.host_layers``).
+            device at its next use (``runtime.kv.host_copy.host_readable``).
         float_slow_projections: on CUDA, quantized projections whose shapes MLX's fast prefill kernel
             does not take are made float at load (:mod:`runtime.model.cuda_qmm`: the other kernel is
             JIT-compiled and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute).

@@ -6,6 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
 from conftest import models_dir
 
 from runtime.plan.contract import ColdStart, Finished, SamplingOptions, TurnPlan
@@ -39,3 +41,10 @@ def run_turn(engine: Any, request_id: int = 1, prompt: str = PROMPT, plan: TurnP
         while not any(t.finished for t in engine.step()):
             pass
     return engine.finish(request_id)
+
+
+def host_arrays(parked: Any) -> list[dict[str, np.ndarray]]:
+    """Each layer of ``parked`` read straight into numpy (batch axis dropped, bfloat16 as float32): the
+    reference a host copy made any other way must equal."""
+    return [{name: np.array(a[0].astype(mx.float32) if a.dtype == mx.bfloat16 else a[0])
+             for name, a in layer.arrays.items()} for layer in parked.layers]

@@ -2,7 +2,8 @@
 
 Parts are token ranges of one array of one layer, each under the part size on the host; the parts
 cover every array's tokens once, in order, and whatever the part size, the assembled snapshot is,
-array for array, the one the whole-layer road (``ParkedCache.host_layers``) makes.
+array for array, the parked arrays read straight into numpy; made in one evaluation
+(``make_rest``, as ``ParkedCache.to_snapshot`` does) it is the same.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from engine_turns import run_turn, tiny_engine
+from engine_turns import host_arrays, run_turn, tiny_engine
 
 from runtime.kv.host_copy import HostCopy, _parts
 
@@ -31,13 +32,15 @@ def test_a_copy_in_parts_is_the_copy_made_whole(parked, part_bytes: int, by_copy
     while not copy.complete:
         copy.make_next()
     made = copy.snapshot()
-    whole = parked.snapshot_of(parked.host_layers(0, len(parked.layers)))
-    assert made.token_ids == whole.token_ids and made.text == whole.text
-    for a, b in zip(made.layers, whole.layers, strict=True):
-        assert a.kind == b.kind and list(a.arrays) == list(b.arrays)
-        for name in a.arrays:
-            assert a.arrays[name].dtype == b.arrays[name].dtype
-            np.testing.assert_array_equal(a.arrays[name], b.arrays[name], err_msg=name)
+    at_once = HostCopy(parked, by_copy=by_copy, part_bytes=part_bytes)
+    at_once.make_rest()
+    for snapshot in (made, at_once.snapshot()):
+        assert snapshot.token_ids == list(parked.token_ids) and snapshot.text == parked.text
+        for layer, parked_layer, reference in zip(snapshot.layers, parked.layers, host_arrays(parked), strict=True):
+            assert layer.kind == parked_layer.kind and list(layer.arrays) == list(reference)
+            for name in reference:
+                assert layer.arrays[name].dtype == reference[name].dtype
+                np.testing.assert_array_equal(layer.arrays[name], reference[name], err_msg=name)
 
 
 def test_a_snapshot_needs_every_part(parked) -> None:

@@ -102,11 +102,10 @@ def test_the_gpu_policy_syncs_once_per_chunk_and_step_and_waits_for_nothing_at_a
         # kept float overwritten) launched in one go, waited for by nothing; no copy for the save.
         assert host_calls.take() == {"async_eval": 1}
         assert finished.parked is not None and finished.snapshot is None
-        # The copy, made later (actors.gpu: when the actor is idle or the store wants it) a part at a
-        # time (runtime.kv.host_copy): one wait and one read a part; here each of the six packed
-        # arrays of a layer is one part.
+        # The copy, made later (actors.gpu: when the actor is idle or the store wants it): one wait
+        # for the arrays the save copies, then those copies (six packed arrays a layer, each one part).
         snapshot = engine.snapshot(finished.parked)
-        assert host_calls.take() == {"eval": 6 * layers, "to_numpy": 6 * layers}
+        assert host_calls.take() == {"eval": 1, "to_numpy": 6 * layers}
         assert snapshot.token_ids == list(finished.parked.token_ids)
     finally:
         engine.unload()

@@ -423,11 +423,14 @@ class MlxEngine:
         if not done:  # the copy's progress (runtime.kv.host_copy), which the caller keeps between calls
             done.append(HostCopy(parked, by_copy=self._profile.download_by_copy))
         copy: HostCopy = done[0]
+        if stop is None:  # nothing waits on it: what is left, in one evaluation
+            copy.make_rest()
+            return copy.snapshot()
         # A part at a time: on a GPU a host copy is slow (about 0.6 GB/s on an H200), so a new turn
         # waits for one part (a few MB of one array), not a layer or the whole cache.
         made = 0
         while not copy.complete:
-            if made and stop is not None and stop():
+            if made and stop():
                 return None
             copy.make_next()
             made += 1

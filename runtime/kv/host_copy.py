@@ -3,7 +3,8 @@
 On a GPU the host copy of a cache is slow (about 0.6 GB/s on an H200 in run 3), and the GPU
 actor makes it between turns: while idle it stops between two parts for a message, and while
 turns run an overdue copy goes a few parts a loop pass (:mod:`actors.gpu`). So a part bounds what
-a new turn or a running batch waits for. A part used to be a layer: a 32K-token cache of a 1B
+a new turn or a running batch waits for (a copy nothing waits on between parts, as the CPU policy's
+at a turn's end, makes every part in one evaluation: :meth:`HostCopy.make_rest`). A part used to be a layer: a 32K-token cache of a 1B
 model has 19 MB layers (about 30 ms each); H200 run 4's cold 1K turns, right behind a 32K one,
 waited 9-21 ms before admission. A part is now at most :data:`COPY_PART_BYTES` of one array of
 one layer (a range of its tokens), copied into the host array it belongs to, so the snapshot is
@@ -12,15 +13,17 @@ assembled as it goes, with no copy at the end.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 
-from runtime.kv.kvstate import ParkedCache, host_readable
 from runtime.spec import CacheSnapshot, LayerSnapshot
 
-__all__ = ["COPY_PART_BYTES", "HostCopy"]
+if TYPE_CHECKING:
+    from runtime.kv.kvstate import ParkedCache
+
+__all__ = ["COPY_PART_BYTES", "HostCopy", "host_readable"]
 
 COPY_PART_BYTES = 4 * 2**20
 """The most host bytes one part of a copy makes (about 7 ms at an H200's 0.6 GB/s)."""
@@ -29,7 +32,7 @@ COPY_PART_BYTES = 4 * 2**20
 class HostCopy:
     """``parked``'s host copy in the making: its parts in order, how many are made, and the host
     arrays they fill. ``by_copy``: each part is read from a copy made on the device
-    (:func:`runtime.kv.kvstate.host_readable`, the GPU policy's)."""
+    (:func:`host_readable`, the GPU policy's)."""
 
     def __init__(self, parked: ParkedCache, *, by_copy: bool, part_bytes: int = COPY_PART_BYTES) -> None:
         self.parked = parked
@@ -47,16 +50,36 @@ class HostCopy:
 
     def make_next(self) -> None:
         """Copy the next part into its host array (one evaluation, one read)."""
-        layer, name, start, stop = self.parts[self.made]
+        part = self.parts[self.made]
+        piece = self._piece(part)
+        mx.eval(piece)
+        self._store(part, piece)
+
+    def make_rest(self) -> None:
+        """Copy every part still to make, their pieces made in one evaluation (one wait for the device)."""
+        todo = self.parts[self.made :]
+        pieces = [self._piece(part) for part in todo]
+        mx.eval(pieces)
+        for part, piece in zip(todo, pieces, strict=True):
+            self._store(part, piece)
+
+    def _piece(self, part: tuple[int, str, int, int]) -> mx.array:
+        """The part's tokens of its array, batch axis dropped, as the host reads them (lazily)."""
+        layer, name, start, stop = part
         arrays = self._arrays[layer]
         assert arrays is not None
-        source = arrays[name]  # (1, H, T, ...): the token axis is 2, 1 once the batch axis is dropped
-        piece = host_readable(source[0, :, start:stop], by_copy=self.by_copy)
-        mx.eval(piece)
+        return host_readable(arrays[name][0, :, start:stop], by_copy=self.by_copy)  # token axis 2, then 1
+
+    def _store(self, part: tuple[int, str, int, int], piece: mx.array) -> None:
+        """Copy an evaluated piece into the host array it belongs to; count the part made."""
+        layer, name, start, stop = part
+        arrays = self._arrays[layer]
+        assert arrays is not None
         read = np.asarray(piece)
         host = self._host[layer].get(name)
         if host is None:
-            host = self._host[layer][name] = np.empty((source.shape[1], source.shape[2], *source.shape[3:]), read.dtype)
+            shape = arrays[name].shape
+            host = self._host[layer][name] = np.empty((shape[1], shape[2], *shape[3:]), read.dtype)
         host[:, start:stop] = read
         self.made += 1
         if self.complete or self.parts[self.made][0] != layer:
@@ -80,3 +103,15 @@ def _parts(layer: int, arrays: dict[str, Any], part_bytes: int) -> list[tuple[in
         step = max(1, part_bytes // max(per_token, 1))
         out += [(layer, name, start, min(tokens, start + step)) for start in range(0, max(tokens, 1), step)]
     return out
+
+
+def host_readable(a: mx.array, *, by_copy: bool) -> mx.array:
+    """``a`` as the host reads it for a save (lazily): bfloat16 widened to float32, which numpy
+    has (losslessly: :meth:`runtime.kv.kvstate.ParkedCache.from_snapshot` narrows it back), and with
+    ``by_copy`` never ``a``'s own buffer. On CUDA the host reading an array moves its whole buffer to
+    managed memory for good (MLX's ``Buffer::raw_ptr``); ``a`` is a view of a parked cache, which would
+    then page back onto the device at its next use, so the host reads a copy made on the device
+    instead (``x * 1`` is exact for every dtype)."""
+    if a.dtype == mx.bfloat16:
+        return a.astype(mx.float32)  # a new array already
+    return a * 1 if by_copy else a

@@ -32,6 +32,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runtime.backend import device_profile
 from runtime.kv.float_resident import FloatResident, LayerKV, with_room
+from runtime.kv.host_copy import HostCopy
 from runtime.kv.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
 from runtime.kv.q4_packing import dequantize_kv, quantize_kv
 from runtime.kv.upload import to_device
@@ -43,7 +44,6 @@ __all__ = [
     "ActiveKV",
     "AttentionMode",
     "SLIDING_SLACK",
-    "host_readable",
     "resolve_attention",
     "settle_attention",
     "with_kept_float",
@@ -216,22 +216,14 @@ class ParkedCache:
         )
 
     def to_snapshot(self) -> CacheSnapshot:
-        """Copy to host numpy arrays (batch axis dropped) for persistence."""
-        return self.snapshot_of(self.host_layers(0, len(self.layers)))
-
-    def host_layers(self, start: int, stop: int, *, by_copy: bool = False) -> list[LayerSnapshot]:
-        """Layers ``start`` to ``stop``'s host copies (batch axis dropped), for a copy made in parts;
-        ``by_copy``: read from copies made on the device (:func:`host_readable`)."""
-        # Every array copied is made (chunks joined, bfloat16 widened) in one evaluation, then
-        # copied: one wait for the device instead of one per array (six a layer).
-        picked = self.layers[start:stop]
-        host = [{k: host_readable(v[0], by_copy=by_copy) for k, v in layer.arrays.items()} for layer in picked]
-        mx.eval([a for arrays in host for a in arrays.values()])
-        return [LayerSnapshot(layer.kind, {k: np.array(a, copy=True) for k, a in arrays.items()})
-                for layer, arrays in zip(picked, host, strict=True)]
+        """Copy to host numpy arrays (batch axis dropped) for persistence, in one evaluation
+        (:class:`runtime.kv.host_copy.HostCopy`, which also makes it a part at a time)."""
+        copy = HostCopy(self, by_copy=False)
+        copy.make_rest()
+        return copy.snapshot()
 
     def snapshot_of(self, layers: list[LayerSnapshot]) -> CacheSnapshot:
-        """The snapshot whose layers are ``layers`` (every one of :meth:`host_layers`' copies, in order)."""
+        """The snapshot whose layers are ``layers`` (every layer's host copy, in order: :class:`runtime.kv.host_copy.HostCopy`)."""
         if len(layers) != len(self.layers):
             raise ValueError(f"a snapshot needs all {len(self.layers)} layers, got {len(layers)}")
         return CacheSnapshot(
@@ -266,18 +258,6 @@ class ParkedCache:
             layers=tuple(layers),
             meta=dict(snap.meta),
         )
-
-
-def host_readable(a: mx.array, *, by_copy: bool) -> mx.array:
-    """``a`` as the host reads it for a save (lazily): bfloat16 widened to float32, which numpy
-    has (losslessly: :meth:`ParkedCache.from_snapshot` narrows it back), and with ``by_copy`` never
-    ``a``'s own buffer. On CUDA the host reading an array moves its whole buffer to managed memory
-    for good (MLX's ``Buffer::raw_ptr``); ``a`` is a view of a parked cache, which would then page
-    back onto the device at its next use, so the host reads a copy made on the device instead
-    (``x * 1`` is exact for every dtype)."""
-    if a.dtype == mx.bfloat16:
-        return a.astype(mx.float32)  # a new array already
-    return a * 1 if by_copy else a
 
 
 class ActiveKV:
