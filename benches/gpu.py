@@ -367,14 +367,20 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
         model=str(folder), home=str(home), fsync=False, handle_signals=False, trace=True, profile=plan.profile,
         plain_attention_queries=plan.plain_attention_queries,
         prefetch_mb=0, budget_mb=max(2048.0, 2 * kv_mb), hot_budget_mb=max(512.0, 4 * kv_mb))
-    windows: list[tuple[float, float]] = []
-    marks: list[tuple[str, float, float]] = []
+    marks: list[dict[str, Any]] = run.trace.setdefault("cold", [])  # the marked turns' windows (the tables' rows)
     prompt_of: dict[str, str] = {}
 
     async def turn(agent: str, prompt: str, max_tokens: int) -> Sample:
         result = await rt.agent(agent).send_prompt(prompt, max_tokens=max_tokens)
         prompt_of[agent] = prompt + result.reply
         return _sample(result)
+
+    async def marked(name: str, agent: str, prompt: str, max_tokens: int = 1) -> Sample:
+        """A turn whose window the report reads against the GPU actor's trace, under ``name``."""
+        t0 = time.perf_counter()
+        sample = await turn(agent, prompt, max_tokens)
+        marks.append({"agent": name, "t0": t0, "t1": time.perf_counter()})
+        return sample
 
     async with open_runtime(**settings) as rt:
         profile = rt.stats().registry.profile
@@ -388,23 +394,17 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
         for r in range(plan.repeats):
             for size in plan.sizes:
                 agent = f"cold-{size}-r{r}"
-                t0 = time.perf_counter()
-                s = await turn(agent, prompts[(r, size)], plan.tokens_for(size))
-                marks.append((agent, t0, time.perf_counter()))
-                if size == chunk_size:
-                    windows.append((t0, time.perf_counter()))
+                s = await marked(agent, agent, prompts[(r, size)], plan.tokens_for(size))
                 run.kvmem.setdefault(size, []).append(s)
                 log(f"{geom.name} kvmem r{r} {_k(size)}: ttft {s.ttft_ms:.0f} ms, {s.decode_tps:.1f} tok/s, "
                     f"{s.prompt_tokens} tokens")
                 if size == plan.restart_size:
                     await turn(agent, prompt_of[agent] + _ask(0), 1)  # settles the reply's tokens
-                    t0 = time.perf_counter()
-                    run.hot.append(await turn(agent, prompt_of[agent] + _ask(1), 1))
-                    marks.append((f"hot-{size}-r{r}", t0, time.perf_counter()))  # the trace's tables show it too
+                    run.hot.append(await marked(f"hot-{size}-r{r}", agent, prompt_of[agent] + _ask(1)))
                     log(f"{geom.name} kvmem r{r} hot: {run.hot[-1]}")
         run.phases["kvmem cold+hot"] = time.perf_counter() - t_phase
-        run.chunk_ms = _chunk_ms(rt.gpu_events(), windows)
-        run.trace["cold"] = [{"agent": a, "t0": t0, "t1": t1} for a, t0, t1 in marks]
+        run.chunk_ms = _chunk_ms(rt.gpu_events(), [(m["t0"], m["t1"]) for m in marks
+                                                   if m["agent"].startswith(f"cold-{chunk_size}-")])
         t_phase = time.perf_counter()
         agents = [f"batch-{i}" for i in range(plan.batch)]
         async with trio.open_nursery() as nursery:
@@ -435,13 +435,6 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
         run.phases["kvmem batch"] = time.perf_counter() - t_phase
         run.trace["events"] = _trace_events(rt)
         await rt.flush()
-
-    async def marked(name: str, agent: str, prompt: str) -> Sample:
-        t0 = time.perf_counter()
-        sample = await turn(agent, prompt, 1)
-        run.trace["cold"].append({"agent": name, "t0": t0, "t1": time.perf_counter()})  # its rows in the tables
-        return sample
-
     t0 = time.perf_counter()
     async with open_runtime(**settings) as rt:
         run.reopen_s = time.perf_counter() - t0
@@ -688,6 +681,14 @@ def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _windows(trace: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """The trace's windows by kind: marked turns by name less their repeat (``cold-1024``), batch rounds
+    by agents; ``(kind, t0, t1)``."""
+    windows = [(m["agent"].rsplit("-r", 1)[0], m["t0"], m["t1"]) for m in trace.get("cold", [])]
+    return windows + [(f"batch round, {r['agents']} agent{'s' if r['agents'] > 1 else ''}", r["t0"], r["t1"])
+                      for r in trace.get("rounds", [])]
+
+
 def decode_step_split(trace: dict[str, Any]) -> list[list[str]]:
     """Where decode steps' time went, from the GPU actor's trace: each kind of window (cold turns by
     size, batch rounds by agents) pools its steps; per step, the time since the step before ended
@@ -700,9 +701,7 @@ def decode_step_split(trace: dict[str, Any]) -> list[list[str]]:
     says the host, not the device, set the pace. Traces from before the split (three timings a step)
     show dashes for it."""
     events = [e for e in trace.get("events", []) if e["kind"] == "step" and e.get("timing")]
-    windows = [(m["agent"].rsplit("-r", 1)[0], m["t0"], m["t1"]) for m in trace.get("cold", [])]
-    windows += [(f"batch round, {r['agents']} agent{'s' if r['agents'] > 1 else ''}", r["t0"], r["t1"])
-                for r in trace.get("rounds", [])]
+    windows = _windows(trace)
     pooled: dict[str, list[tuple[float, ...]]] = {}
     for name, t0, t1 in windows:
         inside = [e for e in events if t0 <= e["at"] <= t1]
@@ -729,9 +728,7 @@ def chunk_split(trace: dict[str, Any]) -> list[list[str]]:
     the launch, the wait for the device (for a chunk run ahead, none: the next job waits) and the host
     work after it (the first token's); and the chunks' whole time per window (median over windows)."""
     events = [e for e in trace.get("events", []) if e["kind"] == "chunk" and len(e.get("timing") or ()) >= 5]
-    windows = [(m["agent"].rsplit("-r", 1)[0], m["t0"], m["t1"]) for m in trace.get("cold", [])]
-    windows += [(f"batch round, {r['agents']} agent{'s' if r['agents'] > 1 else ''}", r["t0"], r["t1"])
-                for r in trace.get("rounds", [])]
+    windows = _windows(trace)
     pooled: dict[str, list[tuple[float, ...]]] = {}
     totals: dict[str, list[float]] = {}
     for name, t0, t1 in windows:
