@@ -40,6 +40,7 @@ coalesced into the next delta; the final reply carries the whole text).
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -73,6 +74,7 @@ from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
 from actors.messages_store import SnapshotDue
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
+from runtime import heap
 from runtime.plan import save_queue
 from runtime.plan.save_queue import copy_wait, next_copy
 from runtime.plan.scheduler import Scheduler, Step
@@ -164,6 +166,7 @@ class GPUActor:
         # A decode run (several steps in one MLX job) ends after the step in progress once this is set:
         # a message arrived (kept in _early until the loop handles it) or a client left.
         self._doorbell = threading.Event()
+        self._rang_for = ""  # why it was set (a decode run's trace event says it)
         self._early: deque[GpuInbox | _Tokenized] = deque()
         self._inbox_ended = False
         # Prompts are rendered and tokenized off the model's thread, one at a time and in arrival order
@@ -175,6 +178,7 @@ class GPUActor:
         self._no_texts.set()
         self._chunks = 0
         self.events: deque[GpuEvent] | None = deque(maxlen=100_000) if trace else None
+        self._collection_started: float | None = None
 
     @property
     def thread_ident(self) -> int | None:
@@ -186,6 +190,8 @@ class GPUActor:
         """Serve the mailbox until it is closed (then finish running work) or cancelled."""
         async with self._thread, self._inbox:
             task_status.started()
+            if self.events is not None:
+                gc.callbacks.append(self._on_collection)
             try:
                 async with trio.open_nursery() as texts:
                     self._texts = texts
@@ -204,6 +210,9 @@ class GPUActor:
                     for owed in self._owed:
                         owed.due.failed("the GPU actor stopped before making the copy")
                     self._owed.clear()
+                heap.thaw()  # the model goes with the thread: what it left may be collected again
+                if self._on_collection in gc.callbacks:
+                    gc.callbacks.remove(self._on_collection)
 
     async def _job(self, fn: Any, *args: Any) -> Any:
         return await self._thread.run(fn, *args)
@@ -216,14 +225,32 @@ class GPUActor:
     def _ring(self) -> None:
         """Something is waiting in ``_early``: end a decode run or an idle copy at its next check,
         and an idle wait at once."""
-        self._doorbell.set()
+        self._ring_for("a turn tokenized")
         if self._idle_wait is not None:
             self._idle_wait.cancel()
 
-    def _event(self, kind: str, *request_ids: int, at: float | None = None, timing: StepTiming | None = None) -> None:
+    def _ring_for(self, why: str) -> None:
+        """Set the doorbell, keeping the first reason since it was last cleared (a run's ``run`` event says it)."""
+        if not self._doorbell.is_set():
+            self._rang_for = why
+        self._doorbell.set()
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        """While tracing, each run of Python's collector (on whichever thread it ran: it holds the GIL, so
+        the model's thread builds no graph meanwhile) becomes a ``gc`` event with its length."""
+        now = time.perf_counter()
+        if phase == "start":
+            self._collection_started = now
+        elif self.events is not None and self._collection_started is not None:
+            self.events.append(GpuEvent(kind="gc", request_ids=(), at=now, generation=info["generation"],
+                                        took_ms=(now - self._collection_started) * 1e3))
+            self._collection_started = None
+
+    def _event(self, kind: str, *request_ids: int, at: float | None = None, timing: StepTiming | None = None,
+               took_ms: float | None = None, detail: str = "") -> None:
         if self.events is not None:
             self.events.append(GpuEvent(kind=kind, request_ids=request_ids, at=time.perf_counter() if at is None else at,
-                                        timing=timing))
+                                        timing=timing, took_ms=took_ms, detail=detail))
 
     async def _loop(self) -> None:
         closing = False
@@ -308,6 +335,7 @@ class GPUActor:
                     send_reply(reply, Failed(kind="RuntimeError", error="generations are running"))
                     return
                 await self._make_copies(every=True)
+                heap.thaw()
                 await self._job(self._engine.unload)
                 self._info, self._sched = None, None
                 send_reply(reply, Unloaded())
@@ -338,12 +366,15 @@ class GPUActor:
             return
         await self._make_copies(every=True)  # before the model they were made with goes
         self._info, self._sched = None, None
+        heap.thaw()  # a model loaded before goes: what it leaves may be collected
         try:
             info: ModelInfo = await self._job(self._engine.load, name)
         except Exception as exc:  # noqa: BLE001 - reported to the registry
             log.warning("loading %s failed: %s", name, exc)
             send_reply(reply, failed_from(exc))
             return
+        if info.model_bytes:  # what the load left stays for good: no full collection walks it again (a
+            heap.settle()     # load that brought no weights, a test's fake engine, left nothing of its own)
         self._info = info
         self._sched = Scheduler(
             budget_bytes=self._budget_bytes,
@@ -573,16 +604,24 @@ class GPUActor:
         """
         engine, post, doorbell = self._engine, self._thread.post, self._doorbell
 
-        def run() -> list[Any]:  # on the MLX thread
+        def run() -> tuple[list[Any], int, str]:  # on the MLX thread
             tokens: list[Any] = []
-            for _ in range(steps):
+            for done in range(1, steps + 1):
                 tokens = engine.step()
                 post(self._stepped, tokens, engine.last_step_timing, time.perf_counter())
-                if not tokens or doorbell.is_set() or any(t.finished for t in tokens):
-                    break
-            return tokens
+                if not tokens:
+                    return tokens, done, "no rows"
+                if any(t.finished for t in tokens):
+                    return tokens, done, "a row finished"
+                if doorbell.is_set():
+                    return tokens, done, "rang"
+            return tokens, steps, "its steps done"
 
-        tokens: list[Any] = await self._until_message(run)
+        started = time.perf_counter()
+        tokens, done, why = await self._until_message(run)
+        if self.events is not None:
+            self._event("run", *(t.request_id for t in tokens), took_ms=(time.perf_counter() - started) * 1e3,
+                        detail=f"{done} steps; {self._rang_for if why == 'rang' else why}")
         return tokens
 
     async def _until_message(self, fn: Any) -> Any:
@@ -592,7 +631,7 @@ class GPUActor:
         doorbell = self._doorbell
         doorbell.clear()
         if self._early:  # a tokenized turn is waiting already: fn stops at its first check
-            doorbell.set()
+            self._ring_for("a message or turn waiting")
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._ring_on_message)
@@ -605,10 +644,12 @@ class GPUActor:
     async def _ring_on_message(self) -> None:
         """During a job that watches the doorbell: keep the next message for the loop and ring it."""
         try:
-            self._early.append(await self._inbox.receive())
+            message = await self._inbox.receive()
+            self._early.append(message)
+            self._ring_for(f"a message ({type(message).__name__})")
         except trio.EndOfChannel:
             self._inbox_ended = True
-        self._doorbell.set()
+            self._ring_for("the mailbox closed")
 
     def _stepped(self, tokens: list[Any], timing: StepTiming | None = None, at: float | None = None) -> None:
         """One decode step's tokens, on trio: counted, traced and delivered (a run posts this per step,
@@ -619,14 +660,14 @@ class GPUActor:
             for token in tokens:
                 req = self._requests.get(token.request_id)
                 if req is None:  # the actor stopped and answered its requests while the run went on
-                    self._doorbell.set()
+                    self._ring_for("the actor stopping")
                     continue
                 self._deliver(token.request_id, token.text, token.tool_calls)
                 if req.client_gone or receiver_left(req.msg.client) or receiver_left(req.msg.reply):
-                    self._doorbell.set()  # the run ends; the loop reaps it
+                    self._ring_for("a client left")  # the run ends; the loop reaps it
         except Exception:  # noqa: BLE001 - posted to trio, which cannot report it: end the run instead
             log.exception("delivering a decode step failed")
-            self._doorbell.set()
+            self._ring_for("a delivery failed")
 
     def _announce(self, request_id: int, adopt: FromShared | None) -> None:
         """Before the first prefill chunk: tell a streaming client what the turn reuses and prefills."""

@@ -226,7 +226,11 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     planned and tokenized: it waits for admission), ``admit`` (sequence built: cache activation),
     ``chunk`` (one prefill chunk), ``step`` (one decode step of the batch; ``request_ids``
     are its members), ``finish`` (left the batch, parked), ``copy`` (a finished turn's host
-    copy for its save, made after the turn under the GPU policy).
+    copy for its save, made after the turn under the GPU policy), ``run`` (a decode run ended:
+    several steps in one job on the model's thread; ``took_ms`` from its start on trio, ``detail``
+    its steps and why it ended: its steps done, a row finished, or the doorbell and what rang it),
+    ``gc`` (a run of Python's cyclic collector, on any thread: ``generation`` and ``took_ms``; it
+    holds the GIL throughout).
 
     ``at`` is when it completed (``time.perf_counter``); a step's is taken on the model's thread
     as it ends, and ``timing`` says where a step's or a chunk's time went there
@@ -237,3 +241,6 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     request_ids: tuple[int, ...]
     at: float
     timing: StepTiming | None = None
+    generation: int | None = None
+    took_ms: float | None = None
+    detail: str = ""

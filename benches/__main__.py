@@ -34,6 +34,7 @@ BENCHES = {
     "decode_attention": "kvmem's decode-step attention vs MLX's on CPU: one layer, whole steps at 1-8 rows x 1K/4K",
     "attention_strategy": "at-rest vs native quantized SDPA (existing)",
     "batching": "system tok/s for 1, 2, 4, 8 agents (existing)",
+    "gc_pauses": "Python's full collections inside hot turns on kvmem-default: the model load's objects frozen vs not",
     "decode_runs": "one agent's decode tok/s through the actors: runs of steps vs one step per job, beside plain mlx-lm",
     "redis_tier": "two kvmem serve nodes + redis-server: TTFT remote vs warm vs hot vs cold at 1K/4K, bytes moved, Redis memory",
     "distributed": "kvmem serve --distributed: prefill tok/s and decode ms/token at 1 process vs 2 ranks (mlx.launch, loopback)",

@@ -464,7 +464,9 @@ def _trace_events(rt: Any) -> list[dict[str, Any]]:
     """A runtime's GPU actor trace as the report's JSON keeps it (a step's or chunk's StepTiming as a list)."""
     return [{"kind": e.kind, "ids": list(e.request_ids), "at": e.at,
              **({"timing": [e.timing.launch_ms, e.timing.wait_ms, e.timing.host_ms,
-                            e.timing.build_ms, e.timing.launch_cpu_ms]} if e.timing else {})}
+                            e.timing.build_ms, e.timing.launch_cpu_ms]} if e.timing else {}),
+             **({"generation": e.generation, "took_ms": e.took_ms} if e.kind == "gc" else {}),
+             **({"took_ms": e.took_ms, "detail": e.detail} if e.kind == "run" else {})}
             for e in rt.gpu_events()]
 
 
@@ -745,6 +747,55 @@ def chunk_split(trace: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def decode_runs_split(trace: dict[str, Any]) -> list[list[str]]:
+    """How the decode runs (several steps in one job on the model's thread) ended in each kind of window,
+    from the trace's ``run`` events: how many, their steps (median), why they ended (counts; the doorbell
+    by what rang it), and the gap from a run's last step to the next step (median, ms), which a run's end
+    costs: the GPU actor's loop pass between runs (a save copy's slice among it)."""
+    events = trace.get("events", [])
+    pooled: dict[str, list[tuple[int, str, float | None]]] = {}
+    for name, t0, t1 in _windows(trace):
+        inside = [e for e in events if t0 <= e["at"] <= t1]
+        for i, e in enumerate(inside):
+            if e["kind"] != "run" or not e.get("detail"):
+                continue
+            steps, why = e["detail"].split("; ", 1)
+            last = next((x["at"] for x in reversed(inside[:i]) if x["kind"] == "step"), None)
+            after = next((x["at"] for x in inside[i + 1:] if x["kind"] == "step"), None)
+            gap = (after - last) * 1e3 if last is not None and after is not None else None
+            pooled.setdefault(name, []).append((int(steps.split()[0]), why, gap))
+    rows = []
+    for name, runs in pooled.items():
+        reasons: dict[str, int] = {}
+        for _, why, _ in runs:
+            reasons[why] = reasons.get(why, 0) + 1
+        gaps = [g for _, _, g in runs if g is not None]
+        rows.append([name, str(len(runs)), f"{statistics.median(r[0] for r in runs):.0f}",
+                     "; ".join(f"{why} {n}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])),
+                     f"{statistics.median(gaps):.2f}" if gaps else "—"])
+    return rows
+
+
+def collections_split(trace: dict[str, Any]) -> list[list[str]]:
+    """Python's collector in each kind of window (from the trace's ``gc`` events): how many runs of each
+    generation, their whole time, the longest, and the windows' whole time beside it. A run holds the
+    GIL, so the model's thread builds no graph meanwhile; a full (generation 2) one walks every object
+    the process holds but the frozen ones (:mod:`runtime.heap`: what the model load left)."""
+    events = [e for e in trace.get("events", []) if e["kind"] == "gc"]
+    pooled: dict[str, list[dict[str, Any]]] = {}
+    spans: dict[str, float] = {}
+    for name, t0, t1 in _windows(trace):
+        pooled.setdefault(name, []).extend(e for e in events if t0 <= e["at"] <= t1)
+        spans[name] = spans.get(name, 0.0) + (t1 - t0) * 1e3
+    rows = []
+    for name, runs in pooled.items():
+        by_gen = [sum(e["generation"] == g for e in runs) for g in (0, 1, 2)]
+        took = [e["took_ms"] for e in runs]
+        rows.append([name, *(str(n) for n in by_gen), f"{sum(took):.1f}", f"{max(took, default=0.0):.1f}",
+                     f"{spans[name]:.0f}"])
+    return rows
+
+
 def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], suite: list[str]) -> list[str]:
     """The report's body: one verdict table over all geometries, then each geometry's numbers, needles, suite."""
     rows = [[r.geometry.label, v.goal, v.measured, v.word]
@@ -806,6 +857,17 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
                       "work after it; then the chunks' whole time in a window:", "",
                       *table(["window", "chunks", "launch", "build", "submit", "launch CPU", "wait", "host",
                               "a window's chunks"], chunks)]
+        ends = decode_runs_split(r.trace)
+        if ends:
+            lines += ["", "How the decode runs ended (the trace's run events: several steps in one job on the model's "
+                      "thread; why each ended, and the gap from a run's last step to the next step, ms, median):", "",
+                      *table(["window", "runs", "steps (median)", "ended by", "gap to the next step"], ends, "lrrlr")]
+        collections = collections_split(r.trace)
+        if collections:
+            lines += ["", "Python's collector during the windows (the trace's gc events, any thread; each holds the "
+                      "GIL; a full one, generation 2, walks every object but what the model load left, frozen):", "",
+                      *table(["window", "gen 0", "gen 1", "gen 2", "ms in all", "longest ms", "windows' ms"],
+                             collections)]
         lines.append("")
     lines += ["## Needle rows (item 3, reduced)", "", *needle_lines, "", "## Test suite", "", *suite, ""]
     return lines

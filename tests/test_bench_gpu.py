@@ -138,3 +138,33 @@ def test_prefill_chunks_are_split_from_the_trace_by_kind_of_window() -> None:
     assert rows[1] == ["batch round, 8 agents", "1", "40.00", "30.00", "10.00", "39.00", "20.00", "2.00", "62.0"]
     body = "\n".join(gpu.render_body([_run()], PLAN, [], []))
     assert "prefill chunks' time went" not in body  # a run without a trace reports none
+
+
+def test_the_collectors_runs_are_counted_by_kind_of_window() -> None:
+    def run(at: float, generation: int, took_ms: float) -> dict:
+        return {"kind": "gc", "ids": [], "at": at, "generation": generation, "took_ms": took_ms}
+
+    trace = {"cold": [{"agent": "cold-1024-r0", "t0": 0.0, "t1": 1.0}, {"agent": "cold-1024-r1", "t0": 2.0, "t1": 2.5}],
+             "rounds": [{"agents": 8, "t0": 4.0, "t1": 5.0}],
+             "events": [run(0.1, 0, 0.2), run(0.5, 2, 41.0), run(2.2, 1, 1.5), run(3.0, 2, 50.0),  # between windows
+                        {"kind": "step", "ids": [1], "at": 4.1, "timing": [1.0, 1.0, 1.0, 1.0, 1.0]}]}
+    rows = gpu.collections_split(trace)
+    # cold 1K pools both repeats' windows (1.5 s); the full collection between windows is no window's
+    assert rows[0] == ["cold-1024", "1", "1", "1", "42.7", "41.0", "1500"]
+    assert rows[1] == ["batch round, 8 agents", "0", "0", "0", "0.0", "0.0", "1000"]
+
+
+def test_decode_runs_are_told_by_how_they_ended() -> None:
+    def step(at: float) -> dict:
+        return {"kind": "step", "ids": [1], "at": at, "timing": [1.0, 0.0, 0.0, 0.5, 0.9]}
+
+    def run(at: float, detail: str) -> dict:
+        return {"kind": "run", "ids": [1], "at": at, "took_ms": 10.0, "detail": detail}
+
+    trace = {"cold": [{"agent": "cold-1024-r0", "t0": 0.0, "t1": 1.0}],
+             "events": [step(0.100), step(0.104), run(0.105, "2 steps; a message (Generate)"), step(0.114),
+                        run(0.115, "1 steps; a message (Prepare)"), step(0.118), step(0.122),
+                        run(0.123, "2 steps; a row finished")]}
+    rows = gpu.decode_runs_split(trace)
+    # the gaps: 0.104 -> 0.114 and 0.114 -> 0.118 (the last run has no next step)
+    assert rows == [["cold-1024", "3", "2", "a message (Generate) 1; a message (Prepare) 1; a row finished 1", "7.00"]]

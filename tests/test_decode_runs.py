@@ -119,6 +119,32 @@ async def test_a_turn_that_arrives_during_a_run_joins_after_one_more_step(tmp_pa
     assert rt.stats().metrics.completed >= 3
 
 
+async def test_the_trace_says_how_each_run_ended(tmp_path):
+    """Each decode run leaves a ``run`` event: its steps and why it ended (its steps done, a row finished,
+    or the doorbell and what rang it), so a device run reads where runs stop short and what that costs."""
+    engine = FakeEngine(step_delay_s=STEP_S)
+    async with _open(tmp_path, engine, 8, trace=True) as rt, trio.open_nursery() as nursery:
+        await rt.agent("warm").send_prompt("x", max_tokens=2)
+        long_done = trio.Event()
+
+        async def long_turn() -> None:
+            await rt.agent("long").send_prompt("a long story", max_tokens=60)
+            long_done.set()
+
+        nursery.start_soon(long_turn)
+        await trio.sleep(20 * STEP_S)
+        await rt.agent("late").send_prompt("hello", max_tokens=3)
+        await long_done.wait()
+        runs = [e for e in rt.gpu_events() if e.kind == "run"]
+    details = [e.detail for e in runs]
+    assert "8 steps; its steps done" in details
+    assert any(d.endswith("a message (Generate)") for d in details)  # the late turn rang the doorbell
+    assert details[-1].endswith("a row finished")  # the long turn's last run
+    assert all(e.took_ms is not None and e.took_ms > 0 and e.request_ids for e in runs)
+    # every step a run made is a step event (a step the scheduler runs alone, beside a prefill, has no run)
+    assert sum(int(d.split()[0]) for d in details) <= len([e for e in rt.gpu_events() if e.kind == "step"])
+
+
 async def test_a_client_that_leaves_during_a_run_stops_being_decoded(tmp_path):
     steps: list[int] = []
 
