@@ -93,19 +93,26 @@ async def test_the_trace_times_each_step_on_the_model_thread(tmp_path, run_steps
             assert event.at == pytest.approx(ended, abs=2e-3)
 
 
+async def _long_turn_under_way(rt, nursery: trio.Nursery, max_tokens: int, *, steps_in: int) -> trio.Event:
+    """After a warm-up turn, agent ``long``'s turn of ``max_tokens`` is started and ``steps_in`` steps
+    under way; the event is set when it ends."""
+    await rt.agent("warm").send_prompt("x", max_tokens=2)
+    done = trio.Event()
+
+    async def long_turn() -> None:
+        await rt.agent("long").send_prompt("a long story", max_tokens=max_tokens)
+        done.set()
+
+    nursery.start_soon(long_turn)
+    await trio.sleep(steps_in * STEP_S)
+    return done
+
+
 async def test_a_turn_that_arrives_during_a_run_joins_after_one_more_step(tmp_path):
     engine = FakeEngine(step_delay_s=STEP_S)
     # Runs as long as the whole turn: only the message can end one.
     async with _open(tmp_path, engine, 1000) as rt, trio.open_nursery() as nursery:
-        await rt.agent("warm").send_prompt("x", max_tokens=2)
-        long_done = trio.Event()
-
-        async def long_turn() -> None:
-            await rt.agent("long").send_prompt("a long story", max_tokens=400)
-            long_done.set()
-
-        nursery.start_soon(long_turn)
-        await trio.sleep(30 * STEP_S)  # well into its run
+        long_done = await _long_turn_under_way(rt, nursery, 400, steps_in=30)  # well into its run
         t0 = time.perf_counter()
         async with rt.agent("late").stream_prompt("hello", max_tokens=3) as stream:
             first = await stream.__anext__()
@@ -124,15 +131,7 @@ async def test_the_trace_says_how_each_run_ended(tmp_path):
     or the doorbell and what rang it), so a device run reads where runs stop short and what that costs."""
     engine = FakeEngine(step_delay_s=STEP_S)
     async with _open(tmp_path, engine, 8, trace=True) as rt, trio.open_nursery() as nursery:
-        await rt.agent("warm").send_prompt("x", max_tokens=2)
-        long_done = trio.Event()
-
-        async def long_turn() -> None:
-            await rt.agent("long").send_prompt("a long story", max_tokens=60)
-            long_done.set()
-
-        nursery.start_soon(long_turn)
-        await trio.sleep(20 * STEP_S)
+        long_done = await _long_turn_under_way(rt, nursery, 60, steps_in=20)
         await rt.agent("late").send_prompt("hello", max_tokens=3)
         await long_done.wait()
         runs = [e for e in rt.gpu_events() if e.kind == "run"]
