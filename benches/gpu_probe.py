@@ -293,7 +293,11 @@ def batch_decode_attention_rows(rows: int, contexts: list[int], repeats: int = 2
     sends a one-query attention to MLX's unfused fallback), once per row on its own unpadded slice
     (fused, no mask, then joined), and kvmem's plain operations with the mask. Per call: the host's
     time to build it, and its whole time with the evaluation (medians, ms); H200 run 3's batch of 8
-    stepped 5-7 ms against one agent's 2.6-4, and a step runs this once per layer."""
+    stepped 5-7 ms against one agent's 2.6-4, and a step runs this once per layer. Then the whole time
+    again with the keys one longer each call, as a decode's are: H200 run 4's batch of 8 stepped faster
+    with CUDA graphs off (4.98x one agent, 3.67x with them), and MLX keys a CUDA graph on its kernels, a
+    library call's (cuBLAS's) captured whole, so a product whose kernels change with the length would
+    build a graph a call; the same length again finds it built."""
     import statistics as stats
 
     import mlx.core as mx
@@ -305,37 +309,50 @@ def batch_decode_attention_rows(rows: int, contexts: list[int], repeats: int = 2
     lengths = [contexts[i % len(contexts)] for i in range(rows)]
     pads = [longest - n for n in lengths]
     q = mx.random.normal((rows, heads, 1, dim)).astype(mx.bfloat16)
-    k, v = (mx.random.normal((rows, kv_heads, longest, dim)).astype(mx.bfloat16) for _ in range(2))
-    mask = mx.arange(longest)[None, None, None, :] >= mx.array(pads)[:, None, None, None]
-    mx.eval(q, k, v, mask)
+    room = longest + repeats + 2
+    k, v = (mx.random.normal((rows, kv_heads, room, dim)).astype(mx.bfloat16) for _ in range(2))
+    starts = mx.array(pads)[:, None, None, None]
+    mx.eval(q, k, v, starts)
 
-    def per_row() -> Any:
+    def per_row(n: int) -> Any:
         return mx.concatenate([mx.fast.scaled_dot_product_attention(
-            q[i : i + 1], k[i : i + 1, :, p:], v[i : i + 1, :, p:], scale=scale) for i, p in enumerate(pads)])
+            q[i : i + 1], k[i : i + 1, :, p:n], v[i : i + 1, :, p:n], scale=scale) for i, p in enumerate(pads)])
 
-    ways = {"fused, no mask (the floor)": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
-            "fused, padding mask": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask),
+    def masked(fn: Any) -> Any:
+        return lambda n: fn(q, k[:, :, :n], v[:, :, :n], scale=scale, mask=mx.arange(n)[None, None, None, :] >= starts)
+
+    ways = {"fused, no mask (the floor)": lambda n: mx.fast.scaled_dot_product_attention(
+                q, k[:, :, :n], v[:, :, :n], scale=scale),
+            "fused, padding mask": masked(mx.fast.scaled_dot_product_attention),
             "fused, one call a row": per_row,
-            "plain operations, padding mask": lambda: plain_attention(q, k, v, scale=scale, mask=mask)}
-    out = []
-    reference = None
-    for name, fn in ways.items():
-        builds, totals = [], []
+            "plain operations, padding mask": masked(plain_attention)}
+
+    def timed(fn: Any, growing: bool) -> tuple[list[float], list[float], Any]:
+        builds, totals, result = [], [], None
         for i in range(repeats + 2):
             mx.synchronize()
             t0 = time.perf_counter()
-            result = fn()
+            result = fn(longest + i if growing else longest)
             t1 = time.perf_counter()
             mx.eval(result)
             if i >= 2:  # the first calls build kernels
                 builds.append((t1 - t0) * 1e3)
                 totals.append((time.perf_counter() - t0) * 1e3)
+        return builds, totals, result
+
+    out = []
+    reference = None
+    for name, fn in ways.items():
+        builds, totals, result = timed(fn, growing=False)
+        _, growing, _ = timed(fn, growing=True)
         if name == "fused, padding mask":
             reference = result
         diff = "—" if reference is None or name.startswith("fused, no mask") else \
             f"{mx.abs(result.astype(mx.float32) - reference.astype(mx.float32)).max().item():.2g}"
-        out.append([name, f"{stats.median(builds):.3f}", f"{stats.median(totals):.3f}", diff])
-        log(f"batch attention {rows} rows, {name}: build {stats.median(builds):.3f}, total {stats.median(totals):.3f} ms")
+        out.append([name, f"{stats.median(builds):.3f}", f"{stats.median(totals):.3f}", f"{stats.median(growing):.3f}",
+                    diff])
+        log(f"batch attention {rows} rows, {name}: build {stats.median(builds):.3f}, total {stats.median(totals):.3f}, "
+            f"keys growing {stats.median(growing):.3f} ms")
     return out
 
 
@@ -587,7 +604,8 @@ def main(argv: list[str] | None = None) -> None:
     lengths = [1030, 1061, 1002, 1117, 1089, 1045, 1150, 1013]
     res.body += ["## One decode step's attention, a batch of 8 rows of different lengths (1B geometry; ms a call, a "
                  "step makes one a layer)", "",
-                 *table(["way", "host build", "with evaluation", "max |diff| against the mask"],
+                 *table(["way", "host build", "with evaluation", "with evaluation, one key more a call",
+                         "max |diff| against the mask"],
                         batch_decode_attention_rows(8, [n // 10 for n in lengths] if quick else lengths)), ""]
     model, name = _model(args.model_glob)
     contexts = args.contexts or ([100, 101] if quick else [1000, 1001, 1002, 4000, 4001])

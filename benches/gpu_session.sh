@@ -24,7 +24,9 @@
 #      collections (runtime/heap.py);
 #   2. python -m benches gpu_probe --gguf none: as in run 4 (its GGUF rows did not finish), with its new
 #      first rows: a save's host copy by either road, then the cache's next use on the device; and the
-#      engine-alone decode rows now also on the runtime's MLX thread, quiet and posting to trio per step;
+#      engine-alone decode rows now also on the runtime's MLX thread, quiet and posting to trio per step; and the
+#      batch-of-8 attention row again with the keys one longer each call, as a decode's are (run 4's batch did better
+#      with CUDA graphs off: a product whose captured kernels change with the length would build a graph a call);
 #   3. the tiny-gpt-oss correctness tests (run 4's two suite failures), as they are: since run 4 loading a
 #      gpt-oss model on CUDA turns MLX's compile off itself (runtime/model/cuda_compile.py; run 4's probe
 #      found the MoE block right with compile off), so this says whether that is enough;
