@@ -23,7 +23,8 @@ Not a comparison with a goal, but the measurements that say where the next fix g
   mask) and kvmem's ``DecodeKVCache`` (no mask for a lone row), in lockstep and run ahead.
 
 The model for the last two is the first folder matching ``--model-glob`` (``benches gpu``
-builds ``gpu-1b-*`` under the bench home), else ``tiny-llama``. Here (CPU)::
+builds ``gpu-1b-*`` under the bench home), else ``tiny-llama``. ``--sections`` runs some of them
+only (a lent session's minute goes to the questions still open). Here (CPU)::
 
     .venv/bin/python -m benches gpu_probe --quick
 """
@@ -565,6 +566,10 @@ def gguf_prefill_rows(gguf: str, lengths: list[int]) -> list[list[str]]:
     return rows
 
 
+SECTIONS = ("host-copy", "sdpa", "gpt-oss", "shapes", "batch-attention", "first-pass", "decode-row", "engine", "gguf")
+"""The probes, in the order they run (``--sections``)."""
+
+
 def main(argv: list[str] | None = None) -> None:
     p = harness.parser(__doc__)
     p.add_argument("--model-glob", default=str(harness.BENCH_HOME / "models" / "gpu-1b-*"))
@@ -572,7 +577,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--probe-tokens", type=int, default=15, help="new tokens per shape probe (a hot turn's size)")
     p.add_argument("--gguf", default=os.environ.get("KVMEM_NEEDLE_GGUF"),
                    help="a GGUF whose forward passes are timed packed and unpacked (default $KVMEM_NEEDLE_GGUF; none: skipped)")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                   help="the probes to run, in this order whatever the order given (default all)")
     args = p.parse_args(argv)
+    on = set(args.sections)
     quick = args.quick
     res = ResultFile("gpu_probe", "GPU probes: fused attention, tiny-gpt-oss, a new shape's first pass, one decode row",
                      quick, argv or [], model=None)
@@ -581,41 +589,49 @@ def main(argv: list[str] | None = None) -> None:
     res.setup += device_lines()
     res.setup.append(f"MLX_ENABLE_TF32={os.environ.get('MLX_ENABLE_TF32', 'unset (MLX: 1, float32 products in TF32 on CUDA)')}"
                      " (the suite runs with 0: tests/conftest.py)")
-    res.body += ["## A save's host copy, then the cache's next use on the device (a 1B model's Q4 cache; ms)", "",
-                 *table(["host reads", "MB", "host copy", "of it: MLX's move to managed memory",
-                         "of it: numpy's read", "device pass before", "device pass after",
-                         "new arrays before", "new arrays after"],
-                        host_read_rows(512 if quick else 16384)), ""]
-    res.write()  # kept if what follows runs past the session's time limit
-    res.body += ["## Fused attention against a float32 reference (worst |error|: without / with sinks)", "",
-                 *table(["dtype", "B x q x k", "mask", "no sinks", "sinks"], sdpa_rows()), ""]
-    res.body += ["## tiny-gpt-oss: the same tokens twice on the device, and on MLX's CPU stream", "",
-                 *table(["position", "max |logit diff|, device twice", "device vs CPU"], gpt_oss_rows(4 if quick else 8)),
-                 "", "## tiny-gpt-oss layer by layer: the device against the CPU stream (worst |diff|)", "",
-                 *table(["pass", "layer", "attention block", "MoE block", "MoE block alone, the CPU's input",
-                         "tokens routed to other experts", "same, the device's own input",
-                         "MoE block, each block's input evaluated first",
-                         "MoE block, mx.compile off"], gpt_oss_part_rows()), ""]
-    res.body += ["## Attention alone at new shapes: fused (cuDNN, a graph per shape) against plain ops (ms)", "",
-                 *table(["new tokens", "cache tokens", "fused first", "fused again", "plain first", "plain again",
-                         "max |diff|"],
-                        attention_shape_rows([16] if quick else [16, 128, 1024],
-                                             [100, 101] if quick else [1000, 1001, 4000, 16000])), ""]
-    lengths = [1030, 1061, 1002, 1117, 1089, 1045, 1150, 1013]
-    res.body += ["## One decode step's attention, a batch of 8 rows of different lengths (1B geometry; ms a call, a "
-                 "step makes one a layer)", "",
-                 *table(["way", "host build", "with evaluation", "with evaluation, one key more a call",
-                         "max |diff| against the mask"],
-                        batch_decode_attention_rows(8, [n // 10 for n in lengths] if quick else lengths)), ""]
-    model, name = _model(args.model_glob)
+    if "host-copy" in on:
+        res.body += ["## A save's host copy, then the cache's next use on the device (a 1B model's Q4 cache; ms)", "",
+                     *table(["host reads", "MB", "host copy", "of it: MLX's move to managed memory",
+                             "of it: numpy's read", "device pass before", "device pass after",
+                             "new arrays before", "new arrays after"],
+                            host_read_rows(512 if quick else 16384)), ""]
+        res.write()  # kept if what follows runs past the session's time limit
+    if "sdpa" in on:
+        res.body += ["## Fused attention against a float32 reference (worst |error|: without / with sinks)", "",
+                     *table(["dtype", "B x q x k", "mask", "no sinks", "sinks"], sdpa_rows()), ""]
+    if "gpt-oss" in on:
+        res.body += ["## tiny-gpt-oss: the same tokens twice on the device, and on MLX's CPU stream", "",
+                     *table(["position", "max |logit diff|, device twice", "device vs CPU"],
+                            gpt_oss_rows(4 if quick else 8)),
+                     "", "## tiny-gpt-oss layer by layer: the device against the CPU stream (worst |diff|)", "",
+                     *table(["pass", "layer", "attention block", "MoE block", "MoE block alone, the CPU's input",
+                             "tokens routed to other experts", "same, the device's own input",
+                             "MoE block, each block's input evaluated first",
+                             "MoE block, mx.compile off"], gpt_oss_part_rows()), ""]
+    if "shapes" in on:
+        res.body += ["## Attention alone at new shapes: fused (cuDNN, a graph per shape) against plain ops (ms)", "",
+                     *table(["new tokens", "cache tokens", "fused first", "fused again", "plain first", "plain again",
+                             "max |diff|"],
+                            attention_shape_rows([16] if quick else [16, 128, 1024],
+                                                 [100, 101] if quick else [1000, 1001, 4000, 16000])), ""]
+    if "batch-attention" in on:
+        lengths = [1030, 1061, 1002, 1117, 1089, 1045, 1150, 1013]
+        res.body += ["## One decode step's attention, a batch of 8 rows of different lengths (1B geometry; ms a call, "
+                     "a step makes one a layer)", "",
+                     *table(["way", "host build", "with evaluation", "with evaluation, one key more a call",
+                             "max |diff| against the mask"],
+                            batch_decode_attention_rows(8, [n // 10 for n in lengths] if quick else lengths)), ""]
+    model, name = _model(args.model_glob) if on & {"first-pass", "decode-row", "engine"} else (None, "")
     contexts = args.contexts or ([100, 101] if quick else [1000, 1001, 1002, 4000, 4001])
-    res.body += [f"## A new shape's first pass (`{name}`, {args.probe_tokens} new tokens; ms)", "",
-                 *table(["cache tokens", "first call", "same shape again"], shape_rows(model, contexts,
-                                                                                    args.probe_tokens)), ""]
-    res.body += [f"## One decode row (`{name}`; tokens/s)", "",
-                 *table(["context", "cache", "lockstep", "run ahead"], decode_rows(
-                     model, [min(contexts), max(contexts) * 4] if not quick else [100], 16 if quick else 64)), ""]
-    if not name.startswith("tiny"):
+    if "first-pass" in on:
+        res.body += [f"## A new shape's first pass (`{name}`, {args.probe_tokens} new tokens; ms)", "",
+                     *table(["cache tokens", "first call", "same shape again"], shape_rows(model, contexts,
+                                                                                        args.probe_tokens)), ""]
+    if "decode-row" in on:
+        res.body += [f"## One decode row (`{name}`; tokens/s)", "",
+                     *table(["context", "cache", "lockstep", "run ahead"], decode_rows(
+                         model, [min(contexts), max(contexts) * 4] if not quick else [100], 16 if quick else 64)), ""]
+    if "engine" in on and not name.startswith("tiny"):
         res.write()  # kept if what follows runs past the session's time limit
         try:
             res.body += [f"## One row's decode, plain mlx-lm against kvmem's engine with no actors (`{name}`; tokens/s)",
@@ -623,7 +639,7 @@ def main(argv: list[str] | None = None) -> None:
                                     engine_decode_rows(name, 128)), ""]
         except Exception as exc:  # noqa: BLE001 - a one-shot device run reports it
             res.body += [f"Stopped: {type(exc).__name__}: {str(exc)[:300]}", ""]
-    if args.gguf and args.gguf != "none":
+    if "gguf" in on and args.gguf and args.gguf != "none":
         res.write()  # the probes above are kept if this one runs past the session's time limit
         res.body += [f"## The needle GGUF's forward at new lengths, packed and unpacked (`{Path(args.gguf).name}`; ms)", ""]
         try:  # last, and on its own: the probes above keep their report whatever happens here

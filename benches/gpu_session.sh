@@ -22,8 +22,8 @@
 #      Python's collector and a run event per decode run (its steps, why it ended), tabulated per window: run 4's
 #      4-12 ms gaps every 17-37 steps are either, or neither; what a model load leaves is frozen out of full
 #      collections (runtime/heap.py);
-#   2. python -m benches gpu_probe --gguf none: as in run 4 (its GGUF rows did not finish), with its new
-#      first rows: a save's host copy by either road, then the cache's next use on the device; and the
+#   2. python -m benches gpu_probe --gguf none, the sections still open (run 4's GGUF rows did not finish), with
+#      its new first rows: a save's host copy by either road, then the cache's next use on the device; and the
 #      engine-alone decode rows now also on the runtime's MLX thread, quiet and posting to trio per step; and the
 #      batch-of-8 attention row again with the keys one longer each call, as a decode's are (run 4's batch did better
 #      with CUDA graphs off: a product whose captured kernels change with the length would build a graph a call);
@@ -51,7 +51,10 @@ case "${1:-bench}" in
     grep -A 12 "collector during" "$out/gpu.md" | head -n 30
     # full float32 products, as the suite runs (tests/conftest.py): MLX's CUDA default is TF32. No GGUF rows:
     # run 4 answered them (the needle GGUF's first forward at 1000 tokens did not end in a minute).
-    MLX_ENABLE_TF32=0 timeout -s INT 70 python3 -m benches gpu_probe --gguf none > /tmp/probe.log 2>&1
+    # only the probes still open (run 4 answered the fused attention's accuracy, tiny-gpt-oss's layers and the
+    # attention shapes): run 4's whole probe took 54 s, and the engine rows come last
+    MLX_ENABLE_TF32=0 timeout -s INT 70 python3 -m benches gpu_probe --gguf none \
+      --sections host-copy batch-attention decode-row engine > /tmp/probe.log 2>&1
     echo "gpu_probe: exit $?"; tail -n 12 /tmp/probe.log
     cp benches/results/gpu_probe.md "$out/probe.md"
     # run 4's two tiny-gpt-oss failures, as they are: loading the model turns compile off on CUDA now (the
