@@ -49,8 +49,10 @@ and read their plain attributes (text, token ids, offsets, size).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, assert_never
 
 import msgspec
@@ -58,6 +60,7 @@ import trio
 
 from actors.mailbox import send_reply
 from actors.messages_common import Failed, ParkedView, failed_from
+from actors.metrics import GpuEvent
 from actors.messages_store import (
     AgentRecord,
     AgentsListed,
@@ -156,8 +159,10 @@ class CacheStoreActor:
         manager: KVCacheManager,
         remote: RemoteTier | None = None,
         prefetch_bytes: int = 0,
+        events: deque[GpuEvent] | None = None,
     ) -> None:
         self._inbox = inbox
+        self._events = events  # the runtime's trace (the GPU actor's log), when it is on: saves and reads join it
         self._directory = TenantDirectories(directory)
         self._manager = manager
         self._limiter = trio.CapacityLimiter(1)
@@ -283,8 +288,10 @@ class CacheStoreActor:
                 return
             taken = None if self.prefetch is None else await self.prefetch.take(*key)
             if taken is None:
+                started = time.perf_counter()
                 warm, tier = await self._disk(self._load, message.agent_id, message.model_tag,
                                               limiter=self._read_limiter)  # beside the writes, not after them
+                self._traced("read", started, f"{warm.num_tokens} tokens")
             else:
                 warm, prepared = taken
             self._warm_loads += 1
@@ -302,6 +309,15 @@ class CacheStoreActor:
                 self._no_loads.set()
         own = self._manager.checkout(message.agent_id, message.model_tag, warm=warm, warm_tier=tier, prepared=prepared)
         send_reply(message.reply, CheckedOut(own=own))
+
+    def _traced(self, kind: str, started: float, detail: str) -> None:
+        """A disk job that ended now joins the runtime's trace, when it is on (``save``: a cache written, on the
+        disk thread, whose Python parts hold the GIL the model's thread builds its graphs under; ``read``: a
+        cache read for a turn)."""
+        if self._events is not None:
+            now = time.perf_counter()
+            self._events.append(GpuEvent(kind=kind, request_ids=(), at=now, took_ms=(now - started) * 1e3,
+                                         detail=detail))
 
     def _load(self, agent_id: str, model_tag: str) -> tuple[CacheSnapshot, Tier]:
         """On the disk thread: pull the agent's cache from the shared tier if it has another one, then load it."""
@@ -488,8 +504,10 @@ class CacheStoreActor:
                 if snapshot is None or self._saves.get(key) is not dirty:
                     # Superseded (the newer cache is written instead) or forgotten while it waited.
                     return False
+            started = time.perf_counter()
             report = await self._disk(self._directory.save, pending.agent_id, snapshot,
                                       block_hashes=pending.block_hashes)
+            self._traced("save", started, f"{report.bytes_written} bytes written")
         except (OSError, ValueError, InvalidAgentIdError, SnapshotLost) as exc:
             retry = isinstance(exc, OSError)  # a full or read-only disk may recover; a bad cache will not
             self._write_errors += 1

@@ -133,7 +133,8 @@ class GPUActor:
         max_batch: most sequences running at once.
         prefill_chunk: tokens per prefill chunk (None: adaptive, see ``runtime.execution.sequence``).
         decode_run_steps: decode steps that may run back to back in one MLX job (the setting).
-        trace: record a :class:`GpuEvent` per unit of work (tests, diagnostics).
+        events: the runtime's trace, when it is on (tests, diagnostics): a :class:`GpuEvent` per unit of
+            work goes in, and per run of Python's collector; the cache store adds its saves and reads.
     """
 
     def __init__(
@@ -146,7 +147,7 @@ class GPUActor:
         max_batch: int = 32,
         prefill_chunk: int | None = None,
         decode_run_steps: int = 1,
-        trace: bool = False,
+        events: deque[GpuEvent] | None = None,
     ) -> None:
         self._inbox = inbox
         self._engine = engine
@@ -177,7 +178,7 @@ class GPUActor:
         self._no_texts = trio.Event()
         self._no_texts.set()
         self._chunks = 0
-        self.events: deque[GpuEvent] | None = deque(maxlen=100_000) if trace else None
+        self.events = events
         self._collection_started: float | None = None
 
     @property

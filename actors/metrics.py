@@ -220,7 +220,7 @@ class GpuStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """One unit of GPU work, recorded when it completed (when tracing).
+    """One unit of the runtime's work, recorded when it completed (when tracing): mostly the GPU actor's.
 
     ``kind``: ``submit`` (the turn reached the GPU actor), ``tokenized`` (its prompt rendered,
     planned and tokenized: it waits for admission), ``admit`` (sequence built: cache activation),
@@ -230,7 +230,9 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     several steps in one job on the model's thread; ``took_ms`` from its start on trio, ``detail``
     its steps and why it ended: its steps done, a row finished, or the doorbell and what rang it),
     ``gc`` (a run of Python's cyclic collector, on any thread: ``generation`` and ``took_ms``; it
-    holds the GIL throughout).
+    holds the GIL throughout), and the cache store's ``save`` (a cache written: ``took_ms``, ``detail``
+    the bytes) and ``read`` (a cache read for a turn: ``took_ms``, ``detail`` its tokens), on its disk
+    thread, whose Python parts hold the GIL the model's thread builds its graphs under.
 
     ``at`` is when it completed (``time.perf_counter``); a step's is taken on the model's thread
     as it ends, and ``timing`` says where a step's or a chunk's time went there

@@ -47,6 +47,7 @@ from __future__ import annotations
 import itertools
 import signal
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -209,7 +210,8 @@ class Runtime:
         return self._metrics.turns.recent(since)
 
     def gpu_events(self) -> list[GpuEvent]:
-        """The GPU actor's work log (empty unless the runtime was opened with ``trace=True``)."""
+        """The runtime's work log, in order: the GPU actor's work, Python's collector runs and the cache store's
+        saves and reads (empty unless the runtime was opened with ``trace=True``)."""
         return list(self._gpu.events or ())
 
     async def flush(self) -> int:
@@ -469,8 +471,9 @@ async def _owned_runtime(
     registry_send, registry_receive = trio.open_memory_channel[RegistryInbox](_MAILBOX_SIZE)
     hot_mb = profile_setting("hot_budget_mb", config.hot_budget_mb, engine.profile)
     manager = KVCacheManager(hot_budget_bytes=int(hot_mb * 2**20))
+    events: deque[GpuEvent] | None = deque(maxlen=100_000) if trace else None  # one log, the actors' work in order
     store = CacheStoreActor(store_receive, directory=directory, manager=manager, remote=remote,
-                            prefetch_bytes=int(config.prefetch_mb * 2**20))
+                            prefetch_bytes=int(config.prefetch_mb * 2**20), events=events)
     gpu = GPUActor(
         gpu_receive,
         engine=engine,
@@ -479,7 +482,7 @@ async def _owned_runtime(
         max_batch=config.max_batch,
         prefill_chunk=config.prefill_chunk,
         decode_run_steps=int(profile_setting("decode_run_steps", config.decode_run_steps, engine.profile)),
-        trace=trace,
+        events=events,
     )
     registry = ModelRegistry(
         registry_receive,

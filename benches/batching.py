@@ -91,7 +91,7 @@ def _decode_time(events: list[GpuEvent], t0: float, t1: float) -> tuple[int, flo
     """Tokens made by decode steps in [t0, t1] and the time spent in those steps."""
     tokens, spent, previous = 0, 0.0, t0
     for event in events:
-        if event.kind == "gc":  # the collector's runs (any thread) end at any moment: not a step's boundary
+        if event.kind in ("gc", "save", "read"):  # the collector's, the store's: not a step's boundary
             continue
         if event.at < t0:
             previous = event.at

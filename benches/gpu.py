@@ -466,7 +466,7 @@ def _trace_events(rt: Any) -> list[dict[str, Any]]:
              **({"timing": [e.timing.launch_ms, e.timing.wait_ms, e.timing.host_ms,
                             e.timing.build_ms, e.timing.launch_cpu_ms]} if e.timing else {}),
              **({"generation": e.generation, "took_ms": e.took_ms} if e.kind == "gc" else {}),
-             **({"took_ms": e.took_ms, "detail": e.detail} if e.kind == "run" else {})}
+             **({"took_ms": e.took_ms, "detail": e.detail} if e.kind in ("run", "save", "read") else {})}
             for e in rt.gpu_events()]
 
 
@@ -776,23 +776,47 @@ def decode_runs_split(trace: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def collections_split(trace: dict[str, Any]) -> list[list[str]]:
-    """Python's collector in each kind of window (from the trace's ``gc`` events): how many runs of each
-    generation, their whole time, the longest, and the windows' whole time beside it. A run holds the
-    GIL, so the model's thread builds no graph meanwhile; a full (generation 2) one walks every object
-    the process holds but the frozen ones (:mod:`runtime.heap`: what the model load left)."""
-    events = [e for e in trace.get("events", []) if e["kind"] == "gc"]
+def _pooled_by_window(trace: dict[str, Any], kinds: tuple[str, ...]) -> tuple[dict[str, list[dict[str, Any]]],
+                                                                            dict[str, float]]:
+    """The trace's events of ``kinds`` that ended in each kind of window, and the windows' whole time (ms)."""
+    events = [e for e in trace.get("events", []) if e["kind"] in kinds]
     pooled: dict[str, list[dict[str, Any]]] = {}
     spans: dict[str, float] = {}
     for name, t0, t1 in _windows(trace):
         pooled.setdefault(name, []).extend(e for e in events if t0 <= e["at"] <= t1)
         spans[name] = spans.get(name, 0.0) + (t1 - t0) * 1e3
+    return pooled, spans
+
+
+def collections_split(trace: dict[str, Any]) -> list[list[str]]:
+    """Python's collector in each kind of window (from the trace's ``gc`` events): how many runs of each
+    generation, their whole time, the longest, and the windows' whole time beside it. A run holds the
+    GIL, so the model's thread builds no graph meanwhile; a full (generation 2) one walks every object
+    the process holds but the frozen ones (:mod:`runtime.heap`: what the model load left)."""
+    pooled, spans = _pooled_by_window(trace, ("gc",))
     rows = []
     for name, runs in pooled.items():
         by_gen = [sum(e["generation"] == g for e in runs) for g in (0, 1, 2)]
         took = [e["took_ms"] for e in runs]
         rows.append([name, *(str(n) for n in by_gen), f"{sum(took):.1f}", f"{max(took, default=0.0):.1f}",
                      f"{spans[name]:.0f}"])
+    return rows
+
+
+def disk_split(trace: dict[str, Any]) -> list[list[str]]:
+    """The cache store's disk jobs that ended in each kind of window (the trace's ``save`` and ``read``
+    events): how many of each and their whole time (ms), beside the windows' whole time. A save runs on
+    the store's disk thread while turns run, and its Python parts take the GIL from the model's thread:
+    H200 run 4's decode steps ran 2.6 ms apart in some stretches and 4 ms in others, with no GPU event
+    between."""
+    pooled, spans = _pooled_by_window(trace, ("save", "read"))
+    rows = []
+    for name, jobs in pooled.items():
+        cells = []
+        for kind in ("save", "read"):
+            mine = [e["took_ms"] for e in jobs if e["kind"] == kind]
+            cells += [str(len(mine)), f"{sum(mine):.0f}"]
+        rows.append([name, *cells, f"{spans[name]:.0f}"])
     return rows
 
 
@@ -868,6 +892,11 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
                       "GIL; a full one, generation 2, walks every object but what the model load left, frozen):", "",
                       *table(["window", "gen 0", "gen 1", "gen 2", "ms in all", "longest ms", "windows' ms"],
                              collections)]
+        disk = disk_split(r.trace)
+        if disk:
+            lines += ["", "The cache store's disk jobs that ended during the windows (the trace's save and read "
+                      "events, on the store's disk thread):", "",
+                      *table(["window", "saves", "saves' ms", "reads", "reads' ms", "windows' ms"], disk)]
         lines.append("")
     lines += ["## Needle rows (item 3, reduced)", "", *needle_lines, "", "## Test suite", "", *suite, ""]
     return lines

@@ -19,9 +19,9 @@
 #      joint pass is one: its own table); a save's host copy reads a device copy, a part (at most 4 MiB of
 #      one array) at a time, so a turn behind an idle copy waits for a part, not a layer (run 4's 1K turns
 #      behind a 32K one waited 9-21 ms before admission); since session 23 the trace has a gc event per run of
-#      Python's collector and a run event per decode run (its steps, why it ended), tabulated per window: run 4's
-#      4-12 ms gaps every 17-37 steps are either, or neither; what a model load leaves is frozen out of full
-#      collections (runtime/heap.py);
+#      Python's collector, a run event per decode run (its steps, why it ended) and the store's saves and reads,
+#      tabulated per window: run 4's 4-12 ms gaps every 17-37 steps and its 2.6 vs 4 ms stretches are one of them,
+#      or none; what a model load leaves is frozen out of full collections (runtime/heap.py);
 #   2. python -m benches gpu_probe --gguf none, the sections still open (run 4's GGUF rows did not finish), with
 #      its new first rows: a save's host copy by either road, then the cache's next use on the device; and the
 #      engine-alone decode rows now also on the runtime's MLX thread, quiet and posting to trio per step; and the
@@ -49,6 +49,7 @@ case "${1:-bench}" in
     grep -A 12 "prefill chunks' time went" "$out/gpu.md" | head -n 30
     grep -A 12 "decode runs ended" "$out/gpu.md" | head -n 30
     grep -A 12 "collector during" "$out/gpu.md" | head -n 30
+    grep -A 12 "disk jobs that ended" "$out/gpu.md" | head -n 30
     # full float32 products, as the suite runs (tests/conftest.py): MLX's CUDA default is TF32. No GGUF rows:
     # run 4 answered them (the needle GGUF's first forward at 1000 tokens did not end in a minute).
     # only the probes still open (run 4 answered the fused attention's accuracy, tiny-gpt-oss's layers and the

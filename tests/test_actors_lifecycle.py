@@ -496,3 +496,23 @@ async def test_each_turn_visits_the_gpu_actor_once_and_the_store_once_each_way(t
             await agent.send(_user("again"), max_tokens=4)
         assert seen == ["CheckOut", "Generate", "CheckIn"]
         assert (await agent.send_prompt("raw text", max_tokens=2)).reply  # the agent goes on
+
+
+async def test_the_stores_saves_and_reads_join_the_trace(tmp_path):
+    async with _open(tmp_path, trace=True) as rt:
+        first = await rt.agent("a").send_prompt("hello there", max_tokens=3)
+        assert await rt.flush() >= 0
+        for _ in range(100):  # written behind the turn
+            if any(e.kind == "save" for e in rt.gpu_events()):
+                break
+            await trio.sleep(0.01)
+        saves = [e for e in rt.gpu_events() if e.kind == "save"]
+    assert saves and saves[0].took_ms is not None and saves[0].detail.endswith("bytes written")
+    async with _open(tmp_path, trace=True, prefetch_mb=0) as rt:  # a restart: the turn reads its cache from disk
+        again = await rt.agent("a").send_prompt("hello there" + first.reply + " more", max_tokens=3)
+        reads = [e for e in rt.gpu_events() if e.kind == "read"]
+    assert again.usage.tier == "warm"
+    assert len(reads) == 1 and reads[0].detail.endswith("tokens") and reads[0].took_ms is not None
+    # in order with the GPU actor's own work: the read ended before the turn was admitted
+    admit = next(e for e in rt.gpu_events() if e.kind == "admit")
+    assert reads[0].at <= admit.at

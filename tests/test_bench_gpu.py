@@ -168,3 +168,13 @@ def test_decode_runs_are_told_by_how_they_ended() -> None:
     rows = gpu.decode_runs_split(trace)
     # the gaps: 0.104 -> 0.114 and 0.114 -> 0.118 (the last run has no next step)
     assert rows == [["cold-1024", "3", "2", "a message (Generate) 1; a message (Prepare) 1; a row finished 1", "7.00"]]
+
+
+def test_the_stores_disk_jobs_are_counted_by_kind_of_window() -> None:
+    def job(kind: str, at: float, took_ms: float) -> dict:
+        return {"kind": kind, "ids": [], "at": at, "took_ms": took_ms, "detail": ""}
+
+    trace = {"cold": [{"agent": "cold-1024-r0", "t0": 0.0, "t1": 1.0}, {"agent": "warm-16384-r0", "t0": 2.0, "t1": 2.5}],
+             "events": [job("save", 0.5, 40.0), job("save", 0.9, 12.0), job("read", 2.2, 150.0), job("save", 3.0, 9.0)]}
+    assert gpu.disk_split(trace) == [["cold-1024", "2", "52", "0", "0", "1000"],
+                                     ["warm-16384", "0", "0", "1", "150", "500"]]

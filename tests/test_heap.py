@@ -109,3 +109,4 @@ async def test_the_trace_shows_each_collection_with_its_generation_and_length(tm
     assert all(e.took_ms is not None and e.took_ms >= 0 and e.request_ids == () for e in events)
     gc.collect()  # the runtime closed: its callback is gone with it
     assert len([e for e in rt.gpu_events() if e.kind == "gc"]) == len(events)
+
