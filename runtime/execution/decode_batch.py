@@ -281,17 +281,10 @@ def _own_caches_decode(caches: list[Any]) -> bool:
 
 
 def _keep_rows(cache: Any, keep: list[int]) -> None:
-    """``cache.filter(keep)``, but a view instead of a gather when ``keep`` is a prefix."""
-    if isinstance(cache, BatchKVCache) and keep == list(range(len(keep))) and cache.keys is not None:
-        n = len(keep)
-        cache.keys, cache.values = cache.keys[:n], cache.values[:n]
-        cache.offset, cache.left_padding = cache.offset[:n], cache.left_padding[:n]
-        shared = min(cache.left_padding.tolist())
-        if shared > 0:
-            cache.keys = cache.keys[..., shared:, :]
-            cache.values = cache.values[..., shared:, :]
-            cache._idx -= shared
-            cache.left_padding = cache.left_padding - shared
+    """``cache.filter(keep)``, but a view instead of a gather when ``keep`` is a prefix (a float batch's,
+    :class:`~runtime.kv.decode_kv.DecodeKVCache`, knows its padding on the host: nothing is read back)."""
+    if isinstance(cache, DecodeKVCache) and keep == list(range(len(keep))) and cache.keys is not None:
+        cache.keep_first(len(keep))
         return
     cache.filter(keep)
 

@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from runtime.cpu.kv_copy import place_rows
+from runtime.kv.decode_kv import host_padding
 
 __all__ = ["FloatResident", "PendingKV", "ResidentPool", "HEADROOM_TOKENS", "extract_with_room", "room_for",
            "with_room"]
@@ -155,7 +156,7 @@ def extract_with_room(cache: Any, idx: int) -> Any:
     """
     if not isinstance(cache, BatchKVCache) or cache.keys is None:
         return cache.extract(idx)
-    padding = cache.left_padding.tolist()[idx]
+    padding = host_padding(cache)[idx]  # a DecodeKVCache's from the host: no wait for the queued steps
     row = KVCache()
     row.keys = with_room(cache.keys[idx : idx + 1, :, padding : cache._idx])
     row.values = with_room(cache.values[idx : idx + 1, :, padding : cache._idx])
