@@ -174,3 +174,10 @@ def test_a_row_leaving_a_batch_reads_nothing_back_from_the_device(monkeypatch: p
     assert all(s.kv.caches for s in (seqs[1], seqs[3]))  # each took its own rows back
     batch.step_once()
     assert len(batch.members) == 2
+
+
+def test_a_state_set_whole_brings_its_padding_to_the_host() -> None:
+    source = merge_with_room([_row(12, 8), _row(7, 10)])
+    copy = merge_with_room([_row(3, 12)])
+    copy.state = source.state
+    assert copy.pads == [0, 5] and copy.state[3].tolist() == [0, 5]

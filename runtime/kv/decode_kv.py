@@ -82,6 +82,12 @@ class DecodeKVCache(BatchKVCache):
         super().extend(other)
         self.pads = pads
 
+    @BatchKVCache.state.setter  # type: ignore[attr-defined]
+    def state(self, v: tuple[Any, ...]) -> None:
+        """Whole state set from elsewhere (mlx-lm's own cache loading): the padding is read back once."""
+        BatchKVCache.state.fset(self, v)  # type: ignore[attr-defined]
+        self.pads = [int(p) for p in self.left_padding.tolist()]
+
     def prepare(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("a decode batch's rows are prefilled before they join it")
 
