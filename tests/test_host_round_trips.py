@@ -24,7 +24,8 @@ PROMPT = "Tell me about the sea and the ships on it. " * 60
 
 
 class HostCalls:
-    """``mx.eval`` / ``mx.async_eval`` calls and NumPy conversions of MLX arrays since the last :meth:`take`."""
+    """``mx.eval`` / ``mx.async_eval`` calls, reads of MLX arrays (``tolist``, ``item``: each waits for the
+    array, and so for the work queued before it) and NumPy conversions since the last :meth:`take`."""
 
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
@@ -54,8 +55,16 @@ def host_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostCalls]:
             return fn(x, *args, **kwargs)
         return convert
 
+    def counted_read(name: str, fn: Any) -> Any:
+        def read(self: mx.array) -> Any:
+            calls.counts["read"] += 1
+            return fn(self)
+        return read
+
     monkeypatch.setattr(mx, "eval", counted_eval)
     monkeypatch.setattr(mx, "async_eval", counted_async_eval)
+    monkeypatch.setattr(mx.array, "tolist", counted_read("tolist", mx.array.tolist))
+    monkeypatch.setattr(mx.array, "item", counted_read("item", mx.array.item))
     monkeypatch.setattr(np, "asarray", counted("to_numpy", asarray))
     monkeypatch.setattr(np, "array", counted("to_numpy", array))
     yield calls
@@ -83,7 +92,7 @@ def test_the_gpu_policy_syncs_once_per_chunk_and_step_and_waits_for_nothing_at_a
         assert chunks >= 3
         # Each chunk launched without waiting for it; the last one's first token is then read back
         # (its one wait, as a decode step's). No blocking eval, no NumPy.
-        assert host_calls.take() == {"async_eval": chunks}
+        assert host_calls.take() == {"async_eval": chunks, "read": 1}
         while engine.prefill(2, None).remaining:
             pass
         engine.join(1)
@@ -93,13 +102,14 @@ def test_the_gpu_policy_syncs_once_per_chunk_and_step_and_waits_for_nothing_at_a
         while not any(token.finished for token in engine.step()):
             steps += 1
         steps += 1
-        # One launch a step, run ahead (the host reads step k while the device computes k+1), no
-        # blocking eval, no NumPy copies, the join's merge included.
-        assert host_calls.take() == {"async_eval": steps}
+        # One launch and one read a step, run ahead (the host reads step k while the device computes
+        # k+1), no blocking eval, no NumPy copies, the join's merge included.
+        assert host_calls.take() == {"async_eval": steps, "read": steps}
         layers = len(engine.lm.spec.layers)
         finished = engine.finish(1)
         # The turn's end, whatever the number of layers: the park (every layer quantized, at-rest's
-        # kept float overwritten) launched in one go, waited for by nothing; no copy for the save.
+        # kept float overwritten) launched in one go, waited for by nothing; no copy for the save, and
+        # no read of the batch's padding as the row leaves (the host keeps it: runtime/kv/decode_kv.py).
         assert host_calls.take() == {"async_eval": 1}
         assert finished.parked is not None and finished.snapshot is None
         # The copy, made later (actors.gpu: when the actor is idle or the store wants it): one wait

@@ -270,7 +270,7 @@ def test_merge_copies_packed_bits_without_a_float_round_trip(model: llama.Model)
         _prefill(model, _tokens(n, seed=10 + i), alone[i])
     batch = _merge(alone)
     assert isinstance(batch[0], BatchQuantizedKVCache)
-    assert batch[0].left_padding.tolist() == [33, 0, 58]
+    assert batch[0].left_padding.tolist() == [33, 0, 58] == batch[0].pads  # the host's list, kept with the array
     assert batch[0].offset.tolist() == lengths and batch[0].size() == 70
     for layer in range(LAYERS):
         merged = (*batch[layer].keys, *batch[layer].values)
@@ -308,7 +308,7 @@ def test_batch_decode_matches_each_sequence_alone(model: llama.Model) -> None:
     for c in batch:
         c.filter([0, 2])
     rows = [0, 2]
-    assert batch[0].left_padding.tolist() == [0, 25]  # shared padding dropped
+    assert batch[0].left_padding.tolist() == [0, 25] == batch[0].pads  # shared padding dropped
     for step in range(3, 5):
         check_step(step)
 
@@ -317,6 +317,7 @@ def test_batch_decode_matches_each_sequence_alone(model: llama.Model) -> None:
     for c, n in zip(batch, newcomer, strict=True):
         c.extend(n)
     rows = [0, 2, 3]
+    assert batch[0].pads == batch[0].left_padding.tolist()
     for step in range(5, 8):
         check_step(step)
 
@@ -342,7 +343,7 @@ def test_right_padded_prompt_is_rolled_to_left_padding(model: llama.Model) -> No
     model(mx.array([prompts[0], prompts[1] + [0] * 12]), cache=batch)
     for c in batch:
         c.finalize()
-    assert batch[0].left_padding.tolist() == [0, 12] and batch[0].offset.tolist() == [30, 18]
+    assert batch[0].left_padding.tolist() == [0, 12] == batch[0].pads and batch[0].offset.tolist() == [30, 18]
     got = _batch_step(model, [7, 9], batch)
     for row in range(2):
         want = _step(model, [7, 9][row], alone[row])

@@ -195,7 +195,9 @@ class _BatchPackedKVCache(PackedKVStorage):
     """Left-padded batch of packed KV: mlx-lm's ``BatchKVCache`` on packed tuples.
 
     ``offset`` is an ``mx.array`` (one position per row, for RoPE),
-    ``left_padding`` how many leading slots of each row are padding, and
+    ``left_padding`` how many leading slots of each row are padding (and ``pads``
+    the same on the host, kept with it: a row that leaves reads nothing back from
+    the device, whose queued steps a read would wait for), and
     ``_idx`` the filled length shared by all rows.
     """
 
@@ -204,9 +206,10 @@ class _BatchPackedKVCache(PackedKVStorage):
     def __init__(self, left_padding: list[int], *, group_size: int = 64, bits: int = 4) -> None:
         self._init_storage(group_size, bits)
         self.left_padding = mx.array(left_padding)
+        self.pads = [int(p) for p in left_padding]
         self.offset = mx.array([-p for p in left_padding])
         self._idx = 0
-        self._right_padding: mx.array | None = None
+        self._right_padding: list[int] | None = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
         self._append(keys, values, used=self._idx)
@@ -233,15 +236,16 @@ class _BatchPackedKVCache(PackedKVStorage):
                 raise ValueError("Left padding can only be added to an empty cache")
             pad = mx.array(left_padding)
             self.left_padding = self.left_padding + pad
+            self.pads = [p + int(q) for p, q in zip(self.pads, left_padding, strict=True)]
             self.offset = self.offset - pad
         if right_padding is not None and max(right_padding) > 0:
-            self._right_padding = mx.array(right_padding)
+            self._right_padding = [int(q) for q in right_padding]
 
     def finalize(self) -> None:
         """Roll the right padding noted by :meth:`prepare` round to the left (bits unchanged)."""
         if self._right_padding is None:
             return
-        pad = self._right_padding
+        pad = mx.array(self._right_padding)
         buffers = self._buffers()
         if buffers is not None:
             self.keys, self.values = map_packed(
@@ -249,6 +253,7 @@ class _BatchPackedKVCache(PackedKVStorage):
             )
         self.offset = self.offset - pad
         self.left_padding = self.left_padding + pad
+        self.pads = [p + q for p, q in zip(self.pads, self._right_padding, strict=True)]
         self._right_padding = None
 
     @property
@@ -260,6 +265,7 @@ class _BatchPackedKVCache(PackedKVStorage):
     def state(self, v: tuple[Any, ...]) -> None:
         (self.keys, self.values, self.offset, self.left_padding, self._idx,
          self.group_size, self.q_bits) = v  # fmt: skip
+        self.pads = [int(p) for p in self.left_padding.tolist()]  # set whole from elsewhere: read back once
         self._right_padding = None
         self.dtype = STORAGE_DTYPE
 
@@ -284,13 +290,16 @@ class _BatchPackedKVCache(PackedKVStorage):
             self.keys, self.values = map_packed(lambda x: x[idx], buffers)
         self.offset = self.offset[idx]
         self.left_padding = self.left_padding[idx]
-        shared = min(self.left_padding.tolist(), default=0)
+        self.pads = [self.pads[int(i)] for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array)
+                                                 else batch_indices)]
+        shared = min(self.pads, default=0)
         if shared > 0:
             buffers = self._buffers()
             if buffers is not None:
                 self.keys, self.values = map_packed(lambda x: x[..., shared:, :], buffers)
             self._idx -= shared
             self.left_padding = self.left_padding - shared
+            self.pads = [p - shared for p in self.pads]
 
     def extend(self, other: _BatchPackedKVCache) -> None:
         """Append ``other``'s rows, right-aligning both batches at the larger index."""
@@ -299,6 +308,7 @@ class _BatchPackedKVCache(PackedKVStorage):
         like = self._buffers() or other._buffers()
         if like is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.pads = self.pads + other.pads
             self.offset = mx.concatenate([self.offset, other.offset])
             return
         max_idx = max(self._idx, other._idx)
@@ -322,6 +332,7 @@ class _BatchPackedKVCache(PackedKVStorage):
         self.left_padding = mx.concatenate(
             [self.left_padding + (max_idx - self._idx), other.left_padding + (max_idx - other._idx)]
         )
+        self.pads = [p + max_idx - self._idx for p in self.pads] + [p + max_idx - other._idx for p in other.pads]
         self._idx = max_idx
 
     def extract(self, idx: int) -> PackedKVCache:
@@ -331,7 +342,7 @@ class _BatchPackedKVCache(PackedKVStorage):
         buffers = self._buffers()
         if buffers is None:
             return cache
-        pad = int(self.left_padding.tolist()[idx])
+        pad = self.pads[idx]
         cache.keys, cache.values = map_packed(
             lambda x: mx.contiguous(x[idx : idx + 1, :, pad : self._idx]), buffers
         )
