@@ -137,3 +137,36 @@ def test_the_cpu_policy_takes_its_host_paths(host_calls: HostCalls) -> None:
         assert host_calls.take().get("to_numpy", 0) > 0  # NumPy attention
     finally:
         engine.unload()
+
+
+@pytest.mark.parametrize("tier", ["hot", "warm"])
+def test_a_turn_resumed_from_its_cache_starts_without_a_wait(host_calls: HostCalls, tier: str) -> None:
+    """A hot turn (its parked Q4 cache, activated) and a warm one (a snapshot from disk, brought to the
+    device) under the GPU policy: building the sequence waits for nothing and reads nothing; the short
+    prefill launches once and reads its first token; the end waits for nothing."""
+    from engine_turns import run_turn, tiny_engine
+
+    from runtime.plan.contract import FromHot, FromWarm, OwnCache
+    from runtime.plan.kv_manager import own_plan
+
+    with tiny_engine("gpu", keep_float_mb=0) as engine:
+        first = run_turn(engine, 1, PROMPT, max_tokens=4)
+        prompt = PROMPT + (first.reply or "") + "\nUser: and the harbour?\nAssistant:"
+        parked = first.parked
+        assert parked is not None
+        source = FromHot(parked=parked) if tier == "hot" else FromWarm(snapshot=engine.snapshot(parked))
+        plan = own_plan(OwnCache(source=source, tier=tier), prompt)
+        assert plan is not None and plan.reuse_tokens > 0
+        tokens = engine.tokenize(prompt, plan)
+        host_calls.take()
+        engine.start(2, prompt, plan, tokens, SamplingOptions(max_tokens=3))
+        assert host_calls.take() == {}
+        while engine.prefill(2, None).remaining:
+            pass
+        assert host_calls.take() == {"async_eval": 1, "read": 1}
+        engine.join(2)
+        while not any(token.finished for token in engine.step()):
+            pass
+        host_calls.take()
+        engine.finish(2)
+        assert host_calls.take() == {"async_eval": 1}
