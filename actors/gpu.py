@@ -620,9 +620,8 @@ class GPUActor:
 
         started = time.perf_counter()
         tokens, done, why = await self._until_message(run)
-        if self.events is not None:
-            self._event("run", *(t.request_id for t in tokens), took_ms=(time.perf_counter() - started) * 1e3,
-                        detail=f"{done} steps; {self._rang_for if why == 'rang' else why}")
+        self._event("run", *(t.request_id for t in tokens), took_ms=(time.perf_counter() - started) * 1e3,
+                    detail=f"{done} steps; {self._rang_for if why == 'rang' else why}")
         return tokens
 
     async def _until_message(self, fn: Any) -> Any:

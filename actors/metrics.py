@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from collections.abc import Iterable
 
 import msgspec
 
@@ -30,6 +31,8 @@ __all__ = [
     "MemorySnapshot",
     "GpuStats",
     "GpuEvent",
+    "BESIDE_THE_WORK",
+    "units_of_work",
     "RunningTurn",
     "HotCacheBytes",
 ]
@@ -246,3 +249,13 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     generation: int | None = None
     took_ms: float | None = None
     detail: str = ""
+
+
+BESIDE_THE_WORK = frozenset({"gc", "save", "read", "run"})
+"""Trace kinds that are not one of the GPU actor's units of work: Python's collector and the cache store's
+disk jobs ran beside it, on other threads, and a ``run`` event marks the end of steps already logged."""
+
+
+def units_of_work(events: Iterable[GpuEvent]) -> list[GpuEvent]:
+    """The GPU actor's units of work in ``events``, in order: the time between two of them is the later one's."""
+    return [e for e in events if e.kind not in BESIDE_THE_WORK]

@@ -42,7 +42,7 @@ from runtime import blas
 import trio
 
 from actors import Runtime, TurnResult, open_runtime
-from actors.metrics import GpuEvent
+from actors.metrics import GpuEvent, units_of_work
 from benches.harness import git_revision
 from runtime.home import KvmemHome
 
@@ -90,9 +90,7 @@ def _prompt(system: str, i: int, round_no: int) -> str:
 def _decode_time(events: list[GpuEvent], t0: float, t1: float) -> tuple[int, float]:
     """Tokens made by decode steps in [t0, t1] and the time spent in those steps."""
     tokens, spent, previous = 0, 0.0, t0
-    for event in events:
-        if event.kind in ("gc", "save", "read"):  # the collector's, the store's: not a step's boundary
-            continue
+    for event in units_of_work(events):  # the collector's runs and the store's jobs are no step's boundary
         if event.at < t0:
             previous = event.at
             continue

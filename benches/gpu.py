@@ -471,9 +471,13 @@ def _trace_events(rt: Any) -> list[dict[str, Any]]:
 
 
 def _chunk_ms(events: list[Any], windows: list[tuple[float, float]]) -> float:
-    """Median time of the GPU actor's prefill chunks inside ``windows`` (event time minus the previous event's)."""
+    """Median time of the GPU actor's prefill chunks inside ``windows`` (event time minus the previous unit of
+    work's: the collector's runs and the store's jobs, on other threads, are left out)."""
+    from actors.metrics import units_of_work
+
+    work = units_of_work(events)
     durations = []
-    for prev, ev in zip(events, events[1:], strict=False):
+    for prev, ev in zip(work, work[1:], strict=False):
         if ev.kind == "chunk" and any(a <= prev.at and ev.at <= b for a, b in windows):
             durations.append((ev.at - prev.at) * 1e3)
     return statistics.median(durations) if durations else math.nan

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benches import gpu
 from benches.gpu import BatchRound, GeometryRun, Plan, Sample
 
@@ -178,3 +180,15 @@ def test_the_stores_disk_jobs_are_counted_by_kind_of_window() -> None:
              "events": [job("save", 0.5, 40.0), job("save", 0.9, 12.0), job("read", 2.2, 150.0), job("save", 3.0, 9.0)]}
     assert gpu.disk_split(trace) == [["cold-1024", "2", "52", "0", "0", "1000"],
                                      ["warm-16384", "0", "0", "1", "150", "500"]]
+
+
+def test_a_chunks_time_runs_from_the_previous_unit_of_work_not_from_what_ran_beside_it() -> None:
+    from actors.metrics import GpuEvent
+
+    def ev(kind: str, at: float) -> GpuEvent:
+        return GpuEvent(kind=kind, request_ids=(1,) if kind in ("admit", "chunk") else (), at=at)
+
+    # a collection, a save and a read ended during the second chunk: it still took 20 ms
+    events = [ev("admit", 1.000), ev("chunk", 1.020), ev("gc", 1.025), ev("save", 1.030), ev("read", 1.035),
+              ev("chunk", 1.040), ev("run", 1.041)]
+    assert gpu._chunk_ms(events, [(0.9, 1.1)]) == pytest.approx(20.0)

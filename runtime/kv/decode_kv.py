@@ -96,8 +96,8 @@ class DecodeKVCache(BatchKVCache):
 
 
 def host_padding(cache: Any) -> list[int]:
-    """Each row's left padding of a batch cache: the host's list for a :class:`DecodeKVCache`, else read from
-    the device (mlx-lm's own batch caches, kvmem's quantized ones)."""
+    """Each row's left padding of a float batch cache: the host's list for a :class:`DecodeKVCache`, else read
+    from the device (mlx-lm's own ``BatchKVCache``)."""
     if isinstance(cache, DecodeKVCache):
         return list(cache.pads)
     return [int(p) for p in cache.left_padding.tolist()]
