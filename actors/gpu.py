@@ -75,6 +75,7 @@ from actors.messages_store import SnapshotDue
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
 from runtime import heap
+from runtime.backend import DECODE_RUN_S
 from runtime.plan import save_queue
 from runtime.plan.save_queue import copy_wait, next_copy
 from runtime.plan.scheduler import Scheduler, Step
@@ -133,6 +134,8 @@ class GPUActor:
         max_batch: most sequences running at once.
         prefill_chunk: tokens per prefill chunk (None: adaptive, see ``runtime.execution.sequence``).
         decode_run_steps: decode steps that may run back to back in one MLX job (the setting).
+        decode_run_s: seconds after which a run ends at its next step, whatever its steps
+            (None: :data:`runtime.backend.DECODE_RUN_S`).
         events: the runtime's trace, when it is on (tests, diagnostics): a :class:`GpuEvent` per unit of
             work goes in, and per run of Python's collector; the cache store adds its saves and reads.
     """
@@ -147,6 +150,7 @@ class GPUActor:
         max_batch: int = 32,
         prefill_chunk: int | None = None,
         decode_run_steps: int = 1,
+        decode_run_s: float | None = None,
         events: deque[GpuEvent] | None = None,
     ) -> None:
         self._inbox = inbox
@@ -156,6 +160,7 @@ class GPUActor:
         self._max_batch = max_batch
         self._prefill_chunk = prefill_chunk
         self._decode_run_steps = decode_run_steps
+        self._decode_run_s = DECODE_RUN_S if decode_run_s is None else decode_run_s
         profile = engine.profile
         self._thread = MlxThread(on_exit=engine.close, tune_allocator=profile is None or profile.tune_allocator)
         self._info: ModelInfo | None = None
@@ -601,21 +606,27 @@ class GPUActor:
         Each step's tokens are posted to trio as the step ends (:meth:`_stepped`), so clients get
         them as they would one job per step; the MLX thread does not wait for trio between steps.
         The run ends after the step in progress once a row finishes or the doorbell rings (a
-        message for this actor, a client that left), so a new turn joins one step later at most.
+        message for this actor, a client that left), so a new turn joins one step later at most,
+        and once it has run ``decode_run_s`` (:data:`runtime.backend.DECODE_RUN_S`): the loop between
+        runs makes a slice of any overdue save copy.
         """
         engine, post, doorbell = self._engine, self._thread.post, self._doorbell
 
         def run() -> tuple[list[Any], int, str]:  # on the MLX thread
             tokens: list[Any] = []
+            ends = time.perf_counter() + self._decode_run_s
             for done in range(1, steps + 1):
                 tokens = engine.step()
-                post(self._stepped, tokens, engine.last_step_timing, time.perf_counter())
+                now = time.perf_counter()
+                post(self._stepped, tokens, engine.last_step_timing, now)
                 if not tokens:
                     return tokens, done, "no rows"
                 if any(t.finished for t in tokens):
                     return tokens, done, "a row finished"
                 if doorbell.is_set():
                     return tokens, done, "rang"
+                if now >= ends and done < steps:
+                    return tokens, done, "its time done"
             return tokens, steps, "its steps done"
 
         started = time.perf_counter()

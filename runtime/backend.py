@@ -41,7 +41,7 @@ from typing import Literal
 import msgspec
 
 __all__ = ["BackendProfile", "Policy", "decide_profile", "detect_device", "device_profile", "profile_setting",
-           "CPU_CHUNKS", "GPU_CHUNK", "CPU_MEMORY_MB", "GPU_MEMORY_SHARES", "GPU_DECODE_RUN_STEPS",
+           "CPU_CHUNKS", "GPU_CHUNK", "CPU_MEMORY_MB", "GPU_MEMORY_SHARES", "GPU_DECODE_RUN_STEPS", "DECODE_RUN_S",
            "GPU_PLAIN_ATTENTION_QUERIES"]
 
 Policy = Literal["cpu", "gpu"]
@@ -54,13 +54,18 @@ GPU_CHUNK = 2048
 """Prefill chunk on a GPU: mlx-lm's own ``prefill_step_size``; a chunk is one kernel launch
 per layer, so fewer, larger chunks keep the device busy."""
 
-GPU_DECODE_RUN_STEPS = 64
+GPU_DECODE_RUN_STEPS = 256
 """Decode steps a batch runs back to back in one job on a GPU's model thread when no prefill is
 waiting (:class:`runtime.plan.scheduler.Step`'s ``decode_steps``); each step's tokens still stream
-as it ends, and a finished row or a message ends the run early. Between two runs the model's thread
-waits for trio: on an H200 (run 3, the 1B) a run's boundary added about 2 ms to a 4 ms step, 3% of
-the decode rate at 16 steps a run and under 1% at 64. The bound keeps a copy overdue for a save
-(``runtime.plan.save_queue.COPY_OVERDUE_S``) from waiting more than a run behind a long reply."""
+as it ends, and a finished row, a message or :data:`DECODE_RUN_S` ends the run early. Between two
+runs the model's thread waits for trio: on an H200 (run 5) the step after a run's end came 9-12 ms
+after the run's last, against 2.4 ms (1B) and 6 ms (3B) steps, so runs of 64 (run 5's) cost a 1B's
+128-token reply about 3% of its decode rate; runs this long end by time or by the reply's end."""
+
+DECODE_RUN_S = 0.5
+"""A decode run also ends once it has run this long (seconds), whatever its steps: between runs the
+GPU actor makes a slice of any save copy overdue (``runtime.plan.save_queue.COPY_OVERDUE_S``), so
+one waits at most this long behind a long reply; at run 5's 9-12 ms a boundary that is 2% of a run."""
 
 GPU_PLAIN_ATTENTION_QUERIES = 64
 """Under the GPU policy, forward passes of 2 to this many query positions a row attend with plain

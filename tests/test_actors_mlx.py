@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -227,10 +228,12 @@ async def test_small_budget_serves_every_agent_and_bounds_peak_memory(tmp_path):
     the copies a batch extend/filter makes (old and new batch cache), and a parked copy made before
     the active cache is freed. Measured: peak ~18 MiB over the baseline (limit 26.75) on the CPU.
 
-    What the device keeps after a first turn (workspaces, compiled kernels' buffers) is measured
-    by a warm-up turn whose agent is then forgotten, not guessed: MLX's CUDA backend kept about
+    What the device keeps after its first turns (workspaces, compiled kernels' buffers) is measured
+    by warm-up turns whose agents are then forgotten, not guessed: MLX's CUDA backend kept about
     22 MiB here (an H200, run 4: peak 49 MiB over the baseline, 30.75 MiB still active at the end),
-    the CPU about none. Before, GPUs had a fixed 32 MiB margin, which run 4 overshot."""
+    the CPU about none. Before, GPUs had a fixed 32 MiB margin, which run 4 overshot. Two warm-up
+    agents at once, as the test's own turns run: after one alone, run 5 measured nothing kept,
+    yet 28 MiB over the baseline (the model 5) were still active after the batches of two."""
     prompt = "User: " + CORPUS.read_text()[:1200] + "\nAssistant:"
     # The float KV kept for hot turns is a third budget: named, so the bound holds on every device
     # (left unset, a GPU keeps 10% of its memory: an H200's run 3 peaked at 49 MiB here).
@@ -238,8 +241,11 @@ async def test_small_budget_serves_every_agent_and_bounds_peak_memory(tmp_path):
     margin = 16 * 2**20
     async with _open(tmp_path, "tiny-llama", kv_bits=None, budget_mb=budget_mb, hot_budget_mb=hot_mb,
                      keep_float_mb=float_mb, trace=True) as rt:
-        await rt.agent("warm-up").send_prompt(prompt, max_tokens=4)
-        assert await rt.agent("warm-up").forget()
+        async with trio.open_nursery() as nursery:  # two at once: the batch's kernels and workspaces too
+            for name in ("warm-up-a", "warm-up-b"):
+                nursery.start_soon(partial(rt.agent(name).send_prompt, f"{name} " + prompt, max_tokens=16))
+        for name in ("warm-up-a", "warm-up-b"):
+            assert await rt.agent(name).forget()
         kept = rt.stats().gpu.memory
         device_keeps = max(0, kept.active - kept.baseline - kept.model)
         results = []

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from actors import gpu as gpu_actor
 from actors import open_runtime
 from actors.client import TurnFailedError
 from actors.mlx_thread import MlxThread
@@ -142,6 +143,20 @@ async def test_the_trace_says_how_each_run_ended(tmp_path):
     assert all(e.took_ms is not None and e.took_ms > 0 and e.request_ids for e in runs)
     # every step a run made is a step event (a step the scheduler runs alone, beside a prefill, has no run)
     assert sum(int(d.split()[0]) for d in details) <= len([e for e in rt.gpu_events() if e.kind == "step"])
+
+
+async def test_a_run_ends_by_time_whatever_its_steps(tmp_path, monkeypatch):
+    """A run also ends once it has run ``DECODE_RUN_S``: the loop between runs makes a slice of any
+    save copy overdue, so a long reply on long runs keeps it waiting that long at most."""
+    monkeypatch.setattr(gpu_actor, "DECODE_RUN_S", 0.1)
+    engine = FakeEngine(step_delay_s=STEP_S)
+    async with _open(tmp_path, engine, 1000, trace=True) as rt:
+        await rt.agent("a").send_prompt("tell me", max_tokens=60)
+        runs = [e for e in rt.gpu_events() if e.kind == "run"]
+    timed = [e for e in runs if e.detail.endswith("its time done")]
+    assert timed and runs[-1].detail.endswith("a row finished")
+    for e in timed:  # about 10 steps of 10 ms each, not 1000
+        assert 5 <= int(e.detail.split()[0]) <= 20 and 0.1e3 <= e.took_ms < 0.3e3, e
 
 
 async def test_a_client_that_leaves_during_a_run_stops_being_decoded(tmp_path):

@@ -8,6 +8,8 @@ model loaded on the 2-core CPU, inside whatever turn it lands in (``benches/gc_p
 from __future__ import annotations
 
 import gc
+import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -53,10 +55,11 @@ async def test_an_idle_unload_thaws_and_the_next_load_freezes_again(tmp_path, au
         assert heap.frozen_objects() > 0
         await trio.sleep(61)
         assert rt.stats().registry.idle_unloads == 1
-        for _ in range(100):  # the registry counts the unload as it asks for it
+        for _ in range(500):  # the registry counts the unload as it asks for it
             if heap.frozen_objects() == 0:
                 break
-            await trio.sleep(0.01)
+            # real time: the autojump clock's sleeps return at once while the unload's job runs on a thread
+            await trio.to_thread.run_sync(time.sleep, 0.01)
         assert heap.frozen_objects() == 0
         await rt.agent("m").send_prompt("two", max_tokens=2)
         assert engine.loads == ["fake-a", "fake-a"] and heap.frozen_objects() > 0
@@ -78,7 +81,9 @@ async def test_a_real_models_load_freezes_its_modules(tmp_path):
         await rt.agent("a").send_prompt("hello", max_tokens=3)
         assert heap.frozen_objects() > 1000
         assert not any(type(o).__module__ == "mlx_lm.models.llama" for o in gc.get_objects())  # the model
-    assert heap.frozen_objects() == 0
+    # H200 run 5 (Python 3.12, pytest -n 8) found 375 objects frozen here, cause unknown: the message
+    # names the threads still alive, for a runtime of an earlier test that might have settled late
+    assert heap.frozen_objects() == 0, sorted(t.name for t in threading.enumerate())
 
 
 def test_settle_collects_the_loads_cyclic_garbage_before_freezing() -> None:
