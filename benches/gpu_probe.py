@@ -461,13 +461,17 @@ def decode_rows(model: Any, contexts: list[int], steps: int) -> list[list[str]]:
     return rows
 
 
-def engine_decode_rows(folder: str, steps: int, profile: str = "auto") -> list[list[str]]:
+def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tokens: int = 0) -> list[list[str]]:
     """One row's decode on the same model in this process: plain mlx-lm (``generate_step``) and kvmem's
     engine called directly (``MlxEngine.step`` in a loop: no actors), three ways: on this thread; on an
     :class:`actors.mlx_thread.MlxThread` (the runtime's own thread) with no trio work; and on one whose
     every step posts to trio, which then runs a callback, as the GPU actor's decode runs do. The runtime's
     own rate is the bench's decode row; the engine alone between the two splits run 4's 0.78x (the engine
-    alone made 282 tokens/s against mlx-lm's 263) into the engine's work, the thread's and trio's."""
+    alone made 282 tokens/s against mlx-lm's 263) into the engine's work, the thread's and trio's.
+
+    ``after_tokens``: the engine alone again after a turn of that many tokens, then again after
+    ``mx.clear_cache()`` (as mlx-lm's ``generate_step`` does every 256 tokens). H200 run 5's 3B decoded at
+    227 tokens/s in its first 1K turn and 155-171 in the ones after its 32K turns, mlx-lm at 188-264."""
     import statistics as stats
 
     import trio
@@ -513,6 +517,18 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto") -> list[l
     engine = loaded()
     engine_rate(engine, 1, 16)  # warm-up
     alone = [engine_rate(engine, 2 + i, steps) for i in range(3)]
+    after: list[tuple[str, list[float]]] = []
+    if after_tokens:
+        import mlx.core as mx
+
+        long_text = " ".join(f"note{i % 97} was kept" for i in range(after_tokens * 3 // 10))
+        engine.start(5, long_text, cold, engine.tokenize(long_text, cold), SamplingOptions(max_tokens=1))
+        while engine.prefill(5, None).remaining:
+            pass
+        engine.finish(5)
+        after.append((f"same, after a {after_tokens}-token turn", [engine_rate(engine, 6 + i, steps) for i in range(3)]))
+        mx.clear_cache()
+        after.append(("same, then after mx.clear_cache()", [engine_rate(engine, 9 + i, steps) for i in range(3)]))
     engine.unload()
 
     async def on_the_mlx_thread() -> tuple[list[float], list[float]]:
@@ -534,7 +550,7 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto") -> list[l
     base = stats.median(plain)
     return [["mlx-lm generate_step", f"{base:.1f}", "1.00x"]] + [
         [name, f"{stats.median(rates):.1f}", f"{stats.median(rates) / base:.2f}x"]
-        for name, rates in (("kvmem MlxEngine.step, no actors, this thread", alone),
+        for name, rates in (("kvmem MlxEngine.step, no actors, this thread", alone), *after,
                             ("same, on the runtime's MLX thread (MlxThread), no trio work", quiet),
                             ("same, each step posting to trio (as the GPU actor's decode runs)", posting))]
 
@@ -577,6 +593,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--probe-tokens", type=int, default=15, help="new tokens per shape probe (a hot turn's size)")
     p.add_argument("--gguf", default=os.environ.get("KVMEM_NEEDLE_GGUF"),
                    help="a GGUF whose forward passes are timed packed and unpacked (default $KVMEM_NEEDLE_GGUF; none: skipped)")
+    p.add_argument("--engine-after-tokens", type=int, default=0,
+                   help="the engine section's rows again after a turn of this many tokens, and after mx.clear_cache()")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                    help="the probes to run, in this order whatever the order given (default all)")
     args = p.parse_args(argv)
@@ -636,7 +654,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             res.body += [f"## One row's decode, plain mlx-lm against kvmem's engine with no actors (`{name}`; tokens/s)",
                          "", *table(["path", "tokens/s (median of 3)", "against mlx-lm"],
-                                    engine_decode_rows(name, 128)), ""]
+                                    engine_decode_rows(name, 128, after_tokens=args.engine_after_tokens)), ""]
         except Exception as exc:  # noqa: BLE001 - a one-shot device run reports it
             res.body += [f"Stopped: {type(exc).__name__}: {str(exc)[:300]}", ""]
     if "gguf" in on and args.gguf and args.gguf != "none":

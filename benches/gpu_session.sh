@@ -30,7 +30,11 @@
 #   (run 4's two tiny-gpt-oss failures are left to the suite: since run 4 loading a gpt-oss model on CUDA
 #   turns MLX's compile off itself, runtime/model/cuda_compile.py, and the suite says whether that is enough;
 #   the bench no longer spends 45 s of the 15 minutes on them first);
-#   3. the 1B's batch and cold 1K turns again with MLX_USE_CUDA_GRAPHS=0 (run 4: the batch of 8 went
+#   3. since run 5: the 3B's engine decode alone (no actors) beside mlx-lm, before and after a 32K turn and after
+#      mx.clear_cache() (run 5's 3B decoded at 0.64-0.72x, faster in its first turn than after its 32K ones); run 5's
+#      three tiny-gpt-oss failures with cuDNN's attention off, then with CUDA graphs off (which one they need);
+#      the heap test run 5 failed under -n 8, alone;
+#   4. the 1B's batch and cold 1K turns again with MLX_USE_CUDA_GRAPHS=0 (run 4: the batch of 8 went
 #      3.67x one agent with graphs, 4.98x without; plain mlx-lm's decode lost a quarter without them).
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses).
@@ -58,6 +62,18 @@ case "${1:-bench}" in
       --sections host-copy batch-attention decode-row engine > /tmp/probe.log 2>&1
     echo "gpu_probe: exit $?"; tail -n 12 /tmp/probe.log
     cp benches/results/gpu_probe.md "$out/probe.md"
+    # the 3B's decode (run 5: 0.64-0.72x mlx-lm, steps 5.75 ms against 4.2, its first 1K turn at 227 tokens/s and
+    # the ones after its 32K turns at 155-171): the engine alone, before and after a 32K turn and mx.clear_cache()
+    MLX_ENABLE_TF32=0 timeout -s INT 60 python3 -m benches gpu_probe --gguf none --sections engine \
+      --model-glob '/tmp/kvmem-bench/models/gpu-3b-*' --engine-after-tokens 32768 > /tmp/probe3b.log 2>&1
+    echo "gpu_probe 3B engine: exit $?"; grep -A 9 "One row's decode" benches/results/gpu_probe.md
+    # run 5's three tiny-gpt-oss failures (compile off was not enough) with cuDNN's attention off, then with CUDA
+    # graphs off, and the heap test that failed under -n 8 alone
+    for env in MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0; do
+      echo "tiny-gpt-oss with $env:"; env "$env" timeout -s INT 40 python3 -m pytest -q -p no:benchmark -p no:cacheprovider \
+        tests/test_cache_correctness.py -k "gpt-oss and (suffix or warm_cache or batched)" 2>&1 | tail -n 3
+    done
+    timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/test_heap.py 2>&1 | tail -n 5
     # the report and trace only (8 files come back in all)
     MLX_USE_CUDA_GRAPHS=0 timeout -s INT 50 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 \
       --needles 0 --out /tmp/nographs > /tmp/nographs.log 2>&1
