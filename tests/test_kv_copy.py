@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import mlx.core as mx
 import pytest
 
@@ -25,3 +27,35 @@ def test_rows_land_where_asked_and_zeros_elsewhere(dtype: mx.Dtype, monkeypatch:
     assert mx.array_equal(out[2:3, :, :20], buffer[..., 10:30, :]).item()
     monkeypatch.setattr(kv_copy, "_NUMPY_DTYPES", {})  # the MLX path
     assert mx.array_equal(kv_copy.place_rows(rows, 32, buffer), out).item()
+
+
+def _nodes(*arrays: mx.array) -> int:
+    """The operations an evaluation of ``arrays`` would run (MLX's graph, as ``export_to_dot`` draws it)."""
+    out = io.StringIO()
+    mx.export_to_dot(out, *arrays)
+    return out.getvalue().count("shape=rectangle")
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_without_host_views_rows_are_one_gather_from_whole_buffers(dtype: mx.Dtype, monkeypatch) -> None:
+    """The GPU policy's path: every row's first ``count`` tokens of its whole buffer, zeros elsewhere, and
+    a graph of a few nodes whatever the number of rows (a node a row costs a GPU's host at each launch)."""
+    monkeypatch.setattr(kv_copy, "_host_views", False)
+    mx.random.seed(1)
+    buffers = [mx.random.normal((1, 2, 256, 4)).astype(dtype) for _ in range(8)]
+    mx.eval(buffers)
+    counts, starts = [30, 0, 12, 256, 7, 100, 64, 1], [5, 0, 40, 0, 0, 3, 9, 255]
+    rows = [(b, n, s) for b, n, s in zip(buffers, counts, starts, strict=True)]
+    rows[4] = (None, 0, 0)
+    out = kv_copy.place_buffers(rows, 256 + 8, buffers[0])
+    assert _nodes(out) <= 8 and _nodes(kv_copy.place_buffers(rows[:2], 264, buffers[0])) == _nodes(out)
+    expected = mx.zeros((8, 2, 264, 4), dtype)  # the reference: a row at a time
+    for i, (b, n, s) in enumerate(rows):
+        if b is not None and n:
+            expected[i : i + 1, :, s : s + n] = b[..., :n, :]
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert mx.array_equal(out, expected).item()
+    # and the lists the way place_rows takes them, views of the buffers included
+    views = [(b[..., :n, :] if n else None, s) for b, n, s in rows if b is not None]
+    assert mx.array_equal(kv_copy.place_rows(views, 264, buffers[0]),
+                          mx.concatenate([expected[:4], expected[5:]])).item()

@@ -27,10 +27,12 @@ prefills one row at a time.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from runtime.execution.decode_batch import place_cache_rows, sample_rows
 from runtime.execution.pass_clock import PassClock
@@ -77,18 +79,26 @@ class LinedUpCache(DecodeKVCache):
         super().__init__([start + p - n for n, p in zip(lengths, pads, strict=True)])
         # room for the pass and the first decode step
         place_cache_rows(self, rows, [start + p for p in pads], write_at=start, room=width + 1)
-        self._pads: mx.array | None = mx.array(pads)
+        self._lining_up: tuple[int, ...] | None = tuple(pads)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
-        if self._pads is not None:
+        if self._lining_up is not None:
             # The lining-up inputs' keys and values are dropped: the row's own cache tail stays there.
-            length = keys.shape[2]
-            new = (mx.arange(length)[None, :] >= self._pads[:, None])[:, None, :, None]
-            here = slice(self._idx, self._idx + length)
-            keys = mx.where(new, keys, self.keys[..., here, :])
-            values = mx.where(new, values, self.values[..., here, :])
-            self._pads = None
+            here = slice(self._idx, self._idx + keys.shape[2])
+            keys = mx.where(_computed(self._lining_up, keys.shape), keys, self.keys[..., here, :])
+            values = mx.where(_computed(self._lining_up, values.shape), values, self.values[..., here, :])
+            self._lining_up = None
         return super().update_and_fetch(keys, values)
+
+
+@functools.lru_cache(maxsize=8)
+def _computed(pads: tuple[int, ...], shape: tuple[int, ...]) -> mx.array:
+    """Which of a group pass's keys (or values) of ``shape`` ``(B, H, width, D)`` are the rows' own new
+    tokens, not their lining-up inputs: made on the host once for every layer (each would otherwise
+    add its own few graph nodes to the pass, and a GPU's host pays for each at the launch)."""
+    rows, heads, width, dim = shape
+    new = np.arange(width)[None, :] >= np.array(pads)[:, None]
+    return mx.array(np.broadcast_to(new[:, None, :, None], (rows, heads, width, dim)))
 
 
 def prefill_together(rows: list[Sequence], pads: list[int]) -> tuple[list[str], list[Any]]:

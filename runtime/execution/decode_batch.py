@@ -22,7 +22,7 @@ from runtime.cpu import attention as cpu_attention
 from runtime.kv.decode_kv import DecodeKVCache
 from runtime.kv.float_resident import extract_with_room
 from runtime.reply.grammar import mask_rows
-from runtime.cpu.kv_copy import place_rows
+from runtime.cpu.kv_copy import place_buffers
 from runtime.execution.pass_clock import PassClock
 from runtime.plan.contract import StepTiming
 from runtime.kv.q4_cache import (
@@ -77,10 +77,9 @@ def place_cache_rows(batch: BatchKVCache, rows: list[Any], ends: list[int], *, w
     lengths = [int(c.offset) if c.keys is not None else 0 for c in rows]
     first = next(c for c in rows if c.keys is not None)
     size = -(-(write_at + room) // batch.step) * batch.step
-    for name in ("keys", "values"):
-        placed = [(getattr(c, name)[..., :n, :] if n else None, end - n)
-                  for c, n, end in zip(rows, lengths, ends, strict=True)]
-        setattr(batch, name, place_rows(placed, size, getattr(first, name)))
+    for name in ("keys", "values"):  # whole buffers: slicing each row would be a graph node more a row
+        placed = [(getattr(c, name) if n else None, n, end - n) for c, n, end in zip(rows, lengths, ends, strict=True)]
+        setattr(batch, name, place_buffers(placed, size, getattr(first, name)))
     batch.offset += write_at
     batch._idx = write_at
 
