@@ -253,10 +253,10 @@ class GPUActor:
             self._collection_started = None
 
     def _event(self, kind: str, *request_ids: int, at: float | None = None, timing: StepTiming | None = None,
-               took_ms: float | None = None, detail: str = "") -> None:
+               took_ms: float | None = None, waited_ms: float | None = None, detail: str = "") -> None:
         if self.events is not None:
             self.events.append(GpuEvent(kind=kind, request_ids=request_ids, at=time.perf_counter() if at is None else at,
-                                        timing=timing, took_ms=took_ms, detail=detail))
+                                        timing=timing, took_ms=took_ms, waited_ms=waited_ms, detail=detail))
 
     async def _loop(self) -> None:
         closing = False
@@ -612,9 +612,12 @@ class GPUActor:
         """
         engine, post, doorbell = self._engine, self._thread.post, self._doorbell
 
+        began: list[float] = []
+
         def run() -> tuple[list[Any], int, str]:  # on the MLX thread
+            began.append(time.perf_counter())
             tokens: list[Any] = []
-            ends = time.perf_counter() + self._decode_run_s
+            ends = began[0] + self._decode_run_s
             for done in range(1, steps + 1):
                 tokens = engine.step()
                 now = time.perf_counter()
@@ -632,6 +635,7 @@ class GPUActor:
         started = time.perf_counter()
         tokens, done, why = await self._until_message(run)
         self._event("run", *(t.request_id for t in tokens), took_ms=(time.perf_counter() - started) * 1e3,
+                    waited_ms=(began[0] - started) * 1e3 if began else None,
                     detail=f"{done} steps; {self._rang_for if why == 'rang' else why}")
         return tokens
 

@@ -230,8 +230,9 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     ``chunk`` (one prefill chunk), ``step`` (one decode step of the batch; ``request_ids``
     are its members), ``finish`` (left the batch, parked), ``copy`` (a finished turn's host
     copy for its save, made after the turn under the GPU policy), ``run`` (a decode run ended:
-    several steps in one job on the model's thread; ``took_ms`` from its start on trio, ``detail``
-    its steps and why it ended: its steps done, its time done, a row finished, or the doorbell and what rang it),
+    several steps in one job on the model's thread; ``took_ms`` from its start on trio, ``waited_ms``
+    from there to the job's start on the model's thread, ``detail`` its steps and why it ended: its
+    steps done, its time done, a row finished, or the doorbell and what rang it),
     ``gc`` (a run of Python's cyclic collector, on any thread: ``generation`` and ``took_ms``; it
     holds the GIL throughout), and the cache store's ``save`` (a cache written: ``took_ms``, ``detail``
     the bytes) and ``read`` (a cache read for a turn: ``took_ms``, ``detail`` its tokens), on its disk
@@ -248,6 +249,7 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     timing: StepTiming | None = None
     generation: int | None = None
     took_ms: float | None = None
+    waited_ms: float | None = None
     detail: str = ""
 
 

@@ -755,9 +755,10 @@ def decode_runs_split(trace: dict[str, Any]) -> list[list[str]]:
     """How the decode runs (several steps in one job on the model's thread) ended in each kind of window,
     from the trace's ``run`` events: how many, their steps (median), why they ended (counts; the doorbell
     by what rang it), and the gap from a run's last step to the next step (median, ms), which a run's end
-    costs: the GPU actor's loop pass between runs (a save copy's slice among it)."""
+    costs, split: the GPU actor's loop pass from the run's end on trio to the next run's call (a save
+    copy's slice among it), then the wait for the model's thread to start that run (``waited_ms``)."""
     events = trace.get("events", [])
-    pooled: dict[str, list[tuple[int, str, float | None]]] = {}
+    pooled: dict[str, list[tuple[int, str, float | None, float | None, float | None]]] = {}
     for name, t0, t1 in _windows(trace):
         inside = [e for e in events if t0 <= e["at"] <= t1]
         for i, e in enumerate(inside):
@@ -767,16 +768,25 @@ def decode_runs_split(trace: dict[str, Any]) -> list[list[str]]:
             last = next((x["at"] for x in reversed(inside[:i]) if x["kind"] == "step"), None)
             after = next((x["at"] for x in inside[i + 1:] if x["kind"] == "step"), None)
             gap = (after - last) * 1e3 if last is not None and after is not None else None
-            pooled.setdefault(name, []).append((int(steps.split()[0]), why, gap))
+            following = next((x for x in inside[i + 1:] if x["kind"] == "run"), None)
+            loop = waited = None
+            if following is not None and following.get("took_ms") is not None:
+                loop = (following["at"] - following["took_ms"] / 1e3 - e["at"]) * 1e3
+                waited = following.get("waited_ms")
+            pooled.setdefault(name, []).append((int(steps.split()[0]), why, gap, loop, waited))
     rows = []
     for name, runs in pooled.items():
         reasons: dict[str, int] = {}
-        for _, why, _ in runs:
-            reasons[why] = reasons.get(why, 0) + 1
-        gaps = [g for _, _, g in runs if g is not None]
+        for run in runs:
+            reasons[run[1]] = reasons.get(run[1], 0) + 1
+
+        def median_of(column: int) -> str:
+            values = [r[column] for r in runs if r[column] is not None]
+            return f"{statistics.median(values):.2f}" if values else "—"
+
         rows.append([name, str(len(runs)), f"{statistics.median(r[0] for r in runs):.0f}",
                      "; ".join(f"{why} {n}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])),
-                     f"{statistics.median(gaps):.2f}" if gaps else "—"])
+                     median_of(2), median_of(3), median_of(4)])
     return rows
 
 
@@ -888,8 +898,11 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
         ends = decode_runs_split(r.trace)
         if ends:
             lines += ["", "How the decode runs ended (the trace's run events: several steps in one job on the model's "
-                      "thread; why each ended, and the gap from a run's last step to the next step, ms, median):", "",
-                      *table(["window", "runs", "steps (median)", "ended by", "gap to the next step"], ends, "lrrlr")]
+                      "thread; why each ended, and the gap from a run's last step to the next step, ms, median; of it, "
+                      "the GPU actor's loop pass to the next run's call, and the wait for the model's thread to start "
+                      "it):", "",
+                      *table(["window", "runs", "steps (median)", "ended by", "gap to the next step", "of it: loop pass",
+                              "of it: the thread's start"], ends, "lrrlrrr")]
         collections = collections_split(r.trace)
         if collections:
             lines += ["", "Python's collector during the windows (the trace's gc events, any thread; each holds the "

@@ -160,16 +160,18 @@ def test_decode_runs_are_told_by_how_they_ended() -> None:
     def step(at: float) -> dict:
         return {"kind": "step", "ids": [1], "at": at, "timing": [1.0, 0.0, 0.0, 0.5, 0.9]}
 
-    def run(at: float, detail: str) -> dict:
-        return {"kind": "run", "ids": [1], "at": at, "took_ms": 10.0, "detail": detail}
+    def run(at: float, detail: str, took_ms: float, waited_ms: float) -> dict:
+        return {"kind": "run", "ids": [1], "at": at, "took_ms": took_ms, "waited_ms": waited_ms, "detail": detail}
 
     trace = {"cold": [{"agent": "cold-1024-r0", "t0": 0.0, "t1": 1.0}],
-             "events": [step(0.100), step(0.104), run(0.105, "2 steps; a message (Generate)"), step(0.114),
-                        run(0.115, "1 steps; a message (Prepare)"), step(0.118), step(0.122),
-                        run(0.123, "2 steps; a row finished")]}
+             "events": [step(0.100), step(0.104), run(0.105, "2 steps; a message (Generate)", 20.0, 0.2), step(0.114),
+                        run(0.115, "1 steps; a message (Prepare)", 8.0, 1.5), step(0.118), step(0.122),
+                        run(0.123, "2 steps; a row finished", 4.0, 0.5)]}
     rows = gpu.decode_runs_split(trace)
-    # the gaps: 0.104 -> 0.114 and 0.114 -> 0.118 (the last run has no next step)
-    assert rows == [["cold-1024", "3", "2", "a message (Generate) 1; a message (Prepare) 1; a row finished 1", "7.00"]]
+    # the gaps: 0.104 -> 0.114 and 0.114 -> 0.118 (the last run has no next step); the loop passes: 0.105 to the
+    # second run's call (0.115 - 8 ms) and 0.115 to the third's (0.123 - 4 ms); the next runs' waits 1.5 and 0.5
+    assert rows == [["cold-1024", "3", "2", "a message (Generate) 1; a message (Prepare) 1; a row finished 1", "7.00",
+                     "3.00", "1.00"]]
 
 
 def test_the_stores_disk_jobs_are_counted_by_kind_of_window() -> None:

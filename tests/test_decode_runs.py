@@ -141,6 +141,8 @@ async def test_the_trace_says_how_each_run_ended(tmp_path):
     assert any(d.endswith("a message (Generate)") for d in details)  # the late turn rang the doorbell
     assert details[-1].endswith("a row finished")  # the long turn's last run
     assert all(e.took_ms is not None and e.took_ms > 0 and e.request_ids for e in runs)
+    # when each run's job started on the model's thread, after its call on trio: a run's end splits into both
+    assert all(e.waited_ms is not None and 0 <= e.waited_ms < e.took_ms for e in runs)
     # every step a run made is a step event (a step the scheduler runs alone, beside a prefill, has no run)
     assert sum(int(d.split()[0]) for d in details) <= len([e for e in rt.gpu_events() if e.kind == "step"])
 
