@@ -3,10 +3,11 @@
 # three staging calls (see benches/gpu_bundle.sh), each call within 30 s of the last:
 #
 #   run command="bash benches/gpu_device.sh go -- bash benches/gpu_session.sh bench" \
-#       carry=[".gpu/p4", ".gpu/w", ".gpu/site_bytes"] timeout_s=540
+#       carry=[".gpu/p4", ".gpu/w", ".gpu/site_bytes"] timeout_s=560
 #   run command="bash benches/gpu_device.sh go -- bash benches/gpu_session.sh suite" timeout_s=280
 #
-# bench (about 8.5 minutes, each step under its own time limit, everything into $OUT: 8 files at most come back):
+# bench (about 8 minutes, each step under its own time limit, everything into $OUT: 8 files at most come back:
+# gpu.log, gpu.md, gpu.png, trace_1b.json, trace_3b.json, probe.md, probe_3b.md, nographs.md):
 #   1. python -m benches gpu: item 4 beside plain mlx-lm (1B, then 3B: run 4 cut the 3B when the needle
 #      rows went first), then 6 needles at 8K; the GPU actor's trace per geometry. Since run 4: the
 #      cold table splits a turn's wait before admission (reached the actor / tokenized / admitted); an
@@ -64,9 +65,9 @@ case "${1:-bench}" in
     cp benches/results/gpu_probe.md "$out/probe.md"
     # the 3B's decode (run 5: 0.64-0.72x mlx-lm, steps 5.75 ms against 4.2, its first 1K turn at 227 tokens/s and
     # the ones after its 32K turns at 155-171): the engine alone, before and after a 32K turn and mx.clear_cache()
-    MLX_ENABLE_TF32=0 timeout -s INT 60 python3 -m benches gpu_probe --gguf none --sections engine \
+    MLX_ENABLE_TF32=0 timeout -s INT 75 python3 -m benches gpu_probe --gguf none --sections decode-row engine \
       --model-glob '/tmp/kvmem-bench/models/gpu-3b-*' --engine-after-tokens 32768 > /tmp/probe3b.log 2>&1
-    echo "gpu_probe 3B engine: exit $?"; grep -A 9 "One row's decode" benches/results/gpu_probe.md
+    echo "gpu_probe 3B: exit $?"; grep -A 9 "decode row\|One row.s decode" benches/results/gpu_probe.md; cp benches/results/gpu_probe.md "$out/probe_3b.md"
     # run 5's three tiny-gpt-oss failures (compile off was not enough) with cuDNN's attention off, then with CUDA
     # graphs off, and the heap test that failed under -n 8 alone
     for env in MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0; do
@@ -77,7 +78,7 @@ case "${1:-bench}" in
     # the report and trace only (8 files come back in all)
     MLX_USE_CUDA_GRAPHS=0 timeout -s INT 50 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 \
       --needles 0 --out /tmp/nographs > /tmp/nographs.log 2>&1
-    echo "no CUDA graphs: exit $?"; cp /tmp/nographs/gpu.md "$out/nographs.md"; cp /tmp/nographs/trace_1b.json "$out/trace_nographs.json"
+    echo "no CUDA graphs: exit $?"; cp /tmp/nographs/gpu.md "$out/nographs.md"
     grep -iE "batch|decode" /tmp/nographs.log | tail -n 8
     grep -A 12 "decode steps' time went" /tmp/nographs/gpu.md | head -n 20
     ;;
