@@ -292,7 +292,8 @@ def batch_decode_attention_rows(rows: int, contexts: list[int], repeats: int = 2
     left-padded in one buffer as kvmem's batch holds them), four ways: the fused kernel with no mask
     (rows of one length need none: the floor), with the boolean padding mask (on CUDA any array mask
     sends a one-query attention to MLX's unfused fallback), once per row on its own unpadded slice
-    (fused, no mask, then joined), and kvmem's plain operations with the mask. Per call: the host's
+    (fused, no mask, then joined), kvmem's plain operations with the mask, and on CUDA kvmem's kernel
+    (:mod:`runtime.kv.padded_decode`: each row from its first key, no mask). Per call: the host's
     time to build it, and its whole time with the evaluation (medians, ms); H200 run 3's batch of 8
     stepped 5-7 ms against one agent's 2.6-4, and a step runs this once per layer. Then the whole time
     again with the keys one longer each call, as a decode's are: H200 run 4's batch of 8 stepped faster
@@ -304,6 +305,7 @@ def batch_decode_attention_rows(rows: int, contexts: list[int], repeats: int = 2
     import mlx.core as mx
 
     from runtime.cpu.attention import plain_attention
+    from runtime.kv import padded_decode
 
     heads, kv_heads, dim, scale = 32, 8, 64, 64**-0.5
     longest = max(contexts[:rows])
@@ -327,6 +329,10 @@ def batch_decode_attention_rows(rows: int, contexts: list[int], repeats: int = 2
             "fused, padding mask": masked(mx.fast.scaled_dot_product_attention),
             "fused, one call a row": per_row,
             "plain operations, padding mask": masked(plain_attention)}
+    if padded_decode.available():  # kvmem's kernel (the padded_decode_kernel setting): each row from its first key
+        first_keys = mx.array(pads, dtype=mx.int32)
+        ways["kvmem kernel, each row from its first key"] = lambda n: padded_decode.padded_decode_attention(
+            q, k[:, :, :n], v[:, :, :n], scale=scale, starts=first_keys)
 
     def timed(fn: Any, growing: bool) -> tuple[list[float], list[float], Any]:
         builds, totals, result = [], [], None
@@ -344,8 +350,12 @@ def batch_decode_attention_rows(rows: int, contexts: list[int], repeats: int = 2
     out = []
     reference = None
     for name, fn in ways.items():
-        builds, totals, result = timed(fn, growing=False)
-        _, growing, _ = timed(fn, growing=True)
+        try:
+            builds, totals, result = timed(fn, growing=False)
+            _, growing, _ = timed(fn, growing=True)
+        except Exception as exc:  # noqa: BLE001 - a kernel that does not build is a row of the report
+            out.append([name, "—", "—", "—", f"failed: {type(exc).__name__}: {str(exc)[:160]}"])
+            continue
         if name == "fused, padding mask":
             reference = result
         diff = "—" if reference is None or name.startswith("fused, no mask") else \

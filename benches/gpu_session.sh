@@ -7,7 +7,7 @@
 #   run command="bash benches/gpu_device.sh go -- bash benches/gpu_session.sh suite" timeout_s=280
 #
 # bench (about 8 minutes, each step under its own time limit, everything into $OUT: 8 files at most come back:
-# gpu.log, gpu.md, gpu.png, trace_1b.json, trace_3b.json, probe.md, probe_3b.md, nographs.md):
+# gpu.log, gpu.md, gpu.png, trace_1b.json, trace_3b.json, probe.md, probe_3b.md, padded.md):
 #   1. python -m benches gpu: item 4 beside plain mlx-lm (1B, then 3B: run 4 cut the 3B when the needle
 #      rows went first), then 6 needles at 8K; the GPU actor's trace per geometry. Since run 4: the
 #      cold table splits a turn's wait before admission (reached the actor / tokenized / admitted); an
@@ -35,8 +35,10 @@
 #      mx.clear_cache() (run 5's 3B decoded at 0.64-0.72x, faster in its first turn than after its 32K ones); run 5's
 #      three tiny-gpt-oss failures with cuDNN's attention off, then with CUDA graphs off (which one they need);
 #      the heap test run 5 failed under -n 8, alone;
-#   4. the 1B's batch and cold 1K turns again with MLX_USE_CUDA_GRAPHS=0 (run 4: the batch of 8 went
-#      3.67x one agent with graphs, 4.98x without; plain mlx-lm's decode lost a quarter without them).
+#   4. kvmem's padded decode kernel (runtime/kv/padded_decode.py, the padded_decode_kernel setting, off by default):
+#      its tests on the device (against MLX's masked attention), then the 1B's batch and cold 1K turns with it on
+#      (run 5: the batch of 8 made 4.38x one agent, 4.72x with CUDA graphs off; its masked attention had no fused
+#      CUDA kernel); the probe's batch-attention rows time it beside the others.
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses).
 set -u
@@ -75,12 +77,15 @@ case "${1:-bench}" in
         tests/test_cache_correctness.py -k "gpt-oss and (suffix or warm_cache or batched)" 2>&1 | tail -n 3
     done
     timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/test_heap.py 2>&1 | tail -n 5
-    # the report and trace only (8 files come back in all)
-    MLX_USE_CUDA_GRAPHS=0 timeout -s INT 50 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 \
-      --needles 0 --out /tmp/nographs > /tmp/nographs.log 2>&1
-    echo "no CUDA graphs: exit $?"; cp /tmp/nographs/gpu.md "$out/nographs.md"
-    grep -iE "batch|decode" /tmp/nographs.log | tail -n 8
-    grep -A 12 "decode steps' time went" /tmp/nographs/gpu.md | head -n 20
+    # the 1B's batch and cold 1K turns with kvmem's padded decode kernel (runtime/kv/padded_decode.py; the report only:
+    # 8 files come back in all); run 5's batch of 8 made 4.38x one agent, its steps 4.25 ms of CPU against one row's 2.23
+    MLX_ENABLE_TF32=0 timeout -s INT 20 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/test_padded_decode.py \
+      2>&1 | tail -n 3
+    timeout -s INT 50 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 \
+      --padded-decode-kernel --out /tmp/padded > /tmp/padded.log 2>&1
+    echo "padded decode kernel: exit $?"; cp /tmp/padded/gpu.md "$out/padded.md"
+    grep -iE "batch|decode" /tmp/padded.log | tail -n 8
+    grep -A 12 "decode steps' time went" /tmp/padded/gpu.md | head -n 20
     ;;
   suite)
     timeout -s INT 260 python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n 8 --timeout 150 > "$out/suite.log" 2>&1

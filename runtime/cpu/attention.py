@@ -46,10 +46,17 @@ trace: a batch of 8's join took 600-760 ms a round, 77 ms once the shapes
 repeated). It stays off until a GPU run measures it faster
 (``benches/gpu_session.sh``); decode steps (one query) and long prefill chunks
 keep the fused kernels.
+
+**A padded batch's decode steps (CUDA, off unless set).** With the ``padded_decode_kernel``
+setting, a one-query step of a float batch whose rows differ in length
+(:class:`runtime.kv.decode_kv.DecodeKVCache` with padding) attends through
+:func:`runtime.kv.padded_decode.padded_decode_attention`: one kernel, each row from its own
+first key, where MLX's CUDA backend has no fused kernel that takes the padding mask.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -63,6 +70,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache
+
+from runtime.kv import padded_decode
+from runtime.kv.decode_kv import DecodeKVCache
 
 __all__ = [
     "REPLACED", "TESTED_MLX_LM", "install", "active", "sharing", "numpy_attention", "decode_attention",
@@ -143,15 +153,16 @@ def is_installed(model_module: str) -> bool:
 
 
 @contextmanager
-def active(on: bool = True, *, plain_queries: int = 0) -> Iterator[None]:
+def active(on: bool = True, *, plain_queries: int = 0, padded_kernel: bool = False) -> Iterator[None]:
     """Within this block, on this thread, installed models attend through :func:`numpy_attention`
-    (``on``), and passes of 2 to ``plain_queries`` query positions through :func:`plain_attention`."""
-    before = getattr(_scope, "on", False), getattr(_scope, "plain", 0)
-    _scope.on, _scope.plain = on, plain_queries
+    (``on``), passes of 2 to ``plain_queries`` query positions through :func:`plain_attention`, and
+    (``padded_kernel``) a padded float decode batch's steps through :mod:`runtime.kv.padded_decode`."""
+    before = getattr(_scope, "on", False), getattr(_scope, "plain", 0), getattr(_scope, "padded", False)
+    _scope.on, _scope.plain, _scope.padded = on, plain_queries, padded_kernel
     try:
         yield
     finally:
-        _scope.on, _scope.plain = before
+        _scope.on, _scope.plain, _scope.padded = before
 
 
 @contextmanager
@@ -180,6 +191,9 @@ def _attention(
     plain = getattr(_scope, "plain", 0)
     if plain and 1 < queries.shape[2] <= plain and sinks is None and not hasattr(cache, "bits"):
         return plain_attention(queries, keys, values, scale=scale, mask=mask)
+    if getattr(_scope, "padded", False) and sinks is None and _padded_batch_step(queries, keys, values, cache):
+        return padded_decode.padded_decode_attention(queries, keys, values, scale=scale,
+                                                     starts=_starts(tuple(cache.pads)))
     if (
         getattr(_scope, "on", False)
         and sinks is None
@@ -198,6 +212,19 @@ def _attention(
             if queries.shape[0] * keys.shape[2] >= MIN_DECODE_KEYS:
                 return decode_attention(queries, keys, values, scale=scale, mask=mask)
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _padded_batch_step(queries: mx.array, keys: mx.array, values: mx.array, cache: Any) -> bool:
+    """Whether this is one decode step of a float batch whose rows' padding the host knows, some padded
+    (rows of one length have no mask and MLX's own vector kernel), in a shape the kernel takes."""
+    return (queries.shape[2] == 1 and isinstance(cache, DecodeKVCache) and any(cache.pads)
+            and queries.shape[-1] in padded_decode.HEAD_DIMS and queries.dtype == keys.dtype == values.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _starts(pads: tuple[int, ...]) -> mx.array:
+    """Each row's first key on the device, made once for every layer and step while the rows stay."""
+    return mx.array(pads, dtype=mx.int32)
 
 
 def plain_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Any) -> mx.array:
