@@ -571,6 +571,9 @@ def _needles_of(lm: Any, formats: list[str], lengths: list[int], count: int, dea
 
             def on_result(f: str, nd: Any, reply: str, extra: dict[str, Any], n: int = length) -> None:
                 rows.append({"length": n, "format": f, "needle": nd.index, "hit": nd.value in reply, "answer": reply})
+                # where a trial's time goes (H200 run 5: 25 s a needle at 8K, for a 135M model)
+                log(f"needle {f} L={n} #{nd.index}: " + ", ".join(
+                    f"{k.removesuffix('_s')} {v:.2f} s" for k, v in extra.items() if k.endswith("_s")))
 
             t0 = time.perf_counter()
             needle.run_length(lm, hay, needles, kinds["float"], derived=["q4-at-rest"], tmp=Path(tmp),
