@@ -43,10 +43,11 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     return calls
 
 
-def _decode(lm, batched: bool) -> list[Sequence]:
+def _decode(lm, batched: bool, prompts: list[str] = PROMPTS, max_tokens: int = 8) -> list[Sequence]:
+    """Each prompt's turn, alone or in one decode batch (the GPU policy's: run ahead, a lone row on its own caches)."""
     seqs = []
-    for prompt in PROMPTS:
-        seq = Sequence(lm, prompt, None, SequenceSampling(max_tokens=8), attention="at-rest")
+    for prompt in prompts:
+        seq = Sequence(lm, prompt, None, SequenceSampling(max_tokens=max_tokens), attention="at-rest")
         seq.logits_trace = []
         seqs.append(seq)
     if not batched:
@@ -86,16 +87,7 @@ def test_rows_of_one_length_and_prefill_passes_keep_mlxs_own_kernels(kernel_call
     lm = tiny("tiny-llama", bits=None)
     lm.padded_decode_kernel = True
     try:
-        seqs = [Sequence(lm, PROMPTS[0], None, SequenceSampling(max_tokens=4), attention="at-rest") for _ in range(2)]
-        batch = DecodeBatch(shared_prefix_check=False, run_ahead=True, alone_on_own_caches=True)
-        for seq in seqs:
-            while seq.prefill_step() is None:
-                pass
-            batch.add(seq)
-        while len(batch):
-            batch.step_once()
-            for seq in reversed([s for s in batch.members if s.finish_reason]):
-                batch.remove(seq)
+        _decode(lm, batched=True, prompts=[PROMPTS[0]] * 2, max_tokens=4)
     finally:
         lm.padded_decode_kernel = False
     assert kernel_calls == []  # no padding, no mask: MLX's vector kernel; prefill chunks: many queries
