@@ -93,9 +93,10 @@ def _gather_index(rows: tuple[tuple[int, int, int] | None, ...], size: int) -> m
 
 @functools.lru_cache(maxsize=16)
 def _zeros_token(heads: int, dim: int, dtype: mx.Dtype) -> mx.array:
-    """One token of zeros, ``(1, heads, 1, dim)``: what padded positions read (kept: computed with the
-    first pass that uses it, then a graph input, not a node)."""
-    return mx.zeros((1, heads, 1, dim), dtype)
+    """One token of zeros, ``(1, heads, 1, dim)``: what padded positions read. Made from host data, not
+    by an operation: kept for every later call, on whatever thread (MLX ties an operation's stream to the
+    thread that made it), and a graph input, not a node."""
+    return mx.array([[[[0.0] * dim] for _ in range(heads)]], dtype=dtype)
 
 
 def _writable_view(out: mx.array) -> np.ndarray | None:
