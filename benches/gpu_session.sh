@@ -23,7 +23,8 @@
 #      Python's collector, a run event per decode run (its steps, why it ended) and the store's saves and reads,
 #      tabulated per window: run 4's 4-12 ms gaps every 17-37 steps and its 2.6 vs 4 ms stretches are one of them,
 #      or none; what a model load leaves is frozen out of full collections (runtime/heap.py);
-#   2. python -m benches gpu_probe --gguf none, the sections still open (run 4's GGUF rows did not finish), with
+#   2. python -m benches gpu_probe --gguf none, the sections still open (since run 5 the sdpa rows again, and with
+#      the keys a slice of a longer buffer, as a cache hands them over: run 5's gpt-oss failures all attend over one) (run 4's GGUF rows did not finish), with
 #      its new first rows: a save's host copy by either road, then the cache's next use on the device; and the
 #      engine-alone decode rows now also on the runtime's MLX thread, quiet and posting to trio per step; and the
 #      batch-of-8 attention row again with the keys one longer each call, as a decode's are (run 4's batch did better
@@ -62,7 +63,7 @@ case "${1:-bench}" in
     # only the probes still open (run 4 answered the fused attention's accuracy, tiny-gpt-oss's layers and the
     # attention shapes): run 4's whole probe took 54 s, and the engine rows come last
     MLX_ENABLE_TF32=0 timeout -s INT 70 python3 -m benches gpu_probe --gguf none \
-      --sections host-copy batch-attention decode-row engine > /tmp/probe.log 2>&1
+      --sections host-copy sdpa batch-attention decode-row engine > /tmp/probe.log 2>&1
     echo "gpu_probe: exit $?"; tail -n 12 /tmp/probe.log
     cp benches/results/gpu_probe.md "$out/probe.md"
     # the 3B's decode (run 5: 0.64-0.72x mlx-lm, steps 5.75 ms against 4.2, its first 1K turn at 227 tokens/s and
