@@ -68,8 +68,8 @@ def place_buffers(rows: Sequence[tuple[mx.array | None, int, int]], size: int, l
                     host[i, :, start : start + count] = np.asarray(buffer[..., :count, :])[0]
             return out
     used = [(b, count, start) for b, count, start in rows if b is not None and count]
-    index = _gather_index(tuple((count, start, b.shape[2]) if b is not None and count else None for b, count, start in rows),
-                          size)
+    layout = tuple((count, start, b.shape[2]) if b is not None and count else None for b, count, start in rows)
+    index = _gather_index(layout, size)
     source = mx.concatenate([b for b, _, _ in used] + [_zeros_token(heads, dim, like.dtype)], axis=2)
     placed = mx.take(source, index, axis=2)  # (1, H, B, size, D)
     return placed.transpose(2, 1, 0, 3, 4).reshape(len(rows), heads, size, dim)
