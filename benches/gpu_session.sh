@@ -34,8 +34,8 @@
 #   the bench no longer spends 45 s of the 15 minutes on them first);
 #   3. since run 5: the 3B's engine decode alone (no actors) beside mlx-lm, before and after a 32K turn and after
 #      mx.clear_cache() (run 5's 3B decoded at 0.64-0.72x, faster in its first turn than after its 32K ones); run 5's
-#      three tiny-gpt-oss failures with cuDNN's attention off, then with CUDA graphs off (which one they need);
-#      the heap test run 5 failed under -n 8, alone;
+#      three tiny-gpt-oss failures with cuDNN's attention off, then with CUDA graphs off (which one they need)
+#      (run 5's heap failure was Python 3.12's counting, reproduced and allowed for on the CPU since);
 #   4. kvmem's padded decode kernel (runtime/kv/padded_decode.py, the padded_decode_kernel setting, off by default):
 #      its tests on the device (against MLX's masked attention), then the 1B's batch and cold 1K turns with it on
 #      (run 5: the batch of 8 made 4.38x one agent, 4.72x with CUDA graphs off; its masked attention had no fused
@@ -72,12 +72,11 @@ case "${1:-bench}" in
       --model-glob '/tmp/kvmem-bench/models/gpu-3b-*' --engine-after-tokens 32768 > /tmp/probe3b.log 2>&1
     echo "gpu_probe 3B: exit $?"; grep -A 9 "decode row\|One row.s decode" benches/results/gpu_probe.md; cp benches/results/gpu_probe.md "$out/probe_3b.md"
     # run 5's three tiny-gpt-oss failures (compile off was not enough) with cuDNN's attention off, then with CUDA
-    # graphs off, and the heap test that failed under -n 8 alone
+    # graphs off
     for env in MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0; do
       echo "tiny-gpt-oss with $env:"; env "$env" timeout -s INT 40 python3 -m pytest -q -p no:benchmark -p no:cacheprovider \
         tests/test_cache_correctness.py -k "gpt-oss and (suffix or warm_cache or batched)" 2>&1 | tail -n 3
     done
-    timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/test_heap.py 2>&1 | tail -n 5
     # the 1B's batch and cold 1K turns with kvmem's padded decode kernel (runtime/kv/padded_decode.py; the report only:
     # 8 files come back in all); run 5's batch of 8 made 4.38x one agent, its steps 4.25 ms of CPU against one row's 2.23
     MLX_ENABLE_TF32=0 timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/test_padded_decode.py \
