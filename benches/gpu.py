@@ -332,7 +332,7 @@ class Plan:
     batch_tokens: int
     profile: str
     plain_attention_queries: int | None = None  # None: the profile's
-    padded_decode_kernel: bool = False  # the setting: a padded decode batch's attention in kvmem's kernel (CUDA)
+    short_attention_kernel: bool = False  # the setting: short passes and padded steps in kvmem's kernel (CUDA)
 
     def tokens_for(self, size: int) -> int:
         return self.decode_tokens if size in self.decode_sizes else 1
@@ -366,7 +366,7 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
     kv_mb = geom.kv_bytes_per_token() * (max(plan.sizes) + plan.decode_tokens + 512) / 2**20
     settings: dict[str, Any] = dict(
         model=str(folder), home=str(home), fsync=False, handle_signals=False, trace=True, profile=plan.profile,
-        plain_attention_queries=plan.plain_attention_queries, padded_decode_kernel=plan.padded_decode_kernel,
+        plain_attention_queries=plan.plain_attention_queries, short_attention_kernel=plan.short_attention_kernel,
         prefetch_mb=0, budget_mb=max(2048.0, 2 * kv_mb), hot_budget_mb=max(512.0, 4 * kv_mb))
     marks: list[dict[str, Any]] = run.trace.setdefault("cold", [])  # the marked turns' windows (the tables' rows)
     prompt_of: dict[str, str] = {}
@@ -971,8 +971,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plain-attention-queries", type=int,
                    help="kvmem's setting of that name: short passes' attention from plain MLX operations "
                         "(default: the profile's; 0: the fused kernel for every pass)")
-    p.add_argument("--padded-decode-kernel", action="store_true",
-                   help="kvmem's setting of that name: a padded decode batch's attention in kvmem's kernel (CUDA)")
+    p.add_argument("--short-attention-kernel", action="store_true",
+                   help="kvmem's setting of that name: short passes' and padded decode steps' attention in kvmem's "
+                        "kernel (CUDA)")
     p.add_argument("--needle-model", default="kvmem-default", help="needle model: a name, a GGUF, or none")
     p.add_argument("--needle-lengths", type=int, nargs="+", help="default 8192 4096 2048 1024 (1024 with --quick)")
     p.add_argument("--needle-deadline-s", type=float, default=150.0,
@@ -997,7 +998,7 @@ def main(argv: list[str] | None = None) -> None:
         restart_size=restart, repeats=harness.repeats(args), batch=args.batch,
         batch_context=args.batch_context or (256 if quick else 1024),
         batch_tokens=args.batch_tokens or (16 if quick else 64), profile=args.profile,
-        plain_attention_queries=args.plain_attention_queries, padded_decode_kernel=args.padded_decode_kernel)
+        plain_attention_queries=args.plain_attention_queries, short_attention_kernel=args.short_attention_kernel)
     geoms = [GEOMETRIES[g] for g in (args.geometries or (["tiny"] if quick else ["1b", "3b"]))]
     res = ResultFile("gpu", "GPU check: kvmem beside plain mlx-lm, needle rows, suite", quick, argv or [], model=None)
     deadline = res.started + args.deadline_s
@@ -1055,7 +1056,7 @@ def setup_lines(plan: Plan) -> list[str]:
          f"what it asks), plain mlx-lm (`generate_step`, float KV) then kvmem (`actors.open_runtime`, Q4 KV, "
          f"profile `{plan.profile}`"
          f"{f', plain_attention_queries={plan.plain_attention_queries}' if plan.plain_attention_queries is not None else ''}"
-         f"{', padded_decode_kernel on' if plan.padded_decode_kernel else ''}"
+         f"{', short_attention_kernel on' if plan.short_attention_kernel else ''}"
          f", fsync off) in this one process; medians of {plan.repeats} repeats, after a "
          f"warm-up turn each"),
         (f"cold prompts {', '.join(_k(s) for s in plan.sizes)}; decode {plan.decode_tokens} tokens at "

@@ -299,7 +299,7 @@ def batch_decode_attention_rows(rows: int, contexts: list[int], repeats: int = 2
     (rows of one length need none: the floor), with the boolean padding mask (on CUDA any array mask
     sends a one-query attention to MLX's unfused fallback), once per row on its own unpadded slice
     (fused, no mask, then joined), kvmem's plain operations with the mask, and on CUDA kvmem's kernel
-    (:mod:`runtime.kv.padded_decode`: each row from its first key, no mask). Per call: the host's
+    (:mod:`runtime.kv.short_attention`: each row from its first key, no mask). Per call: the host's
     time to build it, and its whole time with the evaluation (medians, ms); H200 run 3's batch of 8
     stepped 5-7 ms against one agent's 2.6-4, and a step runs this once per layer. Then the whole time
     again with the keys one longer each call, as a decode's are: H200 run 4's batch of 8 stepped faster
@@ -311,7 +311,7 @@ def batch_decode_attention_rows(rows: int, contexts: list[int], repeats: int = 2
     import mlx.core as mx
 
     from runtime.cpu.attention import plain_attention
-    from runtime.kv import padded_decode
+    from runtime.kv import short_attention
 
     heads, kv_heads, dim, scale = 32, 8, 64, 64**-0.5
     longest = max(contexts[:rows])
@@ -335,9 +335,9 @@ def batch_decode_attention_rows(rows: int, contexts: list[int], repeats: int = 2
             "fused, padding mask": masked(mx.fast.scaled_dot_product_attention),
             "fused, one call a row": per_row,
             "plain operations, padding mask": masked(plain_attention)}
-    if padded_decode.available():  # kvmem's kernel (the padded_decode_kernel setting): each row from its first key
+    if short_attention.available():  # kvmem's kernel (the short_attention_kernel setting): each row from its first key
         first_keys = mx.array(pads, dtype=mx.int32)
-        ways["kvmem kernel, each row from its first key"] = lambda n: padded_decode.padded_decode_attention(
+        ways["kvmem kernel, each row from its first key"] = lambda n: short_attention.short_attention(
             q, k[:, :, :n], v[:, :, :n], scale=scale, starts=first_keys)
 
     def timed(fn: Any, growing: bool) -> tuple[list[float], list[float], Any]:

@@ -36,7 +36,8 @@
 #      mx.clear_cache() (run 5's 3B decoded at 0.64-0.72x, faster in its first turn than after its 32K ones); run 5's
 #      three tiny-gpt-oss failures with cuDNN's attention off, then with CUDA graphs off (which one they need)
 #      (run 5's heap failure was Python 3.12's counting, reproduced and allowed for on the CPU since);
-#   4. kvmem's padded decode kernel (runtime/kv/padded_decode.py, the padded_decode_kernel setting, off by default):
+#   4. kvmem's short attention kernel (runtime/kv/short_attention.py, the short_attention_kernel setting, off by
+#      default: a padded batch's decode steps, a hot turn's message and a batch's joins in one kernel a layer):
 #      its tests on the device (against MLX's masked attention), then the 1B's batch and cold 1K turns with it on
 #      (run 5: the batch of 8 made 4.38x one agent, 4.72x with CUDA graphs off; its masked attention had no fused
 #      CUDA kernel); the probe's batch-attention rows time it beside the others.
@@ -77,13 +78,13 @@ case "${1:-bench}" in
       echo "tiny-gpt-oss with $env:"; env "$env" timeout -s INT 40 python3 -m pytest -q -p no:benchmark -p no:cacheprovider \
         tests/test_cache_correctness.py -k "gpt-oss and (suffix or warm_cache or batched)" 2>&1 | tail -n 3
     done
-    # the 1B's batch and cold 1K turns with kvmem's padded decode kernel (runtime/kv/padded_decode.py; the report only:
+    # the 1B's turns and batch with kvmem's short attention kernel (runtime/kv/short_attention.py; the report only:
     # 8 files come back in all); run 5's batch of 8 made 4.38x one agent, its steps 4.25 ms of CPU against one row's 2.23
-    MLX_ENABLE_TF32=0 timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/test_padded_decode.py \
+    MLX_ENABLE_TF32=0 timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/test_short_attention.py \
       2>&1 | tail -n 3
     timeout -s INT 50 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 \
-      --padded-decode-kernel --out /tmp/padded > /tmp/padded.log 2>&1
-    echo "padded decode kernel: exit $?"; cp /tmp/padded/gpu.md "$out/padded.md"
+      --short-attention-kernel --out /tmp/padded > /tmp/padded.log 2>&1
+    echo "short attention kernel: exit $?"; cp /tmp/padded/gpu.md "$out/padded.md"
     grep -iE "batch|decode" /tmp/padded.log | tail -n 8
     grep -A 12 "decode steps' time went" /tmp/padded/gpu.md | head -n 20
     ;;

@@ -26,7 +26,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | NumPy attention, NumPy KV copies, the shared-prefix check | on (``numpy_attention``) | off: no host round trip |
 | allocator tuning and pre-warm | on | off (device memory is not the glibc heap) |
 | short passes' attention (2 to ``plain_attention_queries`` query positions a row) | NumPy (above) | plain MLX operations, up to :data:`GPU_PLAIN_ATTENTION_QUERIES` (unset): on CUDA the fused kernel builds a cuDNN graph per new shape, about 65 ms each, and a growing conversation's every turn has new ones (an H200, run 3: a batch of 8's join took 263 ms a round instead of 1,071) |
-| a decode step of rows of different lengths (a batch's padding) | NumPy's decode attention (from 1K keys over the batch; MLX's below) | MLX's masked fallback (no fused CUDA or cuDNN one-query kernel takes a mask: a product, the mask, a softmax and a product a layer); with ``padded_decode_kernel`` on CUDA, kvmem's one kernel, each row from its first key (``runtime.kv.padded_decode``; off until a GPU run measures it) |
+| a decode step of rows of different lengths (a batch's padding) | NumPy's decode attention (from 1K keys over the batch; MLX's below) | MLX's masked fallback (no fused CUDA or cuDNN one-query kernel takes a mask: a product, the mask, a softmax and a product a layer); with ``short_attention_kernel`` on CUDA, kvmem's one kernel, causal, each row from its first key, for these steps and the short passes too (``runtime.kv.short_attention``; off until a GPU run measures it) |
 | memory budgets (``budget_mb``, ``hot_budget_mb``, ``keep_float_mb`` left unset) | 2048 / 512 / 1024 MiB | 25% / 10% / 10% of the device's memory (CUDA's total, Metal's recommended working set); the CPU's where it is not known (the GPU policy forced on a CPU) |
 | a turn's end | the cache is quantized and copied to the host for its save at once | quantized without waiting; the save's host copy is made later, when the GPU actor has nothing to run or the store needs it, never between two decode steps; made while idle, it stops between two parts (a few MB of one array: ``runtime.kv.host_copy``) for a message; overdue while turns run, it goes a few parts a loop pass, after the prefill under way (``actors.gpu``) |
 | quantized projections MLX's fast CUDA prefill kernel does not take (an output width not a multiple of 128, ...) | (CUDA only, whatever the policy) | made float at load: the other kernel is JIT-compiled, and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute (``runtime.model.cuda_qmm``) |
@@ -116,9 +116,10 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             positions a row attend with plain MLX operations, not the fused kernel
             (:func:`runtime.cpu.attention.plain_attention`); 0: never (the CPU policy's NumPy
             attention covers such passes there); the setting, else :data:`GPU_PLAIN_ATTENTION_QUERIES`.
-        padded_decode_kernel: on CUDA, a decode step of rows of different lengths attends through
-            kvmem's one kernel (:mod:`runtime.kv.padded_decode`: each row from its own first key)
-            instead of MLX's masked fallback; the setting (off until a GPU run measures it), and
+        short_attention_kernel: on CUDA, a decode step of rows of different lengths and a pass of 2
+            to ``plain_attention_queries`` queries attend through kvmem's one kernel
+            (:mod:`runtime.kv.short_attention`: causal, each row from its own first key) instead of MLX's
+            masked fallback and plain operations; the setting (off until a GPU run measures it), and
             only where the backend is CUDA.
         copy_after_turn: a finished turn's park is launched, not waited for, and its host copy for
             the save is made after the turn (:meth:`runtime.plan.contract.Engine.snapshot`), off the
@@ -161,7 +162,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     decode_run_steps: int = 1
     alone_on_own_caches: bool = False
     plain_attention_queries: int = 0
-    padded_decode_kernel: bool = False
+    short_attention_kernel: bool = False
     copy_after_turn: bool = False
     upload_by_copy: bool = False
     download_by_copy: bool = False
@@ -187,7 +188,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         """One line for the log: ``backend cuda (gpu policy); attention native; weights quantized; ...``."""
         chunks = "/".join(str(c) for _, c in self.prefill_chunks)
         plain = f"; plain attention up to {self.plain_attention_queries} queries" if self.plain_attention_queries else ""
-        plain += "; padded decode kernel" if self.padded_decode_kernel else ""
+        plain += "; short attention kernel" if self.short_attention_kernel else ""
         host = [name for name, on in (("numpy-attention", self.numpy_attention), ("numpy-kv-copy", self.numpy_kv_copy),
                                       ("shared-prefix-check", self.shared_prefix_check),
                                       ("allocator", self.tune_allocator)) if on]
@@ -220,7 +221,7 @@ def decide_profile(
     weights: str = "auto",
     numpy_attention: bool = True,
     plain_attention_queries: int | None = None,
-    padded_decode_kernel: bool = False,
+    short_attention_kernel: bool = False,
     prewarm_mb: float = 0.0,
     prefill_chunk: int | None = None,
     decode_run_steps: int | None = None,
@@ -236,7 +237,7 @@ def decide_profile(
         device: MLX's default device type (``cpu``/``gpu``).
         backend: ``cpu``, ``metal`` or ``cuda``.
         profile: ``auto`` (the device's policy), ``cpu`` or ``gpu`` (forced).
-        attention, weights, numpy_attention, plain_attention_queries, padded_decode_kernel, prewarm_mb,
+        attention, weights, numpy_attention, plain_attention_queries, short_attention_kernel, prewarm_mb,
             prefill_chunk, decode_run_steps: the settings of the same names;
             an explicit value wins over the policy's default.
         budget_mb, hot_budget_mb, keep_float_mb: the memory settings; None: the policy's default.
@@ -281,7 +282,7 @@ def decide_profile(
         alone_on_own_caches=not cpu,
         plain_attention_queries=0 if cpu else GPU_PLAIN_ATTENTION_QUERIES if plain_attention_queries is None
         else plain_attention_queries,
-        padded_decode_kernel=padded_decode_kernel and backend == "cuda",
+        short_attention_kernel=short_attention_kernel and backend == "cuda",
         copy_after_turn=not cpu,
         upload_by_copy=not cpu,
         download_by_copy=not cpu,

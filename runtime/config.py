@@ -128,10 +128,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             instead of the fused kernel, which on CUDA builds a cuDNN graph for every new shape
             (about 65 ms each on an H200); 0: never; unset (``auto``): 64 under the GPU policy
             (a batch of 8's join: 1,071 ms to 263 ms on the H200), unused under the CPU's.
-        padded_decode_kernel: on CUDA, a decode batch of rows of different lengths attends
-            through kvmem's one kernel (each row from its own first key, :mod:`runtime.kv.padded_decode`)
-            instead of MLX's masked fallback, several graph nodes a layer; off until a GPU run
-            measures it; ignored on other backends.
+        short_attention_kernel: on CUDA, the decode steps of a batch of rows of different lengths and
+            the short passes (a hot turn's message, a batch's join: up to ``plain_attention_queries``
+            queries a row) attend through kvmem's one kernel (causal, each row from its own first key,
+            :mod:`runtime.kv.short_attention`) instead of MLX's masked fallback and plain operations,
+            several graph nodes a layer each; off until a GPU run measures it; ignored on other backends.
         budget_mb: KV memory for running sequences (admission, batch size), MiB; unset
             (``auto``): 2048 on a CPU, 25% of a GPU's memory (the backend profile's, :mod:`runtime.backend`).
         hot_budget_mb: memory for idle caches kept in memory (the hot tier), MiB; unset
@@ -190,7 +191,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     attention: Attention = "auto"
     numpy_attention: bool = True
     plain_attention_queries: Annotated[int, Meta(ge=0, le=4096)] | None = None
-    padded_decode_kernel: bool = False
+    short_attention_kernel: bool = False
     profile: Literal["auto", "cpu", "gpu"] = "auto"
     # -- memory and scheduling
     budget_mb: Annotated[float, Meta(gt=0)] | None = None
@@ -252,7 +253,7 @@ SERVER_FIELDS: frozenset[str] = frozenset({
     "max_tokens_limit", "default_max_tokens", "graceful_timeout_s",
 })
 """The HTTP server's settings: flags of ``kvmem serve`` only (the others are flags of every command)."""
-_BOOLS = frozenset({"fsync", "durable", "accept_any_model", "numpy_attention", "padded_decode_kernel"})
+_BOOLS = frozenset({"fsync", "durable", "accept_any_model", "numpy_attention", "short_attention_kernel"})
 _NONE_WORDS = ("", "none", "null")
 _NONE_ALLOWED = frozenset({"model_idle_s", "prefill_chunk", "api_key", "api_keys", "store"})
 _AUTO_IS_NONE = frozenset({"budget_mb", "hot_budget_mb", "keep_float_mb"})

@@ -47,11 +47,13 @@ repeated). It stays off until a GPU run measures it faster
 (``benches/gpu_session.sh``); decode steps (one query) and long prefill chunks
 keep the fused kernels.
 
-**A padded batch's decode steps (CUDA, off unless set).** With the ``padded_decode_kernel``
+**Short passes in one kernel (CUDA, off unless set).** With the ``short_attention_kernel``
 setting, a one-query step of a float batch whose rows differ in length
-(:class:`runtime.kv.decode_kv.DecodeKVCache` with padding) attends through
-:func:`runtime.kv.padded_decode.padded_decode_attention`: one kernel, each row from its own
-first key, where MLX's CUDA backend has no fused kernel that takes the padding mask.
+(:class:`runtime.kv.decode_kv.DecodeKVCache` with padding), and a pass of 2 to
+``plain_attention_queries`` queries over a float cache (a lone row's ``KVCache``, or a batch's)
+attend through :func:`runtime.kv.short_attention.short_attention`: one kernel, causal, each row
+from its own first key, where MLX's CUDA backend has no fused kernel that takes a padding mask and
+builds a cuDNN graph for each new shape of a short pass.
 """
 
 from __future__ import annotations
@@ -69,9 +71,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from runtime.kv import padded_decode
+from runtime.kv import short_attention
 from runtime.kv.decode_kv import DecodeKVCache
 
 __all__ = [
@@ -153,16 +155,17 @@ def is_installed(model_module: str) -> bool:
 
 
 @contextmanager
-def active(on: bool = True, *, plain_queries: int = 0, padded_kernel: bool = False) -> Iterator[None]:
+def active(on: bool = True, *, plain_queries: int = 0, attention_kernel: bool = False) -> Iterator[None]:
     """Within this block, on this thread, installed models attend through :func:`numpy_attention`
     (``on``), passes of 2 to ``plain_queries`` query positions through :func:`plain_attention`, and
-    (``padded_kernel``) a padded float decode batch's steps through :mod:`runtime.kv.padded_decode`."""
-    before = getattr(_scope, "on", False), getattr(_scope, "plain", 0), getattr(_scope, "padded", False)
-    _scope.on, _scope.plain, _scope.padded = on, plain_queries, padded_kernel
+    (``attention_kernel``) a padded float decode batch's steps and those short passes through
+    :mod:`runtime.kv.short_attention`."""
+    before = getattr(_scope, "on", False), getattr(_scope, "plain", 0), getattr(_scope, "kernel", False)
+    _scope.on, _scope.plain, _scope.kernel = on, plain_queries, attention_kernel
     try:
         yield
     finally:
-        _scope.on, _scope.plain, _scope.padded = before
+        _scope.on, _scope.plain, _scope.kernel = before
 
 
 @contextmanager
@@ -189,11 +192,11 @@ def _attention(
 ) -> mx.array:
     """mlx-lm's ``scaled_dot_product_attention``, through NumPy (or plain MLX operations) inside :func:`active`."""
     plain = getattr(_scope, "plain", 0)
+    if getattr(_scope, "kernel", False) and sinks is None and _kernel_takes(queries, keys, values, cache, plain):
+        return short_attention.short_attention(queries, keys, values, scale=scale,
+                                               starts=_starts(_first_keys(cache, queries.shape[0])))
     if plain and 1 < queries.shape[2] <= plain and sinks is None and not hasattr(cache, "bits"):
         return plain_attention(queries, keys, values, scale=scale, mask=mask)
-    if getattr(_scope, "padded", False) and sinks is None and _padded_batch_step(queries, keys, values, cache):
-        return padded_decode.padded_decode_attention(queries, keys, values, scale=scale,
-                                                     starts=_starts(tuple(cache.pads)))
     if (
         getattr(_scope, "on", False)
         and sinks is None
@@ -214,16 +217,28 @@ def _attention(
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def _padded_batch_step(queries: mx.array, keys: mx.array, values: mx.array, cache: Any) -> bool:
-    """Whether this is one decode step of a float batch whose rows' padding the host knows, some padded
-    (rows of one length have no mask and MLX's own vector kernel), in a shape the kernel takes."""
-    return (queries.shape[2] == 1 and isinstance(cache, DecodeKVCache) and any(cache.pads)
-            and queries.shape[-1] in padded_decode.HEAD_DIMS and queries.dtype == keys.dtype == values.dtype)
+def _kernel_takes(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, plain: int) -> bool:
+    """Whether :mod:`runtime.kv.short_attention`'s kernel computes this call's attention, mask and all: a float
+    cache whose mask is causal from each row's first key (a lone row's ``KVCache``; a float batch's, whose
+    padding the host knows), a head size and dtypes it takes, and either a padded batch's decode step (an
+    unpadded one has MLX's vector kernel) or a short pass (2 to ``plain`` queries)."""
+    n = queries.shape[2]
+    if queries.shape[-1] not in short_attention.HEAD_DIMS or not queries.dtype == keys.dtype == values.dtype:
+        return False
+    short = 1 < n <= min(plain, short_attention.MAX_QUERIES)
+    if isinstance(cache, DecodeKVCache):
+        return short or (n == 1 and any(cache.pads))
+    return type(cache) is KVCache and short
+
+
+def _first_keys(cache: Any, rows: int) -> tuple[int, ...]:
+    """Each row's first key: its left padding in a float batch, 0 for a lone row."""
+    return tuple(cache.pads) if isinstance(cache, DecodeKVCache) else (0,) * rows
 
 
 @functools.lru_cache(maxsize=16)
 def _starts(pads: tuple[int, ...]) -> mx.array:
-    """Each row's first key on the device, made once for every layer and step while the rows stay."""
+    """Each row's first key on the device, made once (from host data) for every layer and step while the rows stay."""
     return mx.array(pads, dtype=mx.int32)
 
 

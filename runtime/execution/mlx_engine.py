@@ -105,8 +105,8 @@ class MlxEngine:
         numpy_attention: attend through :mod:`runtime.cpu.attention` where it applies.
         plain_attention_queries: the setting of that name (GPU policy: short passes' attention
             from plain MLX operations; 0: never; None: the profile's).
-        padded_decode_kernel: the setting of that name (CUDA: a padded decode batch's attention in
-            kvmem's one kernel, :mod:`runtime.kv.padded_decode`).
+        short_attention_kernel: the setting of that name (CUDA: short passes' and a padded batch's attention in
+            kvmem's one kernel, :mod:`runtime.kv.short_attention`).
         keep_float_mb: float KV kept after turns for the next hot turn (:mod:`runtime.kv.float_resident`; 0: off;
             None: the backend profile's default).
         budget_mb, hot_budget_mb: the runtime's KV and hot-tier budgets (None: the profile's defaults),
@@ -129,7 +129,7 @@ class MlxEngine:
         prewarm_mb: float = 0,
         numpy_attention: bool = True,
         plain_attention_queries: int | None = None,
-        padded_decode_kernel: bool = False,
+        short_attention_kernel: bool = False,
         keep_float_mb: float | None = 0,
         budget_mb: float | None = None,
         hot_budget_mb: float | None = None,
@@ -142,7 +142,7 @@ class MlxEngine:
         self._profile = device_profile(profile=profile, attention=attention, weights=weights,
                                        numpy_attention=numpy_attention, prewarm_mb=prewarm_mb,
                                        plain_attention_queries=plain_attention_queries,
-                                       padded_decode_kernel=padded_decode_kernel,
+                                       short_attention_kernel=short_attention_kernel,
                                        prefill_chunk=prefill_chunk, decode_run_steps=decode_run_steps,
                                        keep_float_mb=keep_float_mb,
                                        budget_mb=budget_mb, hot_budget_mb=hot_budget_mb)
@@ -169,7 +169,7 @@ class MlxEngine:
                    numpy_attention=config.numpy_attention, keep_float_mb=config.keep_float_mb, group=group,
                    budget_mb=config.budget_mb, hot_budget_mb=config.hot_budget_mb,
                    plain_attention_queries=config.plain_attention_queries,
-                   padded_decode_kernel=config.padded_decode_kernel,
+                   short_attention_kernel=config.short_attention_kernel,
                    profile=config.profile, prefill_chunk=config.prefill_chunk,
                    decode_run_steps=config.decode_run_steps)
 
@@ -215,7 +215,7 @@ class MlxEngine:
             packed_floats=self._profile.packed_floats,
             numpy_attention=self._profile.numpy_attention,
             plain_attention_queries=self._profile.plain_attention_queries,
-            padded_decode_kernel=self._profile.padded_decode_kernel,
+            short_attention_kernel=self._profile.short_attention_kernel,
             float_slow_projections=self._profile.float_slow_projections,
             group=self._group,
         )

@@ -88,15 +88,15 @@ class LoadedModel:
     """Whether :meth:`forward` attends through :mod:`runtime.cpu.attention`."""
     plain_attention_queries: int = 0
     """Passes of 2 to this many query positions attend with plain MLX operations (0: never)."""
-    padded_decode_kernel: bool = False
-    """A padded decode batch's one-query attention runs in :mod:`runtime.kv.padded_decode`'s kernel."""
+    short_attention_kernel: bool = False
+    """A padded decode batch's steps and short passes attend in :mod:`runtime.kv.short_attention`'s kernel."""
     upload_by_copy: bool = False
     """A cache read from disk reaches the device by ``mx.load`` (:mod:`runtime.kv.upload`), not ``mx.array``."""
 
     def forward(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         """Logits of ``inputs`` over ``cache``: every forward pass kvmem runs goes through here."""
         with cpu_attention.active(self.numpy_attention, plain_queries=self.plain_attention_queries,
-                                  padded_kernel=self.padded_decode_kernel):
+                                  attention_kernel=self.short_attention_kernel):
             return self.model(inputs, cache=cache)
 
     def forward_last(self, inputs: mx.array, cache: list[Any]) -> mx.array:
@@ -111,7 +111,7 @@ class LoadedModel:
         if head is None:
             return self.forward(inputs, cache)[:, -1, :]
         with cpu_attention.active(self.numpy_attention, plain_queries=self.plain_attention_queries,
-                                  padded_kernel=self.padded_decode_kernel):
+                                  attention_kernel=self.short_attention_kernel):
             hidden = self.model.model(inputs, cache=cache)
         return head(hidden[:, -1:, :])[:, -1, :]
 
@@ -225,7 +225,7 @@ def load_model(
     packed_floats: str = "auto",
     numpy_attention: bool = True,
     plain_attention_queries: int = 0,
-    padded_decode_kernel: bool = False,
+    short_attention_kernel: bool = False,
     float_slow_projections: bool = False,
     group: Any = None,
 ) -> LoadedModel:
@@ -238,7 +238,8 @@ def load_model(
     ``numpy_attention`` lets :meth:`LoadedModel.forward` use :mod:`runtime.cpu.attention`
     where it applies (llama and qwen2 models on the CPU backend); ``plain_attention_queries``
     (0: never) sends their short passes' attention through plain MLX operations instead, and
-    ``padded_decode_kernel`` a padded decode batch's through :mod:`runtime.kv.padded_decode`.
+    ``short_attention_kernel`` a padded decode batch's steps and those short passes through
+    :mod:`runtime.kv.short_attention`.
     ``float_slow_projections`` makes float the quantized projections MLX's fast CUDA prefill kernel
     does not take (:mod:`runtime.model.cuda_qmm`; the profile's choice on CUDA).
     ``group``: an ``mx.distributed`` group of more than one rank keeps this rank's
@@ -263,7 +264,7 @@ def load_model(
         model_id = shard_model_id(name, group.rank(), group.size())  # a rank's cache holds only its heads
     spec = read_cache_spec(loaded, model_id=model_id, config=config, kv_format=kv_format)
     # One adapter serves both: installed only where one of them is asked for.
-    adapted = (numpy_attention or plain_attention_queries > 0 or padded_decode_kernel) and cpu_attention.install(
+    adapted = (numpy_attention or plain_attention_queries > 0 or short_attention_kernel) and cpu_attention.install(
         type(loaded).__module__)
     numpy_on = numpy_attention and adapted
     plain = plain_attention_queries if adapted else 0
@@ -271,7 +272,7 @@ def load_model(
              "numpy (runtime.cpu.attention)" if numpy_on else "mlx")
     lm = LoadedModel(
         model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config, numpy_attention=numpy_on,
-        plain_attention_queries=plain, padded_decode_kernel=padded_decode_kernel and adapted,
+        plain_attention_queries=plain, short_attention_kernel=short_attention_kernel and adapted,
     )
     if float_slow_projections:
         made_float, quantized = float_where_no_fast_kernel(loaded, lm.float_dtype)

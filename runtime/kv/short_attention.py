@@ -1,23 +1,27 @@
-"""One decode step's attention over a left-padded batch, in one CUDA kernel: each row from its own start.
+"""Short passes' attention in one CUDA kernel: 1 to 64 queries a row, each row from its own first key.
 
-Why. kvmem's float decode batch (:class:`runtime.kv.decode_kv.DecodeKVCache`) holds rows of
-different lengths left-padded in one buffer, so a step's attention needs a padding mask. MLX
-0.32's CUDA backend has no fused one-query kernel that takes an array mask (its vector kernel and
-cuDNN's decoding path both refuse one), so every layer of every step of a batch goes to the unfused
-fallback: a product, the mask, a softmax and another product, each a graph node the host pays for
-at the launch. H200 run 5: a step of 8 rows launched in 4.25 ms of CPU against 2.23 ms for one row,
-and the probe's masked attention took 0.208 ms a layer against 0.104 ms unmasked.
+Why. On MLX 0.32's CUDA backend a pass of a few queries has no good fused attention. A decode step
+of a batch whose rows differ in length needs a padding mask, and neither MLX's vector kernel nor
+cuDNN's decoding path takes one, so every layer falls back to unfused operations (a product, the
+mask, a softmax, another product: graph nodes the host pays for at each launch). A short pass of
+2 to 64 queries (a hot turn's message, a batch's joint prefill) would build a cuDNN graph for every
+new shape, about 65 ms each, so kvmem's GPU policy attends those with plain operations
+(:func:`runtime.cpu.attention.plain_attention`), about 15 nodes a layer. H200 run 5: a step of 8
+rows launched in 4.25 ms of CPU against one row's 2.23; a 1B's 13-token hot pass at 16K launched in
+7 ms; the joint prefill of 8 joins in 32 ms.
 
 What. MLX's own one-pass vector kernel (``kernel_sdpav_1pass`` in MLX 0.32's
-``scaled_dot_product_attention.cu``: 32 warps a query head, each warp a key at a time, an online
-softmax, then the warps' partial sums joined in shared memory), given each row's first key
-(``starts``: its padding) instead of a mask, and the keys' and values' strides, so the cache's
-slice of its buffer is read where it lies. One graph node a layer, like an unpadded batch's.
+``scaled_dot_product_attention.cu``: 32 warps a query, each warp a key at a time, an online softmax,
+then the warps' partial sums joined in shared memory), given each row's first key (``starts``: its
+left padding; 0 for a lone row) instead of a mask, a causal bound per query (the queries are the
+last of the keys, as MLX's ``"causal"`` aligns them), and the keys' and values' strides, so a
+cache's slice of its buffer is read where it lies. One graph node a layer.
 
 It runs where MLX runs CUDA kernels (:func:`available`), for head sizes 64, 96 and 128, as MLX's
-vector kernel does. The batch's attention goes through it only with the backend profile's
-``padded_decode_kernel`` (off until a GPU run measures it: ``python -m benches gpu_probe``'s
-batch-attention rows, which compare it with the masked fallback).
+vector kernel does. Attention goes through it only with the backend profile's
+``short_attention_kernel`` (off until a GPU run measures it: ``python -m benches gpu_probe``'s
+batch-attention rows compare it with the masked fallback, and the suite's device tests with MLX's
+masked attention).
 """
 
 from __future__ import annotations
@@ -26,16 +30,21 @@ import functools
 
 import mlx.core as mx
 
-__all__ = ["HEAD_DIMS", "available", "padded_decode_attention"]
+__all__ = ["HEAD_DIMS", "MAX_QUERIES", "available", "short_attention"]
 
 HEAD_DIMS = (64, 96, 128)
 """Head sizes the kernel takes: MLX's vector kernel's (32 lanes, ``D / 32`` elements a lane)."""
 
-_WARPS = 32  # warps a block, one block a (row, query head): MLX's BN
+MAX_QUERIES = 64
+"""Most queries a row the kernel is used for: a block a query, each reading its keys whole (a prefill
+chunk's thousands of queries keep cuDNN's kernel)."""
+
+_WARPS = 32  # warps a block, one block a (row, query head, query): MLX's BN
 
 _HEADER = "#include <cooperative_groups/reduce.h>\n"
 
-# The body of MLX 0.32's kernel_sdpav_1pass, with starts[row] for the first key and strided reads.
+# The body of MLX 0.32's kernel_sdpav_1pass, with starts[row] for the first key, a causal bound per query
+# (blockIdx.y) and strided reads.
 _SOURCE = """
   constexpr int BN = 32;
   constexpr int BD = 32;
@@ -55,16 +64,19 @@ _SOURCE = """
 
   const int batch_idx = blockIdx.z;
   const int head_idx = blockIdx.x;
+  const int query_idx = blockIdx.y;
+  const int query_count = queries_shape[2];
   const int kv_head_idx = head_idx / (queries_shape[1] / keys_shape[1]);
-  const int key_count = keys_shape[2];
+  const int key_end = keys_shape[2] - query_count + query_idx + 1;  // causal: the queries are the last keys
   const int first = starts[batch_idx];
 
-  const auto* Q = queries + batch_idx * queries_strides[0] + head_idx * queries_strides[1];
+  const auto* Q = queries + batch_idx * queries_strides[0] + head_idx * queries_strides[1]
+      + (int64_t)query_idx * queries_strides[2];
   const auto* K = keys + batch_idx * keys_strides[0] + kv_head_idx * keys_strides[1]
       + (int64_t)(first + warp_idx) * keys_strides[2];
   const auto* V = values + batch_idx * values_strides[0] + kv_head_idx * values_strides[1]
       + (int64_t)(first + warp_idx) * values_strides[2];
-  auto* O = out + ((int64_t)batch_idx * queries_shape[1] + head_idx) * D;
+  auto* O = out + (((int64_t)batch_idx * queries_shape[1] + head_idx) * query_count + query_idx) * D;
   const int64_t k_step = (int64_t)BN * keys_strides[2];
   const int64_t v_step = (int64_t)BN * values_strides[2];
 
@@ -76,7 +88,7 @@ _SOURCE = """
 
   U max_score = Limits<U>::finite_min();
   U sum_exp_score = 0.f;
-  for (int i = first + warp_idx; i < key_count; i += BN) {
+  for (int i = first + warp_idx; i < key_end; i += BN) {
     U score = 0.f;
     for (int j = 0; j < v_per_thread; j++) {
       score += q[j] * static_cast<U>(K[(v_per_thread * lane_idx + j) * keys_strides[3]]);
@@ -129,7 +141,7 @@ def available() -> bool:
 
 @functools.cache
 def _kernel() -> object:
-    return mx.fast.cuda_kernel(name="kvmem_padded_decode_attention",
+    return mx.fast.cuda_kernel(name="kvmem_short_attention",
                                input_names=["queries", "keys", "values", "starts", "scale"],
                                output_names=["out"], source=_SOURCE, header=_HEADER, ensure_row_contiguous=False)
 
@@ -139,24 +151,30 @@ def _scale(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
-def padded_decode_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
-                            starts: mx.array) -> mx.array:
-    """Attention of one query a row over the keys from ``starts[row]`` on (what comes before is padding).
+def short_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
+                    starts: mx.array) -> mx.array:
+    """Attention of 1 to :data:`MAX_QUERIES` queries a row, causal, over the keys from ``starts[row]`` on.
+
+    The queries are the last positions of the keys (as MLX's ``"causal"`` mask aligns them): query
+    ``q`` of ``L`` sees keys ``starts[row]`` to ``S - L + q``; what comes before a row's first key is
+    its padding.
 
     Args:
-        queries: ``(B, H, 1, D)``, D one of :data:`HEAD_DIMS`.
+        queries: ``(B, H, L, D)``, D one of :data:`HEAD_DIMS`.
         keys, values: ``(B, H_kv, S, D)`` in the queries' dtype (a slice of a larger buffer is read in place).
         scale: the scores' scale.
         starts: ``(B,)`` int32, each row's first key.
 
     Returns:
-        ``(B, H, 1, D)`` in the queries' dtype.
+        ``(B, H, L, D)`` in the queries' dtype.
     """
     rows, heads, length, dim = queries.shape
-    if length != 1 or dim not in HEAD_DIMS or keys.dtype != queries.dtype or values.dtype != queries.dtype:
-        raise ValueError(f"one query a row of head size {HEAD_DIMS} in the keys' dtype, not {queries.shape}")
+    if not 1 <= length <= MAX_QUERIES or dim not in HEAD_DIMS or keys.dtype != queries.dtype \
+            or values.dtype != queries.dtype:
+        raise ValueError(f"1 to {MAX_QUERIES} queries a row of head size {HEAD_DIMS} in the keys' dtype, "
+                         f"not {queries.shape} {queries.dtype} over {keys.dtype}")
     (out,) = _kernel()(inputs=[queries, keys, values, starts, _scale(float(scale))],
                        template=[("T", queries.dtype), ("D", dim)],
-                       grid=(heads * _WARPS * 32, 1, rows), threadgroup=(_WARPS * 32, 1, 1),
-                       output_shapes=[(rows, heads, 1, dim)], output_dtypes=[queries.dtype])
+                       grid=(heads * _WARPS * 32, length, rows), threadgroup=(_WARPS * 32, 1, 1),
+                       output_shapes=[(rows, heads, length, dim)], output_dtypes=[queries.dtype])
     return out

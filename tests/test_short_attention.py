@@ -1,0 +1,201 @@
+"""Short passes' attention in one kernel (``short_attention_kernel``, CUDA; issue 33).
+
+The kernel itself runs on CUDA only: the device tests at the end compare it with MLX's masked
+attention there, and ``python -m benches gpu_probe``'s batch-attention rows time it. Here, on the CPU,
+the kernel is replaced by what it must compute (MLX's attention with the causal mask from each row's
+first key), and the tests hold the rest: which passes reach it and with which first keys, that turns
+decoded through it (a padded batch's steps, a hot turn's message, a group's joint prefill) reply as
+they do without it, and that the setting reaches the profile only on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+import pytest
+from agreement import assert_decoded_alike
+from conftest import tiny
+
+from runtime.backend import decide_profile
+from runtime.execution.batch_prefill import choose_group, prefill_together
+from runtime.execution.decode_batch import DecodeBatch
+from runtime.execution.generate import decode_alone, generate
+from runtime.execution.sequence import Sequence, SequenceSampling
+from runtime.kv import short_attention
+
+FLOAT_TOL = 2e-3
+PROMPTS = ["The harbour master kept a ledger of ships. " * 3, "Once upon a time in a quiet town, " * 5,
+           "Numbers: one two three four five six. " * 2, "A list of fruits and their colours. " * 4]
+
+
+def _what_the_kernel_computes(queries, keys, values, *, scale, starts):
+    n, s = queries.shape[2], keys.shape[2]
+    positions = mx.arange(s)[None, None, None, :]
+    causal = positions <= (mx.arange(n) + s - n)[None, None, :, None]
+    mask = (positions >= starts[:, None, None, None]) & causal
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+class Call(NamedTuple):
+    rows: int
+    queries: int
+    starts: list[int]
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[Call]:
+    """Each call to the kernel (the kernel replaced by its definition)."""
+    calls: list[Call] = []
+
+    def kernel(queries, keys, values, *, scale, starts):
+        calls.append(Call(queries.shape[0], queries.shape[2], starts.tolist()))
+        return _what_the_kernel_computes(queries, keys, values, scale=scale, starts=starts)
+
+    monkeypatch.setattr(short_attention, "short_attention", kernel)
+    return calls
+
+
+@pytest.fixture
+def lm():
+    model = tiny("tiny-llama", bits=None)
+    yield model
+    model.short_attention_kernel, model.plain_attention_queries = False, 0
+
+
+def _decode(lm, batched: bool, prompts: list[str] = PROMPTS, max_tokens: int = 8) -> list[Sequence]:
+    """Each prompt's turn, alone or in one decode batch (the GPU policy's: run ahead, a lone row on its own caches)."""
+    seqs = []
+    for prompt in prompts:
+        seq = Sequence(lm, prompt, None, SequenceSampling(max_tokens=max_tokens), attention="at-rest")
+        seq.logits_trace = []
+        seqs.append(seq)
+    if not batched:
+        for seq in seqs:
+            list(decode_alone(seq))
+        return seqs
+    batch = _gpu_policy_batch()
+    for seq in seqs:
+        while seq.prefill_step() is None:
+            pass
+        batch.add(seq)
+    _until_done(batch)
+    return seqs
+
+
+def _gpu_policy_batch() -> DecodeBatch:
+    return DecodeBatch(shared_prefix_check=False, run_ahead=True, alone_on_own_caches=True)
+
+
+def _until_done(batch: DecodeBatch) -> None:
+    """Step ``batch`` until every row finished, removing the finished rows as the engine does (the last first)."""
+    while len(batch):
+        batch.step_once()
+        for seq in reversed([s for s in batch.members if s.finish_reason]):
+            batch.remove(seq)
+
+
+def test_a_padded_batch_decodes_through_the_kernel_as_each_row_alone(lm, kernel_calls) -> None:
+    alone = _decode(lm, batched=False)
+    lm.short_attention_kernel = True
+    together = _decode(lm, batched=True)
+    layers = len(lm.model.layers)
+    assert kernel_calls and all(c.queries == 1 and c.rows > 1 for c in kernel_calls)  # no pass is short (plain 0)
+    assert len(kernel_calls) % layers == 0  # every layer of every padded step
+    lengths = [len(s.token_ids) - len(s.generated) for s in together]
+    assert kernel_calls[0].starts == [max(lengths) - n for n in lengths]  # each row's first key: its padding
+    for a, b in zip(alone, together, strict=True):
+        assert_decoded_alike(a, b, lm.vocab_limit, FLOAT_TOL)
+
+
+def _second_turns(lm) -> list[tuple[str, object]]:
+    """Each topic's first turn (its parked cache) and the second turn's prompt: a short new message."""
+    out = []
+    for topic, follow_up in (("the old mill", "What next?"), ("a lighthouse", "And then what happened?"),
+                             ("the baker's secret", "Why?")):
+        first = [{"role": "user", "content": f"Tell me about {topic}."}]
+        done = generate(lm, lm.render(first), None, SequenceSampling(max_tokens=6), attention="at-rest")
+        second = first + [{"role": "assistant", "content": done.reply}, {"role": "user", "content": follow_up}]
+        out.append((lm.render(second), done.cache))
+    return out
+
+
+def _hot_and_joined(lm, turns) -> list[Sequence]:
+    """The first turn's second prompt prefilled alone over its cache (a hot turn), the others together."""
+    params = SequenceSampling(max_tokens=6)
+    rows = [Sequence(lm, prompt, cache, params) for prompt, cache in turns]
+    for seq in rows:
+        seq.logits_trace = []
+    while rows[0].prefill_step() is None:
+        pass
+    group = choose_group({i: s for i, s in enumerate(rows) if i > 0})
+    assert sorted(group) == [1, 2]
+    grouped = [rows[i] for i in group]
+    _, caches = prefill_together(grouped, [group[i] for i in group])
+    batch = _gpu_policy_batch()
+    batch.add(rows[0])
+    batch.add_group(grouped, caches)
+    _until_done(batch)
+    return rows
+
+
+def test_a_hot_turns_message_and_a_groups_joint_prefill_go_through_the_kernel(lm, kernel_calls) -> None:
+    lm.plain_attention_queries = 64  # the GPU policy's short passes
+    turns = _second_turns(lm)
+    before = _hot_and_joined(lm, turns)
+    kernel_calls.clear()
+    lm.short_attention_kernel = True
+    after = _hot_and_joined(lm, _second_turns(lm))
+    short = [c for c in kernel_calls if c.queries > 1]
+    assert any(c.rows == 1 and c.starts == [0] for c in short)  # the hot turn's message over its own cache
+    assert any(c.rows == 2 for c in short)  # the group's joint pass, its rows lined up from their first keys
+    assert any(c.rows == 3 and c.queries == 1 and max(c.starts) > 0 for c in kernel_calls)  # then the padded steps
+    for a, b in zip(before, after, strict=True):
+        assert_decoded_alike(a, b, lm.vocab_limit, FLOAT_TOL)
+
+
+def test_rows_of_one_length_and_long_passes_keep_mlxs_own_kernels(lm, kernel_calls) -> None:
+    lm.short_attention_kernel, lm.plain_attention_queries = True, 8
+    _decode(lm, batched=True, prompts=[PROMPTS[0]] * 2, max_tokens=4)
+    assert kernel_calls == []  # no padding: MLX's vector kernel; prompts of 30+ tokens: more queries than short
+
+
+def test_the_setting_reaches_the_profile_on_cuda_only() -> None:
+    on_cuda = decide_profile(device="gpu", backend="cuda", short_attention_kernel=True)
+    assert on_cuda.short_attention_kernel and "short attention kernel" in on_cuda.line()
+    assert not decide_profile(device="gpu", backend="cuda").short_attention_kernel  # off unless set
+    assert not decide_profile(device="gpu", backend="metal", short_attention_kernel=True).short_attention_kernel
+    assert not decide_profile(device="cpu", backend="cpu", profile="gpu",
+                              short_attention_kernel=True).short_attention_kernel
+    assert not short_attention.available()  # this CPU: the kernel is never built here
+
+
+def test_the_kernel_refuses_what_it_does_not_compute() -> None:
+    keys = mx.zeros((2, 2, 80, 64))
+    starts = mx.array([0, 3], dtype=mx.int32)
+    with pytest.raises(ValueError, match="queries a row"):  # a prefill chunk's many queries
+        short_attention.short_attention(mx.zeros((2, 4, 65, 64)), keys, keys, scale=0.125, starts=starts)
+    with pytest.raises(ValueError, match="head size"):
+        short_attention.short_attention(mx.zeros((2, 4, 1, 80)), keys, keys, scale=0.125, starts=starts)
+
+
+@pytest.mark.skipif(not short_attention.available(), reason="the kernel is CUDA's: run on a GPU (benches/gpu_session.sh)")
+@pytest.mark.parametrize("queries", [1, 5, 16])
+@pytest.mark.parametrize("dim", short_attention.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_on_cuda_the_kernel_is_mlxs_masked_attention(queries: int, dim: int, dtype: mx.Dtype) -> None:
+    """The real kernel against MLX's attention with the causal mask from each row's first key, keys read
+    from a slice of a longer buffer as a cache hands them over; a row with no padding and one whose
+    first query sees a single key included."""
+    mx.random.seed(3)
+    rows, heads, kv_heads, length = 5, 8, 2, 300
+    pads = [0, 17, 300 - queries, 120, 64]
+    q = mx.random.normal((rows, heads, queries, dim)).astype(dtype)
+    k, v = (mx.random.normal((rows, kv_heads, length + 40, dim)).astype(dtype) for _ in range(2))
+    keys, values = k[:, :, :length], v[:, :, :length]
+    starts = mx.array(pads, dtype=mx.int32)
+    ours = short_attention.short_attention(q, keys, values, scale=dim**-0.5, starts=starts)
+    theirs = _what_the_kernel_computes(q, keys, values, scale=dim**-0.5, starts=starts)
+    tolerance = 1e-4 if dtype == mx.float32 else 2e-2
+    assert ours.shape == theirs.shape and ours.dtype == dtype
+    assert mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item() < tolerance
