@@ -134,8 +134,6 @@ class GPUActor:
         max_batch: most sequences running at once.
         prefill_chunk: tokens per prefill chunk (None: adaptive, see ``runtime.execution.sequence``).
         decode_run_steps: decode steps that may run back to back in one MLX job (the setting).
-        decode_run_s: seconds after which a run ends at its next step, whatever its steps
-            (None: :data:`runtime.backend.DECODE_RUN_S`).
         events: the runtime's trace, when it is on (tests, diagnostics): a :class:`GpuEvent` per unit of
             work goes in, and per run of Python's collector; the cache store adds its saves and reads.
     """
@@ -150,7 +148,6 @@ class GPUActor:
         max_batch: int = 32,
         prefill_chunk: int | None = None,
         decode_run_steps: int = 1,
-        decode_run_s: float | None = None,
         events: deque[GpuEvent] | None = None,
     ) -> None:
         self._inbox = inbox
@@ -160,7 +157,6 @@ class GPUActor:
         self._max_batch = max_batch
         self._prefill_chunk = prefill_chunk
         self._decode_run_steps = decode_run_steps
-        self._decode_run_s = DECODE_RUN_S if decode_run_s is None else decode_run_s
         profile = engine.profile
         self._thread = MlxThread(on_exit=engine.close, tune_allocator=profile is None or profile.tune_allocator)
         self._info: ModelInfo | None = None
@@ -607,7 +603,7 @@ class GPUActor:
         them as they would one job per step; the MLX thread does not wait for trio between steps.
         The run ends after the step in progress once a row finishes or the doorbell rings (a
         message for this actor, a client that left), so a new turn joins one step later at most,
-        and once it has run ``decode_run_s`` (:data:`runtime.backend.DECODE_RUN_S`): the loop between
+        and once it has run :data:`runtime.backend.DECODE_RUN_S`: the loop between
         runs makes a slice of any overdue save copy.
         """
         engine, post, doorbell = self._engine, self._thread.post, self._doorbell
@@ -617,7 +613,7 @@ class GPUActor:
         def run() -> tuple[list[Any], int, str]:  # on the MLX thread
             began.append(time.perf_counter())
             tokens: list[Any] = []
-            ends = began[0] + self._decode_run_s
+            ends = began[0] + DECODE_RUN_S
             for done in range(1, steps + 1):
                 tokens = engine.step()
                 now = time.perf_counter()
