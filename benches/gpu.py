@@ -2,8 +2,10 @@
 
 Issue 33, item 6. For each geometry (``--geometries``; random bf16 weights of
 Llama-3.2-1B and -3B by default, built once into the bench home on the device
-with ``mx.random``), in one process, plain mlx-lm first, then kvmem's runtime
-(``actors.open_runtime`` on the model folder, the backend's own profile):
+with ``mx.random``), in one process, plain mlx-lm and kvmem's runtime
+(``actors.open_runtime`` on the model folder, the backend's own profile), their cold
+turns in pairs on the same prompt, each from an idle device, mlx-lm first in even
+repeats and second in odd ones:
 
 * **cold TTFT** at ``--sizes`` (1K, 4K, 16K, 32K): a fresh prompt with a unique
   first line; mlx-lm: tokenize + ``generate_step`` to its first token; kvmem:
@@ -338,26 +340,42 @@ class Plan:
         return self.decode_tokens if size in self.decode_sizes else 1
 
 
-def measure_mlx_lm(folder: Path, prompts: dict[tuple[int, int], str], plan: Plan, run: GeometryRun) -> None:
-    """Plain mlx-lm on the same folder: a warm-up turn, then every cold prompt, repeat by repeat."""
-    import mlx.core as mx
-    from mlx_lm import load
+class PlainMlxLm:
+    """Plain mlx-lm on the same folder, loaded beside kvmem's runtime: its turns run on the calling thread
+    (trio's, between kvmem's turns, with the runtime idle), interleaved with kvmem's, so that a host whose speed
+    drifts over a run (H200 run 5: the same steps 30% slower in some repeats) moves both sides alike."""
 
-    model, tokenizer = load(str(folder))
-    mlx_lm_turn(model, tokenizer, prompts[(-1, 0)], 8)  # warm-up: kernels compiled outside the samples
-    for r in range(plan.repeats):
-        for size in plan.sizes:
-            s = mlx_lm_turn(model, tokenizer, prompts[(r, size)], plan.tokens_for(size))
-            run.mlx.setdefault(size, []).append(s)
-            log(f"{run.geometry.name} mlx-lm r{r} {_k(size)}: ttft {s.ttft_ms:.0f} ms, {s.decode_tps:.1f} tok/s")
-    del model, tokenizer
-    gc.collect()
-    mx.clear_cache()
+    def __init__(self, folder: Path, warm_up: str) -> None:
+        from mlx_lm import load
+
+        self.model, self.tokenizer = load(str(folder))
+        self.turn(warm_up, 8)  # kernels compiled outside the samples
+
+    def turn(self, text: str, max_tokens: int) -> Sample:
+        """One cold turn, the device idle after it (nothing of it left in flight for kvmem's turn to wait on)."""
+        import mlx.core as mx
+
+        sample = mlx_lm_turn(self.model, self.tokenizer, text, max_tokens)
+        mx.synchronize()
+        return sample
+
+    def close(self) -> None:
+        import mlx.core as mx
+
+        del self.model, self.tokenizer
+        gc.collect()
+        mx.clear_cache()
 
 
 async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int], str], plan: Plan,
-                        run: GeometryRun) -> None:
-    """kvmem's runtime: cold turns, hot turns, batch rounds; then a restart, warm and hot turns."""
+                        run: GeometryRun, plain: PlainMlxLm) -> None:
+    """kvmem's runtime: cold turns, each paired with ``plain``'s on the same prompt, hot turns, batch rounds;
+    then a restart, warm and hot turns.
+
+    Each cold pair starts with the runtime idle (:meth:`settle`: its caches written, nothing left on the
+    device) and the device idle after mlx-lm's turn; mlx-lm goes first in even repeats and second in odd
+    ones. H200 run 5 measured mlx-lm's turns first, then kvmem's: one 1K turn of kvmem's waited 15 ms for
+    the 32K turn before it, and the host ran the same steps 30% slower in some of kvmem's repeats."""
     import trio
 
     from actors import open_runtime
@@ -392,8 +410,18 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
         await turn("warmup", prompts[(-1, 0)], 8)
         await turn("warmup", prompt_of["warmup"] + _ask(0), 8)
         t_phase = time.perf_counter()
+
+        async def plain_turn(r: int, size: int) -> None:
+            await settle(rt)
+            s = plain.turn(prompts[(r, size)], plan.tokens_for(size))
+            run.mlx.setdefault(size, []).append(s)
+            log(f"{geom.name} mlx-lm r{r} {_k(size)}: ttft {s.ttft_ms:.0f} ms, {s.decode_tps:.1f} tok/s")
+
         for r in range(plan.repeats):
             for size in plan.sizes:
+                if r % 2 == 0:
+                    await plain_turn(r, size)
+                await settle(rt)
                 agent = f"cold-{size}-r{r}"
                 s = await marked(agent, agent, prompts[(r, size)], plan.tokens_for(size))
                 run.kvmem.setdefault(size, []).append(s)
@@ -403,7 +431,10 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
                     await turn(agent, prompt_of[agent] + _ask(0), 1)  # settles the reply's tokens
                     run.hot.append(await marked(f"hot-{size}-r{r}", agent, prompt_of[agent] + _ask(1)))
                     log(f"{geom.name} kvmem r{r} hot: {run.hot[-1]}")
-        run.phases["kvmem cold+hot"] = time.perf_counter() - t_phase
+                if r % 2 == 1:
+                    await plain_turn(r, size)
+        run.phases["cold pairs+hot"] = time.perf_counter() - t_phase
+        plain.close()
         run.chunk_ms = _chunk_ms(rt.gpu_events(), [(m["t0"], m["t1"]) for m in marks
                                                    if m["agent"].startswith(f"cold-{chunk_size}-")])
         t_phase = time.perf_counter()
@@ -461,6 +492,12 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
     run.phases["kvmem restart, read ahead"] = time.perf_counter() - t0
 
 
+async def settle(rt: Any) -> None:
+    """Until the runtime is idle: every dirty cache written (so the GPU actor owes no save copy and the store
+    has no write under way; the model's thread then has nothing queued)."""
+    await rt.flush()
+
+
 def _trace_events(rt: Any) -> list[dict[str, Any]]:
     """A runtime's GPU actor trace as the report's JSON keeps it (a step's or chunk's StepTiming as a list)."""
     return [{"kind": e.kind, "ids": list(e.request_ids), "at": e.at,
@@ -503,9 +540,9 @@ def run_geometry(geom: Geometry, plan: Plan, models_dir: Path, tmp: Path) -> Geo
         for i in range(plan.batch):
             prompts[(-2, i)] = context_text(folder, plan.batch_context, label=f"batch agent {i}", offset=i * 3001)
         t0 = time.perf_counter()
-        measure_mlx_lm(folder, prompts, plan, run)
-        run.phases["mlx-lm"] = time.perf_counter() - t0
-        trio.run(measure_kvmem, folder, tmp / geom.name, prompts, plan, run)
+        plain = PlainMlxLm(folder, prompts[(-1, 0)])
+        run.phases["mlx-lm load"] = time.perf_counter() - t0
+        trio.run(measure_kvmem, folder, tmp / geom.name, prompts, plan, run, plain)
     except Exception as exc:  # noqa: BLE001 - a one-shot device run reports what it measured, and why it stopped
         run.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
         log(f"{geom.name}: {run.error}")
@@ -1053,12 +1090,13 @@ def setup_lines(plan: Plan) -> list[str]:
     """What every geometry ran, for the report's header."""
     return [
         (f"each geometry: random weights (tiny_models' scheme, end-of-turn never sampled, so every turn generates "
-         f"what it asks), plain mlx-lm (`generate_step`, float KV) then kvmem (`actors.open_runtime`, Q4 KV, "
+         f"what it asks), plain mlx-lm (`generate_step`, float KV) and kvmem (`actors.open_runtime`, Q4 KV, "
          f"profile `{plan.profile}`"
          f"{f', plain_attention_queries={plan.plain_attention_queries}' if plan.plain_attention_queries is not None else ''}"
          f"{', short_attention_kernel on' if plan.short_attention_kernel else ''}"
-         f", fsync off) in this one process; medians of {plan.repeats} repeats, after a "
-         f"warm-up turn each"),
+         f", fsync off) in this one process, their cold turns in pairs on the same prompt (mlx-lm first in even "
+         f"repeats, second in odd ones), each turn from an idle device (kvmem's caches written first); medians of "
+         f"{plan.repeats} repeats, after a warm-up turn each"),
         (f"cold prompts {', '.join(_k(s) for s in plan.sizes)}; decode {plan.decode_tokens} tokens at "
          f"{', '.join(_k(s) for s in plan.decode_sizes)}; restart at {_k(plan.restart_size)} = runtime closed and "
          f"opened again in this process on the same home (model reloaded; MLX's compiled kernels stay), once with "
