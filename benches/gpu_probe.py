@@ -20,7 +20,10 @@ Not a comparison with a goal, but the measurements that say where the next fix g
   at the same shape; if the first costs far more, per-shape setup (cuDNN's attention graphs)
   is what a batch's join and a hot turn pay;
 * **one decode row**: tokens/s with mlx-lm's ``KVCache``, its ``BatchKVCache`` (an array
-  mask) and kvmem's ``DecodeKVCache`` (no mask for a lone row), in lockstep and run ahead.
+  mask) and kvmem's ``DecodeKVCache`` (no mask for a lone row), in lockstep and run ahead;
+* **one row's decode in kvmem's engine** against mlx-lm's ``generate_step`` (``engine``);
+* **a batch's joint prefill pass in pieces** (``joint``): the rows' caches dequantized, lined up,
+  the pass over active rows, the whole pass and one row's hot chunk, each from an idle device.
 
 The model for the last two is the first folder matching ``--model-glob`` (``benches gpu``
 builds ``gpu-1b-*`` under the bench home), else ``tiny-llama``. ``--sections`` runs some of them
@@ -571,6 +574,113 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
                             ("same, each step posting to trio (as the GPU actor's decode runs)", posting))]
 
 
+def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: str = "auto",
+                    models_dir: Path | None = None) -> list[list[str]]:
+    """Where a batch's joint prefill pass goes, in pieces, on ``rows`` agents' hot turns over ``context``-token
+    Q4 caches (the bench's batch rounds; kvmem's engine functions called directly, no actors).
+
+    H200 run 5: the joint pass of 8 joins launched in 32 ms on the 1B (85 ms on the 3B), nearly all of it
+    MLX's submit (the ``mx.async_eval`` call), where one agent's hot chunk took 8 ms; so no first token came
+    within one 2048-token chunk (13 ms) of its own. A CUDA wait in the submit spins the host, so its CPU
+    time cannot tell the host's work from a wait for the device. Here every piece starts from an idle
+    device (``mx.synchronize()``) and is timed as the trace times it: ``build`` (the Python graph), ``submit``
+    (the ``async_eval`` call) and ``wait`` (until the device is done); the pieces are the rows' Q4 caches
+    dequantized (``activate``), lined up in one batch cache per layer, and the joint pass over rows already
+    active; then the whole joint pass as the GPU actor makes it, and one row's hot chunk alone. Each
+    round's new messages differ in length from the last's (new shapes, as in the bench); the first round is
+    reported apart (first uses of those shapes)."""
+    import statistics as stats
+
+    import mlx.core as mx
+
+    from benches.gpu import _ask
+    from runtime.execution.batch_prefill import LinedUpCache, choose_group, prefill_together
+    from runtime.execution.generate import generate
+    from runtime.execution.mlx_engine import MlxEngine
+    from runtime.execution.sequence import Sequence, SequenceSampling
+
+    if models_dir is None:  # a folder's own parent, else the bench's (a named model: tiny-llama)
+        models_dir = Path(folder).parent if Path(folder).is_dir() else harness.BENCH_HOME / "models"
+    engine = MlxEngine(models_dir=models_dir, kv_bits=4, kv_group_size=64, attention="auto", profile=profile)
+    engine.load(folder)
+    lm = engine.lm
+    words = max(8, context // 3)  # about three tokens a "noteN was kept"
+    firsts = []
+    for a in range(rows):
+        prompt = " ".join(f"note{(i * 7 + a) % 97} was kept" for i in range(words))
+        done = generate(lm, prompt, None, SequenceSampling(max_tokens=4), attention=engine.profile.attention)
+        firsts.append((prompt + done.reply, done.cache))
+    times: dict[str, list[tuple[float, float, float]]] = {}
+
+    def timed(name: str, build: Any) -> Any:
+        """``build()`` returns the arrays to evaluate; (build, submit, wait) ms recorded under ``name``."""
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = build()
+        t1 = time.perf_counter()
+        mx.async_eval(out)
+        t2 = time.perf_counter()
+        mx.eval(out)
+        mx.synchronize()
+        t3 = time.perf_counter()
+        times.setdefault(name, []).append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
+        return out
+
+    def sequences(q: int) -> list[Any]:
+        return [Sequence(lm, text + _ask(q + a), cache, SequenceSampling(max_tokens=2),
+                         attention=engine.profile.attention) for a, (text, cache) in enumerate(firsts)]
+
+    for q in range(rounds):
+        tag = " (first round)" if q == 0 else ""
+        seqs = sequences(q)
+        group = choose_group(dict(enumerate(seqs)))
+        if len(group) < 2:
+            raise RuntimeError(f"round {q}: the rows did not group ({group})")
+        ids = list(group)
+        pads = [group[i] for i in ids]
+        grouped = [seqs[i] for i in ids]
+        width = grouped[0].to_prefill + pads[0]
+        timed(f"activate {len(ids)} rows' caches{tag}",
+              lambda: [a for s in grouped for c in s.kv.caches for a in (c.keys, c.values)])
+        timed(f"line them up, one batch cache a layer{tag}",
+              lambda: [a for layer in zip(*(s.kv.caches for s in grouped), strict=True)
+                       for c in [LinedUpCache(list(layer), pads, width)] for a in (c.keys, c.values)])
+        mx.synchronize()
+        t0 = time.perf_counter()
+        prefill_together(grouped, pads)  # the rows active: lining up, the pass, sampling
+        mx.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+        t = grouped[0].last_chunk_timing
+        times.setdefault(f"joint pass, rows already active{tag}", []).append(
+            (t.build_ms, t.launch_ms - t.build_ms, wall - t.launch_ms))
+        whole = sequences(q)  # as the GPU actor runs it: the rows' dequantization in the pass
+        mx.synchronize()
+        t0 = time.perf_counter()
+        prefill_together([whole[i] for i in ids], pads)
+        mx.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+        t = whole[ids[0]].last_chunk_timing
+        times.setdefault(f"joint pass as the GPU actor makes it{tag}", []).append(
+            (t.build_ms, t.launch_ms - t.build_ms, wall - t.launch_ms))
+        alone = sequences(q)[0]
+        mx.synchronize()
+        t0 = time.perf_counter()
+        while alone.prefill_step() is None:
+            pass
+        mx.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+        t = alone.last_chunk_timing
+        times.setdefault(f"one row's hot chunk alone{tag}", []).append(
+            (t.build_ms, t.launch_ms - t.build_ms, wall - t.launch_ms))
+    engine.close()
+    out = []
+    for name, samples in times.items():
+        build, submit, wait = (stats.median(x[i] for x in samples) for i in range(3))
+        out.append([name, str(len(samples)), f"{build:.2f}", f"{submit:.2f}", f"{wait:.2f}",
+                    f"{build + submit + wait:.2f}"])
+    return out
+
+
 def gguf_prefill_rows(gguf: str, lengths: list[int]) -> list[list[str]]:
     """The needle GGUF's forward pass of each length (new shapes), weights packed as the GPU policy holds
     them (float16 around the blocks) and unpacked to float16: the first call, then the same shape again.
@@ -598,7 +708,8 @@ def gguf_prefill_rows(gguf: str, lengths: list[int]) -> list[list[str]]:
     return rows
 
 
-SECTIONS = ("host-copy", "sdpa", "gpt-oss", "shapes", "batch-attention", "first-pass", "decode-row", "engine", "gguf")
+SECTIONS = ("host-copy", "sdpa", "gpt-oss", "shapes", "batch-attention", "first-pass", "decode-row", "engine", "joint",
+            "gguf")
 """The probes, in the order they run (``--sections``)."""
 
 
@@ -611,6 +722,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="a GGUF whose forward passes are timed packed and unpacked (default $KVMEM_NEEDLE_GGUF; none: skipped)")
     p.add_argument("--engine-after-tokens", type=int, default=0,
                    help="the engine section's rows again after a turn of this many tokens, and after mx.clear_cache()")
+    p.add_argument("--joint-rows", type=int, default=8, help="the joint section's agents (default 8)")
+    p.add_argument("--joint-context", type=int, default=1000, help="the joint section's cache tokens (default 1000)")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                    help="the probes to run, in this order whatever the order given (default all)")
     args = p.parse_args(argv)
@@ -657,7 +770,7 @@ def main(argv: list[str] | None = None) -> None:
                      *table(["way", "host build", "with evaluation", "with evaluation, one key more a call",
                              "max |diff| against the mask"],
                             batch_decode_attention_rows(8, [n // 10 for n in lengths] if quick else lengths)), ""]
-    model, name = _model(args.model_glob) if on & {"first-pass", "decode-row", "engine"} else (None, "")
+    model, name = _model(args.model_glob) if on & {"first-pass", "decode-row", "engine", "joint"} else (None, "")
     contexts = args.contexts or ([100, 101] if quick else [1000, 1001, 1002, 4000, 4001])
     if "first-pass" in on:
         res.body += [f"## A new shape's first pass (`{name}`, {args.probe_tokens} new tokens; ms)", "",
@@ -673,6 +786,16 @@ def main(argv: list[str] | None = None) -> None:
             res.body += [f"## One row's decode, plain mlx-lm against kvmem's engine with no actors (`{name}`; tokens/s)",
                          "", *table(["path", "tokens/s (median of 3)", "against mlx-lm"],
                                     engine_decode_rows(name, 128, after_tokens=args.engine_after_tokens)), ""]
+        except Exception as exc:  # noqa: BLE001 - a one-shot device run reports it
+            res.body += [f"Stopped: {type(exc).__name__}: {str(exc)[:300]}", ""]
+    if "joint" in on:
+        res.write()  # kept if what follows runs past the session's time limit
+        try:
+            res.body += [f"## A batch's joint prefill pass in pieces, each from an idle device (`{Path(name).name}`, "
+                         f"{args.joint_rows} hot turns over ~{args.joint_context}-token caches; ms, medians)", "",
+                         *table(["piece", "rounds", "build", "submit", "wait", "in all"],
+                                joint_pass_rows(name, args.joint_rows, 100 if quick else args.joint_context,
+                                                3 if quick else 6)), ""]
         except Exception as exc:  # noqa: BLE001 - a one-shot device run reports it
             res.body += [f"Stopped: {type(exc).__name__}: {str(exc)[:300]}", ""]
     if "gguf" in on and args.gguf and args.gguf != "none":
