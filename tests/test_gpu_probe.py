@@ -13,7 +13,7 @@ def test_the_joint_pass_is_timed_in_pieces_first_round_apart() -> None:
     rows = joint_pass_rows("tiny-llama", 3, 60, 2, profile="gpu", models_dir=models_dir())
     names = [r[0] for r in rows]
     pieces = ["activate 3 rows' caches", "line them up, one batch cache a layer", "joint pass, rows already active",
-              "joint pass as the GPU actor makes it", "one row's hot chunk alone"]
+              "joint pass as the GPU actor makes it", "same, again at the same shapes", "one row's hot chunk alone"]
     assert names == [f"{p} (first round)" for p in pieces] + pieces
     for name, rounds, *ms in rows:
         assert rounds == "1", name
