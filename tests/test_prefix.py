@@ -1,6 +1,12 @@
 """Character-level prefix matching (pure Python)."""
 
-from runtime.plan.prefix import MatchKind, match_prefix
+import os
+import random
+
+import pytest
+
+from runtime.plan import prefix
+from runtime.plan.prefix import MatchKind, common_prefix_length, match_prefix
 
 TEXT = "Hello world, how are you?"
 # tokens: "Hello" " world" "," " how" " are" " you" "?"
@@ -54,3 +60,44 @@ def test_replacement_character_round_trip_matches():
     offsets = [6, 7, 8, 9, 12]
     m = match_prefix(cached, offsets, cached + " next")
     assert m.kind is MatchKind.EXTEND and m.reuse_tokens == 5
+
+
+@pytest.mark.parametrize("kind", ["str", "ids"])
+def test_common_prefix_length_agrees_with_os_path_at_every_cut(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against ``os.path.commonprefix`` (the reference, one item at a time): equal, a prefix of the other,
+    a difference at each place around and inside a block, empty; a tuple against a list of the same ids."""
+    monkeypatch.setattr(prefix, "PREFIX_BLOCK", 16)  # several blocks in a short text
+    rng = random.Random(0)
+    base = "".join(rng.choice("ab\u00e9\ufffd ") for _ in range(100)) if kind == "str" else [rng.randrange(5) for _ in range(100)]
+    cases = [(base, base), (base, base[:0]), (base[:37], base), (base, base[:64])]
+    for cut in [*range(0, 20), 31, 32, 33, 47, 48, 49, 63, 64, 65, 99]:
+        other = base[:cut] + ("z" if kind == "str" else [9]) + base[cut + 1 :]
+        cases += [(base, other), (other[: cut + 3], base)]
+    for a, b in cases:
+        want = len(os.path.commonprefix([a, b]))
+        assert common_prefix_length(a, b) == want
+        assert common_prefix_length(b, a) == want
+        if kind == "ids":
+            assert common_prefix_length(tuple(a), list(b)) == want
+
+
+def test_a_long_conversations_match_reads_blocks_not_characters() -> None:
+    """A 16K-token conversation's text (~100,000 characters) extended by a question, and the same with one
+    character changed near the end: a few dozen slices read, where ``os.path.commonprefix`` indexes every
+    character in Python (about 3 ms a turn on an H200's host, before the turn reaches the model)."""
+
+    class Counted(str):
+        reads = 0
+
+        def __getitem__(self, key):  # noqa: ANN001, ANN204 - str's own signature
+            Counted.reads += 1
+            return str.__getitem__(self, key)
+
+    text = "".join(f"note{i % 97} was kept. " for i in range(5000))
+    prompt = text + "\n\nUser: and then?\nAssistant:"
+    changed = text[:-10] + "X" + text[-9:]
+    assert common_prefix_length(Counted(text), Counted(prompt)) == len(text)
+    assert Counted.reads <= 2 * (len(text) // prefix.PREFIX_BLOCK + 1)
+    Counted.reads = 0
+    assert common_prefix_length(Counted(text), Counted(changed)) == len(text) - 10
+    assert Counted.reads <= 2 * (len(text) // prefix.PREFIX_BLOCK + 1 + 12)

@@ -11,7 +11,6 @@ a template that renders an earlier turn differently costs only the changed tail.
 from __future__ import annotations
 
 import enum
-import os
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,9 +42,36 @@ class PrefixMatch:
         return prompt[self.reuse_chars :]
 
 
+PREFIX_BLOCK = 4096
+"""Items compared at once by :func:`common_prefix_length` before it halves the block that differs."""
+
+
 def common_prefix_length(a: str | Sequence[int], b: str | Sequence[int]) -> int:
-    """Length of the longest common prefix of two strings or token-id lists (C speed via os.path)."""
-    return len(os.path.commonprefix([a, b]))  # type: ignore[list-item]
+    """Length of the longest common prefix of two strings or two token-id sequences.
+
+    Why not ``os.path.commonprefix``: it walks the items one by one in Python, about 3 ms for a
+    16K-token conversation's text, on every turn's plan (on the trio thread, before the turn
+    reaches the model). Here slices are compared a block at a time (C's comparison), then the
+    first block that differs is halved until one item is left.
+    """
+    if not isinstance(a, str) or not isinstance(b, str):
+        a, b = list(a), list(b)  # a tuple never equals a list: compare like with like
+    n = min(len(a), len(b))
+    lo = 0  # a[:lo] == b[:lo]
+    while lo < n:
+        hi = min(lo + PREFIX_BLOCK, n)
+        if a[lo:hi] != b[lo:hi]:
+            break
+        lo = hi
+    else:
+        return n
+    while hi - lo > 1:  # the first difference is in [lo, hi)
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _tokens_within(offsets: Sequence[int], chars: int) -> int:
