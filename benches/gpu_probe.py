@@ -682,7 +682,7 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
         t = alone.last_chunk_timing
         times.setdefault(f"one row's hot chunk alone{tag}", []).append(
             (t.build_ms, t.launch_ms - t.build_ms, wall - t.launch_ms))
-    engine.close()
+    engine.unload()  # not close(): that clears this thread's MLX streams, and the caller goes on with MLX
     out = []
     for name, samples in times.items():
         build, submit, wait = (stats.median(x[i] for x in samples) for i in range(3))
