@@ -627,6 +627,16 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
         times.setdefault(name, []).append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
         return out
 
+    def passed(name: str, run: Any, seq: Any) -> None:
+        """``run()`` from an idle device; ``seq``'s pass timing as (build, submit, wait until the device is done)."""
+        mx.synchronize()
+        t0 = time.perf_counter()
+        run()
+        mx.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+        t = seq.last_chunk_timing
+        times.setdefault(name, []).append((t.build_ms, t.launch_ms - t.build_ms, wall - t.launch_ms))
+
     def sequences(q: int) -> list[Any]:
         return [Sequence(lm, text + _ask(q + a), cache, SequenceSampling(max_tokens=2),
                          attention=engine.profile.attention) for a, (text, cache) in enumerate(firsts)]
@@ -646,42 +656,15 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
         timed(f"line them up, one batch cache a layer{tag}",
               lambda: [a for layer in zip(*(s.kv.caches for s in grouped), strict=True)
                        for c in [LinedUpCache(list(layer), pads, width)] for a in (c.keys, c.values)])
-        mx.synchronize()
-        t0 = time.perf_counter()
-        prefill_together(grouped, pads)  # the rows active: lining up, the pass, sampling
-        mx.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3
-        t = grouped[0].last_chunk_timing
-        times.setdefault(f"joint pass, rows already active{tag}", []).append(
-            (t.build_ms, t.launch_ms - t.build_ms, wall - t.launch_ms))
+        passed(f"joint pass, rows already active{tag}", lambda: prefill_together(grouped, pads), grouped[0])
         whole = sequences(q)  # as the GPU actor runs it: the rows' dequantization in the pass
-        mx.synchronize()
-        t0 = time.perf_counter()
-        prefill_together([whole[i] for i in ids], pads)
-        mx.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3
-        t = whole[ids[0]].last_chunk_timing
-        times.setdefault(f"joint pass as the GPU actor makes it{tag}", []).append(
-            (t.build_ms, t.launch_ms - t.build_ms, wall - t.launch_ms))
+        passed(f"joint pass as the GPU actor makes it{tag}",
+               lambda: prefill_together([whole[i] for i in ids], pads), whole[ids[0]])
         again = sequences(q)  # the same messages again: every shape of the pass seen just before
-        mx.synchronize()
-        t0 = time.perf_counter()
-        prefill_together([again[i] for i in ids], pads)
-        mx.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3
-        t = again[ids[0]].last_chunk_timing
-        times.setdefault(f"same, again at the same shapes{tag}", []).append(
-            (t.build_ms, t.launch_ms - t.build_ms, wall - t.launch_ms))
+        passed(f"same, again at the same shapes{tag}",
+               lambda: prefill_together([again[i] for i in ids], pads), again[ids[0]])
         alone = sequences(q)[0]
-        mx.synchronize()
-        t0 = time.perf_counter()
-        while alone.prefill_step() is None:
-            pass
-        mx.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3
-        t = alone.last_chunk_timing
-        times.setdefault(f"one row's hot chunk alone{tag}", []).append(
-            (t.build_ms, t.launch_ms - t.build_ms, wall - t.launch_ms))
+        passed(f"one row's hot chunk alone{tag}", lambda: _prefill_all(alone), alone)
     engine.unload()  # not close(): that clears this thread's MLX streams, and the caller goes on with MLX
     out = []
     for name, samples in times.items():
@@ -689,6 +672,12 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
         out.append([name, str(len(samples)), f"{build:.2f}", f"{submit:.2f}", f"{wait:.2f}",
                     f"{build + submit + wait:.2f}"])
     return out
+
+
+def _prefill_all(seq: Any) -> None:
+    """A sequence's prefill chunks until its first token."""
+    while seq.prefill_step() is None:
+        pass
 
 
 def gguf_prefill_rows(gguf: str, lengths: list[int]) -> list[list[str]]:
