@@ -49,8 +49,7 @@ def shared_prefix_length(caches: Sequence[Any], token_ids: Sequence[Sequence[int
     """
     if len(token_ids) < 2 or not all(_comparable(c) for c in caches):
         return 0
-    first = list(token_ids[0])
-    length = min(common_prefix_length(first, list(ids)) for ids in token_ids[1:])
+    length = min(common_prefix_length(token_ids[0], ids) for ids in token_ids[1:])
     mx.eval([a for c in caches for a in (c.keys, c.values, c.left_padding)])
     for cache in caches:
         pads = [int(p) for p in np.asarray(cache.left_padding)]

@@ -260,7 +260,7 @@ class KVCacheManager:
 
     @staticmethod
     def _shared_blocks(donor_ids: Sequence[int], turn: _InFlight) -> int:
-        return _whole_blocks(common_prefix_length(list(donor_ids), list(turn.token_ids)))
+        return _whole_blocks(common_prefix_length(donor_ids, turn.token_ids))
 
     # -- the hot tier -------------------------------------------------------------
 

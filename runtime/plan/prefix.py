@@ -54,7 +54,7 @@ def common_prefix_length(a: str | Sequence[int], b: str | Sequence[int]) -> int:
     reaches the model). Here slices are compared a block at a time (C's comparison), then the
     first block that differs is halved until one item is left.
     """
-    if not isinstance(a, str) or not isinstance(b, str):
+    if type(a) is not type(b):
         a, b = list(a), list(b)  # a tuple never equals a list: compare like with like
     n = min(len(a), len(b))
     lo = 0  # a[:lo] == b[:lo]
