@@ -372,8 +372,8 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
     """kvmem's runtime: cold turns, each paired with ``plain``'s on the same prompt, hot turns, batch rounds;
     then a restart, warm and hot turns.
 
-    Each cold pair starts with the runtime idle (:meth:`settle`: its caches written, nothing left on the
-    device) and the device idle after mlx-lm's turn; mlx-lm goes first in even repeats and second in odd
+    Each cold turn starts with the runtime idle (``rt.flush()``: its caches written, so the GPU actor owes
+    no save copy and the store has no write under way) and the device idle after mlx-lm's turn; mlx-lm goes first in even repeats and second in odd
     ones. H200 run 5 measured mlx-lm's turns first, then kvmem's: one 1K turn of kvmem's waited 15 ms for
     the 32K turn before it, and the host ran the same steps 30% slower in some of kvmem's repeats."""
     import trio
@@ -412,7 +412,7 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
         t_phase = time.perf_counter()
 
         async def plain_turn(r: int, size: int) -> None:
-            await settle(rt)
+            await rt.flush()  # the runtime idle: no save copy owed, no write under way
             s = plain.turn(prompts[(r, size)], plan.tokens_for(size))
             run.mlx.setdefault(size, []).append(s)
             log(f"{geom.name} mlx-lm r{r} {_k(size)}: ttft {s.ttft_ms:.0f} ms, {s.decode_tps:.1f} tok/s")
@@ -421,7 +421,7 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
             for size in plan.sizes:
                 if r % 2 == 0:
                     await plain_turn(r, size)
-                await settle(rt)
+                await rt.flush()
                 agent = f"cold-{size}-r{r}"
                 s = await marked(agent, agent, prompts[(r, size)], plan.tokens_for(size))
                 run.kvmem.setdefault(size, []).append(s)
@@ -492,12 +492,6 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
     run.phases["kvmem restart, read ahead"] = time.perf_counter() - t0
 
 
-async def settle(rt: Any) -> None:
-    """Until the runtime is idle: every dirty cache written (so the GPU actor owes no save copy and the store
-    has no write under way; the model's thread then has nothing queued)."""
-    await rt.flush()
-
-
 def _trace_events(rt: Any) -> list[dict[str, Any]]:
     """A runtime's GPU actor trace as the report's JSON keeps it (a step's or chunk's StepTiming as a list)."""
     return [{"kind": e.kind, "ids": list(e.request_ids), "at": e.at,
@@ -522,7 +516,7 @@ def _chunk_ms(events: list[Any], windows: list[tuple[float, float]]) -> float:
 
 
 def run_geometry(geom: Geometry, plan: Plan, models_dir: Path, tmp: Path) -> GeometryRun:
-    """Build (or reuse) the geometry's model, measure mlx-lm then kvmem on it; errors end up in the report."""
+    """Build (or reuse) the geometry's model, measure mlx-lm beside kvmem on it; errors end up in the report."""
     import mlx.core as mx
     import trio
 
