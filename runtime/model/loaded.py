@@ -93,10 +93,14 @@ class LoadedModel:
     upload_by_copy: bool = False
     """A cache read from disk reaches the device by ``mx.load`` (:mod:`runtime.kv.upload`), not ``mx.array``."""
 
+    def _attention_scope(self) -> Any:
+        """The attention this model's passes take (:func:`runtime.cpu.attention.active`), as it was loaded."""
+        return cpu_attention.active(self.numpy_attention, plain_queries=self.plain_attention_queries,
+                                    attention_kernel=self.short_attention_kernel)
+
     def forward(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         """Logits of ``inputs`` over ``cache``: every forward pass kvmem runs goes through here."""
-        with cpu_attention.active(self.numpy_attention, plain_queries=self.plain_attention_queries,
-                                  attention_kernel=self.short_attention_kernel):
+        with self._attention_scope():
             return self.model(inputs, cache=cache)
 
     def forward_last(self, inputs: mx.array, cache: list[Any]) -> mx.array:
@@ -110,8 +114,7 @@ class LoadedModel:
         head = _last_position_head(self.model)
         if head is None:
             return self.forward(inputs, cache)[:, -1, :]
-        with cpu_attention.active(self.numpy_attention, plain_queries=self.plain_attention_queries,
-                                  attention_kernel=self.short_attention_kernel):
+        with self._attention_scope():
             hidden = self.model.model(inputs, cache=cache)
         return head(hidden[:, -1:, :])[:, -1, :]
 
