@@ -613,7 +613,7 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
         firsts.append((prompt + done.reply, done.cache))
     times: dict[str, list[tuple[float, float, float]]] = {}
 
-    def timed(name: str, build: Any) -> Any:
+    def timed(name: str, build: Any) -> None:
         """``build()`` returns the arrays to evaluate; (build, submit, wait) ms recorded under ``name``."""
         mx.synchronize()
         t0 = time.perf_counter()
@@ -625,7 +625,6 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
         mx.synchronize()
         t3 = time.perf_counter()
         times.setdefault(name, []).append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
-        return out
 
     def passed(name: str, run: Any, seq: Any) -> None:
         """``run()`` from an idle device; ``seq``'s pass timing as (build, submit, wait until the device is done)."""
