@@ -788,12 +788,12 @@ def main(argv: list[str] | None = None) -> None:
             res.body += [f"Stopped: {type(exc).__name__}: {str(exc)[:300]}", ""]
     if "joint" in on:
         res.write()  # kept if what follows runs past the session's time limit
+        context = 100 if quick else args.joint_context
         try:
             res.body += [f"## A batch's joint prefill pass in pieces, each from an idle device (`{Path(name).name}`, "
-                         f"{args.joint_rows} hot turns over ~{args.joint_context}-token caches; ms, medians)", "",
+                         f"{args.joint_rows} hot turns over ~{context}-token caches; ms, medians)", "",
                          *table(["piece", "rounds", "build", "submit", "wait", "in all"],
-                                joint_pass_rows(name, args.joint_rows, 100 if quick else args.joint_context,
-                                                3 if quick else 6)), ""]
+                                joint_pass_rows(name, args.joint_rows, context, 3 if quick else 6)), ""]
         except Exception as exc:  # noqa: BLE001 - a one-shot device run reports it
             res.body += [f"Stopped: {type(exc).__name__}: {str(exc)[:300]}", ""]
     if "gguf" in on and args.gguf and args.gguf != "none":
