@@ -13,8 +13,9 @@ Not a comparison with a goal, but the measurements that say where the next fix g
   then layer by layer, which block the device and the CPU part at first: attention (its
   rotating cache, sinks) or the MoE block (its router's choice, the sorted expert gather);
 * **attention alone at new shapes**: MLX's fused attention (on CUDA, cuDNN builds a graph for
-  each new set of shapes and strides) against the same attention from plain ops, first call and
-  again: whether short prefill chunks (hot turns, group joins) should skip the fused kernel;
+  each new set of shapes and strides) against the same attention from plain ops, plain ops over the
+  cache buffer's 256-token step (shapes that repeat across turns) and kvmem's kernel, first call and
+  again: what a short prefill chunk (a hot turn, a group's join) pays at a shape it has not seen;
 * **a new shape's first pass**: one forward of ``--probe-tokens`` new tokens over caches one
   token longer each time (as every turn of a conversation is), first call against a repeat
   at the same shape; if the first costs far more, per-shape setup (cuDNN's attention graphs)
@@ -259,14 +260,22 @@ def shape_rows(model: Any, contexts: list[int], new_tokens: int) -> list[list[st
     return rows
 
 
+SHAPE_WAYS = ("fused", "plain", "plain, keys to the buffer's 256 step", "kvmem kernel")
+"""The ways :func:`attention_shape_rows` attends, in its columns' order (the kernel where CUDA has it)."""
+
+
 def attention_shape_rows(queries: list[int], contexts: list[int]) -> list[list[str]]:
     """Attention alone (1B geometry, bf16, keys a slice of a 256-step buffer as in mlx-lm's ``KVCache``) at
-    shapes never seen before: the fused kernel (cuDNN: one graph per shape) against kvmem's plain-operation
-    attention (:func:`runtime.cpu.attention.plain_attention`), first call and again, and the largest
-    difference between the two outputs."""
+    shapes never seen before, first call and again, :data:`SHAPE_WAYS`: the fused kernel (cuDNN: one graph
+    per shape); kvmem's plain-operation attention (:func:`runtime.cpu.attention.plain_attention`); the same
+    over the buffer up to its 256-token step, the keys past the cache masked (its products' shapes repeat
+    across a conversation's turns: run 4's plain first calls cost 4-9 ms a new shape against 0.4-0.8 again);
+    and kvmem's kernel (:mod:`runtime.kv.short_attention`, up to its most queries); then the largest
+    difference from the fused kernel's output of any of the others."""
     import mlx.core as mx
 
     from runtime.cpu.attention import plain_attention  # kvmem's own (the plain_attention_queries setting)
+    from runtime.kv import short_attention
 
     rows = []
     heads, kv_heads, dim, scale = 32, 8, 64, 64**-0.5
@@ -278,21 +287,33 @@ def attention_shape_rows(queries: list[int], contexts: list[int]) -> list[list[s
             kbuf, vbuf = (mx.random.normal((1, kv_heads, cap, dim)).astype(mx.bfloat16) for _ in range(2))
             k, v = kbuf[:, :, :kl], vbuf[:, :, :kl]
             mx.eval(q, kbuf, vbuf)
+
+            def stepped() -> Any:
+                seen = mx.arange(cap)[None] <= (mx.arange(ql)[:, None] + (kl - ql))  # causal, and no key past kl
+                return plain_attention(q, kbuf, vbuf, scale=scale, mask=seen)
+
+            ways = {"fused": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal"),
+                    "plain": lambda: plain_attention(q, k, v, scale=scale, mask="causal"),
+                    "plain, keys to the buffer's 256 step": stepped}
+            if short_attention.available() and ql <= short_attention.MAX_QUERIES:
+                ways["kvmem kernel"] = lambda: short_attention.short_attention(
+                    q, k, v, scale=scale, starts=mx.zeros((1,), dtype=mx.int32))
             times: dict[str, list[float]] = {}
             outs = {}
-            for name, fn in (("fused", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
-                                                                                      mask="causal")),
-                             ("plain", lambda: plain_attention(q, k, v, scale=scale, mask="causal"))):
+            for name, fn in ways.items():
                 for _ in range(2):
                     mx.synchronize()
                     t0 = time.perf_counter()
                     outs[name] = fn()
                     mx.eval(outs[name])
                     times.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
-            diff = mx.abs(outs["fused"].astype(mx.float32) - outs["plain"].astype(mx.float32)).max().item()
-            rows.append([str(ql), str(n), *(f"{t:.2f}" for name in ("fused", "plain") for t in times[name]),
+            fused = outs["fused"].astype(mx.float32)
+            diff = max(mx.abs(out.astype(mx.float32) - fused).max().item() for name, out in outs.items()
+                       if name != "fused")
+            rows.append([str(ql), str(n), *(f"{t:.2f}" if name in times else "—"
+                                             for name in SHAPE_WAYS for t in times.get(name, [None, None])),
                          f"{diff:.2g}"])
-            log(f"attention {ql} over {n}: fused {times['fused']}, plain {times['plain']} ms")
+            log(f"attention {ql} over {n}: " + ", ".join(f"{name} {t}" for name, t in times.items()) + " ms")
     return rows
 
 
@@ -756,9 +777,11 @@ def main(argv: list[str] | None = None) -> None:
                              "MoE block, each block's input evaluated first",
                              "MoE block, mx.compile off"], gpt_oss_part_rows()), ""]
     if "shapes" in on:
-        res.body += ["## Attention alone at new shapes: fused (cuDNN, a graph per shape) against plain ops (ms)", "",
-                     *table(["new tokens", "cache tokens", "fused first", "fused again", "plain first", "plain again",
-                             "max |diff|"],
+        res.body += ["## Attention alone at new shapes: fused (cuDNN, a graph per shape), plain ops, plain ops over "
+                     "the buffer's 256 step, kvmem's kernel (ms)", "",
+                     *table(["new tokens", "cache tokens", *(f"{way} {when}" for way in SHAPE_WAYS
+                                                             for when in ("first", "again")),
+                             "max |diff| from fused"],
                             attention_shape_rows([16] if quick else [16, 128, 1024],
                                                  [100, 101] if quick else [1000, 1001, 4000, 16000])), ""]
     if "batch-attention" in on:

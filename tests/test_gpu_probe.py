@@ -19,3 +19,15 @@ def test_the_joint_pass_is_timed_in_pieces_first_round_apart() -> None:
         assert rounds == "1", name
         build, submit, wait, total = map(float, ms)
         assert min(build, submit, wait) >= 0 and abs(build + submit + wait - total) < 0.02, name
+
+
+def test_attention_at_new_shapes_is_the_fused_kernels_every_way_it_is_timed() -> None:
+    """Plain operations, and plain operations over the whole 256-step buffer with the keys past the cache
+    masked, give MLX's fused attention's output (bf16: within its rounding); the kernel's columns are
+    empty where CUDA is not."""
+    from benches.gpu_probe import SHAPE_WAYS, attention_shape_rows
+
+    for row in attention_shape_rows([3, 16], [20, 300]):
+        assert len(row) == 2 + 2 * len(SHAPE_WAYS) + 1
+        assert row[-3:-1] == ["—", "—"]  # no kernel on this device
+        assert float(row[-1]) < 2e-2, row
