@@ -9,7 +9,8 @@
 # bench (about 8 minutes, each step under its own time limit, everything into $OUT: 8 files at most come back:
 # gpu.log, gpu.md, gpu.png, trace_1b.json, trace_3b.json, probe.md, probe_3b.md, padded.md):
 #   1. python -m benches gpu: item 4 beside plain mlx-lm (1B, then 3B: run 4 cut the 3B when the needle
-#      rows went first), then 6 needles at 8K; the GPU actor's trace per geometry. Since run 4: the
+#      rows went first), then 4 needles at 8K (run 5's 6 took 152 s: each trial's times are logged now, to find
+#      why, before item 3's 20 a length can fit); the GPU actor's trace per geometry. Since run 4: the
 #      cold table splits a turn's wait before admission (reached the actor / tokenized / admitted); an
 #      overdue save copy waits for a prefill under way; a cache read from disk reaches the device by mx.load;
 #      prompts are tokenized off the model's thread; the needle model's (and any model's) quantized projections
@@ -57,9 +58,10 @@ out=${OUT:-/tmp/kvmem-out}
 mkdir -p "$out"
 case "${1:-bench}" in
   bench)
-    # geometries first (1B, 3B), then 6 needles at 8K with what is left (run 4: 10 needles took 221 s)
-    timeout -s INT 360 python3 -m benches gpu --out "$out" --needle-model "$KVMEM_NEEDLE_GGUF" --needles 6 \
-      --needle-lengths 8192 --deadline-s 340 > "$out/gpu.log" 2>&1
+    # geometries first (1B, 3B), then 4 needles at 8K with what is left (run 4: 10 needles took 221 s, run 5: 6 took
+    # 152 s); the probes after it grew since run 5 and the call has 560 s in all
+    timeout -s INT 330 python3 -m benches gpu --out "$out" --needle-model "$KVMEM_NEEDLE_GGUF" --needles 4 \
+      --needle-lengths 8192 --deadline-s 300 > "$out/gpu.log" 2>&1
     echo "benches gpu: exit $?"; tail -n 25 "$out/gpu.log"
     # where decode steps' time went (the trace's StepTiming), in the call's own output too
     grep -A 12 "decode steps' time went" "$out/gpu.md" | head -n 40
