@@ -217,6 +217,78 @@ def gpt_oss_part_rows() -> list[list[str]]:
     return rows
 
 
+GATHER_WAYS = ("unsorted", "sorted", "sorted, inputs evaluated", "SwitchGLU", "SwitchGLU, inputs evaluated")
+"""The ways :func:`gather_rows` multiplies tokens by their experts (see there)."""
+
+
+def gather_rows(tokens: tuple[int, ...] = (4, 40, 193)) -> list[list[str]]:
+    """tiny-gpt-oss's expert products alone, device against MLX's CPU stream: which road is wrong.
+
+    Run 5's three tiny-gpt-oss failures (float32, compile off) all differ by O(10) in a logit, and run 4's
+    layer rows put the error in the MoE block when a layer's graph is evaluated whole, not when the
+    block's input is evaluated first. mlx-lm's ``SwitchGLU`` sorts the tokens by expert once a pass routes
+    64 or more (token, expert) pairs; MLX 0.32's CUDA ``GatherMM`` then takes a CUTLASS grouped GEMM whose
+    group offsets a kernel computes on the device from the sorted indices, where fewer pairs take a
+    gather-and-multiply per pair. For each token count (``tokens``: under the sort threshold, then two over it)
+    and dtype, with layer 0's own expert weights and random inputs and routes: ``mx.gather_mm`` unsorted, sorted
+    (``_gather_sort`` as mlx-lm sorts, the products, the unsort) with its inputs lazy in one graph and evaluated
+    first, and the whole ``SwitchGLU`` (the activation's compile as the process has it) both ways. Each value is
+    the worst difference from the same computation on the CPU stream, then between two runs on the device."""
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
+
+    lm, _ = _tiny_gpt_oss()
+    mlp = lm.model.layers[0].mlp
+    glu, k, experts = mlp.experts, mlp.num_experts_per_tok, mlp.num_local_experts
+    weight = glu.gate_proj["weight"]  # (experts, out, in)
+    device = mx.default_stream(mx.default_device())
+    rows = []
+    for n in tokens:
+        key = mx.random.key(n)
+        x0 = mx.random.normal((1, n, weight.shape[-1]), key=key)
+        scores = mx.random.normal((1, n, experts), key=mx.random.split(key)[1])
+        routes = mx.argpartition(scores, kth=-k, axis=-1)[..., -k:].astype(mx.uint32)
+        mx.eval(x0, routes)
+        # MLX's CPU GatherMM takes float32 only: the CPU computes every row's reference in float32 (a bfloat16
+        # row's difference includes bfloat16's own rounding, about 1e-2 here; a wrong road is off by O(1)).
+        for dtype in (mx.float32, *([mx.bfloat16] if mx.default_device() == mx.gpu else [])):
+            def way(name: str, stream: Any, x0: Any = x0, dtype: Any = dtype) -> Any:
+                dtype = mx.float32 if stream == mx.cpu else dtype
+                with mx.stream(stream):
+                    x = x0.astype(dtype) * 1.0  # lazy: part of the graph the products are in
+                    w = weight.astype(dtype)
+                    if name.endswith("evaluated"):
+                        mx.eval(x, w)
+                    if name.startswith("SwitchGLU"):
+                        saved = {p: glu[p]["weight"] for p in ("gate_proj", "up_proj", "down_proj")}
+                        for p, v in saved.items():
+                            glu[p]["weight"] = v.astype(dtype)
+                        try:
+                            out = glu(x, routes)
+                        finally:
+                            for p, v in saved.items():
+                                glu[p]["weight"] = v
+                    else:
+                        xe = mx.expand_dims(x, (-2, -3))
+                        if name == "unsorted":
+                            out = mx.gather_mm(xe, w.swapaxes(-1, -2), rhs_indices=routes)
+                        else:
+                            xs, idx, inv = _gather_sort(xe, routes)
+                            if name.endswith("evaluated"):
+                                mx.eval(xs, idx, inv)
+                            out = _scatter_unsort(mx.gather_mm(xs, w.swapaxes(-1, -2), rhs_indices=idx,
+                                                               sorted_indices=True), inv, routes.shape)
+                    out = out.astype(mx.float32)
+                    mx.eval(out)
+                    return out
+
+            for name in GATHER_WAYS:
+                cpu, first, second = way(name, mx.cpu), way(name, device), way(name, device)
+                rows.append([str(n), f"{n * k}{' (sorted by mlx-lm)' if n * k >= 64 else ''}", str(dtype).split(".")[-1],
+                             name, f"{float(mx.abs(first - cpu).max()):.2e}", f"{float(mx.abs(first - second).max()):.2e}"])
+    return rows
+
+
 def _model(glob_pattern: str) -> tuple[Any, str]:
     from mlx_lm import load
 
@@ -727,7 +799,7 @@ def gguf_prefill_rows(gguf: str, lengths: list[int]) -> list[list[str]]:
     return rows
 
 
-SECTIONS = ("host-copy", "sdpa", "gpt-oss", "shapes", "batch-attention", "first-pass", "decode-row", "engine", "joint",
+SECTIONS = ("host-copy", "sdpa", "gpt-oss", "gather", "shapes", "batch-attention", "first-pass", "decode-row", "engine", "joint",
             "gguf")
 """The probes, in the order they run (``--sections``)."""
 
@@ -776,6 +848,11 @@ def main(argv: list[str] | None = None) -> None:
                              "tokens routed to other experts", "same, the device's own input",
                              "MoE block, each block's input evaluated first",
                              "MoE block, mx.compile off"], gpt_oss_part_rows()), ""]
+    if "gather" in on:
+        res.body += ["## tiny-gpt-oss's expert products alone, each road: the device against the CPU stream, and "
+                     "twice on the device (worst |diff|)", "",
+                     *table(["tokens", "(token, expert) pairs", "dtype", "road", "device vs CPU", "device twice"],
+                            gather_rows((4, 40) if quick else (4, 40, 193))), ""]
     if "shapes" in on:
         res.body += ["## Attention alone at new shapes: fused (cuDNN, a graph per shape), plain ops, plain ops over "
                      "the buffer's 256 step, kvmem's kernel (ms)", "",

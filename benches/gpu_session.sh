@@ -50,7 +50,10 @@
 #      from an idle device (a CUDA wait inside the submit spins the host: its CPU time cannot tell work from wait);
 #      the shapes section again (run 4's plain attention cost 4-9 ms at each new shape, 0.4-0.8 again, and every
 #      hot turn is one), now also over the cache buffer's 256-token step with the tail masked (shapes that repeat
-#      across turns) and in kvmem's kernel.
+#      across turns) and in kvmem's kernel;
+#   6. since session 26: the probe's gather section, tiny-gpt-oss's expert products alone by each road (unsorted,
+#      sorted as mlx-lm sorts 64 or more (token, expert) pairs, the whole SwitchGLU; inputs lazy and evaluated first)
+#      against the CPU stream: whether run 5's three gpt-oss failures are one of MLX's expert-product kernels.
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses).
 set -u
@@ -75,7 +78,7 @@ case "${1:-bench}" in
     # only the probes still open (run 4 answered the fused attention's accuracy, tiny-gpt-oss's layers and the
     # attention shapes): run 4's whole probe took 54 s, and the engine rows come last
     MLX_ENABLE_TF32=0 timeout -s INT 100 python3 -m benches gpu_probe --gguf none \
-      --sections host-copy sdpa shapes batch-attention decode-row engine joint > /tmp/probe.log 2>&1
+      --sections host-copy sdpa gather shapes batch-attention decode-row engine joint > /tmp/probe.log 2>&1
     echo "gpu_probe: exit $?"; tail -n 12 /tmp/probe.log
     cp benches/results/gpu_probe.md "$out/probe.md"
     # the 3B's decode (run 5: 0.64-0.72x mlx-lm, steps 5.75 ms against 4.2, its first 1K turn at 227 tokens/s and

@@ -31,3 +31,15 @@ def test_attention_at_new_shapes_is_the_fused_kernels_every_way_it_is_timed() ->
         assert len(row) == 2 + 2 * len(SHAPE_WAYS) + 1
         assert row[-3:-1] == ["—", "—"]  # no kernel on this device
         assert float(row[-1]) < 2e-2, row
+
+
+def test_the_expert_products_are_taken_every_road_on_both_sides_of_the_sort() -> None:
+    """tiny-gpt-oss's expert products by each road of ``GATHER_WAYS``, under and over mlx-lm's sort threshold
+    (64 pairs): here the "device" is MLX's CPU stream too, so every road gives the reference exactly."""
+    from benches.gpu_probe import GATHER_WAYS, gather_rows
+
+    rows = gather_rows((4, 40))
+    assert [(r[0], r[3]) for r in rows] == [(n, w) for n in ("4", "40") for w in GATHER_WAYS]
+    assert {r[1] for r in rows} == {"8", "80 (sorted by mlx-lm)"}  # tiny-gpt-oss routes each token to 2 experts
+    for row in rows:
+        assert row[2] == "float32" and float(row[4]) < 1e-5 and float(row[5]) == 0.0, row
