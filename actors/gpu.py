@@ -773,8 +773,10 @@ class GPUActor:
                 run, stop = self._until_message, self._doorbell.is_set
             elif owed.due.wanted or every:  # someone waits for it (a durable turn, a flush, stopping): whole
                 run, stop = self._job, None
-            else:  # overdue while turns run: a slice of layers a pass, so the batch waits for a slice
-                run, stop = self._job, _after(save_queue.COPY_SLICE_S)
+            else:  # overdue while turns run: a slice of parts a pass, so the batch waits for a slice, and a
+                # message that comes meanwhile (a new turn) for the part under way, not the rest of the slice
+                slice_over, rung = _after(save_queue.COPY_SLICE_S), self._doorbell.is_set
+                run, stop = self._until_message, lambda: slice_over() or rung()
             try:
                 snapshot = await run(partial(self._engine.snapshot, owed.parked, stop=stop, done=owed.done))
                 if snapshot is None:

@@ -168,6 +168,27 @@ async def test_an_overdue_copy_is_made_a_slice_a_pass_and_the_batch_waits_for_a_
     assert _disk(tmp_path).load("a", model_tag=TAG).text == "a short turn" + result.reply[:-1]
 
 
+async def test_a_turn_that_comes_during_an_overdue_copys_slice_waits_for_a_part_not_the_slice(tmp_path, monkeypatch):
+    """While turns run, an overdue copy goes a slice of parts a loop pass; a turn that comes meanwhile now
+    stops the slice after the part under way (here a slice would be the whole 0.6 s copy)."""
+    monkeypatch.setattr(save_queue, "COPY_SLICE_S", 10.0)
+    async with _busy_runtime(tmp_path, monkeypatch, overdue_s=0.05,
+                             copy_layers=30, copy_layer_delay_s=0.02) as (rt, engine, busy):  # 0.6 s whole
+        await rt.agent("a").send_prompt("a short turn", max_tokens=3)
+        with trio.fail_after(5):
+            while engine.copied_layers < 3:  # a's copy is overdue: a slice of it is under way
+                await trio.sleep(0.005)
+        t0 = trio.current_time()
+        async with rt.agent("b").stream_prompt("a turn in the middle of it", max_tokens=3) as stream:
+            async for _ in stream:
+                break
+        first_token = trio.current_time() - t0
+        assert engine.copied_layers < 30  # the slice stopped for b's turn
+        assert first_token < 0.3, first_token  # a part (0.02 s) and b's prefill; the rest of the slice is 0.5 s
+        await _until_written(rt, 1)
+    assert engine.copied_layers >= 30  # a's copy, resumed after b's turn came, never restarted
+
+
 async def test_an_overdue_copy_waits_for_a_prefill_under_way_to_end(tmp_path, monkeypatch):
     """H200 run 4: an overdue copy went a slice between the chunks of a cold 32K prompt, and each host
     copy waited for the chunks launched before it (15 ms a chunk, 658 ms against mlx-lm's 481). A copy

@@ -16,8 +16,9 @@ Plain Python (no trio, no MLX), like :mod:`runtime.plan.kv_manager`: the cache s
 * **The copy a save needs** (the GPU policy, ``BackendProfile.copy_after_turn``): the GPU actor
   owes each finished turn's host copy and makes it when :func:`next_copy` says: the ones the
   store wants (a durable turn, a flush) or that are :data:`COPY_OVERDUE_S` old, one per loop pass
-  while turns run (an overdue one a :data:`COPY_SLICE_S` slice of its parts a pass, and not while a
-  prompt's prefill is under way unless it is :data:`COPY_STARVED_S` old); when it has no
+  while turns run (an overdue one a :data:`COPY_SLICE_S` slice of its parts a pass, ended after the part
+  under way when a message comes, and not while a prompt's prefill is under way unless it is
+  :data:`COPY_STARVED_S` old); when it has no
   turn to run, every one owed :data:`COPY_IDLE_GRACE_S` or more
   (:func:`copy_wait`: how long it may wait for the next message first); never between two steps
   otherwise. An agent's next turn often comes right behind its reply (a tool loop): it goes first,
