@@ -301,8 +301,9 @@ class GPUActor:
             await self._reap()
             if self._sched is None:
                 continue
-            for request_id in self._sched.admit():
-                await self._start(request_id)
+            admitted = self._sched.admit()
+            if admitted:
+                await self._start(admitted)
             await self._run_step(self._sched.step(self._manager))
             await self._make_copies(prefilling=bool(self._sched.prefilling()))
             await trio.lowlevel.checkpoint()
@@ -482,22 +483,34 @@ class GPUActor:
                 continue
             await self._complete(request_id, cancelled=True)
 
-    async def _start(self, request_id: int) -> None:
-        req = self._requests[request_id]
-        req.admitted_at = time.perf_counter()
-        try:
-            started: SequenceStarted = await self._job(
-                self._engine.start, request_id, req.prompt, req.plan, req.tokens, req.msg.sampling
-            )
-        except Exception as exc:  # noqa: BLE001
-            await self._fail(request_id, exc)
-            return
-        self._manager.begin(request_id, agent_id=req.msg.agent_id, model_tag=req.msg.model_tag,
-                            token_ids=started.token_ids, tokens_reused=started.tokens_reused, share_prefix=req.msg.share_prefix)
-        req.started = started
+    async def _start(self, request_ids: tuple[int, ...]) -> None:
+        """Start the admitted turns on the model's thread, all in one job: a hop each cost a batch's joins
+        0.45 ms apiece before their joint pass (H200 run 5: 8 admitted over 3.3 ms)."""
+        reqs = [(request_id, self._requests[request_id]) for request_id in request_ids]
+        admitted_at = time.perf_counter()
+        for _, req in reqs:
+            req.admitted_at = admitted_at
+
+        def start_each() -> list[SequenceStarted | Exception]:
+            out: list[SequenceStarted | Exception] = []
+            for request_id, req in reqs:
+                try:
+                    out.append(self._engine.start(request_id, req.prompt, req.plan, req.tokens, req.msg.sampling))
+                except Exception as exc:  # noqa: BLE001 - that turn fails, the others start
+                    out.append(exc)
+            return out
+
         assert self._sched is not None
-        self._sched.to_prefill(request_id, started.tokens_to_prefill)
-        self._event("admit", request_id)
+        for (request_id, req), started in zip(reqs, await self._job(start_each), strict=True):
+            if isinstance(started, Exception):
+                await self._fail(request_id, started)
+                continue
+            self._manager.begin(request_id, agent_id=req.msg.agent_id, model_tag=req.msg.model_tag,
+                                token_ids=started.token_ids, tokens_reused=started.tokens_reused,
+                                share_prefix=req.msg.share_prefix)
+            req.started = started
+            self._sched.to_prefill(request_id, started.tokens_to_prefill)
+            self._event("admit", request_id)
 
     async def _run_step(self, step: Step) -> None:
         """Carry out one :class:`runtime.plan.scheduler.Step`: the joining prefills (in one pass where

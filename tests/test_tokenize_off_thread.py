@@ -69,3 +69,28 @@ async def test_turns_that_arrive_together_on_an_idle_actor_are_admitted_together
     assert len(first_step.request_ids) == 4  # the first waited for the others' tokenization: one batch
     tokenized = [e.at for e in events if e.kind == "tokenized"]
     assert len(tokenized) == 4 and all(b - a >= TOKENIZE_S * 0.9 for a, b in zip(tokenized, tokenized[1:]))  # one at a time
+
+
+async def test_turns_admitted_together_start_in_one_job_on_the_models_thread(tmp_path, monkeypatch):
+    """Each job is a hop to the model's thread and back (H200 run 5: a batch's 8 joins were admitted 0.45 ms
+    apart, one job each, before their joint pass): the turns admitted together start in one."""
+    from actors.mlx_thread import MlxThread
+
+    engine = SlowTokenizer()
+    jobs, started_in = [0], []
+    run = MlxThread.run
+
+    async def counted(self, fn, *args):
+        jobs[0] += 1
+        return await run(self, fn, *args)
+
+    def start(request_id, *args):
+        started_in.append(jobs[0])
+        return FakeEngine.start(engine, request_id, *args)
+
+    monkeypatch.setattr(MlxThread, "run", counted)
+    engine.start = start
+    async with _open(tmp_path, engine) as rt, trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(lambda i=i: rt.agent(f"a{i}").send_prompt(f"slow {i}", max_tokens=3))
+    assert len(started_in) == 4 and len(set(started_in)) == 1, started_in
