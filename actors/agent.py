@@ -28,6 +28,8 @@ stays in the store); the runtime starts a new one on the agent's next request.
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import assert_never
 
@@ -64,7 +66,7 @@ from actors.messages_store import (
     SaveReply,
     StoreInbox,
 )
-from actors.metrics import RuntimeMetrics
+from actors.metrics import GpuEvent, RuntimeMetrics
 from actors.registry import Acquire, AcquireReply, RegistryInbox, Release
 
 __all__ = ["AgentActor", "CacheHandle"]
@@ -108,6 +110,7 @@ class AgentActor:
         retire: Callable[[AgentActor], bool],
         handled: Callable[[], None] = lambda: None,
         durable: bool = False,
+        events: deque[GpuEvent] | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.inbox = inbox
@@ -119,6 +122,7 @@ class AgentActor:
         self._retire = retire
         self._handled = handled
         self._durable = durable
+        self._events = events  # the runtime's trace, when it is on: each turn's checkout joins it
         self.handle: CacheHandle | None = None
         self.turns = 0
 
@@ -153,9 +157,10 @@ class AgentActor:
                 try:
                     if receiver_left(message.reply):
                         return  # the client left while the turn was queued
+                    received = time.perf_counter()
                     self._metrics.request_started()
                     try:
-                        reply = await self._turn(message)
+                        reply = await self._turn(message, received)
                     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                         reply = Failed(kind="Cancelled", error=f"the runtime is shutting down ({exc!r})")
                 finally:
@@ -174,12 +179,12 @@ class AgentActor:
             case _:
                 assert_never(message)
 
-    async def _turn(self, turn: Turn) -> TurnReply:
+    async def _turn(self, turn: Turn, received: float) -> TurnReply:
         grant: AcquireReply = await ask(self._registry, lambda r: Acquire(model=turn.turn.model, reply=r))
         if isinstance(grant, Failed):
             return grant
         try:
-            return await self._run_turn(turn, grant.info)
+            return await self._run_turn(turn, grant.info, received)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
                 try:
@@ -187,12 +192,16 @@ class AgentActor:
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
 
-    async def _run_turn(self, turn: Turn, info: ModelInfo) -> TurnReply:
+    async def _run_turn(self, turn: Turn, info: ModelInfo, received: float) -> TurnReply:
         request = turn.turn
         opened: CheckOutReply = await ask(
             self._store, lambda r: CheckOut(agent_id=self.agent_id, model_tag=info.tag, reply=r))
         if isinstance(opened, Failed):
             return opened
+        if self._events is not None:  # from the client's send: waited to reach this actor, then took to check out
+            now = time.perf_counter()
+            self._events.append(GpuEvent(kind="checkout", request_ids=(turn.request_id,), at=now,
+                                         waited_ms=(received - turn.submitted_at) * 1e3, took_ms=(now - received) * 1e3))
         checked_in = False
         try:
             generated: GenerateReply = await ask(

@@ -233,7 +233,9 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     several steps in one job on the model's thread; ``took_ms`` from its start on trio, ``waited_ms``
     from there to the job's start on the model's thread, ``detail`` its steps and why it ended: its
     steps done, its time done, a row finished, or the doorbell and what rang it),
-    ``gc`` (a run of Python's cyclic collector, on any thread: ``generation`` and ``took_ms``; it
+    ``checkout`` (an agent's actor checked the turn's cache out of the store and sends it to the GPU actor:
+    ``waited_ms`` from the client's send to that actor, ``took_ms`` from there: the model's lease and the
+    checkout), ``gc`` (a run of Python's cyclic collector, on any thread: ``generation`` and ``took_ms``; it
     holds the GIL throughout), and the cache store's ``save`` (a cache written: ``took_ms``, ``detail``
     the bytes) and ``read`` (a cache read for a turn: ``took_ms``, ``detail`` its tokens), on its disk
     thread, whose Python parts hold the GIL the model's thread builds its graphs under.
@@ -253,9 +255,10 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
 
 
-BESIDE_THE_WORK = frozenset({"gc", "save", "read", "run"})
+BESIDE_THE_WORK = frozenset({"gc", "save", "read", "run", "checkout"})
 """Trace kinds that are not one of the GPU actor's units of work: Python's collector and the cache store's
-disk jobs ran beside it, on other threads, and a ``run`` event marks the end of steps already logged."""
+disk jobs ran beside it, on other threads, a ``run`` event marks the end of steps already logged, and an
+agent's ``checkout`` happens before its turn reaches the GPU actor."""
 
 
 def units_of_work(events: Iterable[GpuEvent]) -> list[GpuEvent]:

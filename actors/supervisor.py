@@ -341,6 +341,7 @@ class Runtime:
                 retire=self._retire,
                 handled=self._handled,
                 durable=self._durable,
+                events=self._gpu.events,
             )
             entry = self._agents[agent_id] = (send, actor)
             self._agents_nursery.start_soon(actor.run, name=f"agent {agent_id}")

@@ -498,7 +498,8 @@ def _trace_events(rt: Any) -> list[dict[str, Any]]:
              **({"timing": [e.timing.launch_ms, e.timing.wait_ms, e.timing.host_ms,
                             e.timing.build_ms, e.timing.launch_cpu_ms]} if e.timing else {}),
              **({"generation": e.generation, "took_ms": e.took_ms} if e.kind == "gc" else {}),
-             **({"took_ms": e.took_ms, "detail": e.detail} if e.kind in ("run", "save", "read") else {})}
+             **({"took_ms": e.took_ms, "detail": e.detail} if e.kind in ("run", "save", "read") else {}),
+             **({"took_ms": e.took_ms, "waited_ms": e.waited_ms} if e.kind == "checkout" else {})}
             for e in rt.gpu_events()]
 
 
@@ -696,7 +697,9 @@ def device_lines() -> list[str]:
 
 
 def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
-    """Each cold (and hot, and warm) turn's window read against the GPU actor's trace: when it reached the GPU actor, when its
+    """Each cold (and hot, and warm) turn's window read against the GPU actor's trace: when its agent's actor had
+    checked its cache out and sent it on (H200 run 5: turns reached the GPU actor 5-7 ms after they were sent,
+    with nothing in the GPU actor's trace to say why), when it reached the GPU actor, when its
     prompt was tokenized (H200 run 4: admission took 120-206 ms at 32K), when the actor admitted it, the host
     copies for earlier turns' saves it made first (how many, and roughly how long: each copy's time
     since the event before it), and when the turn's prefill ended (its first token). H200 run 3 read
@@ -714,9 +717,9 @@ def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
         mine = [e for _, e in inside if e["ids"] == admit["ids"]]
         first_step = next((e["at"] for e in mine if e["kind"] in ("step", "finish")), t1)
         chunks = [e["at"] for e in mine if e["kind"] == "chunk" and e["at"] <= first_step]
-        reached, tokenized = (next((f"{(e['at'] - t0) * 1e3:.0f}" for e in mine if e["kind"] == kind), "—")
-                              for kind in ("submit", "tokenized"))
-        rows.append([mark["agent"], reached, tokenized, f"{(admit['at'] - t0) * 1e3:.0f}",
+        checked_out, reached, tokenized = (next((f"{(e['at'] - t0) * 1e3:.0f}" for e in mine if e["kind"] == kind), "—")
+                                           for kind in ("checkout", "submit", "tokenized"))
+        rows.append([mark["agent"], checked_out, reached, tokenized, f"{(admit['at'] - t0) * 1e3:.0f}",
                      f"{len(copies)} ({copy_ms:.0f} ms)" if copies else "0",
                      f"{(chunks[-1] - t0) * 1e3:.0f}" if chunks else "—"])
     return rows
@@ -909,7 +912,7 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
         waits = waits_before_first_token(r.trace)
         if waits:
             lines += ["", "Where the cold, hot and warm turns' first tokens went (the GPU actor's trace; ms from sending the turn):",
-                      "", *table(["turn", "reached the GPU actor", "tokenized", "admitted",
+                      "", *table(["turn", "checked out (agent's actor)", "reached the GPU actor", "tokenized", "admitted",
                                                 "save copies made first", "prefill ended"], waits)]
         split = decode_step_split(r.trace)
         if split:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -516,3 +517,19 @@ async def test_the_stores_saves_and_reads_join_the_trace(tmp_path):
     # in order with the GPU actor's own work: the read ended before the turn was admitted
     admit = next(e for e in rt.gpu_events() if e.kind == "admit")
     assert reads[0].at <= admit.at
+
+
+async def test_the_trace_says_when_each_turn_was_checked_out_before_it_reached_the_gpu_actor(tmp_path):
+    """H200 run 5: turns reached the GPU actor 5-7 ms after they were sent, and nothing in its trace said why:
+    each turn's agent actor now logs its checkout (from the send: the wait for that actor, then its lease and
+    checkout), ahead of the GPU actor's ``submit``."""
+    async with _open(tmp_path, trace=True) as rt:
+        t0 = time.perf_counter()
+        done = await rt.agent("a").send_prompt("hello there", max_tokens=3)
+        events = [e for e in rt.gpu_events() if done.request_id in e.request_ids]
+    kinds = [e.kind for e in events]
+    assert kinds[:2] == ["checkout", "submit"], kinds
+    checkout = events[0]
+    assert checkout.waited_ms is not None and checkout.took_ms is not None
+    assert 0 <= checkout.waited_ms and 0 <= checkout.took_ms
+    assert t0 <= checkout.at - (checkout.waited_ms + checkout.took_ms) / 1e3 + 1e-6  # it starts at the send
