@@ -29,7 +29,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | a decode step of rows of different lengths (a batch's padding) | NumPy's decode attention (from 1K keys over the batch; MLX's below) | MLX's masked fallback (no fused CUDA or cuDNN one-query kernel takes a mask: a product, the mask, a softmax and a product a layer); with ``short_attention_kernel`` on CUDA, kvmem's one kernel, causal, each row from its first key, for these steps and the short passes too (``runtime.kv.short_attention``; off until a GPU run measures it) |
 | memory budgets (``budget_mb``, ``hot_budget_mb``, ``keep_float_mb`` left unset) | 2048 / 512 / 1024 MiB | 25% / 10% / 10% of the device's memory (CUDA's total, Metal's recommended working set); the CPU's where it is not known (the GPU policy forced on a CPU) |
 | a turn's end | the cache is quantized and copied to the host for its save at once | quantized without waiting; the save's host copy is made later, when the GPU actor has nothing to run or the store needs it, never between two decode steps; made while idle, it stops between two parts (a few MB of one array: ``runtime.kv.host_copy``) for a message; overdue while turns run, it goes a few parts a loop pass, after the prefill under way (``actors.gpu``) |
-| quantized projections MLX's fast CUDA prefill kernel does not take (an output width not a multiple of 128, ...) | (CUDA only, whatever the policy) | made float at load: the other kernel is JIT-compiled, and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute (``runtime.model.cuda_qmm``) |
+| quantized projections (CUDA only, whatever the policy) | — | MLX compiles its quantized kernels for passes of 8+ rows on the machine at first use (SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute): a small model's (at most 1 GiB made float) are all made float at load; a larger model's that MLX's fast kernel does not take too, and the kernels the rest use are compiled at load (``runtime.model.cuda_qmm``) |
 | a cache read from disk, onto the device | ``mx.array`` (host memory is the device's) | ``mx.load`` of the arrays as a safetensors stream: one copy each to device memory, not managed memory paged in at about 0.6 GB/s on CUDA (``runtime.kv.upload``) |
 | a Q4 cache dequantized (a turn's activation, a park's kept float) | unpacked in float32 by plain operations (MLX's kernel is about 8x slower on the CPU) | ``mx.dequantize``: one kernel an array, not nine, and no float32 intermediates |
 | a cache copied to the host for its save | its own arrays read in place | a device copy read, so the cache's own buffers stay device memory (MLX moves any buffer the host reads to managed memory for good) |
@@ -134,9 +134,10 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             own arrays: on CUDA MLX moves any buffer the host reads to managed memory for good
             (``Buffer::raw_ptr``), so a parked cache read in place would page-fault back onto the
             device at its next use (``runtime.kv.host_copy.host_readable``).
-        float_slow_projections: on CUDA, quantized projections whose shapes MLX's fast prefill kernel
-            does not take are made float at load (:mod:`runtime.model.cuda_qmm`: the other kernel is
-            JIT-compiled and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute).
+        float_slow_projections: on CUDA, a small model's quantized projections are made float at load, a
+            larger one's that MLX's fast prefill kernel does not take too, and the kernels its packed ones
+            use are compiled at load (:mod:`runtime.model.cuda_qmm`: MLX compiles them on the machine at
+            first use, and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute).
         tune_allocator: glibc keeps freed memory and one arena (``runtime.allocator``).
         prewarm_mb: memory touched at the first model load (0: none).
         openblas: the OpenBLAS library loaded at import (None: MLX's own BLAS).

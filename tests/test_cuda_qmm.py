@@ -1,8 +1,10 @@
-"""On CUDA, quantized projections MLX's fast prefill kernel does not take are made float at load
+"""On CUDA, quantized projections are made float at load where MLX would compile a kernel mid-turn
 (runtime.model.cuda_qmm): H200 run 4's needle rows on SmolLM2-135M (576 wide) took 221 s, and its
-first 1,000-token forward did not end in a minute, while the 1B geometry's widths (multiples of
-128) ran at full speed. The rule is read from MLX 0.32's source; here it is held, and so is what
-the swap must not change: the model's logits (the same values, in float instead of packed).
+first 1,000-token forward did not end in a minute; with only its narrow projections made float, 6
+needle trials at 8K still took 152 s (run 5). A small model now has all of them made float; a larger
+one keeps those MLX's fast kernel takes packed, and compiles their kernels at load. The fast kernel's
+rule is read from MLX 0.32's source; here it is held, and so is what the swap must not change: the
+model's logits (the same values, in float instead of packed).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 from conftest import models_dir
 
 from runtime.model import default_model
-from runtime.model.cuda_qmm import float_where_no_fast_kernel, has_fast_prefill_kernel
+from runtime.model.cuda_qmm import WARM_ROWS, float_for_cuda, has_fast_prefill_kernel, warm_quantized_kernels
 from runtime.model.gguf import prepare_gguf
 from runtime.model.loaded import load_model
 
@@ -41,27 +43,45 @@ def _logits(model: nn.Module, ids: list[int]) -> np.ndarray:
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
-def test_smollm2s_narrow_projections_become_float_and_its_logits_stay_right() -> None:
-    packed = prepare_gguf(default_model.default_model_file(), models_dir=models_dir(), weights="quantized",
-                          packed_floats="float16")
-    model = packed.build_model()
+def _packed_default_model() -> nn.Module:
+    return prepare_gguf(default_model.default_model_file(), models_dir=models_dir(), weights="quantized",
+                        packed_floats="float16").build_model()
+
+
+def test_smollm2_is_small_every_projection_becomes_float_and_its_logits_stay_right() -> None:
+    model = _packed_default_model()
     ids = [int(i) for i in np.random.default_rng(0).integers(3, 49152, size=16)]
     reference = _logits(load_model("kvmem-default", models_dir=models_dir(), weights="float32").model, ids)
     # float32 here, not the engine's float16: MLX's CPU backend multiplies float16 without BLAS, and its
     # quantized float16 matmul at these shapes took 91 s for 16 tokens (the reason the packed model's own
     # logits are not computed here; tests/test_gguf.py holds those against the same reference).
-    made_float, quantized = float_where_no_fast_kernel(model, mx.float32, activations=mx.float16)
-    layer = model.model.layers[0]
-    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj"):
-        assert f"model.layers.0.{name}" in made_float
-    assert isinstance(layer.self_attn.q_proj, nn.Linear) and layer.self_attn.q_proj.weight.dtype == mx.float32
-    assert isinstance(layer.mlp.gate_proj, nn.QuantizedLinear) and isinstance(layer.mlp.up_proj, nn.QuantizedLinear)
-    assert len(made_float) == 5 * len(model.model.layers) and quantized == 7 * len(model.model.layers)
+    made_float, quantized = float_for_cuda(model, mx.float32, activations=mx.float16)
+    assert len(made_float) == quantized == 7 * len(model.model.layers) + 1  # the tied embedding too
+    assert not [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    assert isinstance(model.model.embed_tokens, nn.Embedding) and model.model.embed_tokens.weight.dtype == mx.float32
     after = _logits(model, ids)
     # Against the file's weights loaded as float32 (an independent reference): within the 5% the packed
     # model is held to (measured: 0.12 of a largest logit of 29.5; the packed blocks, 16.7 at one position).
     assert np.abs(after - reference).max() < 0.05 * np.abs(reference).max()
     assert (after.argmax(-1) == reference.argmax(-1)).mean() >= 0.95
+    assert warm_quantized_kernels(model, mx.float16) == 0  # nothing packed is left to compile
+
+
+def test_a_larger_model_keeps_what_the_fast_kernel_takes_packed_and_compiles_it_at_load() -> None:
+    """As SmolLM2 would be were it over the small-model bound: its narrow projections go float, its gate and
+    up projections and its tied head stay packed, and one warm-up product per row tile runs for each kind."""
+    model = _packed_default_model()
+    made_float, quantized = float_for_cuda(model, mx.float32, activations=mx.float16, small_bytes=0)
+    layer = model.model.layers[0]
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj"):
+        assert f"model.layers.0.{name}" in made_float
+    assert isinstance(layer.self_attn.q_proj, nn.Linear) and layer.self_attn.q_proj.weight.dtype == mx.float32
+    assert isinstance(layer.mlp.gate_proj, nn.QuantizedLinear) and isinstance(layer.mlp.up_proj, nn.QuantizedLinear)
+    assert len(made_float) == 5 * len(model.model.layers) and quantized == 7 * len(model.model.layers) + 1
+    kinds = {(m.bits, m.group_size, isinstance(m, nn.QuantizedEmbedding)) for _, m in model.named_modules()
+             if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    assert warm_quantized_kernels(model, mx.float32, rows=(8, 9)) == 2 * len(kinds)
+    assert len(WARM_ROWS) == 3  # MLX's CUDA row tiles: 16, 32, 64
 
 
 def test_the_engine_makes_them_float_only_where_its_profile_says(monkeypatch: pytest.MonkeyPatch) -> None:

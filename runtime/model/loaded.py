@@ -17,6 +17,7 @@ import functools
 import hashlib
 import json
 import logging
+import time
 from dataclasses import replace
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from runtime.reply import generic_tools
 from runtime.distributed.shard import shard_model, shard_model_id
 from runtime.backend import detect_device
 from runtime.model.cuda_compile import turn_compile_off_if_wrong
-from runtime.model.cuda_qmm import float_where_no_fast_kernel
+from runtime.model.cuda_qmm import float_for_cuda, warm_quantized_kernels
 from runtime.model.default_model import DEFAULT_MODEL, default_model_file
 from runtime.errors import ModelError, UnsupportedModelError
 from runtime.model.gguf import is_gguf, prepare_gguf
@@ -243,8 +244,9 @@ def load_model(
     (0: never) sends their short passes' attention through plain MLX operations instead, and
     ``short_attention_kernel`` a padded decode batch's steps and those short passes through
     :mod:`runtime.kv.short_attention`.
-    ``float_slow_projections`` makes float the quantized projections MLX's fast CUDA prefill kernel
-    does not take (:mod:`runtime.model.cuda_qmm`; the profile's choice on CUDA).
+    ``float_slow_projections`` makes float a small model's quantized projections, and a larger one's that
+    MLX's fast CUDA prefill kernel does not take, then compiles the kernels its packed ones use
+    (:mod:`runtime.model.cuda_qmm`; the profile's choice on CUDA).
     ``group``: an ``mx.distributed`` group of more than one rank keeps this rank's
     tensor-parallel part of the model (:mod:`runtime.distributed.shard`).
     """
@@ -278,11 +280,17 @@ def load_model(
         plain_attention_queries=plain, short_attention_kernel=short_attention_kernel and adapted,
     )
     if float_slow_projections:
-        made_float, quantized = float_where_no_fast_kernel(loaded, lm.float_dtype)
+        made_float, quantized = float_for_cuda(loaded, lm.float_dtype)
         if made_float:
-            log.info("%s: %d of %d quantized projections made %s, their shapes outside MLX's fast CUDA prefill "
-                     "kernel (%s, ...)", name, len(made_float), quantized,
-                     str(lm.float_dtype).removeprefix("mlx.core."), made_float[0])
+            log.info("%s: %d of %d quantized projections made %s (%s, ...): %s", name, len(made_float), quantized,
+                     str(lm.float_dtype).removeprefix("mlx.core."), made_float[0],
+                     "a small model's, nothing to compile" if len(made_float) == quantized
+                     else "their shapes outside MLX's fast CUDA prefill kernel")
+        if len(made_float) < quantized:
+            t0 = time.perf_counter()
+            products = warm_quantized_kernels(loaded, lm.float_dtype)
+            log.info("%s: MLX's CUDA kernels for its packed projections compiled at load (%d warm-up products, "
+                     "%.1f s; MLX keeps them in its PTX cache)", name, products, time.perf_counter() - t0)
     turn_compile_off_if_wrong(name, config, detect_device()[1])
     if not lm.supports_tools:  # its prompts carry tools in kvmem's generic format: part of every cache's tag
         lm.spec = replace(spec, prompt_format=generic_tools.FORMAT)
