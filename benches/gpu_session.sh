@@ -35,7 +35,8 @@
 #   the bench no longer spends 45 s of the 15 minutes on them first);
 #   3. since run 5: the 3B's engine decode alone (no actors) beside mlx-lm, before and after a 32K turn and after
 #      mx.clear_cache() (run 5's 3B decoded at 0.64-0.72x, faster in its first turn than after its 32K ones); run 5's
-#      three tiny-gpt-oss failures with cuDNN's attention off, then with CUDA graphs off (which one they need)
+#      three tiny-gpt-oss failures down each road for the expert products (KVMEM_CUDA_MOE: unsorted, inputs
+#      evaluated; runtime/model/cuda_moe.py), then with CUDA graphs off (which one they need)
 #      (run 5's heap failure was Python 3.12's counting, reproduced and allowed for on the CPU since);
 #   4. kvmem's short attention kernel (runtime/kv/short_attention.py, the short_attention_kernel setting, off by
 #      default: a padded batch's decode steps, a hot turn's message and a batch's joins in one kernel a layer):
@@ -90,10 +91,10 @@ case "${1:-bench}" in
     MLX_ENABLE_TF32=0 timeout -s INT 75 python3 -m benches gpu_probe --gguf none --sections decode-row engine \
       --model-glob '/tmp/kvmem-bench/models/gpu-3b-*' --engine-after-tokens 32768 > /tmp/probe3b.log 2>&1
     echo "gpu_probe 3B: exit $?"; grep -A 9 "decode row\|One row.s decode" benches/results/gpu_probe.md; cp benches/results/gpu_probe.md "$out/probe_3b.md"
-    # run 5's three tiny-gpt-oss failures (compile off was not enough) with cuDNN's attention off, then with CUDA
-    # graphs off
-    for env in MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0; do
-      echo "tiny-gpt-oss with $env:"; env "$env" timeout -s INT 40 python3 -m pytest -q -p no:benchmark -p no:cacheprovider \
+    # run 5's three tiny-gpt-oss failures (compile off was not enough; float32, so not cuDNN's attention) down each
+    # of runtime/model/cuda_moe.py's roads for the expert products, then with CUDA graphs off
+    for env in KVMEM_CUDA_MOE=unsorted KVMEM_CUDA_MOE=inputs-evaluated MLX_USE_CUDA_GRAPHS=0; do
+      echo "tiny-gpt-oss with $env:"; env "$env" timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider \
         tests/test_cache_correctness.py -k "gpt-oss and (suffix or warm_cache or batched)" 2>&1 | tail -n 3
     done
     # the 1B's turns and batch with kvmem's short attention kernel (runtime/kv/short_attention.py; the report only:

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import replace
 from collections.abc import Mapping
@@ -36,6 +37,7 @@ from runtime.reply import generic_tools
 from runtime.distributed.shard import shard_model, shard_model_id
 from runtime.backend import detect_device
 from runtime.model.cuda_compile import turn_compile_off_if_wrong
+from runtime.model.cuda_moe import MOE_ROAD_ENV, take_moe_road
 from runtime.model.cuda_qmm import float_for_cuda, warm_quantized_kernels
 from runtime.model.default_model import DEFAULT_MODEL, default_model_file
 from runtime.errors import ModelError, UnsupportedModelError
@@ -291,7 +293,12 @@ def load_model(
             products = warm_quantized_kernels(loaded, lm.float_dtype)
             log.info("%s: MLX's CUDA kernels for its packed projections compiled at load (%d warm-up products, "
                      "%.1f s; MLX keeps them in its PTX cache)", name, products, time.perf_counter() - t0)
-    turn_compile_off_if_wrong(name, config, detect_device()[1])
+    backend = detect_device()[1]
+    turn_compile_off_if_wrong(name, config, backend)
+    road = os.environ.get(MOE_ROAD_ENV)
+    if road and backend == "cuda" and (taken := take_moe_road(loaded, road)):
+        log.warning("%s: %s=%s: its %d expert blocks take that road (runtime.model.cuda_moe, a diagnosis)",
+                    name, MOE_ROAD_ENV, road, taken)
     if not lm.supports_tools:  # its prompts carry tools in kvmem's generic format: part of every cache's tag
         lm.spec = replace(spec, prompt_format=generic_tools.FORMAT)
     return lm
