@@ -343,7 +343,11 @@ def attention_shape_rows(queries: list[int], contexts: list[int]) -> list[list[s
     over the buffer up to its 256-token step, the keys past the cache masked (its products' shapes repeat
     across a conversation's turns: run 4's plain first calls cost 4-9 ms a new shape against 0.4-0.8 again);
     and kvmem's kernel (:mod:`runtime.kv.short_attention`, up to its most queries); then the largest
-    difference from the fused kernel's output of any of the others."""
+    difference from the fused kernel's output of any of the others. One query is a lone row's decode step:
+    MLX 0.32's CUDA backend sends it to cuDNN when its keys are a slice of a buffer a multiple of 256 long
+    (``use_cudnn_for_decoding``), with a graph per buffer length: H200 run 5's one-agent batch rounds had a
+    first decode step of 44 ms in two rounds of three (7.5 in the third, 2.3 a step after), as the agent's
+    cache crossed a 256-token step."""
     import mlx.core as mx
 
     from runtime.cpu.attention import plain_attention  # kvmem's own (the plain_attention_queries setting)
@@ -859,7 +863,7 @@ def main(argv: list[str] | None = None) -> None:
                      *table(["new tokens", "cache tokens", *(f"{way} {when}" for way in SHAPE_WAYS
                                                              for when in ("first", "again")),
                              "max |diff| from fused"],
-                            attention_shape_rows([16] if quick else [16, 128, 1024],
+                            attention_shape_rows([1, 16] if quick else [1, 16, 128, 1024],
                                                  [100, 101] if quick else [1000, 1001, 4000, 16000])), ""]
     if "batch-attention" in on:
         lengths = [1030, 1061, 1002, 1117, 1089, 1045, 1150, 1013]
