@@ -74,6 +74,7 @@ from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
 from actors.messages_store import SnapshotDue
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
+from actors.text_jobs import TextJobs
 from runtime import heap
 from runtime.backend import DECODE_RUN_S
 from runtime.plan import save_queue
@@ -174,7 +175,7 @@ class GPUActor:
         # Prompts are rendered and tokenized off the model's thread, one at a time and in arrival order
         # (_submit): the running turns go on meanwhile.
         self._texts: trio.Nursery | None = None
-        self._text_limiter = trio.CapacityLimiter(1)
+        self._text_jobs = TextJobs()
         self._tokenizing: set[int] = set()
         self._no_texts = trio.Event()
         self._no_texts.set()
@@ -197,7 +198,9 @@ class GPUActor:
             try:
                 async with trio.open_nursery() as texts:
                     self._texts = texts
+                    texts.start_soon(self._text_jobs.serve, name="the GPU actor's text jobs")
                     await self._loop()
+                    texts.cancel_scope.cancel()  # every turn's text is done (the loop waited): the worker goes
             finally:
                 self._texts = None
                 for req in self._requests.values():
@@ -220,9 +223,9 @@ class GPUActor:
         return await self._thread.run(fn, *args)
 
     async def _text_job(self, fn: Any, *args: Any) -> Any:
-        """Render or tokenize on a worker thread, one at a time: no MLX there, and the tokenizer's
-        Rust code lets go of the GIL, so the model's thread runs on meanwhile."""
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._text_limiter)
+        """Render or tokenize on the text worker's thread (:class:`actors.text_jobs.TextJobs`): no MLX there, and
+        the tokenizer's Rust code lets go of the GIL, so the model's thread runs on meanwhile."""
+        return await self._text_jobs.run(fn, *args)
 
     def _ring(self) -> None:
         """Something is waiting in ``_early``: end a decode run or an idle copy at its next check,
