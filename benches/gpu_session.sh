@@ -57,7 +57,8 @@
 #      against the CPU stream: whether run 5's three gpt-oss failures are one of MLX's expert-product kernels;
 #   7. since session 26: the needle model (SmolLM2-135M, small) loads with every quantized projection float on CUDA
 #      (MLX compiles its quantized kernels at first use: run 5's 6 needles took 152 s), so each trial's logged
-#      prefill and answer times say whether that was it; a batch's joins start in one job; the first-token table
+#      prefill and answer times say whether that was it; a batch's joins are tokenized in one hop and start in
+#      one job; the first-token table
 #      has each turn's checkout in its agent's actor (run 5's turns reached the GPU actor 5-7 ms after the send).
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses).
