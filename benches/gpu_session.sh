@@ -59,9 +59,7 @@
 #      (MLX compiles its quantized kernels at first use: run 5's 6 needles took 152 s), so each trial's logged
 #      prefill and answer times say whether that was it; a batch's joins are tokenized in one hop and start in
 #      one job; the first-token table
-#      has each turn's checkout in its agent's actor (run 5's turns reached the GPU actor 5-7 ms after the send);
-#      MLX's buffer cache is held to 5% of the device's memory (run 5's 3B steps slowed turn after turn; the 3B
-#      engine rows after a 32K turn and after mx.clear_cache() say whether a bounded cache was the cure).
+#      has each turn's checkout in its agent's actor (run 5's turns reached the GPU actor 5-7 ms after the send).
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses).
 set -u

@@ -28,7 +28,6 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | short passes' attention (2 to ``plain_attention_queries`` query positions a row) | NumPy (above) | plain MLX operations, up to :data:`GPU_PLAIN_ATTENTION_QUERIES` (unset): on CUDA the fused kernel builds a cuDNN graph per new shape, about 65 ms each, and a growing conversation's every turn has new ones (an H200, run 3: a batch of 8's join took 263 ms a round instead of 1,071) |
 | a decode step of rows of different lengths (a batch's padding) | NumPy's decode attention (from 1K keys over the batch; MLX's below) | MLX's masked fallback (no fused CUDA or cuDNN one-query kernel takes a mask: a product, the mask, a softmax and a product a layer); with ``short_attention_kernel`` on CUDA, kvmem's one kernel, causal, each row from its first key, for these steps and the short passes too (``runtime.kv.short_attention``; off until a GPU run measures it) |
 | memory budgets (``budget_mb``, ``hot_budget_mb``, ``keep_float_mb`` left unset) | 2048 / 512 / 1024 MiB | 25% / 10% / 10% of the device's memory (CUDA's total, Metal's recommended working set); the CPU's where it is not known (the GPU policy forced on a CPU) |
-| MLX's buffer cache | MLX's own limit | :data:`GPU_MLX_CACHE_SHARE` (5%) of the device's memory: MLX keeps freed buffers up to 95% of a CUDA device, and a cache growing chunk by chunk frees buffers no later request fits |
 | a turn's end | the cache is quantized and copied to the host for its save at once | quantized without waiting; the save's host copy is made later, when the GPU actor has nothing to run or the store needs it, never between two decode steps; made while idle, it stops between two parts (a few MB of one array: ``runtime.kv.host_copy``) for a message; overdue while turns run, it goes a few parts a loop pass, after the prefill under way (``actors.gpu``) |
 | quantized projections (CUDA only, whatever the policy) | — | MLX compiles its quantized kernels for passes of 8+ rows on the machine at first use (SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute): a small model's (at most 1 GiB made float) are all made float at load; a larger model's that MLX's fast kernel does not take too, and the kernels the rest use are compiled at load (``runtime.model.cuda_qmm``) |
 | a cache read from disk, onto the device | ``mx.array`` (host memory is the device's) | ``mx.load`` of the arrays as a safetensors stream: one copy each to device memory, not managed memory paged in at about 0.6 GB/s on CUDA (``runtime.kv.upload``) |
@@ -83,19 +82,6 @@ GPU_MEMORY_SHARES: dict[str, float] = {"budget_mb": 0.25, "hot_budget_mb": 0.10,
 """On a GPU, each memory setting's default as a share of the device's memory: 45% in all, beside the
 model's weights. The CPU's 1 GiB float pool, for one, cannot hold a 3B model's 16K-token cache as
 float (1.9 GB): restored ahead after a restart, it was dequantized at the turn instead (H200 run 2)."""
-
-
-GPU_MLX_CACHE_SHARE = 0.05
-"""On a GPU, MLX's buffer cache is held to this share of the device's memory (``mx.set_cache_limit``).
-
-MLX keeps every freed buffer for reuse, up to its memory limit (95% of a CUDA device), and reuses one only
-for a request of nearly its size (within two 16 KB pages). A cache grows by concatenation, a prefill
-chunk at a time: a 3B model's 32K prompt frees about 27 GB of ever longer buffers that no later request
-fits, and a server never clears them. mlx-lm's ``generate_step`` clears MLX's cache after every prefill
-chunk and every 256 tokens. H200 run 5: the 3B's decode steps took 3.9 ms in its first turns and
-5.7-6.5 ms in later ones, progressively, in this one process (the probe's engine rows before and after a
-32K turn and a cleared cache test why). A limit keeps what a step and a chunk reuse (a 3B's chunk
-allocates some hundreds of MB) and frees the rest as it goes."""
 
 
 class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
@@ -153,8 +139,6 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             use are compiled at load (:mod:`runtime.model.cuda_qmm`: MLX compiles them on the machine at
             first use, and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute).
         tune_allocator: glibc keeps freed memory and one arena (``runtime.allocator``).
-        mlx_cache_limit_mb: MLX's buffer cache held to this (:data:`GPU_MLX_CACHE_SHARE` of a GPU's memory;
-            None: MLX's own limit, its memory limit).
         prewarm_mb: memory touched at the first model load (0: none).
         openblas: the OpenBLAS library loaded at import (None: MLX's own BLAS).
     """
@@ -186,7 +170,6 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     fused_dequantize: bool = False
     float_slow_projections: bool = False
     tune_allocator: bool
-    mlx_cache_limit_mb: float | None = None
     prewarm_mb: float
     openblas: str | None = None
 
@@ -223,8 +206,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             f"disk to device {'by mx.load' if self.upload_by_copy else 'in place'}",
             f"dequantize {'fused' if self.fused_dequantize else 'unpacked'}",
             f"host paths {', '.join(host) if host else 'none'}",
-            f"memory KV {self.budget_mb:.0f} / hot {self.hot_budget_mb:.0f} / float {self.keep_float_mb:.0f} MB"
-            + (f", MLX cache {self.mlx_cache_limit_mb:.0f} MB" if self.mlx_cache_limit_mb else ""),
+            f"memory KV {self.budget_mb:.0f} / hot {self.hot_budget_mb:.0f} / float {self.keep_float_mb:.0f} MB",
             f"prewarm {self.prewarm_mb:g} MB",
             f"openblas {'yes' if self.openblas else 'no'}",
         ]
@@ -308,7 +290,6 @@ def decide_profile(
         fused_dequantize=not cpu,
         float_slow_projections=backend == "cuda",
         tune_allocator=cpu,
-        mlx_cache_limit_mb=None if cpu or not device_memory_mb else round(GPU_MLX_CACHE_SHARE * device_memory_mb),
         prewarm_mb=prewarm_mb if cpu else 0.0,
         openblas=openblas,
     )

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import pytest
 from conftest import models_dir, skip_without_native_attention
 
@@ -262,29 +261,6 @@ def test_unset_memory_settings_are_shares_of_a_gpus_memory_and_fixed_on_a_cpu() 
     assert profile_setting("budget_mb", None, gpu) == 20_000 and profile_setting("budget_mb", 64, gpu) == 64
     assert profile_setting("hot_budget_mb", None, None) == 512  # an engine without a profile: the CPU's
 
-
-
-def test_a_gpu_holds_mlxs_buffer_cache_to_a_share_of_its_memory_and_the_engine_sets_it(monkeypatch) -> None:
-    """MLX keeps every freed buffer up to its memory limit, and a cache that grows chunk by chunk frees ever
-    longer buffers no later request fits (a 3B's 32K prompt: about 27 GB); a GPU's profile bounds the cache."""
-    from runtime.backend import GPU_MLX_CACHE_SHARE
-    from runtime.execution import mlx_engine
-
-    gpu = decide_profile(device="gpu", backend="cuda", device_memory_mb=80_000)
-    assert gpu.mlx_cache_limit_mb == GPU_MLX_CACHE_SHARE * 80_000 == 4_000
-    assert "MLX cache 4000 MB" in gpu.line()
-    for unbounded in (decide_profile(device="cpu", backend="cpu", device_memory_mb=80_000),
-                      decide_profile(device="cpu", backend="cpu", profile="gpu")):  # no device memory to share
-        assert unbounded.mlx_cache_limit_mb is None and "MLX cache" not in unbounded.line()
-    limits: list[int] = []
-    monkeypatch.setattr(mlx_engine.mx, "set_cache_limit", limits.append)
-    engine = mlx_engine.MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="at-rest")
-    engine._profile = msgspec.structs.replace(engine.profile, mlx_cache_limit_mb=64.0)  # as on a GPU
-    try:
-        engine.load("tiny-llama")
-    finally:
-        engine.unload()
-    assert limits == [64 * 2**20]
 
 
 def test_the_engines_profile_reports_the_memory_settings_it_was_given() -> None:

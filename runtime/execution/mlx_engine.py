@@ -205,8 +205,6 @@ class MlxEngine:
             seconds = prewarm_memory(self._prewarm_mb)
             log.info("pre-touched %g MB of activation memory in %.2f s", self._prewarm_mb, seconds)
             self._prewarm_mb = 0  # the process keeps it: once is enough
-        if self._profile.mlx_cache_limit_mb:  # freed buffers past it are freed, not kept (runtime.backend)
-            mx.set_cache_limit(int(self._profile.mlx_cache_limit_mb * 2**20))
         self._baseline = mx.get_active_memory()
         mx.reset_peak_memory()
         lm = load_model(
