@@ -59,7 +59,9 @@
 #      (MLX compiles its quantized kernels at first use: run 5's 6 needles took 152 s), so each trial's logged
 #      prefill and answer times say whether that was it; a batch's joins are tokenized in one hop and start in
 #      one job; the first-token table
-#      has each turn's checkout in its agent's actor (run 5's turns reached the GPU actor 5-7 ms after the send).
+#      has each turn's checkout in its agent's actor (run 5's turns reached the GPU actor 5-7 ms after the send);
+#      MLX's buffer cache is emptied once a prompt of several chunks has its first token, as mlx-lm's generate_step
+#      does after each chunk (run 5's 3B steps slowed turn after turn; the 3B engine rows say whether this was it).
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses).
 set -u

@@ -28,6 +28,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | short passes' attention (2 to ``plain_attention_queries`` query positions a row) | NumPy (above) | plain MLX operations, up to :data:`GPU_PLAIN_ATTENTION_QUERIES` (unset): on CUDA the fused kernel builds a cuDNN graph per new shape, about 65 ms each, and a growing conversation's every turn has new ones (an H200, run 3: a batch of 8's join took 263 ms a round instead of 1,071) |
 | a decode step of rows of different lengths (a batch's padding) | NumPy's decode attention (from 1K keys over the batch; MLX's below) | MLX's masked fallback (no fused CUDA or cuDNN one-query kernel takes a mask: a product, the mask, a softmax and a product a layer); with ``short_attention_kernel`` on CUDA, kvmem's one kernel, causal, each row from its first key, for these steps and the short passes too (``runtime.kv.short_attention``; off until a GPU run measures it) |
 | memory budgets (``budget_mb``, ``hot_budget_mb``, ``keep_float_mb`` left unset) | 2048 / 512 / 1024 MiB | 25% / 10% / 10% of the device's memory (CUDA's total, Metal's recommended working set); the CPU's where it is not known (the GPU policy forced on a CPU) |
+| MLX's buffer cache | MLX's own: freed buffers kept up to its memory limit | also emptied once a prompt of several chunks has its first token, as mlx-lm's ``generate_step`` empties it after every chunk: a cache growing chunk by chunk frees longer and longer buffers no later request fits |
 | a turn's end | the cache is quantized and copied to the host for its save at once | quantized without waiting; the save's host copy is made later, when the GPU actor has nothing to run or the store needs it, never between two decode steps; made while idle, it stops between two parts (a few MB of one array: ``runtime.kv.host_copy``) for a message; overdue while turns run, it goes a few parts a loop pass, after the prefill under way (``actors.gpu``) |
 | quantized projections (CUDA only, whatever the policy) | — | MLX compiles its quantized kernels for passes of 8+ rows on the machine at first use (SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute): a small model's (at most 1 GiB made float) are all made float at load; a larger model's that MLX's fast kernel does not take too, and the kernels the rest use are compiled at load (``runtime.model.cuda_qmm``) |
 | a cache read from disk, onto the device | ``mx.array`` (host memory is the device's) | ``mx.load`` of the arrays as a safetensors stream: one copy each to device memory, not managed memory paged in at about 0.6 GB/s on CUDA (``runtime.kv.upload``) |
@@ -138,6 +139,11 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             larger one's that MLX's fast prefill kernel does not take too, and the kernels its packed ones
             use are compiled at load (:mod:`runtime.model.cuda_qmm`: MLX compiles them on the machine at
             first use, and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute).
+        clear_cache_after_prefill: MLX's buffer cache is emptied once a prompt of several prefill chunks has
+            its first token (``Sequence.clear_cache_after_prefill``): mlx-lm's ``generate_step`` empties it after
+            every chunk; MLX keeps freed buffers up to 95% of a CUDA device, and a cache growing chunk by chunk
+            frees ever longer buffers no later request fits (a 3B model's 32K prompt: about 27 GB). Bounding the
+            cache instead would free host-created buffers with ``cudaFree``, a device-wide wait, mid-prefill.
         tune_allocator: glibc keeps freed memory and one arena (``runtime.allocator``).
         prewarm_mb: memory touched at the first model load (0: none).
         openblas: the OpenBLAS library loaded at import (None: MLX's own BLAS).
@@ -169,6 +175,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     download_by_copy: bool = False
     fused_dequantize: bool = False
     float_slow_projections: bool = False
+    clear_cache_after_prefill: bool = False
     tune_allocator: bool
     prewarm_mb: float
     openblas: str | None = None
@@ -204,7 +211,8 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             f"save copy {'after the turn' if self.copy_after_turn else 'at the turn end'}"
             + (", from a device copy" if self.download_by_copy else ""),
             f"disk to device {'by mx.load' if self.upload_by_copy else 'in place'}",
-            f"dequantize {'fused' if self.fused_dequantize else 'unpacked'}",
+            f"dequantize {'fused' if self.fused_dequantize else 'unpacked'}"
+            + ("; MLX's cache emptied after a long prompt" if self.clear_cache_after_prefill else ""),
             f"host paths {', '.join(host) if host else 'none'}",
             f"memory KV {self.budget_mb:.0f} / hot {self.hot_budget_mb:.0f} / float {self.keep_float_mb:.0f} MB",
             f"prewarm {self.prewarm_mb:g} MB",
@@ -289,6 +297,7 @@ def decide_profile(
         download_by_copy=not cpu,
         fused_dequantize=not cpu,
         float_slow_projections=backend == "cuda",
+        clear_cache_after_prefill=not cpu,
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,
         openblas=openblas,

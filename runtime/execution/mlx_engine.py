@@ -288,6 +288,7 @@ class MlxEngine:
         start = start_from(self.lm, prompt, plan, tokens)
         seq = Sequence(self.lm, prompt, None, params, attention=self._attention, start=start, tool_calls=splitter)
         seq.sync_chunks = not self._profile.run_ahead
+        seq.clear_cache_after_prefill = self._profile.clear_cache_after_prefill
         self._seqs[request_id] = seq
         self._ids[id(seq)] = request_id
         self._sample_memory()

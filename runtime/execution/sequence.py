@@ -259,6 +259,13 @@ class Sequence:
         self.next_input: int | None = None
         self.logits_trace: list[mx.array] | None = None  # set to [] to record each step's logits
         self.sync_chunks = True  # wait for each prefill chunk (the engine's profile: not when running ahead)
+        # Empty MLX's buffer cache once a prefill of several chunks has its first token (the engine's profile:
+        # the GPU policy's), as mlx-lm's generate_step does after each chunk: the cache grew by concatenation,
+        # a chunk at a time, and the longer buffers each chunk freed fit no later request (a 3B's 32K prompt:
+        # about 27 GB), while MLX keeps freed buffers up to 95% of a CUDA device. Done here the device has just
+        # finished the prompt (its first token is read), so freeing its host-created buffers waits for nothing.
+        self.clear_cache_after_prefill = False
+        self._chunks_run = 0
         self.last_chunk_timing: StepTiming | None = None  # where the last prefill chunk's time went
         self._splitter = tool_calls
         self.tool_calls: list[ToolCall] = []
@@ -309,6 +316,7 @@ class Sequence:
         size = chunk or prefill_chunk_size(self.context)
         piece = self.pending[self._prefilled : self._prefilled + size]
         self._prefilled += len(piece)
+        self._chunks_run += 1
         if not self.prefill_done:
             with clock.building():
                 self.lm.forward(mx.array([piece]), self.kv.caches)  # logits never evaluated: only the caches
@@ -330,6 +338,8 @@ class Sequence:
         mx.async_eval(token)
         clock.launched()
         first = int(token.item())
+        if self.clear_cache_after_prefill and self._chunks_run > 1:
+            mx.clear_cache()
         clock.read()
         text = self.first_token(first, prefill_started_at=t0)
         self.last_chunk_timing = clock.timing()
