@@ -1,17 +1,18 @@
 """The GPU policy empties MLX's buffer cache once a prompt of several prefill chunks has its first token
 (``runtime.backend``'s ``clear_cache_after_prefill``), as mlx-lm's ``generate_step`` empties it after every
-chunk: a cache grows by concatenation, chunk by chunk, and the longer buffers each chunk frees fit no later
-request, while MLX keeps freed buffers up to 95% of a CUDA device. Here: when it is emptied, and that the
-turn is the same either way."""
+chunk: a cache grows by concatenation, chunk by chunk, and the longer buffers each chunk freed fit no later
+request, while MLX keeps freed buffers up to 95% of a CUDA device. It is emptied at the engine's next step,
+or at the turn's finish when the first token ended it, so never inside the first token's time. Here: when
+it is emptied, and that the turn is the same either way."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import tiny
+from conftest import models_dir
 
 from runtime.backend import decide_profile
-from runtime.execution import sequence
-from runtime.execution.sequence import Sequence, SequenceSampling
+from runtime.execution import mlx_engine
+from runtime.plan.contract import COLD, SamplingOptions
 
 PROMPT = "The harbour master kept a ledger of ships and their cargo. " * 12
 
@@ -23,24 +24,43 @@ def test_the_gpu_policy_empties_the_cache_after_a_long_prompt_and_the_cpu_policy
     assert not cpu.clear_cache_after_prefill and "MLX's cache" not in cpu.line()
 
 
-def _first_token(monkeypatch: pytest.MonkeyPatch, *, clear: bool, chunk: int) -> tuple[int, list[int], int]:
-    """The first token, every chunk's ``mx.clear_cache`` calls so far, and the chunks run."""
-    calls: list[int] = []
-    monkeypatch.setattr(sequence.mx, "clear_cache", lambda: calls.append(1))
-    seq = Sequence(tiny("tiny-llama"), PROMPT, None, SequenceSampling(max_tokens=2), attention="at-rest")
-    seq.clear_cache_after_prefill = clear
-    seen, chunks = [], 0
-    while seq.prefill_step(chunk) is None:
-        chunks += 1
-        seen.append(len(calls))  # none while the prompt is prefilled
-    seen.append(len(calls))
-    return seq.generated[0], seen, chunks + 1
+def _turn(monkeypatch: pytest.MonkeyPatch, *, profile: str, chunk: int, max_tokens: int) -> tuple[str, list[str]]:
+    """A cold turn on the engine: its reply, and when ``mx.clear_cache`` was called (by engine call)."""
+    calls: list[str] = []
+    where = ["start"]
+    monkeypatch.setattr(mlx_engine.mx, "clear_cache", lambda: calls.append(where[0]))
+    engine = mlx_engine.MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="at-rest",
+                                  profile=profile, prefill_chunk=chunk)
+    engine.load("tiny-llama")
+    calls.clear()  # a load's own (an unload of nothing) is not the turn's
+    try:
+        engine.start(1, PROMPT, COLD, engine.tokenize(PROMPT, COLD), SamplingOptions(max_tokens=max_tokens))
+        where[0] = "prefill"
+        chunks = 1
+        while (result := engine.prefill(1, None)).text is None:
+            chunks += 1
+        assert chunks > 1 or chunk > 1000
+        if not result.finished:
+            engine.join(1)
+            for step in range(max_tokens):
+                where[0] = f"step {step}"
+                if any(t.finished for t in engine.step()):
+                    break
+        where[0] = "finish"
+        return engine.finish(1).reply, list(calls)
+    finally:
+        engine.unload()  # which empties the cache too, after the calls were read
 
 
-def test_the_cache_is_emptied_once_when_a_prompt_of_several_chunks_has_its_first_token(monkeypatch) -> None:
-    token, seen, chunks = _first_token(monkeypatch, clear=True, chunk=32)
-    assert chunks > 2 and seen == [0] * (chunks - 1) + [1]
-    one_chunk = _first_token(monkeypatch, clear=True, chunk=4096)  # one chunk: the cache did not grow by chunks
-    off = _first_token(monkeypatch, clear=False, chunk=32)
-    assert one_chunk[1] == [0] and off[1] == [0] * chunks
-    assert token == one_chunk[0] == off[0]
+def test_the_cache_is_emptied_once_at_the_step_after_a_long_prompts_first_token(monkeypatch) -> None:
+    reply, calls = _turn(monkeypatch, profile="gpu", chunk=32, max_tokens=4)
+    assert calls == ["step 0"]
+    one_chunk = _turn(monkeypatch, profile="gpu", chunk=4096, max_tokens=4)  # the cache did not grow by chunks
+    cpu = _turn(monkeypatch, profile="cpu", chunk=32, max_tokens=4)
+    assert one_chunk[1] == [] and cpu[1] == []
+    assert reply == one_chunk[0] == cpu[0]
+
+
+def test_a_turn_its_first_token_ended_empties_it_at_its_finish(monkeypatch) -> None:
+    _, calls = _turn(monkeypatch, profile="gpu", chunk=32, max_tokens=1)
+    assert calls == ["finish"]

@@ -368,7 +368,17 @@ class MlxEngine:
         self._batch.add(self._seqs[request_id])
         self._sample_memory()
 
+    def _empty_cache_if_owed(self) -> None:
+        """Empty MLX's buffer cache once for every long prompt that finished its prefill since the last call
+        (``Sequence.cache_clear_owed``): called after the first token went out, not inside its time."""
+        owed = [seq for seq in self._seqs.values() if seq.cache_clear_owed]
+        if owed:
+            mx.clear_cache()
+            for seq in owed:
+                seq.cache_clear_owed = False
+
     def step(self) -> list[StepToken]:
+        self._empty_cache_if_owed()
         results = self._batch.step_once()
         self._sample_memory()
         return [
@@ -389,6 +399,7 @@ class MlxEngine:
         return seq
 
     def finish(self, request_id: int) -> Finished:
+        self._empty_cache_if_owed()  # a turn that ended at its first token
         seq = self._leave(request_id)
         # The GPU policy launches the park and leaves the host copy for later (Engine.snapshot):
         # the decode loop waits for neither.

@@ -259,12 +259,13 @@ class Sequence:
         self.next_input: int | None = None
         self.logits_trace: list[mx.array] | None = None  # set to [] to record each step's logits
         self.sync_chunks = True  # wait for each prefill chunk (the engine's profile: not when running ahead)
-        # Empty MLX's buffer cache once a prefill of several chunks has its first token (the engine's profile:
-        # the GPU policy's), as mlx-lm's generate_step does after each chunk: the cache grew by concatenation,
+        # MLX's buffer cache is owed an emptying once a prefill of several chunks has its first token (the
+        # engine's profile: the GPU policy's; the engine empties it at its next step or finish, after the first
+        # token went out), as mlx-lm's generate_step empties it after each chunk: the cache grew by concatenation,
         # a chunk at a time, and the longer buffers each chunk freed fit no later request (a 3B's 32K prompt:
-        # about 27 GB), while MLX keeps freed buffers up to 95% of a CUDA device. Done here the device has just
-        # finished the prompt (its first token is read), so freeing its host-created buffers waits for nothing.
+        # about 27 GB), while MLX keeps freed buffers up to 95% of a CUDA device.
         self.clear_cache_after_prefill = False
+        self.cache_clear_owed = False
         self._chunks_run = 0
         self.last_chunk_timing: StepTiming | None = None  # where the last prefill chunk's time went
         self._splitter = tool_calls
@@ -338,8 +339,7 @@ class Sequence:
         mx.async_eval(token)
         clock.launched()
         first = int(token.item())
-        if self.clear_cache_after_prefill and self._chunks_run > 1:
-            mx.clear_cache()
+        self.cache_clear_owed = self.clear_cache_after_prefill and self._chunks_run > 1
         clock.read()
         text = self.first_token(first, prefill_started_at=t0)
         self.last_chunk_timing = clock.timing()
