@@ -585,9 +585,11 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
     own rate is the bench's decode row; the engine alone between the two splits run 4's 0.78x (the engine
     alone made 282 tokens/s against mlx-lm's 263) into the engine's work, the thread's and trio's.
 
-    ``after_tokens``: the engine alone again after a turn of that many tokens, then again after
-    ``mx.clear_cache()`` (as mlx-lm's ``generate_step`` does every 256 tokens). H200 run 5's 3B decoded at
-    227 tokens/s in its first 1K turn and 155-171 in the ones after its 32K turns, mlx-lm at 188-264."""
+    ``after_tokens``: the engine alone again after a turn of that many tokens with MLX's cache kept (as before
+    session 26), then after ``mx.clear_cache()`` (as mlx-lm's ``generate_step`` does after every prefill chunk),
+    then after another such turn whose end emptied the cache (the GPU policy's ``clear_cache_after_prefill``).
+    H200 run 5's 3B decoded at 227 tokens/s in its first 1K turn and 155-171 in the ones after its 32K turns,
+    mlx-lm at 188-264."""
     import statistics as stats
 
     import trio
@@ -636,15 +638,27 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
     after: list[tuple[str, list[float]]] = []
     if after_tokens:
         import mlx.core as mx
+        import msgspec
 
         long_text = " ".join(f"note{i % 97} was kept" for i in range(after_tokens * 3 // 10))
-        engine.start(5, long_text, cold, engine.tokenize(long_text, cold), SamplingOptions(max_tokens=1))
-        while engine.prefill(5, None).remaining:
-            pass
-        engine.finish(5)
-        after.append((f"same, after a {after_tokens}-token turn", [engine_rate(engine, 6 + i, steps) for i in range(3)]))
+        emptying = engine.profile.clear_cache_after_prefill
+
+        def long_turn(rid: int, empty: bool) -> None:
+            engine._profile = msgspec.structs.replace(engine.profile, clear_cache_after_prefill=empty)
+            engine.start(rid, long_text, cold, engine.tokenize(long_text, cold), SamplingOptions(max_tokens=1))
+            while engine.prefill(rid, None).remaining:
+                pass
+            engine.finish(rid)
+            engine._profile = msgspec.structs.replace(engine.profile, clear_cache_after_prefill=emptying)
+
+        long_turn(5, False)  # as before session 26: MLX's cache keeps what the long prompt's chunks freed
+        after.append((f"same, after a {after_tokens}-token turn, MLX's cache kept",
+                      [engine_rate(engine, 6 + i, steps) for i in range(3)]))
         mx.clear_cache()
         after.append(("same, then after mx.clear_cache()", [engine_rate(engine, 9 + i, steps) for i in range(3)]))
+        long_turn(12, True)  # the GPU policy's since: emptied at the turn's finish
+        after.append((f"same, after a {after_tokens}-token turn, MLX's cache emptied at its end (the GPU policy)",
+                      [engine_rate(engine, 13 + i, steps) for i in range(3)]))
     engine.unload()
 
     async def on_the_mlx_thread() -> tuple[list[float], list[float]]:

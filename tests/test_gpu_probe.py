@@ -43,3 +43,21 @@ def test_the_expert_products_are_taken_every_road_on_both_sides_of_the_sort() ->
     assert {r[1] for r in rows} == {"8", "80 (sorted by mlx-lm)"}  # tiny-gpt-oss routes each token to 2 experts
     for row in rows:
         assert row[2] == "float32" and float(row[4]) < 1e-5 and float(row[5]) == 0.0, row
+
+
+def test_the_engine_rows_run_after_a_long_turn_with_the_cache_kept_cleared_and_emptied() -> None:
+    """The 3B rows' question (H200 run 5: its steps slowed turn after turn): the engine alone after a long turn
+    with MLX's cache kept, after ``mx.clear_cache()``, and after a long turn that emptied it (the GPU policy)."""
+    import glob
+
+    from benches.gpu_probe import engine_decode_rows
+    from conftest import tiny
+
+    tiny("tiny-llama")  # built under models_dir()
+    folder = sorted(glob.glob(str(models_dir() / "tiny-llama-*")))[0]
+    rows = engine_decode_rows(folder, 6, profile="gpu", after_tokens=300)
+    names = [r[0] for r in rows]
+    assert names[:5] == ["mlx-lm generate_step", "kvmem MlxEngine.step, no actors, this thread",
+                         "same, after a 300-token turn, MLX's cache kept", "same, then after mx.clear_cache()",
+                         "same, after a 300-token turn, MLX's cache emptied at its end (the GPU policy)"]
+    assert all(float(r[1]) > 0 for r in rows)
