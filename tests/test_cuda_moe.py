@@ -1,6 +1,7 @@
 """The diagnostic roads for expert products (``runtime.model.cuda_moe``, ``KVMEM_CUDA_MOE``) compute what mlx-lm's
 ``SwitchGLU`` does: a lent GPU runs run 5's failing tiny-gpt-oss tests down each to find the wrong kernel, so
-here, on the CPU, every road must give the model's own logits, with a pass long enough to sort its pairs."""
+here every road must give the model's own logits, with a pass long enough to sort its pairs. On MLX's CPU
+stream, whatever the device: the kernels under suspicion are CUDA's, and this is the roads' own logic."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from runtime.model.loaded import load_model
 def _logits(lm) -> np.ndarray:
     ids = lm.tokenize("The harbour master kept a ledger of ships and their cargo. " * 4)[0]
     assert len(ids) * lm.model.layers[0].mlp.num_experts_per_tok >= 64  # mlx-lm sorts this pass's pairs
-    return np.array(lm.model(mx.array([ids]))[0].astype(mx.float32))
+    with mx.stream(mx.cpu):
+        return np.array(lm.model(mx.array([ids]))[0].astype(mx.float32))
 
 
 @pytest.mark.parametrize("road", sorted(MOE_ROADS))
