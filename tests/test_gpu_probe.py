@@ -26,23 +26,30 @@ def test_attention_at_new_shapes_is_the_fused_kernels_every_way_it_is_timed() ->
     masked, give MLX's fused attention's output (bf16: within its rounding); the kernel's columns are
     empty where CUDA is not."""
     from benches.gpu_probe import SHAPE_WAYS, attention_shape_rows
+    from runtime.kv import short_attention
 
     for row in attention_shape_rows([1, 3, 16], [20, 300]):  # 1: a lone row's decode step
         assert len(row) == 2 + 2 * len(SHAPE_WAYS) + 1
-        assert row[-3:-1] == ["—", "—"]  # no kernel on this device
+        if not short_attention.available():
+            assert row[-3:-1] == ["—", "—"]  # no kernel on this device
         assert float(row[-1]) < 2e-2, row
 
 
 def test_the_expert_products_are_taken_every_road_on_both_sides_of_the_sort() -> None:
     """tiny-gpt-oss's expert products by each road of ``GATHER_WAYS``, under and over mlx-lm's sort threshold
-    (64 pairs): here the "device" is MLX's CPU stream too, so every road gives the reference exactly."""
+    (64 pairs). On a CPU the "device" is MLX's CPU stream too, so every road gives the reference exactly; on a
+    GPU (the suite on a lent machine) only the rows are checked, bfloat16 ones included."""
     from benches.gpu_probe import GATHER_WAYS, gather_rows
 
+    import mlx.core as mx
+
     rows = gather_rows((4, 40))
-    assert [(r[0], r[3]) for r in rows] == [(n, w) for n in ("4", "40") for w in GATHER_WAYS]
+    dtypes = ("float32", "bfloat16") if mx.default_device() == mx.gpu else ("float32",)
+    assert [(r[0], r[2], r[3]) for r in rows] == [(n, d, w) for n in ("4", "40") for d in dtypes for w in GATHER_WAYS]
     assert {r[1] for r in rows} == {"8", "80 (sorted by mlx-lm)"}  # tiny-gpt-oss routes each token to 2 experts
-    for row in rows:
-        assert row[2] == "float32" and float(row[4]) < 1e-5 and float(row[5]) == 0.0, row
+    if mx.default_device() == mx.cpu:  # on a GPU the differences are the probe's findings, not this test's
+        for row in rows:
+            assert float(row[4]) < 1e-5 and float(row[5]) == 0.0, row
 
 
 def test_the_engine_rows_run_after_a_long_turn_with_the_cache_kept_cleared_and_emptied() -> None:
