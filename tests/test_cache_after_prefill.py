@@ -7,6 +7,7 @@ it is emptied, and that the turn is the same either way."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from conftest import models_dir
 
@@ -24,13 +25,15 @@ def test_the_gpu_policy_empties_the_cache_after_a_long_prompt_and_the_cpu_policy
     assert not cpu.clear_cache_after_prefill and "MLX's cache" not in cpu.line()
 
 
-def _turn(monkeypatch: pytest.MonkeyPatch, *, profile: str, chunk: int, max_tokens: int) -> tuple[str, list[str]]:
-    """A cold turn on the engine: its reply, and when ``mx.clear_cache`` was called (by engine call)."""
+def _turn(monkeypatch: pytest.MonkeyPatch, *, chunk: int, max_tokens: int, clear: bool = True) -> tuple[str, list[str]]:
+    """A cold turn on the engine under the GPU policy (``clear``: its emptying on): its reply, and when
+    ``mx.clear_cache`` was called (by engine call)."""
     calls: list[str] = []
     where = ["start"]
     monkeypatch.setattr(mlx_engine.mx, "clear_cache", lambda: calls.append(where[0]))
     engine = mlx_engine.MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="at-rest",
-                                  profile=profile, prefill_chunk=chunk)
+                                  profile="gpu", prefill_chunk=chunk)
+    engine._profile = msgspec.structs.replace(engine.profile, clear_cache_after_prefill=clear)
     engine.load("tiny-llama")
     calls.clear()  # a load's own (an unload of nothing) is not the turn's
     try:
@@ -53,14 +56,14 @@ def _turn(monkeypatch: pytest.MonkeyPatch, *, profile: str, chunk: int, max_toke
 
 
 def test_the_cache_is_emptied_once_at_the_step_after_a_long_prompts_first_token(monkeypatch) -> None:
-    reply, calls = _turn(monkeypatch, profile="gpu", chunk=32, max_tokens=4)
+    reply, calls = _turn(monkeypatch, chunk=32, max_tokens=4)
     assert calls == ["step 0"]
-    one_chunk = _turn(monkeypatch, profile="gpu", chunk=4096, max_tokens=4)  # the cache did not grow by chunks
-    cpu = _turn(monkeypatch, profile="cpu", chunk=32, max_tokens=4)
-    assert one_chunk[1] == [] and cpu[1] == []
-    assert reply == one_chunk[0] == cpu[0]
+    one_chunk = _turn(monkeypatch, chunk=4096, max_tokens=4)  # the cache did not grow by chunks
+    off = _turn(monkeypatch, chunk=32, max_tokens=4, clear=False)
+    assert one_chunk[1] == [] and off[1] == []
+    assert reply == one_chunk[0] == off[0]
 
 
 def test_a_turn_its_first_token_ended_empties_it_at_its_finish(monkeypatch) -> None:
-    _, calls = _turn(monkeypatch, profile="gpu", chunk=32, max_tokens=1)
+    _, calls = _turn(monkeypatch, chunk=32, max_tokens=1)
     assert calls == ["finish"]
