@@ -61,7 +61,7 @@ def test_the_cache_is_emptied_once_at_the_step_after_a_long_prompts_first_token(
     one_chunk = _turn(monkeypatch, chunk=4096, max_tokens=4)  # the cache did not grow by chunks
     off = _turn(monkeypatch, chunk=32, max_tokens=4, clear=False)
     assert one_chunk[1] == [] and off[1] == []
-    assert reply == one_chunk[0] == off[0]
+    assert reply == off[0]  # the same chunks, the cache emptied or not
 
 
 def test_a_turn_its_first_token_ended_empties_it_at_its_finish(monkeypatch) -> None:
