@@ -725,6 +725,35 @@ def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def batch_round_waits(trace: dict[str, Any]) -> list[list[str]]:
+    """Each batch round's first tokens read against the trace, in ms from the round's start: when the first
+    and the last of its turns were checked out in their agents' actors, reached the GPU actor, were tokenized
+    and admitted; the prefill passes before the first decode step (the joint pass of the rows that join
+    together is one), when the last ended and its launch; and the first decode step's launch. H200 run 5, read
+    by hand from its trace: 8 joins reached the GPU actor 5.5-7.1 ms in, were tokenized by 12 and admitted by
+    16, and their joint pass launched in 17-43 ms against one row's hot chunk's 7-9."""
+    events = trace.get("events", [])
+    rows = []
+    for r, mark in enumerate(trace.get("rounds", [])):
+        t0, t1 = mark["t0"], mark["t1"]
+        inside = [e for e in events if t0 <= e["at"] <= t1]
+
+        def ms(kind: str, pick: Any = min) -> str:
+            times = [e["at"] for e in inside if e["kind"] == kind]
+            return f"{(pick(times) - t0) * 1e3:.1f}" if times else "—"
+
+        first_step = next((e for e in inside if e["kind"] == "step"), None)
+        chunks = [e for e in inside if e["kind"] == "chunk" and (first_step is None or e["at"] <= first_step["at"])]
+        last = chunks[-1] if chunks else None
+        rows.append([f"{r} ({mark['agents']} agent{'s' if mark['agents'] > 1 else ''})",
+                     f"{ms('checkout')} / {ms('checkout', max)}", f"{ms('submit')} / {ms('submit', max)}",
+                     ms("tokenized", max), ms("admit", max), str(len(chunks)),
+                     f"{(last['at'] - t0) * 1e3:.1f}" if last else "—",
+                     f"{last['timing'][0]:.1f}" if last and last.get("timing") else "—",
+                     f"{first_step['timing'][0]:.1f}" if first_step and first_step.get("timing") else "—"])
+    return rows
+
+
 def _windows(trace: dict[str, Any]) -> list[tuple[str, float, float]]:
     """The trace's windows by kind: marked turns by name less their repeat (``cold-1024``), batch rounds
     by agents; ``(kind, t0, t1)``."""
@@ -914,6 +943,13 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
             lines += ["", "Where the cold, hot and warm turns' first tokens went (the GPU actor's trace; ms from sending the turn):",
                       "", *table(["turn", "checked out (agent's actor)", "reached the GPU actor", "tokenized", "admitted",
                                                 "save copies made first", "prefill ended"], waits)]
+        rounds = batch_round_waits(r.trace)
+        if rounds:
+            lines += ["", "Where the batch rounds' first tokens went (the trace; ms from the round's start; the first "
+                      "round warms up):", "",
+                      *table(["round", "checked out, first / last", "reached the GPU actor, first / last", "tokenized, last",
+                              "admitted, last", "prefill passes", "last pass ended", "its launch",
+                              "first decode step's launch"], rounds)]
         split = decode_step_split(r.trace)
         if split:
             lines += ["", "Where the decode steps' time went (the GPU actor's trace; medians over each kind of window, ms "

@@ -103,6 +103,22 @@ def test_a_cold_turns_wait_is_read_from_the_trace_copies_before_its_admission_in
     assert "first tokens went" not in body  # a run without a trace reports none
 
 
+def test_a_batch_rounds_first_tokens_are_read_from_the_trace() -> None:
+    def ev(kind: str, ids: list[int], at: float, **extra: object) -> dict:
+        return {"kind": kind, "ids": ids, "at": at, **extra}
+
+    timing = [20.0, 0.5, 0.1, 2.0, 19.0]  # launch, wait, host, build, launch CPU
+    trace = {"rounds": [{"agents": 2, "t0": 10.0, "t1": 10.5}],
+             "events": [ev("checkout", [1], 10.001), ev("checkout", [2], 10.0015), ev("submit", [1], 10.002),
+                        ev("submit", [2], 10.006), ev("tokenized", [1], 10.003), ev("tokenized", [2], 10.007),
+                        ev("admit", [1], 10.008), ev("admit", [2], 10.008),
+                        ev("chunk", [1, 2], 10.030, timing=timing), ev("step", [1, 2], 10.040, timing=[9.0, 0, 0, 1, 9]),
+                        ev("step", [1, 2], 10.045, timing=[4.0, 0, 0, 1, 4]), ev("chunk", [3], 10.2, timing=timing)]}
+    assert gpu.batch_round_waits(trace) == [["0 (2 agents)", "1.0 / 1.5", "2.0 / 6.0", "7.0", "8.0", "1", "30.0",
+                                             "20.0", "9.0"]]
+    assert gpu.batch_round_waits({"events": []}) == []
+
+
 def test_decode_steps_are_split_from_the_trace_by_kind_of_window() -> None:
     def step(at: float, timing: list[float] | None) -> dict:
         return {"kind": "step", "ids": [1], "at": at, **({"timing": timing} if timing else {})}
