@@ -140,11 +140,11 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             use are compiled at load (:mod:`runtime.model.cuda_qmm`: MLX compiles them on the machine at
             first use, and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute).
         clear_cache_after_prefill: MLX's buffer cache is emptied once a prompt of several prefill chunks has
-            its first token, at the engine's next step or finish (``Sequence.cache_clear_owed``, after the token
-            went out): mlx-lm's ``generate_step`` empties it after
-            every chunk; MLX keeps freed buffers up to 95% of a CUDA device, and a cache growing chunk by chunk
-            frees ever longer buffers no later request fits (a 3B model's 32K prompt: about 27 GB). Bounding the
-            cache instead would free host-created buffers with ``cudaFree``, a device-wide wait, mid-prefill.
+            its first token, at the engine's next step or finish (``Sequence.chunked_prefill_done``, after the
+            token went out): mlx-lm's ``generate_step`` empties it after every chunk; MLX keeps freed buffers up
+            to 95% of a CUDA device, and a cache growing chunk by chunk frees ever longer buffers no later
+            request fits (a 3B model's 32K prompt: about 27 GB). Bounding the cache instead would free
+            host-created buffers with ``cudaFree``, a device-wide wait, mid-prefill.
         tune_allocator: glibc keeps freed memory and one arena (``runtime.allocator``).
         prewarm_mb: memory touched at the first model load (0: none).
         openblas: the OpenBLAS library loaded at import (None: MLX's own BLAS).

@@ -288,7 +288,6 @@ class MlxEngine:
         start = start_from(self.lm, prompt, plan, tokens)
         seq = Sequence(self.lm, prompt, None, params, attention=self._attention, start=start, tool_calls=splitter)
         seq.sync_chunks = not self._profile.run_ahead
-        seq.clear_cache_after_prefill = self._profile.clear_cache_after_prefill
         self._seqs[request_id] = seq
         self._ids[id(seq)] = request_id
         self._sample_memory()
@@ -369,13 +368,14 @@ class MlxEngine:
         self._sample_memory()
 
     def _empty_cache_if_owed(self) -> None:
-        """Empty MLX's buffer cache once for every long prompt that finished its prefill since the last call
-        (``Sequence.cache_clear_owed``): called after the first token went out, not inside its time."""
-        owed = [seq for seq in self._seqs.values() if seq.cache_clear_owed]
-        if owed:
+        """Under the profile's ``clear_cache_after_prefill``, empty MLX's buffer cache once for every prompt of
+        several chunks that finished its prefill since the last call (``Sequence.chunked_prefill_done``):
+        called after the first token went out, not inside its time."""
+        owed = [seq for seq in self._seqs.values() if seq.chunked_prefill_done]
+        for seq in owed:
+            seq.chunked_prefill_done = False
+        if owed and self._profile.clear_cache_after_prefill:
             mx.clear_cache()
-            for seq in owed:
-                seq.cache_clear_owed = False
 
     def step(self) -> list[StepToken]:
         self._empty_cache_if_owed()

@@ -259,13 +259,10 @@ class Sequence:
         self.next_input: int | None = None
         self.logits_trace: list[mx.array] | None = None  # set to [] to record each step's logits
         self.sync_chunks = True  # wait for each prefill chunk (the engine's profile: not when running ahead)
-        # MLX's buffer cache is owed an emptying once a prefill of several chunks has its first token (the
-        # engine's profile: the GPU policy's; the engine empties it at its next step or finish, after the first
-        # token went out), as mlx-lm's generate_step empties it after each chunk: the cache grew by concatenation,
-        # a chunk at a time, and the longer buffers each chunk freed fit no later request (a 3B's 32K prompt:
-        # about 27 GB), while MLX keeps freed buffers up to 95% of a CUDA device.
-        self.clear_cache_after_prefill = False
-        self.cache_clear_owed = False
+        # Set when a prefill of several chunks has its first token, until the engine reads it: the cache grew
+        # by concatenation, a chunk at a time, and the engine's profile may empty MLX's buffer cache of the
+        # longer buffers each chunk freed (``BackendProfile.clear_cache_after_prefill``).
+        self.chunked_prefill_done = False
         self._chunks_run = 0
         self.last_chunk_timing: StepTiming | None = None  # where the last prefill chunk's time went
         self._splitter = tool_calls
@@ -339,7 +336,7 @@ class Sequence:
         mx.async_eval(token)
         clock.launched()
         first = int(token.item())
-        self.cache_clear_owed = self.clear_cache_after_prefill and self._chunks_run > 1
+        self.chunked_prefill_done = self._chunks_run > 1
         clock.read()
         text = self.first_token(first, prefill_started_at=t0)
         self.last_chunk_timing = clock.timing()
