@@ -8,6 +8,8 @@ finish by length, by a stop string and by end of text, and one row starts with f
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 from agreement import assert_decoded_alike
 from conftest import tiny
@@ -72,14 +74,15 @@ def test_every_step_records_where_its_time_went(run_ahead: bool) -> None:
 
     lm = tiny("tiny-llama")
     batch = DecodeBatch(shared_prefix_check=False, run_ahead=run_ahead)
-    for name in ("a", "b"):
+    for name in ("b", "c"):  # rows that outlast the six steps
         prompt, params, _ = ROWS[name]
         seq = Sequence(lm, prompt, None, params, attention="at-rest")
         while seq.prefill_step() is None:
             pass
         batch.add(seq)
     assert batch.last_timing is None
-    for _ in range(4):
+    covered = []
+    for _ in range(6):
         time.sleep(0.02)  # time between steps is no step's
         t0 = time.perf_counter()
         batch.step_once()
@@ -89,10 +92,13 @@ def test_every_step_records_where_its_time_went(run_ahead: bool) -> None:
         parts = (timing.launch_ms, timing.wait_ms, timing.host_ms)
         assert all(p >= 0 for p in parts) and timing.host_ms > 0
         assert sum(parts) <= wall_ms
-        assert sum(parts) >= 0.5 * wall_ms  # the step's merge and bookkeeping aside, it is all here
+        covered.append(sum(parts) / wall_ms)
         # Building the graph is part of the launch; the thread ran for at most the launch's wall time.
         assert 0 < timing.build_ms <= timing.launch_ms
         assert 0 < timing.launch_cpu_ms <= timing.launch_ms + 0.5  # thread_time ticks coarser than perf_counter
+    # The step's merge and bookkeeping aside, its time is all in its parts. The median step is read:
+    # on a 2-core machine under load, one step of a few ms can be preempted between its parts.
+    assert statistics.median(covered) >= 0.5, covered
 
 
 def test_a_launch_that_waits_off_the_cpu_is_told_apart() -> None:
