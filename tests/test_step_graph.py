@@ -1,0 +1,136 @@
+"""A decode step's graph under the GPU policy, against plain mlx-lm's (issue 33, item 4).
+
+On a GPU a decode step of a small model is the host's work: each operation in the step's graph is
+built in Python and handed to the device by MLX's submit (H200 run 5, a 1B step: 0.8 ms building,
+1.5 ms submitting, the device idle meanwhile). So a step that builds more operations than mlx-lm's
+`generate_step` is slower than it on a GPU, whatever the CPU says. These tests count the operations
+(MLX's graph, as ``export_to_dot`` draws it) of decode steps through the actors, with the GPU policy
+forced on the CPU, after a cold, a hot and a warm turn (the three ways a cache reaches its step),
+against mlx-lm's own steps on the same model folder: an extra mask, cast or copy per layer shows here
+before it costs a lent GPU's run.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+import trio
+from conftest import models_dir
+
+from runtime.execution import decode_batch
+from runtime.model import tiny_models
+
+MODEL = "tiny-llama"
+
+
+def _operations(array: mx.array) -> list[str]:
+    """The operations an evaluation of ``array`` would run, by name (arrays already evaluated are inputs)."""
+    out = io.StringIO()
+    mx.export_to_dot(out, array)
+    return re.findall(r'label ="([^"]+)", shape=rectangle', out.getvalue())
+
+
+def _mlx_lm_step() -> list[str]:
+    """The operations of one of plain mlx-lm's steady decode steps (``generate_step``, greedy)."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, _tokenizer = load(str(tiny_models.ensure_tiny_model(MODEL, models_dir())))
+    steps: list[list[str]] = []
+    launch = mx.async_eval
+
+    def counted(*arrays: mx.array) -> None:
+        mx.synchronize()  # the step before is evaluated, so the count is this step's alone
+        steps.append(_operations(arrays[0]))
+        launch(*arrays)
+
+    mx.async_eval = counted
+    try:
+        for _ in generate_step(mx.array(list(range(5, 200))), model, max_tokens=10):
+            pass
+    finally:
+        mx.async_eval = launch
+    return steps[len(steps) // 2]
+
+
+class Steps:
+    """The operations of each decode step the runtime launches, with its number of rows."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, list[str]]] = []
+
+    def middle(self) -> tuple[int, list[str]]:
+        """A steady step of what ran since the last call (not the first: it may hold a join's work)."""
+        steps, self.steps = self.steps, []
+        assert len(steps) >= 3, steps
+        return steps[len(steps) // 2]
+
+
+@pytest.fixture
+def steps(monkeypatch: pytest.MonkeyPatch) -> Steps:
+    seen = Steps()
+    launch = decode_batch.DecodeBatch._launch
+
+    def counted(self: decode_batch.DecodeBatch, inputs: mx.array) -> mx.array:
+        mx.synchronize()  # the step in flight is evaluated: its graph is not counted again in this one's
+        tokens = launch(self, inputs)
+        seen.steps.append((len(self.members), _operations(tokens)))
+        return tokens
+
+    monkeypatch.setattr(decode_batch.DecodeBatch, "_launch", counted)
+    return seen
+
+
+def _open(home: Path) -> Any:
+    from actors import open_runtime
+
+    return open_runtime(home=home, models_dir=models_dir(), model=MODEL, prewarm_mb=0, profile="gpu")
+
+
+def _ask(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_a_lone_rows_step_builds_no_more_than_mlx_lms_after_a_cold_hot_or_warm_turn(
+        tmp_path: Path, steps: Steps) -> None:
+    reference = _mlx_lm_step()
+    seen = {}
+    async with _open(tmp_path) as rt:
+        agent = rt.agent("a")
+        await agent.send(_ask("Tell me about the harbour and its ships. " * 20), max_tokens=12)
+        seen["cold"] = steps.middle()
+        await agent.send(_ask("And the lighthouse?"), max_tokens=12)
+        seen["hot"] = steps.middle()
+    async with _open(tmp_path) as rt:  # a restart: the cache comes back from disk
+        await rt.agent("a").send(_ask("And the keeper?"), max_tokens=12)
+        seen["warm"] = steps.middle()
+    for tier, (rows, operations) in seen.items():
+        assert rows == 1, tier
+        extra = collections.Counter(operations) - collections.Counter(reference)
+        # mlx-lm also takes the log-softmax of every step's logits (for its logprobs): kvmem needs no more.
+        assert len(operations) <= len(reference) and not extra, (tier, len(operations), len(reference), extra)
+
+
+async def test_a_batch_step_builds_as_much_for_eight_rows_as_for_two(tmp_path: Path, steps: Steps) -> None:
+    """Rows of different lengths need a mask, built once a step for every layer; a row adds no operation
+    (each is paid on a GPU's host at every step)."""
+    seen = {}
+    async with _open(tmp_path) as rt:
+        for count in (2, 8):
+            async with trio.open_nursery() as nursery:
+                for i in range(count):
+                    text = f"Agent {i} asks about the harbour. " * (2 + 3 * i)  # every row its own length
+                    nursery.start_soon(lambda i=i, text=text, count=count:
+                                       rt.agent(f"{count}-{i}").send(_ask(text), max_tokens=12))
+            batched = [s for s in steps.steps if s[0] == count]
+            steps.steps.clear()
+            assert len(batched) >= 3, f"{count} rows never stepped together"
+            seen[count] = statistics.median_low(len(ops) for _, ops in batched)
+    assert seen[8] == seen[2], seen
