@@ -7,7 +7,9 @@ built in Python and handed to the device by MLX's submit (H200 run 5, a 1B step:
 (MLX's graph, as ``export_to_dot`` draws it) of decode steps through the actors, with the GPU policy
 forced on the CPU, after a cold, a hot and a warm turn (the three ways a cache reaches its step),
 against mlx-lm's own steps on the same model folder: an extra mask, cast or copy per layer shows here
-before it costs a lent GPU's run.
+before it costs a lent GPU's run. On the CPU MLX builds its fused operations (attention, RoPE, norms, a
+dequantization) from their fallbacks' smaller ones, so the counts are larger than a GPU's; both sides
+expand alike.
 """
 
 from __future__ import annotations
