@@ -35,9 +35,11 @@ only (a lent session's minute goes to the questions still open). Here (CPU)::
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -700,7 +702,11 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
     active; then the whole joint pass as the GPU actor makes it, the same again at the shapes it just
     used, and one row's hot chunk alone. Each round's new messages differ in length from the last's (new
     shapes, as in the bench: MLX's CUDA backend asks cuBLASLt for an algorithm at every product of more
-    than one row, which may cost more at a shape it has not seen); the first round is reported apart."""
+    than one row, which may cost more at a shape it has not seen); the first round is reported apart.
+
+    Each piece also counts the operations handed to MLX's submit (its graph, as ``export_to_dot`` draws it,
+    counted outside the times): a submit that grows with them, at about a decode step's cost an operation,
+    is the host's work per operation; one far above that is something else (a graph built, a wait)."""
     import statistics as stats
 
     import mlx.core as mx
@@ -722,30 +728,35 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
         prompt = " ".join(f"note{(i * 7 + a) % 97} was kept" for i in range(words))
         done = generate(lm, prompt, None, SequenceSampling(max_tokens=4), attention=engine.profile.attention)
         firsts.append((prompt + done.reply, done.cache))
-    times: dict[str, list[tuple[float, float, float]]] = {}
+    times: dict[str, list[tuple[float, float, float, int]]] = {}
 
     def timed(name: str, build: Any) -> None:
-        """``build()`` returns the arrays to evaluate; (build, submit, wait) ms recorded under ``name``."""
+        """``build()`` returns the arrays to evaluate; (build, submit, wait) ms and its operations under ``name``."""
         mx.synchronize()
         t0 = time.perf_counter()
         out = build()
         t1 = time.perf_counter()
+        count = graph_operations(out)  # outside the times: the submit is timed from after it
+        t1b = time.perf_counter()
         mx.async_eval(out)
         t2 = time.perf_counter()
         mx.eval(out)
         mx.synchronize()
         t3 = time.perf_counter()
-        times.setdefault(name, []).append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
+        times.setdefault(name, []).append(((t1 - t0) * 1e3, (t2 - t1b) * 1e3, (t3 - t2) * 1e3, count))
 
     def passed(name: str, run: Any, seq: Any) -> None:
-        """``run()`` from an idle device; ``seq``'s pass timing as (build, submit, wait until the device is done)."""
+        """``run()`` from an idle device; ``seq``'s pass timing as (build, submit, wait until the device is done)
+        and the operations it submitted (counted inside its submit, that time taken out again)."""
         mx.synchronize()
-        t0 = time.perf_counter()
-        run()
-        mx.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3
+        with counting_submits() as counted:
+            t0 = time.perf_counter()
+            run()
+            mx.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3 - counted.ms
         t = seq.last_chunk_timing
-        times.setdefault(name, []).append((t.build_ms, t.launch_ms - t.build_ms, wall - t.launch_ms))
+        launch = t.launch_ms - counted.ms
+        times.setdefault(name, []).append((t.build_ms, launch - t.build_ms, wall - launch, counted.operations))
 
     def sequences(q: int) -> list[Any]:
         return [Sequence(lm, text + _ask(q + a), cache, SequenceSampling(max_tokens=2),
@@ -779,9 +790,52 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
     out = []
     for name, samples in times.items():
         build, submit, wait = (stats.median(x[i] for x in samples) for i in range(3))
-        out.append([name, str(len(samples)), f"{build:.2f}", f"{submit:.2f}", f"{wait:.2f}",
-                    f"{build + submit + wait:.2f}"])
+        operations = int(stats.median(x[3] for x in samples))
+        per = f"{submit * 1e3 / operations:.1f}" if operations else "—"
+        out.append([name, str(len(samples)), str(operations), f"{build:.2f}", f"{submit:.2f}", f"{wait:.2f}",
+                    f"{build + submit + wait:.2f}", per])
     return out
+
+
+def graph_operations(arrays: Any) -> int:
+    """The operations an evaluation of ``arrays`` would run (MLX's graph as ``export_to_dot`` draws it; arrays
+    already evaluated are inputs). On the CPU MLX builds its fused operations (attention, RoPE, norms, a
+    dequantization) from smaller ones, so a CPU's count is larger than a GPU's for the same pass."""
+    import io
+
+    import mlx.core as mx
+
+    out = io.StringIO()
+    mx.export_to_dot(out, arrays)
+    return out.getvalue().count("shape=rectangle")
+
+
+class SubmitCount:
+    """What :func:`counting_submits` saw: operations handed to ``mx.async_eval``, and ms spent counting them."""
+
+    def __init__(self) -> None:
+        self.operations = 0
+        self.ms = 0.0
+
+
+@contextlib.contextmanager
+def counting_submits() -> Iterator[SubmitCount]:
+    """Count the operations of every ``mx.async_eval`` call (on any thread) while on, before it submits them."""
+    import mlx.core as mx
+
+    counted, submit = SubmitCount(), mx.async_eval
+
+    def counting(*arrays: Any) -> Any:
+        t0 = time.perf_counter()
+        counted.operations += graph_operations(list(arrays))
+        counted.ms += (time.perf_counter() - t0) * 1e3
+        return submit(*arrays)
+
+    mx.async_eval = counting
+    try:
+        yield counted
+    finally:
+        mx.async_eval = submit
 
 
 def _prefill_all(seq: Any) -> None:
@@ -914,7 +968,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             res.body += [f"## A batch's joint prefill pass in pieces, each from an idle device (`{Path(name).name}`, "
                          f"{args.joint_rows} hot turns over ~{context}-token caches; ms, medians)", "",
-                         *table(["piece", "rounds", "build", "submit", "wait", "in all"],
+                         *table(["piece", "rounds", "operations", "build", "submit", "wait", "in all",
+                                 "submit µs an operation"],
                                 joint_pass_rows(name, args.joint_rows, context, 3 if quick else 6)), ""]
         except Exception as exc:  # noqa: BLE001 - a one-shot device run reports it
             res.body += [f"Stopped: {type(exc).__name__}: {str(exc)[:300]}", ""]

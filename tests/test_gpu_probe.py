@@ -15,10 +15,19 @@ def test_the_joint_pass_is_timed_in_pieces_first_round_apart() -> None:
     pieces = ["activate 3 rows' caches", "line them up, one batch cache a layer", "joint pass, rows already active",
               "joint pass as the GPU actor makes it", "same, again at the same shapes", "one row's hot chunk alone"]
     assert names == [f"{p} (first round)" for p in pieces] + pieces
-    for name, rounds, *ms in rows:
+    operations = {}
+    for name, rounds, count, *ms, per in rows:
         assert rounds == "1", name
         build, submit, wait, total = map(float, ms)
         assert min(build, submit, wait) >= 0 and abs(build + submit + wait - total) < 0.02, name
+        operations[name] = int(count)
+        assert operations[name] > 0 and float(per) > 0, name
+    # The whole pass submits what the pass over active rows does and the rows' activation besides; one row's
+    # hot chunk, less than the group's.
+    for suffix in ("", " (first round)"):
+        whole, active = operations[f"joint pass as the GPU actor makes it{suffix}"], operations[
+            f"joint pass, rows already active{suffix}"]
+        assert active < whole and operations[f"one row's hot chunk alone{suffix}"] < whole
 
 
 def test_attention_at_new_shapes_is_the_fused_kernels_every_way_it_is_timed() -> None:
