@@ -423,7 +423,9 @@ class GPUActor:
         every running turn waited for it too."""
         try:
             prompt = await self._render(msg.prompt)
+            self._event("rendered", msg.request_id)
             plan = self._manager.plan(msg.agent_id, msg.model_tag, prompt, share_prefix=msg.share_prefix, own=msg.own)
+            self._event("planned", msg.request_id)
             tokens: Tokenized = await self._text_job(self._engine.tokenize, prompt, plan)
             need = plan.reuse_tokens + len(tokens.ids)
             context = self._info.context_length if self._info is not None else None

@@ -225,8 +225,9 @@ class GpuStats(msgspec.Struct, frozen=True, kw_only=True):
 class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     """One unit of the runtime's work, recorded when it completed (when tracing): mostly the GPU actor's.
 
-    ``kind``: ``submit`` (the turn reached the GPU actor), ``tokenized`` (its prompt rendered,
-    planned and tokenized: it waits for admission), ``admit`` (sequence built: cache activation),
+    ``kind``: ``submit`` (the turn reached the GPU actor), ``rendered`` (its chat rendered with the model's
+    template, on the text worker's thread), ``planned`` (its prompt matched against the agent's cache, on
+    trio's), ``tokenized`` (the rest of its prompt tokenized, on the text worker's: it waits for admission), ``admit`` (sequence built: cache activation),
     ``chunk`` (one prefill chunk), ``step`` (one decode step of the batch; ``request_ids``
     are its members), ``finish`` (left the batch, parked), ``copy`` (a finished turn's host
     copy for its save, made after the turn under the GPU policy), ``run`` (a decode run ended:
@@ -255,10 +256,11 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
 
 
-BESIDE_THE_WORK = frozenset({"gc", "save", "read", "run", "checkout"})
+BESIDE_THE_WORK = frozenset({"gc", "save", "read", "run", "checkout", "rendered", "planned"})
 """Trace kinds that are not one of the GPU actor's units of work: Python's collector and the cache store's
-disk jobs ran beside it, on other threads, a ``run`` event marks the end of steps already logged, and an
-agent's ``checkout`` happens before its turn reaches the GPU actor."""
+disk jobs ran beside it, on other threads, a ``run`` event marks the end of steps already logged, an
+agent's ``checkout`` happens before its turn reaches the GPU actor, and a turn's ``rendered`` and ``planned``
+split the way to its ``tokenized``, which runs beside the model's work."""
 
 
 def units_of_work(events: Iterable[GpuEvent]) -> list[GpuEvent]:

@@ -699,8 +699,10 @@ def device_lines() -> list[str]:
 def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
     """Each cold (and hot, and warm) turn's window read against the GPU actor's trace: when its agent's actor had
     checked its cache out and sent it on (H200 run 5: turns reached the GPU actor 5-7 ms after they were sent,
-    with nothing in the GPU actor's trace to say why), when it reached the GPU actor, when its
-    prompt was tokenized (H200 run 4: admission took 120-206 ms at 32K), when the actor admitted it, the host
+    with nothing in the GPU actor's trace to say why), when it reached the GPU actor, when its chat was
+    rendered, its prompt planned against the agent's cache and the rest tokenized (H200 run 4: admission took
+    120-206 ms at 32K; run 5's hot 16K turns were tokenized 4-6 ms after they reached the actor), when the actor
+    admitted it, the host
     copies for earlier turns' saves it made first (how many, and roughly how long: each copy's time
     since the event before it), and when the turn's prefill ended (its first token). H200 run 3 read
     this by hand to find cold 1K turns waiting 91-417 ms behind copies."""
@@ -717,11 +719,11 @@ def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
         mine = [e for _, e in inside if e["ids"] == admit["ids"]]
         first_step = next((e["at"] for e in mine if e["kind"] in ("step", "finish")), t1)
         chunks = [e["at"] for e in mine if e["kind"] == "chunk" and e["at"] <= first_step]
-        checked_out, reached, tokenized = (next((f"{(e['at'] - t0) * 1e3:.0f}" for e in mine if e["kind"] == kind), "—")
-                                           for kind in ("checkout", "submit", "tokenized"))
-        rows.append([mark["agent"], checked_out, reached, tokenized, f"{(admit['at'] - t0) * 1e3:.0f}",
+        way = [next((f"{(e['at'] - t0) * 1e3:.1f}" for e in mine if e["kind"] == kind), "—")
+               for kind in ("checkout", "submit", "rendered", "planned", "tokenized")]
+        rows.append([mark["agent"], *way, f"{(admit['at'] - t0) * 1e3:.1f}",
                      f"{len(copies)} ({copy_ms:.0f} ms)" if copies else "0",
-                     f"{(chunks[-1] - t0) * 1e3:.0f}" if chunks else "—"])
+                     f"{(chunks[-1] - t0) * 1e3:.1f}" if chunks else "—"])
     return rows
 
 
@@ -941,8 +943,8 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
         waits = waits_before_first_token(r.trace)
         if waits:
             lines += ["", "Where the cold, hot and warm turns' first tokens went (the GPU actor's trace; ms from sending the turn):",
-                      "", *table(["turn", "checked out (agent's actor)", "reached the GPU actor", "tokenized", "admitted",
-                                                "save copies made first", "prefill ended"], waits)]
+                      "", *table(["turn", "checked out (agent's actor)", "reached the GPU actor", "rendered", "planned",
+                                  "tokenized", "admitted", "save copies made first", "prefill ended"], waits)]
         rounds = batch_round_waits(r.trace)
         if rounds:
             lines += ["", "Where the batch rounds' first tokens went (the trace; ms from the round's start; the first "

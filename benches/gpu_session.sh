@@ -65,7 +65,9 @@
 #   8. since session 27: the probe's joint section counts the operations each piece hands MLX's submit, beside
 #      its times (submit µs an operation): run 5's joint pass of 8 spent 29 ms in the submit against 5.6 for one
 #      row's hot chunk; a per-operation cost near a decode step's says the pass is too big a graph, one far above
-#      it says the submit waits or builds something (a CUDA graph, an allocation).
+#      it says the submit waits or builds something (a CUDA graph, an allocation); the first-token table splits
+#      the way from reaching the GPU actor to tokenized into rendering the chat, planning against the agent's
+#      cache and tokenizing the rest (run 5's hot 16K turns: 4-6 ms of it).
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses).
 set -u

@@ -533,3 +533,22 @@ async def test_the_trace_says_when_each_turn_was_checked_out_before_it_reached_t
     assert checkout.waited_ms is not None and checkout.took_ms is not None
     assert 0 <= checkout.waited_ms and 0 <= checkout.took_ms
     assert t0 <= checkout.at - (checkout.waited_ms + checkout.took_ms) / 1e3 + 1e-6  # it starts at the send
+
+
+async def test_the_trace_splits_a_turns_way_to_tokenized_into_render_plan_and_tokenize(tmp_path):
+    """H200 run 5's hot 16K turns took 4-6 ms from reaching the GPU actor to being tokenized, and the trace
+    could not say which of the three did it: rendering the chat, planning against the agent's cache, or
+    tokenizing the rest. Each now has its event, in that order, and none is a unit of the GPU actor's work
+    (a decode step's time is not split by a render ending on another thread)."""
+    from actors.metrics import units_of_work
+
+    async with _open(tmp_path, trace=True) as rt:
+        agent = rt.agent("a")
+        await agent.send([{"role": "user", "content": "hello there"}], max_tokens=3)
+        done = await agent.send([{"role": "user", "content": "and again"}], max_tokens=3)
+        events = [e for e in rt.gpu_events() if done.request_id in e.request_ids]
+    kinds = [e.kind for e in events]
+    way = [k for k in kinds if k in ("submit", "rendered", "planned", "tokenized", "admit")]
+    assert way == ["submit", "rendered", "planned", "tokenized", "admit"], kinds
+    assert [e.at for e in events] == sorted(e.at for e in events)
+    assert not {"rendered", "planned"} & {e.kind for e in units_of_work(events)}

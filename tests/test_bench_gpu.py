@@ -93,12 +93,14 @@ def test_a_cold_turns_wait_is_read_from_the_trace_copies_before_its_admission_in
         return {"kind": kind, "ids": [rid], "at": at}
 
     trace = {"cold": [{"agent": "waits", "t0": 10.0, "t1": 10.5}, {"agent": "straight", "t0": 11.0, "t1": 11.2}],
-             "events": [ev("finish", 1, 9.99), ev("checkout", 2, 10.001), ev("submit", 2, 10.002), ev("tokenized", 2, 10.004),
+             "events": [ev("finish", 1, 9.99), ev("checkout", 2, 10.001), ev("submit", 2, 10.002), ev("rendered", 2, 10.0025),
+                        ev("planned", 2, 10.003), ev("tokenized", 2, 10.004),
                         ev("copy", 7, 10.15), ev("copy", 8, 10.40), ev("admit", 2, 10.41),
                         ev("chunk", 2, 10.42), ev("chunk", 2, 10.43), ev("finish", 2, 10.44),
                         ev("admit", 3, 11.01), ev("chunk", 3, 11.05), ev("step", 3, 11.06), ev("chunk", 4, 11.07)]}
-    assert gpu.waits_before_first_token(trace) == [["waits", "1", "2", "4", "410", "2 (396 ms)", "430"],
-                                                   ["straight", "—", "—", "—", "10", "0", "50"]]
+    assert gpu.waits_before_first_token(trace) == [["waits", "1.0", "2.0", "2.5", "3.0", "4.0", "410.0", "2 (396 ms)",
+                                                    "430.0"],
+                                                   ["straight", "—", "—", "—", "—", "—", "10.0", "0", "50.0"]]
     body = "\n".join(gpu.render_body([_run()], PLAN, [], []))
     assert "first tokens went" not in body  # a run without a trace reports none
 
