@@ -24,7 +24,8 @@ Not a comparison with a goal, but the measurements that say where the next fix g
   mask) and kvmem's ``DecodeKVCache`` (no mask for a lone row), in lockstep and run ahead;
 * **one row's decode in kvmem's engine** against mlx-lm's ``generate_step`` (``engine``);
 * **a batch's joint prefill pass in pieces** (``joint``): the rows' caches dequantized, lined up,
-  the pass over active rows, the whole pass and one row's hot chunk, each from an idle device.
+  the pass over active rows, the whole pass from Q4 caches and over kept float buffers, and one row's
+  hot chunk, each from an idle device, with the operations each hands MLX's submit.
 
 The model for the last two is the first folder matching ``--model-glob`` (``benches gpu``
 builds ``gpu-1b-*`` under the bench home), else ``tiny-llama``. ``--sections`` runs some of them
@@ -699,8 +700,10 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
     device (``mx.synchronize()``) and is timed as the trace times it: ``build`` (the Python graph), ``submit``
     (the ``async_eval`` call) and ``wait`` (until the device is done); the pieces are the rows' Q4 caches
     dequantized (``activate``), lined up in one batch cache per layer, and the joint pass over rows already
-    active; then the whole joint pass as the GPU actor makes it, the same again at the shapes it just
-    used, and one row's hot chunk alone. Each round's new messages differ in length from the last's (new
+    active; then the whole joint pass from the rows' Q4 caches (as the GPU actor makes it for caches read from
+    disk), over the float buffers each row's cache kept (as it makes it in a hot round: each row's last turn is
+    written into them as its dequantized Q4 first), the same again at the shapes it just used, and one row's
+    hot chunk alone (over its kept float buffers too). Each round's new messages differ in length from the last's (new
     shapes, as in the bench: MLX's CUDA backend asks cuBLASLt for an algorithm at every product of more
     than one row, which may cost more at a shape it has not seen); the first round is reported apart.
 
@@ -713,7 +716,7 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
 
     from benches.gpu import _ask
     from runtime.execution.batch_prefill import LinedUpCache, choose_group, prefill_together
-    from runtime.execution.generate import generate
+    from runtime.execution.generate import decode_alone, generate
     from runtime.execution.mlx_engine import MlxEngine
     from runtime.execution.sequence import Sequence, SequenceSampling
 
@@ -723,11 +726,12 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
     engine.load(folder)
     lm = engine.lm
     words = max(8, context // 3)  # about three tokens a "noteN was kept"
-    firsts = []
+    firsts, prompts = [], []  # the rows' first turns' (text, parked Q4 cache), and their prompts
     for a in range(rows):
         prompt = " ".join(f"note{(i * 7 + a) % 97} was kept" for i in range(words))
         done = generate(lm, prompt, None, SequenceSampling(max_tokens=4), attention=engine.profile.attention)
         firsts.append((prompt + done.reply, done.cache))
+        prompts.append(prompt)
     times: dict[str, list[tuple[float, float, float, int]]] = {}
 
     def timed(name: str, build: Any) -> None:
@@ -762,6 +766,22 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
         return [Sequence(lm, text + _ask(q + a), cache, SequenceSampling(max_tokens=2),
                          attention=engine.profile.attention) for a, (text, cache) in enumerate(firsts)]
 
+    def kept_float_sequences(q: int, count: int = rows) -> list[Any]:
+        """The first ``count`` rows' next turns over caches parked with their float buffers kept, as a hot
+        round's are (a turn takes its cache's kept buffers: each round makes its first turns again)."""
+        out = []
+        for a, prompt in enumerate(prompts[:count]):
+            # a reply long enough that some of its tokens are parked (a short one's may all be held back)
+            first = Sequence(lm, prompt, None, SequenceSampling(max_tokens=16), attention=engine.profile.attention)
+            for _ in decode_alone(first):
+                pass
+            kept = first.park(keep_float=True, wait=False)  # as the engine parks a turn under the GPU policy
+            if kept is None or kept.resident is None:
+                raise RuntimeError(f"row {a}: no kept float buffers")
+            out.append(Sequence(lm, kept.text + _ask(q + a), kept, SequenceSampling(max_tokens=2),
+                                attention=engine.profile.attention))
+        return out
+
     for q in range(rounds):
         tag = " (first round)" if q == 0 else ""
         seqs = sequences(q)
@@ -778,13 +798,20 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
               lambda: [a for layer in zip(*(s.kv.caches for s in grouped), strict=True)
                        for c in [LinedUpCache(list(layer), pads, width)] for a in (c.keys, c.values)])
         passed(f"joint pass, rows already active{tag}", lambda: prefill_together(grouped, pads), grouped[0])
-        whole = sequences(q)  # as the GPU actor runs it: the rows' dequantization in the pass
-        passed(f"joint pass as the GPU actor makes it{tag}",
+        whole = sequences(q)  # as the GPU actor runs it for caches read from disk: their dequantization in the pass
+        passed(f"joint pass from the rows' Q4 caches{tag}",
                lambda: prefill_together([whole[i] for i in ids], pads), whole[ids[0]])
+        hot = kept_float_sequences(q)  # as it runs a hot round: each row's last turn written into its float buffers
+        hot_group = choose_group(dict(enumerate(hot)))
+        if len(hot_group) < 2:
+            raise RuntimeError(f"round {q}: the rows over kept float buffers did not group ({hot_group})")
+        passed(f"joint pass over their kept float buffers{tag}",
+               lambda: prefill_together([hot[i] for i in hot_group], list(hot_group.values())),
+               hot[next(iter(hot_group))])
         again = sequences(q)  # the same messages again: every shape of the pass seen just before
         passed(f"same, again at the same shapes{tag}",
                lambda: prefill_together([again[i] for i in ids], pads), again[ids[0]])
-        alone = sequences(q)[0]
+        alone = kept_float_sequences(q, 1)[0]  # a hot turn: over its kept float buffers too
         passed(f"one row's hot chunk alone{tag}", lambda: _prefill_all(alone), alone)
     engine.unload()  # not close(): that clears this thread's MLX streams, and the caller goes on with MLX
     out = []

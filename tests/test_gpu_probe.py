@@ -13,7 +13,8 @@ def test_the_joint_pass_is_timed_in_pieces_first_round_apart() -> None:
     rows = joint_pass_rows("tiny-llama", 3, 60, 2, profile="gpu", models_dir=models_dir())
     names = [r[0] for r in rows]
     pieces = ["activate 3 rows' caches", "line them up, one batch cache a layer", "joint pass, rows already active",
-              "joint pass as the GPU actor makes it", "same, again at the same shapes", "one row's hot chunk alone"]
+              "joint pass from the rows' Q4 caches", "joint pass over their kept float buffers",
+              "same, again at the same shapes", "one row's hot chunk alone"]
     assert names == [f"{p} (first round)" for p in pieces] + pieces
     operations = {}
     for name, rounds, count, *ms, per in rows:
@@ -22,12 +23,14 @@ def test_the_joint_pass_is_timed_in_pieces_first_round_apart() -> None:
         assert min(build, submit, wait) >= 0 and abs(build + submit + wait - total) < 0.02, name
         operations[name] = int(count)
         assert operations[name] > 0 and float(per) > 0, name
-    # The whole pass submits what the pass over active rows does and the rows' activation besides; one row's
-    # hot chunk, less than the group's.
+    # The pass from Q4 caches submits what the pass over active rows does and the rows' activation besides, the
+    # pass over kept float buffers the writing of each row's last turn into them (as its dequantized Q4): more
+    # than over active rows, less than from Q4; one row's hot chunk over its kept buffers, less than the group's.
     for suffix in ("", " (first round)"):
-        whole, active = operations[f"joint pass as the GPU actor makes it{suffix}"], operations[
-            f"joint pass, rows already active{suffix}"]
-        assert active < whole and operations[f"one row's hot chunk alone{suffix}"] < whole
+        active, kept, q4, alone = (operations[f"{piece}{suffix}"] for piece in (
+            "joint pass, rows already active", "joint pass over their kept float buffers",
+            "joint pass from the rows' Q4 caches", "one row's hot chunk alone"))
+        assert active < kept < q4 and alone < kept, (active, kept, q4, alone)
 
 
 def test_attention_at_new_shapes_is_the_fused_kernels_every_way_it_is_timed() -> None:
