@@ -638,6 +638,7 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
     engine = loaded()
     engine_rate(engine, 1, 16)  # warm-up
     alone = [engine_rate(engine, 2 + i, steps) for i in range(3)]
+    step_line = _one_step_operations(engine, text, cold)
     after: list[tuple[str, list[float]]] = []
     if after_tokens:
         import mlx.core as mx
@@ -685,7 +686,30 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
         [name, f"{stats.median(rates):.1f}", f"{stats.median(rates) / base:.2f}x"]
         for name, rates in (("kvmem MlxEngine.step, no actors, this thread", alone), *after,
                             ("same, on the runtime's MLX thread (MlxThread), no trio work", quiet),
-                            ("same, each step posting to trio (as the GPU actor's decode runs)", posting))]
+                            ("same, each step posting to trio (as the GPU actor's decode runs)", posting))] + [
+        [step_line, "—", "—"]]
+
+
+def _one_step_operations(engine: Any, text: str, plan: Any) -> str:
+    """One steady decode step of ``engine``'s: the operations it hands MLX's submit and the submit's time (the
+    count taken out of it), as a line: the joint section's pieces are read against it (µs an operation)."""
+    from runtime.plan.contract import SamplingOptions
+
+    engine.start(99, text, plan, engine.tokenize(text, plan), SamplingOptions(max_tokens=8))
+    while engine.prefill(99, None).remaining:
+        pass
+    engine.join(99)
+    engine.step()  # the first token, then a step in flight (run ahead): the next ones launch one step each
+    engine.step()
+    with counting_submits() as counted:
+        engine.step()
+    timing = engine.last_step_timing
+    engine.finish(99)
+    if timing is None or not counted.operations:
+        return "one decode step: not measured (no step timing, or no operations submitted)"
+    submit = timing.launch_ms - timing.build_ms - counted.ms
+    return (f"one decode step: {counted.operations} operations, build {timing.build_ms:.2f} ms, submit {submit:.2f} ms "
+            f"({submit * 1e3 / counted.operations:.1f} µs an operation)")
 
 
 def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: str = "auto",

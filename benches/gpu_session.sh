@@ -63,7 +63,8 @@
 #      MLX's buffer cache is emptied once a prompt of several chunks has its first token, as mlx-lm's generate_step
 #      does after each chunk (run 5's 3B steps slowed turn after turn; the 3B engine rows say whether this was it).
 #   8. since session 27: the probe's joint section counts the operations each piece hands MLX's submit, beside
-#      its times (submit µs an operation), and runs the pass over kept float buffers as a hot round's is: run 5's joint pass of 8 spent 29 ms in the submit against 5.6 for one
+#      its times (submit µs an operation; the engine rows end with one decode step's, to read them against),
+#      and runs the pass over kept float buffers as a hot round's is: run 5's joint pass of 8 spent 29 ms in the submit against 5.6 for one
 #      row's hot chunk; a per-operation cost near a decode step's says the pass is too big a graph, one far above
 #      it says the submit waits or builds something (a CUDA graph, an allocation); the first-token table splits
 #      the way from reaching the GPU actor to tokenized into rendering the chat, planning against the agent's

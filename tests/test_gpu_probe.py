@@ -4,6 +4,8 @@ takes a profile. What the numbers mean is read on a GPU; here only their shape i
 
 from __future__ import annotations
 
+import re
+
 from conftest import models_dir
 
 from benches.gpu_probe import joint_pass_rows
@@ -79,4 +81,8 @@ def test_the_engine_rows_run_after_a_long_turn_with_the_cache_kept_cleared_and_e
     assert names[:5] == ["mlx-lm generate_step", "kvmem MlxEngine.step, no actors, this thread",
                          "same, after a 300-token turn, MLX's cache kept", "same, then after mx.clear_cache()",
                          "same, after a 300-token turn, MLX's cache emptied at its end (the GPU policy)"]
-    assert all(float(r[1]) > 0 for r in rows)
+    assert all(float(r[1]) > 0 for r in rows[:-1])
+    # the last row: one steady decode step's operations and submit, what the joint section's are read against
+    step = re.fullmatch(r"one decode step: (\d+) operations, build [\d.]+ ms, submit [\d.]+ ms \(([\d.]+) µs an "
+                        r"operation\)", rows[-1][0])
+    assert step is not None and int(step[1]) > 100 and float(step[2]) > 0, rows[-1]
