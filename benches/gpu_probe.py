@@ -795,8 +795,7 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
         round's are (a turn takes its cache's kept buffers: each round makes its first turns again)."""
         out = []
         for a, prompt in enumerate(prompts[:count]):
-            # a reply long enough that some of its tokens are parked (a short one's may all be held back)
-            first = Sequence(lm, prompt, None, SequenceSampling(max_tokens=16), attention=engine.profile.attention)
+            first = Sequence(lm, prompt, None, SequenceSampling(max_tokens=4), attention=engine.profile.attention)
             for _ in decode_alone(first):
                 pass
             kept = first.park(keep_float=True, wait=False)  # as the engine parks a turn under the GPU policy
