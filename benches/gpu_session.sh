@@ -64,7 +64,8 @@
 #      does after each chunk (run 5's 3B steps slowed turn after turn; the 3B engine rows say whether this was it).
 #   8. since session 27: the probe's joint section counts the operations each piece hands MLX's submit, beside
 #      its times (submit µs an operation; the engine rows end with one decode step's, to read them against),
-#      and runs the pass over kept float buffers as a hot round's is: run 5's joint pass of 8 spent 29 ms in the submit against 5.6 for one
+#      and runs the pass over kept float buffers as a hot round's is, and one row's chunk over a cache read ahead
+#      (run 5: 13 ms of submit against a hot chunk's 5.6): run 5's joint pass of 8 spent 29 ms in the submit against 5.6 for one
 #      row's hot chunk; a per-operation cost near a decode step's says the pass is too big a graph, one far above
 #      it says the submit waits or builds something (a CUDA graph, an allocation); the first-token table splits
 #      the way from reaching the GPU actor to tokenized into rendering the chat, planning against the agent's

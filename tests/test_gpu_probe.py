@@ -16,7 +16,7 @@ def test_the_joint_pass_is_timed_in_pieces_first_round_apart() -> None:
     names = [r[0] for r in rows]
     pieces = ["activate 3 rows' caches", "line them up, one batch cache a layer", "joint pass, rows already active",
               "joint pass from the rows' Q4 caches", "joint pass over their kept float buffers",
-              "same, again at the same shapes", "one row's hot chunk alone"]
+              "same, again at the same shapes", "one row's hot chunk alone", "one row's chunk over a cache read ahead"]
     assert names == [f"{p} (first round)" for p in pieces] + pieces
     operations = {}
     for name, rounds, count, *ms, per in rows:
@@ -33,6 +33,8 @@ def test_the_joint_pass_is_timed_in_pieces_first_round_apart() -> None:
             "joint pass, rows already active", "joint pass over their kept float buffers",
             "joint pass from the rows' Q4 caches", "one row's hot chunk alone"))
         assert active < kept < q4 and alone < kept, (active, kept, q4, alone)
+        # read ahead, a warm turn's buffers were made before it: no last turn to write in, fewer than a hot one's
+        assert operations[f"one row's chunk over a cache read ahead{suffix}"] < alone
 
 
 def test_attention_at_new_shapes_is_the_fused_kernels_every_way_it_is_timed() -> None:
