@@ -16,6 +16,9 @@ Not a comparison with a goal, but the measurements that say where the next fix g
   each new set of shapes and strides) against the same attention from plain ops, plain ops over the
   cache buffer's 256-token step (shapes that repeat across turns) and kvmem's kernel, first call and
   again: what a short prefill chunk (a hot turn, a group's join) pays at a shape it has not seen;
+* **products at a row count, again and again** (``products``): seven of a layer's products in one submit at
+  1 to 2048 rows, the same shapes each time: whether a submit of two or more rows (cuBLASLt, captured as a
+  child CUDA graph) costs far more than one row's even at shapes it has seen;
 * **a new shape's first pass**: one forward of ``--probe-tokens`` new tokens over caches one
   token longer each time (as every turn of a conversation is), first call against a repeat
   at the same shape; if the first costs far more, per-shape setup (cuDNN's attention graphs)
@@ -712,6 +715,46 @@ def _one_step_operations(engine: Any, text: str, plan: Any) -> str:
             f"({submit * 1e3 / counted.operations:.1f} µs an operation)")
 
 
+def product_rows(rows: tuple[int, ...], width: int, dtype_name: str, repeats: int = 10) -> list[list[str]]:
+    """One layer's worth of products (seven ``x @ w.T`` of ``width``-wide bfloat16 weights, one submit) at each row
+    count, the same shapes again and again: build, submit (the ``mx.async_eval`` call) and wait, ms, medians after
+    a first call, and the submit's µs an operation.
+
+    Why: MLX's CUDA backend commits a CUDA graph every 100 operations on an H200 and reuses a cached executable
+    when it can update it; a product of more than one row goes through cuBLASLt, captured as a child graph, and a
+    graph holding a kernel launched in a cluster taller than one (as Hopper's GEMM kernels may be) cannot be
+    updated, so each such commit instantiates a new one. A one-row product is MLX's own kernel. If the submit
+    of 2 or more rows stays far above one row's at the same shapes, a prefill chunk's and a joint pass's host
+    time is that (run 5: a 1B hot chunk's submit 5.6 ms against a decode step's 1.5)."""
+    import statistics as stats
+
+    import mlx.core as mx
+
+    dtype = getattr(mx, dtype_name)
+    weights = [mx.random.normal((width, width)).astype(dtype) * width**-0.5 for _ in range(7)]
+    mx.eval(weights)
+    out = []
+    for n in rows:
+        x = mx.random.normal((1, n, width)).astype(dtype)
+        mx.eval(x)
+        samples = []
+        for i in range(repeats + 1):
+            mx.synchronize()
+            t0 = time.perf_counter()
+            ys = [x @ w.T for w in weights]
+            t1 = time.perf_counter()
+            mx.async_eval(ys)
+            t2 = time.perf_counter()
+            mx.eval(ys)
+            mx.synchronize()
+            t3 = time.perf_counter()
+            if i:  # the first call builds what the shape needs once
+                samples.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
+        build, submit, wait = (stats.median(x[k] for x in samples) for k in range(3))
+        out.append([str(n), f"{build:.3f}", f"{submit:.3f}", f"{wait:.3f}", f"{submit * 1e3 / len(weights):.1f}"])
+    return out
+
+
 def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: str = "auto",
                     models_dir: Path | None = None) -> list[list[str]]:
     """Where a batch's joint prefill pass goes, in pieces, on ``rows`` agents' hot turns over ``context``-token
@@ -928,8 +971,8 @@ def gguf_prefill_rows(gguf: str, lengths: list[int]) -> list[list[str]]:
     return rows
 
 
-SECTIONS = ("host-copy", "sdpa", "gpt-oss", "gather", "shapes", "batch-attention", "first-pass", "decode-row", "engine", "joint",
-            "gguf")
+SECTIONS = ("host-copy", "sdpa", "gpt-oss", "gather", "shapes", "products", "batch-attention", "first-pass", "decode-row",
+            "engine", "joint", "gguf")
 """The probes, in the order they run (``--sections``)."""
 
 
@@ -994,6 +1037,13 @@ def main(argv: list[str] | None = None) -> None:
                              "max |diff| from fused"],
                             attention_shape_rows([1, 16] if quick else [1, 16, 128, 1024],
                                                  [100, 101] if quick else [1000, 1001, 4000, 16000])), ""]
+    if "products" in on:
+        width, dtype = (256, "float32") if quick else (2048, "bfloat16")
+        res.body += [f"## Seven products of one layer in one submit, the same shapes again and again ({dtype}, "
+                     f"{width} wide; ms, medians)", "",
+                     *table(["rows", "build", "submit", "wait", "submit µs a product"],
+                            product_rows((1, 2, 13) if quick else (1, 2, 13, 64, 256, 2048), width, dtype,
+                                         3 if quick else 10)), ""]
     if "batch-attention" in on:
         lengths = [1030, 1061, 1002, 1117, 1089, 1045, 1150, 1013]
         res.body += ["## One decode step's attention, a batch of 8 rows of different lengths (1B geometry; ms a call, "

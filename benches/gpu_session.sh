@@ -65,7 +65,9 @@
 #   8. since session 27: the probe's joint section counts the operations each piece hands MLX's submit, beside
 #      its times (submit µs an operation; the engine rows end with one decode step's, to read them against),
 #      and runs the pass over kept float buffers as a hot round's is, and one row's chunk over a cache read ahead
-#      (run 5: 13 ms of submit against a hot chunk's 5.6): run 5's joint pass of 8 spent 29 ms in the submit against 5.6 for one
+#      (run 5: 13 ms of submit against a hot chunk's 5.6); and a products section: a layer's seven products at 1 to
+#      2048 rows, the same shapes again and again (MLX cannot update a CUDA graph holding a kernel launched in a
+#      cluster taller than one, and cuBLASLt's products of two or more rows are captured into it): run 5's joint pass of 8 spent 29 ms in the submit against 5.6 for one
 #      row's hot chunk; a per-operation cost near a decode step's says the pass is too big a graph, one far above
 #      it says the submit waits or builds something (a CUDA graph, an allocation); the first-token table splits
 #      the way from reaching the GPU actor to tokenized into rendering the chat, planning against the agent's
@@ -94,7 +96,7 @@ case "${1:-bench}" in
     # only the probes still open (run 4 answered the fused attention's accuracy, tiny-gpt-oss's layers and the
     # attention shapes): run 4's whole probe took 54 s, and the engine rows come last
     MLX_ENABLE_TF32=0 timeout -s INT 100 python3 -m benches gpu_probe --gguf none \
-      --sections host-copy sdpa gather shapes batch-attention decode-row engine joint > /tmp/probe.log 2>&1
+      --sections host-copy sdpa gather shapes products batch-attention decode-row engine joint > /tmp/probe.log 2>&1
     echo "gpu_probe: exit $?"; tail -n 12 /tmp/probe.log
     cp benches/results/gpu_probe.md "$out/probe.md"
     # the 3B's decode (run 5: 0.64-0.72x mlx-lm, steps 5.75 ms against 4.2, its first 1K turn at 227 tokens/s and

@@ -88,3 +88,12 @@ def test_the_engine_rows_run_after_a_long_turn_with_the_cache_kept_cleared_and_e
     step = re.fullmatch(r"one decode step: (\d+) operations, build [\d.]+ ms, submit [\d.]+ ms \(([\d.]+) µs an "
                         r"operation\)", rows[-1][0])
     assert step is not None and int(step[1]) > 100 and float(step[2]) > 0, rows[-1]
+
+
+def test_the_products_section_times_each_row_count_again_and_again() -> None:
+    from benches.gpu_probe import product_rows
+
+    rows = product_rows((1, 2, 13), 64, "float32", repeats=2)
+    assert [r[0] for r in rows] == ["1", "2", "13"]
+    for _, *numbers in rows:
+        assert all(float(x) >= 0 for x in numbers) and float(numbers[1]) > 0
