@@ -737,19 +737,8 @@ def product_rows(rows: tuple[int, ...], width: int, dtype_name: str, repeats: in
     for n in rows:
         x = mx.random.normal((1, n, width)).astype(dtype)
         mx.eval(x)
-        samples = []
-        for i in range(repeats + 1):
-            mx.synchronize()
-            t0 = time.perf_counter()
-            ys = [x @ w.T for w in weights]
-            t1 = time.perf_counter()
-            mx.async_eval(ys)
-            t2 = time.perf_counter()
-            mx.eval(ys)
-            mx.synchronize()
-            t3 = time.perf_counter()
-            if i:  # the first call builds what the shape needs once
-                samples.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
+        _timed_submit(lambda: [x @ w.T for w in weights])  # the first call builds what the shape needs once
+        samples = [_timed_submit(lambda: [x @ w.T for w in weights]) for _ in range(repeats)]
         build, submit, wait = (stats.median(x[k] for x in samples) for k in range(3))
         out.append([str(n), f"{build:.3f}", f"{submit:.3f}", f"{wait:.3f}", f"{submit * 1e3 / len(weights):.1f}"])
     return out
@@ -805,18 +794,7 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
 
     def timed(name: str, build: Any) -> None:
         """``build()`` returns the arrays to evaluate; (build, submit, wait) ms and its operations under ``name``."""
-        mx.synchronize()
-        t0 = time.perf_counter()
-        out = build()
-        t1 = time.perf_counter()
-        count = graph_operations(out)  # outside the times: the submit is timed from after it
-        t1b = time.perf_counter()
-        mx.async_eval(out)
-        t2 = time.perf_counter()
-        mx.eval(out)
-        mx.synchronize()
-        t3 = time.perf_counter()
-        times.setdefault(name, []).append(((t1 - t0) * 1e3, (t2 - t1b) * 1e3, (t3 - t2) * 1e3, count))
+        times.setdefault(name, []).append(_timed_submit(build, count=True))
 
     def passed(name: str, run: Any, seq: Any) -> None:
         """``run()`` from an idle device; ``seq``'s pass timing as (build, submit, wait until the device is done)
@@ -895,6 +873,26 @@ def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: 
         out.append([name, str(len(samples)), str(operations), f"{build:.2f}", f"{submit:.2f}", f"{wait:.2f}",
                     f"{build + submit + wait:.2f}", per])
     return out
+
+
+def _timed_submit(build: Any, *, count: bool = False) -> tuple[float, float, float, int]:
+    """``build()`` from an idle device, then MLX's submit of the arrays it returns (``mx.async_eval``) and the wait
+    until the device is done: (build, submit, wait) ms, and with ``count`` the operations submitted (counted
+    between the build and the submit, outside both)."""
+    import mlx.core as mx
+
+    mx.synchronize()
+    t0 = time.perf_counter()
+    out = build()
+    t1 = time.perf_counter()
+    operations = graph_operations(out) if count else 0
+    t2 = time.perf_counter()
+    mx.async_eval(out)
+    t3 = time.perf_counter()
+    mx.eval(out)
+    mx.synchronize()
+    t4 = time.perf_counter()
+    return (t1 - t0) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, operations
 
 
 def graph_operations(arrays: Any) -> int:
