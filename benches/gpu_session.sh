@@ -67,7 +67,8 @@
 #      and runs the pass over kept float buffers as a hot round's is, and one row's chunk over a cache read ahead
 #      (run 5: 13 ms of submit against a hot chunk's 5.6); and a products section: a layer's seven products at 1 to
 #      2048 rows, the same shapes again and again (MLX cannot update a CUDA graph holding a kernel launched in a
-#      cluster taller than one, and cuBLASLt's products of two or more rows are captured into it): run 5's joint pass of 8 spent 29 ms in the submit against 5.6 for one
+#      cluster taller than one, and cuBLASLt's products of two or more rows are captured into it), then again in
+#      processes without CUDA graphs and with graphs of up to 1000 operations (printed in the call's output): run 5's joint pass of 8 spent 29 ms in the submit against 5.6 for one
 #      row's hot chunk; a per-operation cost near a decode step's says the pass is too big a graph, one far above
 #      it says the submit waits or builds something (a CUDA graph, an allocation); the first-token table splits
 #      the way from reaching the GPU actor to tokenized into rendering the chat, planning against the agent's
@@ -99,6 +100,13 @@ case "${1:-bench}" in
       --sections host-copy sdpa gather shapes products batch-attention decode-row engine joint > /tmp/probe.log 2>&1
     echo "gpu_probe: exit $?"; tail -n 12 /tmp/probe.log
     cp benches/results/gpu_probe.md "$out/probe.md"
+    # the products again, in processes without CUDA graphs and with graphs of up to 1000 operations (MLX reads both
+    # settings once a process): whether a submit of two or more rows is a graph's instantiation, and whether
+    # fewer, bigger graphs pay (run 5's mlx-lm decode: 428 tokens/s with graphs, 209 without)
+    for env in MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=1000; do
+      echo "products with $env:"; env "$env" MLX_ENABLE_TF32=0 timeout -s INT 20 python3 -m benches gpu_probe --gguf none \
+        --sections products > /tmp/products.log 2>&1; grep -A 10 "Seven products" benches/results/gpu_probe.md | tail -n 7
+    done
     # the 3B's decode (run 5: 0.64-0.72x mlx-lm, steps 5.75 ms against 4.2, its first 1K turn at 227 tokens/s and
     # the ones after its 32K turns at 155-171): the engine alone, before and after a 32K turn and mx.clear_cache()
     MLX_ENABLE_TF32=0 timeout -s INT 75 python3 -m benches gpu_probe --gguf none --sections decode-row engine \
