@@ -895,17 +895,23 @@ def _timed_submit(build: Any, *, count: bool = False) -> tuple[float, float, flo
     return (t1 - t0) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, operations
 
 
-def graph_operations(arrays: Any) -> int:
-    """The operations an evaluation of ``arrays`` would run (MLX's graph as ``export_to_dot`` draws it; arrays
-    already evaluated are inputs). On the CPU MLX builds its fused operations (attention, RoPE, norms, a
+def graph_operation_names(arrays: Any) -> list[str]:
+    """The operations an evaluation of ``arrays`` would run, by name (MLX's graph as ``export_to_dot`` draws it;
+    arrays already evaluated are inputs). On the CPU MLX builds its fused operations (attention, RoPE, norms, a
     dequantization) from smaller ones, so a CPU's count is larger than a GPU's for the same pass."""
     import io
+    import re
 
     import mlx.core as mx
 
     out = io.StringIO()
     mx.export_to_dot(out, arrays)
-    return out.getvalue().count("shape=rectangle")
+    return re.findall(r'label ="([^"]+)", shape=rectangle', out.getvalue())
+
+
+def graph_operations(arrays: Any) -> int:
+    """How many operations an evaluation of ``arrays`` would run (:func:`graph_operation_names`)."""
+    return len(graph_operation_names(arrays))
 
 
 class SubmitCount:

@@ -15,8 +15,6 @@ expand alike.
 from __future__ import annotations
 
 import collections
-import io
-import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -26,17 +24,11 @@ import pytest
 import trio
 from conftest import models_dir
 
+from benches.gpu_probe import graph_operation_names
 from runtime.execution import decode_batch
 from runtime.model import tiny_models
 
 MODEL = "tiny-llama"
-
-
-def _operations(array: mx.array) -> list[str]:
-    """The operations an evaluation of ``array`` would run, by name (arrays already evaluated are inputs)."""
-    out = io.StringIO()
-    mx.export_to_dot(out, array)
-    return re.findall(r'label ="([^"]+)", shape=rectangle', out.getvalue())
 
 
 def _mlx_lm_step() -> list[str]:
@@ -50,7 +42,7 @@ def _mlx_lm_step() -> list[str]:
 
     def counted(*arrays: mx.array) -> None:
         mx.synchronize()  # the step before is evaluated, so the count is this step's alone
-        steps.append(_operations(arrays[0]))
+        steps.append(graph_operation_names(arrays[0]))
         launch(*arrays)
 
     mx.async_eval = counted
@@ -83,7 +75,7 @@ def steps(monkeypatch: pytest.MonkeyPatch) -> Steps:
     def counted(self: decode_batch.DecodeBatch, inputs: mx.array) -> mx.array:
         mx.synchronize()  # the step in flight is evaluated: its graph is not counted again in this one's
         tokens = launch(self, inputs)
-        seen.steps.append((len(self.members), _operations(tokens)))
+        seen.steps.append((len(self.members), graph_operation_names(tokens)))
         return tokens
 
     monkeypatch.setattr(decode_batch.DecodeBatch, "_launch", counted)
