@@ -715,33 +715,52 @@ def _one_step_operations(engine: Any, text: str, plan: Any) -> str:
             f"({submit * 1e3 / counted.operations:.1f} µs an operation)")
 
 
-def product_rows(rows: tuple[int, ...], width: int, dtype_name: str, repeats: int = 10) -> list[list[str]]:
-    """One layer's worth of products (seven ``x @ w.T`` of ``width``-wide bfloat16 weights, one submit) at each row
-    count, the same shapes again and again: build, submit (the ``mx.async_eval`` call) and wait, ms, medians after
-    a first call, and the submit's µs an operation.
+def product_rows(rows: tuple[int, ...], shapes: list[tuple[int, int]], dtype_name: str, repeats: int = 10
+                 ) -> list[list[str]]:
+    """One layer's worth of products (``x @ w.T`` for each (out, in) of ``shapes``, bfloat16 weights, one submit)
+    at each row count, the same shapes again and again: build, submit (the ``mx.async_eval`` call) and wait, ms,
+    medians after a first call, and the submit's µs a product.
 
     Why: MLX's CUDA backend commits a CUDA graph every 100 operations on an H200 and reuses a cached executable
     when it can update it; a product of more than one row goes through cuBLASLt, captured as a child graph, and a
     graph holding a kernel launched in a cluster taller than one (as Hopper's GEMM kernels may be) cannot be
-    updated, so each such commit instantiates a new one. A one-row product is MLX's own kernel. If the submit
-    of 2 or more rows stays far above one row's at the same shapes, a prefill chunk's and a joint pass's host
-    time is that (run 5: a 1B hot chunk's submit 5.6 ms against a decode step's 1.5)."""
+    updated, so each such commit instantiates a new one; and MLX 0.32.1 builds each product's ``CublasGemm``
+    afresh, so every call asks cuBLASLt for its algorithm again. A one-row product is MLX's own kernel. If the
+    submit of 2 or more rows stays far above one row's at the same shapes, a prefill chunk's and a joint pass's
+    host time is that (run 5: a 1B hot chunk's submit 5.6 ms against a decode step's 1.5), and the
+    ``fused_projections`` setting's four products a layer instead of seven (its own rows) pay."""
     import statistics as stats
 
     import mlx.core as mx
 
     dtype = getattr(mx, dtype_name)
-    weights = [mx.random.normal((width, width)).astype(dtype) * width**-0.5 for _ in range(7)]
+    weights = [mx.random.normal(shape).astype(dtype) * shape[1] ** -0.5 for shape in shapes]
     mx.eval(weights)
+    inputs = {w: mx.random.normal((1, 1, w)).astype(dtype) for w in {shape[1] for shape in shapes}}
     out = []
     for n in rows:
-        x = mx.random.normal((1, n, width)).astype(dtype)
-        mx.eval(x)
-        _timed_submit(lambda: [x @ w.T for w in weights])  # the first call builds what the shape needs once
-        samples = [_timed_submit(lambda: [x @ w.T for w in weights]) for _ in range(repeats)]
+        xs = {w: mx.repeat(x, n, axis=1) for w, x in inputs.items()}  # each input width's rows, made once
+        mx.eval(xs)
+
+        def layer() -> list[Any]:
+            return [xs[w.shape[1]] @ w.T for w in weights]
+
+        _timed_submit(layer)  # the first call builds what the shape needs once
+        samples = [_timed_submit(layer) for _ in range(repeats)]
         build, submit, wait = (stats.median(x[k] for x in samples) for k in range(3))
         out.append([str(n), f"{build:.3f}", f"{submit:.3f}", f"{wait:.3f}", f"{submit * 1e3 / len(weights):.1f}"])
     return out
+
+
+def layer_product_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+                         fused: bool) -> list[tuple[int, int]]:
+    """A llama layer's products as (out, in): q, k, v, o, gate, up, down; or, ``fused``, as the
+    ``fused_projections`` setting runs them: qkv, o, gate-and-up, down."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    if fused:
+        return [(q + 2 * kv, hidden), (hidden, q), (2 * intermediate, hidden), (hidden, intermediate)]
+    return [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (intermediate, hidden), (intermediate, hidden),
+            (hidden, intermediate)]
 
 
 def joint_pass_rows(folder: str, rows: int, context: int, rounds: int, profile: str = "auto",
@@ -1043,11 +1062,20 @@ def main(argv: list[str] | None = None) -> None:
                                                  [100, 101] if quick else [1000, 1001, 4000, 16000])), ""]
     if "products" in on:
         width, dtype = (256, "float32") if quick else (2048, "bfloat16")
-        res.body += [f"## Seven products of one layer in one submit, the same shapes again and again ({dtype}, "
-                     f"{width} wide; ms, medians)", "",
-                     *table(["rows", "build", "submit", "wait", "submit µs a product"],
-                            product_rows((1, 2, 13) if quick else (1, 2, 13, 64, 256, 2048), width, dtype,
-                                         3 if quick else 10)), ""]
+        counts = (1, 2, 13) if quick else (1, 2, 8, 13, 64, 256, 2048)
+        repeats = 3 if quick else 10
+        geometry = (width, 4 * width, width // 64, width // 256, 64)  # the 1B's at 2048: 8192 wide MLP, 32/8 heads
+        res.body += [f"## A layer's products in one submit, the same shapes again and again ({dtype}, {width} wide; "
+                     "ms, medians)", "",
+                     "Seven square products, then a llama layer's seven (at 2048 wide, the 1B's shapes), then the same layer's four "
+                     "as the `fused_projections` setting runs them (queries, keys and values one product; gate and "
+                     "up another).", "",
+                     *table(["products", "rows", "build", "submit", "wait", "submit µs a product"],
+                            [[what, *row] for what, shapes in (
+                                ("7 square", [(width, width)] * 7),
+                                ("a layer's 7", layer_product_shapes(*geometry, fused=False)),
+                                ("the layer's 4, fused", layer_product_shapes(*geometry, fused=True)))
+                             for row in product_rows(counts, shapes, dtype, repeats)]), ""]
     if "batch-attention" in on:
         lengths = [1030, 1061, 1002, 1117, 1089, 1045, 1150, 1013]
         res.body += ["## One decode step's attention, a batch of 8 rows of different lengths (1B geometry; ms a call, "

@@ -139,6 +139,10 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             larger one's that MLX's fast prefill kernel does not take too, and the kernels its packed ones
             use are compiled at load (:mod:`runtime.model.cuda_qmm`: MLX compiles them on the machine at
             first use, and SmolLM2-135M's first 1,000-token forward on an H200 did not end in a minute).
+        fused_projections: each llama or qwen2 layer's query, key and value projections are one product and
+            its MLP's gate and up projections another (:mod:`runtime.model.fused_projections`): seven products a
+            layer become four, and on CUDA each product of more than one row costs the host a cuBLASLt algorithm
+            lookup and a captured graph; the setting (off until a GPU run measures it).
         clear_cache_after_prefill: MLX's buffer cache is emptied once a prompt of several prefill chunks has
             its first token, at the engine's next step or finish (``Sequence.chunked_prefill_done``, after the
             token went out): mlx-lm's ``generate_step`` empties it after every chunk; MLX keeps freed buffers up
@@ -176,6 +180,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     download_by_copy: bool = False
     fused_dequantize: bool = False
     float_slow_projections: bool = False
+    fused_projections: bool = False
     clear_cache_after_prefill: bool = False
     tune_allocator: bool
     prewarm_mb: float
@@ -198,13 +203,14 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         chunks = "/".join(str(c) for _, c in self.prefill_chunks)
         plain = f"; plain attention up to {self.plain_attention_queries} queries" if self.plain_attention_queries else ""
         plain += "; short attention kernel" if self.short_attention_kernel else ""
+        fused = "; projections fused" if self.fused_projections else ""
         host = [name for name, on in (("numpy-attention", self.numpy_attention), ("numpy-kv-copy", self.numpy_kv_copy),
                                       ("shared-prefix-check", self.shared_prefix_check),
                                       ("allocator", self.tune_allocator)) if on]
         parts = [
             f"backend {self.backend} ({self.policy} policy{', forced' if self.forced else ''})",
             f"attention {self.attention}" + (f" ({self.attention_note})" if self.attention_note else "") + plain,
-            f"weights {self.weights}",
+            f"weights {self.weights}{fused}",
             f"float {self.float_dtype or '?'}",
             f"prefill chunk {chunks}",
             f"decode {'one step ahead' if self.run_ahead else 'in lockstep'}"
@@ -232,6 +238,7 @@ def decide_profile(
     numpy_attention: bool = True,
     plain_attention_queries: int | None = None,
     short_attention_kernel: bool = False,
+    fused_projections: bool = False,
     prewarm_mb: float = 0.0,
     prefill_chunk: int | None = None,
     decode_run_steps: int | None = None,
@@ -247,7 +254,8 @@ def decide_profile(
         device: MLX's default device type (``cpu``/``gpu``).
         backend: ``cpu``, ``metal`` or ``cuda``.
         profile: ``auto`` (the device's policy), ``cpu`` or ``gpu`` (forced).
-        attention, weights, numpy_attention, plain_attention_queries, short_attention_kernel, prewarm_mb,
+        attention, weights, numpy_attention, plain_attention_queries, short_attention_kernel, fused_projections,
+            prewarm_mb,
             prefill_chunk, decode_run_steps: the settings of the same names;
             an explicit value wins over the policy's default.
         budget_mb, hot_budget_mb, keep_float_mb: the memory settings; None: the policy's default.
@@ -298,6 +306,7 @@ def decide_profile(
         download_by_copy=not cpu,
         fused_dequantize=not cpu,
         float_slow_projections=backend == "cuda",
+        fused_projections=fused_projections,
         clear_cache_after_prefill=not cpu,
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,

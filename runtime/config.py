@@ -133,6 +133,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             queries a row) attend through kvmem's one kernel (causal, each row from its own first key,
             :mod:`runtime.kv.short_attention`) instead of MLX's masked fallback and plain operations,
             several graph nodes a layer each; off until a GPU run measures it; ignored on other backends.
+        fused_projections: each llama or qwen2 layer's query, key and value projections run as one
+            product, and its MLP's gate and up projections as another (:mod:`runtime.model.fused_projections`):
+            seven products a layer become four, the same values; on CUDA each product of more than one
+            row costs the host a cuBLASLt algorithm lookup; off until a GPU run measures it.
         budget_mb: KV memory for running sequences (admission, batch size), MiB; unset
             (``auto``): 2048 on a CPU, 25% of a GPU's memory (the backend profile's, :mod:`runtime.backend`).
         hot_budget_mb: memory for idle caches kept in memory (the hot tier), MiB; unset
@@ -192,6 +196,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     numpy_attention: bool = True
     plain_attention_queries: Annotated[int, Meta(ge=0, le=4096)] | None = None
     short_attention_kernel: bool = False
+    fused_projections: bool = False
     profile: Literal["auto", "cpu", "gpu"] = "auto"
     # -- memory and scheduling
     budget_mb: Annotated[float, Meta(gt=0)] | None = None
@@ -253,7 +258,8 @@ SERVER_FIELDS: frozenset[str] = frozenset({
     "max_tokens_limit", "default_max_tokens", "graceful_timeout_s",
 })
 """The HTTP server's settings: flags of ``kvmem serve`` only (the others are flags of every command)."""
-_BOOLS = frozenset({"fsync", "durable", "accept_any_model", "numpy_attention", "short_attention_kernel"})
+_BOOLS = frozenset({"fsync", "durable", "accept_any_model", "numpy_attention", "short_attention_kernel",
+                    "fused_projections"})
 _NONE_WORDS = ("", "none", "null")
 _NONE_ALLOWED = frozenset({"model_idle_s", "prefill_chunk", "api_key", "api_keys", "store"})
 _AUTO_IS_NONE = frozenset({"budget_mb", "hot_budget_mb", "keep_float_mb"})

@@ -91,9 +91,14 @@ def test_the_engine_rows_run_after_a_long_turn_with_the_cache_kept_cleared_and_e
 
 
 def test_the_products_section_times_each_row_count_again_and_again() -> None:
-    from benches.gpu_probe import product_rows
+    from benches.gpu_probe import layer_product_shapes, product_rows
 
-    rows = product_rows((1, 2, 13), 64, "float32", repeats=2)
+    rows = product_rows((1, 2, 13), [(64, 64)] * 3, "float32", repeats=2)
     assert [r[0] for r in rows] == ["1", "2", "13"]
     for _, *numbers in rows:
         assert all(float(x) >= 0 for x in numbers) and float(numbers[1]) > 0
+    # a 1B layer's products as the fused_projections setting runs them: the same weights, four products for seven
+    plain, fused = (layer_product_shapes(2048, 8192, 32, 8, 64, fused=f) for f in (False, True))
+    assert len(plain) == 7 and len(fused) == 4
+    assert sum(o * i for o, i in plain) == sum(o * i for o, i in fused)
+    assert product_rows((3,), fused, "float32", repeats=1)[0][0] == "3"

@@ -107,6 +107,8 @@ class MlxEngine:
             from plain MLX operations; 0: never; None: the profile's).
         short_attention_kernel: the setting of that name (CUDA: short passes' and a padded batch's attention in
             kvmem's one kernel, :mod:`runtime.kv.short_attention`).
+        fused_projections: the setting of that name (a llama or qwen2 layer's query, key and value projections one
+            product, its gate and up another: :mod:`runtime.model.fused_projections`).
         keep_float_mb: float KV kept after turns for the next hot turn (:mod:`runtime.kv.float_resident`; 0: off;
             None: the backend profile's default).
         budget_mb, hot_budget_mb: the runtime's KV and hot-tier budgets (None: the profile's defaults),
@@ -130,6 +132,7 @@ class MlxEngine:
         numpy_attention: bool = True,
         plain_attention_queries: int | None = None,
         short_attention_kernel: bool = False,
+        fused_projections: bool = False,
         keep_float_mb: float | None = 0,
         budget_mb: float | None = None,
         hot_budget_mb: float | None = None,
@@ -143,6 +146,7 @@ class MlxEngine:
                                        numpy_attention=numpy_attention, prewarm_mb=prewarm_mb,
                                        plain_attention_queries=plain_attention_queries,
                                        short_attention_kernel=short_attention_kernel,
+                                       fused_projections=fused_projections,
                                        prefill_chunk=prefill_chunk, decode_run_steps=decode_run_steps,
                                        keep_float_mb=keep_float_mb,
                                        budget_mb=budget_mb, hot_budget_mb=hot_budget_mb)
@@ -170,6 +174,7 @@ class MlxEngine:
                    budget_mb=config.budget_mb, hot_budget_mb=config.hot_budget_mb,
                    plain_attention_queries=config.plain_attention_queries,
                    short_attention_kernel=config.short_attention_kernel,
+                   fused_projections=config.fused_projections,
                    profile=config.profile, prefill_chunk=config.prefill_chunk,
                    decode_run_steps=config.decode_run_steps)
 
@@ -217,6 +222,7 @@ class MlxEngine:
             plain_attention_queries=self._profile.plain_attention_queries,
             short_attention_kernel=self._profile.short_attention_kernel,
             float_slow_projections=self._profile.float_slow_projections,
+            fused_projections=self._profile.fused_projections,
             group=self._group,
         )
         lm.upload_by_copy = self._profile.upload_by_copy

@@ -39,6 +39,7 @@ from runtime.backend import detect_device
 from runtime.model.cuda_compile import turn_compile_off_if_wrong
 from runtime.model.cuda_moe import MOE_ROAD_ENV, take_moe_road
 from runtime.model.cuda_qmm import float_for_cuda, warm_quantized_kernels
+from runtime.model.fused_projections import fuse_projections
 from runtime.model.default_model import DEFAULT_MODEL, default_model_file
 from runtime.errors import ModelError, UnsupportedModelError
 from runtime.model.gguf import is_gguf, prepare_gguf
@@ -233,6 +234,7 @@ def load_model(
     plain_attention_queries: int = 0,
     short_attention_kernel: bool = False,
     float_slow_projections: bool = False,
+    fused_projections: bool = False,
     group: Any = None,
 ) -> LoadedModel:
     """Load ``model``: ``kvmem-default``, a GGUF file, a tiny recipe name, a folder or a Hugging Face id.
@@ -249,6 +251,9 @@ def load_model(
     ``float_slow_projections`` makes float a small model's quantized projections, and a larger one's that
     MLX's fast CUDA prefill kernel does not take, then compiles the kernels its packed ones use
     (:mod:`runtime.model.cuda_qmm`; the profile's choice on CUDA).
+    ``fused_projections`` makes each llama or qwen2 layer's query, key and value projections one product,
+    and its MLP's gate and up projections another (:mod:`runtime.model.fused_projections`; not with ``group``:
+    a rank keeps its own part of each projection).
     ``group``: an ``mx.distributed`` group of more than one rank keeps this rank's
     tensor-parallel part of the model (:mod:`runtime.distributed.shard`).
     """
@@ -281,18 +286,21 @@ def load_model(
         model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config, numpy_attention=numpy_on,
         plain_attention_queries=plain, short_attention_kernel=short_attention_kernel and adapted,
     )
-    if float_slow_projections:
-        made_float, quantized = float_for_cuda(loaded, lm.float_dtype)
-        if made_float:
-            log.info("%s: %d of %d quantized projections made %s (%s, ...): %s", name, len(made_float), quantized,
-                     str(lm.float_dtype).removeprefix("mlx.core."), made_float[0],
-                     "a small model's, nothing to compile" if len(made_float) == quantized
-                     else "their shapes outside MLX's fast CUDA prefill kernel")
-        if len(made_float) < quantized:
-            t0 = time.perf_counter()
-            products = warm_quantized_kernels(loaded, lm.float_dtype)
-            log.info("%s: MLX's CUDA kernels for its packed projections compiled at load (%d warm-up products, "
-                     "%.1f s; MLX keeps them in its PTX cache)", name, products, time.perf_counter() - t0)
+    made_float, quantized = float_for_cuda(loaded, lm.float_dtype) if float_slow_projections else ([], 0)
+    if made_float:
+        log.info("%s: %d of %d quantized projections made %s (%s, ...): %s", name, len(made_float), quantized,
+                 str(lm.float_dtype).removeprefix("mlx.core."), made_float[0],
+                 "a small model's, nothing to compile" if len(made_float) == quantized
+                 else "their shapes outside MLX's fast CUDA prefill kernel")
+    if fused_projections and (group is None or group.size() == 1):  # before the warm-up: its shapes are the fused ones
+        fused = fuse_projections(loaded)
+        log.info("%s: %s", name, f"{fused} projection groups fused (queries, keys, values; gate, up)" if fused
+                 else "no projections fused (only llama and qwen2 layers of one kind of projection are)")
+    if len(made_float) < quantized:
+        t0 = time.perf_counter()
+        products = warm_quantized_kernels(loaded, lm.float_dtype)
+        log.info("%s: MLX's CUDA kernels for its packed projections compiled at load (%d warm-up products, "
+                 "%.1f s; MLX keeps them in its PTX cache)", name, products, time.perf_counter() - t0)
     backend = detect_device()[1]
     turn_compile_off_if_wrong(name, config, backend)
     road = os.environ.get(MOE_ROAD_ENV)

@@ -1,0 +1,124 @@
+"""Fused projections (runtime.model.fused_projections): the same logits as mlx-lm's own layers, fewer products.
+
+Reference: the same model folder loaded again by mlx-lm (``mlx_lm.load``), unfused: its logits over the same
+prompt and cache, prefill chunks of several rows and single-token steps, float and quantized weights.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+from benches.gpu_probe import graph_operation_names
+from conftest import models_dir
+from runtime.model.fused_projections import FusedPart, fuse_projections
+from runtime.model.loaded import load_model
+from runtime.model.tiny_models import ensure_tiny_model
+
+
+def _pair(name: str, quantized: bool) -> tuple[nn.Module, nn.Module]:
+    """Two loads of the tiny model ``name`` by mlx-lm: the reference, and one to fuse (both quantized alike)."""
+    folder = str(ensure_tiny_model(name, models_dir()))
+    ref, fused = load(folder)[0], load(folder)[0]
+    if quantized:
+        for m in (ref, fused):
+            nn.quantize(m, group_size=32, bits=4)
+    return ref, fused
+
+
+def _logits(model: nn.Module, ids: mx.array) -> list[mx.array]:
+    """Logits of a prefill in two chunks, then of three single-token steps over the cache."""
+    cache = make_prompt_cache(model)
+    out = [model(ids[:, :20], cache=cache), model(ids[:, 20:], cache=cache)]
+    for t in (7, 11, 13):
+        out.append(model(mx.array([[t]] * ids.shape[0]), cache=cache))
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "quantized"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_fused_layers_give_mlx_lms_logits(name: str, quantized: bool) -> None:
+    ref, fused = _pair(name, quantized)
+    layers = len(fused.model.layers)
+    assert fuse_projections(fused) == 2 * layers
+    ids = mx.array(np.random.default_rng(1).integers(10, 200, size=(2, 33)).tolist())
+    for ours, theirs in zip(_logits(fused, ids), _logits(ref, ids), strict=True):
+        assert ours.shape == theirs.shape
+        assert mx.abs(ours - theirs).max().item() < 1e-4
+        assert mx.array_equal(mx.argmax(ours, axis=-1), mx.argmax(theirs, axis=-1)).item()
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "quantized"])
+def test_each_weight_is_held_once_and_a_layer_runs_four_products(quantized: bool) -> None:
+    ref, fused = _pair("tiny-llama", quantized)
+    size = lambda m: sum(v.size for _, v in nn.utils.tree_flatten(m.parameters()))  # noqa: E731
+    fuse_projections(fused)
+    assert size(fused) == size(ref)  # the parts hold no parameters: each weight is in its group's module once
+    attn = fused.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, FusedPart) and "weight" in attn.qkv_proj
+
+    def products(model: nn.Module) -> int:
+        names = graph_operation_names([model(mx.array([[5, 6, 7, 8]]), cache=make_prompt_cache(model))])
+        return sum(n in ("Matmul", "QuantizedMatmul", "AddMM") for n in names)
+
+    layers = len(fused.model.layers)
+    assert products(ref) - products(fused) == 3 * layers  # 7 a layer against 4
+
+
+def test_other_architectures_are_left_as_they_are() -> None:
+    folder = str(ensure_tiny_model("tiny-gemma3", models_dir()))
+    model = load(folder)[0]
+    assert fuse_projections(model) == 0
+    assert not any(isinstance(m, FusedPart) for _, m in model.named_modules())
+
+
+def test_the_setting_fuses_at_load_and_the_model_answers_as_unfused() -> None:
+    on = load_model("tiny-llama", models_dir=models_dir(), numpy_attention=False, fused_projections=True)
+    off = load_model("tiny-llama", models_dir=models_dir(), numpy_attention=False)
+    assert isinstance(on.model.model.layers[0].mlp.gate_proj, FusedPart)
+    assert not isinstance(off.model.model.layers[0].mlp.gate_proj, FusedPart)
+    ids = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]])
+    a, b = on.forward_last(ids, make_prompt_cache(on.model)), off.forward_last(ids, make_prompt_cache(off.model))
+    assert mx.abs(a - b).max().item() < 1e-4
+
+
+async def test_through_the_actors_turns_answer_as_unfused_and_steps_run_fewer_products(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cold, hot and warm turns under the GPU policy (forced on the CPU) give the unfused runtime's replies,
+    and a decode step runs three products a layer fewer than the unfused one's."""
+    from actors import open_runtime
+    from runtime.execution import decode_batch
+
+    products: list[int] = []
+    launch = decode_batch.DecodeBatch._launch
+
+    def counted(self: decode_batch.DecodeBatch, inputs: mx.array) -> mx.array:
+        mx.synchronize()  # the step in flight is evaluated: only this step's products are counted
+        tokens = launch(self, inputs)
+        products.append(sum(n in ("Matmul", "QuantizedMatmul", "AddMM") for n in graph_operation_names(tokens)))
+        return tokens
+
+    monkeypatch.setattr(decode_batch.DecodeBatch, "_launch", counted)
+    asks = ["Tell me about the harbour and its ships. " * 12, "And the lighthouse?", "And the keeper?"]
+    replies, step_products = {}, {}
+    for fused in (False, True):
+        home = tmp_path / f"fused-{fused}"
+        got = []
+        settings = dict(home=home, models_dir=models_dir(), model="tiny-llama", prewarm_mb=0, profile="gpu",
+                        fused_projections=fused)
+        async with open_runtime(**settings) as rt:
+            for text in asks[:2]:  # cold, then hot
+                got.append((await rt.agent("a").send([{"role": "user", "content": text}], max_tokens=10)).reply)
+        async with open_runtime(**settings) as rt:  # a restart: warm
+            got.append((await rt.agent("a").send([{"role": "user", "content": asks[2]}], max_tokens=10)).reply)
+        replies[fused] = got
+        step_products[fused] = sorted(products)[len(products) // 2]
+        products.clear()
+    assert replies[True] == replies[False]
+    layers = len(load(str(ensure_tiny_model("tiny-llama", models_dir())))[0].model.layers)
+    assert step_products[False] - step_products[True] == 3 * layers, step_products
