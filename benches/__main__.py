@@ -36,6 +36,7 @@ BENCHES = {
     "batching": "system tok/s for 1, 2, 4, 8 agents (existing)",
     "gc_pauses": "Python's full collections inside hot turns on kvmem-default: the model load's objects frozen vs not",
     "decode_runs": "one agent's decode tok/s through the actors: runs of steps vs one step per job, beside plain mlx-lm",
+    "fused_projections": "plain mlx-lm's first token and decode tok/s with a layer's projections fused (4 products) and not (7)",
     "redis_tier": "two kvmem serve nodes + redis-server: TTFT remote vs warm vs hot vs cold at 1K/4K, bytes moved, Redis memory",
     "distributed": "kvmem serve --distributed: prefill tok/s and decode ms/token at 1 process vs 2 ranks (mlx.launch, loopback)",
     "race": "kvmem vs llama-server (built-in cache; slot files) vs mlx_lm.server: cold/hot/restart, multi-agent, tok/s",
