@@ -20,8 +20,27 @@ from runtime.model.loaded import load_model
 from runtime.model.tiny_models import ensure_tiny_model
 
 
+# The largest logit difference allowed: 0 measured on the CPU (the same products, column blocks of one);
+# on CUDA a product's width may pick another cuBLASLt algorithm (float32 without TF32 in the suite: about 1e-6
+# of a logit's size). Argmaxes are compared where the reference's top two are further apart than this.
+TOLERANCE = 1e-3
+
+
+def _quantized_float32_missing() -> str | None:
+    """Why this device has no quantized product for float32 activations (the tiny models'), or None."""
+    w = mx.random.normal((64, 64))
+    try:
+        mx.eval(mx.quantized_matmul(mx.ones((2, 64)), *mx.quantize(w, group_size=32, bits=4), transpose=True,
+                                    group_size=32, bits=4))
+    except (RuntimeError, ValueError) as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
 def _pair(name: str, quantized: bool) -> tuple[nn.Module, nn.Module]:
     """Two loads of the tiny model ``name`` by mlx-lm: the reference, and one to fuse (both quantized alike)."""
+    if quantized and (why := _quantized_float32_missing()):
+        pytest.skip(f"no quantized product for float32 activations on this device: {why}")
     folder = str(ensure_tiny_model(name, models_dir()))
     ref, fused = load(folder)[0], load(folder)[0]
     if quantized:
@@ -49,8 +68,11 @@ def test_fused_layers_give_mlx_lms_logits(name: str, quantized: bool) -> None:
     ids = mx.array(np.random.default_rng(1).integers(10, 200, size=(2, 33)).tolist())
     for ours, theirs in zip(_logits(fused, ids), _logits(ref, ids), strict=True):
         assert ours.shape == theirs.shape
-        assert mx.abs(ours - theirs).max().item() < 1e-4
-        assert mx.array_equal(mx.argmax(ours, axis=-1), mx.argmax(theirs, axis=-1)).item()
+        assert mx.abs(ours - theirs).max().item() < TOLERANCE
+        top2 = mx.topk(theirs, 2, axis=-1)
+        clear = mx.abs(top2[..., 0] - top2[..., 1]) > TOLERANCE
+        agree = mx.argmax(ours, axis=-1) == mx.argmax(theirs, axis=-1)
+        assert mx.all(agree | ~clear).item()
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "quantized"])
@@ -84,7 +106,7 @@ def test_the_setting_fuses_at_load_and_the_model_answers_as_unfused() -> None:
     assert not isinstance(off.model.model.layers[0].mlp.gate_proj, FusedPart)
     ids = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]])
     a, b = on.forward_last(ids, make_prompt_cache(on.model)), off.forward_last(ids, make_prompt_cache(off.model))
-    assert mx.abs(a - b).max().item() < 1e-4
+    assert mx.abs(a - b).max().item() < TOLERANCE
 
 
 async def test_through_the_actors_turns_answer_as_unfused_and_steps_run_fewer_products(
