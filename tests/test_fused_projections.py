@@ -92,6 +92,27 @@ def test_each_weight_is_held_once_and_a_layer_runs_four_products(quantized: bool
     assert products(ref) - products(fused) == 3 * layers  # 7 a layer against 4
 
 
+def test_a_group_of_projections_quantized_differently_is_left_apart() -> None:
+    ref, fused = _pair("tiny-llama", quantized=True)  # every projection at 4 bits
+    for m in (ref, fused):  # then the queries at 8 bits: one product cannot hold both
+        for layer in m.model.layers:
+            attn = layer.self_attn
+            attn.q_proj = nn.QuantizedLinear.from_linear(_float_twin(attn.q_proj), group_size=32, bits=8)
+    layers = len(fused.model.layers)
+    assert fuse_projections(fused) == layers  # the MLPs only
+    assert not isinstance(fused.model.layers[0].self_attn.q_proj, FusedPart)
+    assert fused.model.layers[0].self_attn.q_proj.bits == 8
+    ids = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]])
+    assert mx.abs(fused(ids) - ref(ids)).max().item() < TOLERANCE
+
+
+def _float_twin(q: nn.QuantizedLinear) -> nn.Linear:
+    """A float projection with ``q``'s dequantized weights (the same for the reference and the fused copy)."""
+    out = nn.Linear(q.scales.shape[-1] * q.group_size, q.weight.shape[0], bias=False)
+    out.weight = mx.dequantize(q.weight, q.scales, q.get("biases"), group_size=q.group_size, bits=q.bits)
+    return out
+
+
 def test_other_architectures_are_left_as_they_are() -> None:
     folder = str(ensure_tiny_model("tiny-gemma3", models_dir()))
     model = load(folder)[0]

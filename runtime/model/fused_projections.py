@@ -15,7 +15,8 @@ is a cuBLASLt call, and MLX 0.32.1 builds its ``CublasGemm`` afresh for each one
 cuBLASLt for an algorithm again (``cublasLtMatmulAlgoGetHeuristic`` in
 ``CublasMatmulBase::execute_matmul``) and is captured into the CUDA graph as a child graph: host time
 a product, whatever its size. Seven products a layer become four. On the CPU it changes nothing
-measurable (the default model here: bitwise the same logits, prefill and decode within 1%).
+measurable (``benches/results/fused_projections.md``: bitwise the same logits; first token and decode
+rate within the machine's noise).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ FUSABLE_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
 GROUPS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
           ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
 """(the layer's child, the fused module's name there, the projections it replaces)."""
+
+_PARAMETERS = ("weight", "scales", "biases", "bias")
+"""A projection's arrays that the fused module holds side by side (``scales``, ``biases``: a quantized one's)."""
 
 
 class _GroupProduct:
@@ -76,26 +80,24 @@ class FusedPart(nn.Module):
 def _fused_module(parts: list[Any]) -> nn.Module | None:
     """One module of the parts' kind whose output is theirs side by side; None where they differ or are
     of a kind this does not join (only ``nn.Linear`` and ``nn.QuantizedLinear``, bias on all or none)."""
-    kind = type(parts[0])
+    kind, first = type(parts[0]), parts[0]
     if kind not in (nn.Linear, nn.QuantizedLinear) or any(type(p) is not kind for p in parts):
         return None
-    biased = ["bias" in p for p in parts]
-    if any(biased) != all(biased) or len({p.weight.dtype for p in parts}) != 1:
+    names = [name for name in _PARAMETERS if name in first]
+    if any([name for name in _PARAMETERS if name in p] != names for p in parts):
+        return None  # one has a bias (or quantization biases) the others lack
+    if len({p.weight.dtype for p in parts}) != 1 or (
+            kind is nn.QuantizedLinear and len({(p.group_size, p.bits, p.mode) for p in parts}) != 1):
         return None
-    join = {name: mx.concatenate([p[name] for p in parts], axis=0)
-            for name in ("weight", "scales", "biases", "bias") if name in parts[0]}
+    join = {name: mx.concatenate([p[name] for p in parts], axis=0) for name in names}
     if kind is nn.QuantizedLinear:
-        if len({(p.group_size, p.bits, p.mode) for p in parts}) != 1 or any(("biases" in p) != ("biases" in parts[0])
-                                                                              for p in parts):
-            return None
-        first = parts[0]
         fused: nn.Module = nn.QuantizedLinear(first.scales.shape[-1] * first.group_size, join["weight"].shape[0],
-                                              bias=biased[0], group_size=first.group_size, bits=first.bits,
+                                              bias="bias" in names, group_size=first.group_size, bits=first.bits,
                                               mode=first.mode)
-        if "biases" not in join:
+        if "biases" not in names:
             fused.pop("biases", None)
     else:
-        fused = nn.Linear(join["weight"].shape[1], join["weight"].shape[0], bias=biased[0])
+        fused = nn.Linear(join["weight"].shape[1], join["weight"].shape[0], bias="bias" in names)
     fused.update(join)  # the constructor's random weights were never evaluated: replaced, lazily
     return fused
 
