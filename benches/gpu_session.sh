@@ -76,8 +76,9 @@
 #   9. since session 28: the products section also times a llama layer's seven products at the 1B's shapes beside
 #      the four the fused_projections setting runs instead (MLX 0.32.1 builds each cuBLASLt product's CublasGemm
 #      afresh: every product of two or more rows asks cuBLASLt for its algorithm again, host time a product), and
-#      the 1B's turns and batch run once with --fused-projections before the short attention kernel's run (the two
-#      reports in settings.md).
+#      the 1B's turns and batch run once with --fused-projections, then once with the short attention kernel (two
+#      repeats each; the two reports in settings.md), now right after the products: the 3B's engine rows and the
+#      gpt-oss roads come last, where the call's time limit cuts first (the steps' limits add up to more than it).
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses).
 set -u
@@ -112,6 +113,23 @@ case "${1:-bench}" in
       echo "products with $env:"; env "$env" MLX_ENABLE_TF32=0 timeout -s INT 25 python3 -m benches gpu_probe --gguf none \
         --sections products > /tmp/products.log 2>&1; grep -A 26 "A layer's products" benches/results/gpu_probe.md | tail -n 21
     done
+    # the 1B's turns and batch with each setting a GPU run has yet to measure, one run each (the reports into one
+    # file: 8 come back in all): fused projections (runtime/model/fused_projections.py: four products a layer for
+    # seven; the products section above says what a product costs the host), then kvmem's short attention kernel
+    # (runtime/kv/short_attention.py, its tests first); run 5's batch of 8 made 4.38x one agent, its steps 4.25 ms
+    # of CPU against one row's 2.23, and its 1K decode 0.80x mlx-lm. Two repeats each (the main run's three): the
+    # trace's per-step and per-chunk medians read over many steps; before the 3B's engine rows and the gpt-oss roads,
+    # which the call's time limit cuts first
+    MLX_ENABLE_TF32=0 timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/test_short_attention.py \
+      tests/test_fused_projections.py 2>&1 | tail -n 3
+    timeout -s INT 40 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 --repeats 2 \
+      --fused-projections --out /tmp/fused > /tmp/fused.log 2>&1
+    echo "fused projections: exit $?"; cat /tmp/fused/gpu.md >> "$out/settings.md"
+    grep -iE "batch|decode" /tmp/fused.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/fused/gpu.md | head -n 12
+    timeout -s INT 40 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 --repeats 2 \
+      --short-attention-kernel --out /tmp/padded > /tmp/padded.log 2>&1
+    echo "short attention kernel: exit $?"; cat /tmp/padded/gpu.md >> "$out/settings.md"
+    grep -iE "batch|decode" /tmp/padded.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/padded/gpu.md | head -n 12
     # the 3B's decode (run 5: 0.64-0.72x mlx-lm, steps 5.75 ms against 4.2, its first 1K turn at 227 tokens/s and
     # the ones after its 32K turns at 155-171): the engine alone, before and after a 32K turn and mx.clear_cache()
     MLX_ENABLE_TF32=0 timeout -s INT 75 python3 -m benches gpu_probe --gguf none --sections decode-row engine \
@@ -123,21 +141,6 @@ case "${1:-bench}" in
       echo "tiny-gpt-oss with $env:"; env "$env" timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider \
         tests/test_cache_correctness.py -k "gpt-oss and (suffix or warm_cache or batched)" 2>&1 | tail -n 3
     done
-    # the 1B's turns and batch with each setting a GPU run has yet to measure, one run each (the reports into one
-    # file: 8 come back in all): fused projections (runtime/model/fused_projections.py: four products a layer for
-    # seven; the products section above says what a product costs the host), then kvmem's short attention kernel
-    # (runtime/kv/short_attention.py, its tests first); run 5's batch of 8 made 4.38x one agent, its steps 4.25 ms
-    # of CPU against one row's 2.23, and its 1K decode 0.80x mlx-lm
-    MLX_ENABLE_TF32=0 timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/test_short_attention.py \
-      tests/test_fused_projections.py 2>&1 | tail -n 3
-    timeout -s INT 50 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 \
-      --fused-projections --out /tmp/fused > /tmp/fused.log 2>&1
-    echo "fused projections: exit $?"; cat /tmp/fused/gpu.md >> "$out/settings.md"
-    grep -iE "batch|decode" /tmp/fused.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/fused/gpu.md | head -n 12
-    timeout -s INT 50 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 \
-      --short-attention-kernel --out /tmp/padded > /tmp/padded.log 2>&1
-    echo "short attention kernel: exit $?"; cat /tmp/padded/gpu.md >> "$out/settings.md"
-    grep -iE "batch|decode" /tmp/padded.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/padded/gpu.md | head -n 12
     ;;
   suite)
     timeout -s INT 260 python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n 8 --timeout 150 > "$out/suite.log" 2>&1
