@@ -717,7 +717,7 @@ def _one_step_operations(engine: Any, text: str, plan: Any) -> str:
 
 def product_rows(rows: tuple[int, ...], shapes: list[tuple[int, int]], dtype_name: str, repeats: int = 10
                  ) -> list[list[str]]:
-    """One layer's worth of products (``x @ w.T`` for each (out, in) of ``shapes``, bfloat16 weights, one submit)
+    """One layer's worth of products (``x @ w.T`` for each (out, in) of ``shapes``, in ``dtype_name``, one submit)
     at each row count, the same shapes again and again: build, submit (the ``mx.async_eval`` call) and wait, ms,
     medians after a first call, and the submit's µs a product.
 
@@ -1067,9 +1067,9 @@ def main(argv: list[str] | None = None) -> None:
         geometry = (width, 4 * width, width // 64, width // 256, 64)  # the 1B's at 2048: 8192 wide MLP, 32/8 heads
         res.body += [f"## A layer's products in one submit, the same shapes again and again ({dtype}, {width} wide; "
                      "ms, medians)", "",
-                     "Seven square products, then a llama layer's seven (at 2048 wide, the 1B's shapes), then the same layer's four "
-                     "as the `fused_projections` setting runs them (queries, keys and values one product; gate and "
-                     "up another).", "",
+                     "Seven square products, then a llama layer's seven (at 2048 wide, the 1B's shapes), then the "
+                     "same layer's four as the `fused_projections` setting runs them (queries, keys and values one "
+                     "product; gate and up another).", "",
                      *table(["products", "rows", "build", "submit", "wait", "submit µs a product"],
                             [[what, *row] for what, shapes in (
                                 ("7 square", [(width, width)] * 7),
