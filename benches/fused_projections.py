@@ -7,8 +7,8 @@ more rows costs MLX's CUDA backend a cuBLASLt algorithm lookup); this bench meas
 the same model where it runs now, so the setting's CPU cost is a number, not a guess.
 
 Each model is loaded twice by mlx-lm from the same folder, one copy fused; the two take turns
-(``generate_step``, greedy, the same prompt), medians of ``--repeats``; first token (the prompt's
-prefill, mlx-lm's chunks) and decode tokens/s after it, and the largest difference between the two
+(``benches.gpu.mlx_lm_turn``: ``generate_step``, greedy, the same prompt), medians of ``--repeats``; first
+token (tokenizing and the prompt's prefill, mlx-lm's chunks) and decode tokens/s after it, and the largest difference between the two
 copies' first logits. Models: ``micro`` (1 layer, 64 wide: a step's time is the host's, as a small
 model's is on a fast GPU), ``tiny-llama`` and ``kvmem-default`` (SmolLM2-135M, float32, 30 layers).
 Here (2-core CPU)::
@@ -18,32 +18,16 @@ Here (2-core CPU)::
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness
 from benches.decode_runs import _folder
+from benches.gpu import mlx_lm_turn
 from benches.harness import ResultFile, log, median, table
 
 MODELS = ("micro", "tiny-llama", "kvmem-default")
 PROMPT = "The harbour master kept a ledger of ships, and every evening he wrote down who came in. "
-
-
-def _turn(model: Any, ids: Any, tokens: int) -> tuple[float, float]:
-    """(first token ms, decode tokens/s) of one greedy ``generate_step`` turn."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    t0 = time.perf_counter()
-    first, n = 0.0, 0
-    for _token, _ in generate_step(ids, model, max_tokens=tokens):
-        n += 1
-        if n == 1:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    mx.clear_cache()
-    return (first - t0) * 1e3, (n - 1) / (end - first)
 
 
 def _first_logits_diff(plain: Any, fused: Any, ids: Any) -> float:
@@ -64,15 +48,17 @@ def measure(name: str, prompt_copies: int, tokens: int, repeats: int) -> dict[st
     plain, tokenizer = load(folder)
     fused = load(folder)[0]
     groups = fuse_projections(fused)
-    ids = mx.array(tokenizer.encode(PROMPT * prompt_copies, add_special_tokens=False))
+    text = PROMPT * prompt_copies
+    ids = mx.array(tokenizer.encode(text, add_special_tokens=False))
     diff = _first_logits_diff(plain, fused, ids)
     samples: dict[str, list[tuple[float, float]]] = {"plain": [], "fused": []}
     for copy in (plain, fused):
-        _turn(copy, ids, 8)  # warm-up
+        mlx_lm_turn(copy, tokenizer, text, 8)  # warm-up
     for r in range(repeats):
         order = (("plain", plain), ("fused", fused)) if r % 2 == 0 else (("fused", fused), ("plain", plain))
         for label, copy in order:
-            samples[label].append(_turn(copy, ids, tokens))
+            turn = mlx_lm_turn(copy, tokenizer, text, tokens)
+            samples[label].append((turn.ttft_ms, turn.decode_tps))
     return {"model": name, "groups": groups, "prompt_tokens": int(ids.size), "tokens": tokens, "max_diff": diff,
             **{f"{label}_{what}": [s[k] for s in got] for label, got in samples.items()
                for k, what in enumerate(("ttft_ms", "decode_tps"))}}

@@ -37,6 +37,11 @@ def _quantized_float32_missing() -> str | None:
     return None
 
 
+def _products(arrays: mx.array | list[mx.array]) -> int:
+    """The matrix products in the graph that computes ``arrays`` (MLX's operations by name)."""
+    return sum(n in ("Matmul", "QuantizedMatmul", "AddMM") for n in graph_operation_names(arrays))
+
+
 def _pair(name: str, quantized: bool) -> tuple[nn.Module, nn.Module]:
     """Two loads of the tiny model ``name`` by mlx-lm: the reference, and one to fuse (both quantized alike)."""
     if quantized and (why := _quantized_float32_missing()):
@@ -85,8 +90,7 @@ def test_each_weight_is_held_once_and_a_layer_runs_four_products(quantized: bool
     assert isinstance(attn.q_proj, FusedPart) and "weight" in attn.qkv_proj
 
     def products(model: nn.Module) -> int:
-        names = graph_operation_names([model(mx.array([[5, 6, 7, 8]]), cache=make_prompt_cache(model))])
-        return sum(n in ("Matmul", "QuantizedMatmul", "AddMM") for n in names)
+        return _products([model(mx.array([[5, 6, 7, 8]]), cache=make_prompt_cache(model))])
 
     layers = len(fused.model.layers)
     assert products(ref) - products(fused) == 3 * layers  # 7 a layer against 4
@@ -143,7 +147,7 @@ async def test_through_the_actors_turns_answer_as_unfused_and_steps_run_fewer_pr
     def counted(self: decode_batch.DecodeBatch, inputs: mx.array) -> mx.array:
         mx.synchronize()  # the step in flight is evaluated: only this step's products are counted
         tokens = launch(self, inputs)
-        products.append(sum(n in ("Matmul", "QuantizedMatmul", "AddMM") for n in graph_operation_names(tokens)))
+        products.append(_products(tokens))
         return tokens
 
     monkeypatch.setattr(decode_batch.DecodeBatch, "_launch", counted)

@@ -115,8 +115,8 @@ def fuse_projections(model: Any) -> int:
     for layer in model.model.layers:
         for child_name, fused_name, names in GROUPS:
             owner = getattr(layer, child_name, None)
-            parts = [getattr(owner, name, None) for name in names] if owner is not None else []
-            fused = _fused_module(parts) if parts and all(p is not None for p in parts) else None
+            parts = [getattr(owner, name, None) for name in names]
+            fused = _fused_module(parts) if all(p is not None for p in parts) else None
             if fused is None:
                 continue
             mx.eval(fused.parameters())

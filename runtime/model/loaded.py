@@ -271,7 +271,8 @@ def load_model(
         except Exception as exc:  # mlx-lm raises many kinds; the user needs one message
             raise ModelError(f"could not load model {name!r}: {exc}") from exc
     model_id = name
-    if group is not None and group.size() > 1:
+    sharded = group is not None and group.size() > 1
+    if sharded:
         shard_model(loaded, config, group, name=name)
         model_id = shard_model_id(name, group.rank(), group.size())  # a rank's cache holds only its heads
     spec = read_cache_spec(loaded, model_id=model_id, config=config, kv_format=kv_format)
@@ -292,7 +293,7 @@ def load_model(
                  str(lm.float_dtype).removeprefix("mlx.core."), made_float[0],
                  "a small model's, nothing to compile" if len(made_float) == quantized
                  else "their shapes outside MLX's fast CUDA prefill kernel")
-    if fused_projections and (group is None or group.size() == 1):  # before the warm-up: its shapes are the fused ones
+    if fused_projections and not sharded:  # before the warm-up: its shapes are the fused ones
         fused = fuse_projections(loaded)
         log.info("%s: %s", name, f"{fused} projection groups fused (queries, keys, values; gate, up)" if fused
                  else "no projections fused (only llama and qwen2 layers of one kind of projection are)")
