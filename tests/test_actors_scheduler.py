@@ -152,9 +152,11 @@ def test_mailbox_messages_are_frozen_tagged_keyword_only_structs(inbox):
 class _Donors:
     """A cache manager's answers, scripted: who starts from a donor's blocks, who would give them."""
 
-    def __init__(self, adopt: dict[int, FromShared] | None = None, wanted: set[int] | None = None) -> None:
+    def __init__(self, adopt: dict[int, FromShared] | None = None, wanted: set[int] | None = None,
+                 awaiting: set[int] | None = None) -> None:
         self._adopt = dict(adopt or {})
         self._wanted = wanted or set()
+        self._awaiting = awaiting or set()
         self.asked: list[int] = []
 
     def adopt(self, request_id: int) -> FromShared | None:
@@ -163,6 +165,9 @@ class _Donors:
 
     def wants_donor(self, request_id: int) -> bool:
         return request_id in self._wanted
+
+    def awaits_donor(self, request_id: int, prefilling: object) -> bool:
+        return request_id in self._awaiting
 
 
 NO_DONORS = _Donors()
@@ -204,6 +209,14 @@ def test_donors_keep_a_prefill_out_of_the_shared_pass() -> None:
     assert step.adopt == {1: blocks, 4: blocks} and step.prefill == 4
     assert step.donate == {2}  # parks its prompt for the others once prefilled
     assert donors.asked == [1, 2, 3, 4]  # each turn's first chunk is asked about once
+
+
+def test_a_prefill_that_awaits_a_donor_does_not_take_the_next_chunk() -> None:
+    s = _sched(1000)
+    _prefilling(s, {1: 600, 2: 598})
+    s.to_prefill(1, 88)  # 1 ran its first chunk of 512: 2's aging credit now puts it first
+    assert s.step(_Donors()).prefill == 2
+    assert s.step(_Donors(awaiting={2})).prefill == 1  # 2 waits for 1's prompt instead
 
 
 def test_the_tail_of_a_long_prefill_does_not_join_ahead() -> None:

@@ -155,6 +155,33 @@ def test_a_turn_in_flight_donates_its_prompt_blocks_to_a_turn_that_has_not_start
     assert m.plan("c", TAG, SYSTEM + "third", share_prefix=True, own=m.checkout("c", TAG)).tier == "cold"
 
 
+def test_a_turn_not_started_waits_for_a_shared_prompt_being_prefilled_and_only_for_that():
+    """Agents that arrive together with one system prompt and questions of different lengths: once one has
+    started its prefill, the others wait for its prompt instead of taking chunks (the scheduler's aging credit
+    would hand the next chunk to a prompt a few tokens shorter, and both would prefill the shared blocks)."""
+    from runtime.identity import namespaced
+
+    m = _manager()
+    longer = [ord(c) for c in SYSTEM + "a longer question"]
+    shorter = [ord(c) for c in SYSTEM + "short"]
+    m.begin(1, agent_id="a", model_tag=TAG, token_ids=longer, tokens_reused=0, share_prefix=True)
+    m.begin(2, agent_id="b", model_tag=TAG, token_ids=shorter, tokens_reused=0, share_prefix=True)
+    assert not m.awaits_donor(2, [1, 2])  # nobody started: the scheduler picks who goes first
+    assert m.adopt(1) is None  # 1 starts prefill
+    assert m.awaits_donor(2, [1, 2]) and not m.awaits_donor(1, [1, 2])
+    assert not m.awaits_donor(2, [2])  # 1 is no longer prefilling: nothing to wait for
+    m.begin(3, agent_id="c", model_tag=TAG, token_ids=shorter, tokens_reused=0, share_prefix=False)
+    m.begin(4, agent_id=namespaced("globex", "d"), model_tag=TAG, token_ids=shorter, tokens_reused=0,
+            share_prefix=True)
+    m.begin(5, agent_id="e", model_tag=TAG, token_ids=[7] * len(shorter), tokens_reused=0, share_prefix=True)
+    assert not m.awaits_donor(3, [1, 3])  # opted out of sharing
+    assert not m.awaits_donor(4, [1, 4])  # another tenant's prompt
+    assert not m.awaits_donor(5, [1, 5])  # nothing in common
+    m.begin(6, agent_id="f", model_tag=TAG, token_ids=longer, tokens_reused=0, share_prefix=False)
+    assert m.adopt(6) is None
+    assert not m.awaits_donor(2, [2, 6])  # a turn that opted out never parks its prompt for others
+
+
 def test_a_turn_that_does_not_share_neither_adopts_nor_is_wanted_as_donor():
     m = _manager()
     ids = [ord(c) for c in SYSTEM + "x"]

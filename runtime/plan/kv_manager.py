@@ -30,7 +30,7 @@ trio thread and every method here is synchronous, so each call is atomic.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from runtime.plan.block_pool import BlockPool, PoolStats
@@ -246,6 +246,24 @@ class KVCacheManager:
             and self._shared_blocks(turn.token_ids, other) > other.tokens_reused
             for other_id, other in self._inflight.items()
             if other_id != request_id
+        )
+
+    def awaits_donor(self, request_id: int, prefilling: Iterable[int]) -> bool:
+        """Whether a sharing turn that has not started prefill would start from more of a prompt being prefilled
+        (a sharing turn of ``prefilling`` whose prefill started) than it reuses: it then waits for that prompt,
+        which its turn parks once prefilled (:meth:`wants_donor`), instead of prefilling the same blocks again.
+        Prompts of a few tokens' difference in length otherwise take turns at the chunks (the scheduler's
+        aging credit), and agents that arrived together each prefilled the system prompt they share."""
+        turn = self._inflight.get(request_id)
+        if turn is None or not turn.share_prefix or turn.prefill_started:
+            return False
+        tenant = tenant_of(turn.agent_id)
+        return any(
+            other.share_prefix and other.prefill_started and other.model_tag == turn.model_tag
+            and tenant_of(other.agent_id) == tenant
+            and self._shared_blocks(other.token_ids, turn) > turn.tokens_reused
+            for other_id in prefilling
+            if other_id != request_id and (other := self._inflight.get(other_id)) is not None
         )
 
     def add_donor(self, request_id: int, parked: ParkedView) -> None:

@@ -31,13 +31,16 @@ tokens as it has left, it goes first); and arrivals of equal length finish in
 arrival order instead of all finishing late together (round-robin), so the
 first of several agents that arrive at once with a shared system prompt is done
 before the others start and they can share its prefix
-(:meth:`runtime.execution.mlx_engine.MlxEngine.prefill`).
+(:meth:`runtime.execution.mlx_engine.MlxEngine.prefill`). Where their questions differ in
+length, the credit alone would hand the next chunk to a prompt a few tokens shorter than the
+one started; so a turn that would start from a prompt being prefilled waits for it
+(:meth:`Donors.awaits_donor`), and starts from its blocks.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,6 +70,11 @@ class Donors(Protocol):
 
     def wants_donor(self, request_id: int) -> bool:
         """Whether turns waiting to prefill would start from this turn's prompt once it is prefilled."""
+        ...
+
+    def awaits_donor(self, request_id: int, prefilling: Iterable[int]) -> bool:
+        """Whether this turn, not yet started, would start from more of one of ``prefilling``'s started prompts
+        than it reuses: it waits for that prompt instead of taking the next chunk."""
         ...
 
 
@@ -232,7 +240,10 @@ class Scheduler:
                      if (n := self._running[r].prompt_to_prefill) is not None and n <= limit)
         adopt = {r: shared for r in join if (shared := donors.adopt(r)) is not None}
         together = tuple(r for r in join if r not in adopt and not donors.wants_donor(r))
-        prefill = self.next_prefill(exclude=join)
+        # A turn that would start from a prompt being prefilled waits for it (the first of several agents that
+        # arrive together with one system prompt prefills it; the others start from its blocks).
+        awaiting = tuple(r for r in self._prefilling if r not in join and donors.awaits_donor(r, self._prefilling))
+        prefill = self.next_prefill(exclude=join + awaiting)
         if prefill is not None and (shared := donors.adopt(prefill)) is not None:
             adopt[prefill] = shared
         # Asked again, now that the next prefill took its donor: a prompt only it wanted is not parked.
