@@ -78,6 +78,9 @@ from benches.harness import ResultFile, log, table
 
 _VERSION = 1  # bump when the weights or files change, so models are rebuilt
 _EOS, _BOS = 2, 0
+WARM_UP = -3  # the prompts' key of each size's warm-up pair (``prompts[(WARM_UP, size)]``)
+WARM_UP_TOKENS = 8
+"""Tokens a warm-up turn decodes: enough to build the decode step's shapes at that context."""
 QUESTIONS = ("Who wrote the notes?", "Where was it kept?", "What came next then?", "Why did it stop?",
              "How did it end?")
 
@@ -371,7 +374,9 @@ class PlainMlxLm:
 async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int], str], plan: Plan,
                         run: GeometryRun, plain: PlainMlxLm) -> None:
     """kvmem's runtime: cold turns, each paired with ``plain``'s on the same prompt, hot turns, batch rounds;
-    then a restart, warm and hot turns.
+    then a restart, warm and hot turns. First, one pair at each prompt size that is not a sample: a size's first
+    turn builds its new shapes on either side (H200 run 5 counted them: mlx-lm's first 1K turn took 430 ms against
+    18-21 after it, kvmem's 96 against 18-32, so a median of three was the slower of the other two).
 
     Each cold turn starts with the runtime idle (``rt.flush()``: its caches written, so the GPU actor owes
     no save copy and the store has no write under way) and the device idle after mlx-lm's turn; mlx-lm goes first in even repeats and second in odd
@@ -411,6 +416,16 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
         run.chunk_tokens = chunk
         await turn("warmup", prompts[(-1, 0)], 8)
         await turn("warmup", prompt_of["warmup"] + _ask(0), 8)
+        t_phase = time.perf_counter()
+        for size in plan.sizes:  # a size's first turn on either side pays for its new shapes: not a sample
+            await rt.flush()
+            tokens = min(plan.tokens_for(size), WARM_UP_TOKENS)
+            first = plain.turn(prompts[(WARM_UP, size)], tokens)
+            await rt.flush()
+            again = await turn(f"warm-up-{size}", prompts[(WARM_UP, size)], tokens)
+            log(f"{geom.name} warm-up {_k(size)}: mlx-lm ttft {first.ttft_ms:.0f} ms, "
+                f"kvmem ttft {again.ttft_ms:.0f} ms")
+        run.phases["warm-up pairs"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
 
         async def plain_turn(r: int, size: int) -> None:
@@ -534,6 +549,9 @@ def run_geometry(geom: Geometry, plan: Plan, models_dir: Path, tmp: Path) -> Geo
         prompts = {(r, size): context_text(folder, size, label=f"{geom.name} {size} r{r}", offset=r * 7919 + size)
                    for r in range(plan.repeats) for size in plan.sizes}
         prompts[(-1, 0)] = context_text(folder, 2560, label="warm-up", offset=17)
+        for size in plan.sizes:
+            prompts[(WARM_UP, size)] = context_text(folder, size, label=f"{geom.name} {size} warm-up",
+                                                    offset=size + 4099)
         for i in range(plan.batch):
             prompts[(-2, i)] = context_text(folder, plan.batch_context, label=f"batch agent {i}", offset=i * 3001)
         t0 = time.perf_counter()
@@ -1138,7 +1156,9 @@ def setup_lines(plan: Plan) -> list[str]:
          f"{', fused_projections on' if plan.fused_projections else ''}"
          f", fsync off) in this one process, their cold turns in pairs on the same prompt (mlx-lm first in even "
          f"repeats, second in odd ones), each turn from an idle device (kvmem's caches written first); medians of "
-         f"{plan.repeats} repeats, after a warm-up turn each"),
+         f"{plan.repeats} repeats, after a warm-up turn each and a warm-up pair at each prompt size (not counted: a "
+         f"size's first turn on either side pays for its new shapes; H200 run 5, first turns counted: mlx-lm's 1K "
+         f"turn took 430 ms against 18-21 later)"),
         (f"cold prompts {', '.join(_k(s) for s in plan.sizes)}; decode {plan.decode_tokens} tokens at "
          f"{', '.join(_k(s) for s in plan.decode_sizes)}; restart at {_k(plan.restart_size)} = runtime closed and "
          f"opened again in this process on the same home (model reloaded; MLX's compiled kernels stay), once with "

@@ -79,6 +79,9 @@
 #      the 1B's turns and batch run once with --fused-projections, then once with the short attention kernel (two
 #      repeats each; the two reports in settings.md), now right after the products: the 3B's engine rows and the
 #      gpt-oss roads come last, where the call's time limit cuts first (the steps' limits add up to more than it).
+#  10. since session 29: python -m benches gpu runs a pair of turns at each prompt size before its repeats, not
+#      counted (run 5 counted each size's first turn, new shapes on both sides: mlx-lm's first 1K turn 430 ms against
+#      18-21 after it, so a median of three was the slower of the other two); about 15 s more for both geometries.
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses).
 set -u

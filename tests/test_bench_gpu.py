@@ -212,3 +212,17 @@ def test_a_chunks_time_runs_from_the_previous_unit_of_work_not_from_what_ran_bes
     events = [ev("admit", 1.000), ev("chunk", 1.020), ev("gc", 1.025), ev("save", 1.030), ev("read", 1.035),
               ev("chunk", 1.040), ev("run", 1.041)]
     assert gpu._chunk_ms(events, [(0.9, 1.1)]) == pytest.approx(20.0)
+
+
+def test_a_tiny_geometry_runs_end_to_end_with_each_sizes_warm_up_pair_left_out(tmp_path: Path) -> None:
+    """The whole measurement on the CPU under the GPU policy, as a lent device runs it (a bug here would
+    cost a GPU session): every goal measured, and each side's samples are the repeats alone, each size's
+    first turn (its new shapes) a warm-up that is not one of them."""
+    plan = Plan(sizes=(256,), decode_sizes=(256,), decode_tokens=4, restart_size=256, repeats=1, batch=2,
+                batch_context=128, batch_tokens=4, profile="gpu")
+    run = gpu.run_geometry(gpu.GEOMETRIES["tiny"], plan, tmp_path / "models", tmp_path)
+    assert run.error is None
+    assert [len(run.mlx[256]), len(run.kvmem[256])] == [1, 1]
+    assert "warm-up pairs" in run.phases
+    assert all(v.ok is not None for v in gpu.verdicts(run, restart_size=plan.restart_size))
+    assert not any(m["agent"].startswith("warm-up") for m in run.trace["cold"])  # nor in the trace's tables
