@@ -601,7 +601,7 @@ def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadli
             weights_note = (f" Weights `auto` stopped ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
                             "these rows hold the weights as bfloat16.")
             log(f"needle rows:{weights_note}")
-    lines = render_needles(rows, formats, default, model=model, note=note, skipped=skipped)
+    lines = render_needles(rows, formats, default, model=model, note=note, skipped=skipped, count=count)
     return [lines[0] + weights_note, *lines[1:]]
 
 
@@ -613,9 +613,14 @@ def _needles_of(lm: Any, formats: list[str], lengths: list[int], count: int, dea
     text = prose.prose()
     ids, ends = lm.tokenize(text)
     kinds = needle.cache_kinds(lm)
+
+    def past() -> bool:
+        """Past the deadline: a needle under way ends, no new one starts."""
+        return time.time() > deadline
+
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-gpu-needle-") as tmp:
         for length in lengths:
-            if time.time() > deadline:
+            if past():
                 skipped.append(length)
                 continue
             hay = needle.Haystack(lm, needle.FORMS[needle.DEFAULT_FORM], length, (ids, ends, text))
@@ -629,16 +634,17 @@ def _needles_of(lm: Any, formats: list[str], lengths: list[int], count: int, dea
 
             t0 = time.perf_counter()
             needle.run_length(lm, hay, needles, kinds["float"], derived=["q4-at-rest"], tmp=Path(tmp),
-                              on_result=on_result)
+                              on_result=on_result, stop=past)
             if "q4-native" in formats:
                 needle.run_length(lm, hay, needles, kinds["q4-native"], derived=[], tmp=Path(tmp),
-                                  on_result=on_result)
+                                  on_result=on_result, stop=past)
             log(f"needle L={length}: {time.perf_counter() - t0:.1f} s")
 
 
 def render_needles(rows: list[dict[str, Any]], formats: list[str], default: str, *, model: str,
-                   note: str | None, skipped: list[int]) -> list[str]:
-    """The needle table: hits per format and length, and per format how many of float's answers it matched."""
+                   note: str | None, skipped: list[int], count: int | None = None) -> list[str]:
+    """The needle table: hits per format and length, and per format how many of float's answers it matched;
+    ``count``: needles asked for at each length (the formats and lengths a time limit cut short are named)."""
     from benches.needle import FORMAT_LABELS
 
     lengths = sorted({r["length"] for r in rows})
@@ -649,10 +655,11 @@ def render_needles(rows: list[dict[str, Any]], formats: list[str], default: str,
         return f"{sum(r['hit'] for r in mine)}/{len(mine)}" if mine else "—"
 
     def kept(f: str, n: int) -> str:
-        """Float's hits this format also found, of float's hits."""
-        hits = [r for r in rows if r["length"] == n and r["format"] == "float" and r["hit"]]
-        mine = [by.get((n, f, r["needle"])) for r in hits]
-        return f"{sum(1 for m in mine if m is not None and m['hit'])}/{len(hits)}"
+        """Float's hits this format also found, of float's hits on the needles it ran (a time limit can stop
+        a format's needles before float's)."""
+        mine = [by[(n, f, r["needle"])] for r in rows
+                if r["length"] == n and r["format"] == "float" and r["hit"] and (n, f, r["needle"]) in by]
+        return f"{sum(m['hit'] for m in mine)}/{len(mine)}"
 
     label = {f: FORMAT_LABELS[f] + (" — **kvmem's default**" if f == default else "") for f in formats}
     lines = [f"Model `{model}`; needle form and haystack as in `benches/needle.py`; kvmem's default attention "
@@ -671,7 +678,13 @@ def render_needles(rows: list[dict[str, Any]], formats: list[str], default: str,
         lines += [f"- L = {f['length']}, needle {f['needle']}, {FORMAT_LABELS[q['format']]}: float {f['answer']!r}, "
                   f"this {q['answer']!r}" for f, q in lost]
     if skipped:
-        lines += ["", f"Not run for lack of time (`--deadline-s`): L = {skipped}."]
+        lines += ["", f"Not run for lack of time (`--deadline-s`, `--needle-deadline-s`): L = {skipped}."]
+    if count is not None:
+        short = [f"{f} at L = {n}: {len(ran)} of {count}" for n in lengths for f in ["float", *formats]
+                 if 0 < len(ran := [r for r in rows if r["length"] == n and r["format"] == f]) < count]
+        if short:
+            lines += ["", "Needles cut short by the time limit (`--deadline-s`, `--needle-deadline-s`): "
+                          f"{'; '.join(short)}."]
     return lines
 
 

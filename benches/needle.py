@@ -260,9 +260,11 @@ def greedy(lm: Any, suffix: list[int], caches: list[Any]) -> tuple[list[int], li
 
 
 def run_length(lm: Any, hay: Haystack, needles: list[Needle], kind: CacheKind, *, derived: Sequence[str],
-               tmp: Path, on_result: Callable[[str, Needle, str, dict[str, Any]], None]) -> None:
+               tmp: Path, on_result: Callable[[str, Needle, str, dict[str, Any]], None],
+               stop: Callable[[], bool] | None = None) -> None:
     """All ``needles`` of one length with one cache kind, sharing the haystack prefix; ``derived`` at-rest formats
-    (float kind only) reuse each trial's float context KV."""
+    (float kind only) reuse each trial's float context KV. ``stop``, asked before each needle: once it says so,
+    the rest are not run (a time limit: each needle's formats all run, or none)."""
     from runtime.kv.kvstate import ActiveKV
 
     specs = specs_by_bits(lm.spec)
@@ -270,6 +272,8 @@ def run_length(lm: Any, hay: Haystack, needles: list[Needle], kind: CacheKind, *
     prefill(lm.model, hay.prefix, main)
     done = 0
     for needle in sorted(needles, key=lambda n: n.position):
+        if stop is not None and stop():
+            return
         t0 = time.perf_counter()
         prefill(lm.model, hay.hay[done:needle.position], main)
         done = needle.position

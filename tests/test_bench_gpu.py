@@ -67,7 +67,7 @@ def test_report_names_each_goal_with_its_ratio_and_the_needle_table() -> None:
     assert "float's hits kept | 0/1 |" in body  # native lost float's one hit
     assert "- L = 1024, needle 0, kvmem Q4 native: float ' 12345.', this ' 12..'" in body  # and what it said
     assert body.count("- L = ") == 1  # at-rest kept it: not listed
-    assert "Not run for lack of time (`--deadline-s`): L = [8192]." in body
+    assert "Not run for lack of time (`--deadline-s`, `--needle-deadline-s`): L = [8192]." in body
 
 
 def test_suite_summary_is_the_last_pytest_count_line(tmp_path: Path) -> None:
@@ -226,3 +226,40 @@ def test_a_tiny_geometry_runs_end_to_end_with_each_sizes_warm_up_pair_left_out(t
     assert "warm-up pairs" in run.phases
     assert all(v.ok is not None for v in gpu.verdicts(run, restart_size=plan.restart_size))
     assert not any(m["agent"].startswith("warm-up") for m in run.trace["cold"])  # nor in the trace's tables
+
+
+def test_a_needle_length_stops_between_needles_when_told_each_run_needle_with_all_its_formats(
+        tmp_path: Path) -> None:
+    """The GPU check's needle rows run under a time limit: asked before each needle, a stop leaves the rest
+    unrun, and every needle that ran has its float answer and its derived at-rest one (so they compare)."""
+    from benches import needle, prose
+    from conftest import models_dir
+
+    from runtime.model.loaded import load_model
+    from runtime.spec import KVFormat
+
+    lm = load_model("tiny-llama", kv_format=KVFormat(bits=4), models_dir=models_dir())
+    text = prose.prose()
+    ids, ends = lm.tokenize(text)
+    hay = needle.Haystack(lm, needle.FORMS[needle.DEFAULT_FORM], 384, (ids, ends, text))
+    results: list[tuple[str, int]] = []
+    needle.run_length(lm, hay, hay.needles(4, seed=0), needle.cache_kinds(lm)["float"], derived=["q4-at-rest"],
+                      tmp=tmp_path, on_result=lambda f, nd, reply, extra: results.append((f, nd.index)),
+                      stop=lambda: len(results) >= 4)
+    ran = sorted({index for _, index in results})
+    assert len(ran) == 2
+    assert sorted(results) == sorted((f, i) for f in ("float", "q4-at-rest") for i in ran)
+
+
+def test_the_needle_table_compares_a_format_cut_short_on_the_needles_it_ran_and_names_the_cut() -> None:
+    def row(f: str, i: int, hit: bool) -> dict[str, object]:
+        return {"length": 8192, "format": f, "needle": i, "hit": hit, "answer": "x"}
+
+    rows = [row("float", 0, True), row("float", 1, True), row("float", 2, False),
+            row("q4-at-rest", 0, True), row("q4-at-rest", 1, True), row("q4-at-rest", 2, False),
+            row("q4-native", 0, True)]  # the time limit stopped native after one needle
+    body = "\n".join(gpu.render_needles(rows, ["q4-at-rest", "q4-native"], "q4-at-rest", model="m", note=None,
+                                        skipped=[], count=3))
+    assert "| kvmem Q4 native: float's hits kept | 1/1 |" in body  # not 1/2: needle 1 never ran there
+    assert "| kvmem Q4 at-rest (disk): float's hits kept | 2/2 |" in body
+    assert "q4-native at L = 8192: 1 of 3." in body and "float at L" not in body
