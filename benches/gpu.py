@@ -702,6 +702,20 @@ def suite_lines(suite_log: Path | None) -> list[str]:
     return [f"- suite (`{suite_log.name}`): `{summary or 'no pytest summary line (stopped or timed out?)'}`", *lines]
 
 
+def with_suite(report: str, suite_line: str) -> str:
+    """``report`` (a written ``gpu.md``) with its test suite line replaced by ``suite_line`` (the first of
+    :func:`suite_lines`): a lent session runs the suite after the bench, in another call."""
+    lines = report.split("\n")
+    try:
+        at = lines.index("## Test suite")
+    except ValueError:
+        raise ValueError("the report has no '## Test suite' section") from None
+    line = next((i for i in range(at, len(lines)) if lines[i].startswith("- suite")), None)
+    if line is None:
+        raise ValueError("the report's test suite section has no suite line")
+    return "\n".join([*lines[:line], suite_line, *lines[line + 1:]])
+
+
 def summary_line(text: str) -> str | None:
     """The last line of pytest output that says how many passed / failed and in how long."""
     pattern = re.compile(r"\b\d+ (passed|failed|errors?|skipped|deselected|xfailed|xpassed)\b.*\bin [\d.]+s")
@@ -1090,8 +1104,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--deadline-s", type=float, default=450.0,
                    help="no geometry or needle length starts after this many seconds")
     p.add_argument("--suite-log", type=Path, help="pytest output captured earlier: its summary goes in the report")
+    p.add_argument("--into", type=Path, metavar="REPORT",
+                   help="measure nothing: write --suite-log's summary into REPORT, a gpu.md written before (a lent "
+                        "session runs the suite after the bench)")
     p.add_argument("--out", type=Path, help="also copy the report and its PNG here (e.g. $OUT on a device)")
     args = p.parse_args(argv)
+    if args.into:
+        line = suite_lines(args.suite_log)[0]
+        args.into.write_text(with_suite(args.into.read_text(), line))
+        log(f"{args.into}: {line}")
+        return
     quick = args.quick
     from runtime.backend import detect_device
 

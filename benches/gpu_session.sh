@@ -3,8 +3,8 @@
 # three staging calls (see benches/gpu_bundle.sh), each call within 30 s of the last:
 #
 #   run command="bash benches/gpu_device.sh go -- bash benches/gpu_session.sh bench" \
-#       carry=[".gpu/p4", ".gpu/w", ".gpu/site_bytes"] timeout_s=560
-#   run command="bash benches/gpu_device.sh go -- bash benches/gpu_session.sh suite" timeout_s=280
+#       carry=[".gpu/p4", ".gpu/w", ".gpu/site_bytes"] timeout_s=540
+#   run command="bash benches/gpu_device.sh go -- bash benches/gpu_session.sh suite" timeout_s=300
 #
 # bench (about 8 minutes, each step under its own time limit, everything into $OUT: 8 files at most come back:
 # gpu.log, gpu.md, gpu.png, trace_1b.json, trace_3b.json, probe.md, probe_3b.md, settings.md):
@@ -84,9 +84,11 @@
 #      18-21 after it, so a median of three was the slower of the other two); about 15 s more for both geometries.
 #      The needle rows ask for item 3's whole set (20 needles at 8K, 4K, 2K, 1K) and stop between needles at the
 #      deadline: the report names the lengths and formats cut short, and compares each format with float on the
-#      needles it ran.
+#      needles it ran. The suite call writes its summary into the bench call's report (item 6: one gpu.md with
+#      item 4, item 3's needles and the suite; `python -m benches gpu --suite-log FILE --into REPORT`) and returns it.
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
-# stopped a first quantized-kernel compile and two tests that start servers in subprocesses).
+# stopped a first quantized-kernel compile and two tests that start servers in subprocesses). 280 s in all (run 5's
+# took 254 s, and the suite has grown since): since session 29 the bench call gives it 20 s of its 560.
 set -u
 out=${OUT:-/tmp/kvmem-out}
 mkdir -p "$out"
@@ -95,10 +97,11 @@ case "${1:-bench}" in
     # geometries first (1B, 3B), then item 3's 20 needles at 8K, 4K, 2K, 1K with what is left (run 4: 10 needles took
     # 221 s, run 5: 6 took 152 s, before the needle model's projections were made float on CUDA): since session 29
     # no needle starts past the deadline, so the rows hold what ran, and a needle under way (25 s at run 5's pace)
-    # ends within the limit; the probes after it grew since run 5 and the call has 560 s in all
+    # ends within the limit; the probes after it grew since run 5 and the call has 540 s in all
     timeout -s INT 330 python3 -m benches gpu --out "$out" --needle-model "$KVMEM_NEEDLE_GGUF" --needles 20 \
       --needle-lengths 8192 4096 2048 1024 --deadline-s 280 > "$out/gpu.log" 2>&1
     echo "benches gpu: exit $?"; tail -n 25 "$out/gpu.log"
+    mkdir -p /tmp/kvmem-report && cp "$out/gpu.md" /tmp/kvmem-report/ 2>/dev/null  # the suite call adds its summary
     # where decode steps' time went (the trace's StepTiming), in the call's own output too
     grep -A 12 "decode steps' time went" "$out/gpu.md" | head -n 40
     grep -A 20 "first tokens went" "$out/gpu.md" | head -n 40
@@ -151,8 +154,12 @@ case "${1:-bench}" in
     done
     ;;
   suite)
-    timeout -s INT 260 python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n 8 --timeout 150 > "$out/suite.log" 2>&1
+    timeout -s INT 280 python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n 8 --timeout 150 > "$out/suite.log" 2>&1
     echo "suite: exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/suite.log" | tail -n 40
+    # the bench call's report (kept in /tmp while the machine stays warm) with this suite's summary (item 6)
+    if [ -f /tmp/kvmem-report/gpu.md ]; then
+      python3 -m benches gpu --suite-log "$out/suite.log" --into /tmp/kvmem-report/gpu.md && cp /tmp/kvmem-report/gpu.md "$out/"
+    fi
     ;;
   *)
     echo "usage: gpu_session.sh bench|suite" >&2; exit 2 ;;

@@ -263,3 +263,20 @@ def test_the_needle_table_compares_a_format_cut_short_on_the_needles_it_ran_and_
     assert "| kvmem Q4 native: float's hits kept | 1/1 |" in body  # not 1/2: needle 1 never ran there
     assert "| kvmem Q4 at-rest (disk): float's hits kept | 2/2 |" in body
     assert "q4-native at L = 8192: 1 of 3." in body and "float at L" not in body
+
+
+def test_a_suite_run_after_the_bench_goes_into_its_report(tmp_path: Path) -> None:
+    """A lent session runs the suite in a call after the bench's: its summary replaces the report's
+    placeholder, and nothing else of the report changes."""
+    body = gpu.render_body([_run()], PLAN, ["needles"], gpu.suite_lines(None))
+    report = tmp_path / "gpu.md"
+    report.write_text("# GPU check\n\n" + "\n".join(body) + "\n![gpu](gpu.png)\n\n## Raw runs\n\n```json\n{}\n```\n")
+    log = tmp_path / "suite.log"
+    log.write_text("....\nFAILED tests/test_a.py::test_b\n==== 1 failed, 1200 passed, 30 skipped in 240.10s ====\n")
+    before = report.read_text()
+    gpu.main(["--suite-log", str(log), "--into", str(report)])
+    after = report.read_text()
+    assert "- suite (`suite.log`): `1 failed, 1200 passed, 30 skipped in 240.10s`" in after
+    assert "not given" not in after and "not given" in before
+    assert [line for line in after.splitlines() if not line.startswith("- suite")] == [
+        line for line in before.splitlines() if not line.startswith("- suite")]  # the bench's xdist line too
