@@ -87,7 +87,7 @@
 #      needles it ran. The suite call writes its summary into the bench call's report (item 6: one gpu.md with
 #      item 4, item 3's needles and the suite; `python -m benches gpu --suite-log FILE --into REPORT`) and returns it.
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
-# stopped a first quantized-kernel compile and two tests that start servers in subprocesses). 280 s in all (run 5's
+# stopped a first quantized-kernel compile and two tests that start servers in subprocesses). 285 s in all (run 5's
 # took 254 s, and the suite has grown since): since session 29 the bench call gives it 20 s of its 560.
 set -u
 out=${OUT:-/tmp/kvmem-out}
@@ -154,7 +154,7 @@ case "${1:-bench}" in
     done
     ;;
   suite)
-    timeout -s INT 280 python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n 8 --timeout 150 > "$out/suite.log" 2>&1
+    timeout -s INT 285 python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n 8 --timeout 150 > "$out/suite.log" 2>&1
     echo "suite: exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/suite.log" | tail -n 40
     # the bench call's report (kept in /tmp while the machine stays warm) with this suite's summary (item 6)
     if [ -f /tmp/kvmem-report/gpu.md ]; then
