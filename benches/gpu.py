@@ -752,7 +752,12 @@ def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
     admitted it, the host
     copies for earlier turns' saves it made first (how many, and roughly how long: each copy's time
     since the event before it), and when the turn's prefill ended (its first token). H200 run 3 read
-    this by hand to find cold 1K turns waiting 91-417 ms behind copies."""
+    this by hand to find cold 1K turns waiting 91-417 ms behind copies. Last, the launch of the turn's first
+    decode step (ms): run 5's took 7-8 ms on the 1B and 16-21 on the 3B against 2.3 and 4-6 for the steps after
+    it, and 44-75 ms where the cache's buffer had a length the process had not seen (MLX's CUDA backend gives a
+    one-query attention over a cache buffer a multiple of 256 long to cuDNN, with a graph built per buffer length);
+    plain mlx-lm launches its first step before it yields its first token, so that cost is in its first token's
+    time, and in kvmem's decode rate."""
     events = trace.get("events", [])
     rows = []
     for mark in trace.get("cold", []):
@@ -768,9 +773,11 @@ def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
         chunks = [e["at"] for e in mine if e["kind"] == "chunk" and e["at"] <= first_step]
         way = [next((f"{(e['at'] - t0) * 1e3:.1f}" for e in mine if e["kind"] == kind), "—")
                for kind in ("checkout", "submit", "rendered", "planned", "tokenized")]
+        step = next((e for e in mine if e["kind"] == "step" and e.get("timing")), None)
         rows.append([mark["agent"], *way, f"{(admit['at'] - t0) * 1e3:.1f}",
                      f"{len(copies)} ({copy_ms:.0f} ms)" if copies else "0",
-                     f"{(chunks[-1] - t0) * 1e3:.1f}" if chunks else "—"])
+                     f"{(chunks[-1] - t0) * 1e3:.1f}" if chunks else "—",
+                     f"{step['timing'][0]:.1f}" if step else "—"])
     return rows
 
 
@@ -991,7 +998,8 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
         if waits:
             lines += ["", "Where the cold, hot and warm turns' first tokens went (the GPU actor's trace; ms from sending the turn):",
                       "", *table(["turn", "checked out (agent's actor)", "reached the GPU actor", "rendered", "planned",
-                                  "tokenized", "admitted", "save copies made first", "prefill ended"], waits)]
+                                  "tokenized", "admitted", "save copies made first", "prefill ended",
+                                  "first decode step's launch"], waits)]
         rounds = batch_round_waits(r.trace)
         if rounds:
             lines += ["", "Where the batch rounds' first tokens went (the trace; ms from the round's start; the first "

@@ -97,10 +97,11 @@ def test_a_cold_turns_wait_is_read_from_the_trace_copies_before_its_admission_in
                         ev("planned", 2, 10.003), ev("tokenized", 2, 10.004),
                         ev("copy", 7, 10.15), ev("copy", 8, 10.40), ev("admit", 2, 10.41),
                         ev("chunk", 2, 10.42), ev("chunk", 2, 10.43), ev("finish", 2, 10.44),
-                        ev("admit", 3, 11.01), ev("chunk", 3, 11.05), ev("step", 3, 11.06), ev("chunk", 4, 11.07)]}
+                        ev("admit", 3, 11.01), ev("chunk", 3, 11.05),
+                        {**ev("step", 3, 11.06), "timing": [7.5, 0.0, 0.0, 1.0, 7.4]}, ev("chunk", 4, 11.07)]}
     assert gpu.waits_before_first_token(trace) == [["waits", "1.0", "2.0", "2.5", "3.0", "4.0", "410.0", "2 (396 ms)",
-                                                    "430.0"],
-                                                   ["straight", "—", "—", "—", "—", "—", "10.0", "0", "50.0"]]
+                                                    "430.0", "—"],
+                                                   ["straight", "—", "—", "—", "—", "—", "10.0", "0", "50.0", "7.5"]]
     body = "\n".join(gpu.render_body([_run()], PLAN, [], []))
     assert "first tokens went" not in body  # a run without a trace reports none
 
