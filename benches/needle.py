@@ -264,7 +264,8 @@ def run_length(lm: Any, hay: Haystack, needles: list[Needle], kind: CacheKind, *
                stop: Callable[[], bool] | None = None) -> None:
     """All ``needles`` of one length with one cache kind, sharing the haystack prefix; ``derived`` at-rest formats
     (float kind only) reuse each trial's float context KV. ``stop``, asked before each needle: once it says so,
-    the rest are not run (a time limit: each needle's formats all run, or none)."""
+    the rest are not run (a time limit: a needle that starts gets its answers in ``kind`` and every ``derived``
+    format; needles go by position, so a cut set holds the earlier ones)."""
     from runtime.kv.kvstate import ActiveKV
 
     specs = specs_by_bits(lm.spec)
