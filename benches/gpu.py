@@ -753,11 +753,12 @@ def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
     copies for earlier turns' saves it made first (how many, and roughly how long: each copy's time
     since the event before it), and when the turn's prefill ended (its first token). H200 run 3 read
     this by hand to find cold 1K turns waiting 91-417 ms behind copies. Last, the launch of the turn's first
-    decode step (ms): run 5's took 7-8 ms on the 1B and 16-21 on the 3B against 2.3 and 4-6 for the steps after
-    it, and 44-75 ms where the cache's buffer had a length the process had not seen (MLX's CUDA backend gives a
-    one-query attention over a cache buffer a multiple of 256 long to cuDNN, with a graph built per buffer length);
-    plain mlx-lm launches its first step before it yields its first token, so that cost is in its first token's
-    time, and in kvmem's decode rate."""
+    decode step event (ms), which starts decoding one step ahead and so launches two steps: run 5's took 7-8 ms on
+    the 1B and 16-21 on the 3B against 2.3 and 4-6 a step after it (its builds were two steps', its submits
+    3-8 ms more than two), and 44-75 ms where the cache's buffer had a length the process had not seen (MLX's
+    CUDA backend gives a one-query attention over a cache buffer a multiple of 256 long to cuDNN, with a graph
+    built per buffer length). Plain mlx-lm launches its first step before it yields its first token, so there
+    that cost is in the first token's time; here it is in the decode rate."""
     events = trace.get("events", [])
     rows = []
     for mark in trace.get("cold", []):

@@ -160,3 +160,32 @@ def test_every_prefill_chunk_records_where_its_time_went(profile: str) -> None:
         last = results[-1][0].timing
         assert last is not None and last.host_ms > 0 and results[-1][0].text is not None  # the first token, accepted
         engine.discard(1)
+
+
+def test_the_first_step_ahead_is_submitted_alone_then_each_step_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nothing in flight, the first step is launched and submitted before the next one is built (as
+    ``generate_step`` does): reading its tokens waits for it alone. Every later submit holds one step."""
+    import collections
+
+    import mlx.core as mx
+
+    from benches.gpu_probe import graph_operation_names
+
+    lm = tiny("tiny-llama")
+    prompt, params, _ = ROWS["b"]
+    seq = Sequence(lm, prompt, None, params, attention="at-rest")
+    while seq.prefill_step() is None:
+        pass
+    batch = DecodeBatch(shared_prefix_check=False, run_ahead=True)
+    batch.add(seq)
+    forwards: list[int] = []  # each submit's forward passes (one argmax a greedy step)
+    submit = mx.async_eval
+
+    def counted(*arrays: mx.array) -> None:
+        forwards.append(collections.Counter(graph_operation_names(list(arrays)))["ArgReduce"])
+        submit(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", counted)
+    for _ in range(4):
+        batch.step_once()
+    assert forwards == [1] * 5  # the first step_once submits two steps, one at a time

@@ -250,6 +250,9 @@ class DecodeBatch:
         if self._ahead is None:  # nothing in flight: this step's tokens come from the rows' inputs
             self._ahead = self._launch(self._own_inputs())
             self._ahead_rows = len(self.members)
+            # Submitted on its own, as generate_step does its first step: the device starts it while the host
+            # builds the next, and reading it waits for it alone, not for the next step too.
+            mx.async_eval(self._ahead)
         # Rows that joined since the launch have not stepped yet: they go in with their own input.
         joined = [s.next_input or 0 for s in self.members[self._ahead_rows :]]
         inputs = self._ahead if not joined else mx.concatenate([self._ahead, mx.array(joined)])
