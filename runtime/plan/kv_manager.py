@@ -237,16 +237,10 @@ class KVCacheManager:
     def wants_donor(self, request_id: int) -> bool:
         """Whether a sharing turn that has not started prefill would reuse more of this prefilled turn's prompt."""
         turn = self._inflight.get(request_id)
-        if turn is None or not turn.share_prefix:
+        if turn is None:
             return False
-        tenant = tenant_of(turn.agent_id)
-        return any(
-            other.share_prefix and not other.prefill_started and other.model_tag == turn.model_tag
-            and tenant_of(other.agent_id) == tenant
-            and self._shared_blocks(turn.token_ids, other) > other.tokens_reused
-            for other_id, other in self._inflight.items()
-            if other_id != request_id
-        )
+        return any(not other.prefill_started and self._would_reuse_more(turn, other)
+                   for other_id, other in self._inflight.items() if other_id != request_id)
 
     def awaits_donor(self, request_id: int, prefilling: Iterable[int]) -> bool:
         """Whether a sharing turn that has not started prefill would start from more of a prompt being prefilled
@@ -255,16 +249,18 @@ class KVCacheManager:
         Prompts of a few tokens' difference in length otherwise take turns at the chunks (the scheduler's
         aging credit), and agents that arrived together each prefilled the system prompt they share."""
         turn = self._inflight.get(request_id)
-        if turn is None or not turn.share_prefix or turn.prefill_started:
+        if turn is None or turn.prefill_started:
             return False
-        tenant = tenant_of(turn.agent_id)
-        return any(
-            other.share_prefix and other.prefill_started and other.model_tag == turn.model_tag
-            and tenant_of(other.agent_id) == tenant
-            and self._shared_blocks(other.token_ids, turn) > turn.tokens_reused
-            for other_id in prefilling
-            if other_id != request_id and (other := self._inflight.get(other_id)) is not None
-        )
+        return any(other.prefill_started and self._would_reuse_more(other, turn)
+                   for other_id in prefilling
+                   if other_id != request_id and (other := self._inflight.get(other_id)) is not None)
+
+    def _would_reuse_more(self, donor: _InFlight, taker: _InFlight) -> bool:
+        """Whether ``taker`` would reuse more of ``donor``'s prompt than it does: both share prefixes, with one
+        model and one tenant (:meth:`wants_donor` and :meth:`awaits_donor` ask it from either side)."""
+        return (donor.share_prefix and taker.share_prefix and donor.model_tag == taker.model_tag
+                and tenant_of(donor.agent_id) == tenant_of(taker.agent_id)
+                and self._shared_blocks(donor.token_ids, taker) > taker.tokens_reused)
 
     def add_donor(self, request_id: int, parked: ParkedView) -> None:
         """The prompt a running turn parked for others (see :meth:`wants_donor`)."""
