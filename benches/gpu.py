@@ -57,6 +57,7 @@ Flags size everything (``--geometries 1b``, ``--repeats 1``, ``--sizes``, ``--ne
 
 from __future__ import annotations
 
+import argparse
 import gc
 import hashlib
 import importlib.util
@@ -337,8 +338,8 @@ class Plan:
     batch_tokens: int
     profile: str
     plain_attention_queries: int | None = None  # None: the profile's
-    short_attention_kernel: bool = False  # the setting: short passes and padded steps in kvmem's kernel (CUDA)
-    fused_projections: bool = False  # the setting: a layer's q/k/v and gate/up projections one product each
+    short_attention_kernel: bool | None = None  # the setting (None: the profile's): short passes and padded steps in kvmem's kernel (CUDA)
+    fused_projections: bool | None = None  # the setting (None: the profile's): a layer's q/k/v and gate/up projections one product each
 
     def tokens_for(self, size: int) -> int:
         return self.decode_tokens if size in self.decode_sizes else 1
@@ -1099,12 +1100,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plain-attention-queries", type=int,
                    help="kvmem's setting of that name: short passes' attention from plain MLX operations "
                         "(default: the profile's; 0: the fused kernel for every pass)")
-    p.add_argument("--short-attention-kernel", action="store_true",
+    p.add_argument("--short-attention-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="kvmem's setting of that name: short passes' and padded decode steps' attention in kvmem's "
-                        "kernel (CUDA)")
-    p.add_argument("--fused-projections", action="store_true",
+                        "kernel (CUDA; default: the profile's, on under the GPU policy)")
+    p.add_argument("--fused-projections", action=argparse.BooleanOptionalAction, default=None,
                    help="kvmem's setting of that name: a layer's query, key and value projections one product, its "
-                        "gate and up another")
+                        "gate and up another (default: the profile's, on under the GPU policy)")
     p.add_argument("--needle-model", default="kvmem-default", help="needle model: a name, a GGUF, or none")
     p.add_argument("--needle-lengths", type=int, nargs="+", help="default 8192 4096 2048 1024 (1024 with --quick)")
     p.add_argument("--needle-deadline-s", type=float, default=150.0,
@@ -1189,6 +1190,11 @@ def main(argv: list[str] | None = None) -> None:
     print(report(needles).read_text())
 
 
+def _set_as(name: str, value: bool | None) -> str:
+    """``, NAME on`` / ``, NAME off`` for a setting the run set, nothing for one left to the profile."""
+    return "" if value is None else f", {name} {'on' if value else 'off'}"
+
+
 def setup_lines(plan: Plan) -> list[str]:
     """What every geometry ran, for the report's header."""
     return [
@@ -1196,8 +1202,8 @@ def setup_lines(plan: Plan) -> list[str]:
          f"what it asks), plain mlx-lm (`generate_step`, float KV) and kvmem (`actors.open_runtime`, Q4 KV, "
          f"profile `{plan.profile}`"
          f"{f', plain_attention_queries={plan.plain_attention_queries}' if plan.plain_attention_queries is not None else ''}"
-         f"{', short_attention_kernel on' if plan.short_attention_kernel else ''}"
-         f"{', fused_projections on' if plan.fused_projections else ''}"
+         f"{_set_as('short_attention_kernel', plan.short_attention_kernel)}"
+         f"{_set_as('fused_projections', plan.fused_projections)}"
          f", fsync off) in this one process, their cold turns in pairs on the same prompt (mlx-lm first in even "
          f"repeats, second in odd ones), each turn from an idle device (kvmem's caches written first); medians of "
          f"{plan.repeats} repeats, after a warm-up turn each and a warm-up pair at each prompt size (not counted: a "

@@ -26,7 +26,8 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | NumPy attention, NumPy KV copies, the shared-prefix check | on (``numpy_attention``) | off: no host round trip |
 | allocator tuning and pre-warm | on | off (device memory is not the glibc heap) |
 | short passes' attention (2 to ``plain_attention_queries`` query positions a row) | NumPy (above) | plain MLX operations, up to :data:`GPU_PLAIN_ATTENTION_QUERIES` (unset): on CUDA the fused kernel builds a cuDNN graph per new shape, about 65 ms each, and a growing conversation's every turn has new ones (an H200, run 3: a batch of 8's join took 263 ms a round instead of 1,071) |
-| a decode step of rows of different lengths (a batch's padding) | NumPy's decode attention (from 1K keys over the batch; MLX's below) | MLX's masked fallback (no fused CUDA or cuDNN one-query kernel takes a mask: a product, the mask, a softmax and a product a layer); with ``short_attention_kernel`` on CUDA, kvmem's one kernel, causal, each row from its first key, for these steps and the short passes too (``runtime.kv.short_attention``; off until a GPU run measures it) |
+| a decode step of rows of different lengths (a batch's padding) | NumPy's decode attention (from 1K keys over the batch; MLX's below) | on CUDA, kvmem's one kernel (``short_attention_kernel``, unset): causal, each row from its first key, for these steps and for the short passes over at most :data:`runtime.kv.short_attention.SHORT_PASS_KEYS` keys (``runtime.kv.short_attention``; H200 run 6: a 1B's step of 8 rows launched in 3.5 ms against 6.6 through MLX's masked fallback, which other backends keep: a product, the mask, a softmax and a product a layer) |
+| a llama or qwen2 layer's projections (``fused_projections`` unset) | seven products | four: queries, keys and values one product, gate and up another (``runtime.model.fused_projections``; H200 run 6: on CUDA every product of two or more rows costs the host about 37 µs of submit whatever its size, a one-row product 11; a 1B layer's four submitted in 0.17 ms at 8 rows against its seven's 0.26) |
 | memory budgets (``budget_mb``, ``hot_budget_mb``, ``keep_float_mb`` left unset) | 2048 / 512 / 1024 MiB | 25% / 10% / 10% of the device's memory (CUDA's total, Metal's recommended working set); the CPU's where it is not known (the GPU policy forced on a CPU) |
 | MLX's buffer cache | MLX's own: freed buffers kept up to its memory limit | also emptied once a prompt of several chunks has its first token, as mlx-lm's ``generate_step`` empties it after every chunk: a cache growing chunk by chunk frees longer and longer buffers no later request fits |
 | a turn's end | the cache is quantized and copied to the host for its save at once | quantized without waiting; the save's host copy is made later, when the GPU actor has nothing to run or the store needs it, never between two decode steps; made while idle, it stops between two parts (a few MB of one array: ``runtime.kv.host_copy``) for a message; overdue while turns run, it goes a few parts a loop pass, after the prefill under way (``actors.gpu``) |
@@ -118,10 +119,11 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             (:func:`runtime.cpu.attention.plain_attention`); 0: never (the CPU policy's NumPy
             attention covers such passes there); the setting, else :data:`GPU_PLAIN_ATTENTION_QUERIES`.
         short_attention_kernel: on CUDA, a decode step of rows of different lengths and a pass of 2
-            to ``plain_attention_queries`` queries attend through kvmem's one kernel
+            to ``plain_attention_queries`` queries over at most
+            :data:`runtime.kv.short_attention.SHORT_PASS_KEYS` keys attend through kvmem's one kernel
             (:mod:`runtime.kv.short_attention`: causal, each row from its own first key) instead of MLX's
-            masked fallback and plain operations; the setting (off until a GPU run measures it), and
-            only where the backend is CUDA.
+            masked fallback and plain operations; the setting, unset on under the GPU policy, and only
+            where the backend is CUDA.
         copy_after_turn: a finished turn's park is launched, not waited for, and its host copy for
             the save is made after the turn (:meth:`runtime.plan.contract.Engine.snapshot`), off the
             decode loop. On the CPU the copy is a memcpy of memory the host already holds: made at once.
@@ -142,7 +144,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         fused_projections: each llama or qwen2 layer's query, key and value projections are one product and
             its MLP's gate and up projections another (:mod:`runtime.model.fused_projections`): seven products a
             layer become four, and on CUDA each product of more than one row costs the host a cuBLASLt algorithm
-            lookup and a captured graph; the setting (off until a GPU run measures it).
+            lookup and a captured graph; the setting, unset on under the GPU policy.
         clear_cache_after_prefill: MLX's buffer cache is emptied once a prompt of several prefill chunks has
             its first token, at the engine's next step or finish (``Sequence.chunked_prefill_done``, after the
             token went out): mlx-lm's ``generate_step`` empties it after every chunk; MLX keeps freed buffers up
@@ -237,8 +239,8 @@ def decide_profile(
     weights: str = "auto",
     numpy_attention: bool = True,
     plain_attention_queries: int | None = None,
-    short_attention_kernel: bool = False,
-    fused_projections: bool = False,
+    short_attention_kernel: bool | None = None,
+    fused_projections: bool | None = None,
     prewarm_mb: float = 0.0,
     prefill_chunk: int | None = None,
     decode_run_steps: int | None = None,
@@ -257,7 +259,7 @@ def decide_profile(
         attention, weights, numpy_attention, plain_attention_queries, short_attention_kernel, fused_projections,
             prewarm_mb,
             prefill_chunk, decode_run_steps: the settings of the same names;
-            an explicit value wins over the policy's default.
+            an explicit value wins over the policy's default (None: the policy's).
         budget_mb, hot_budget_mb, keep_float_mb: the memory settings; None: the policy's default.
         device_memory_mb: the device's memory (None: unknown), which the GPU policy's defaults share out.
         openblas: the OpenBLAS library loaded, if any (reported).
@@ -300,13 +302,14 @@ def decide_profile(
         alone_on_own_caches=not cpu,
         plain_attention_queries=0 if cpu else GPU_PLAIN_ATTENTION_QUERIES if plain_attention_queries is None
         else plain_attention_queries,
-        short_attention_kernel=short_attention_kernel and backend == "cuda",
+        short_attention_kernel=(not cpu if short_attention_kernel is None else short_attention_kernel)
+        and backend == "cuda",
         copy_after_turn=not cpu,
         upload_by_copy=not cpu,
         download_by_copy=not cpu,
         fused_dequantize=not cpu,
         float_slow_projections=backend == "cuda",
-        fused_projections=fused_projections,
+        fused_projections=not cpu if fused_projections is None else fused_projections,
         clear_cache_after_prefill=not cpu,
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,

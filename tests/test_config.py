@@ -215,3 +215,13 @@ def test_auto_leaves_a_memory_setting_to_the_backend_profile() -> None:
     assert load_config({}, env={"KVMEM_BUDGET_MB": "auto", "KVMEM_KEEP_FLOAT_MB": "auto"}).budget_mb is None
     assert load_config({}, env={"KVMEM_KEEP_FLOAT_MB": "0"}).keep_float_mb == 0
     assert Config().hot_budget_mb is None
+
+
+def test_auto_leaves_a_gpu_setting_to_the_backend_profile_and_a_word_wins() -> None:
+    """``short_attention_kernel`` and ``fused_projections`` are on under the GPU policy unless set: unset and
+    ``auto`` are None (the profile decides), ``false`` turns either off on a GPU."""
+    config = load_config({}, env={"KVMEM_SHORT_ATTENTION_KERNEL": "auto", "KVMEM_FUSED_PROJECTIONS": ""})
+    assert config.short_attention_kernel is None and config.fused_projections is None
+    assert Config().short_attention_kernel is None and Config().fused_projections is None
+    off = load_config({}, env={"KVMEM_SHORT_ATTENTION_KERNEL": "false", "KVMEM_FUSED_PROJECTIONS": "0"})
+    assert off.short_attention_kernel is False and off.fused_projections is False

@@ -92,7 +92,9 @@ def test_the_engine_makes_them_float_only_where_its_profile_says(monkeypatch: py
     for on in (True, False):
         engine = mlx_engine.MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, attention="at-rest",
                                       profile="gpu")
-        engine._profile = msgspec.structs.replace(engine._profile, float_slow_projections=on)  # as on CUDA
+        # as on CUDA; unfused, so that q_proj is a layer of its own to look at (tests/test_fused_projections.py
+        # fuses float and quantized projections alike)
+        engine._profile = msgspec.structs.replace(engine._profile, float_slow_projections=on, fused_projections=False)
         try:
             engine.load("kvmem-default")
             q_proj = engine.lm.model.model.layers[0].self_attn.q_proj

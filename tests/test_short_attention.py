@@ -154,6 +154,16 @@ def test_a_hot_turns_message_and_a_groups_joint_prefill_go_through_the_kernel(lm
         assert_decoded_alike(a, b, lm.vocab_limit, FLOAT_TOL)
 
 
+def test_a_pass_over_more_keys_than_the_kernel_takes_keeps_plain_operations(lm, kernel_calls, monkeypatch) -> None:
+    """Past ``SHORT_PASS_KEYS`` keys a short pass attends with plain operations (H200 run 6: the kernel's 16 queries
+    over 16,000 keys took 1.31 ms a layer against plain operations' 0.51-0.58); a padded step's one query stays."""
+    lm.plain_attention_queries, lm.short_attention_kernel = 64, True
+    monkeypatch.setattr(short_attention, "SHORT_PASS_KEYS", 16)  # the tiny turns' caches hold more than 16 keys
+    _hot_and_joined(lm, _second_turns(lm))
+    assert [c for c in kernel_calls if c.queries > 1] == []
+    assert any(c.queries == 1 and max(c.starts) > 0 for c in kernel_calls)
+
+
 def test_rows_of_one_length_and_long_passes_keep_mlxs_own_kernels(lm, kernel_calls) -> None:
     lm.short_attention_kernel, lm.plain_attention_queries = True, 8
     _decode(lm, batched=True, prompts=[PROMPTS[0]] * 2, max_tokens=4)
@@ -163,11 +173,14 @@ def test_rows_of_one_length_and_long_passes_keep_mlxs_own_kernels(lm, kernel_cal
 def test_the_setting_reaches_the_profile_on_cuda_only() -> None:
     on_cuda = decide_profile(device="gpu", backend="cuda", short_attention_kernel=True)
     assert on_cuda.short_attention_kernel and "short attention kernel" in on_cuda.line()
-    assert not decide_profile(device="gpu", backend="cuda").short_attention_kernel  # off unless set
+    assert decide_profile(device="gpu", backend="cuda").short_attention_kernel  # the GPU policy's default
+    assert not decide_profile(device="gpu", backend="cuda", short_attention_kernel=False).short_attention_kernel
+    assert not decide_profile(device="gpu", backend="cuda", profile="cpu").short_attention_kernel
     assert not decide_profile(device="gpu", backend="metal", short_attention_kernel=True).short_attention_kernel
     assert not decide_profile(device="cpu", backend="cpu", profile="gpu",
                               short_attention_kernel=True).short_attention_kernel
-    assert not short_attention.available()  # this CPU: the kernel is never built here
+    # Built only where MLX runs CUDA kernels: never on a CPU (H200 run 6: this line asked "never" of a GPU too)
+    assert short_attention.available() == (mx.default_device() == mx.gpu and mx.cuda.is_available())
 
 
 def test_the_kernel_refuses_what_it_does_not_compute() -> None:

@@ -31,12 +31,18 @@ from runtime.model import tiny_models
 MODEL = "tiny-llama"
 
 
-def _mlx_lm_step() -> list[str]:
-    """The operations of one of plain mlx-lm's steady decode steps (``generate_step``, greedy)."""
+def _mlx_lm_step(fused: bool) -> list[str]:
+    """The operations of one of plain mlx-lm's steady decode steps (``generate_step``, greedy), its layers'
+    projections ``fused`` as the GPU policy's are (:mod:`runtime.model.fused_projections`): the same model on
+    both sides, so what differs is what a step adds around it."""
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
+    from runtime.model.fused_projections import fuse_projections
+
     model, _tokenizer = load(str(tiny_models.ensure_tiny_model(MODEL, models_dir())))
+    if fused:
+        assert fuse_projections(model) > 0
     steps: list[list[str]] = []
     launch = mx.async_eval
 
@@ -94,7 +100,9 @@ def _ask(text: str) -> list[dict[str, str]]:
 
 async def test_a_lone_rows_step_builds_no_more_than_mlx_lms_after_a_cold_hot_or_warm_turn(
         tmp_path: Path, steps: Steps) -> None:
-    reference = _mlx_lm_step()
+    from runtime.backend import decide_profile
+
+    reference = _mlx_lm_step(fused=decide_profile(device="cpu", backend="cpu", profile="gpu").fused_projections)
     seen = {}
     async with _open(tmp_path) as rt:
         agent = rt.agent("a")

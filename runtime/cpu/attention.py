@@ -47,11 +47,11 @@ repeated). It stays off until a GPU run measures it faster
 (``benches/gpu_session.sh``); decode steps (one query) and long prefill chunks
 keep the fused kernels.
 
-**Short passes in one kernel (CUDA, off unless set).** With the ``short_attention_kernel``
+**Short passes in one kernel (CUDA, the GPU policy's).** With the ``short_attention_kernel``
 setting, a one-query step of a float batch whose rows differ in length
 (:class:`runtime.kv.decode_kv.DecodeKVCache` with padding), and a pass of 2 to
-``plain_attention_queries`` queries over a float cache (a lone row's ``KVCache``, or a batch's)
-attend through :func:`runtime.kv.short_attention.short_attention`: one kernel, causal, each row
+``plain_attention_queries`` queries over a float cache (a lone row's ``KVCache``, or a batch's) of
+at most :data:`runtime.kv.short_attention.SHORT_PASS_KEYS` keys attend through :func:`runtime.kv.short_attention.short_attention`: one kernel, causal, each row
 from its own first key, where MLX's CUDA backend has no fused kernel that takes a padding mask and
 builds a cuDNN graph for each new shape of a short pass.
 """
@@ -221,11 +221,12 @@ def _kernel_takes(queries: mx.array, keys: mx.array, values: mx.array, cache: An
     """Whether :mod:`runtime.kv.short_attention`'s kernel computes this call's attention, mask and all: a float
     cache whose mask is causal from each row's first key (a lone row's ``KVCache``; a float batch's, whose
     padding the host knows), a head size and dtypes it takes, and either a padded batch's decode step (an
-    unpadded one has MLX's vector kernel) or a short pass (2 to ``plain`` queries)."""
+    unpadded one has MLX's vector kernel) or a short pass (2 to ``plain`` queries over at most
+    :data:`~runtime.kv.short_attention.SHORT_PASS_KEYS` keys: past them plain operations are faster)."""
     n = queries.shape[2]
     if queries.shape[-1] not in short_attention.HEAD_DIMS or not queries.dtype == keys.dtype == values.dtype:
         return False
-    short = 1 < n <= min(plain, short_attention.MAX_QUERIES)
+    short = 1 < n <= min(plain, short_attention.MAX_QUERIES) and keys.shape[2] <= short_attention.SHORT_PASS_KEYS
     if isinstance(cache, DecodeKVCache):
         return short or (n == 1 and any(cache.pads))
     return type(cache) is KVCache and short

@@ -18,10 +18,11 @@ last of the keys, as MLX's ``"causal"`` aligns them), and the keys' and values' 
 cache's slice of its buffer is read where it lies. One graph node a layer.
 
 It runs where MLX runs CUDA kernels (:func:`available`), for head sizes 64, 96 and 128, as MLX's
-vector kernel does. Attention goes through it only with the backend profile's
-``short_attention_kernel`` (off until a GPU run measures it: ``python -m benches gpu_probe``'s
-batch-attention rows compare it with the masked fallback, and the suite's device tests with MLX's
-masked attention).
+vector kernel does. Attention goes through it with the backend profile's
+``short_attention_kernel`` (on under the GPU policy on CUDA since H200 run 6: a 1B's decode step of
+8 rows launched in 3.5 ms against 6.6 through the masked fallback, and the suite's device tests
+against MLX's masked attention passed; ``python -m benches gpu_probe``'s batch-attention rows
+compare it with the others).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import functools
 
 import mlx.core as mx
 
-__all__ = ["HEAD_DIMS", "MAX_QUERIES", "available", "short_attention"]
+__all__ = ["HEAD_DIMS", "MAX_QUERIES", "SHORT_PASS_KEYS", "available", "short_attention"]
 
 HEAD_DIMS = (64, 96, 128)
 """Head sizes the kernel takes: MLX's vector kernel's (32 lanes, ``D / 32`` elements a lane)."""
@@ -38,6 +39,14 @@ HEAD_DIMS = (64, 96, 128)
 MAX_QUERIES = 64
 """Most queries a row the kernel is used for: a block a query, each reading its keys whole (a prefill
 chunk's thousands of queries keep cuDNN's kernel)."""
+
+SHORT_PASS_KEYS = 2048
+"""Most keys a pass of two or more queries a row goes through the kernel with; one query (a padded
+batch's decode step) goes at any length. Each block reads its query's keys alone, so a pass's
+reads grow with queries times keys where plain operations' products share them: H200 run 6
+(``benches/results/gpu_runs/2026-11-28-run6-probe.md``, a 1B layer, 16 queries) took 0.18 ms
+against plain operations' 0.50 over 1,000 keys, 0.48 against 0.29-0.53 over 4,000, and 1.31
+against 0.51-0.58 over 16,000 (a hot turn's message at 16K: 16 layers of that)."""
 
 _WARPS = 32  # warps a block, one block a (row, query head, query): MLX's BN
 
