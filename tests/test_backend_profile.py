@@ -116,7 +116,7 @@ def test_the_gpu_policy_on_the_cpu_runs_native_attention_when_asked_without_host
         assert not kv_copy._host_views and not engine._batch.shared_prefix_check
     finally:
         engine.unload()
-        kv_copy.use_host_views(True)
+        kv_copy.use_host_views(None)
     cpu = _engine(profile="cpu")  # the CPU policy (forced, so this holds on a GPU machine too)
     try:
         profile = cpu.load("tiny-llama").profile
@@ -150,7 +150,7 @@ async def test_a_backend_without_the_native_kernels_starts_at_rest_with_one_log_
     assert result.usage.tokens_generated > 0  # it serves, at rest, instead of failing to start
     from runtime.cpu import kv_copy
 
-    kv_copy.use_host_views(True)
+    kv_copy.use_host_views(None)
 
 
 async def test_healthz_shows_the_profile(tmp_path: Path) -> None:
@@ -170,7 +170,7 @@ async def test_healthz_shows_the_profile(tmp_path: Path) -> None:
     assert profile["prefill_chunks"] == [[2**62, GPU_CHUNK]] and profile["numpy_attention"] is False
     from runtime.cpu import kv_copy
 
-    kv_copy.use_host_views(True)
+    kv_copy.use_host_views(None)
 
 
 def test_a_bfloat16_model_keeps_bfloat16_activations_and_kv_under_the_gpu_policy(tmp_path: Path) -> None:
@@ -217,7 +217,7 @@ def test_a_bfloat16_model_keeps_bfloat16_activations_and_kv_under_the_gpu_policy
                 assert seen and all(a.dtype == mx.bfloat16 for a in seen), (attention, [a.dtype for a in seen])
     finally:
         engine.unload()
-        kv_copy.use_host_views(True)
+        kv_copy.use_host_views(None)
 
 
 @pytest.mark.parametrize(("profile", "float_dtype"), [("gpu", "float16"), ("cpu", "float32")])
@@ -241,7 +241,7 @@ def test_a_packed_gguf_computes_in_float16_under_the_gpu_policy(tmp_path: Path, 
         assert engine.lm.spec.float_dtype == float_dtype  # the KV a turn writes
     finally:
         engine.unload()
-        kv_copy.use_host_views(True)
+        kv_copy.use_host_views(None)
 
 
 def test_unset_memory_settings_are_shares_of_a_gpus_memory_and_fixed_on_a_cpu() -> None:

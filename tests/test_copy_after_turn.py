@@ -97,7 +97,7 @@ def test_a_copy_made_after_the_next_turn_ran_on_the_kept_buffers_is_the_copy_mad
     finally:
         at_once.unload()
         later.unload()
-        kv_copy.use_host_views(True)
+        kv_copy.use_host_views(None)
 
 
 # -- the actors: when the copy is made, and what each save does with it ------------------------------
@@ -319,7 +319,7 @@ async def test_under_the_gpu_policy_a_returning_agent_is_served_from_the_copy_ma
             messages += [{"role": "assistant", "content": first.reply}, {"role": "user", "content": "And at night?"}]
             second = await rt.agent("returning").send(messages, max_tokens=4)
     finally:
-        kv_copy.use_host_views(True)
+        kv_copy.use_host_views(None)
     # Every token that went through the model: the prompt and the reply but its last sampled token.
     assert len(saved.token_ids) == first.usage.tokens_prefilled + first.usage.tokens_generated - 1
     assert saved.offsets[-1] == len(saved.text)

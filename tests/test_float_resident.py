@@ -171,4 +171,4 @@ def test_a_cache_restored_ahead_keeps_its_float_when_the_float_itself_fits_the_b
         assert prepared.resident.nbytes == need  # the estimate is the buffers' size
     finally:
         second.unload()
-        kv_copy.use_host_views(True)
+        kv_copy.use_host_views(None)

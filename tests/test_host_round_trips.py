@@ -120,7 +120,7 @@ def test_the_gpu_policy_syncs_once_per_chunk_and_step_and_waits_for_nothing_at_a
         assert snapshot.token_ids == list(finished.parked.token_ids)
     finally:
         engine.unload()
-        kv_copy.use_host_views(True)
+        kv_copy.use_host_views(None)
 
 
 def test_the_cpu_policy_takes_its_host_paths(host_calls: HostCalls) -> None:

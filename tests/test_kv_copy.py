@@ -59,3 +59,20 @@ def test_without_host_views_rows_are_one_gather_from_whole_buffers(dtype: mx.Dty
     views = [(b[..., :n, :] if n else None, s) for b, n, s in rows if b is not None]
     assert mx.array_equal(kv_copy.place_rows(views, 264, buffers[0]),
                           mx.concatenate([expected[:4], expected[5:]])).item()
+
+
+@pytest.mark.parametrize("on_a_cpu", [True, False])
+def test_until_an_engine_says_the_device_decides_the_host_views(on_a_cpu: bool, monkeypatch) -> None:
+    """Code that builds caches without an engine (the tests' sequences and batches) writes them through NumPy
+    views only on MLX's CPU device: on a GPU a host view is the host writing device memory (H200 run 6)."""
+    monkeypatch.setattr(kv_copy, "_host_views", None)
+    monkeypatch.setattr(kv_copy, "_device_takes_host_views", lambda: on_a_cpu)
+    viewed = []
+    monkeypatch.setattr(kv_copy, "_writable_view", lambda out: viewed.append(out) and None)
+    buffer = mx.zeros((1, 2, 16, 4))
+    kv_copy.place_rows([(buffer[..., :5, :], 0)], 16, buffer)
+    assert len(viewed) == (1 if on_a_cpu else 0)
+    kv_copy.use_host_views(not on_a_cpu)  # an engine's profile wins over the device
+    viewed.clear()
+    kv_copy.place_rows([(buffer[..., :5, :], 0)], 16, buffer)
+    assert len(viewed) == (0 if on_a_cpu else 1)

@@ -101,7 +101,7 @@ async def _replies(home: Path, plain: int) -> list[str]:
                 for i in range(4):
                     nursery.start_soon(agent, i)
     finally:
-        kv_copy.use_host_views(True)
+        kv_copy.use_host_views(None)
     return [replies[key] for key in sorted(replies)]
 
 
