@@ -11,6 +11,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import trio
@@ -233,7 +234,13 @@ async def test_small_budget_serves_every_agent_and_bounds_peak_memory(tmp_path):
     22 MiB here (an H200, run 4: peak 49 MiB over the baseline, 30.75 MiB still active at the end),
     the CPU about none. Before, GPUs had a fixed 32 MiB margin, which run 4 overshot. Two warm-up
     agents at once, as the test's own turns run: after one alone, run 5 measured nothing kept,
-    yet 28 MiB over the baseline (the model 5) were still active after the batches of two."""
+    yet 28 MiB over the baseline (the model 5) were still active after the batches of two.
+
+    The transients are measured too: the test's own turns are bounded by what stays active after the
+    warm-up, the budgets, and the margin or, where more, the warm-up's own peak over what it left
+    active (the same prompts, two at once, so the same products' workspaces). H200 run 6: the whole
+    run peaked 49.6 MiB over the baseline (the model 5, kept 5.3): a fixed margin for transients
+    measured on the CPU does not hold for a device whose libraries allocate scratch per product."""
     prompt = "User: " + CORPUS.read_text()[:1200] + "\nAssistant:"
     # The float KV kept for hot turns is a third budget: named, so the bound holds on every device
     # (left unset, a GPU keeps 10% of its memory: an H200's run 3 peaked at 49 MiB here).
@@ -248,6 +255,8 @@ async def test_small_budget_serves_every_agent_and_bounds_peak_memory(tmp_path):
             assert await rt.agent(name).forget()
         kept = rt.stats().gpu.memory
         device_keeps = max(0, kept.active - kept.baseline - kept.model)
+        transients = max(margin, kept.peak - kept.active)  # the warm-up's: no budget held two agents back
+        mx.reset_peak_memory()  # the peak of the test's own turns from here (the runtime is idle)
         results = []
 
         async def agent(i: int) -> None:
@@ -264,7 +273,9 @@ async def test_small_budget_serves_every_agent_and_bounds_peak_memory(tmp_path):
     assert stats.gpu.pool.total_blocks == 4
     mem = stats.gpu.memory
     assert device_keeps <= 32 * 2**20, f"the device's libraries keep {device_keeps / 2**20:.1f} MiB after a turn"
-    assert mem.peak - mem.baseline <= mem.model + device_keeps + (budget_mb + hot_mb + float_mb) * 2**20 + margin
+    assert mem.peak - kept.active <= (budget_mb + hot_mb + float_mb) * 2**20 + transients, (
+        f"peak {(mem.peak - kept.active) / 2**20:.1f} MiB over the warm-up's leftover; transients "
+        f"{transients / 2**20:.1f} MiB")
 
 
 async def test_second_agent_prefills_only_its_own_part_of_a_shared_system_prompt(tmp_path):
