@@ -76,6 +76,7 @@ from typing import Any
 import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness
 from benches.harness import ResultFile, log, table
+from benches.thread_cpu import ThreadClock, Window
 
 _VERSION = 1  # bump when the weights or files change, so models are rebuilt
 _EOS, _BOS = 2, 0
@@ -403,10 +404,15 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
         return _sample(result)
 
     async def marked(name: str, agent: str, prompt: str, max_tokens: int = 1) -> Sample:
-        """A turn whose window the report reads against the GPU actor's trace, under ``name``."""
+        """A turn whose window the report reads against the GPU actor's trace, under ``name``; a decoding turn's
+        threads' CPU time too (:func:`thread_rows`)."""
+        clock = ThreadClock()
+        clock.start()
         t0 = time.perf_counter()
         sample = await turn(agent, prompt, max_tokens)
         marks.append({"agent": name, "t0": t0, "t1": time.perf_counter()})
+        if max_tokens > 1:
+            _keep_threads(run.trace, f"kvmem {name}", clock.stop())
         return sample
 
     async with open_runtime(**settings) as rt:
@@ -431,7 +437,11 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
 
         async def plain_turn(r: int, size: int) -> None:
             await rt.flush()  # the runtime idle: no save copy owed, no write under way
+            clock = ThreadClock()
+            clock.start()
             s = plain.turn(prompts[(r, size)], plan.tokens_for(size))
+            if plan.tokens_for(size) > 1:
+                _keep_threads(run.trace, f"mlx-lm cold-{size}-r{r}", clock.stop())
             run.mlx.setdefault(size, []).append(s)
             log(f"{geom.name} mlx-lm r{r} {_k(size)}: ttft {s.ttft_ms:.0f} ms, {s.decode_tps:.1f} tok/s")
 
@@ -468,11 +478,14 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
             async def one(a: str) -> None:
                 out.append(await turn(a, prompt_of[a] + _ask(q), plan.batch_tokens))
 
+            clock = ThreadClock()
+            clock.start()
             t0 = time.perf_counter()
             async with trio.open_nursery() as nursery:
                 for a in agents[:n]:
                     nursery.start_soon(one, a)
             run.trace.setdefault("rounds", []).append({"agents": n, "t0": t0, "t1": time.perf_counter()})
+            _keep_threads(run.trace, f"kvmem batch round, {n} agent{'s' if n > 1 else ''}", clock.stop())
             return BatchRound(n, time.perf_counter() - t0, sum(s.generated for s in out),
                               tuple(s.ttft_ms for s in out))
 
@@ -508,6 +521,29 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
             log(f"{geom.name} kvmem r{r} warm, read ahead: {run.warm_ahead[-1]}")
         run.trace["events"] += _trace_events(rt)
     run.phases["kvmem restart, read ahead"] = time.perf_counter() - t0
+
+
+def _keep_threads(trace: dict[str, Any], name: str, window: Window) -> None:
+    """A turn's :class:`~benches.thread_cpu.Window` into the trace, as :func:`thread_rows` reads it."""
+    trace.setdefault("threads", []).append({
+        "turn": name, "wall_s": window.wall_s, "cpu_s": window.process_cpu_s, "busy_s": window.machine_busy_s,
+        "steal_s": window.steal_s, "top": window.top(4)})
+
+
+def thread_rows(trace: dict[str, Any]) -> list[list[str]]:
+    """Which threads ran during each decoding turn (kvmem's and mlx-lm's, paired) and each batch round: the
+    process's CPU time, every CPU's busy time and the time the hypervisor stole, each over the turn's wall
+    time (in cores), and the threads that ran most, with their share of the wall time.
+
+    Why: H200 run 6's kvmem steps cost the model's thread 3.5 ms of CPU on the 1B's cold turns, mlx-lm's 2.3
+    in the same seconds, and kvmem's own 2.1 in the batch rounds after: its CPU time itself grew. Other threads
+    busy meanwhile (a library's workers spinning, the runtime's own) or a hypervisor taking the core would."""
+    rows = []
+    for t in trace.get("threads", []):
+        wall = t["wall_s"] or math.nan
+        rows.append([t["turn"], f"{t['wall_s'] * 1e3:.0f}", f"{t['cpu_s'] / wall:.2f}", f"{t['busy_s'] / wall:.2f}",
+                     f"{t['steal_s'] / wall:.2f}", "; ".join(f"{name} {share:.2f}" for name, share in t["top"])])
+    return rows
 
 
 def _trace_events(rt: Any) -> list[dict[str, Any]]:
@@ -1042,6 +1078,14 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
                       "GIL; a full one, generation 2, walks every object but what the model load left, frozen):", "",
                       *table(["window", "gen 0", "gen 1", "gen 2", "ms in all", "longest ms", "windows' ms"],
                              collections)]
+        threads = thread_rows(r.trace)
+        if threads:
+            lines += ["", "Which threads ran during the decoding turns and the batch rounds (`/proc`: CPU time over each "
+                      "turn's wall time, in cores: this process's, every CPU's busy time, and the time the hypervisor "
+                      "stole; then the threads that ran most, each with its share of the wall time; a library's "
+                      "workers share a name):", "",
+                      *table(["turn", "wall ms", "process CPU", "machine busy", "stolen", "threads that ran most"],
+                             threads, "lrrrrl")]
         disk = disk_split(r.trace)
         if disk:
             lines += ["", "The cache store's disk jobs that ended during the windows (the trace's save and read "

@@ -227,6 +227,10 @@ def test_a_tiny_geometry_runs_end_to_end_with_each_sizes_warm_up_pair_left_out(t
     assert "warm-up pairs" in run.phases
     assert all(v.ok is not None for v in gpu.verdicts(run, restart_size=plan.restart_size))
     assert not any(m["agent"].startswith("warm-up") for m in run.trace["cold"])  # nor in the trace's tables
+    # each decoding turn on either side and each batch round says which threads ran during it (Linux /proc)
+    turns = [row[0] for row in gpu.thread_rows(run.trace)]
+    assert {"kvmem cold-256-r0", "mlx-lm cold-256-r0", "kvmem batch round, 2 agents"} <= set(turns)
+    assert all(row[5] for row in gpu.thread_rows(run.trace))  # some thread ran in each
 
 
 def test_a_needle_length_stops_between_needles_when_told_each_run_needle_with_all_its_formats(

@@ -1,0 +1,121 @@
+"""Which of this process's threads ran during a window, and what the machine's hypervisor took (Linux ``/proc``).
+
+Why: on the H200 (run 6) kvmem's cold 1B decode steps cost the model's thread 3.5 ms of CPU time each
+while plain mlx-lm's, in the same process and the same seconds, took 2.3 ms, and the same kvmem steps took
+2.1 ms later in that run: the thread's own CPU time was inflated, not spent waiting. Other threads busy
+at the same moment (a library's workers spinning, the runtime's own) share the cores and their caches;
+on a virtual machine the hypervisor can take a core's time while a thread is counted as running. A
+:class:`ThreadClock` read before and after a turn says which threads used the CPU during it, how much of
+the machine was busy, and how much time the hypervisor stole (``/proc/stat``'s ``steal``).
+
+Each thread's CPU time comes from ``/proc/self/task/<tid>/schedstat`` (nanoseconds on the CPU), else
+``stat``'s ticks; a thread is named by Python's ``threading`` where it is a Python thread, else by its
+``comm`` (MLX's, CUDA's and OpenBLAS's workers).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["ThreadClock", "Window", "available"]
+
+_TASKS = Path("/proc/self/task")
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def available() -> bool:
+    """Whether this system has ``/proc``'s per-thread times (Linux)."""
+    return _TASKS.is_dir()
+
+
+def _thread_cpu_s(tid: str) -> float | None:
+    """Thread ``tid``'s CPU time in seconds, or None when it is gone."""
+    try:
+        return int((_TASKS / tid / "schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        stat = (_TASKS / tid / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is fields[0]
+    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
+
+
+def _comm(tid: str) -> str:
+    try:
+        return (_TASKS / tid / "comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """All CPUs' (busy, steal) ticks since boot (``/proc/stat``'s first line), or zeros."""
+    try:
+        values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    user, nice, system, idle, iowait, irq, softirq, steal = (values + [0] * 8)[:8]
+    return user + nice + system + irq + softirq, steal
+
+
+@dataclass
+class Window:
+    """What a :class:`ThreadClock` measured between its start and its stop."""
+
+    wall_s: float
+    threads: dict[str, float] = field(default_factory=dict)  # name -> CPU seconds in the window
+    machine_busy_s: float = 0.0  # every CPU's busy time (this process's and the rest)
+    steal_s: float = 0.0  # time the hypervisor ran something else while a CPU of this machine wanted to run
+
+    @property
+    def process_cpu_s(self) -> float:
+        return sum(self.threads.values())
+
+    def top(self, n: int = 4) -> list[tuple[str, float]]:
+        """The ``n`` threads that ran most, with their share of the window's wall time."""
+        ranked = sorted(self.threads.items(), key=lambda kv: -kv[1])[:n]
+        return [(name, cpu / self.wall_s if self.wall_s else 0.0) for name, cpu in ranked]
+
+
+class ThreadClock:
+    """Per-thread CPU time of this process and the machine's busy and stolen time, from :meth:`start` to :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self._t0 = 0.0
+        self._cpu: dict[str, float] = {}
+        self._machine = (0, 0)
+
+    def start(self) -> None:
+        self._machine = _machine_ticks()
+        self._cpu = self._read()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> Window:
+        wall = time.perf_counter() - self._t0
+        now = self._read()
+        busy, steal = _machine_ticks()
+        names = {str(t.native_id): t.name for t in threading.enumerate() if t.native_id is not None}
+        used: dict[str, list[float]] = {}  # name -> each of its threads' CPU seconds
+        for tid, cpu in now.items():
+            if (ran := cpu - self._cpu.get(tid, 0.0)) > 0:
+                used.setdefault(names.get(tid) or _comm(tid), []).append(ran)
+        # a library's workers share a name (their process's, unless they set one): summed, and counted
+        threads = {(name if len(runs) == 1 else f"{name} ({len(runs)} threads)"): sum(runs) for name, runs in used.items()}
+        return Window(wall_s=wall, threads=threads, machine_busy_s=(busy - self._machine[0]) * _TICK_S,
+                      steal_s=(steal - self._machine[1]) * _TICK_S)
+
+    @staticmethod
+    def _read() -> dict[str, float]:
+        if not available():
+            return {}
+        out = {}
+        for task in _TASKS.iterdir():
+            cpu = _thread_cpu_s(task.name)
+            if cpu is not None:
+                out[task.name] = cpu
+        return out

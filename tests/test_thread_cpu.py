@@ -1,0 +1,44 @@
+"""benches.thread_cpu: which threads ran during a window (the GPU bench's question for a slow decode step)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from benches.thread_cpu import ThreadClock, available
+
+pytestmark = pytest.mark.skipif(not available(), reason="/proc's per-thread times are Linux's")
+
+
+def _spin(cpu_seconds: float) -> None:
+    """Run until this thread has used ``cpu_seconds`` of CPU (however busy the machine is)."""
+    end = time.thread_time() + cpu_seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_busy_thread_is_named_with_its_share_of_the_window_and_an_idle_one_is_not() -> None:
+    done, spun = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        _spin(0.2)
+        spun.set()
+        done.wait()  # alive when the clock stops: a thread gone by then has no /proc entry to read
+
+    sleeper = threading.Thread(target=done.wait, name="sleeper")
+    spinner = threading.Thread(target=busy, name="spinner")
+    sleeper.start()
+    clock = ThreadClock()
+    clock.start()
+    spinner.start()
+    spun.wait()
+    window = clock.stop()
+    done.set()
+    spinner.join()
+    sleeper.join()
+    assert 0.19 <= window.threads["spinner"] <= window.wall_s + 0.01
+    assert window.top(1)[0][0] == "spinner" and window.top(1)[0][1] > 0.1  # its share of the wall time
+    assert window.threads.get("sleeper", 0.0) < 0.005 and window.process_cpu_s >= window.threads["spinner"]
+    assert window.machine_busy_s >= 0 and window.steal_s >= 0
