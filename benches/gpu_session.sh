@@ -86,6 +86,16 @@
 #      deadline: the report names the lengths and formats cut short, and compares each format with float on the
 #      needles it ran. The suite call writes its summary into the bench call's report (item 6: one gpu.md with
 #      item 4, item 3's needles and the suite; `python -m benches gpu --suite-log FILE --into REPORT`) and returns it.
+#  11. since session 30 (after run 6): fused projections and, on CUDA, the short attention kernel are the GPU policy's
+#      defaults (run 6's products section: a 1B layer's four fused products submitted in 0.17 ms at 8 rows against the
+#      seven's 0.26; the kernel's batch of 8 stepped in 3.5 ms against 6.6 through the masked fallback), the kernel
+#      only for short passes over at most 2,048 keys (it took 1.31 ms a layer at 16K keys against plain operations'
+#      0.51-0.58); so the settings runs now turn each off (--no-fused-projections, --no-short-attention-kernel) to say
+#      what each buys. Each decoding turn on either side and each batch round records which threads ran during it
+#      (/proc: run 6's kvmem cold steps cost the model's thread 3.5 ms of CPU against mlx-lm's 2.3 in the same
+#      seconds, and 2.1 in kvmem's batch rounds later: the table says whether other threads or the hypervisor took
+#      the cores). Code that builds caches without an engine no longer writes them through NumPy views on a GPU (run
+#      6's two tiny-gpt-oss batch failures are such tests): the gpt-oss tests run alone first, on the default road.
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses). 285 s in all (run 5's
 # took 254 s, and the suite has grown since): since session 29 the bench call gives it 20 s of its 560.
@@ -134,12 +144,12 @@ case "${1:-bench}" in
     MLX_ENABLE_TF32=0 timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/test_short_attention.py \
       tests/test_fused_projections.py 2>&1 | tail -n 3
     timeout -s INT 40 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 --repeats 2 \
-      --fused-projections --out /tmp/fused > /tmp/fused.log 2>&1
-    echo "fused projections: exit $?"; cat /tmp/fused/gpu.md >> "$out/settings.md"
+      --no-fused-projections --out /tmp/fused > /tmp/fused.log 2>&1
+    echo "fused projections off: exit $?"; cat /tmp/fused/gpu.md >> "$out/settings.md"
     grep -iE "batch|decode" /tmp/fused.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/fused/gpu.md | head -n 12
     timeout -s INT 40 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 --repeats 2 \
-      --short-attention-kernel --out /tmp/padded > /tmp/padded.log 2>&1
-    echo "short attention kernel: exit $?"; cat /tmp/padded/gpu.md >> "$out/settings.md"
+      --no-short-attention-kernel --out /tmp/padded > /tmp/padded.log 2>&1
+    echo "short attention kernel off: exit $?"; cat /tmp/padded/gpu.md >> "$out/settings.md"
     grep -iE "batch|decode" /tmp/padded.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/padded/gpu.md | head -n 12
     # the 3B's decode (run 5: 0.64-0.72x mlx-lm, steps 5.75 ms against 4.2, its first 1K turn at 227 tokens/s and
     # the ones after its 32K turns at 155-171): the engine alone, before and after a 32K turn and mx.clear_cache()
@@ -148,7 +158,9 @@ case "${1:-bench}" in
     echo "gpu_probe 3B: exit $?"; grep -A 9 "decode row\|One row.s decode" benches/results/gpu_probe.md; cp benches/results/gpu_probe.md "$out/probe_3b.md"
     # run 5's three tiny-gpt-oss failures (compile off was not enough; float32, so not cuDNN's attention) down each
     # of runtime/model/cuda_moe.py's roads for the expert products, then with CUDA graphs off
-    for env in KVMEM_CUDA_MOE=unsorted KVMEM_CUDA_MOE=inputs-evaluated MLX_USE_CUDA_GRAPHS=0; do
+    # (run 6: the three roads passed alone, and the suite's default road failed two batch tests: the default alone first;
+    # an empty KVMEM_CUDA_MOE is the default road)
+    for env in KVMEM_CUDA_MOE= KVMEM_CUDA_MOE=unsorted KVMEM_CUDA_MOE=inputs-evaluated MLX_USE_CUDA_GRAPHS=0; do
       echo "tiny-gpt-oss with $env:"; env "$env" timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider \
         tests/test_cache_correctness.py -k "gpt-oss and (suffix or warm_cache or batched)" 2>&1 | tail -n 3
     done
