@@ -341,6 +341,7 @@ class Plan:
     plain_attention_queries: int | None = None  # None: the profile's
     short_attention_kernel: bool | None = None  # the setting (None: the profile's): short passes and padded steps in kvmem's kernel (CUDA)
     fused_projections: bool | None = None  # the setting (None: the profile's): a layer's q/k/v and gate/up projections one product each
+    small_products_kernel: bool = False  # the setting: products of 2 to 16 rows in kvmem's kernel (CUDA)
 
     def tokens_for(self, size: int) -> int:
         return self.decode_tokens if size in self.decode_sizes else 1
@@ -393,7 +394,7 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
     settings: dict[str, Any] = dict(
         model=str(folder), home=str(home), fsync=False, handle_signals=False, trace=True, profile=plan.profile,
         plain_attention_queries=plan.plain_attention_queries, short_attention_kernel=plan.short_attention_kernel,
-        fused_projections=plan.fused_projections,
+        fused_projections=plan.fused_projections, small_products_kernel=plan.small_products_kernel,
         prefetch_mb=0, budget_mb=max(2048.0, 2 * kv_mb), hot_budget_mb=max(512.0, 4 * kv_mb))
     marks: list[dict[str, Any]] = run.trace.setdefault("cold", [])  # the marked turns' windows (the tables' rows)
     prompt_of: dict[str, str] = {}
@@ -1153,6 +1154,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fused-projections", action=argparse.BooleanOptionalAction, default=None,
                    help="kvmem's setting of that name: a layer's query, key and value projections one product, its "
                         "gate and up another (default: the profile's, on under the GPU policy)")
+    p.add_argument("--small-products-kernel", action="store_true",
+                   help="kvmem's setting of that name: products of 2 to 16 rows in kvmem's kernel, not cuBLASLt (CUDA)")
     p.add_argument("--needle-model", default="kvmem-default", help="needle model: a name, a GGUF, or none")
     p.add_argument("--needle-lengths", type=int, nargs="+", help="default 8192 4096 2048 1024 (1024 with --quick)")
     p.add_argument("--needle-deadline-s", type=float, default=150.0,
@@ -1186,7 +1189,7 @@ def main(argv: list[str] | None = None) -> None:
         batch_context=args.batch_context or (256 if quick else 1024),
         batch_tokens=args.batch_tokens or (16 if quick else 64), profile=args.profile,
         plain_attention_queries=args.plain_attention_queries, short_attention_kernel=args.short_attention_kernel,
-        fused_projections=args.fused_projections)
+        fused_projections=args.fused_projections, small_products_kernel=args.small_products_kernel)
     geoms = [GEOMETRIES[g] for g in (args.geometries or (["tiny"] if quick else ["1b", "3b"]))]
     res = ResultFile("gpu", "GPU check: kvmem beside plain mlx-lm, needle rows, suite", quick, argv or [], model=None)
     deadline = res.started + args.deadline_s
@@ -1251,6 +1254,7 @@ def setup_lines(plan: Plan) -> list[str]:
          f"{f', plain_attention_queries={plan.plain_attention_queries}' if plan.plain_attention_queries is not None else ''}"
          f"{_set_as('short_attention_kernel', plan.short_attention_kernel)}"
          f"{_set_as('fused_projections', plan.fused_projections)}"
+         f"{', small_products_kernel on' if plan.small_products_kernel else ''}"
          f", fsync off) in this one process, their cold turns in pairs on the same prompt (mlx-lm first in even "
          f"repeats, second in odd ones), each turn from an idle device (kvmem's caches written first); medians of "
          f"{plan.repeats} repeats, after a warm-up turn each and a warm-up pair at each prompt size (not counted: a "

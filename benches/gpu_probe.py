@@ -715,8 +715,8 @@ def _one_step_operations(engine: Any, text: str, plan: Any) -> str:
             f"({submit * 1e3 / counted.operations:.1f} µs an operation)")
 
 
-def product_rows(rows: tuple[int, ...], shapes: list[tuple[int, int]], dtype_name: str, repeats: int = 10
-                 ) -> list[list[str]]:
+def product_rows(rows: tuple[int, ...], shapes: list[tuple[int, int]], dtype_name: str, repeats: int = 10,
+                 kernel: bool = False) -> list[list[str]]:
     """One layer's worth of products (``x @ w.T`` for each (out, in) of ``shapes``, in ``dtype_name``, one submit)
     at each row count, the same shapes again and again: build, submit (the ``mx.async_eval`` call) and wait, ms,
     medians after a first call, and the submit's µs a product.
@@ -728,7 +728,9 @@ def product_rows(rows: tuple[int, ...], shapes: list[tuple[int, int]], dtype_nam
     afresh, so every call asks cuBLASLt for its algorithm again. A one-row product is MLX's own kernel. If the
     submit of 2 or more rows stays far above one row's at the same shapes, a prefill chunk's and a joint pass's
     host time is that (run 5: a 1B hot chunk's submit 5.6 ms against a decode step's 1.5), and the
-    ``fused_projections`` setting's four products a layer instead of seven (its own rows) pay."""
+    ``fused_projections`` setting's four products a layer instead of seven (its own rows) pay. ``kernel``: each
+    product of 2 to 16 rows through kvmem's own kernel instead (:mod:`runtime.model.small_products`, the
+    ``small_products_kernel`` setting; row counts past it are left out)."""
     import statistics as stats
 
     import mlx.core as mx
@@ -737,12 +739,18 @@ def product_rows(rows: tuple[int, ...], shapes: list[tuple[int, int]], dtype_nam
     weights = [mx.random.normal(shape).astype(dtype) * shape[1] ** -0.5 for shape in shapes]
     mx.eval(weights)
     inputs = {w: mx.random.normal((1, 1, w)).astype(dtype) for w in {shape[1] for shape in shapes}}
+    from runtime.model.small_products import MAX_ROWS, small_product
+
     out = []
     for n in rows:
+        if kernel and not 2 <= n <= MAX_ROWS:
+            continue
         xs = {w: mx.repeat(x, n, axis=1) for w, x in inputs.items()}  # each input width's rows, made once
         mx.eval(xs)
 
         def layer() -> list[Any]:
+            if kernel:
+                return [small_product(xs[w.shape[1]][0], w) for w in weights]
             return [xs[w.shape[1]] @ w.T for w in weights]
 
         _timed_submit(layer)  # the first call builds what the shape needs once
@@ -1061,6 +1069,8 @@ def main(argv: list[str] | None = None) -> None:
                             attention_shape_rows([1, 16] if quick else [1, 16, 128, 1024],
                                                  [100, 101] if quick else [1000, 1001, 4000, 16000])), ""]
     if "products" in on:
+        from runtime.model import small_products
+
         width, dtype = (256, "float32") if quick else (2048, "bfloat16")
         counts = (1, 2, 13) if quick else (1, 2, 8, 13, 64, 256, 2048)
         repeats = 3 if quick else 10
@@ -1069,13 +1079,16 @@ def main(argv: list[str] | None = None) -> None:
                      "ms, medians)", "",
                      "Seven square products, then a llama layer's seven (at 2048 wide, the 1B's shapes), then the "
                      "same layer's four as the `fused_projections` setting runs them (queries, keys and values one "
-                     "product; gate and up another).", "",
+                     "product; gate and up another), then those four of 2 to 16 rows in kvmem's kernel (the "
+                     "`small_products_kernel` setting; where MLX runs CUDA kernels).", "",
                      *table(["products", "rows", "build", "submit", "wait", "submit µs a product"],
-                            [[what, *row] for what, shapes in (
-                                ("7 square", [(width, width)] * 7),
-                                ("a layer's 7", layer_product_shapes(*geometry, fused=False)),
-                                ("the layer's 4, fused", layer_product_shapes(*geometry, fused=True)))
-                             for row in product_rows(counts, shapes, dtype, repeats)]), ""]
+                            [[what, *row] for what, shapes, kernel in (
+                                ("7 square", [(width, width)] * 7, False),
+                                ("a layer's 7", layer_product_shapes(*geometry, fused=False), False),
+                                ("the layer's 4, fused", layer_product_shapes(*geometry, fused=True), False),
+                                *([("the layer's 4, fused, kvmem's kernel", layer_product_shapes(*geometry, fused=True),
+                                    True)] if small_products.available() else []))
+                             for row in product_rows(counts, shapes, dtype, repeats, kernel)]), ""]
     if "batch-attention" in on:
         lengths = [1030, 1061, 1002, 1117, 1089, 1045, 1150, 1013]
         res.body += ["## One decode step's attention, a batch of 8 rows of different lengths (1B geometry; ms a call, "

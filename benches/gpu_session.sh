@@ -96,6 +96,10 @@
 #      seconds, and 2.1 in kvmem's batch rounds later: the table says whether other threads or the hypervisor took
 #      the cores). Code that builds caches without an engine no longer writes them through NumPy views on a GPU (run
 #      6's two tiny-gpt-oss batch failures are such tests): the gpt-oss tests run alone first, on the default road.
+#      The needle rows add Q8 at rest (derived from float's prefill as Q4's is; run 6: Q4 at rest lost 2 of float's
+#      89 hits). A settings run with kvmem's small products kernel (runtime/model/small_products.py, off by default:
+#      products of 2 to 16 rows in one kernel of kvmem's instead of cuBLASLt), its device tests, and its rows in the
+#      probe's products section; the products' runs without CUDA graphs and with 1000-operation graphs are dropped.
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses). 285 s in all (run 5's
 # took 254 s, and the suite has grown since): since session 29 the bench call gives it 20 s of its 560.
@@ -127,13 +131,8 @@ case "${1:-bench}" in
       --sections host-copy sdpa gather shapes products batch-attention decode-row engine joint > /tmp/probe.log 2>&1
     echo "gpu_probe: exit $?"; tail -n 12 /tmp/probe.log
     cp benches/results/gpu_probe.md "$out/probe.md"
-    # the products again, in processes without CUDA graphs and with graphs of up to 1000 operations (MLX reads both
-    # settings once a process): whether a submit of two or more rows is a graph's instantiation, and whether
-    # fewer, bigger graphs pay (run 5's mlx-lm decode: 428 tokens/s with graphs, 209 without)
-    for env in MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=1000; do
-      echo "products with $env:"; env "$env" MLX_ENABLE_TF32=0 timeout -s INT 25 python3 -m benches gpu_probe --gguf none \
-        --sections products > /tmp/products.log 2>&1; grep -A 26 "A layer's products" benches/results/gpu_probe.md | tail -n 21
-    done
+    # (run 6 timed the products again without CUDA graphs and with graphs of 1000 operations; since session 30 that
+    # time goes to the small products kernel's settings run below)
     # the 1B's turns and batch with each setting a GPU run has yet to measure, one run each (the reports into one
     # file: 8 come back in all): fused projections (runtime/model/fused_projections.py: four products a layer for
     # seven; the products section above says what a product costs the host), then kvmem's short attention kernel
@@ -142,7 +141,7 @@ case "${1:-bench}" in
     # trace's per-step and per-chunk medians read over many steps; before the 3B's engine rows and the gpt-oss roads,
     # which the call's time limit cuts first
     MLX_ENABLE_TF32=0 timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/test_short_attention.py \
-      tests/test_fused_projections.py 2>&1 | tail -n 3
+      tests/test_fused_projections.py tests/test_small_products.py 2>&1 | tail -n 3
     timeout -s INT 40 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 --repeats 2 \
       --no-fused-projections --out /tmp/fused > /tmp/fused.log 2>&1
     echo "fused projections off: exit $?"; cat /tmp/fused/gpu.md >> "$out/settings.md"
@@ -151,6 +150,12 @@ case "${1:-bench}" in
       --no-short-attention-kernel --out /tmp/padded > /tmp/padded.log 2>&1
     echo "short attention kernel off: exit $?"; cat /tmp/padded/gpu.md >> "$out/settings.md"
     grep -iE "batch|decode" /tmp/padded.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/padded/gpu.md | head -n 12
+    # kvmem's small products kernel (runtime/model/small_products.py, off by default): a batch's steps and a hot turn's
+    # message without cuBLASLt's host cost a product (run 6: about 37 µs of submit a product of 2+ rows, 11 for one)
+    timeout -s INT 40 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 --repeats 2 \
+      --small-products-kernel --out /tmp/small > /tmp/small.log 2>&1
+    echo "small products kernel: exit $?"; cat /tmp/small/gpu.md >> "$out/settings.md"
+    grep -iE "batch|decode" /tmp/small.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/small/gpu.md | head -n 12
     # the 3B's decode (run 5: 0.64-0.72x mlx-lm, steps 5.75 ms against 4.2, its first 1K turn at 227 tokens/s and
     # the ones after its 32K turns at 155-171): the engine alone, before and after a 32K turn and mx.clear_cache()
     MLX_ENABLE_TF32=0 timeout -s INT 75 python3 -m benches gpu_probe --gguf none --sections decode-row engine \

@@ -145,6 +145,10 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             its MLP's gate and up projections another (:mod:`runtime.model.fused_projections`): seven products a
             layer become four, and on CUDA each product of more than one row costs the host a cuBLASLt algorithm
             lookup and a captured graph; the setting, unset on under the GPU policy.
+        small_products_kernel: on CUDA, a float layer's products of 2 to 16 rows (a batch's decode step, a hot
+            turn's message) go through kvmem's one kernel (:mod:`runtime.model.small_products`), not cuBLASLt,
+            whose host cost a call is about 3x a one-row product's; the setting (off until a GPU run measures
+            it), and only where the backend is CUDA.
         clear_cache_after_prefill: MLX's buffer cache is emptied once a prompt of several prefill chunks has
             its first token, at the engine's next step or finish (``Sequence.chunked_prefill_done``, after the
             token went out): mlx-lm's ``generate_step`` empties it after every chunk; MLX keeps freed buffers up
@@ -183,6 +187,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     fused_dequantize: bool = False
     float_slow_projections: bool = False
     fused_projections: bool = False
+    small_products_kernel: bool = False
     clear_cache_after_prefill: bool = False
     tune_allocator: bool
     prewarm_mb: float
@@ -206,6 +211,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         plain = f"; plain attention up to {self.plain_attention_queries} queries" if self.plain_attention_queries else ""
         plain += "; short attention kernel" if self.short_attention_kernel else ""
         fused = "; projections fused" if self.fused_projections else ""
+        fused += "; small products in kvmem's kernel" if self.small_products_kernel else ""
         host = [name for name, on in (("numpy-attention", self.numpy_attention), ("numpy-kv-copy", self.numpy_kv_copy),
                                       ("shared-prefix-check", self.shared_prefix_check),
                                       ("allocator", self.tune_allocator)) if on]
@@ -241,6 +247,7 @@ def decide_profile(
     plain_attention_queries: int | None = None,
     short_attention_kernel: bool | None = None,
     fused_projections: bool | None = None,
+    small_products_kernel: bool = False,
     prewarm_mb: float = 0.0,
     prefill_chunk: int | None = None,
     decode_run_steps: int | None = None,
@@ -257,7 +264,7 @@ def decide_profile(
         backend: ``cpu``, ``metal`` or ``cuda``.
         profile: ``auto`` (the device's policy), ``cpu`` or ``gpu`` (forced).
         attention, weights, numpy_attention, plain_attention_queries, short_attention_kernel, fused_projections,
-            prewarm_mb,
+            small_products_kernel, prewarm_mb,
             prefill_chunk, decode_run_steps: the settings of the same names;
             an explicit value wins over the policy's default (None: the policy's).
         budget_mb, hot_budget_mb, keep_float_mb: the memory settings; None: the policy's default.
@@ -310,6 +317,7 @@ def decide_profile(
         fused_dequantize=not cpu,
         float_slow_projections=backend == "cuda",
         fused_projections=not cpu if fused_projections is None else fused_projections,
+        small_products_kernel=small_products_kernel and backend == "cuda",
         clear_cache_after_prefill=not cpu,
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,

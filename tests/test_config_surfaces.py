@@ -53,6 +53,7 @@ SAMPLES: dict[str, tuple[str, Any, Any]] = {
     "plain_attention_queries": ("64", 64, 64),
     "short_attention_kernel": ("true", True, True),
     "fused_projections": ("true", True, True),
+    "small_products_kernel": ("true", True, True),
     "profile": ("gpu", "gpu", "gpu"),
     "budget_mb": ("100", 100, 100.0),
     "hot_budget_mb": ("64", 64, 64.0),

@@ -109,6 +109,8 @@ class MlxEngine:
             kvmem's one kernel, :mod:`runtime.kv.short_attention`).
         fused_projections: the setting of that name (a llama or qwen2 layer's query, key and value projections one
             product, its gate and up another: :mod:`runtime.model.fused_projections`).
+        small_products_kernel: the setting of that name (CUDA: products of 2 to 16 rows in kvmem's kernel,
+            :mod:`runtime.model.small_products`).
         keep_float_mb: float KV kept after turns for the next hot turn (:mod:`runtime.kv.float_resident`; 0: off;
             None: the backend profile's default).
         budget_mb, hot_budget_mb: the runtime's KV and hot-tier budgets (None: the profile's defaults),
@@ -133,6 +135,7 @@ class MlxEngine:
         plain_attention_queries: int | None = None,
         short_attention_kernel: bool | None = None,
         fused_projections: bool | None = None,
+        small_products_kernel: bool = False,
         keep_float_mb: float | None = 0,
         budget_mb: float | None = None,
         hot_budget_mb: float | None = None,
@@ -147,6 +150,7 @@ class MlxEngine:
                                        plain_attention_queries=plain_attention_queries,
                                        short_attention_kernel=short_attention_kernel,
                                        fused_projections=fused_projections,
+                                       small_products_kernel=small_products_kernel,
                                        prefill_chunk=prefill_chunk, decode_run_steps=decode_run_steps,
                                        keep_float_mb=keep_float_mb,
                                        budget_mb=budget_mb, hot_budget_mb=hot_budget_mb)
@@ -175,6 +179,7 @@ class MlxEngine:
                    plain_attention_queries=config.plain_attention_queries,
                    short_attention_kernel=config.short_attention_kernel,
                    fused_projections=config.fused_projections,
+                   small_products_kernel=config.small_products_kernel,
                    profile=config.profile, prefill_chunk=config.prefill_chunk,
                    decode_run_steps=config.decode_run_steps)
 
@@ -223,6 +228,7 @@ class MlxEngine:
             short_attention_kernel=self._profile.short_attention_kernel,
             float_slow_projections=self._profile.float_slow_projections,
             fused_projections=self._profile.fused_projections,
+            small_products_kernel=self._profile.small_products_kernel,
             group=self._group,
         )
         lm.upload_by_copy = self._profile.upload_by_copy

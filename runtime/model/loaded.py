@@ -40,6 +40,7 @@ from runtime.model.cuda_compile import turn_compile_off_if_wrong
 from runtime.model.cuda_moe import MOE_ROAD_ENV, take_moe_road
 from runtime.model.cuda_qmm import float_for_cuda, warm_quantized_kernels
 from runtime.model.fused_projections import fuse_projections
+from runtime.model import small_products
 from runtime.model.default_model import DEFAULT_MODEL, default_model_file
 from runtime.errors import ModelError, UnsupportedModelError
 from runtime.model.gguf import is_gguf, prepare_gguf
@@ -235,6 +236,7 @@ def load_model(
     short_attention_kernel: bool = False,
     float_slow_projections: bool = False,
     fused_projections: bool = False,
+    small_products_kernel: bool = False,
     group: Any = None,
 ) -> LoadedModel:
     """Load ``model``: ``kvmem-default``, a GGUF file, a tiny recipe name, a folder or a Hugging Face id.
@@ -254,6 +256,8 @@ def load_model(
     ``fused_projections`` makes each llama or qwen2 layer's query, key and value projections one product,
     and its MLP's gate and up projections another (:mod:`runtime.model.fused_projections`; not with ``group``:
     a rank keeps its own part of each projection).
+    ``small_products_kernel`` sends the float layers' products of 2 to 16 rows through kvmem's CUDA kernel
+    (:mod:`runtime.model.small_products`; where MLX runs CUDA kernels).
     ``group``: an ``mx.distributed`` group of more than one rank keeps this rank's
     tensor-parallel part of the model (:mod:`runtime.distributed.shard`).
     """
@@ -297,6 +301,9 @@ def load_model(
         fused = fuse_projections(loaded)
         log.info("%s: %s", name, f"{fused} projection groups fused (queries, keys, values; gate, up)" if fused
                  else "no projections fused (only llama and qwen2 layers of one kind of projection are)")
+    if small_products_kernel and small_products.available():  # after the fusion: its groups' products too
+        log.info("%s: %d float layers' products of 2 to %d rows in kvmem's kernel", name,
+                 small_products.take_small_products(loaded), small_products.MAX_ROWS)
     if len(made_float) < quantized:
         t0 = time.perf_counter()
         products = warm_quantized_kernels(loaded, lm.float_dtype)

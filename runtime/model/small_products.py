@@ -1,0 +1,134 @@
+"""Products of 2 to 16 rows in one CUDA kernel of kvmem's, not cuBLASLt: a batch's decode step, a hot turn's message.
+
+Why. On MLX 0.32's CUDA backend a product of one row is MLX's own gemv kernel, and a product of two
+or more rows is a cuBLASLt call whose ``CublasGemm`` MLX builds afresh each time, asking cuBLASLt
+for an algorithm again and capturing the call into the CUDA graph: host time a product, whatever
+its size. H200 run 6 (``benches/results/gpu_runs/2026-11-28-run6-probe.md``, products section): a
+1B layer's seven products went to the device in 0.077 ms of submit at one row and 0.26-0.27 ms at
+2 to 13 rows, about 37 µs a product against 11. A 1B decode step has 112 products (64 fused), so a
+batch of 8 rows paid about 3 ms of host time a step more than one row, and a hot turn's 13-token
+message as much, while the device sat idle: on a GPU these passes are the host's work.
+
+What. MLX's gemv (one warp an output, its lanes across the inputs, a warp reduction), each warp
+reading its weight row once for all of the input's rows (up to :data:`MAX_ROWS` accumulators a
+lane): one kernel launch a product, like a one-row product's. The input rows are re-read by every
+warp from the caches (a few dozen KB); the weights are read once, as a gemv reads them.
+
+It runs where MLX runs CUDA kernels (:func:`available`), for float16, bfloat16 and float32. A model's
+``nn.Linear`` layers go through it with the backend profile's ``small_products_kernel`` (off until a
+GPU run measures it: ``python -m benches gpu_probe``'s products section times it beside cuBLASLt's,
+and the suite's device tests compare it with MLX's product), via :func:`take_small_products`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["MAX_ROWS", "SmallRowsLinear", "available", "small_product", "take_small_products"]
+
+MAX_ROWS = 16
+"""Most input rows the kernel takes (its accumulators a lane); more rows keep cuBLASLt, which is faster there."""
+
+_WARPS = 8  # warps a block, one output column each: MLX's gemv's rows_per_block
+
+_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+_HEADER = "#include <cooperative_groups/reduce.h>\n"
+
+# x: (M, K) row-contiguous, w: (N, K) row-contiguous (an nn.Linear's weight), out: (M, N) = x @ w.T
+_SOURCE = """
+  constexpr int MMAX = 16;
+  constexpr int WARPS = 8;
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<32>(block);
+  const int lane = warp.thread_rank();
+  const int n = blockIdx.x * WARPS + warp.meta_group_rank();
+  const int M = x_shape[0];
+  const int K = x_shape[1];
+  const int N = w_shape[0];
+  if (n >= N) {
+    return;  // a whole warp: its column is past the end
+  }
+  float acc[MMAX];
+#pragma unroll
+  for (int m = 0; m < MMAX; m++) {
+    acc[m] = 0.f;
+  }
+  const T* w_row = w + (int64_t)n * K;
+  for (int k = lane; k < K; k += 32) {
+    const float wk = static_cast<float>(w_row[k]);
+#pragma unroll
+    for (int m = 0; m < MMAX; m++) {
+      if (m < M) {
+        acc[m] += wk * static_cast<float>(x[(int64_t)m * K + k]);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MMAX; m++) {
+    if (m < M) {
+      const float total = cg::reduce(warp, acc[m], cg::plus<float>());
+      if (lane == 0) {
+        out[(int64_t)m * N + n] = static_cast<T>(total);
+      }
+    }
+  }
+"""
+
+
+def available() -> bool:
+    """Whether this process runs MLX's CUDA backend, where the kernel is built (at its first call)."""
+    return hasattr(mx.fast, "cuda_kernel") and mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+@functools.cache
+def _kernel() -> Any:
+    return mx.fast.cuda_kernel(name="kvmem_small_product", input_names=["x", "w"], output_names=["out"],
+                               source=_SOURCE, header=_HEADER, ensure_row_contiguous=True)
+
+
+def small_product(x: mx.array, w: mx.array) -> mx.array:
+    """``x @ w.T`` for ``x`` of 1 to :data:`MAX_ROWS` rows ``(M, K)`` and ``w`` ``(N, K)``, one kernel launch.
+
+    Raises:
+        ValueError: more rows than the kernel takes, shapes that do not match, or dtypes other than one
+            float type shared by both.
+    """
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or not 1 <= x.shape[0] <= MAX_ROWS \
+            or x.dtype != w.dtype or x.dtype not in _DTYPES:
+        raise ValueError(f"1 to {MAX_ROWS} rows (M, K) against (N, K) of one float dtype, not "
+                         f"{x.shape} {x.dtype} against {w.shape} {w.dtype}")
+    rows, columns = x.shape[0], w.shape[0]
+    blocks = -(-columns // _WARPS)
+    (out,) = _kernel()(inputs=[x, w], template=[("T", x.dtype)], grid=(blocks * _WARPS * 32, 1, 1),
+                       threadgroup=(_WARPS * 32, 1, 1), output_shapes=[(rows, columns)], output_dtypes=[x.dtype])
+    return out
+
+
+class SmallRowsLinear(nn.Linear):
+    """An ``nn.Linear`` whose products of 2 to :data:`MAX_ROWS` rows go through :func:`small_product`.
+
+    One row keeps MLX's gemv (as fast a launch already); more rows keep cuBLASLt. The layer's
+    parameters are its own: :func:`take_small_products` changes only its class.
+    """
+
+    def __call__(self, x: mx.array) -> mx.array:
+        width = x.shape[-1]
+        rows = x.size // width if width else 0
+        if not 2 <= rows <= MAX_ROWS or x.dtype != self.weight.dtype or x.dtype not in _DTYPES:
+            return super().__call__(x)
+        out = small_product(x.reshape(rows, width), self.weight).reshape(*x.shape[:-1], self.weight.shape[0])
+        return out + self["bias"] if "bias" in self else out
+
+
+def take_small_products(model: nn.Module) -> int:
+    """Send every float ``nn.Linear`` of ``model`` (a fused projection group's included) through the kernel;
+    returns how many. Quantized layers keep MLX's quantized kernels."""
+    layers = [m for _, m in model.named_modules() if type(m) is nn.Linear]
+    for layer in layers:
+        layer.__class__ = SmallRowsLinear
+    return len(layers)
