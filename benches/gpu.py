@@ -607,7 +607,7 @@ def run_geometry(geom: Geometry, plan: Plan, models_dir: Path, tmp: Path) -> Geo
 def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadline: float) -> list[str]:
     """Item 3's needle rows through :mod:`benches.needle`: float, Q4 at-rest, Q8 at-rest and, where its kernels
     run, Q4 native, so the report shows what the profile's default gives beside what it did not pick. Q8 at rest
-    since H200 run 6, where Q4 at rest lost 2 of float's 89 hits (on the CPU it kept every one, and Q8 gave
+    since H200 run 6, where Q4 at rest lost 2 of float's 75 hits (on the CPU it kept every one, and Q8 gave
     float's very replies): whether 8 bits at rest keep them on a GPU, for a few ms a needle (it is derived from
     float's prefill, as Q4's is)."""
     if count <= 0 or model == "none":

@@ -97,7 +97,7 @@
 #      the cores). Code that builds caches without an engine no longer writes them through NumPy views on a GPU (run
 #      6's two tiny-gpt-oss batch failures are such tests): the gpt-oss tests run alone first, on the default road.
 #      The needle rows add Q8 at rest (derived from float's prefill as Q4's is; run 6: Q4 at rest lost 2 of float's
-#      89 hits). A settings run with kvmem's small products kernel (runtime/model/small_products.py, off by default:
+#      75 hits). A settings run with kvmem's small products kernel (runtime/model/small_products.py, off by default:
 #      products of 2 to 16 rows in one kernel of kvmem's instead of cuBLASLt), its device tests, and its rows in the
 #      probe's products section; the products' runs without CUDA graphs and with 1000-operation graphs are dropped.
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
