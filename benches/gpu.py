@@ -339,8 +339,10 @@ class Plan:
     batch_tokens: int
     profile: str
     plain_attention_queries: int | None = None  # None: the profile's
-    short_attention_kernel: bool | None = None  # the setting (None: the profile's): short passes and padded steps in kvmem's kernel (CUDA)
-    fused_projections: bool | None = None  # the setting (None: the profile's): a layer's q/k/v and gate/up projections one product each
+    # the settings (None: the profile's): short passes and padded steps in kvmem's kernel (CUDA); a layer's q/k/v
+    # and gate/up projections one product each
+    short_attention_kernel: bool | None = None
+    fused_projections: bool | None = None
     small_products_kernel: bool = False  # the setting: products of 2 to 16 rows in kvmem's kernel (CUDA)
 
     def tokens_for(self, size: int) -> int:
@@ -999,6 +1001,60 @@ def disk_split(trace: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+_TRACE_TABLES: tuple[tuple[Any, str, list[str], str | None], ...] = (
+    (waits_before_first_token,
+     "Where the cold, hot and warm turns' first tokens went (the GPU actor's trace; ms from sending the turn):",
+     ["turn", "checked out (agent's actor)", "reached the GPU actor", "rendered", "planned", "tokenized", "admitted",
+      "save copies made first", "prefill ended", "first decode step's launch"],
+     None),
+    (batch_round_waits,
+     "Where the batch rounds' first tokens went (the trace; ms from the round's start; the first round warms up):",
+     ["round", "checked out, first / last", "reached the GPU actor, first / last", "tokenized, last",
+      "admitted, last", "prefill passes", "last pass ended", "its launch", "first decode step's launch"],
+     None),
+    (decode_step_split,
+     "Where the decode steps' time went (the GPU actor's trace; medians over each kind of window, ms a step, and the "
+     "intervals' mean): the time since the step before, then the model thread's launch (building the graph in "
+     "Python, then MLX handing it to the device; the thread's CPU time over the launch: far below it, the thread "
+     "waited for the GIL or MLX's queue), wait for the device and host work; elsewhere is the rest (the actor "
+     "between jobs, the GIL, joins' merges):",
+     ["window", "steps", "interval", "mean", "launch", "build", "submit", "launch CPU", "wait", "host", "elsewhere"],
+     None),
+    (chunk_split,
+     "Where the prefill chunks' time went (the GPU actor's trace; medians over each kind of window, ms a chunk; a "
+     "batch's joint pass is one chunk): the launch (building the graph in Python, for a joint pass lining the rows' "
+     "caches up too, then MLX's submit; the thread's CPU time over it), the wait for the device (none for a chunk "
+     "run ahead: the next job waits for it) and the host work after it; then the chunks' whole time in a window:",
+     ["window", "chunks", "launch", "build", "submit", "launch CPU", "wait", "host", "a window's chunks"],
+     None),
+    (decode_runs_split,
+     "How the decode runs ended (the trace's run events: several steps in one job on the model's thread; why each "
+     "ended, and the gap from a run's last step to the next step, ms, median; of it, the GPU actor's loop pass to "
+     "the next run's call, and the wait for the model's thread to start it):",
+     ["window", "runs", "steps (median)", "ended by", "gap to the next step", "of it: loop pass",
+      "of it: the thread's start"],
+     "lrrlrrr"),
+    (collections_split,
+     "Python's collector during the windows (the trace's gc events, any thread; each holds the GIL; a full one, "
+     "generation 2, walks every object but what the model load left, frozen):",
+     ["window", "gen 0", "gen 1", "gen 2", "ms in all", "longest ms", "windows' ms"],
+     None),
+    (thread_rows,
+     "Which threads ran during the decoding turns and the batch rounds (`/proc`: CPU time over each turn's wall "
+     "time, in cores: this process's, every CPU's busy time, and the time the hypervisor stole; then the threads "
+     "that ran most, each with its share of the wall time; a library's workers share a name):",
+     ["turn", "wall ms", "process CPU", "machine busy", "stolen", "threads that ran most"],
+     "lrrrrl"),
+    (disk_split,
+     "The cache store's disk jobs that ended during the windows (the trace's save and read events, on the store's "
+     "disk thread):",
+     ["window", "saves", "saves' ms", "reads", "reads' ms", "windows' ms"],
+     None),
+)
+"""The trace's tables each geometry's report shows, in order: (the reader of a run's trace, its caption, its
+headers, its columns' alignment, None: the first left and the rest right); a table with no rows is left out."""
+
+
 def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], suite: list[str]) -> list[str]:
     """The report's body: one verdict table over all geometries, then each geometry's numbers, needles, suite."""
     rows = [[r.geometry.label, v.goal, v.measured, v.word]
@@ -1036,65 +1092,10 @@ def render_body(runs: list[GeometryRun], plan: Plan, needle_lines: list[str], su
              f"{statistics.median(t for b in bs for t in b.ttfts_ms):.0f} / "
              f"{max(t for b in bs for t in b.ttfts_ms):.0f}"]
             for n, bs in ((1, one), (plan.batch, many)) if bs])]
-        waits = waits_before_first_token(r.trace)
-        if waits:
-            lines += ["", "Where the cold, hot and warm turns' first tokens went (the GPU actor's trace; ms from sending the turn):",
-                      "", *table(["turn", "checked out (agent's actor)", "reached the GPU actor", "rendered", "planned",
-                                  "tokenized", "admitted", "save copies made first", "prefill ended",
-                                  "first decode step's launch"], waits)]
-        rounds = batch_round_waits(r.trace)
-        if rounds:
-            lines += ["", "Where the batch rounds' first tokens went (the trace; ms from the round's start; the first "
-                      "round warms up):", "",
-                      *table(["round", "checked out, first / last", "reached the GPU actor, first / last", "tokenized, last",
-                              "admitted, last", "prefill passes", "last pass ended", "its launch",
-                              "first decode step's launch"], rounds)]
-        split = decode_step_split(r.trace)
-        if split:
-            lines += ["", "Where the decode steps' time went (the GPU actor's trace; medians over each kind of window, ms "
-                      "a step, and the intervals' mean): the time since the step before, then the model thread's "
-                      "launch (building the graph in Python, then MLX handing it to the device; the thread's CPU "
-                      "time over the launch: far below it, the thread waited for the GIL or MLX's queue), wait for "
-                      "the device and host work; elsewhere is the rest (the actor between jobs, the GIL, joins' "
-                      "merges):", "",
-                      *table(["window", "steps", "interval", "mean", "launch", "build", "submit", "launch CPU",
-                              "wait", "host", "elsewhere"], split)]
-        chunks = chunk_split(r.trace)
-        if chunks:
-            lines += ["", "Where the prefill chunks' time went (the GPU actor's trace; medians over each kind of window, "
-                      "ms a chunk; a batch's joint pass is one chunk): the launch (building the graph in Python, for "
-                      "a joint pass lining the rows' caches up too, then MLX's submit; the thread's CPU time over it), "
-                      "the wait for the device (none for a chunk run ahead: the next job waits for it) and the host "
-                      "work after it; then the chunks' whole time in a window:", "",
-                      *table(["window", "chunks", "launch", "build", "submit", "launch CPU", "wait", "host",
-                              "a window's chunks"], chunks)]
-        ends = decode_runs_split(r.trace)
-        if ends:
-            lines += ["", "How the decode runs ended (the trace's run events: several steps in one job on the model's "
-                      "thread; why each ended, and the gap from a run's last step to the next step, ms, median; of it, "
-                      "the GPU actor's loop pass to the next run's call, and the wait for the model's thread to start "
-                      "it):", "",
-                      *table(["window", "runs", "steps (median)", "ended by", "gap to the next step", "of it: loop pass",
-                              "of it: the thread's start"], ends, "lrrlrrr")]
-        collections = collections_split(r.trace)
-        if collections:
-            lines += ["", "Python's collector during the windows (the trace's gc events, any thread; each holds the "
-                      "GIL; a full one, generation 2, walks every object but what the model load left, frozen):", "",
-                      *table(["window", "gen 0", "gen 1", "gen 2", "ms in all", "longest ms", "windows' ms"],
-                             collections)]
-        threads = thread_rows(r.trace)
-        if threads:
-            lines += ["", "Which threads ran during the decoding turns and the batch rounds (`/proc`: CPU time over each "
-                      "turn's wall time, in cores: this process's, every CPU's busy time, and the time the hypervisor "
-                      "stole; then the threads that ran most, each with its share of the wall time; a library's "
-                      "workers share a name):", "",
-                      *table(["turn", "wall ms", "process CPU", "machine busy", "stolen", "threads that ran most"],
-                             threads, "lrrrrl")]
-        disk = disk_split(r.trace)
-        if disk:
-            lines += ["", "The cache store's disk jobs that ended during the windows (the trace's save and read "
-                      "events, on the store's disk thread):", "",
-                      *table(["window", "saves", "saves' ms", "reads", "reads' ms", "windows' ms"], disk)]
+        for read, caption, headers, align in _TRACE_TABLES:
+            rows = read(r.trace)
+            if rows:
+                lines += ["", caption, "", *table(headers, rows, align)]
         lines.append("")
     lines += ["## Needle rows (item 3, reduced)", "", *needle_lines, "", "## Test suite", "", *suite, ""]
     return lines
