@@ -11,8 +11,9 @@ message as much, while the device sat idle: on a GPU these passes are the host's
 
 What. MLX's gemv (one warp an output, its lanes across the inputs, a warp reduction), each warp
 reading its weight row once for all of the input's rows (up to :data:`MAX_ROWS` accumulators a
-lane): one kernel launch a product, like a one-row product's. The input rows are re-read by every
-warp from the caches (a few dozen KB); the weights are read once, as a gemv reads them.
+lane): one kernel launch a product, like a one-row product's. The weights are read once, as a gemv reads
+them; the input rows (at most 16 x the input width: 64 KB at 2,048 wide in bfloat16) are read by each of
+a block's 16 warps, from L1 after the first, and from L2 once a block.
 
 It runs where MLX runs CUDA kernels (:func:`available`), for float16, bfloat16 and float32. A model's
 ``nn.Linear`` layers go through it with the backend profile's ``small_products_kernel`` (off until a
@@ -33,7 +34,7 @@ __all__ = ["MAX_ROWS", "SmallRowsLinear", "available", "small_product", "take_sm
 MAX_ROWS = 16
 """Most input rows the kernel takes (its accumulators a lane); more rows keep cuBLASLt, which is faster there."""
 
-_WARPS = 8  # warps a block, one output column each: MLX's gemv's rows_per_block
+_WARPS = 16  # warps a block, one output column each (MLX's gemv has 8): the block's warps share the input rows in L1
 
 _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -42,7 +43,7 @@ _HEADER = "#include <cooperative_groups/reduce.h>\n"
 # x: (M, K) row-contiguous, w: (N, K) row-contiguous (an nn.Linear's weight), out: (M, N) = x @ w.T
 _SOURCE = """
   constexpr int MMAX = 16;
-  constexpr int WARPS = 8;
+  constexpr int WARPS = 16;
   auto block = cg::this_thread_block();
   auto warp = cg::tiled_partition<32>(block);
   const int lane = warp.thread_rank();
