@@ -83,7 +83,8 @@ class Window:
 
 
 class ThreadClock:
-    """Per-thread CPU time of this process and the machine's busy and stolen time, from :meth:`start` to :meth:`stop`."""
+    """Per-thread CPU time of this process, and the machine's busy and stolen time, from :meth:`start` to
+    :meth:`stop`."""
 
     def __init__(self) -> None:
         self._t0 = 0.0
@@ -105,7 +106,8 @@ class ThreadClock:
             if (ran := cpu - self._cpu.get(tid, 0.0)) > 0:
                 used.setdefault(names.get(tid) or _comm(tid), []).append(ran)
         # a library's workers share a name (their process's, unless they set one): summed, and counted
-        threads = {(name if len(runs) == 1 else f"{name} ({len(runs)} threads)"): sum(runs) for name, runs in used.items()}
+        threads = {(name if len(runs) == 1 else f"{name} ({len(runs)} threads)"): sum(runs)
+                   for name, runs in used.items()}
         return Window(wall_s=wall, threads=threads, machine_busy_s=(busy - self._machine[0]) * _TICK_S,
                       steal_s=(steal - self._machine[1]) * _TICK_S)
 

@@ -67,13 +67,15 @@ def test_the_setting_reaches_the_profile_on_cuda_only_and_a_cpu_load_leaves_the_
                                                                 small_products_kernel=True).line()
     assert not decide_profile(device="gpu", backend="cuda").small_products_kernel  # off until a GPU run measures it
     assert not decide_profile(device="gpu", backend="metal", small_products_kernel=True).small_products_kernel
-    assert not decide_profile(device="cpu", backend="cpu", profile="gpu", small_products_kernel=True).small_products_kernel
+    forced = decide_profile(device="cpu", backend="cpu", profile="gpu", small_products_kernel=True)
+    assert not forced.small_products_kernel
     lm = load_model("tiny-llama", models_dir=models_dir(), numpy_attention=False, small_products_kernel=True)
     taken = any(type(m) is small_products.SmallRowsLinear for _, m in lm.model.named_modules())
     assert taken == small_products.available()  # the kernel is CUDA's: a CPU load keeps MLX's layers
 
 
-@pytest.mark.skipif(not small_products.available(), reason="the kernel is CUDA's: run on a GPU (benches/gpu_session.sh)")
+@pytest.mark.skipif(not small_products.available(),
+                    reason="the kernel is CUDA's: run on a GPU (benches/gpu_session.sh)")
 @pytest.mark.parametrize("rows", [1, 2, 7, 16])
 @pytest.mark.parametrize("shape", [(64, 32), (100, 70), (2048, 2048)])  # widths off the warp and block sizes too
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])

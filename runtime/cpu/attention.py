@@ -51,7 +51,8 @@ keep the fused kernels.
 setting, a one-query step of a float batch whose rows differ in length
 (:class:`runtime.kv.decode_kv.DecodeKVCache` with padding), and a pass of 2 to
 ``plain_attention_queries`` queries over a float cache (a lone row's ``KVCache``, or a batch's) of
-at most :data:`runtime.kv.short_attention.SHORT_PASS_KEYS` keys attend through :func:`runtime.kv.short_attention.short_attention`: one kernel, causal, each row
+at most :data:`runtime.kv.short_attention.SHORT_PASS_KEYS` keys attend through
+:func:`runtime.kv.short_attention.short_attention`: one kernel, causal, each row
 from its own first key, where MLX's CUDA backend has no fused kernel that takes a padding mask and
 builds a cuDNN graph for each new shape of a short pass.
 """
