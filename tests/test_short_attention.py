@@ -212,3 +212,28 @@ def test_on_cuda_the_kernel_is_mlxs_masked_attention(queries: int, dim: int, dty
     tolerance = 1e-4 if dtype == mx.float32 else 2e-2
     assert ours.shape == theirs.shape and ours.dtype == dtype
     assert mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item() < tolerance
+
+
+def test_a_load_builds_the_kernel_for_the_models_dtype_and_head_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLX compiles a custom kernel at its first call (H200 run 6: 2.1 s): a load makes that call, so a server's
+    first batch does not wait for it; one small call a head size the kernel takes."""
+    from runtime.model.loaded import load_model
+    from conftest import models_dir
+
+    calls: list[tuple[int, mx.Dtype]] = []
+
+    def kernel(queries, keys, values, *, scale, starts):
+        calls.append((queries.shape[-1], queries.dtype))
+        return queries
+
+    monkeypatch.setattr(short_attention, "short_attention", kernel)
+    assert short_attention.warm(mx.bfloat16, {64, 80, 128}) == 2 and calls == [(64, mx.bfloat16), (128, mx.bfloat16)]
+    warmed: list[tuple[mx.Dtype, set[int]]] = []
+    monkeypatch.setattr(short_attention, "available", lambda: True)
+    monkeypatch.setattr(short_attention, "warm", lambda dtype, dims: warmed.append((dtype, set(dims))) or 1)
+    lm = load_model("tiny-llama", models_dir=models_dir(), numpy_attention=False, plain_attention_queries=64,
+                    short_attention_kernel=True)
+    assert warmed == [(lm.float_dtype, {layer.k_head_dim for layer in lm.spec.layers})]
+    warmed.clear()
+    load_model("tiny-llama", models_dir=models_dir(), numpy_attention=False, plain_attention_queries=64)
+    assert warmed == []  # the setting off: nothing built

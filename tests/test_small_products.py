@@ -88,3 +88,15 @@ def test_on_the_device_the_kernel_gives_mlxs_product(rows: int, shape: tuple[int
     tolerance = {mx.float32: 1e-4, mx.bfloat16: 2e-2, mx.float16: 2e-3}[dtype]  # the output's own rounding
     assert ours.shape == (rows, shape[0])
     assert mx.allclose(ours, reference, atol=tolerance, rtol=tolerance).item(), mx.abs(ours - reference).max()
+
+
+def test_a_load_builds_the_kernel_for_the_models_dtype(kernel_rows, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLX compiles a custom kernel at its first call: the load makes it, not a turn (one small product)."""
+    small_products.warm(mx.float32)
+    small_products.warm(mx.int32)  # not a dtype the kernel takes: nothing
+    assert kernel_rows == [2]
+    warmed: list[mx.Dtype] = []
+    monkeypatch.setattr(small_products, "available", lambda: True)
+    monkeypatch.setattr(small_products, "warm", warmed.append)
+    lm = load_model("tiny-llama", models_dir=models_dir(), numpy_attention=False, small_products_kernel=True)
+    assert warmed == [lm.float_dtype]

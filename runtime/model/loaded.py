@@ -41,6 +41,7 @@ from runtime.model.cuda_moe import MOE_ROAD_ENV, take_moe_road
 from runtime.model.cuda_qmm import float_for_cuda, warm_quantized_kernels
 from runtime.model.fused_projections import fuse_projections
 from runtime.model import small_products
+from runtime.kv import short_attention
 from runtime.model.default_model import DEFAULT_MODEL, default_model_file
 from runtime.errors import ModelError, UnsupportedModelError
 from runtime.model.gguf import is_gguf, prepare_gguf
@@ -304,6 +305,9 @@ def load_model(
     if small_products_kernel and small_products.available():  # after the fusion: its groups' products too
         log.info("%s: %d float layers' products of 2 to %d rows in kvmem's kernel", name,
                  small_products.take_small_products(loaded), small_products.MAX_ROWS)
+        small_products.warm(lm.float_dtype)
+    if lm.short_attention_kernel and short_attention.available():  # built now, not in a server's first batch
+        short_attention.warm(lm.float_dtype, {layer.k_head_dim for layer in spec.layers})
     if len(made_float) < quantized:
         t0 = time.perf_counter()
         products = warm_quantized_kernels(loaded, lm.float_dtype)

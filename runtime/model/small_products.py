@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["MAX_ROWS", "SmallRowsLinear", "available", "small_product", "take_small_products"]
+__all__ = ["MAX_ROWS", "SmallRowsLinear", "available", "small_product", "take_small_products", "warm"]
 
 MAX_ROWS = 16
 """Most input rows the kernel takes (its accumulators a lane); more rows keep cuBLASLt, which is faster there."""
@@ -133,3 +133,10 @@ def take_small_products(model: nn.Module) -> int:
     for layer in layers:
         layer.__class__ = SmallRowsLinear
     return len(layers)
+
+
+def warm(dtype: mx.Dtype) -> None:
+    """Build the kernel for ``dtype`` by one small call: MLX compiles a custom kernel on the machine at its first
+    call (about 2 s for kvmem's attention kernel on H200 run 6), which a model's load can wait for, not a turn."""
+    if dtype in _DTYPES:
+        mx.eval(small_product(mx.zeros((2, 32), dtype), mx.zeros((8, 32), dtype)))
