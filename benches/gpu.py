@@ -58,6 +58,7 @@ Flags size everything (``--geometries 1b``, ``--repeats 1``, ``--sizes``, ``--ne
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import importlib.util
@@ -69,6 +70,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,7 +78,7 @@ from typing import Any
 import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness
 from benches.harness import ResultFile, log, table
-from benches.thread_cpu import ThreadClock, Window
+from benches.thread_cpu import ThreadClock
 
 _VERSION = 1  # bump when the weights or files change, so models are rebuilt
 _EOS, _BOS = 2, 0
@@ -409,13 +411,10 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
     async def marked(name: str, agent: str, prompt: str, max_tokens: int = 1) -> Sample:
         """A turn whose window the report reads against the GPU actor's trace, under ``name``; a decoding turn's
         threads' CPU time too (:func:`thread_rows`)."""
-        clock = ThreadClock()
-        clock.start()
-        t0 = time.perf_counter()
-        sample = await turn(agent, prompt, max_tokens)
-        marks.append({"agent": name, "t0": t0, "t1": time.perf_counter()})
-        if max_tokens > 1:
-            _keep_threads(run.trace, f"kvmem {name}", clock.stop())
+        with threads_into(run.trace, f"kvmem {name}", keep=max_tokens > 1):
+            t0 = time.perf_counter()
+            sample = await turn(agent, prompt, max_tokens)
+            marks.append({"agent": name, "t0": t0, "t1": time.perf_counter()})
         return sample
 
     async with open_runtime(**settings) as rt:
@@ -440,11 +439,8 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
 
         async def plain_turn(r: int, size: int) -> None:
             await rt.flush()  # the runtime idle: no save copy owed, no write under way
-            clock = ThreadClock()
-            clock.start()
-            s = plain.turn(prompts[(r, size)], plan.tokens_for(size))
-            if plan.tokens_for(size) > 1:
-                _keep_threads(run.trace, f"mlx-lm cold-{size}-r{r}", clock.stop())
+            with threads_into(run.trace, f"mlx-lm cold-{size}-r{r}", keep=plan.tokens_for(size) > 1):
+                s = plain.turn(prompts[(r, size)], plan.tokens_for(size))
             run.mlx.setdefault(size, []).append(s)
             log(f"{geom.name} mlx-lm r{r} {_k(size)}: ttft {s.ttft_ms:.0f} ms, {s.decode_tps:.1f} tok/s")
 
@@ -481,14 +477,12 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
             async def one(a: str) -> None:
                 out.append(await turn(a, prompt_of[a] + _ask(q), plan.batch_tokens))
 
-            clock = ThreadClock()
-            clock.start()
-            t0 = time.perf_counter()
-            async with trio.open_nursery() as nursery:
-                for a in agents[:n]:
-                    nursery.start_soon(one, a)
-            run.trace.setdefault("rounds", []).append({"agents": n, "t0": t0, "t1": time.perf_counter()})
-            _keep_threads(run.trace, f"kvmem batch round, {n} agent{'s' if n > 1 else ''}", clock.stop())
+            with threads_into(run.trace, f"kvmem batch round, {n} agent{'s' if n > 1 else ''}"):
+                t0 = time.perf_counter()
+                async with trio.open_nursery() as nursery:
+                    for a in agents[:n]:
+                        nursery.start_soon(one, a)
+                run.trace.setdefault("rounds", []).append({"agents": n, "t0": t0, "t1": time.perf_counter()})
             return BatchRound(n, time.perf_counter() - t0, sum(s.generated for s in out),
                               tuple(s.ttft_ms for s in out))
 
@@ -526,8 +520,16 @@ async def measure_kvmem(folder: Path, home: Path, prompts: dict[tuple[int, int],
     run.phases["kvmem restart, read ahead"] = time.perf_counter() - t0
 
 
-def _keep_threads(trace: dict[str, Any], name: str, window: Window) -> None:
-    """A turn's :class:`~benches.thread_cpu.Window` into the trace, as :func:`thread_rows` reads it."""
+@contextlib.contextmanager
+def threads_into(trace: dict[str, Any], name: str, *, keep: bool = True) -> Iterator[None]:
+    """Which threads ran during the block (:class:`~benches.thread_cpu.ThreadClock`), into the trace under
+    ``name`` as :func:`thread_rows` reads it; nothing kept unless ``keep``."""
+    clock = ThreadClock()
+    clock.start()
+    yield
+    if not keep:
+        return
+    window = clock.stop()
     trace.setdefault("threads", []).append({
         "turn": name, "wall_s": window.wall_s, "cpu_s": window.process_cpu_s, "busy_s": window.machine_busy_s,
         "steal_s": window.steal_s, "top": window.top(4)})
