@@ -43,7 +43,8 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["BackendProfile", "Policy", "decide_profile", "detect_device", "device_profile", "profile_setting",
+__all__ = ["BackendProfile", "Policy", "cuda_kernels_run", "decide_profile", "detect_device", "device_profile",
+           "profile_setting",
            "CPU_CHUNKS", "GPU_CHUNK", "CPU_MEMORY_MB", "GPU_MEMORY_SHARES", "GPU_DECODE_RUN_STEPS", "DECODE_RUN_S",
            "GPU_PLAIN_ATTENTION_QUERIES"]
 
@@ -339,6 +340,14 @@ def detect_device() -> tuple[str, str]:
         return "gpu", "metal"
     cuda = getattr(mx, "cuda", None)
     return "gpu", "cuda" if cuda is not None and cuda.is_available() else "gpu"
+
+
+def cuda_kernels_run() -> bool:
+    """Whether this process runs MLX's CUDA backend and can build custom CUDA kernels there (``mx.fast.cuda_kernel``:
+    kvmem's attention and small products kernels, built at their first call)."""
+    import mlx.core as mx
+
+    return detect_device()[1] == "cuda" and hasattr(mx.fast, "cuda_kernel")
 
 
 def detect_device_memory_mb() -> float | None:

@@ -31,6 +31,8 @@ import functools
 
 import mlx.core as mx
 
+from runtime.backend import cuda_kernels_run as available  # where the kernel runs: the device's one answer
+
 __all__ = ["HEAD_DIMS", "MAX_QUERIES", "SHORT_PASS_KEYS", "available", "short_attention", "warm"]
 
 HEAD_DIMS = (64, 96, 128)
@@ -142,10 +144,6 @@ _SOURCE = """
   }
 """
 
-
-def available() -> bool:
-    """Whether this process runs MLX's CUDA backend, where the kernel is built (at its first call)."""
-    return hasattr(mx.fast, "cuda_kernel") and mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 @functools.cache

@@ -27,6 +27,8 @@ import functools
 from typing import Any
 
 import mlx.core as mx
+
+from runtime.backend import cuda_kernels_run as available  # where the kernel runs: the device's one answer
 import mlx.nn as nn
 
 __all__ = ["MAX_ROWS", "SmallRowsLinear", "available", "small_product", "take_small_products", "warm"]
@@ -80,10 +82,6 @@ _SOURCE = """
   }
 """
 
-
-def available() -> bool:
-    """Whether this process runs MLX's CUDA backend, where the kernel is built (at its first call)."""
-    return hasattr(mx.fast, "cuda_kernel") and mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 @functools.cache
