@@ -516,6 +516,21 @@ class GPUActor:
             req.started = started
             self._sched.to_prefill(request_id, started.tokens_to_prefill)
             self._event("admit", request_id)
+        for request_id, _ in reqs:
+            await self._park_late_donor(request_id)
+
+    async def _park_late_donor(self, request_id: int) -> None:
+        """A decoding turn's prompt this new turn would start from, parked now (see
+        :meth:`runtime.plan.kv_manager.KVCacheManager.late_donor`); its first prefill chunk adopts it."""
+        assert self._sched is not None
+        donor = self._manager.late_donor(request_id, self._sched.decoding())
+        if donor is None:
+            return
+        try:
+            self._manager.add_donor(donor, await self._job(self._engine.park_prompt, donor))
+        except Exception:  # noqa: BLE001 - the new turn prefills the prompt itself; the donor's turn goes on
+            log.exception("parking a decoding turn's prompt for another turn failed")
+            self._manager.add_donor(donor, None)  # not asked again
 
     async def _run_step(self, step: Step) -> None:
         """Carry out one :class:`runtime.plan.scheduler.Step`: the joining prefills (in one pass where

@@ -354,6 +354,49 @@ async def test_agents_arriving_together_share_the_first_ones_prefix_and_reply_as
     assert alone.usage.tier == "cold" and alone.usage.tokens_prefilled == prompt_tokens[0]
 
 
+@pytest.mark.parametrize(("kv_bits", "profile"), [(None, "auto"), (4, "auto"), (4, "gpu")],
+                         ids=["float", "q4-at-rest", "q4-at-rest-gpu-policy"])
+async def test_an_agent_arriving_while_another_decodes_starts_from_its_prompt(tmp_path, kv_bits, profile):
+    """The second agent with the same system prompt arrives after the first one's prefill ended (its first
+    token is out) and nobody waited for that prompt: the first turn's prompt is parked from its batch row
+    then, and the second prefills only its own part. Before, it prefilled the whole prompt again: the cause
+    of the test above's occasional second cold agent, when an agent's message reached the GPU actor late.
+
+    References, each conversation alone through ``runtime.execution.sequence.Sequence`` outside the
+    runtime: the first from no cache; the second from no cache (float KV: identical replies) or, Q4 at
+    rest, from the first's whole turn parked in Q4 and cut to its first 512 tokens (the blocks it starts
+    from; replies may depart only at a near tie). Under the GPU policy the first decodes alone on its own
+    caches (``alone_on_own_caches``), elsewhere in a batch of one: its prompt is parked from either."""
+    lm = tiny("tiny-llama", bits=kv_bits)
+    system = CORPUS.read_text()[:4000]
+    while len(lm.tokenize(system)[0]) > 600:
+        system = system[:-50]
+    prompts = [lm.render([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in ("Who is the hero?", "Where does it happen?")]
+    prompt_tokens = [len(lm.tokenize(p)[0]) for p in prompts]
+    params = SequenceSampling(max_tokens=48)
+    first_expected, first_cache, _, _ = _alone(lm, prompts[0], None, params)
+    donor = first_cache.truncated(512, lm.spec) if kv_bits else None
+    second_expected, _, pieces, margins = _alone(lm, prompts[1], donor, params)
+    options = {"attention": "at-rest"} if kv_bits else {}
+    async with _open(tmp_path, "tiny-llama", kv_bits=kv_bits, prefill_chunk=512, profile=profile, **options) as rt:
+        async with rt.agent("first").stream_prompt(prompts[0], max_tokens=48) as stream:
+            deltas = aiter(stream)
+            text = await anext(deltas)  # its prefill ended: it decodes
+            second = await rt.agent("second").send_prompt(prompts[1], max_tokens=48)
+            async for delta in deltas:
+                text += delta
+        first = stream.result
+    assert first is not None and first.reply == text == first_expected
+    assert second.usage.tier == "shared" and second.usage.match == "extend"
+    assert second.usage.tokens_reused == 512 and second.usage.tokens_prefilled == prompt_tokens[1] - 512
+    if kv_bits is None:
+        assert second.reply == second_expected
+    else:
+        assert first_split_is_a_near_tie(second.reply, second_expected, pieces, margins), (
+            second.reply, second_expected)
+
+
 async def test_cancelled_consumer_stops_generation_and_keeps_a_consistent_cache(tmp_path):
     prompt = "User: Tell me about the harbour.\nAssistant:"
     async with _open(tmp_path, "tiny-llama") as rt:

@@ -182,6 +182,48 @@ def test_a_turn_not_started_waits_for_a_shared_prompt_being_prefilled_and_only_f
     assert not m.awaits_donor(2, [2, 6])  # a turn that opted out never parks its prompt for others
 
 
+def test_a_decoding_turn_whose_prompt_nobody_waited_for_is_asked_for_it_late():
+    """A sharing turn that came after another's prefill ended (nobody wanted it then): the decoding turn that
+    gives it the most blocks is named, once; the prompt parked, the turn adopts it."""
+    m = _manager()
+    ids = [ord(c) for c in SYSTEM + "first"]
+    m.begin(1, agent_id="a", model_tag=TAG, token_ids=ids, tokens_reused=0, share_prefix=True)
+    m.begin(2, agent_id="b", model_tag=TAG, token_ids=ids[:BLOCK_TOKENS] + [7] * 20, tokens_reused=0,
+            share_prefix=True)
+    assert m.adopt(1) is None and m.adopt(2) is None and not m.wants_donor(1)  # both prefilled, no donor
+    m.begin(3, agent_id="c", model_tag=TAG, token_ids=[ord(c) for c in SYSTEM + "third"], tokens_reused=0,
+            share_prefix=True)
+    assert m.late_donor(3, [2]) == 2  # one block
+    assert m.late_donor(3, [1, 2]) == 1  # the whole system prompt
+    assert m.late_donor(3, []) is None  # 1 is no longer decoding
+    m.add_donor(1, Parked(TAG, SYSTEM + "first"))
+    assert m.late_donor(3, [1]) is None  # parked once
+    shared = m.adopt(3)
+    assert shared is not None and shared.donor == "a" and shared.reuse_tokens == 2 * BLOCK_TOKENS
+    assert m.late_donor(3, [2]) is None  # started
+    m.add_donor(2, None)  # its prompt could not be parked (a sliding window): not asked again
+    m.begin(4, agent_id="d", model_tag=TAG, token_ids=ids[:BLOCK_TOKENS] + [7] * 30, tokens_reused=0,
+            share_prefix=True)
+    assert m.late_donor(4, [2]) is None
+    m.begin(5, agent_id="e", model_tag=TAG, token_ids=ids, tokens_reused=0, share_prefix=False)
+    m.begin(6, agent_id="f", model_tag=TAG, token_ids=ids, tokens_reused=0, share_prefix=True)
+    assert m.late_donor(5, [6]) is None and m.late_donor(6, [5]) is None  # either side opted out
+
+
+def test_a_cold_turn_adopts_a_hot_cache_that_came_after_its_plan_and_an_own_cache_keeps_its_plan():
+    """A donor whose turn ended between this turn's plan and its first chunk left its prompt in the hot
+    tier: a turn that reuses nothing starts from it there; one that reuses its own cache keeps it."""
+    m = _manager()
+    ids = [ord(c) for c in SYSTEM + "mine"]
+    m.begin(1, agent_id="b", model_tag=TAG, token_ids=ids, tokens_reused=0, share_prefix=True)
+    m.begin(2, agent_id="c", model_tag=TAG, token_ids=ids, tokens_reused=BLOCK_TOKENS, share_prefix=True)
+    _put(m, "a", Parked(TAG, SYSTEM + "a reply"))
+    _put(m, "z", Parked(TAG, SYSTEM + "an opted-out one"), share_prefix=False)
+    shared = m.adopt(1)
+    assert shared is not None and shared.donor == "a" and shared.reuse_tokens == 2 * BLOCK_TOKENS
+    assert m.adopt(2) is None
+
+
 def test_a_turn_that_does_not_share_neither_adopts_nor_is_wanted_as_donor():
     m = _manager()
     ids = [ord(c) for c in SYSTEM + "x"]

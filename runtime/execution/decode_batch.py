@@ -20,7 +20,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, Rot
 
 from runtime.cpu import attention as cpu_attention
 from runtime.kv.decode_kv import DecodeKVCache
-from runtime.kv.float_resident import extract_with_room
+from runtime.kv.float_resident import extract_with_room, row_view
 from runtime.reply.grammar import mask_rows
 from runtime.cpu.kv_copy import place_buffers
 from runtime.execution.pass_clock import PassClock
@@ -211,6 +211,18 @@ class DecodeBatch:
             self.caches = []
             self.shared = 0
             self._ahead, self._ahead_rows = None, 0
+
+    def row_caches(self, seq: Sequence) -> list[Any]:
+        """``seq``'s caches as they are now, a layer each, to park its prompt from while it decodes
+        (:meth:`runtime.kv.kvstate.ActiveKV.park`): its own while it waits to join or decodes alone on
+        them, else its row of the batch's (:func:`runtime.kv.float_resident.row_view`: a float batch's
+        without a copy). They hold its prompt and what it generated so far, a step run ahead included."""
+        if any(p is seq for p in self.pending):
+            return seq.kv.caches
+        idx = self.members.index(seq)
+        if _own_caches_decode(self.caches):
+            return self.caches
+        return [row_view(c, idx) for c in self.caches]
 
     def step_once(self) -> list[tuple[Sequence, str]]:
         """One decode step for every member: returns (sequence, new text) pairs.

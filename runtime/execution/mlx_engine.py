@@ -370,8 +370,10 @@ class MlxEngine:
 
     def park_prompt(self, request_id: int) -> ParkedCache | None:
         seq = self._seqs[request_id]
-        # Right after prefill the caches hold exactly the prompt (the first token is not fed yet).
-        parked = seq.kv.park(text=seq.prompt, token_ids=seq.token_ids, offsets=seq.offsets)
+        # Right after prefill its caches hold exactly the prompt; once it joined the batch, its row holds the
+        # prompt and the tokens generated since, and parking keeps the prompt's (the first len(token_ids)).
+        caches = self._batch.row_caches(seq) if seq in self._batch else None
+        parked = seq.kv.park(text=seq.prompt, token_ids=seq.token_ids, offsets=seq.offsets, caches=caches)
         self._sample_memory()
         return parked
 

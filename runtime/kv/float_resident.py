@@ -32,7 +32,7 @@ from runtime.cpu.kv_copy import place_rows
 from runtime.kv.decode_kv import host_padding
 
 __all__ = ["FloatResident", "PendingKV", "ResidentPool", "HEADROOM_TOKENS", "extract_with_room", "room_for",
-           "with_room"]
+           "row_view", "with_room"]
 
 HEADROOM_TOKENS = 256
 """Room kept past a resident's tokens, so the next turn's first tokens do not grow (copy) the buffers."""
@@ -147,6 +147,19 @@ def with_room(tokens: mx.array) -> mx.array:
     return place_rows([(tokens[i : i + 1], 0) for i in range(tokens.shape[0])], room_for(tokens.shape[2]), tokens)
 
 
+def row_view(cache: Any, idx: int) -> Any:
+    """Row ``idx`` of a batch cache as a single-sequence cache: a float batch's as a ``KVCache`` over
+    views of its buffers (nothing copied), any other as ``cache.extract(idx)``."""
+    if not isinstance(cache, BatchKVCache) or cache.keys is None:
+        return cache.extract(idx)
+    padding = host_padding(cache)[idx]  # a DecodeKVCache's from the host: no wait for the queued steps
+    row = KVCache()
+    row.keys = cache.keys[idx : idx + 1, :, padding : cache._idx]
+    row.values = cache.values[idx : idx + 1, :, padding : cache._idx]
+    row.offset = cache._idx - padding
+    return row
+
+
 def extract_with_room(cache: Any, idx: int) -> Any:
     """``cache.extract(idx)``, with room past the row's tokens for a float batch cache (:func:`with_room`).
 
@@ -154,11 +167,7 @@ def extract_with_room(cache: Any, idx: int) -> Any:
     its tokens, so the next turn's first token would grow (copy) every layer again;
     this copies it once into a buffer with room, as ``KVCache`` itself grows.
     """
-    if not isinstance(cache, BatchKVCache) or cache.keys is None:
-        return cache.extract(idx)
-    padding = host_padding(cache)[idx]  # a DecodeKVCache's from the host: no wait for the queued steps
-    row = KVCache()
-    row.keys = with_room(cache.keys[idx : idx + 1, :, padding : cache._idx])
-    row.values = with_room(cache.values[idx : idx + 1, :, padding : cache._idx])
-    row.offset = cache._idx - padding
+    row = row_view(cache, idx)
+    if isinstance(cache, BatchKVCache) and cache.keys is not None:
+        row.keys, row.values = with_room(row.keys), with_room(row.values)
     return row

@@ -291,8 +291,11 @@ class ActiveKV:
         ) and all(layer.kind is not LayerKind.SLIDING for layer in self.base.layers)
 
     def park(self, *, text: str, token_ids: list[int], offsets: list[int],
-             keep_float: bool = False, wait: bool = True) -> ParkedCache | None:
+             keep_float: bool = False, wait: bool = True, caches: list[Any] | None = None) -> ParkedCache | None:
         """Freeze the first ``len(token_ids)`` tokens back into a parked cache.
+
+        ``caches``: where the tokens are now, when not in :attr:`caches` (a decoding sequence's
+        row of the batch, :meth:`runtime.execution.decode_batch.DecodeBatch.row_caches`).
 
         With ``keep_float`` (``at-rest`` only) the parked cache also keeps these float
         buffers as its :class:`~runtime.kv.float_resident.FloatResident`, the tokens this
@@ -306,7 +309,8 @@ class ActiveKV:
         n_base = self.base.num_tokens
         keep_float = keep_float and self.attention == "at-rest"
         layers, floats = [], []
-        for cache, base, lspec in zip(self.caches, self.base.layers, self.spec.layers, strict=True):
+        for cache, base, lspec in zip(self.caches if caches is None else caches, self.base.layers,
+                                      self.spec.layers, strict=True):
             parked = _park_layer(cache, base, lspec, self.spec, self.attention, n_base=n_base, keep=keep,
                                  keep_float=keep_float)
             if parked is None:

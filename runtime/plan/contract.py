@@ -550,7 +550,8 @@ class Engine(Protocol):
         """``snapshot`` restored ahead of its turn (float kept where there is room); None: not this model's."""
 
     def park_prompt(self, request_id: int) -> ParkedView | None:
-        """Right after prefill: park the prompt's KV (a donor for turns that share it)."""
+        """Park the prompt's KV (a donor for turns that share it): right after its prefill, or while it
+        decodes (for a turn that came after its prefill ended)."""
 
     def join(self, request_id: int) -> None:
         """Merge a prefilled sequence into the running batch."""

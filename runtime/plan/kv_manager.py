@@ -21,7 +21,8 @@ agent's cache (:meth:`KVCacheManager.checkout`) and this prompt, what is reused,
 The answer, a :class:`runtime.plan.contract.TurnPlan`, travels to the engine unchanged.
 A turn that began cold can still adopt a donor's whole blocks before its first
 prefill chunk (:meth:`KVCacheManager.adopt`): agents that arrive together with the
-same system prompt then prefill it once.
+same system prompt then prefill it once, and one that comes while the first decodes
+has the first's prompt parked then (:meth:`KVCacheManager.late_donor`).
 
 The cache store actor and the GPU actor share one manager. Both run on the same
 trio thread and every method here is synchronous, so each call is atomic.
@@ -105,6 +106,7 @@ class _InFlight:
     share_prefix: bool
     prefill_started: bool = False
     donor: ParkedView | None = field(default=None, repr=False)
+    donated: bool = False  # its prompt was parked for others (``donor`` None: it could not be)
 
 
 def _whole_blocks(tokens: int) -> int:
@@ -208,8 +210,11 @@ class KVCacheManager:
     def adopt(self, request_id: int) -> FromShared | None:
         """Before a sharing turn's first prefill chunk: a donor's whole blocks that cover more than it reuses.
 
-        The turn then starts from them (its own tokenization, so the result is what a
-        prefill of those tokens computes). Marks the turn's prefill as started.
+        Donors are the prompts turns in flight parked for others and, for a turn that reuses nothing,
+        other sharing agents' hot caches, as :meth:`plan` asks (a donor whose turn ended since this turn
+        was planned left its cache there).
+        The turn then starts from them (its own tokenization, so the result is what a prefill of those
+        tokens computes). Marks the turn's prefill as started.
         """
         turn = self._inflight.get(request_id)
         if turn is None or turn.prefill_started:
@@ -217,22 +222,27 @@ class KVCacheManager:
         turn.prefill_started = True
         if not turn.share_prefix:
             return None
-        best: tuple[int, _InFlight] | None = None
         tenant = tenant_of(turn.agent_id)
-        for other_id, other in self._inflight.items():
-            if other_id == request_id or other.donor is None or other.model_tag != turn.model_tag \
-                    or tenant_of(other.agent_id) != tenant:
+        donors = [(other.agent_id, other.donor, None) for other_id, other in self._inflight.items()
+                  if other_id != request_id and other.donor is not None]
+        if turn.tokens_reused == 0:  # as plan() asks: an agent's own cache first
+            donors += [(e.agent_id, e.parked, e) for e in self._entries.values()
+                       if e.share_prefix and e.agent_id != turn.agent_id]
+        best: tuple[int, str, ParkedView, HotEntry | None] | None = None
+        for agent_id, parked, entry in donors:
+            if parked.model_tag != turn.model_tag or tenant_of(agent_id) != tenant:
                 continue
-            keep = min(self._shared_blocks(other.donor.token_ids, turn), _whole_blocks(len(turn.token_ids) - 1))
+            keep = min(self._shared_blocks(parked.token_ids, turn), _whole_blocks(len(turn.token_ids) - 1))
             if keep > turn.tokens_reused and (best is None or keep > best[0]):
-                best = (keep, other)
+                best = (keep, agent_id, parked, entry)
         if best is None:
             return None
-        keep, donor = best
-        assert donor.donor is not None
+        keep, donor, parked, entry = best
+        if entry is not None:
+            self._touch(entry)
         turn.tokens_reused = keep
         self._prefix_hits += 1
-        return FromShared(parked=donor.donor, reuse_tokens=keep, donor=donor.agent_id)
+        return FromShared(parked=parked, reuse_tokens=keep, donor=donor)
 
     def wants_donor(self, request_id: int) -> bool:
         """Whether a sharing turn that has not started prefill would reuse more of this prefilled turn's prompt."""
@@ -262,11 +272,30 @@ class KVCacheManager:
                 and tenant_of(donor.agent_id) == tenant_of(taker.agent_id)
                 and self._shared_blocks(donor.token_ids, taker) > taker.tokens_reused)
 
-    def add_donor(self, request_id: int, parked: ParkedView) -> None:
-        """The prompt a running turn parked for others (see :meth:`wants_donor`)."""
+    def late_donor(self, request_id: int, decoding: Iterable[int]) -> int | None:
+        """The turn of ``decoding`` whose prompt this sharing turn, not yet started, would start from more of
+        than it reuses, where that prompt was parked for nobody (its prefill ended before this turn came:
+        :meth:`wants_donor` was asked then); the one that gives it the most blocks. The GPU actor parks it
+        from its batch row now (:meth:`add_donor`), and the turn adopts it instead of prefilling the same
+        blocks again: agents with one system prompt whose messages came a little apart share it too."""
+        turn = self._inflight.get(request_id)
+        if turn is None or turn.prefill_started:
+            return None
+        best: tuple[int, int] | None = None
+        for other_id in decoding:
+            other = self._inflight.get(other_id)
+            if other_id == request_id or other is None or other.donated or not self._would_reuse_more(other, turn):
+                continue
+            blocks = self._shared_blocks(other.token_ids, turn)
+            if best is None or blocks > best[0]:
+                best = (blocks, other_id)
+        return None if best is None else best[1]
+
+    def add_donor(self, request_id: int, parked: ParkedView | None) -> None:
+        """The prompt a running turn parked for others (see :meth:`wants_donor`; None: it could not be)."""
         turn = self._inflight.get(request_id)
         if turn is not None:
-            turn.donor = parked
+            turn.donor, turn.donated = parked, True
 
     def end(self, request_id: int) -> None:
         """The turn left the GPU (finished, cancelled or failed)."""
