@@ -41,14 +41,19 @@ def _layer_floats(kv: ActiveKV) -> list[tuple[mx.array, mx.array]]:
 
 
 # wait=False: the GPU policy's turn end, which launches the park without waiting for it and leaves the
-# kept buffers' last writes to the turn that takes them (runtime/kv/float_resident.py PendingKV).
-@pytest.mark.parametrize("wait", [True, False], ids=["park-waited", "park-launched"])
+# kept buffers' last writes to the turn that takes them (runtime/kv/float_resident.py PendingKV), or to
+# the save's host copy after the turn, which settles them ("settled").
+@pytest.mark.parametrize("wait", [True, False, "settled"], ids=["park-waited", "park-launched", "settled"])
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
-def test_kept_floats_are_bitwise_the_dequantized_parked_cache(model: str, wait: bool) -> None:
+def test_kept_floats_are_bitwise_the_dequantized_parked_cache(model: str, wait: bool | str) -> None:
     lm = tiny(model)
     first = _turn(lm, PROMPT)
-    parked = first.park(keep_float=True, wait=wait)
+    parked = first.park(keep_float=True, wait=wait is True)
     assert parked is not None and parked.resident is not None and parked.resident.held
+    assert parked.resident.pending == (wait is not True)
+    if wait == "settled":
+        parked.resident.settle()
+        assert not parked.resident.pending and parked.resident.held
     without = replace(parked, resident=None)  # the same Q4 layers: the ordinary activation
 
     kept_kv = ActiveKV(parked, lm.spec, "at-rest")
@@ -172,3 +177,39 @@ def test_a_cache_restored_ahead_keeps_its_float_when_the_float_itself_fits_the_b
     finally:
         second.unload()
         kv_copy.use_host_views(None)
+
+
+def test_the_saves_host_copy_settles_the_kept_floats_pending_writes() -> None:
+    """Under the GPU policy a turn's park is launched without a wait and its kept floats' last writes are
+    pending; the save's host copy after the turn (``Engine.snapshot``) makes them, so the next hot turn's
+    first pass builds none of them (four operations a layer), and that turn replies as one from the
+    unsettled floats would (the kept floats are bitwise the same: the test above)."""
+    from engine_turns import run_turn, tiny_engine
+
+    from benches.gpu_probe import counting_submits
+    from runtime.plan.contract import FromHot, SamplingOptions, TurnPlan
+
+    replies, first_passes = [], []
+    for settle in (False, True):
+        with tiny_engine("gpu", keep_float_mb=64) as engine:
+            first = run_turn(engine, 1, PROMPT, max_tokens=6)
+            parked = first.parked
+            assert parked is not None and parked.resident is not None and parked.resident.pending
+            if settle:
+                assert engine.snapshot(parked) is not None
+                assert not parked.resident.pending and parked.resident.held
+            hot = TurnPlan(tier="hot", source=FromHot(parked=parked), match="extend", reuse_tokens=parked.num_tokens,
+                           reuse_chars=len(parked.text))
+            prompt = parked.text + FOLLOW_UP
+            engine.start(2, prompt, hot, engine.tokenize(prompt, hot), SamplingOptions(max_tokens=6))
+            with counting_submits() as first_pass:  # the message is one chunk: its first token's pass
+                result = engine.prefill(2, None)
+            assert result.remaining == 0 and not result.finished
+            first_passes.append(first_pass.operations)
+            engine.join(2)
+            while not any(t.finished for t in engine.step()):
+                pass
+            replies.append(engine.finish(2).reply)
+    assert replies[0] == replies[1]
+    unsettled, settled = first_passes
+    assert unsettled - settled >= 4 * len(tiny("tiny-llama").spec.layers), first_passes

@@ -460,15 +460,17 @@ class MlxEngine:
         copy: HostCopy = done[0]
         if stop is None:  # nothing waits on it: what is left, in one evaluation
             copy.make_rest()
-            return copy.snapshot()
-        # A part at a time: on a GPU a host copy is slow (about 0.6 GB/s on an H200), so a new turn
-        # waits for one part (a few MB of one array), not a layer or the whole cache.
-        made = 0
-        while not copy.complete:
-            if made and stop():
-                return None
-            copy.make_next()
-            made += 1
+        else:
+            # A part at a time: on a GPU a host copy is slow (about 0.6 GB/s on an H200), so a new turn
+            # waits for one part (a few MB of one array), not a layer or the whole cache.
+            made = 0
+            while not copy.complete:
+                if made and stop():
+                    return None
+                copy.make_next()
+                made += 1
+        if parked.resident is not None:  # the Q4 it was parked as is evaluated now: its floats' last writes too
+            parked.resident.settle()
         return copy.snapshot()
 
     def discard(self, request_id: int) -> None:

@@ -11,6 +11,10 @@ functions on the same values), so a turn that starts from the resident floats
 computes bit for bit what a turn that dequantizes would: the resident is a
 cache of the activation, never a second version of the agent's memory.
 
+Under the GPU policy a turn's park is launched without a wait, so the overwrite of its new tokens is
+left pending (:class:`PendingKV`): the save's host copy after the turn makes it
+(:meth:`FloatResident.settle`), else the turn that takes the buffers does.
+
 A resident serves one turn: :meth:`FloatResident.take` hands its buffers over
 (the turn writes its new tokens into them) and leaves it empty, so a turn that
 fails or a second reader simply dequantizes. Memory is bounded by
@@ -76,6 +80,23 @@ class FloatResident:
             return None
         self.drop()
         return [kv if kv is None or isinstance(kv, tuple) else kv() for kv in layers]
+
+    @property
+    def pending(self) -> bool:
+        """Whether writes wait for the turn that takes the buffers (:class:`PendingKV`)."""
+        return self._layers is not None and any(kv is not None and not isinstance(kv, tuple) for kv in self._layers)
+
+    def settle(self) -> None:
+        """Make the pending writes now, launched without a wait, so the turn that takes the buffers builds none
+        of them (a row's four operations a layer: a batch of 8 hot rows' joint pass held about 500 of them).
+
+        Called once the parked Q4 they read is evaluated (its save's host copy read it): MLX then writes
+        the buffers in place, as :meth:`take` would."""
+        layers = self._layers
+        if layers is None or not self.pending:
+            return
+        self._layers = [kv if kv is None or isinstance(kv, tuple) else kv() for kv in layers]
+        mx.async_eval([a for kv in self._layers if kv is not None for a in kv])
 
     def drop(self) -> None:
         """Free the buffers (the next turn dequantizes)."""
