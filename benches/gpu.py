@@ -345,7 +345,7 @@ class Plan:
     # and gate/up projections one product each
     short_attention_kernel: bool | None = None
     fused_projections: bool | None = None
-    small_products_kernel: bool = False  # the setting: products of 2 to 16 rows in kvmem's kernel (CUDA)
+    small_products_kernel: bool | None = None  # the setting: products of 2 to 16 rows in kvmem's kernel (CUDA)
 
     def tokens_for(self, size: int) -> int:
         return self.decode_tokens if size in self.decode_sizes else 1
@@ -1157,8 +1157,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fused-projections", action=argparse.BooleanOptionalAction, default=None,
                    help="kvmem's setting of that name: a layer's query, key and value projections one product, its "
                         "gate and up another (default: the profile's, on under the GPU policy)")
-    p.add_argument("--small-products-kernel", action="store_true",
-                   help="kvmem's setting of that name: products of 2 to 16 rows in kvmem's kernel, not cuBLASLt (CUDA)")
+    p.add_argument("--small-products-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="kvmem's setting of that name: products of 2 to 16 rows in kvmem's kernel, not cuBLASLt "
+                        "(CUDA; default: the profile's, on under the GPU policy)")
     p.add_argument("--needle-model", default="kvmem-default", help="needle model: a name, a GGUF, or none")
     p.add_argument("--needle-lengths", type=int, nargs="+", help="default 8192 4096 2048 1024 (1024 with --quick)")
     p.add_argument("--needle-deadline-s", type=float, default=150.0,
@@ -1257,7 +1258,7 @@ def setup_lines(plan: Plan) -> list[str]:
          f"{f', plain_attention_queries={plan.plain_attention_queries}' if plan.plain_attention_queries is not None else ''}"
          f"{_set_as('short_attention_kernel', plan.short_attention_kernel)}"
          f"{_set_as('fused_projections', plan.fused_projections)}"
-         f"{', small_products_kernel on' if plan.small_products_kernel else ''}"
+         f"{_set_as('small_products_kernel', plan.small_products_kernel)}"
          f", fsync off) in this one process, their cold turns in pairs on the same prompt (mlx-lm first in even "
          f"repeats, second in odd ones), each turn from an idle device (kvmem's caches written first); medians of "
          f"{plan.repeats} repeats, after a warm-up turn each and a warm-up pair at each prompt size (not counted: a "

@@ -100,6 +100,12 @@
 #      75 hits). A settings run with kvmem's small products kernel (runtime/model/small_products.py, off by default:
 #      products of 2 to 16 rows in one kernel of kvmem's instead of cuBLASLt), its device tests, and its rows in the
 #      probe's products section; the products' runs without CUDA graphs and with 1000-operation graphs are dropped.
+#  12. since session 31: kvmem's two CUDA kernels are used only after a check at the model's load holds them to MLX's
+#      results (else one warning line and MLX's way: grep the gpu.log for "check at load failed"); the small products
+#      kernel is the GPU policy's default too (16-byte loads where the rows allow), so its settings run turns it off.
+#      A save's host copy after a turn makes the kept floats' pending writes, so a hot turn's first pass (and a batch
+#      of 8 hot rows' joint pass) no longer builds them; an agent arriving while another with its system prompt
+#      decodes starts from that prompt (parked from the batch row then).
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses). 285 s in all (run 5's
 # took 254 s, and the suite has grown since): since session 29 the bench call gives it 20 s of its 560.
@@ -115,6 +121,7 @@ case "${1:-bench}" in
     timeout -s INT 330 python3 -m benches gpu --out "$out" --needle-model "$KVMEM_NEEDLE_GGUF" --needles 20 \
       --needle-lengths 8192 4096 2048 1024 --deadline-s 280 > "$out/gpu.log" 2>&1
     echo "benches gpu: exit $?"; tail -n 25 "$out/gpu.log"
+    grep -h "check at load failed" "$out/gpu.log" | sort | uniq -c | head -n 4  # a kernel of kvmem's left off
     mkdir -p /tmp/kvmem-report && cp "$out/gpu.md" /tmp/kvmem-report/ 2>/dev/null  # the suite call adds its summary
     # where decode steps' time went (the trace's StepTiming), in the call's own output too
     grep -A 12 "decode steps' time went" "$out/gpu.md" | head -n 40
@@ -150,11 +157,12 @@ case "${1:-bench}" in
       --no-short-attention-kernel --out /tmp/padded > /tmp/padded.log 2>&1
     echo "short attention kernel off: exit $?"; cat /tmp/padded/gpu.md >> "$out/settings.md"
     grep -iE "batch|decode" /tmp/padded.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/padded/gpu.md | head -n 12
-    # kvmem's small products kernel (runtime/model/small_products.py, off by default): a batch's steps and a hot turn's
-    # message without cuBLASLt's host cost a product (run 6: about 37 µs of submit a product of 2+ rows, 11 for one)
+    # kvmem's small products kernel (runtime/model/small_products.py, on by default since session 31 once the load's
+    # check holds it to MLX's product): a batch's steps and a hot turn's message without cuBLASLt's host cost a
+    # product (run 6: about 37 µs of submit a product of 2+ rows, 11 for one); here turned off, to say what it buys
     timeout -s INT 40 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 --repeats 2 \
-      --small-products-kernel --out /tmp/small > /tmp/small.log 2>&1
-    echo "small products kernel: exit $?"; cat /tmp/small/gpu.md >> "$out/settings.md"
+      --no-small-products-kernel --out /tmp/small > /tmp/small.log 2>&1
+    echo "small products kernel off: exit $?"; cat /tmp/small/gpu.md >> "$out/settings.md"
     grep -iE "batch|decode" /tmp/small.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/small/gpu.md | head -n 12
     # the 3B's decode (run 5: 0.64-0.72x mlx-lm, steps 5.75 ms against 4.2, its first 1K turn at 227 tokens/s and
     # the ones after its 32K turns at 155-171): the engine alone, before and after a 32K turn and mx.clear_cache()

@@ -148,8 +148,9 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             lookup and a captured graph; the setting, unset on under the GPU policy.
         small_products_kernel: on CUDA, a float layer's products of 2 to 16 rows (a batch's decode step, a hot
             turn's message) go through kvmem's one kernel (:mod:`runtime.model.small_products`), not cuBLASLt,
-            whose host cost a call is about 3x a one-row product's; the setting (off until a GPU run measures
-            it), and only where the backend is CUDA.
+            whose host cost a call is about 3x a one-row product's; the setting, unset on under the GPU
+            policy, and only where the backend is CUDA (the load holds the kernel to MLX's product first,
+            :func:`runtime.model.small_products.check`, and keeps MLX's if it fails).
         clear_cache_after_prefill: MLX's buffer cache is emptied once a prompt of several prefill chunks has
             its first token, at the engine's next step or finish (``Sequence.chunked_prefill_done``, after the
             token went out): mlx-lm's ``generate_step`` empties it after every chunk; MLX keeps freed buffers up
@@ -248,7 +249,7 @@ def decide_profile(
     plain_attention_queries: int | None = None,
     short_attention_kernel: bool | None = None,
     fused_projections: bool | None = None,
-    small_products_kernel: bool = False,
+    small_products_kernel: bool | None = None,
     prewarm_mb: float = 0.0,
     prefill_chunk: int | None = None,
     decode_run_steps: int | None = None,
@@ -318,7 +319,8 @@ def decide_profile(
         fused_dequantize=not cpu,
         float_slow_projections=backend == "cuda",
         fused_projections=not cpu if fused_projections is None else fused_projections,
-        small_products_kernel=small_products_kernel and backend == "cuda",
+        small_products_kernel=(not cpu if small_products_kernel is None else small_products_kernel)
+        and backend == "cuda",
         clear_cache_after_prefill=not cpu,
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,

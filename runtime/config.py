@@ -143,7 +143,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         small_products_kernel: on CUDA, a float layer's products of 2 to 16 rows (a batch's decode step, a
             hot turn's message) run in kvmem's one kernel (:mod:`runtime.model.small_products`) instead of
             cuBLASLt, which costs the host about 37 µs a call against a one-row product's 11 (H200 run 6);
-            off until a GPU run measures it; ignored on other backends.
+            unset (``auto``): on under the GPU policy, once the load's check holds it to MLX's product
+            (else MLX's, with one log line); ignored on other backends.
         budget_mb: KV memory for running sequences (admission, batch size), MiB; unset
             (``auto``): 2048 on a CPU, 25% of a GPU's memory (the backend profile's, :mod:`runtime.backend`).
         hot_budget_mb: memory for idle caches kept in memory (the hot tier), MiB; unset
@@ -204,7 +205,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     plain_attention_queries: Annotated[int, Meta(ge=0, le=4096)] | None = None
     short_attention_kernel: bool | None = None
     fused_projections: bool | None = None
-    small_products_kernel: bool = False
+    small_products_kernel: bool | None = None
     profile: Literal["auto", "cpu", "gpu"] = "auto"
     # -- memory and scheduling
     budget_mb: Annotated[float, Meta(gt=0)] | None = None
@@ -271,7 +272,7 @@ _BOOLS = frozenset({"fsync", "durable", "accept_any_model", "numpy_attention", "
 _NONE_WORDS = ("", "none", "null")
 _NONE_ALLOWED = frozenset({"model_idle_s", "prefill_chunk", "api_key", "api_keys", "store"})
 _AUTO_IS_NONE = frozenset({"budget_mb", "hot_budget_mb", "keep_float_mb", "short_attention_kernel",
-                           "fused_projections"})
+                           "fused_projections", "small_products_kernel"})
 """Settings whose default the backend profile decides: ``auto`` (or nothing) leaves it to the profile."""
 
 

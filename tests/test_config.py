@@ -218,10 +218,15 @@ def test_auto_leaves_a_memory_setting_to_the_backend_profile() -> None:
 
 
 def test_auto_leaves_a_gpu_setting_to_the_backend_profile_and_a_word_wins() -> None:
-    """``short_attention_kernel`` and ``fused_projections`` are on under the GPU policy unless set: unset and
-    ``auto`` are None (the profile decides), ``false`` turns either off on a GPU."""
-    config = load_config({}, env={"KVMEM_SHORT_ATTENTION_KERNEL": "auto", "KVMEM_FUSED_PROJECTIONS": ""})
+    """``short_attention_kernel``, ``fused_projections`` and ``small_products_kernel`` are on under the GPU policy
+    unless set: unset and ``auto`` are None (the profile decides), ``false`` turns each off on a GPU."""
+    config = load_config({}, env={"KVMEM_SHORT_ATTENTION_KERNEL": "auto", "KVMEM_FUSED_PROJECTIONS": "",
+                                  "KVMEM_SMALL_PRODUCTS_KERNEL": "auto"})
     assert config.short_attention_kernel is None and config.fused_projections is None
+    assert config.small_products_kernel is None
     assert Config().short_attention_kernel is None and Config().fused_projections is None
-    off = load_config({}, env={"KVMEM_SHORT_ATTENTION_KERNEL": "false", "KVMEM_FUSED_PROJECTIONS": "0"})
+    assert Config().small_products_kernel is None
+    off = load_config({}, env={"KVMEM_SHORT_ATTENTION_KERNEL": "false", "KVMEM_FUSED_PROJECTIONS": "0",
+                               "KVMEM_SMALL_PRODUCTS_KERNEL": "false"})
     assert off.short_attention_kernel is False and off.fused_projections is False
+    assert off.small_products_kernel is False

@@ -29,14 +29,6 @@ PROMPTS = ["The harbour master kept a ledger of ships. " * 3, "Once upon a time 
            "Numbers: one two three four five six. " * 2, "A list of fruits and their colours. " * 4]
 
 
-def _what_the_kernel_computes(queries, keys, values, *, scale, starts):
-    n, s = queries.shape[2], keys.shape[2]
-    positions = mx.arange(s)[None, None, None, :]
-    causal = positions <= (mx.arange(n) + s - n)[None, None, :, None]
-    mask = (positions >= starts[:, None, None, None]) & causal
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-
-
 class Call(NamedTuple):
     rows: int
     queries: int
@@ -50,7 +42,7 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[Call]:
 
     def kernel(queries, keys, values, *, scale, starts):
         calls.append(Call(queries.shape[0], queries.shape[2], starts.tolist()))
-        return _what_the_kernel_computes(queries, keys, values, scale=scale, starts=starts)
+        return short_attention.reference(queries, keys, values, scale=scale, starts=starts)
 
     monkeypatch.setattr(short_attention, "short_attention", kernel)
     return calls
@@ -208,32 +200,46 @@ def test_on_cuda_the_kernel_is_mlxs_masked_attention(queries: int, dim: int, dty
     keys, values = k[:, :, :length], v[:, :, :length]
     starts = mx.array(pads, dtype=mx.int32)
     ours = short_attention.short_attention(q, keys, values, scale=dim**-0.5, starts=starts)
-    theirs = _what_the_kernel_computes(q, keys, values, scale=dim**-0.5, starts=starts)
+    theirs = short_attention.reference(q, keys, values, scale=dim**-0.5, starts=starts)
     tolerance = 1e-4 if dtype == mx.float32 else 2e-2
     assert ours.shape == theirs.shape and ours.dtype == dtype
     assert mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item() < tolerance
 
 
-def test_a_load_builds_the_kernel_for_the_models_dtype_and_head_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_load_checks_the_kernel_for_the_models_dtype_and_head_sizes_and_leaves_it_off_when_it_fails(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """MLX compiles a custom kernel at its first call (H200 run 6: 2.1 s): a load makes that call, so a server's
-    first batch does not wait for it; one small call a head size the kernel takes."""
+    first batch does not wait for it, and holds the kernel to MLX's masked attention at each head size it takes;
+    a kernel that does not give it (or does not build) is reported in one line and not used."""
     from runtime.model.loaded import load_model
     from conftest import models_dir
 
-    calls: list[tuple[int, mx.Dtype]] = []
+    calls: list[tuple[int, int, mx.Dtype]] = []
 
     def kernel(queries, keys, values, *, scale, starts):
-        calls.append((queries.shape[-1], queries.dtype))
-        return queries
+        calls.append((queries.shape[-1], queries.shape[2], queries.dtype))
+        return short_attention.reference(queries, keys, values, scale=scale, starts=starts)
 
     monkeypatch.setattr(short_attention, "short_attention", kernel)
-    assert short_attention.warm(mx.bfloat16, {64, 80, 128}) == 2 and calls == [(64, mx.bfloat16), (128, mx.bfloat16)]
-    warmed: list[tuple[mx.Dtype, set[int]]] = []
+    assert short_attention.check(mx.bfloat16, {64, 80, 128}) is None
+    assert calls == [(64, 1, mx.bfloat16), (64, 5, mx.bfloat16), (128, 1, mx.bfloat16), (128, 5, mx.bfloat16)]
+    monkeypatch.setattr(short_attention, "short_attention", lambda q, k, v, *, scale, starts: q)
+    assert "off MLX's attention" in short_attention.check(mx.float32, {64})
     monkeypatch.setattr(short_attention, "available", lambda: True)
-    monkeypatch.setattr(short_attention, "warm", lambda dtype, dims: warmed.append((dtype, set(dims))) or 1)
-    lm = load_model("tiny-llama", models_dir=models_dir(), numpy_attention=False, plain_attention_queries=64,
-                    short_attention_kernel=True)
-    assert warmed == [(lm.float_dtype, {layer.k_head_dim for layer in lm.spec.layers})]
-    warmed.clear()
+    for problem in (None, "no kernel image"):
+        checked: list[tuple[mx.Dtype, set[int]]] = []
+        monkeypatch.setattr(short_attention, "check", lambda dtype, dims: checked.append((dtype, set(dims))) or problem)
+        with caplog.at_level("WARNING", logger="kvmem"):
+            lm = load_model("tiny-llama", models_dir=models_dir(), numpy_attention=False, plain_attention_queries=64,
+                            short_attention_kernel=True)
+        assert checked == [(lm.float_dtype, {layer.k_head_dim for layer in lm.spec.layers})]
+        assert lm.short_attention_kernel == (problem is None)
+    assert "short attention kernel is off, its check at load failed: no kernel image" in caplog.text
+    checked.clear()
     load_model("tiny-llama", models_dir=models_dir(), numpy_attention=False, plain_attention_queries=64)
-    assert warmed == []  # the setting off: nothing built
+    assert checked == []  # the setting off: nothing built
+
+@pytest.mark.skipif(not short_attention.available(), reason="the kernel is CUDA's: run on a GPU (benches/gpu_session.sh)")
+def test_on_cuda_the_load_check_passes_for_every_dtype_and_head_size() -> None:
+    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        assert short_attention.check(dtype, set(short_attention.HEAD_DIMS)) is None, dtype

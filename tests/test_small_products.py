@@ -65,7 +65,9 @@ def test_the_setting_reaches_the_profile_on_cuda_only_and_a_cpu_load_leaves_the_
     assert decide_profile(device="gpu", backend="cuda", small_products_kernel=True).small_products_kernel
     assert "small products in kvmem's kernel" in decide_profile(device="gpu", backend="cuda",
                                                                 small_products_kernel=True).line()
-    assert not decide_profile(device="gpu", backend="cuda").small_products_kernel  # off until a GPU run measures it
+    assert decide_profile(device="gpu", backend="cuda").small_products_kernel  # the GPU policy's default
+    assert not decide_profile(device="gpu", backend="cuda", small_products_kernel=False).small_products_kernel
+    assert not decide_profile(device="gpu", backend="cuda", profile="cpu").small_products_kernel
     assert not decide_profile(device="gpu", backend="metal", small_products_kernel=True).small_products_kernel
     forced = decide_profile(device="cpu", backend="cpu", profile="gpu", small_products_kernel=True)
     assert not forced.small_products_kernel
@@ -83,20 +85,43 @@ def test_on_the_device_the_kernel_gives_mlxs_product(rows: int, shape: tuple[int
     mx.random.seed(rows)
     w = (mx.random.normal(shape) * shape[1] ** -0.5).astype(dtype)
     x = mx.random.normal((rows, shape[1])).astype(dtype)
-    ours = small_products.small_product(x, w).astype(mx.float32)
     reference = (x.astype(mx.float32) @ w.astype(mx.float32).T)  # float32 products, whatever the dtype
     tolerance = {mx.float32: 1e-4, mx.bfloat16: 2e-2, mx.float16: 2e-3}[dtype]  # the output's own rounding
-    assert ours.shape == (rows, shape[0])
-    assert mx.allclose(ours, reference, atol=tolerance, rtol=tolerance).item(), mx.abs(ours - reference).max()
+    flat = mx.concatenate([mx.zeros((1,), dtype), x.reshape(-1)])
+    for operand in (x, flat[1:].reshape(x.shape)):  # aligned (16-byte loads), and one element into a buffer
+        ours = small_products.small_product(operand, w).astype(mx.float32)
+        assert ours.shape == (rows, shape[0])
+        assert mx.allclose(ours, reference, atol=tolerance, rtol=tolerance).item(), mx.abs(ours - reference).max()
 
 
-def test_a_load_builds_the_kernel_for_the_models_dtype(kernel_rows, monkeypatch: pytest.MonkeyPatch) -> None:
-    """MLX compiles a custom kernel at its first call: the load makes it, not a turn (one small product)."""
-    small_products.warm(mx.float32)
-    small_products.warm(mx.int32)  # not a dtype the kernel takes: nothing
-    assert kernel_rows == [2]
-    warmed: list[mx.Dtype] = []
+def test_a_load_checks_the_kernel_against_mlxs_product_and_keeps_mlxs_when_it_fails(
+        kernel_rows, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """MLX compiles a custom kernel at its first call: the load makes it, not a turn, and holds it to MLX's
+    product; a kernel that does not give it (or does not build) is reported in one line and not used."""
+    assert small_products.check(mx.float32) is None  # the kernel as its definition: it passes
+    assert kernel_rows == [2, 2, 9, 9, 16, 16]  # each product aligned and one element into a buffer
+    assert "not a dtype" in small_products.check(mx.int32)
+    monkeypatch.setattr(small_products, "small_product", lambda x, w: x @ w.T + 0.5)
+    assert "off MLX's product" in small_products.check(mx.bfloat16)
+
+    def broken(x, w):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(small_products, "small_product", broken)
+    assert "no kernel image" in small_products.check(mx.float16)
     monkeypatch.setattr(small_products, "available", lambda: True)
-    monkeypatch.setattr(small_products, "warm", warmed.append)
-    lm = load_model("tiny-llama", models_dir=models_dir(), numpy_attention=False, small_products_kernel=True)
-    assert warmed == [lm.float_dtype]
+    for problem in (None, "off by a mile"):
+        checked: list[mx.Dtype] = []
+        monkeypatch.setattr(small_products, "check", lambda dtype: checked.append(dtype) or problem)
+        with caplog.at_level("WARNING", logger="kvmem"):
+            lm = load_model("tiny-llama", models_dir=models_dir(), numpy_attention=False, small_products_kernel=True)
+        taken = any(type(m) is small_products.SmallRowsLinear for _, m in lm.model.named_modules())
+        assert checked == [lm.float_dtype] and taken == (problem is None)
+    assert "small products kernel is off, its check at load failed: off by a mile" in caplog.text
+
+
+@pytest.mark.skipif(not small_products.available(),
+                    reason="the kernel is CUDA's: run on a GPU (benches/gpu_session.sh)")
+def test_on_the_device_the_load_check_passes_for_every_dtype() -> None:
+    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        assert small_products.check(dtype) is None, dtype

@@ -135,7 +135,7 @@ class MlxEngine:
         plain_attention_queries: int | None = None,
         short_attention_kernel: bool | None = None,
         fused_projections: bool | None = None,
-        small_products_kernel: bool = False,
+        small_products_kernel: bool | None = None,
         keep_float_mb: float | None = 0,
         budget_mb: float | None = None,
         hot_budget_mb: float | None = None,

@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from runtime.backend import cuda_kernels_run as available  # where the kernel runs: the device's one answer
 
-__all__ = ["HEAD_DIMS", "MAX_QUERIES", "SHORT_PASS_KEYS", "available", "short_attention", "warm"]
+__all__ = ["HEAD_DIMS", "MAX_QUERIES", "SHORT_PASS_KEYS", "available", "check", "reference", "short_attention"]
 
 HEAD_DIMS = (64, 96, 128)
 """Head sizes the kernel takes: MLX's vector kernel's (32 lanes, ``D / 32`` elements a lane)."""
@@ -187,16 +187,43 @@ def short_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scal
     return out
 
 
-def warm(dtype: mx.Dtype, head_dims: set[int] | frozenset[int]) -> int:
-    """Build the kernel for ``dtype`` and each of ``head_dims`` it takes, by one small call each; returns how many.
+def reference(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, starts: mx.array) -> mx.array:
+    """What :func:`short_attention` computes, by MLX's attention with the mask it stands for: causal, each row
+    from its first key (``starts``)."""
+    n, s = queries.shape[2], keys.shape[2]
+    positions = mx.arange(s)[None, None, None, :]
+    causal = positions <= (mx.arange(n) + s - n)[None, None, :, None]
+    mask = (positions >= starts[:, None, None, None]) & causal
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+_TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2e-2, mx.float16: 2e-3}  # the output's own rounding (values ~1)
+
+
+def check(dtype: mx.Dtype, head_dims: set[int] | frozenset[int]) -> str | None:
+    """Build the kernel for ``dtype`` and each of ``head_dims`` it takes, and hold it to :func:`reference`:
+    None when it gives it, else what went wrong.
 
     MLX compiles a custom kernel on the machine at its first call (NVRTC): H200 run 6's probe took 2,140 ms
     for the first call and 0.26 after. Made at a model's load, that wait is not a server's first batch's.
+    Each head size: a padded batch's decode step and a short pass (one query and five a row; a row with
+    no padding, one with some, one whose first query sees one key), keys and values a slice of a longer
+    buffer as a cache hands them over; the reference runs on MLX's CPU. A load whose check fails attends
+    as if the kernel were off.
     """
-    built = 0
-    for dim in sorted(d for d in head_dims if d in HEAD_DIMS):
-        keys = mx.zeros((1, 1, 4, dim), dtype)
-        mx.eval(short_attention(mx.zeros((1, 1, 2, dim), dtype), keys, keys, scale=1.0,
-                                starts=mx.array([0], dtype=mx.int32)))
-        built += 1
-    return built
+    try:
+        for dim in sorted(d for d in head_dims if d in HEAD_DIMS):
+            for length in (1, 5):
+                keys, values = (mx.random.normal((3, 2, 340, dim), key=mx.random.key(seed)).astype(dtype)[:, :, :300]
+                                for seed in (1, 2))
+                queries = mx.random.normal((3, 4, length, dim), key=mx.random.key(3)).astype(dtype)
+                starts = mx.array([0, 17, 300 - length], dtype=mx.int32)
+                ours = short_attention(queries, keys, values, scale=dim**-0.5, starts=starts)
+                with mx.stream(mx.cpu):  # an independent device's
+                    theirs = reference(queries, keys, values, scale=dim**-0.5, starts=starts)
+                worst = mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item()
+                if not worst <= _TOLERANCE.get(dtype, 1e-4):
+                    return f"{length} queries of head size {dim} in {dtype}: off MLX's attention by {worst:.3g}"
+    except Exception as exc:  # noqa: BLE001 - a kernel that does not build or launch here is reported, not raised
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -302,12 +302,17 @@ def load_model(
         fused = fuse_projections(loaded)
         log.info("%s: %s", name, f"{fused} projection groups fused (queries, keys, values; gate, up)" if fused
                  else "no projections fused (only llama and qwen2 layers of one kind of projection are)")
+    # kvmem's CUDA kernels are built now, not in a server's first batch, and used only if they give MLX's results.
     if small_products_kernel and small_products.available():  # after the fusion: its groups' products too
-        log.info("%s: %d float layers' products of 2 to %d rows in kvmem's kernel", name,
-                 small_products.take_small_products(loaded), small_products.MAX_ROWS)
-        small_products.warm(lm.float_dtype)
-    if lm.short_attention_kernel and short_attention.available():  # built now, not in a server's first batch
-        short_attention.warm(lm.float_dtype, {layer.k_head_dim for layer in spec.layers})
+        if (problem := small_products.check(lm.float_dtype)) is None:
+            log.info("%s: %d float layers' products of 2 to %d rows in kvmem's kernel", name,
+                     small_products.take_small_products(loaded), small_products.MAX_ROWS)
+        else:
+            log.warning("%s: kvmem's small products kernel is off, its check at load failed: %s", name, problem)
+    if lm.short_attention_kernel and short_attention.available():
+        if (problem := short_attention.check(lm.float_dtype, {layer.k_head_dim for layer in spec.layers})) is not None:
+            log.warning("%s: kvmem's short attention kernel is off, its check at load failed: %s", name, problem)
+            lm.short_attention_kernel = False
     if len(made_float) < quantized:
         t0 = time.perf_counter()
         products = warm_quantized_kernels(loaded, lm.float_dtype)

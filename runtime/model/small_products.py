@@ -16,9 +16,10 @@ them; the input rows (at most 16 x the input width: 64 KB at 2,048 wide in bfloa
 a block's 16 warps, from L1 after the first, and from L2 once a block.
 
 It runs where MLX runs CUDA kernels (:func:`available`), for float16, bfloat16 and float32. A model's
-``nn.Linear`` layers go through it with the backend profile's ``small_products_kernel`` (off until a
-GPU run measures it: ``python -m benches gpu_probe``'s products section times it beside cuBLASLt's,
-and the suite's device tests compare it with MLX's product), via :func:`take_small_products`.
+``nn.Linear`` layers go through it with the backend profile's ``small_products_kernel`` (on under the GPU
+policy), via :func:`take_small_products`, once the load's :func:`check` held it to MLX's product on the
+device (else MLX's products, with one warning line). ``python -m benches gpu_probe``'s products section
+times it beside cuBLASLt's, and the suite's device tests compare it with MLX's product.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import mlx.core as mx
 from runtime.backend import cuda_kernels_run as available  # where the kernel runs: the device's one answer
 import mlx.nn as nn
 
-__all__ = ["MAX_ROWS", "SmallRowsLinear", "available", "small_product", "take_small_products", "warm"]
+__all__ = ["MAX_ROWS", "SmallRowsLinear", "available", "check", "small_product", "take_small_products"]
 
 MAX_ROWS = 16
 """Most input rows the kernel takes (its accumulators a lane); more rows keep cuBLASLt, which is faster there."""
@@ -42,10 +43,12 @@ _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 _HEADER = "#include <cooperative_groups/reduce.h>\n"
 
-# x: (M, K) row-contiguous, w: (N, K) row-contiguous (an nn.Linear's weight), out: (M, N) = x @ w.T
+# x: (M, K) row-contiguous, w: (N, K) row-contiguous (an nn.Linear's weight), out: (M, N) = x @ w.T. Each lane reads
+# 16 bytes of a row at a time (8 bfloat16 or float16, 4 float32) where the rows allow it, one element otherwise.
 _SOURCE = """
   constexpr int MMAX = 16;
   constexpr int WARPS = 16;
+  constexpr int VEC = 16 / sizeof(T);
   auto block = cg::this_thread_block();
   auto warp = cg::tiled_partition<32>(block);
   const int lane = warp.thread_rank();
@@ -62,7 +65,28 @@ _SOURCE = """
     acc[m] = 0.f;
   }
   const T* w_row = w + (int64_t)n * K;
-  for (int k = lane; k < K; k += 32) {
+  // 16-byte loads need every row to start on 16 bytes: a width that is a multiple of VEC, operands aligned.
+  const bool vectors = K % VEC == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0
+      && reinterpret_cast<uintptr_t>(w) % 16 == 0;
+  const int vector_end = vectors ? K : 0;
+  for (int k = lane * VEC; k < vector_end; k += 32 * VEC) {
+    const uint4 w_raw = *reinterpret_cast<const uint4*>(w_row + k);
+    const T* wv = reinterpret_cast<const T*>(&w_raw);
+#pragma unroll
+    for (int m = 0; m < MMAX; m++) {
+      if (m < M) {
+        const uint4 x_raw = *reinterpret_cast<const uint4*>(x + (int64_t)m * K + k);
+        const T* xv = reinterpret_cast<const T*>(&x_raw);
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+          sum += static_cast<float>(wv[j]) * static_cast<float>(xv[j]);
+        }
+        acc[m] += sum;
+      }
+    }
+  }
+  for (int k = vector_end + lane; k < K; k += 32) {
     const float wk = static_cast<float>(w_row[k]);
 #pragma unroll
     for (int m = 0; m < MMAX; m++) {
@@ -81,7 +105,6 @@ _SOURCE = """
     }
   }
 """
-
 
 
 @functools.cache
@@ -133,8 +156,36 @@ def take_small_products(model: nn.Module) -> int:
     return len(layers)
 
 
-def warm(dtype: mx.Dtype) -> None:
-    """Build the kernel for ``dtype`` by one small call: MLX compiles a custom kernel on the machine at its first
-    call (about 2 s for kvmem's attention kernel on H200 run 6), which a model's load can wait for, not a turn."""
-    if dtype in _DTYPES:
-        mx.eval(small_product(mx.zeros((2, 32), dtype), mx.zeros((8, 32), dtype)))
+_TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2e-2, mx.float16: 2e-3}  # the output's own rounding, relative
+
+_CHECKS = ((2, 1000, 2048), (9, 2048, 70), (16, 100, 4096))
+"""The products a load holds the kernel to: (rows, columns, width); widths that are and are not a multiple
+of a 16-byte load's elements, columns off the block's 16."""
+
+
+def check(dtype: mx.Dtype) -> str | None:
+    """Build the kernel for ``dtype`` and hold it to MLX's product: None when it gives it, else what went wrong.
+
+    MLX compiles a custom kernel on the machine at its first call (about 2 s for kvmem's attention kernel
+    on H200 run 6), which a model's load can wait for, not a turn. The operands are random, in ``dtype``,
+    each product once on aligned operands and once on ``x`` read from one element into a buffer (the
+    kernel's one-element road); the reference is the same product in float32 on MLX's CPU, and the
+    kernel must be within ``dtype``'s rounding of it. A load whose check fails keeps MLX's products.
+    """
+    if dtype not in _DTYPES:
+        return f"{dtype} is not a dtype the kernel takes"
+    try:
+        for i, (rows, columns, width) in enumerate(_CHECKS):
+            w = (mx.random.normal((columns, width), key=mx.random.key(2 * i)) * width**-0.5).astype(dtype)
+            flat = mx.random.normal((rows * width + 1,), key=mx.random.key(2 * i + 1)).astype(dtype)
+            for x in (flat[: rows * width].reshape(rows, width), flat[1:].reshape(rows, width)):
+                with mx.stream(mx.cpu):  # exact float32 products (a GPU's may round their inputs to TF32)
+                    reference = x.astype(mx.float32) @ w.astype(mx.float32).T
+                worst = mx.abs(small_product(x, w).astype(mx.float32) - reference).max().item()
+                allowed = _TOLERANCE[dtype] * max(1.0, mx.abs(reference).max().item())
+                if not worst <= allowed:
+                    return (f"{rows} rows of {width} by {columns} in {dtype}: off MLX's product by {worst:.3g} "
+                            f"(allowed {allowed:.3g})")
+    except Exception as exc:  # noqa: BLE001 - a kernel that does not build or launch here is reported, not raised
+        return f"{type(exc).__name__}: {exc}"
+    return None
