@@ -613,7 +613,8 @@ def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadli
     run, Q4 native, so the report shows what the profile's default gives beside what it did not pick. Q8 at rest
     since H200 run 6, where Q4 at rest lost 2 of float's 75 hits (on the CPU it kept every one, and Q8 gave
     float's very replies): whether 8 bits at rest keep them on a GPU, for a few ms a needle (it is derived from
-    float's prefill, as Q4's is)."""
+    float's prefill, as Q4's is). Since session 31 two more, derived alike: Q4 in groups of 32 (kvmem's
+    ``kv_group_size``), and keys in Q8 with values in Q4 (an experiment: which of the two needs the bits)."""
     if count <= 0 or model == "none":
         return ["Not run (`--needles 0` or `--needle-model none`)."]
     from runtime.backend import device_profile
@@ -636,7 +637,8 @@ def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadli
         # Native Q4 prefill runs single-threaded on MLX's CPU backend (hours at 8K): measured on GPUs only.
         native_ok, note = settle_attention(lm, "native") if chosen.policy == "gpu" else (
             "at-rest", "not run under the CPU policy (quantized SDPA is single-threaded there)")
-        formats = ["q4-at-rest", "q8-at-rest", *(["q4-native"] if native_ok == "native" else [])]
+        formats = ["q4-at-rest", "q8-at-rest", "q4g32-at-rest", "k8v4-at-rest",
+                   *(["q4-native"] if native_ok == "native" else [])]
         try:
             _needles_of(lm, formats, lengths, count, deadline, rows, skipped)
             break

@@ -12,11 +12,16 @@ counts everything: chat template, haystack, needle, question and the answer's
 What each format's KV is, and how it is produced:
 
 * ``float``: the whole prompt prefilled into mlx-lm's float ``KVCache``.
-* ``q4-at-rest`` / ``q8-at-rest``: kvmem's at-rest attention. The context (template,
-  haystack with the needle) was a turn run in float: it is the float run's
-  context KV, parked by ``ActiveKV.park`` (quantized to Q4 / Q8), saved and
-  loaded with ``CacheDirectory`` (fsync), activated (dequantized); the question
-  and the answer then run in float on top, as the next turn would.
+* ``q4-at-rest`` / ``q8-at-rest`` / ``q4g32-at-rest``: kvmem's at-rest attention. The
+  context (template, haystack with the needle) was a turn run in float: it is the float
+  run's context KV, parked by ``ActiveKV.park`` (quantized to Q4 / Q8 in groups of 64, or
+  Q4 in groups of 32: ``kv_group_size``), saved and loaded with ``CacheDirectory``
+  (fsync), activated (dequantized); the question and the answer then run in float on
+  top, as the next turn would.
+* ``k8v4-at-rest``: what at-rest attention would give with keys in Q8 and values in Q4
+  (groups of 64): the float context KV quantized and dequantized by kvmem's functions,
+  in memory. Not a kvmem format (no disk): an experiment, whether keys alone need the
+  bits when Q4 at rest loses a needle float finds (H200 run 6: 2 of 75).
 * ``q4-native``: kvmem's packed Q4 cache (``runtime.kv.q4_cache.QuantizedKVCache``)
   from the first token, every token quantized as it is appended, attention on
   Q4 (quantized SDPA); the context is parked and the question turn activated
@@ -61,10 +66,17 @@ from benches.fidelity_real import park, park_float, specs_by_bits, through_disk
 from benches.harness import ResultFile, log, table
 
 LENGTHS = (1024, 2048, 4096, 8192)
-FORMATS = ("float", "q4-at-rest", "q8-at-rest", "q4-native", "mlx-q4")
+FORMATS = ("float", "q4-at-rest", "q8-at-rest", "q4g32-at-rest", "k8v4-at-rest", "q4-native", "mlx-q4")
 FORMAT_LABELS = {"float": "float", "q4-at-rest": "kvmem Q4 at-rest (disk)", "q8-at-rest": "kvmem Q8 at-rest (disk)",
+                 "q4g32-at-rest": "kvmem Q4 at-rest, groups of 32 (disk)",
+                 "k8v4-at-rest": "keys Q8, values Q4 at rest (an experiment, not a kvmem format)",
                  "q4-native": "kvmem Q4 native", "mlx-q4": "mlx-lm QuantizedKVCache Q4"}
-AT_REST_BITS = {"q4-at-rest": 4, "q8-at-rest": 8}
+AT_REST_FORMATS = {"q4-at-rest": (4, 64), "q8-at-rest": (8, 64), "q4g32-at-rest": (4, 32)}
+"""kvmem's at-rest formats measured: (bits, group size)."""
+MIXED_AT_REST = {"k8v4-at-rest": (8, 4)}
+"""At-rest formats kvmem does not have, made in memory: (keys' bits, values' bits), groups of 64."""
+DERIVED = (*AT_REST_FORMATS, *MIXED_AT_REST)
+"""The formats a float trial's context KV gives (:func:`at_rest_caches`)."""
 ANSWER_TOKENS = 12
 CHUNK = 1024
 #: Every trial as it finishes (JSON lines); ``--resume`` reuses them, so a long run that stops can go on.
@@ -266,9 +278,6 @@ def run_length(lm: Any, hay: Haystack, needles: list[Needle], kind: CacheKind, *
     (float kind only) reuse each trial's float context KV. ``stop``, asked before each needle: once it says so,
     the rest are not run (a time limit: a needle that starts gets its answers in ``kind`` and every ``derived``
     format; needles go by position, so a cut set holds the earlier ones)."""
-    from runtime.kv.kvstate import ActiveKV
-
-    specs = specs_by_bits(lm.spec)
     main = kind.fresh()
     prefill(lm.model, hay.prefix, main)
     done = 0
@@ -291,13 +300,46 @@ def run_length(lm: Any, hay: Haystack, needles: list[Needle], kind: CacheKind, *
                                                                    "answer_s": time.perf_counter() - t1})
         for fmt in derived:
             t0 = time.perf_counter()
-            spec = specs[AT_REST_BITS[fmt]]
-            parked = park_float(context_kv, spec, context)
-            folder = tmp / f"{hay.length}-{needle.index}-{fmt}"
-            loaded, exact = through_disk(parked, spec, lm.float_dtype, folder)
-            shutil.rmtree(folder)
-            text = answer(lm, suffix, ActiveKV(loaded, spec, "at-rest").caches)
-            on_result(fmt, needle, text, {"answer_s": time.perf_counter() - t0, "disk_bit_exact": exact})
+            at_rest, extra = at_rest_caches(lm, context_kv, context, fmt, tmp / f"{hay.length}-{needle.index}-{fmt}")
+            text = answer(lm, suffix, at_rest)
+            on_result(fmt, needle, text, {"answer_s": time.perf_counter() - t0, **extra})
+
+
+def at_rest_caches(lm: Any, context_kv: Any, context: list[int], fmt: str, folder: Path) -> tuple[list[Any], dict[str, Any]]:
+    """The caches a turn after ``context`` starts from under the at-rest format ``fmt`` (one of :data:`DERIVED`),
+    from the float run's context KV: kvmem's through its park, the disk (``folder``, removed after) and its
+    activation; a :data:`MIXED_AT_REST` one quantized and dequantized in memory. Also what to record with it."""
+    from dataclasses import replace
+
+    from runtime.kv.kvstate import ActiveKV
+    from runtime.spec import KVFormat
+
+    if fmt in MIXED_AT_REST:
+        return mixed_at_rest(context_kv, *MIXED_AT_REST[fmt], fused=lm.spec.fused_dequantize), {}
+    bits, group = AT_REST_FORMATS[fmt]
+    spec = replace(lm.spec, kv_format=KVFormat(bits=bits, group_size=group))
+    loaded, exact = through_disk(park_float(context_kv, spec, context), spec, lm.float_dtype, folder)
+    shutil.rmtree(folder)
+    return ActiveKV(loaded, spec, "at-rest").caches, {"disk_bit_exact": exact}
+
+
+def mixed_at_rest(float_kv: list[tuple[Any, Any]], key_bits: int, value_bits: int, *, group: int = 64,
+                  fused: bool = False) -> list[Any]:
+    """Float caches holding ``float_kv`` ``(1, H, T, D)`` per layer as keys in ``key_bits`` and values in
+    ``value_bits`` would give them back: quantized and dequantized by kvmem's at-rest functions
+    (:mod:`runtime.kv.q4_packing`; ``fused``: the GPU policy's dequantization)."""
+    from mlx_lm.models.cache import KVCache
+
+    from runtime.kv.q4_packing import dequantize_kv, quantize_kv
+
+    caches = []
+    for k, v in float_kv:
+        cache = KVCache()
+        cache.keys = dequantize_kv(quantize_kv(k, group, key_bits), group, key_bits, k.dtype, fused=fused)
+        cache.values = dequantize_kv(quantize_kv(v, group, value_bits), group, value_bits, v.dtype, fused=fused)
+        cache.offset = int(k.shape[2])
+        caches.append(cache)
+    return caches
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -357,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
             for length, n, qn in zip(args.lengths, counts, qcounts, strict=True):
                 hay = Haystack(lm, FORMS[form_name], length, (ids, ends, text))
                 needles = hay.needles(n, seed=args.seed)
-                derived = [f for f in args.formats if f in AT_REST_BITS]
+                derived = [f for f in args.formats if f in DERIVED]
                 if "float" in args.formats or derived:
                     t0 = time.perf_counter()
                     todo = _not_journaled(journal, results, res, hay, needles, ["float", *derived],
@@ -603,7 +645,7 @@ def _read_margins(results: list[dict[str, Any]]) -> list[tuple[dict[str, Any], d
 
 def _partings(results: list[dict[str, Any]]) -> list[str]:
     """Where at-rest replies part from float's: both top-1 margins at the first differing token."""
-    at_rest = [r for r in results if r["format"] in AT_REST_BITS]
+    at_rest = [r for r in results if r["format"] in DERIVED]
     by = {(r["length"], r["format"], r["needle"]): r for r in results}
     differ = [r for r in at_rest if (r["length"], "float", r["needle"]) in by
               and r["answer"] != by[(r["length"], "float", r["needle"])]["answer"]]

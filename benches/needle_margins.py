@@ -20,7 +20,6 @@ at 8K on a 2-core CPU).
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -28,10 +27,9 @@ from typing import Any
 
 import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness, prose
-from benches.fidelity_real import park_float, specs_by_bits, through_disk
 from benches.harness import log
-from benches.needle import (AT_REST_BITS, DEFAULT_FORM, FORMS, LENGTHS, MARGINS, Q4_TOLERANCE, Haystack, Needle,
-                            _read_journal, _trial_key, cache_kinds, greedy, prefill)
+from benches.needle import (DEFAULT_FORM, DERIVED, FORMS, LENGTHS, MARGINS, Q4_TOLERANCE, Haystack, Needle,
+                            _read_journal, _trial_key, at_rest_caches, cache_kinds, greedy, prefill)
 
 
 def differing(journal: dict[tuple[Any, ...], dict[str, Any]], hay: Haystack, needles: list[Needle], fmt: str, *,
@@ -57,8 +55,6 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 def replay(lm: Any, hay: Haystack, needle: Needle, fmts: list[str], tmp: Path) -> dict[str, Any]:
     """Float's reply and each at-rest format's on ``needle``, with every step's top-1 margin."""
-    from runtime.kv.kvstate import ActiveKV
-
     kind = cache_kinds(lm)["float"]
     context = hay.context(needle)
     caches = kind.fresh()
@@ -66,13 +62,9 @@ def replay(lm: Any, hay: Haystack, needle: Needle, fmts: list[str], tmp: Path) -
     context_kv = kind.snapshot(caches, context)
     suffix = hay.suffix_ids(needle.key)
     out = {"float": greedy(lm, suffix, caches)}
-    specs = specs_by_bits(lm.spec)
     for fmt in fmts:
-        spec = specs[AT_REST_BITS[fmt]]
-        folder = tmp / f"{hay.length}-{needle.index}-{fmt}"
-        loaded, _ = through_disk(park_float(context_kv, spec, context), spec, lm.float_dtype, folder)
-        shutil.rmtree(folder)
-        out[fmt] = greedy(lm, suffix, ActiveKV(loaded, spec, "at-rest").caches)
+        caches, _ = at_rest_caches(lm, context_kv, context, fmt, tmp / f"{hay.length}-{needle.index}-{fmt}")
+        out[fmt] = greedy(lm, suffix, caches)
     return out
 
 
@@ -80,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     p = harness.parser(__doc__)
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     p.add_argument("--needles", type=int, default=20, help="needles per length, as the needle run had (default 20)")
-    p.add_argument("--formats", nargs="+", choices=sorted(AT_REST_BITS), default=sorted(AT_REST_BITS))
+    p.add_argument("--formats", nargs="+", choices=sorted(DERIVED), default=sorted(DERIVED))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     form = DEFAULT_FORM

@@ -75,3 +75,41 @@ def test_the_small_sample_caveat_appears_only_while_coverage_is_uneven(tmp_path:
     assert "weaker evidence" not in "\n".join(needle._goal(even, [8192]))
     uneven = [r for r in even if not (r["format"] == "q4-native" and r["needle"] == 2)]
     assert "weaker evidence" in "\n".join(needle._goal(uneven, [8192]))
+
+
+@pytest.mark.parametrize("fmt", needle.DERIVED)
+def test_each_derived_format_starts_a_turn_from_the_float_context_as_its_quantization_gives_it(
+        tmp_path: Path, fmt: str) -> None:
+    """Every at-rest format of the needle rows, from one float context on a tiny model: kvmem's through the disk
+    (Q4 and Q8 in groups of 64, Q4 in groups of 32), the experiment in memory (keys Q8, values Q4). Reference:
+    each tensor quantized and dequantized on its own by MLX (``mx.quantize``/``mx.dequantize``) in float32 at
+    the format's bits and group; the caches hold the context's length and stay within a quantization step
+    of it (Q8's steps far smaller than Q4's)."""
+    import mlx.core as mx
+    from conftest import tiny
+
+    lm = tiny("tiny-llama", bits=None)
+    kind = needle.cache_kinds(lm)["float"]
+    context = list(range(5, 5 + 300))
+    caches = kind.fresh()
+    needle.prefill(lm.model, context, caches)
+    float_kv = kind.snapshot(caches, context)
+    at_rest, extra = needle.at_rest_caches(lm, float_kv, context, fmt, tmp_path / fmt)
+    key_bits, value_bits, group = ((*needle.MIXED_AT_REST[fmt], 64) if fmt in needle.MIXED_AT_REST
+                                   else (needle.AT_REST_FORMATS[fmt][0],) * 2 + (needle.AT_REST_FORMATS[fmt][1],))
+    assert not (tmp_path / fmt).exists() and extra.get("disk_bit_exact", True)
+
+    def through_mlx(x: mx.array, bits: int) -> mx.array:  # from float16, as kvmem quantizes
+        packed = mx.quantize(x.astype(mx.float16), group_size=group, bits=bits)
+        return mx.dequantize(*packed, group_size=group, bits=bits).astype(mx.float32)
+
+    error = {}
+    for cache, (k, v) in zip(at_rest, float_kv, strict=True):
+        assert cache.offset == len(context)
+        for name, got, want, bits in (("keys", cache.keys, k, key_bits), ("values", cache.values, v, value_bits)):
+            got, size = got[..., : cache.offset, :].astype(mx.float32), mx.abs(want).max().item()
+            # Within float16's rounding of MLX's own round trip: another group size or bits is a step away.
+            assert mx.abs(got - through_mlx(want, bits)).max().item() <= 2e-3 * size, (fmt, name)
+            error[name] = max(error.get(name, 0.0), mx.abs(got - want.astype(mx.float32)).max().item() / size)
+    if key_bits > value_bits:
+        assert error["keys"] < error["values"] / 4, error
