@@ -51,6 +51,26 @@ def test_plain_attention_is_mlx_fused_attention(b: int, h: int, kv_heads: int, n
         assert error <= TOLERANCE[dtype], (name, error)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(("n", "s", "buffer"), [(13, 300, 512), (16, 512, 512), (5, 300, 768), (9, 650, 700),
+                                                (2, 2, 256)])
+def test_a_lone_rows_pass_over_its_buffer_is_mlx_fused_attention_over_its_keys(n: int, s: int, buffer: int,
+                                                                               dtype: mx.Dtype) -> None:
+    """The buffer past the cache holds zeros, or an earlier turn's keys (a cache cut back): masked, they weigh
+    nothing. Reference: MLX's fused attention over the cache's keys alone (causal)."""
+    q, k, v = _qkv(1, 8, 2, n, buffer, dtype)
+    k, v = k * 3, v * 3  # what lies past the cache is as large as what is in it
+    zeros = mx.zeros((1, 2, buffer - s - 40, 64), dtype) if buffer - s > 40 else None
+    if zeros is not None:  # the buffer's last keys never written
+        k, v = (mx.concatenate([x[:, :, : s + 40], zeros], axis=2) for x in (k, v))
+    cache = KVCache()
+    cache.keys, cache.values, cache.offset = k, v, s
+    ours = adapter.plain_attention_over_the_buffer(q, cache, scale=0.125, mask="causal")
+    fused = mx.fast.scaled_dot_product_attention(q, k[:, :, :s], v[:, :, :s], scale=0.125, mask="causal")
+    error = mx.abs(ours.astype(mx.float32) - fused.astype(mx.float32)).max().item()
+    assert ours.shape == fused.shape and ours.dtype == fused.dtype and error <= TOLERANCE[dtype], error
+
+
 @pytest.fixture
 def plain_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The query lengths of the passes that went through the plain path."""
@@ -65,20 +85,29 @@ def plain_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_only_short_passes_over_float_caches_take_the_plain_path(plain_passes: list[int]) -> None:
+def test_only_short_passes_over_float_caches_take_the_plain_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passes of 2 to ``plain_queries`` queries, and only kvmem's own; a lone row's attends over its buffer up to the
+    next 256 keys (shapes that repeat across turns), whatever its length."""
     lm = tiny("tiny-llama")
     assert adapter.install(type(lm.model).__module__)
-    calls = plain_passes
+    widths: list[int] = []
+    plain = adapter.plain_attention
+
+    def recorded(queries: mx.array, keys: mx.array, values: mx.array, **kwargs: object) -> mx.array:
+        widths.append(keys.shape[2])
+        return plain(queries, keys, values, **kwargs)
+
+    monkeypatch.setattr(adapter, "plain_attention", recorded)
     layers = len(lm.model.layers)
     for tokens, expected in ((5, layers), (8, layers), (1, 0), (9, 0)):
-        calls.clear()
+        widths.clear()
         cache = [KVCache() for _ in range(layers)]
         with adapter.active(False, plain_queries=8):
             mx.eval(lm.model(mx.array([[3] * tokens]), cache=cache))
-        assert len(calls) == expected, (tokens, calls)
-    calls.clear()
+        assert widths == [adapter.BUFFER_STEP] * expected, (tokens, widths)
+    widths.clear()
     mx.eval(lm.model(mx.array([[3] * 5]), cache=[KVCache() for _ in range(layers)]))
-    assert calls == []  # outside kvmem's own passes: mlx-lm untouched
+    assert widths == []  # outside kvmem's own passes: mlx-lm untouched
 
 
 async def _replies(home: Path, plain: int) -> list[str]:
