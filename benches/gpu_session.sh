@@ -107,6 +107,8 @@
 #      of 8 hot rows' joint pass) no longer builds them; an agent arriving while another with its system prompt
 #      decodes starts from that prompt (parked from the batch row then). The needle rows add Q4 in groups of 32 and,
 #      as an experiment, keys in Q8 with values in Q4 (about 2 s a needle in all now: the deadline may cut 1K).
+#      A lone row's short pass through plain operations (a hot turn over more than 2,048 keys) attends over its
+#      cache's buffer up to the next 256 keys, the rest masked (run 6's probe: no new-shape cost across turns).
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses). 285 s in all (run 5's
 # took 254 s, and the suite has grown since): since session 29 the bench call gives it 20 s of its 560.
