@@ -150,8 +150,7 @@ case "${1:-bench}" in
     # of CPU against one row's 2.23, and its 1K decode 0.80x mlx-lm. Two repeats each (the main run's three): the
     # trace's per-step and per-chunk medians read over many steps; before the 3B's engine rows and the gpt-oss roads,
     # which the call's time limit cuts first
-    MLX_ENABLE_TF32=0 timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/test_short_attention.py \
-      tests/test_fused_projections.py tests/test_small_products.py 2>&1 | tail -n 3
+    # (the kernels' device tests run in the suite call: since session 31 each model load also checks its kernels)
     timeout -s INT 40 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 --repeats 2 \
       --no-fused-projections --out /tmp/fused > /tmp/fused.log 2>&1
     echo "fused projections off: exit $?"; cat /tmp/fused/gpu.md >> "$out/settings.md"
