@@ -10,7 +10,10 @@ the machine was busy, and how much time the hypervisor stole (``/proc/stat``'s `
 
 Each thread's CPU time comes from ``/proc/self/task/<tid>/schedstat`` (nanoseconds on the CPU), else
 ``stat``'s ticks; a thread is named by Python's ``threading`` where it is a Python thread, else by its
-``comm`` (MLX's, CUDA's and OpenBLAS's workers).
+``comm`` (MLX's, CUDA's and OpenBLAS's workers). ``schedstat`` also gives the time a thread was ready to
+run but waited for a core, and ``stat`` the CPU it last ran on, whose physical core
+(``/sys/devices/system/cpu``) says whether two busy threads last shared one: hyperthreads of one core
+each run slower, with their CPU time counted in full.
 """
 
 from __future__ import annotations
@@ -32,18 +35,38 @@ def available() -> bool:
     return _TASKS.is_dir()
 
 
-def _thread_cpu_s(tid: str) -> float | None:
-    """Thread ``tid``'s CPU time in seconds, or None when it is gone."""
+def _thread_times(tid: str) -> tuple[float, float] | None:
+    """Thread ``tid``'s CPU time and its wait for a core, in seconds (wait 0 where unknown), or None when it is gone."""
     try:
-        return int((_TASKS / tid / "schedstat").read_text().split()[0]) / 1e9
-    except (OSError, ValueError, IndexError):
+        ran, waited = (int(v) / 1e9 for v in (_TASKS / tid / "schedstat").read_text().split()[:2])
+        return ran, waited
+    except (OSError, ValueError):
         pass
+    fields = _stat_fields(tid)
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) * _TICK_S, 0.0  # utime, stime
+
+
+def _stat_fields(tid: str) -> list[str] | None:
+    """``/proc/self/task/<tid>/stat`` after "pid (comm) ": the state is field 0."""
     try:
         stat = (_TASKS / tid / "stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is fields[0]
-    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _last_core(tid: str) -> str | None:
+    """The physical core (package and core id) thread ``tid`` last ran on, or None where unknown."""
+    fields = _stat_fields(tid)
+    if fields is None or len(fields) < 37:
+        return None
+    topology = Path(f"/sys/devices/system/cpu/cpu{fields[36]}/topology")  # stat's 39th field: the processor
+    try:
+        return f"{(topology / 'physical_package_id').read_text().strip()}/{(topology / 'core_id').read_text().strip()}"
+    except OSError:
+        return None
 
 
 def _comm(tid: str) -> str:
@@ -71,6 +94,8 @@ class Window:
     threads: dict[str, float] = field(default_factory=dict)  # name -> CPU seconds in the window
     machine_busy_s: float = 0.0  # every CPU's busy time (this process's and the rest)
     steal_s: float = 0.0  # time the hypervisor ran something else while a CPU of this machine wanted to run
+    waits: dict[str, float] = field(default_factory=dict)  # name -> seconds ready to run, waiting for a core
+    cores: dict[str, str] = field(default_factory=dict)  # name (one thread) -> the physical core it last ran on
 
     @property
     def process_cpu_s(self) -> float:
@@ -81,6 +106,14 @@ class Window:
         ranked = sorted(self.threads.items(), key=lambda kv: -kv[1])[:n]
         return [(name, cpu / self.wall_s if self.wall_s else 0.0) for name, cpu in ranked]
 
+    def sharing_a_core(self, n: int = 4) -> list[str]:
+        """Of the ``n`` threads that ran most, those that last ran on one physical core with another of them."""
+        by_core: dict[str, list[str]] = {}
+        for name, _ in self.top(n):
+            if (core := self.cores.get(name)) is not None:
+                by_core.setdefault(core, []).append(name)
+        return [name for names in by_core.values() if len(names) > 1 for name in names]
+
 
 class ThreadClock:
     """Per-thread CPU time of this process, and the machine's busy and stolen time, from :meth:`start` to
@@ -88,7 +121,7 @@ class ThreadClock:
 
     def __init__(self) -> None:
         self._t0 = 0.0
-        self._cpu: dict[str, float] = {}
+        self._cpu: dict[str, tuple[float, float]] = {}
         self._machine = (0, 0)
 
     def start(self) -> None:
@@ -101,23 +134,27 @@ class ThreadClock:
         now = self._read()
         busy, steal = _machine_ticks()
         names = {str(t.native_id): t.name for t in threading.enumerate() if t.native_id is not None}
-        used: dict[str, list[float]] = {}  # name -> each of its threads' CPU seconds
-        for tid, cpu in now.items():
-            if (ran := cpu - self._cpu.get(tid, 0.0)) > 0:
-                used.setdefault(names.get(tid) or _comm(tid), []).append(ran)
+        used: dict[str, list[tuple[str, float, float]]] = {}  # name -> each of its threads' (tid, CPU s, wait s)
+        for tid, (cpu, wait) in now.items():
+            cpu0, wait0 = self._cpu.get(tid, (0.0, 0.0))
+            if (ran := cpu - cpu0) > 0:
+                used.setdefault(names.get(tid) or _comm(tid), []).append((tid, ran, wait - wait0))
         # a library's workers share a name (their process's, unless they set one): summed, and counted
-        threads = {(name if len(runs) == 1 else f"{name} ({len(runs)} threads)"): sum(runs)
-                   for name, runs in used.items()}
-        return Window(wall_s=wall, threads=threads, machine_busy_s=(busy - self._machine[0]) * _TICK_S,
-                      steal_s=(steal - self._machine[1]) * _TICK_S)
+        named = {(name if len(runs) == 1 else f"{name} ({len(runs)} threads)"): runs for name, runs in used.items()}
+        cores = {name: core for name, runs in named.items() if len(runs) == 1
+                 and (core := _last_core(runs[0][0])) is not None}
+        return Window(wall_s=wall, threads={name: sum(r[1] for r in runs) for name, runs in named.items()},
+                      machine_busy_s=(busy - self._machine[0]) * _TICK_S,
+                      steal_s=(steal - self._machine[1]) * _TICK_S,
+                      waits={name: sum(r[2] for r in runs) for name, runs in named.items()}, cores=cores)
 
     @staticmethod
-    def _read() -> dict[str, float]:
+    def _read() -> dict[str, tuple[float, float]]:
         if not available():
             return {}
         out = {}
         for task in _TASKS.iterdir():
-            cpu = _thread_cpu_s(task.name)
-            if cpu is not None:
-                out[task.name] = cpu
+            times = _thread_times(task.name)
+            if times is not None:
+                out[task.name] = times
         return out

@@ -42,3 +42,39 @@ def test_a_busy_thread_is_named_with_its_share_of_the_window_and_an_idle_one_is_
     assert window.top(1)[0][0] == "spinner" and window.top(1)[0][1] > 0.1  # its share of the wall time
     assert window.threads.get("sleeper", 0.0) < 0.005 and window.process_cpu_s >= window.threads["spinner"]
     assert window.machine_busy_s >= 0 and window.steal_s >= 0
+
+
+def test_threads_waiting_for_a_core_and_sharing_one_are_told() -> None:
+    """Three spinning threads on one CPU: each waited for it about two thirds of the window, and all three last
+    ran on one physical core. Reference: the window's own wall time and the affinity the test sets."""
+    import hashlib
+    import os
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("thread affinity is Linux's")
+    cpu = min(os.sched_getaffinity(0))
+    stop, ready = threading.Event(), threading.Barrier(4)
+
+    data = bytes(1 << 20)
+
+    def spin() -> None:
+        os.sched_setaffinity(0, {cpu})  # this thread only (Linux: 0 is the calling thread)
+        ready.wait()
+        while not stop.is_set():
+            hashlib.sha256(data).digest()  # runs without the GIL: the three want the CPU, not the GIL
+
+    spinners = [threading.Thread(target=spin, name=f"spinner-{i}") for i in range(3)]
+    for t in spinners:
+        t.start()
+    ready.wait()
+    clock = ThreadClock()
+    clock.start()
+    time.sleep(0.6)
+    window = clock.stop()
+    stop.set()
+    for t in spinners:
+        t.join()
+    names = [f"spinner-{i}" for i in range(3)]
+    assert all(window.waits[name] > 0.2 * window.wall_s for name in names), window.waits
+    assert sum(window.threads[name] for name in names) <= 1.1 * window.wall_s  # one CPU's worth between them
+    assert set(names) <= set(window.sharing_a_core(4)) and len({window.cores[name] for name in names}) == 1
