@@ -535,6 +535,7 @@ def threads_into(trace: dict[str, Any], name: str, *, keep: bool = True) -> Iter
         "turn": name, "wall_s": window.wall_s, "cpu_s": window.process_cpu_s, "busy_s": window.machine_busy_s,
         "steal_s": window.steal_s, "top": top, "waits": {name: window.waits.get(name, 0.0) / (window.wall_s or 1)
                                                           for name, _ in top},
+        "faults": {name: window.faults.get(name, 0) for name, _ in top},
         "one_core": window.sharing_a_core(4)})
 
 
@@ -542,8 +543,9 @@ def thread_rows(trace: dict[str, Any]) -> list[list[str]]:
     """Which threads ran during each decoding turn (kvmem's and mlx-lm's, paired) and each batch round: the
     process's CPU time, every CPU's busy time and the time the hypervisor stole, each over the turn's wall
     time (in cores), and the threads that ran most, with their share of the wall time and (in brackets) the
-    share they were ready to run but waited for a core; then those of them that last ran on one physical core
-    (hyperthreads of a core each run slower, their CPU time counted in full).
+    share they were ready to run but waited for a core and their minor page faults (memory mapped at its first
+    touch, in their own CPU time); then those of them that last ran on one physical core (hyperthreads of a
+    core each run slower, their CPU time counted in full).
 
     Why: H200 run 6's kvmem steps cost the model's thread 3.5 ms of CPU on the 1B's cold turns, mlx-lm's 2.3
     in the same seconds, and kvmem's own 2.1 in the batch rounds after: its CPU time itself grew. Other threads
@@ -551,8 +553,8 @@ def thread_rows(trace: dict[str, Any]) -> list[list[str]]:
     rows = []
     for t in trace.get("threads", []):
         wall = t["wall_s"] or math.nan
-        waits = t.get("waits", {})
-        top = "; ".join(f"{name} {share:.2f}" + (f" ({waits[name]:.2f})" if waits.get(name) else "")
+        waits, faults = t.get("waits", {}), t.get("faults", {})
+        top = "; ".join(f"{name} {share:.2f} ({waits.get(name, 0.0):.2f} waited, {faults.get(name, 0)} faults)"
                         for name, share in t["top"])
         rows.append([t["turn"], f"{t['wall_s'] * 1e3:.0f}", f"{t['cpu_s'] / wall:.2f}", f"{t['busy_s'] / wall:.2f}",
                      f"{t['steal_s'] / wall:.2f}", top, ", ".join(t.get("one_core", [])) or "—"])
@@ -1054,8 +1056,8 @@ _TRACE_TABLES: tuple[tuple[Any, str, list[str], str | None], ...] = (
     (thread_rows,
      "Which threads ran during the decoding turns and the batch rounds (`/proc`: CPU time over each turn's wall "
      "time, in cores: this process's, every CPU's busy time, and the time the hypervisor stole; then the threads "
-     "that ran most, each with its share of the wall time and, in brackets, the share it waited for a core; a "
-     "library's workers share a name; then those of them that last ran on one physical core):",
+     "that ran most, each with its share of the wall time and, in brackets, the share it waited for a core and its "
+     "minor page faults; a library's workers share a name; then those of them that last ran on one physical core):",
      ["turn", "wall ms", "process CPU", "machine busy", "stolen", "threads that ran most", "on one core"],
      "lrrrrll"),
     (disk_split,

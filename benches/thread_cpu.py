@@ -11,9 +11,10 @@ the machine was busy, and how much time the hypervisor stole (``/proc/stat``'s `
 Each thread's CPU time comes from ``/proc/self/task/<tid>/schedstat`` (nanoseconds on the CPU), else
 ``stat``'s ticks; a thread is named by Python's ``threading`` where it is a Python thread, else by its
 ``comm`` (MLX's, CUDA's and OpenBLAS's workers). ``schedstat`` also gives the time a thread was ready to
-run but waited for a core, and ``stat`` the CPU it last ran on, whose physical core
-(``/sys/devices/system/cpu``) says whether two busy threads last shared one: hyperthreads of one core
-each run slower, with their CPU time counted in full.
+run but waited for a core, and ``stat`` its minor page faults (memory the kernel maps at the first touch,
+in the thread's own CPU time: a heap given back to the system and grown again) and the CPU it last ran
+on, whose physical core (``/sys/devices/system/cpu``) says whether two busy threads last shared one:
+hyperthreads of one core each run slower, with their CPU time counted in full.
 """
 
 from __future__ import annotations
@@ -35,17 +36,18 @@ def available() -> bool:
     return _TASKS.is_dir()
 
 
-def _thread_times(tid: str) -> tuple[float, float] | None:
-    """Thread ``tid``'s CPU time and its wait for a core, in seconds (wait 0 where unknown), or None when it is gone."""
-    try:
-        ran, waited = (int(v) / 1e9 for v in (_TASKS / tid / "schedstat").read_text().split()[:2])
-        return ran, waited
-    except (OSError, ValueError):
-        pass
+def _thread_times(tid: str) -> tuple[float, float, int] | None:
+    """Thread ``tid``'s CPU time and its wait for a core, in seconds (wait 0 where unknown), and its minor page
+    faults so far, or None when it is gone."""
     fields = _stat_fields(tid)
     if fields is None:
         return None
-    return (int(fields[11]) + int(fields[12])) * _TICK_S, 0.0  # utime, stime
+    faults = int(fields[7])  # stat's 10th field: minflt
+    try:
+        ran, waited = (int(v) / 1e9 for v in (_TASKS / tid / "schedstat").read_text().split()[:2])
+        return ran, waited, faults
+    except (OSError, ValueError):
+        return (int(fields[11]) + int(fields[12])) * _TICK_S, 0.0, faults  # utime, stime
 
 
 def _stat_fields(tid: str) -> list[str] | None:
@@ -95,6 +97,7 @@ class Window:
     machine_busy_s: float = 0.0  # every CPU's busy time (this process's and the rest)
     steal_s: float = 0.0  # time the hypervisor ran something else while a CPU of this machine wanted to run
     waits: dict[str, float] = field(default_factory=dict)  # name -> seconds ready to run, waiting for a core
+    faults: dict[str, int] = field(default_factory=dict)  # name -> minor page faults in the window
     cores: dict[str, str] = field(default_factory=dict)  # name (one thread) -> the physical core it last ran on
 
     @property
@@ -121,7 +124,7 @@ class ThreadClock:
 
     def __init__(self) -> None:
         self._t0 = 0.0
-        self._cpu: dict[str, tuple[float, float]] = {}
+        self._cpu: dict[str, tuple[float, float, int]] = {}
         self._machine = (0, 0)
 
     def start(self) -> None:
@@ -134,11 +137,11 @@ class ThreadClock:
         now = self._read()
         busy, steal = _machine_ticks()
         names = {str(t.native_id): t.name for t in threading.enumerate() if t.native_id is not None}
-        used: dict[str, list[tuple[str, float, float]]] = {}  # name -> each of its threads' (tid, CPU s, wait s)
-        for tid, (cpu, wait) in now.items():
-            cpu0, wait0 = self._cpu.get(tid, (0.0, 0.0))
+        used: dict[str, list[tuple[str, float, float, int]]] = {}  # name -> its threads' (tid, CPU, wait, faults)
+        for tid, (cpu, wait, faults) in now.items():
+            cpu0, wait0, faults0 = self._cpu.get(tid, (0.0, 0.0, 0))
             if (ran := cpu - cpu0) > 0:
-                used.setdefault(names.get(tid) or _comm(tid), []).append((tid, ran, wait - wait0))
+                used.setdefault(names.get(tid) or _comm(tid), []).append((tid, ran, wait - wait0, faults - faults0))
         # a library's workers share a name (their process's, unless they set one): summed, and counted
         named = {(name if len(runs) == 1 else f"{name} ({len(runs)} threads)"): runs for name, runs in used.items()}
         cores = {name: core for name, runs in named.items() if len(runs) == 1
@@ -146,10 +149,11 @@ class ThreadClock:
         return Window(wall_s=wall, threads={name: sum(r[1] for r in runs) for name, runs in named.items()},
                       machine_busy_s=(busy - self._machine[0]) * _TICK_S,
                       steal_s=(steal - self._machine[1]) * _TICK_S,
-                      waits={name: sum(r[2] for r in runs) for name, runs in named.items()}, cores=cores)
+                      waits={name: sum(r[2] for r in runs) for name, runs in named.items()},
+                      faults={name: sum(r[3] for r in runs) for name, runs in named.items()}, cores=cores)
 
     @staticmethod
-    def _read() -> dict[str, tuple[float, float]]:
+    def _read() -> dict[str, tuple[float, float, int]]:
         if not available():
             return {}
         out = {}

@@ -44,6 +44,36 @@ def test_a_busy_thread_is_named_with_its_share_of_the_window_and_an_idle_one_is_
     assert window.machine_busy_s >= 0 and window.steal_s >= 0
 
 
+def test_a_threads_first_touches_of_new_memory_are_counted_as_its_faults() -> None:
+    """A thread that writes 64 MiB of fresh memory (mapped page by page at the first touch) against one that
+    only sleeps. Reference: the pages written, 4 KiB each (huge pages would make fewer: at least a few)."""
+    import mmap
+
+    done, touched = threading.Event(), threading.Event()
+
+    def toucher() -> None:
+        memory = mmap.mmap(-1, 64 << 20)  # anonymous: no page mapped before it is touched
+        for offset in range(0, len(memory), 4096):
+            memory[offset] = 1
+        touched.set()
+        done.wait()
+        memory.close()
+
+    sleeper = threading.Thread(target=done.wait, name="sleeper")
+    sleeper.start()
+    clock = ThreadClock()
+    clock.start()
+    worker = threading.Thread(target=toucher, name="toucher")
+    worker.start()
+    touched.wait()
+    window = clock.stop()
+    done.set()
+    worker.join()
+    sleeper.join()
+    assert window.faults["toucher"] >= 32  # 16,384 pages of 4 KiB; a few 2 MiB huge pages at the very least
+    assert window.faults.get("sleeper", 0) < 10
+
+
 def test_threads_waiting_for_a_core_and_sharing_one_are_told() -> None:
     """Three spinning threads on one CPU: each waited for it about two thirds of the window, and all three last
     ran on one physical core. Reference: the window's own wall time and the affinity the test sets."""
