@@ -109,6 +109,8 @@
 #      as an experiment, keys in Q8 with values in Q4 (about 2 s a needle in all now: the deadline may cut 1K).
 #      A lone row's short pass through plain operations (a hot turn over more than 2,048 keys) attends over its
 #      cache's buffer up to the next 256 keys, the rest masked (run 6's probe: no new-shape cost across turns).
+#      The threads table adds each busy thread's wait for a core, its minor page faults and the threads that last
+#      shared a physical core. The kernels' device tests left the bench call (the suite call runs them).
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses). 285 s in all (run 5's
 # took 254 s, and the suite has grown since): since session 29 the bench call gives it 20 s of its 560.
