@@ -583,7 +583,8 @@ def decode_rows(model: Any, contexts: list[int], steps: int) -> list[list[str]]:
     return rows
 
 
-def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tokens: int = 0) -> list[list[str]]:
+def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tokens: int = 0,
+                       repeats: int = 3) -> list[list[str]]:
     """One row's decode on the same model in this process: plain mlx-lm (``generate_step``) and kvmem's
     engine called directly (``MlxEngine.step`` in a loop: no actors), three ways: on this thread; on an
     :class:`actors.mlx_thread.MlxThread` (the runtime's own thread) with no trio work; and on one whose
@@ -595,8 +596,11 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
     session 26), then after ``mx.clear_cache()`` (as mlx-lm's ``generate_step`` does after every prefill chunk),
     then after another such turn whose end emptied the cache (the GPU policy's ``clear_cache_after_prefill``).
     H200 run 5's 3B decoded at 227 tokens/s in its first 1K turn and 155-171 in the ones after its 32K turns,
-    mlx-lm at 188-264."""
+    mlx-lm at 188-264. ``repeats``: turns a rate's median is of (1 to 3: each rate's turns have ids of their own)."""
     import statistics as stats
+
+    if not 1 <= repeats <= 3:
+        raise ValueError(f"repeats must be 1 to 3, not {repeats}")
 
     import trio
 
@@ -610,7 +614,7 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
 
     model, tokenizer = load(folder)
     mlx_lm_turn(model, tokenizer, text, 16)  # warm-up
-    plain = [mlx_lm_turn(model, tokenizer, text, steps).decode_tps for _ in range(3)]
+    plain = [mlx_lm_turn(model, tokenizer, text, steps).decode_tps for _ in range(repeats)]
     del model
     cold = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
 
@@ -640,7 +644,7 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
 
     engine = loaded()
     engine_rate(engine, 1, 16)  # warm-up
-    alone = [engine_rate(engine, 2 + i, steps) for i in range(3)]
+    alone = [engine_rate(engine, 2 + i, steps) for i in range(repeats)]
     step_line = _one_step_operations(engine, text, cold)
     after: list[tuple[str, list[float]]] = []
     if after_tokens:
@@ -660,12 +664,12 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
 
         long_turn(5, False)  # as before session 26: MLX's cache keeps what the long prompt's chunks freed
         after.append((f"same, after a {after_tokens}-token turn, MLX's cache kept",
-                      [engine_rate(engine, 6 + i, steps) for i in range(3)]))
+                      [engine_rate(engine, 6 + i, steps) for i in range(repeats)]))
         mx.clear_cache()
-        after.append(("same, then after mx.clear_cache()", [engine_rate(engine, 9 + i, steps) for i in range(3)]))
+        after.append(("same, then after mx.clear_cache()", [engine_rate(engine, 9 + i, steps) for i in range(repeats)]))
         long_turn(12, True)  # the GPU policy's since: emptied at the turn's finish
         after.append((f"same, after a {after_tokens}-token turn, MLX's cache emptied at its end (the GPU policy)",
-                      [engine_rate(engine, 13 + i, steps) for i in range(3)]))
+                      [engine_rate(engine, 13 + i, steps) for i in range(repeats)]))
     engine.unload()
 
     async def on_the_mlx_thread() -> tuple[list[float], list[float]]:
@@ -677,8 +681,8 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
             def post(tokens: Any) -> None:  # the GPU actor's per-step post: trio wakes and runs a callback
                 thread.post(received.append, len(tokens))
 
-            quiet = [await thread.run(engine_rate, engine, 10 + i, steps) for i in range(3)]
-            posting = [await thread.run(engine_rate, engine, 20 + i, steps, post) for i in range(3)]
+            quiet = [await thread.run(engine_rate, engine, 10 + i, steps) for i in range(repeats)]
+            posting = [await thread.run(engine_rate, engine, 20 + i, steps, post) for i in range(repeats)]
             await thread.run(engine.close)
         return quiet, posting
 
