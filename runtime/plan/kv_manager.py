@@ -109,6 +109,10 @@ class _InFlight:
     donated: bool = False  # its prompt was parked for others (``donor`` None: it could not be)
 
 
+_Donor = tuple[str, ParkedView, HotEntry | None]
+"""A cache a turn may start from: its agent, the cache, and its hot-tier entry (None: a turn in flight's prompt)."""
+
+
 def _whole_blocks(tokens: int) -> int:
     return tokens // BLOCK_TOKENS * BLOCK_TOKENS
 
@@ -174,16 +178,9 @@ class KVCacheManager:
 
     def _shared(self, agent_id: str, model_tag: str, prompt: str) -> TurnPlan | None:
         """The longest whole-block prefix of ``prompt`` another sharing agent's cache covers."""
-        tenant = tenant_of(agent_id)
-        candidates = [(e.agent_id, e.parked, e) for e in self._entries.values()
-                      if e.share_prefix and e.model_tag == model_tag and e.agent_id != agent_id
-                      and tenant_of(e.agent_id) == tenant]
-        candidates += [(f.agent_id, f.donor, None) for f in self._inflight.values()
-                       if f.donor is not None and f.model_tag == model_tag and f.agent_id != agent_id
-                       and tenant_of(f.agent_id) == tenant]
+        hot, in_flight = self._donors(agent_id, model_tag)
         best: tuple[int, str, ParkedView, HotEntry | None] | None = None
-        for donor, parked, entry in candidates:
-            assert parked is not None
+        for donor, parked, entry in hot + in_flight:
             if parked.num_tokens < BLOCK_TOKENS:
                 continue
             # Whole blocks only, and at least one character of the prompt left to prefill.
@@ -199,6 +196,20 @@ class KVCacheManager:
             self._touch(entry)
         return TurnPlan(tier="shared", source=FromShared(parked=parked, reuse_tokens=keep, donor=donor),
                         match=MatchKind.EXTEND.value, reuse_tokens=keep, reuse_chars=parked.offsets[keep - 1])
+
+    def _donors(self, agent_id: str, model_tag: str) -> tuple[list[_Donor], list[_Donor]]:
+        """What ``agent_id`` may start from for ``model_tag``, within its tenant: other sharing agents' hot caches,
+        and the prompts other agents' turns in flight parked for others; each (agent, cache, its hot entry)."""
+        tenant = tenant_of(agent_id)
+
+        def shares(other: str, tag: str) -> bool:
+            return other != agent_id and tag == model_tag and tenant_of(other) == tenant
+
+        hot: list[_Donor] = [(e.agent_id, e.parked, e) for e in self._entries.values()
+                             if e.share_prefix and shares(e.agent_id, e.model_tag)]
+        in_flight: list[_Donor] = [(f.agent_id, f.donor, None) for f in self._inflight.values()
+                                   if f.donor is not None and shares(f.agent_id, f.model_tag)]
+        return hot, in_flight
 
     # -- turns in flight ----------------------------------------------------------
 
@@ -222,16 +233,9 @@ class KVCacheManager:
         turn.prefill_started = True
         if not turn.share_prefix:
             return None
-        tenant = tenant_of(turn.agent_id)
-        donors = [(other.agent_id, other.donor, None) for other_id, other in self._inflight.items()
-                  if other_id != request_id and other.donor is not None]
-        if turn.tokens_reused == 0:  # as plan() asks: an agent's own cache first
-            donors += [(e.agent_id, e.parked, e) for e in self._entries.values()
-                       if e.share_prefix and e.agent_id != turn.agent_id]
+        hot, in_flight = self._donors(turn.agent_id, turn.model_tag)
         best: tuple[int, str, ParkedView, HotEntry | None] | None = None
-        for agent_id, parked, entry in donors:
-            if parked.model_tag != turn.model_tag or tenant_of(agent_id) != tenant:
-                continue
+        for agent_id, parked, entry in in_flight + (hot if turn.tokens_reused == 0 else []):  # own cache first
             keep = min(self._shared_blocks(parked.token_ids, turn), _whole_blocks(len(turn.token_ids) - 1))
             if keep > turn.tokens_reused and (best is None or keep > best[0]):
                 best = (keep, agent_id, parked, entry)
