@@ -79,7 +79,7 @@ class FloatResident:
         if layers is None or tokens > self.tokens:
             return None
         self.drop()
-        return [kv if kv is None or isinstance(kv, tuple) else kv() for kv in layers]
+        return _written(layers)
 
     @property
     def pending(self) -> bool:
@@ -92,10 +92,9 @@ class FloatResident:
 
         Called once the parked Q4 they read is evaluated (its save's host copy read it): MLX then writes
         the buffers in place, as :meth:`take` would."""
-        layers = self._layers
-        if layers is None or not self.pending:
+        if self._layers is None or not self.pending:
             return
-        self._layers = [kv if kv is None or isinstance(kv, tuple) else kv() for kv in layers]
+        self._layers = _written(self._layers)
         mx.async_eval([a for kv in self._layers if kv is not None for a in kv])
 
     def drop(self) -> None:
@@ -103,6 +102,11 @@ class FloatResident:
         self._layers = None
         if self._on_empty is not None:
             self._on_empty()
+
+
+def _written(layers: list[LayerKV | PendingKV | None]) -> list[LayerKV | None]:
+    """``layers`` with every pending one's writes made (lazily: nothing is evaluated here)."""
+    return [kv if kv is None or isinstance(kv, tuple) else kv() for kv in layers]
 
 
 class ResidentPool:

@@ -31,6 +31,7 @@ import functools
 
 import mlx.core as mx
 
+from runtime.backend import cuda_kernel_tolerance
 from runtime.backend import cuda_kernels_run as available  # where the kernel runs: the device's one answer
 
 __all__ = ["HEAD_DIMS", "MAX_QUERIES", "SHORT_PASS_KEYS", "available", "check", "reference", "short_attention"]
@@ -197,9 +198,6 @@ def reference(queries: mx.array, keys: mx.array, values: mx.array, *, scale: flo
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
-_TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2e-2, mx.float16: 2e-3}  # the output's own rounding (values ~1)
-
-
 def check(dtype: mx.Dtype, head_dims: set[int] | frozenset[int]) -> str | None:
     """Build the kernel for ``dtype`` and each of ``head_dims`` it takes, and hold it to :func:`reference`:
     None when it gives it, else what went wrong.
@@ -222,7 +220,7 @@ def check(dtype: mx.Dtype, head_dims: set[int] | frozenset[int]) -> str | None:
                 with mx.stream(mx.cpu):  # an independent device's
                     theirs = reference(queries, keys, values, scale=dim**-0.5, starts=starts)
                 worst = mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item()
-                if not worst <= _TOLERANCE.get(dtype, 1e-4):
+                if not worst <= cuda_kernel_tolerance(dtype):
                     return f"{length} queries of head size {dim} in {dtype}: off MLX's attention by {worst:.3g}"
     except Exception as exc:  # noqa: BLE001 - a kernel that does not build or launch here is reported, not raised
         return f"{type(exc).__name__}: {exc}"

@@ -29,6 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from runtime.backend import cuda_kernel_tolerance
 from runtime.backend import cuda_kernels_run as available  # where the kernel runs: the device's one answer
 import mlx.nn as nn
 
@@ -156,8 +157,6 @@ def take_small_products(model: nn.Module) -> int:
     return len(layers)
 
 
-_TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2e-2, mx.float16: 2e-3}  # the output's own rounding, relative
-
 _CHECKS = ((2, 1000, 2048), (9, 2048, 70), (16, 100, 4096))
 """The products a load holds the kernel to: (rows, columns, width); widths that are and are not a multiple
 of a 16-byte load's elements, columns off the block's 16."""
@@ -182,7 +181,7 @@ def check(dtype: mx.Dtype) -> str | None:
                 with mx.stream(mx.cpu):  # exact float32 products (a GPU's may round their inputs to TF32)
                     reference = x.astype(mx.float32) @ w.astype(mx.float32).T
                 worst = mx.abs(small_product(x, w).astype(mx.float32) - reference).max().item()
-                allowed = _TOLERANCE[dtype] * max(1.0, mx.abs(reference).max().item())
+                allowed = cuda_kernel_tolerance(dtype) * max(1.0, mx.abs(reference).max().item())
                 if not worst <= allowed:
                     return (f"{rows} rows of {width} by {columns} in {dtype}: off MLX's product by {worst:.3g} "
                             f"(allowed {allowed:.3g})")
