@@ -76,3 +76,22 @@ def test_until_an_engine_says_the_device_decides_the_host_views(on_a_cpu: bool, 
     viewed.clear()
     kv_copy.place_rows([(buffer[..., :5, :], 0)], 16, buffer)
     assert len(viewed) == (0 if on_a_cpu else 1)
+
+
+@pytest.mark.parametrize("host_views", [True, False])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_tokens_with_room_are_the_tokens_then_zeros_in_one_node_without_host_views(
+        host_views: bool, dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished batch row's float buffers, and a cache read ahead's, get room for the next turn's tokens: one
+    node an array under the GPU policy (a node costs a GPU's host at each launch), the same values either road."""
+    monkeypatch.setattr(kv_copy, "_host_views", host_views)
+    mx.random.seed(2)
+    batch = mx.random.normal((3, 2, 300, 8)).astype(dtype)
+    mx.eval(batch)
+    row = batch[1:2, :, 7:290]  # a batch row's view, as a finished row's is
+    out = kv_copy.tokens_with_room(row, 512)
+    if not host_views:
+        assert _nodes(out) == 2  # the row's slice, and the one pad
+    assert out.shape == (1, 2, 512, 8) and out.dtype == dtype
+    assert mx.array_equal(out[..., :283, :], row).item() and mx.abs(out[..., 283:, :]).max().item() == 0
+    assert mx.array_equal(kv_copy.tokens_with_room(batch, 512)[:, :, :300], batch).item()

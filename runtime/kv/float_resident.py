@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from runtime.cpu.kv_copy import place_rows
+from runtime.cpu.kv_copy import tokens_with_room
 from runtime.kv.decode_kv import host_padding
 
 __all__ = ["FloatResident", "PendingKV", "ResidentPool", "HEADROOM_TOKENS", "extract_with_room", "room_for",
@@ -169,7 +169,7 @@ def room_for(tokens: int) -> int:
 def with_room(tokens: mx.array) -> mx.array:
     """``tokens`` ``(B, H, T, D)`` copied into a buffer of :func:`room_for` ``T`` tokens, so a turn's
     first tokens do not grow (copy) it again."""
-    return place_rows([(tokens[i : i + 1], 0) for i in range(tokens.shape[0])], room_for(tokens.shape[2]), tokens)
+    return tokens_with_room(tokens, room_for(tokens.shape[2]))
 
 
 def row_view(cache: Any, idx: int) -> Any:
