@@ -39,6 +39,7 @@ only (a lent session's minute goes to the questions still open). Here (CPU)::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import glob
 import os
@@ -615,6 +616,7 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
     model, tokenizer = load(folder)
     mlx_lm_turn(model, tokenizer, text, 16)  # warm-up
     plain = [mlx_lm_turn(model, tokenizer, text, steps).decode_tps for _ in range(repeats)]
+    plain_step_line = _mlx_lm_step_operations(model, tokenizer, text)
     del model
     cold = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
 
@@ -694,7 +696,7 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
         for name, rates in (("kvmem MlxEngine.step, no actors, this thread", alone), *after,
                             ("same, on the runtime's MLX thread (MlxThread), no trio work", quiet),
                             ("same, each step posting to trio (as the GPU actor's decode runs)", posting))] + [
-        [step_line, "—", "—"]]
+        [plain_step_line, "—", "—"], [step_line, "—", "—"]]
 
 
 def _one_step_operations(engine: Any, text: str, plan: Any) -> str:
@@ -716,7 +718,21 @@ def _one_step_operations(engine: Any, text: str, plan: Any) -> str:
         return "one decode step: not measured (no step timing, or no operations submitted)"
     submit = timing.launch_ms - timing.build_ms - counted.ms
     return (f"one decode step: {counted.operations} operations, build {timing.build_ms:.2f} ms, submit {submit:.2f} ms "
-            f"({submit * 1e3 / counted.operations:.1f} µs an operation)")
+            f"({submit * 1e3 / counted.operations:.1f} µs an operation; by kind: {counted.kinds()})")
+
+
+def _mlx_lm_step_operations(model: Any, tokenizer: Any, text: str) -> str:
+    """One of plain mlx-lm's steady decode steps (``generate_step``): its operations by kind, as a line beside
+    kvmem's (:func:`_one_step_operations`): on a GPU each is paid at every step, and the CPU's counts expand MLX's
+    fused operations into their fallbacks, so only a device says which kinds a step could lose."""
+    from benches.gpu import mlx_lm_turn
+
+    with counting_submits() as counted:
+        mlx_lm_turn(model, tokenizer, text, 9)
+    if len(counted.calls) < 3:
+        return "mlx-lm's decode step: not measured (fewer than 3 submits)"
+    middle = len(counted.calls) // 2
+    return f"mlx-lm's decode step: {sum(counted.calls[middle].values())} operations (by kind: {counted.kinds(middle)})"
 
 
 def product_rows(rows: tuple[int, ...], shapes: list[tuple[int, int]], dtype_name: str, repeats: int = 10,
@@ -951,6 +967,11 @@ class SubmitCount:
     def __init__(self) -> None:
         self.operations = 0
         self.ms = 0.0
+        self.calls: list[collections.Counter[str]] = []  # each call's operations by kind
+
+    def kinds(self, call: int = -1) -> str:
+        """One call's operations by kind, the most frequent first (``Slice 96, Reshape 48, ...``)."""
+        return ", ".join(f"{kind} {n}" for kind, n in self.calls[call].most_common()) if self.calls else "none"
 
 
 @contextlib.contextmanager
@@ -962,7 +983,9 @@ def counting_submits() -> Iterator[SubmitCount]:
 
     def counting(*arrays: Any) -> Any:
         t0 = time.perf_counter()
-        counted.operations += graph_operations(list(arrays))
+        kinds = collections.Counter(graph_operation_names(list(arrays)))
+        counted.calls.append(kinds)
+        counted.operations += sum(kinds.values())
         counted.ms += (time.perf_counter() - t0) * 1e3
         return submit(*arrays)
 

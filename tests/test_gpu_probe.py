@@ -83,11 +83,16 @@ def test_the_engine_rows_run_after_a_long_turn_with_the_cache_kept_cleared_and_e
     assert names[:5] == ["mlx-lm generate_step", "kvmem MlxEngine.step, no actors, this thread",
                          "same, after a 300-token turn, MLX's cache kept", "same, then after mx.clear_cache()",
                          "same, after a 300-token turn, MLX's cache emptied at its end (the GPU policy)"]
-    assert all(float(r[1]) > 0 for r in rows[:-1])
-    # the last row: one steady decode step's operations and submit, what the joint section's are read against
+    assert all(float(r[1]) > 0 for r in rows[:-2])
+    # the last rows: one steady decode step's operations by kind, mlx-lm's and kvmem's (with its submit, what the
+    # joint section's are read against)
+    plain = re.fullmatch(r"mlx-lm's decode step: (\d+) operations \(by kind: (.+)\)", rows[-2][0])
     step = re.fullmatch(r"one decode step: (\d+) operations, build [\d.]+ ms, submit [\d.]+ ms \(([\d.]+) µs an "
-                        r"operation\)", rows[-1][0])
-    assert step is not None and int(step[1]) > 100 and float(step[2]) > 0, rows[-1]
+                        r"operation; by kind: (.+)\)", rows[-1][0])
+    assert plain is not None and step is not None, rows[-2:]
+    assert int(step[1]) > 100 and float(step[2]) > 0 and int(plain[1]) > 100, rows[-2:]
+    for line in (plain, step):  # the kinds add up to the count
+        assert sum(int(part.rsplit(" ", 1)[1]) for part in line[line.lastindex].split(", ")) == int(line[1])
 
 
 def test_the_products_section_times_each_row_count_again_and_again() -> None:
