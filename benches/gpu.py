@@ -624,7 +624,8 @@ def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadli
     since H200 run 6, where Q4 at rest lost 2 of float's 75 hits (on the CPU it kept every one, and Q8 gave
     float's very replies): whether 8 bits at rest keep them on a GPU, for a few ms a needle (it is derived from
     float's prefill, as Q4's is). Since session 31 two more, derived alike: Q4 in groups of 32 (kvmem's
-    ``kv_group_size``), and keys in Q8 with values in Q4 (an experiment: which of the two needs the bits)."""
+    ``kv_group_size``), and keys in Q8 with values in Q4 (``kv_key_bits``, since session 32 a kvmem format
+    through the disk like the others): which of the two changes keeps float's hits, at what memory."""
     if count <= 0 or model == "none":
         return ["Not run (`--needles 0` or `--needle-model none`)."]
     from runtime.backend import device_profile

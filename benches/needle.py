@@ -12,16 +12,14 @@ counts everything: chat template, haystack, needle, question and the answer's
 What each format's KV is, and how it is produced:
 
 * ``float``: the whole prompt prefilled into mlx-lm's float ``KVCache``.
-* ``q4-at-rest`` / ``q8-at-rest`` / ``q4g32-at-rest``: kvmem's at-rest attention. The
-  context (template, haystack with the needle) was a turn run in float: it is the float
-  run's context KV, parked by ``ActiveKV.park`` (quantized to Q4 / Q8 in groups of 64, or
-  Q4 in groups of 32: ``kv_group_size``), saved and loaded with ``CacheDirectory``
-  (fsync), activated (dequantized); the question and the answer then run in float on
-  top, as the next turn would.
-* ``k8v4-at-rest``: what at-rest attention would give with keys in Q8 and values in Q4
-  (groups of 64): the float context KV quantized and dequantized by kvmem's functions,
-  in memory. Not a kvmem format (no disk): an experiment, whether keys alone need the
-  bits when Q4 at rest loses a needle float finds (H200 run 6: 2 of 75).
+* ``q4-at-rest`` / ``q8-at-rest`` / ``q4g32-at-rest`` / ``k8v4-at-rest``: kvmem's at-rest
+  attention. The context (template, haystack with the needle) was a turn run in float: it
+  is the float run's context KV, parked by ``ActiveKV.park`` (quantized to Q4 / Q8 in groups
+  of 64, Q4 in groups of 32: ``kv_group_size``, or keys in Q8 with values in Q4:
+  ``kv_key_bits``), saved and loaded with ``CacheDirectory`` (fsync), activated
+  (dequantized); the question and the answer then run in float on top, as the next turn
+  would. (H200 run 6: Q4 at rest lost 2 of float's 75 hits; the other three say which
+  change keeps them, at what memory.)
 * ``q4-native``: kvmem's packed Q4 cache (``runtime.kv.q4_cache.QuantizedKVCache``)
   from the first token, every token quantized as it is appended, attention on
   Q4 (quantized SDPA); the context is parked and the question turn activated
@@ -64,18 +62,18 @@ import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness, prose
 from benches.fidelity_real import park, park_float, specs_by_bits, through_disk
 from benches.harness import ResultFile, log, table
+from runtime.spec import KVFormat
 
 LENGTHS = (1024, 2048, 4096, 8192)
 FORMATS = ("float", "q4-at-rest", "q8-at-rest", "q4g32-at-rest", "k8v4-at-rest", "q4-native", "mlx-q4")
 FORMAT_LABELS = {"float": "float", "q4-at-rest": "kvmem Q4 at-rest (disk)", "q8-at-rest": "kvmem Q8 at-rest (disk)",
                  "q4g32-at-rest": "kvmem Q4 at-rest, groups of 32 (disk)",
-                 "k8v4-at-rest": "keys Q8, values Q4 at rest (an experiment, not a kvmem format)",
+                 "k8v4-at-rest": "kvmem keys Q8, values Q4 at-rest (disk)",
                  "q4-native": "kvmem Q4 native", "mlx-q4": "mlx-lm QuantizedKVCache Q4"}
-AT_REST_FORMATS = {"q4-at-rest": (4, 64), "q8-at-rest": (8, 64), "q4g32-at-rest": (4, 32)}
-"""kvmem's at-rest formats measured: (bits, group size)."""
-MIXED_AT_REST = {"k8v4-at-rest": (8, 4)}
-"""At-rest formats kvmem does not have, made in memory: (keys' bits, values' bits), groups of 64."""
-DERIVED = (*AT_REST_FORMATS, *MIXED_AT_REST)
+AT_REST_FORMATS = {"q4-at-rest": KVFormat(bits=4), "q8-at-rest": KVFormat(bits=8),
+                   "q4g32-at-rest": KVFormat(bits=4, group_size=32), "k8v4-at-rest": KVFormat(bits=4, key_bits=8)}
+"""kvmem's at-rest formats measured."""
+DERIVED = tuple(AT_REST_FORMATS)
 """The formats a float trial's context KV gives (:func:`at_rest_caches`)."""
 ANSWER_TOKENS = 12
 CHUNK = 1024
@@ -307,39 +305,16 @@ def run_length(lm: Any, hay: Haystack, needles: list[Needle], kind: CacheKind, *
 
 def at_rest_caches(lm: Any, context_kv: Any, context: list[int], fmt: str, folder: Path) -> tuple[list[Any], dict[str, Any]]:
     """The caches a turn after ``context`` starts from under the at-rest format ``fmt`` (one of :data:`DERIVED`),
-    from the float run's context KV: kvmem's through its park, the disk (``folder``, removed after) and its
-    activation; a :data:`MIXED_AT_REST` one quantized and dequantized in memory. Also what to record with it."""
+    from the float run's context KV: kvmem's park, the disk (``folder``, removed after) and its activation.
+    Also what to record with it."""
     from dataclasses import replace
 
     from runtime.kv.kvstate import ActiveKV
-    from runtime.spec import KVFormat
 
-    if fmt in MIXED_AT_REST:
-        return mixed_at_rest(context_kv, *MIXED_AT_REST[fmt], fused=lm.spec.fused_dequantize), {}
-    bits, group = AT_REST_FORMATS[fmt]
-    spec = replace(lm.spec, kv_format=KVFormat(bits=bits, group_size=group))
+    spec = replace(lm.spec, kv_format=AT_REST_FORMATS[fmt])
     loaded, exact = through_disk(park_float(context_kv, spec, context), spec, lm.float_dtype, folder)
     shutil.rmtree(folder)
     return ActiveKV(loaded, spec, "at-rest").caches, {"disk_bit_exact": exact}
-
-
-def mixed_at_rest(float_kv: list[tuple[Any, Any]], key_bits: int, value_bits: int, *, group: int = 64,
-                  fused: bool = False) -> list[Any]:
-    """Float caches holding ``float_kv`` ``(1, H, T, D)`` per layer as keys in ``key_bits`` and values in
-    ``value_bits`` would give them back: quantized and dequantized by kvmem's at-rest functions
-    (:mod:`runtime.kv.q4_packing`; ``fused``: the GPU policy's dequantization)."""
-    from mlx_lm.models.cache import KVCache
-
-    from runtime.kv.q4_packing import dequantize_kv, quantize_kv
-
-    caches = []
-    for k, v in float_kv:
-        cache = KVCache()
-        cache.keys = dequantize_kv(quantize_kv(k, group, key_bits), group, key_bits, k.dtype, fused=fused)
-        cache.values = dequantize_kv(quantize_kv(v, group, value_bits), group, value_bits, v.dtype, fused=fused)
-        cache.offset = int(k.shape[2])
-        caches.append(cache)
-    return caches
 
 
 def main(argv: list[str] | None = None) -> None:

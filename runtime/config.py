@@ -114,6 +114,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         kv_bits: 4 or 8 (quantized KV at rest) or None (float KV; ``"float"`` in
             the environment, TOML and flags).
         kv_group_size: quantization group size.
+        kv_key_bits: the keys' bits when they differ from the values' (``kv_bits``): 8 keeps
+            keys in Q8 and values at ``kv_bits``, as llama.cpp's ``--cache-type-k q8_0
+            --cache-type-v q4_0`` (a query's attention over thousands of keys is what quantization
+            noise flips; a value's error is averaged by the weights). Unset: ``kv_bits``. Attends
+            at rest (native attention takes one bits for both).
         attention: ``auto`` (at-rest on every device: native loses needles float keeps,
             docs/models.md), ``at-rest`` (Q4 at rest, float while a sequence runs; fastest
             on CPU) or ``native`` (attend on packed Q4 with MLX's quantized SDPA).
@@ -200,6 +205,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # -- KV format
     kv_bits: Literal[4, 8] | None = 4
     kv_group_size: Literal[32, 64, 128] = 64
+    kv_key_bits: Literal[4, 8] | None = None
     attention: Attention = "auto"
     numpy_attention: bool = True
     plain_attention_queries: Annotated[int, Meta(ge=0, le=4096)] | None = None
@@ -270,7 +276,7 @@ SERVER_FIELDS: frozenset[str] = frozenset({
 _BOOLS = frozenset({"fsync", "durable", "accept_any_model", "numpy_attention", "short_attention_kernel",
                     "fused_projections", "small_products_kernel"})
 _NONE_WORDS = ("", "none", "null")
-_NONE_ALLOWED = frozenset({"model_idle_s", "prefill_chunk", "api_key", "api_keys", "store"})
+_NONE_ALLOWED = frozenset({"model_idle_s", "prefill_chunk", "api_key", "api_keys", "store", "kv_key_bits"})
 _AUTO_IS_NONE = frozenset({"budget_mb", "hot_budget_mb", "keep_float_mb", "short_attention_kernel",
                            "fused_projections", "small_products_kernel"})
 """Settings whose default the backend profile decides: ``auto`` (or nothing) leaves it to the profile."""
@@ -315,6 +321,8 @@ def _validated(values: Mapping[str, Any]) -> Config:
                           "(a tenant per key), not both")
     if config.api_keys is not None and config.store is not None:
         raise ConfigError("api_keys (tenants) and store (the shared tier) are not supported together yet")
+    if config.kv_key_bits is not None and config.kv_bits is None:
+        raise ConfigError("kv_key_bits needs quantized KV (kv_bits 4 or 8): with kv_bits float the keys are float too")
     return config
 
 

@@ -18,7 +18,7 @@ Array layouts (batch axis of size 1 dropped; token axis is axis 1):
 
 * ``LayerKind.Q4`` (quantized full attention), keys ``k_w, k_s, k_b, v_w, v_s, v_b``:
   ``k_w`` uint32 ``(H, T, Dk * bits / 32)``, ``k_s``/``k_b`` float16 ``(H, T, Dk / group)``;
-  the same for values with ``Dv``.
+  the same for values with ``Dv`` (keys and values each at their own bits: :class:`KVFormat`).
 * ``LayerKind.FLOAT`` (full attention kept in float: head dims no group size divides,
   or float KV mode), keys ``k, v``: ``(H, T, Dk)`` / ``(H, T, Dv)`` in the model's dtype.
 * ``LayerKind.SLIDING`` (rotating window, always float), keys ``k, v``:
@@ -55,21 +55,60 @@ class LayerKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How full-attention KV is stored at rest: ``bits=None`` keeps it in float."""
+    """How full-attention KV is stored at rest: ``bits=None`` keeps it in float.
+
+    ``key_bits``: the keys' bits when they differ from the values' (``bits``), as llama.cpp's
+    ``--cache-type-k q8_0 --cache-type-v q4_0``: a query's attention over thousands of keys is what
+    quantization noise flips (a needle's key losing to a near-tie), where a value's error is averaged
+    away by the weights. None (or equal to ``bits``): the keys take ``bits`` too.
+    """
 
     bits: int | None = 4
     group_size: int = 64
+    key_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (None, 4, 8):
             raise ValueError(f"kv bits must be 4, 8 or None (float), got {self.bits}")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"kv group size must be 32, 64 or 128, got {self.group_size}")
+        if self.key_bits not in (None, 4, 8):
+            raise ValueError(f"kv key bits must be 4, 8 or None (the values' bits), got {self.key_bits}")
+        if self.key_bits is not None and self.bits is None:
+            raise ValueError("kv key bits need quantized KV (kv bits 4 or 8), not float KV")
+        if self.key_bits == self.bits:
+            object.__setattr__(self, "key_bits", None)  # one format, one label and one tag
+
+    @property
+    def keys_bits(self) -> int:
+        """The keys' bits of a quantized layer (4 where the format is float: never asked)."""
+        return self.key_bits or self.bits or 4
+
+    @property
+    def values_bits(self) -> int:
+        """The values' bits of a quantized layer (4 where the format is float: never asked)."""
+        return self.bits or 4
+
+    @property
+    def mixed(self) -> bool:
+        """Whether keys and values take different bits (``native`` attention takes one for both)."""
+        return self.key_bits is not None
 
     @property
     def label(self) -> str:
-        """``float``, or ``q<bits>g<group>`` (part of every model tag)."""
-        return "float" if self.bits is None else f"q{self.bits}g{self.group_size}"
+        """``float``, ``q<bits>g<group>``, or ``k<key bits>v<bits>g<group>`` (part of every model tag)."""
+        if self.bits is None:
+            return "float"
+        if self.mixed:
+            return f"k{self.key_bits}v{self.bits}g{self.group_size}"
+        return f"q{self.bits}g{self.group_size}"
+
+    def quantized_bytes(self, kv_heads: int, k_head_dim: int, v_head_dim: int) -> int:
+        """One token's packed keys and values of one layer: each dimension at its bits, and a float16 scale
+        and bias per group."""
+        dims = k_head_dim + v_head_dim
+        return kv_heads * ((k_head_dim * self.keys_bits + v_head_dim * self.values_bits) // 8
+                           + (dims // self.group_size) * 2 * 2)
 
 
 @dataclass(frozen=True)
@@ -148,8 +187,7 @@ class ModelCacheSpec:
             if kind is LayerKind.FLOAT:
                 total += layer.kv_heads * dims * self.dtype_bytes
             else:
-                bits, group = self.kv_format.bits or 16, self.kv_format.group_size
-                total += layer.kv_heads * (dims * bits // 8 + (dims // group) * 2 * 2)
+                total += self.kv_format.quantized_bytes(layer.kv_heads, layer.k_head_dim, layer.v_head_dim)
         return total
 
     def sliding_bytes(self) -> int:

@@ -81,9 +81,10 @@ def numpy_attention() -> bool:
 
 
 @functools.cache
-def tiny(name: str, bits: int | None = 4) -> LoadedModel:
-    """A loaded tiny model (cached across tests)."""
-    return load_model(name, kv_format=KVFormat(bits=bits), models_dir=models_dir(), numpy_attention=numpy_attention())
+def tiny(name: str, bits: int | None = 4, key_bits: int | None = None) -> LoadedModel:
+    """A loaded tiny model (cached across tests); ``key_bits``: the keys' own bits (:class:`KVFormat`)."""
+    return load_model(name, kv_format=KVFormat(bits=bits, key_bits=key_bits), models_dir=models_dir(),
+                      numpy_attention=numpy_attention())
 
 
 @functools.cache

@@ -78,11 +78,10 @@ def test_float_cache_plus_suffix_equals_cold_run(arch):
     assert seq.generated == ref_tokens
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("attention", ["at-rest", "native"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_quantized_cache_stays_within_tolerance_of_cold_float(arch, attention, bits):
-    lm_q, lm_f = tiny(arch, bits=bits), tiny(arch, bits=None)
+def _against_cold_float(arch, lm_q, attention):
+    """A second turn's teacher-forced log-probabilities over ``lm_q``'s quantized cache of the first, and the
+    cold float run's (the reference), with its tokens."""
+    lm_f = tiny(arch, bits=None)
     first = _turn_one(lm_q, attention)
     _, p2 = _prompts(lm_q, first.reply)
     seq = Sequence(lm_q, p2, first.cache, SequenceSampling(max_tokens=STEPS), attention=attention)
@@ -92,21 +91,49 @@ def test_quantized_cache_stays_within_tolerance_of_cold_float(arch, attention, b
     assert seq.stats.tokens_reused > 0
     ref_tokens, ref_lp = cold_generate(lm_f, seq.token_ids, STEPS)
     ours = teacher_forced_logits(lm_q, seq.kv.caches, seq.logits_trace[0], ref_tokens)[:, : lm_q.vocab_limit]
-    ref = ref_lp[:, : lm_q.vocab_limit]
-    tol = QUANT_TOL[bits]
+    return ours, ref_lp[:, : lm_q.vocab_limit], ref_tokens
+
+
+def _drift(ours, ref) -> tuple[float, float]:
+    """(max |Δ logprob| over the reference's top-10 tokens, mean KL(float || quantized) per step)."""
     top10 = np.argsort(-ref, axis=-1)[:, :10]
     err = np.abs(np.take_along_axis(ours, top10, -1) - np.take_along_axis(ref, top10, -1))
-    assert float(err.max()) <= tol.logit
-    kl = (np.exp(ref) * (ref - ours)).sum(-1)
-    assert float(kl.mean()) <= tol.kl
+    return float(err.max()), float((np.exp(ref) * (ref - ours)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("attention", ["at-rest", "native"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_cache_stays_within_tolerance_of_cold_float(arch, attention, bits):
+    lm_q = tiny(arch, bits=bits)
+    ours, ref, ref_tokens = _against_cold_float(arch, lm_q, attention)
+    tol = QUANT_TOL[bits]
+    err, kl = _drift(ours, ref)
+    assert err <= tol.logit
+    assert kl <= tol.kl
     confident = top1_margin(ref) > tol.logit
     assert (ours.argmax(-1)[confident] == np.array(ref_tokens)[confident]).all()
 
 
-@pytest.mark.parametrize("attention", ["at-rest", "native"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_warm_cache_from_disk_is_bit_identical_to_hot(arch, attention, tmp_path):
-    lm = tiny(arch, bits=4)
+def test_keys_in_q8_bring_a_q4_cache_closer_to_cold_float(arch):
+    """``kv_key_bits 8`` (keys Q8, values Q4): measured here, mean KL to the cold float run 1.6-7x lower than Q4's
+    on every tiny architecture and the worst top-10 logprob error 1.3-3.2x lower. Held: lower on both, and within
+    Q4's tolerances."""
+    q4 = _drift(*_against_cold_float(arch, tiny(arch, bits=4), "at-rest")[:2])
+    ours, ref, ref_tokens = _against_cold_float(arch, tiny(arch, bits=4, key_bits=8), "at-rest")
+    k8v4 = _drift(ours, ref)
+    assert k8v4[0] < q4[0] and k8v4[1] < q4[1], (k8v4, q4)
+    assert k8v4[0] <= QUANT_TOL[4].logit and k8v4[1] <= QUANT_TOL[4].kl
+    confident = top1_margin(ref) > QUANT_TOL[4].logit
+    assert (ours.argmax(-1)[confident] == np.array(ref_tokens)[confident]).all()
+
+
+@pytest.mark.parametrize(("attention", "key_bits"), [("at-rest", None), ("native", None), ("at-rest", 8)],
+                         ids=["at-rest", "native", "at-rest-k8v4"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_warm_cache_from_disk_is_bit_identical_to_hot(arch, attention, key_bits, tmp_path):
+    lm = tiny(arch, bits=4, key_bits=key_bits)
     first = _turn_one(lm, attention)
     store = CacheDirectory(tmp_path)
     store.save("agent", first.cache.to_snapshot())

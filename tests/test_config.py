@@ -69,6 +69,8 @@ def test_config_toml_serve_table_and_explicit_file_wins_over_env_file(tmp_path: 
         ('port = "x"\n', {}, "port"),
         ("colour = 1\n", {}, "colour"),
         ("", {"KVMEM_KV_BITS": "3"}, "kv_bits"),
+        ("", {"KVMEM_KV_KEY_BITS": "2"}, "kv_key_bits"),
+        ('kv_bits = "float"\nkv_key_bits = 8\n', {}, "kv_key_bits needs quantized KV"),
         ("", {"KVMEM_ATTENTION": "fast"}, "attention"),
         ("", {"KVMEM_FSYNC": "maybe"}, "fsync"),
         ("", {"KVMEM_PREFILL_CHUNK": "0"}, "prefill_chunk"),
@@ -100,6 +102,15 @@ def test_kv_bits_is_normalized_once_for_every_source(tmp_path: Path, raw: object
         path = tmp_path / "c.toml"
         path.write_text(f'kv_bits = "{raw}"\n')
         assert load_config({}, env={}, config_file=path).kv_bits == bits
+
+
+def test_kv_key_bits_come_from_every_source_and_unset_is_the_values_bits(tmp_path: Path) -> None:
+    assert Config().kv_key_bits is None and load_config({}, env={"KVMEM_KV_KEY_BITS": "8"}).kv_key_bits == 8
+    assert load_config({}, env={"KVMEM_KV_KEY_BITS": "none"}).kv_key_bits is None
+    path = tmp_path / "c.toml"
+    path.write_text("kv_key_bits = 8\nkv_bits = 4\n")
+    assert load_config({}, env={}, config_file=path).kv_key_bits == 8
+    assert load_config({"kv_key_bits": 4}, env={}, config_file=path).kv_key_bits == 4
 
 
 def test_environment_booleans_optionals_and_paths() -> None:

@@ -48,6 +48,7 @@ SAMPLES: dict[str, tuple[str, Any, Any]] = {
     "lease_s": ("12.5", 12.5, 12.5),
     "kv_bits": ("8", 8, 8),
     "kv_group_size": ("32", 32, 32),
+    "kv_key_bits": ("4", 4, 4),
     "attention": ("native", "native", "native"),
     "numpy_attention": ("false", False, False),
     "plain_attention_queries": ("64", 64, 64),

@@ -80,8 +80,8 @@ def test_the_small_sample_caveat_appears_only_while_coverage_is_uneven(tmp_path:
 @pytest.mark.parametrize("fmt", needle.DERIVED)
 def test_each_derived_format_starts_a_turn_from_the_float_context_as_its_quantization_gives_it(
         tmp_path: Path, fmt: str) -> None:
-    """Every at-rest format of the needle rows, from one float context on a tiny model: kvmem's through the disk
-    (Q4 and Q8 in groups of 64, Q4 in groups of 32), the experiment in memory (keys Q8, values Q4). Reference:
+    """Every at-rest format of the needle rows, from one float context on a tiny model, kvmem's through the disk
+    (Q4 and Q8 in groups of 64, Q4 in groups of 32, keys Q8 with values Q4). Reference:
     each tensor quantized and dequantized on its own by MLX (``mx.quantize``/``mx.dequantize``) in float32 at
     the format's bits and group; the caches hold the context's length and stay within a quantization step
     of it (Q8's steps far smaller than Q4's)."""
@@ -95,9 +95,9 @@ def test_each_derived_format_starts_a_turn_from_the_float_context_as_its_quantiz
     needle.prefill(lm.model, context, caches)
     float_kv = kind.snapshot(caches, context)
     at_rest, extra = needle.at_rest_caches(lm, float_kv, context, fmt, tmp_path / fmt)
-    key_bits, value_bits, group = ((*needle.MIXED_AT_REST[fmt], 64) if fmt in needle.MIXED_AT_REST
-                                   else (needle.AT_REST_FORMATS[fmt][0],) * 2 + (needle.AT_REST_FORMATS[fmt][1],))
-    assert not (tmp_path / fmt).exists() and extra.get("disk_bit_exact", True)
+    kv_format = needle.AT_REST_FORMATS[fmt]
+    key_bits, value_bits, group = kv_format.keys_bits, kv_format.values_bits, kv_format.group_size
+    assert not (tmp_path / fmt).exists() and extra["disk_bit_exact"]
 
     def through_mlx(x: mx.array, bits: int) -> mx.array:  # from float16, as kvmem quantizes
         packed = mx.quantize(x.astype(mx.float16), group_size=group, bits=bits)

@@ -63,6 +63,38 @@ def test_unsupported_cache_kind_fails_clearly():
 def test_invalid_kv_format_is_rejected():
     with pytest.raises(ValueError):
         KVFormat(bits=3)
+    with pytest.raises(ValueError, match="key bits"):
+        KVFormat(bits=4, key_bits=2)
+    with pytest.raises(ValueError, match="float KV"):
+        KVFormat(bits=None, key_bits=8)
+
+
+def test_keys_at_their_own_bits_are_a_format_of_their_own():
+    """Keys in Q8 with values in Q4 (llama.cpp's ``-ctk q8_0 -ctv q4_0``): a label, and so a tag, of their own (a
+    Q4 cache is never read as one), and one format with equal bits whichever way it is spelled."""
+    mixed = KVFormat(bits=4, key_bits=8)
+    assert (mixed.label, mixed.keys_bits, mixed.values_bits, mixed.mixed) == ("k8v4g64", 8, 4, True)
+    assert KVFormat(bits=4, key_bits=4) == KVFormat(bits=4) and KVFormat(bits=4, key_bits=4).label == "q4g64"
+    assert KVFormat(bits=8, key_bits=4, group_size=32).label == "k4v8g32"
+    spec = tiny("tiny-llama").spec
+    from dataclasses import replace
+
+    assert replace(spec, kv_format=mixed).tag.endswith("/k8v4g64") and replace(spec, kv_format=mixed).tag != spec.tag
+
+
+@pytest.mark.parametrize("fmt", [KVFormat(bits=4), KVFormat(bits=8), KVFormat(bits=4, key_bits=8),
+                                 KVFormat(bits=8, key_bits=4, group_size=32)], ids=lambda f: f.label)
+def test_bytes_per_token_are_the_packed_arrays_bytes(fmt: KVFormat):
+    """The memory accounting of a format is what its packed keys and values take (each at its own bits)."""
+    import mlx.core as mx
+
+    from runtime.kv.q4_packing import quantize_kv
+
+    heads, dim, tokens = 2, 64, 8
+    keys, values = (quantize_kv(mx.zeros((1, heads, tokens, dim)), fmt.group_size, b)
+                    for b in (fmt.keys_bits, fmt.values_bits))
+    packed = sum(a.nbytes for a in (*keys, *values))
+    assert fmt.quantized_bytes(heads, dim, dim) * tokens == packed
 
 
 def test_auto_attention_is_at_rest_on_every_device():

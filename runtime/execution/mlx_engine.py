@@ -70,8 +70,7 @@ def active_token_bytes(spec: ModelCacheSpec, attention: AttentionMode) -> int:
             continue
         dims = layer.k_head_dim + layer.v_head_dim
         if kind is LayerKind.Q4 and attention == "native":
-            bits, group = spec.kv_format.bits or 4, spec.kv_format.group_size
-            total += layer.kv_heads * (dims * bits // 8 + (dims // group) * 2 * 2)
+            total += spec.kv_format.quantized_bytes(layer.kv_heads, layer.k_head_dim, layer.v_head_dim)
         else:
             total += layer.kv_heads * dims * spec.dtype_bytes
     return total
@@ -98,6 +97,7 @@ class MlxEngine:
     Args:
         models_dir: where tiny models are built.
         kv_bits, kv_group_size: 4 or 8 (Q4/Q8 KV at rest) or None (float KV); the quantization group.
+        kv_key_bits: the keys' bits where they differ from ``kv_bits`` (:class:`runtime.spec.KVFormat`).
         attention, weights: ``auto``, ``at-rest`` or ``native`` attention on Q4 caches; how GGUF
             weights are held (:data:`runtime.model.gguf.WEIGHT_MODES`).
         prewarm_mb: memory to touch once when the first model loads and keep for activations,
@@ -129,6 +129,7 @@ class MlxEngine:
         kv_bits: int | None,
         kv_group_size: int,
         attention: str,
+        kv_key_bits: int | None = None,
         weights: str = "auto",
         prewarm_mb: float = 0,
         numpy_attention: bool = True,
@@ -160,7 +161,7 @@ class MlxEngine:
         self._models_dir = models_dir
         self._prewarm_mb = self._profile.prewarm_mb  # touched at the first load only
         self._warm_up = self._profile.prewarm_mb > 0  # a throwaway turn at each model load (runtime.execution.warmup.warm_up)
-        self._kv_format = KVFormat(bits=kv_bits, group_size=kv_group_size)
+        self._kv_format = KVFormat(bits=kv_bits, group_size=kv_group_size, key_bits=kv_key_bits)
         self._attention: AttentionMode = "at-rest"
         self._lm: LoadedModel | None = None
         self._seqs: dict[int, Sequence] = {}
@@ -173,7 +174,8 @@ class MlxEngine:
     def from_config(cls, config: Any, group: Any = None) -> MlxEngine:
         """The engine a :class:`runtime.config.Config` describes (``group``: this rank's, under ``--distributed``)."""
         return cls(models_dir=config.models_path, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
-                   attention=config.attention, weights=config.weights, prewarm_mb=config.prewarm_mb,
+                   kv_key_bits=config.kv_key_bits, attention=config.attention, weights=config.weights,
+                   prewarm_mb=config.prewarm_mb,
                    numpy_attention=config.numpy_attention, keep_float_mb=config.keep_float_mb, group=group,
                    budget_mb=config.budget_mb, hot_budget_mb=config.hot_budget_mb,
                    plain_attention_queries=config.plain_attention_queries,

@@ -33,7 +33,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from runtime.backend import device_profile
 from runtime.kv.float_resident import FloatResident, LayerKV, with_room
 from runtime.kv.host_copy import HostCopy
-from runtime.kv.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache
+from runtime.kv.q4_cache import DequantizingQuantizedKVCache, QuantizedKVCache, check_packed
 from runtime.kv.q4_packing import dequantize_kv, quantize_kv
 from runtime.kv.upload import to_device
 from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot, ModelCacheSpec
@@ -87,6 +87,10 @@ def settle_attention(lm: Any, attention: AttentionMode) -> tuple[AttentionMode, 
     """
     if attention != "native" or lm.spec.kv_format.bits is None:
         return attention, None
+    if lm.spec.kv_format.mixed:
+        note = f"native Q4 attention takes one bits for keys and values, not {lm.spec.kv_format.label}"
+        log.warning("%s; attending at rest (float while active) instead", note)
+        return "at-rest", note
     from runtime.execution.decode_batch import DecodeBatch  # noqa: PLC0415 - the batch builds on this module
     from runtime.execution.sequence import SequenceSampling, Sequence  # noqa: PLC0415
 
@@ -359,15 +363,17 @@ def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, attent
         if a:
             cache.state = (a["k"], a["v"], offset)
         return cache
-    bits, group = fmt.bits or 4, fmt.group_size
+    group = fmt.group_size
     packed = None
     if a:
         packed = ((a["k_w"], a["k_s"], a["k_b"]), (a["v_w"], a["v_s"], a["v_b"]))
     if attention == "native":
+        if fmt.mixed:  # settle_attention gives such a format at-rest: native attention takes one bits
+            raise ValueError(f"native attention needs one bits for keys and values, not {fmt.label}")
         cls = DequantizingQuantizedKVCache if lspec.sinks else QuantizedKVCache
         if packed is None:
-            return cls(group_size=group, bits=bits)
-        return cls.from_packed(*packed, group_size=group, bits=bits)
+            return cls(group_size=group, bits=fmt.values_bits)
+        return cls.from_packed(*packed, group_size=group, bits=fmt.values_bits)
     cache = KVCache()
     if kept is not None and offset:
         # The float buffers of this cache's last turn: the same values the dequantization below makes.
@@ -375,8 +381,12 @@ def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, attent
         cache.offset = offset
         return cache
     if packed is not None:
-        q = QuantizedKVCache.from_packed(*packed, group_size=group, bits=bits)
-        keys, values = q.dequantized(_float_dtype(spec), fused=spec.fused_dequantize)
+        if check_packed("keys", packed[0], group, fmt.keys_bits) != check_packed("values", packed[1], group,
+                                                                                 fmt.values_bits):
+            raise ValueError(f"keys and values disagree: {packed[0][0].shape} vs {packed[1][0].shape}")
+        dtype, fused = _float_dtype(spec), spec.fused_dequantize
+        keys = dequantize_kv(packed[0], group, fmt.keys_bits, dtype, fused=fused)
+        values = dequantize_kv(packed[1], group, fmt.values_bits, dtype, fused=fused)
         cache.state = (keys, values, offset)
     return cache
 
@@ -443,9 +453,8 @@ def _park_layer(
         return kept, (cache.keys, cache.values) if kept_float else None
     keys, values = _kv_of(cache)
     fmt = spec.kv_format
-    bits = fmt.bits or 4
-    kq = quantize_kv(keys[:, :, start:keep], fmt.group_size, bits)
-    vq = quantize_kv(values[:, :, start:keep], fmt.group_size, bits)
+    kq = quantize_kv(keys[:, :, start:keep], fmt.group_size, fmt.keys_bits)
+    vq = quantize_kv(values[:, :, start:keep], fmt.group_size, fmt.values_bits)
     layer = kept.appended(ParkedLayer.of(base.kind, dict(zip(_Q4_KEYS, (*kq, *vq), strict=True))))
     if not kept_float:
         return layer, None
@@ -473,11 +482,10 @@ class _KeptFloat:
         """Write this turn's tokens as their dequantized Q4 (the quantized ones already evaluated, so
         MLX overwrites the buffers in place), and return the buffers."""
         fmt = self.fmt
-        bits = fmt.bits or 4
-        self.cache.keys[..., self.start : self.keep, :] = dequantize_kv(self.kq, fmt.group_size, bits, self.dtype,
-                                                                        fused=self.fused)
-        self.cache.values[..., self.start : self.keep, :] = dequantize_kv(self.vq, fmt.group_size, bits, self.dtype,
-                                                                          fused=self.fused)
+        self.cache.keys[..., self.start : self.keep, :] = dequantize_kv(self.kq, fmt.group_size, fmt.keys_bits,
+                                                                        self.dtype, fused=self.fused)
+        self.cache.values[..., self.start : self.keep, :] = dequantize_kv(self.vq, fmt.group_size, fmt.values_bits,
+                                                                          self.dtype, fused=self.fused)
         return self.cache.keys, self.cache.values
 
 def with_kept_float(parked: ParkedCache, spec: ModelCacheSpec) -> ParkedCache:

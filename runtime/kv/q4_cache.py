@@ -37,11 +37,11 @@ from runtime.kv.q4_packing import (
     quantize_kv,
 )
 
-__all__ = ["PackedKVCache", "QuantizedKVCache", "DequantizingQuantizedKVCache", "BatchQuantizedKVCache",
+__all__ = ["check_packed", "PackedKVCache", "QuantizedKVCache", "DequantizingQuantizedKVCache", "BatchQuantizedKVCache",
            "BatchDequantizingQuantizedKVCache"]
 
 
-def _check_packed(name: str, packed: PackedKV, group_size: int, bits: int) -> int:
+def check_packed(name: str, packed: PackedKV, group_size: int, bits: int) -> int:
     """Validate one packed tuple for a single sequence; return its token count."""
     if len(packed) != 3:
         raise ValueError(f"{name}: expected (weights, scales, biases), got {len(packed)} arrays")
@@ -123,8 +123,8 @@ class PackedKVCache(PackedKVStorage):
             ValueError: the tuples are not one sequence's consistent packed KV.
         """
         cache = cls(group_size=group_size, bits=bits)
-        tk = _check_packed("keys", keys, group_size, bits)
-        tv = _check_packed("values", values, group_size, bits)
+        tk = check_packed("keys", keys, group_size, bits)
+        tv = check_packed("values", values, group_size, bits)
         if tk != tv or keys[0].shape[1] != values[0].shape[1]:
             raise ValueError(f"keys and values disagree: {keys[0].shape} vs {values[0].shape}")
         cache.keys, cache.values = map_packed(mx.contiguous, (keys, values))
