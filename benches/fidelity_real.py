@@ -9,7 +9,8 @@ next-token predictions, for:
 
 * the reference: the first half prefilled into mlx-lm's float ``KVCache``, the
   second half run on it (no park, no disk);
-* kvmem float / Q8 / Q4 **at-rest**: that same float prefill (at-rest prefills in
+* kvmem float / Q8 / Q4 / keys Q8 with values Q4 (``kv_key_bits``) / Q4 in groups of 32
+  **at-rest**: that same float prefill (at-rest prefills in
   float; it is computed once and shared) put into an ``ActiveKV``, **parked**
   (quantized), **saved and loaded** with ``CacheDirectory`` (fsync), activated
   (dequantized) and the second half run on it in float;
@@ -37,6 +38,9 @@ from benches.fidelity import _log_probs, _summary, score
 from benches.harness import ResultFile, log, table
 
 MLX_LM_Q4 = "mlx-lm QuantizedKVCache q4"
+AT_REST = {"kvmem float at-rest": (None, 64, None), "kvmem q8 at-rest": (8, 64, None), "kvmem q4 at-rest": (4, 64, None),
+           "kvmem k8v4 at-rest": (4, 64, 8), "kvmem q4g32 at-rest": (4, 32, None)}
+"""The at-rest rows: (bits, group size, keys' own bits) of each :class:`runtime.spec.KVFormat`."""
 
 
 def specs_by_bits(spec: Any) -> dict[int | None, Any]:
@@ -92,14 +96,18 @@ def main(argv: list[str] | None = None) -> None:
     seq_len = args.seq_len or (1024 if args.quick else 2048)
     split = seq_len // 2
     lm = prose.load_default(4)
+    from runtime.spec import KVFormat
+
     model, specs = lm.model, specs_by_bits(lm.spec)
+    at_rest = {label: replace(lm.spec, kv_format=KVFormat(bits=b, group_size=g, key_bits=k))
+               for label, (b, g, k) in AT_REST.items()}
     ids, _ = lm.tokenize(prose.prose())
     if len(ids) < nseq * seq_len:
         raise SystemExit(f"the prose has {len(ids)} tokens, fewer than {nseq} x {seq_len}")
     rows = [ids[i * seq_len:(i + 1) * seq_len] for i in range(nseq)]
     res = ResultFile("fidelity_real", "Fidelity of Q8 / Q4 KV on the real default model (pydoc_data.topics prose)",
                      args.quick, argv or [], model=str(prose.model_folder()))
-    labels = ["kvmem float at-rest", "kvmem q8 at-rest", "kvmem q4 at-rest", "kvmem q4 native", MLX_LM_Q4]
+    labels = [*AT_REST, "kvmem q4 native", MLX_LM_Q4]
     acc: dict[str, list[list[Any]]] = {k: [[], [], [], []] for k in labels}
     seconds: dict[str, float] = dict.fromkeys(["float prefill + reference", *labels], 0.0)
     exact_all = True
@@ -123,12 +131,12 @@ def main(argv: list[str] | None = None) -> None:
                 for a, value in zip(acc[label], score(ours, ref, targets), strict=True):
                     a.append(value)
 
-            for label, bits in zip(labels[:3], (None, 8, 4), strict=True):
+            for label, spec in at_rest.items():
                 t0 = time.perf_counter()
-                parked = park_float(float_kv, specs[bits], row[:split])
-                loaded, exact = through_disk(parked, specs[bits], lm.float_dtype, Path(tmp) / f"{i}-{bits}")
+                parked = park_float(float_kv, spec, row[:split])
+                loaded, exact = through_disk(parked, spec, lm.float_dtype, Path(tmp) / f"{i}-{spec.kv_format.label}")
                 exact_all &= exact
-                run(label, _log_probs(model(second, cache=ActiveKV(loaded, specs[bits], "at-rest").caches)[0]), t0)
+                run(label, _log_probs(model(second, cache=ActiveKV(loaded, spec, "at-rest").caches)[0]), t0)
             t0 = time.perf_counter()
             kv = ActiveKV(ParkedCache.empty(specs[4]), specs[4], "native")
             model(first, cache=kv.caches)
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         prose.describe(),
         (f"{nseq} sequences x {seq_len} tokens (the first {nseq * seq_len} of {len(ids)} prose tokens), split at "
          f"{split}; metrics over the {nseq * (seq_len - split)} second-half predictions (perplexity over the "
-         f"{nseq * (seq_len - split - 1)} with a target); group 64"),
+         f"{nseq * (seq_len - split - 1)} with a target); groups of 64 unless named"),
         f"every disk round trip (CacheDirectory save → load) bit-exact: {exact_all}",
     ]
     rows_md = [[k, f"{v['ppl']:.4f}", f"{v['ppl_delta_pct']:+.4f}%", f"{v['kl']:.5f}", f"{v['top1'] * 100:.2f}%",
@@ -175,10 +183,22 @@ def main(argv: list[str] | None = None) -> None:
     print(res.write().read_text())
 
 
+def _bytes_vs_q4(label: str) -> float:
+    """A format's bytes a token over Q4's (groups of 64), on heads of 64."""
+    from runtime.spec import KVFormat
+
+    b, g, k = AT_REST[label]
+    return KVFormat(bits=b, group_size=g, key_bits=k).quantized_bytes(1, 64, 64) / KVFormat().quantized_bytes(1, 64, 64)
+
+
 def _findings(results: dict[str, dict[str, Any]], labels: list[str]) -> list[str]:
-    q8r, q4r, q4n, mlx = (results[k] for k in labels[1:])
+    q8r, q4r, k8v4, q4g32, q4n, mlx = (results[k] for k in labels[1:])
     return [(f"Quantizing only the parked half (at-rest): Q8 PPL {q8r['ppl_delta_pct']:+.4f}%, KL {q8r['kl']:.6f}; "
-             f"Q4 PPL {q4r['ppl_delta_pct']:+.3f}%, KL {q4r['kl']:.5f}, top-1 {q4r['top1'] * 100:.2f}%. Quantizing "
+             f"Q4 PPL {q4r['ppl_delta_pct']:+.3f}%, KL {q4r['kl']:.5f}, top-1 {q4r['top1'] * 100:.2f}%; keys Q8 with "
+             f"values Q4 PPL {k8v4['ppl_delta_pct']:+.3f}%, KL {k8v4['kl']:.5f} ({k8v4['kl'] / max(q4r['kl'], 1e-12):.2f}x "
+             f"Q4's), top-1 {k8v4['top1'] * 100:.2f}%, at {_bytes_vs_q4('kvmem k8v4 at-rest'):.2f}x Q4's bytes; Q4 in groups of 32 PPL "
+             f"{q4g32['ppl_delta_pct']:+.3f}%, KL {q4g32['kl']:.5f} ({q4g32['kl'] / max(q4r['kl'], 1e-12):.2f}x Q4's), "
+             f"top-1 {q4g32['top1'] * 100:.2f}%, at {_bytes_vs_q4('kvmem q4g32 at-rest'):.2f}x. Quantizing "
              f"every appended token: kvmem native Q4 PPL {q4n['ppl_delta_pct']:+.3f}%, KL {q4n['kl']:.5f}, top-1 "
              f"{q4n['top1'] * 100:.2f}%; mlx-lm Q4 PPL {mlx['ppl_delta_pct']:+.3f}%, KL {mlx['kl']:.5f}, top-1 "
              f"{mlx['top1'] * 100:.2f}%. Native Q4's KL is {q4n['kl'] / max(q4r['kl'], 1e-12):.1f}x at-rest Q4's, "
