@@ -729,10 +729,12 @@ def render_needles(rows: list[dict[str, Any]], formats: list[str], default: str,
                         *([label[f], *(cell(f, n) for n in lengths)] for f in formats),
                         *([f"{FORMAT_LABELS[f]}: float's hits kept", *(kept(f, n) for n in lengths)]
                           for f in formats)])
+    if lengths:
+        lines += ["", *_needle_verdict(rows, formats, default)]
     lost = [(r, by[(r["length"], f, r["needle"])]) for r in rows if r["format"] == "float" and r["hit"]
             for f in formats if (r["length"], f, r["needle"]) in by and not by[(r["length"], f, r["needle"])]["hit"]]
     if lost:  # what a lost hit answered: a near miss or a wrong fact (item 3 asks for every one of float's)
-        lines += ["", "Float's hits a Q4 format lost (the answers, as generated):", ""]
+        lines += ["", "Float's hits a format lost (the answers, as generated):", ""]
         lines += [f"- L = {f['length']}, needle {f['needle']}, {FORMAT_LABELS[q['format']]}: float {f['answer']!r}, "
                   f"this {q['answer']!r}" for f, q in lost]
     if skipped:
@@ -744,6 +746,34 @@ def render_needles(rows: list[dict[str, Any]], formats: list[str], default: str,
             lines += ["", "Needles cut short by the time limit (`--deadline-s`, `--needle-deadline-s`): "
                           f"{'; '.join(short)}."]
     return lines
+
+
+def _needle_verdict(rows: list[dict[str, Any]], formats: list[str], default: str) -> list[str]:
+    """Item 3's reading of the needle rows: which formats kept every one of float's hits (on the needles each ran),
+    at what bytes a token against Q4 in groups of 64, and whether the profile's default is one of them."""
+    from benches.needle import AT_REST_FORMATS, FORMAT_LABELS
+    from runtime.spec import KVFormat
+
+    by = {(r["length"], r["format"], r["needle"]): r["hit"] for r in rows}
+    floats = [(r["length"], r["needle"]) for r in rows if r["format"] == "float" and r["hit"]]
+
+    def lost(f: str) -> tuple[int, int]:
+        ran = [(n, i) for n, i in floats if (n, f, i) in by]
+        return sum(not by[(n, f, i)] for n, i in ran), len(ran)
+
+    def cost(f: str) -> str:
+        fmt = AT_REST_FORMATS.get(f, KVFormat())
+        return f"{fmt.quantized_bytes(1, 64, 64) / KVFormat().quantized_bytes(1, 64, 64):.2f}x Q4's bytes"
+
+    held = [f for f in formats if lost(f)[1] and not lost(f)[0]]
+    short = [f for f in formats if lost(f)[0]]
+    words = [f"{FORMAT_LABELS[f]} ({cost(f)})" for f in held]
+    line = (f"Item 3: every one of float's hits kept by {'; '.join(words)}." if held
+            else "Item 3: no format kept every one of float's hits.")
+    if short:
+        line += " Lost some: " + "; ".join(f"{FORMAT_LABELS[f]} {lost(f)[0]} of {lost(f)[1]}" for f in short) + "."
+    verdict = "PASS" if default in held else "**FAIL**"
+    return [line, f"The profile's default ({FORMAT_LABELS[default]}): {verdict}."]
 
 
 def suite_lines(suite_log: Path | None) -> list[str]:

@@ -68,6 +68,10 @@ def test_report_names_each_goal_with_its_ratio_and_the_needle_table() -> None:
     assert "- L = 1024, needle 0, kvmem Q4 native: float ' 12345.', this ' 12..'" in body  # and what it said
     assert body.count("- L = ") == 1  # at-rest kept it: not listed
     assert "Not run for lack of time (`--deadline-s`, `--needle-deadline-s`): L = [8192]." in body
+    # item 3's reading: which formats kept every float hit, at what bytes, and whether the default is one
+    assert ("Item 3: every one of float's hits kept by kvmem Q4 at-rest (disk) (1.00x Q4's bytes). Lost some: "
+            "kvmem Q4 native 1 of 1.") in body
+    assert "The profile's default (kvmem Q4 at-rest (disk)): PASS." in body
 
 
 def test_suite_summary_is_the_last_pytest_count_line(tmp_path: Path) -> None:
@@ -268,6 +272,18 @@ def test_the_needle_table_compares_a_format_cut_short_on_the_needles_it_ran_and_
     assert "| kvmem Q4 native: float's hits kept | 1/1 |" in body  # not 1/2: needle 1 never ran there
     assert "| kvmem Q4 at-rest (disk): float's hits kept | 2/2 |" in body
     assert "q4-native at L = 8192: 1 of 3." in body and "float at L" not in body
+    assert "Item 3: every one of float's hits kept by" in body and "PASS" in body
+
+
+def test_the_needle_verdict_names_what_each_format_costs_and_fails_a_default_that_lost_a_hit() -> None:
+    rows = [{"length": 4096, "format": f, "needle": i, "hit": hit, "answer": ""}
+            for i, hits in enumerate([(True, True, True, True), (True, False, True, True)])
+            for f, hit in zip(["float", "q4-at-rest", "q8-at-rest", "k8v4-at-rest"], hits, strict=True)]
+    body = "\n".join(gpu.render_needles(rows, ["q4-at-rest", "q8-at-rest", "k8v4-at-rest"], "q4-at-rest", model="m",
+                                        note=None, skipped=[]))
+    assert ("Item 3: every one of float's hits kept by kvmem Q8 at-rest (disk) (1.89x Q4's bytes); kvmem keys Q8, "
+            "values Q4 at-rest (disk) (1.44x Q4's bytes). Lost some: kvmem Q4 at-rest (disk) 1 of 2.") in body
+    assert "The profile's default (kvmem Q4 at-rest (disk)): **FAIL**." in body
 
 
 def test_a_suite_run_after_the_bench_goes_into_its_report(tmp_path: Path) -> None:
