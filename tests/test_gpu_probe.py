@@ -26,13 +26,14 @@ def test_the_joint_pass_is_timed_in_pieces_first_round_apart() -> None:
         operations[name] = int(count)
         assert operations[name] > 0 and float(per) > 0, name
     # The pass from Q4 caches submits what the pass over active rows does and the rows' activation besides, the
-    # pass over kept float buffers the writing of each row's last turn into them (as its dequantized Q4): more
-    # than over active rows, less than from Q4; one row's hot chunk over its kept buffers, less than the group's.
+    # pass over kept float buffers the writing of each row's last turn into them (as its dequantized Q4): each
+    # more than over active rows (which of the two is more is a matter of counts: the writes dequantize fewer
+    # tokens, but into the buffers); one row's hot chunk over its kept buffers, less than the group's.
     for suffix in ("", " (first round)"):
         active, kept, q4, alone = (operations[f"{piece}{suffix}"] for piece in (
             "joint pass, rows already active", "joint pass over their kept float buffers",
             "joint pass from the rows' Q4 caches", "one row's hot chunk alone"))
-        assert active < kept < q4 and alone < kept, (active, kept, q4, alone)
+        assert active < kept and active < q4 and alone < kept, (active, kept, q4, alone)
         # read ahead, a warm turn's buffers were made before it: no last turn to write in, fewer than a hot one's
         assert operations[f"one row's chunk over a cache read ahead{suffix}"] < alone
 
