@@ -38,8 +38,8 @@ from benches.fidelity import _log_probs, _summary, score
 from benches.harness import ResultFile, log, table
 
 MLX_LM_Q4 = "mlx-lm QuantizedKVCache q4"
-AT_REST = {"kvmem float at-rest": (None, 64, None), "kvmem q8 at-rest": (8, 64, None), "kvmem q4 at-rest": (4, 64, None),
-           "kvmem k8v4 at-rest": (4, 64, 8), "kvmem q4g32 at-rest": (4, 32, None)}
+AT_REST = {"kvmem float at-rest": (None, 64, None), "kvmem q8 at-rest": (8, 64, None),
+           "kvmem q4 at-rest": (4, 64, None), "kvmem k8v4 at-rest": (4, 64, 8), "kvmem q4g32 at-rest": (4, 32, None)}
 """The at-rest rows: (bits, group size, keys' own bits) of each :class:`runtime.spec.KVFormat`."""
 
 
@@ -193,16 +193,20 @@ def _bytes_vs_q4(label: str) -> float:
 
 def _findings(results: dict[str, dict[str, Any]], labels: list[str]) -> list[str]:
     q8r, q4r, k8v4, q4g32, q4n, mlx = (results[k] for k in labels[1:])
+
+    def against_q4(r: dict[str, Any], label: str) -> str:
+        return (f"PPL {r['ppl_delta_pct']:+.3f}%, KL {r['kl']:.5f} ({r['kl'] / max(q4r['kl'], 1e-12):.2f}x Q4's), "
+                f"top-1 {r['top1'] * 100:.2f}%, at {_bytes_vs_q4(label):.2f}x Q4's bytes")
+
     return [(f"Quantizing only the parked half (at-rest): Q8 PPL {q8r['ppl_delta_pct']:+.4f}%, KL {q8r['kl']:.6f}; "
              f"Q4 PPL {q4r['ppl_delta_pct']:+.3f}%, KL {q4r['kl']:.5f}, top-1 {q4r['top1'] * 100:.2f}%; keys Q8 with "
-             f"values Q4 PPL {k8v4['ppl_delta_pct']:+.3f}%, KL {k8v4['kl']:.5f} ({k8v4['kl'] / max(q4r['kl'], 1e-12):.2f}x "
-             f"Q4's), top-1 {k8v4['top1'] * 100:.2f}%, at {_bytes_vs_q4('kvmem k8v4 at-rest'):.2f}x Q4's bytes; Q4 in groups of 32 PPL "
-             f"{q4g32['ppl_delta_pct']:+.3f}%, KL {q4g32['kl']:.5f} ({q4g32['kl'] / max(q4r['kl'], 1e-12):.2f}x Q4's), "
-             f"top-1 {q4g32['top1'] * 100:.2f}%, at {_bytes_vs_q4('kvmem q4g32 at-rest'):.2f}x. Quantizing "
+             f"values Q4 {against_q4(k8v4, 'kvmem k8v4 at-rest')}; Q4 in groups of 32 "
+             f"{against_q4(q4g32, 'kvmem q4g32 at-rest')}. Quantizing "
              f"every appended token: kvmem native Q4 PPL {q4n['ppl_delta_pct']:+.3f}%, KL {q4n['kl']:.5f}, top-1 "
              f"{q4n['top1'] * 100:.2f}%; mlx-lm Q4 PPL {mlx['ppl_delta_pct']:+.3f}%, KL {mlx['kl']:.5f}, top-1 "
              f"{mlx['top1'] * 100:.2f}%. Native Q4's KL is {q4n['kl'] / max(q4r['kl'], 1e-12):.1f}x at-rest Q4's, "
              f"mlx-lm's {mlx['kl'] / max(q4r['kl'], 1e-12):.1f}x.")]
+
 
 if __name__ == "__main__":
     main()

@@ -381,8 +381,9 @@ def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, attent
         cache.offset = offset
         return cache
     if packed is not None:
-        if check_packed("keys", packed[0], group, fmt.keys_bits) != check_packed("values", packed[1], group,
-                                                                                 fmt.values_bits):
+        tokens = {check_packed(name, kv, group, bits)
+                  for name, kv, bits in (("keys", packed[0], fmt.keys_bits), ("values", packed[1], fmt.values_bits))}
+        if len(tokens) != 1:
             raise ValueError(f"keys and values disagree: {packed[0][0].shape} vs {packed[1][0].shape}")
         dtype, fused = _float_dtype(spec), spec.fused_dequantize
         keys = dequantize_kv(packed[0], group, fmt.keys_bits, dtype, fused=fused)

@@ -37,8 +37,8 @@ from runtime.kv.q4_packing import (
     quantize_kv,
 )
 
-__all__ = ["check_packed", "PackedKVCache", "QuantizedKVCache", "DequantizingQuantizedKVCache", "BatchQuantizedKVCache",
-           "BatchDequantizingQuantizedKVCache"]
+__all__ = ["check_packed", "PackedKVCache", "QuantizedKVCache", "DequantizingQuantizedKVCache",
+           "BatchQuantizedKVCache", "BatchDequantizingQuantizedKVCache"]
 
 
 def check_packed(name: str, packed: PackedKV, group_size: int, bits: int) -> int:
