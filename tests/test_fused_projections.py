@@ -95,6 +95,13 @@ def test_each_weight_is_held_once_and_a_layer_runs_four_products(quantized: bool
     layers = len(fused.model.layers)
     assert products(ref) - products(fused) == 3 * layers  # 7 a layer against 4
 
+    def nodes(model: nn.Module) -> list[str]:
+        return graph_operation_names([model(mx.array([[5, 6, 7, 8]]), cache=make_prompt_cache(model))])
+
+    # and a group's parts are one node with an output each (two a layer), not a slice each (five)
+    mine, theirs = nodes(fused), nodes(ref)
+    assert mine.count("Split") == 2 * layers and mine.count("Slice") == theirs.count("Slice"), (mine, theirs)
+
 
 def test_a_group_of_projections_quantized_differently_is_left_apart() -> None:
     ref, fused = _pair("tiny-llama", quantized=True)  # every projection at 4 bits

@@ -49,8 +49,7 @@ class _GroupProduct:
 
     def __init__(self, fused: nn.Module, widths: list[int]) -> None:
         self.fused = fused
-        ends = [sum(widths[: i + 1]) for i in range(len(widths))]
-        self._cuts = list(zip([0, *ends[:-1]], ends, strict=True))
+        self._cuts = [sum(widths[: i + 1]) for i in range(len(widths) - 1)]
         self._input: mx.array | None = None
         self._slices: list[mx.array | None] = [None] * len(widths)
 
@@ -58,7 +57,9 @@ class _GroupProduct:
         if self._input is not x or self._slices[part] is None:
             product = self.fused(x)
             self._input = x
-            self._slices = [product[..., start:end] for start, end in self._cuts]
+            # One graph node with an output a part, where a slice a part would be one node each (each node costs
+            # a GPU's host at every step: three a layer fewer)
+            self._slices = list(mx.split(product, self._cuts, axis=-1))
         out, self._slices[part] = self._slices[part], None
         if all(s is None for s in self._slices):
             self._input = None
