@@ -635,7 +635,8 @@ def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadli
     from runtime.spec import KVFormat
 
     chosen = device_profile(profile=profile)
-    default = "q4-native" if chosen.attention == "native" else "q4-at-rest"
+    default = ("q4-native" if chosen.attention == "native"
+               else "k8v4-at-rest" if chosen.kv_key_bits == 8 else "q4-at-rest")  # the profile's keys' bits
     rows: list[dict[str, Any]] = []
     skipped: list[int] = []
     weights_note = ""

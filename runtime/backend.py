@@ -78,6 +78,9 @@ no new fused-kernel graph. Longer passes (prefill chunks) keep the fused kernel,
 shape is then small beside the pass, and one-token decode steps keep MLX's vector kernel."""
 
 
+GPU_KV_KEY_BITS = 8
+"""The keys' bits of the GPU policy's at-rest KV (values at ``kv_bits``): :attr:`BackendProfile.kv_key_bits`."""
+
 CPU_MEMORY_MB: dict[str, float] = {"budget_mb": 2048.0, "hot_budget_mb": 512.0, "keep_float_mb": 1024.0}
 """The memory settings' defaults on a CPU (sized for a small machine), and wherever the device's memory is unknown."""
 
@@ -157,6 +160,11 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             to 95% of a CUDA device, and a cache growing chunk by chunk frees ever longer buffers no later
             request fits (a 3B model's 32K prompt: about 27 GB). Bounding the cache instead would free
             host-created buffers with ``cudaFree``, a device-wide wait, mid-prefill.
+        kv_key_bits: the keys' own bits in a quantized KV format (:class:`runtime.spec.KVFormat`): the setting, else
+            8 under the GPU policy with at-rest attention (keys Q8, values at ``kv_bits``) and none elsewhere (the
+            keys take ``kv_bits``). Why: at-rest Q4 lost 2 of float's 75 needle hits on an H200 (run 6) where the
+            CPU lost none, and on the real default model keys in Q8 cut Q4's KL to float 5.5x, at 1.44x its bytes
+            (``benches/results/fidelity_real.md``); a GPU has the memory. Native attention takes one bits for both.
         tune_allocator: glibc keeps freed memory and one arena (``runtime.allocator``).
         prewarm_mb: memory touched at the first model load (0: none).
         openblas: the OpenBLAS library loaded at import (None: MLX's own BLAS).
@@ -191,6 +199,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     fused_projections: bool = False
     small_products_kernel: bool = False
     clear_cache_after_prefill: bool = False
+    kv_key_bits: int | None = None
     tune_allocator: bool
     prewarm_mb: float
     openblas: str | None = None
@@ -229,6 +238,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             + (", from a device copy" if self.download_by_copy else ""),
             f"disk to device {'by mx.load' if self.upload_by_copy else 'in place'}",
             f"dequantize {'fused' if self.fused_dequantize else 'unpacked'}"
+            + (f"; kv keys in {self.kv_key_bits} bits" if self.kv_key_bits else "")
             + ("; MLX's cache emptied after a long prompt" if self.clear_cache_after_prefill else ""),
             f"host paths {', '.join(host) if host else 'none'}",
             f"memory KV {self.budget_mb:.0f} / hot {self.hot_budget_mb:.0f} / float {self.keep_float_mb:.0f} MB",
@@ -250,6 +260,7 @@ def decide_profile(
     short_attention_kernel: bool | None = None,
     fused_projections: bool | None = None,
     small_products_kernel: bool | None = None,
+    kv_key_bits: int | None = None,
     prewarm_mb: float = 0.0,
     prefill_chunk: int | None = None,
     decode_run_steps: int | None = None,
@@ -266,7 +277,7 @@ def decide_profile(
         backend: ``cpu``, ``metal`` or ``cuda``.
         profile: ``auto`` (the device's policy), ``cpu`` or ``gpu`` (forced).
         attention, weights, numpy_attention, plain_attention_queries, short_attention_kernel, fused_projections,
-            small_products_kernel, prewarm_mb,
+            small_products_kernel, kv_key_bits, prewarm_mb,
             prefill_chunk, decode_run_steps: the settings of the same names;
             an explicit value wins over the policy's default (None: the policy's).
         budget_mb, hot_budget_mb, keep_float_mb: the memory settings; None: the policy's default.
@@ -322,6 +333,7 @@ def decide_profile(
         small_products_kernel=(not cpu if small_products_kernel is None else small_products_kernel)
         and backend == "cuda",
         clear_cache_after_prefill=not cpu,
+        kv_key_bits=(None if cpu or attention == "native" else GPU_KV_KEY_BITS) if kv_key_bits is None else kv_key_bits,
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,
         openblas=openblas,

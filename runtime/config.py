@@ -117,8 +117,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         kv_key_bits: the keys' bits when they differ from the values' (``kv_bits``): 8 keeps
             keys in Q8 and values at ``kv_bits``, as llama.cpp's ``--cache-type-k q8_0
             --cache-type-v q4_0`` (a query's attention over thousands of keys is what quantization
-            noise flips; a value's error is averaged by the weights). Unset: ``kv_bits``. Attends
-            at rest (native attention takes one bits for both).
+            noise flips; a value's error is averaged by the weights). Unset (``auto``): the backend
+            profile's, 8 under the GPU policy with at-rest attention (H200 run 6: Q4 at rest lost 2 of
+            float's 75 needle hits; on the real default model keys in Q8 cut Q4's KL to float 5.5x, at
+            1.44x the bytes), ``kv_bits`` elsewhere. Attends at rest (native attention takes one bits
+            for both).
         attention: ``auto`` (at-rest on every device: native loses needles float keeps,
             docs/models.md), ``at-rest`` (Q4 at rest, float while a sequence runs; fastest
             on CPU) or ``native`` (attend on packed Q4 with MLX's quantized SDPA).
@@ -276,9 +279,9 @@ SERVER_FIELDS: frozenset[str] = frozenset({
 _BOOLS = frozenset({"fsync", "durable", "accept_any_model", "numpy_attention", "short_attention_kernel",
                     "fused_projections", "small_products_kernel"})
 _NONE_WORDS = ("", "none", "null")
-_NONE_ALLOWED = frozenset({"model_idle_s", "prefill_chunk", "api_key", "api_keys", "store", "kv_key_bits"})
+_NONE_ALLOWED = frozenset({"model_idle_s", "prefill_chunk", "api_key", "api_keys", "store"})
 _AUTO_IS_NONE = frozenset({"budget_mb", "hot_budget_mb", "keep_float_mb", "short_attention_kernel",
-                           "fused_projections", "small_products_kernel"})
+                           "fused_projections", "small_products_kernel", "kv_key_bits"})
 """Settings whose default the backend profile decides: ``auto`` (or nothing) leaves it to the profile."""
 
 

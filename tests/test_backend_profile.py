@@ -20,6 +20,7 @@ from runtime.backend import (
     CPU_CHUNKS,
     GPU_CHUNK,
     GPU_DECODE_RUN_STEPS,
+    GPU_KV_KEY_BITS,
     GPU_PLAIN_ATTENTION_QUERIES,
     decide_profile,
     detect_device,
@@ -47,6 +48,23 @@ def test_a_gpu_gets_the_gpu_policy_with_no_host_paths() -> None:
     assert p.prewarm_mb == 0 and p.chunk_for(0) == p.chunk_for(100_000) == GPU_CHUNK
     assert p.decode_run_steps == GPU_DECODE_RUN_STEPS > 1 and p.run_ahead
     assert p.plain_attention_queries == GPU_PLAIN_ATTENTION_QUERIES > 1
+    assert p.kv_key_bits == GPU_KV_KEY_BITS == 8  # keys in Q8 at rest (needles Q4 lost on an H200)
+
+
+def test_keys_take_their_own_bits_under_the_gpu_policys_at_rest_attention_only_unless_set() -> None:
+    """The GPU policy keeps keys in Q8 (values at ``kv_bits``) where it attends at rest; native attention takes one
+    bits for keys and values, and the CPU policy (Q4 at rest lost no needle float found there) keeps ``kv_bits``."""
+    assert decide_profile(device="cpu", backend="cpu").kv_key_bits is None
+    assert decide_profile(device="gpu", backend="cuda", attention="native").kv_key_bits is None
+    assert decide_profile(device="gpu", backend="metal").kv_key_bits == 8
+    assert decide_profile(device="gpu", backend="cuda", kv_key_bits=4).kv_key_bits == 4
+    assert decide_profile(device="cpu", backend="cpu", kv_key_bits=8).kv_key_bits == 8
+    assert "kv keys in 8 bits" in decide_profile(device="gpu", backend="cuda").line()
+    assert "kv keys" not in decide_profile(device="cpu", backend="cpu").line()
+    engine = _engine(profile="gpu")
+    assert engine._kv_format.label == "k8v4g64" and _engine(profile="cpu")._kv_format.label == "q4g64"
+    assert _engine(profile="gpu", kv_bits=None)._kv_format.label == "float"  # float KV has no key bits
+    assert _engine(profile="gpu", kv_bits=8)._kv_format.label == "q8g64"  # keys at 8 bits are Q8's own
 
 
 def test_the_policy_can_be_forced_either_way_and_explicit_settings_win() -> None:
@@ -94,7 +112,7 @@ def test_the_profile_line_names_every_decision() -> None:
 def _engine(**settings: Any) -> Any:
     from runtime.execution.mlx_engine import MlxEngine
 
-    return MlxEngine(models_dir=models_dir(), kv_bits=4, kv_group_size=64, **{"attention": "auto", **settings})
+    return MlxEngine(models_dir=models_dir(), kv_group_size=64, **{"kv_bits": 4, "attention": "auto", **settings})
 
 
 def test_the_gpu_policy_on_the_cpu_runs_native_attention_when_asked_without_host_paths() -> None:
@@ -187,7 +205,8 @@ def test_a_bfloat16_model_keeps_bfloat16_activations_and_kv_under_the_gpu_policy
     from runtime.kv.kvstate import ActiveKV, ParkedCache
 
     gguf = write_gguf(tiny_models.ensure_tiny_model("tiny-llama", models_dir()), tmp_path / "tiny.gguf")
-    engine = _engine(profile="gpu", weights="bfloat16")
+    # keys in Q4 like the values, so the restored cache can attend natively too (one bits for both)
+    engine = _engine(profile="gpu", weights="bfloat16", kv_key_bits=4)
     try:
         info = engine.load(str(gguf))
         assert info.profile is not None and info.profile.float_dtype == "bfloat16"

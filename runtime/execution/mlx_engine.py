@@ -97,7 +97,8 @@ class MlxEngine:
     Args:
         models_dir: where tiny models are built.
         kv_bits, kv_group_size: 4 or 8 (Q4/Q8 KV at rest) or None (float KV); the quantization group.
-        kv_key_bits: the keys' bits where they differ from ``kv_bits`` (:class:`runtime.spec.KVFormat`).
+        kv_key_bits: the keys' bits where they differ from ``kv_bits`` (:class:`runtime.spec.KVFormat`; None: the
+            backend profile's, :attr:`runtime.backend.BackendProfile.kv_key_bits`).
         attention, weights: ``auto``, ``at-rest`` or ``native`` attention on Q4 caches; how GGUF
             weights are held (:data:`runtime.model.gguf.WEIGHT_MODES`).
         prewarm_mb: memory to touch once when the first model loads and keep for activations,
@@ -152,6 +153,7 @@ class MlxEngine:
                                        short_attention_kernel=short_attention_kernel,
                                        fused_projections=fused_projections,
                                        small_products_kernel=small_products_kernel,
+                                       kv_key_bits=kv_key_bits,
                                        prefill_chunk=prefill_chunk, decode_run_steps=decode_run_steps,
                                        keep_float_mb=keep_float_mb,
                                        budget_mb=budget_mb, hot_budget_mb=hot_budget_mb)
@@ -161,7 +163,9 @@ class MlxEngine:
         self._models_dir = models_dir
         self._prewarm_mb = self._profile.prewarm_mb  # touched at the first load only
         self._warm_up = self._profile.prewarm_mb > 0  # a throwaway turn at each model load (runtime.execution.warmup.warm_up)
-        self._kv_format = KVFormat(bits=kv_bits, group_size=kv_group_size, key_bits=kv_key_bits)
+        # The keys' bits as the profile decided them (the setting, else the policy's); float KV has none
+        self._kv_format = KVFormat(bits=kv_bits, group_size=kv_group_size,
+                                   key_bits=self._profile.kv_key_bits if kv_bits is not None else None)
         self._attention: AttentionMode = "at-rest"
         self._lm: LoadedModel | None = None
         self._seqs: dict[int, Sequence] = {}
