@@ -65,6 +65,7 @@ def test_keys_take_their_own_bits_under_the_gpu_policys_at_rest_attention_only_u
     assert engine._kv_format.label == "k8v4g64" and _engine(profile="cpu")._kv_format.label == "q4g64"
     assert _engine(profile="gpu", kv_bits=None)._kv_format.label == "float"  # float KV has no key bits
     assert _engine(profile="gpu", kv_bits=8)._kv_format.label == "q8g64"  # keys at 8 bits are Q8's own
+    assert _engine(profile="gpu", attention="native")._kv_format.label == "q4g64"  # native: one bits for both
 
 
 def test_the_policy_can_be_forced_either_way_and_explicit_settings_win() -> None:
