@@ -96,6 +96,32 @@ def test_a_turn_from_kept_floats_computes_the_same_logits_over_several_turns(wai
         prompt = kept.text + FOLLOW_UP
 
 
+def test_a_turn_from_kept_floats_builds_nothing_over_its_parked_q4(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache of several turns is parked as a chunk a turn; a turn that starts from its kept floats neither
+    joins nor dequantizes those chunks (a GPU's host pays for every operation built, evaluated or not)."""
+    from runtime.kv import kvstate
+
+    lm = tiny("tiny-llama")
+    first = _turn(lm, PROMPT).park(wait=True)
+    parked = _turn(lm, first.text + FOLLOW_UP, first).park(keep_float=True, wait=True)
+    assert parked is not None and parked.resident is not None
+    assert all(len(layer.chunks) == 2 for layer in parked.layers)  # each turn's tokens a chunk
+    built: list[str] = []
+    monkeypatch.setattr(kvstate, "dequantize_kv", lambda *a, **k: built.append("dequantize"))
+
+    class Counting:
+        def __getattr__(self, name: str) -> object:
+            return getattr(mx, name)
+
+        @staticmethod
+        def concatenate(*a: object, **k: object) -> object:
+            built.append("concatenate")
+            return mx.concatenate(*a, **k)
+
+    monkeypatch.setattr(kvstate, "mx", Counting())
+    assert ActiveKV(parked, lm.spec, "at-rest").resumed_float and built == []
+
+
 def test_the_pool_keeps_the_newest_within_its_budget_and_forgets_the_dead() -> None:
     def resident(tokens: int) -> FloatResident:
         k = mx.zeros((1, 2, tokens, 8))

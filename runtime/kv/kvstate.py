@@ -352,6 +352,13 @@ class ActiveKV:
 def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, attention: AttentionMode, offset: int,
                     kept: LayerKV | None = None) -> Any:
     fmt = spec.kv_format
+    if kept is not None and offset and layer.kind is LayerKind.Q4 and attention != "native":
+        # The float buffers of this cache's last turn: the same values dequantizing its Q4 makes (its chunks are
+        # not even joined: on a GPU's host every concatenation built is paid for, evaluated or not)
+        cache = KVCache()
+        cache.keys, cache.values = kept
+        cache.offset = offset
+        return cache
     a = layer.arrays
     if layer.kind is LayerKind.SLIDING:
         cache = RotatingKVCache(max_size=(lspec.window or 0) + SLIDING_SLACK)
@@ -375,11 +382,6 @@ def _activate_layer(layer: ParkedLayer, lspec: Any, spec: ModelCacheSpec, attent
             return cls(group_size=group, bits=fmt.values_bits)
         return cls.from_packed(*packed, group_size=group, bits=fmt.values_bits)
     cache = KVCache()
-    if kept is not None and offset:
-        # The float buffers of this cache's last turn: the same values the dequantization below makes.
-        cache.keys, cache.values = kept
-        cache.offset = offset
-        return cache
     if packed is not None:
         tokens = {check_packed(name, kv, group, bits)
                   for name, kv, bits in (("keys", packed[0], fmt.keys_bits), ("values", packed[1], fmt.values_bits))}
