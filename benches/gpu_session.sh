@@ -110,7 +110,7 @@
 #      Since session 32 the keys-Q8 row is kvmem's own format (kv_key_bits 8), through the disk like the others,
 #      and the GPU policy's default (the main run's turns save k8v4g64: 1.44x Q4's bytes, so a warm turn read at the
 #      turn reads 1.44x more; the needle section says whether it kept every one of float's hits);
-#      a finished batch row's park launches 14 operations a layer, not 24 (its float copy one pad, not a gather);
+#      a finished batch row's park launches 12 operations a layer, not 24 (its float copy one pad, not a gather);
 #      the probe's engine rows count one decode step's operations by kind, mlx-lm's beside kvmem's.
 #      A lone row's short pass through plain operations (a hot turn over more than 2,048 keys) attends over its
 #      cache's buffer up to the next 256 keys, the rest masked (run 6's probe: no new-shape cost across turns).

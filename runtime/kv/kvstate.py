@@ -454,10 +454,13 @@ def _park_layer(
     kept_float = keep_float and type(cache) is KVCache and cache.keys is not None
     if keep == start:
         return kept, (cache.keys, cache.values) if kept_float else None
-    keys, values = _kv_of(cache)
+    if type(cache) is KVCache:  # the turn's tokens in one slice of the buffer (a node fewer an array on a GPU's host)
+        keys, values = cache.keys[:, :, start:keep], cache.values[:, :, start:keep]
+    else:
+        keys, values = (x[:, :, start:keep] for x in _kv_of(cache))
     fmt = spec.kv_format
-    kq = quantize_kv(keys[:, :, start:keep], fmt.group_size, fmt.keys_bits)
-    vq = quantize_kv(values[:, :, start:keep], fmt.group_size, fmt.values_bits)
+    kq = quantize_kv(keys, fmt.group_size, fmt.keys_bits)
+    vq = quantize_kv(values, fmt.group_size, fmt.values_bits)
     layer = kept.appended(ParkedLayer.of(base.kind, dict(zip(_Q4_KEYS, (*kq, *vq), strict=True))))
     if not kept_float:
         return layer, None
