@@ -110,6 +110,32 @@ def test_only_short_passes_over_float_caches_take_the_plain_path(monkeypatch: py
     assert widths == []  # outside kvmem's own passes: mlx-lm untouched
 
 
+def test_a_lone_rows_pass_builds_its_buffer_mask_once_for_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer of a pass sees the same keys of its buffer: one mask, built once and shared (each layer built
+    its own: nine graph nodes a layer on a GPU's host); a pass of another length or cache gets its own."""
+    lm = tiny("tiny-llama")
+    assert adapter.install(type(lm.model).__module__)
+    masks: list[mx.array] = []
+    plain = adapter.plain_attention
+
+    def recorded(queries: mx.array, keys: mx.array, values: mx.array, **kwargs: object) -> mx.array:
+        masks.append(kwargs["mask"])
+        return plain(queries, keys, values, **kwargs)
+
+    monkeypatch.setattr(adapter, "plain_attention", recorded)
+    layers = len(lm.model.layers)
+    seen = []
+    for tokens in (5, 6, 5):
+        masks.clear()
+        with adapter.active(False, plain_queries=8):
+            mx.eval(lm.model(mx.array([[3] * tokens]), cache=[KVCache() for _ in range(layers)]))
+        assert len(masks) == layers and all(m is masks[0] for m in masks), tokens
+        seen.append(masks[0])
+    assert seen[0] is not seen[1] and seen[2] is seen[0]  # (5 queries over 5 keys) again: the same mask
+    n = 5
+    assert mx.array_equal(seen[0], mx.arange(adapter.BUFFER_STEP)[None] <= mx.arange(n)[:, None]).item()
+
+
 async def _replies(home: Path, plain: int) -> list[str]:
     from runtime.cpu import kv_copy
 
