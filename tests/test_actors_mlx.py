@@ -40,6 +40,8 @@ TOPICS = [
 
 def _open(home: Path, model: str, **kw):
     kw.setdefault("handle_signals", False)
+    if kw.get("kv_bits", 4) is not None:  # the references' keys (tiny(): Q4), on any device: a GPU's would be Q8
+        kw.setdefault("kv_key_bits", kw.get("kv_bits", 4))
     return open_runtime(model=model, home=home, models_dir=models_dir(), fsync=False, **kw)
 
 
@@ -354,9 +356,9 @@ async def test_agents_arriving_together_share_the_first_ones_prefix_and_reply_as
     assert alone.usage.tier == "cold" and alone.usage.tokens_prefilled == prompt_tokens[0]
 
 
-@pytest.mark.parametrize(("kv_bits", "profile"), [(None, "auto"), (4, "auto"), (4, "gpu")],
-                         ids=["float", "q4-at-rest", "q4-at-rest-gpu-policy"])
-async def test_an_agent_arriving_while_another_decodes_starts_from_its_prompt(tmp_path, kv_bits, profile):
+@pytest.mark.parametrize(("kv_bits", "profile", "key_bits"), [(None, "auto", None), (4, "auto", None), (4, "gpu", 8)],
+                         ids=["float", "q4-at-rest", "k8v4-at-rest-gpu-policy"])
+async def test_an_agent_arriving_while_another_decodes_starts_from_its_prompt(tmp_path, kv_bits, profile, key_bits):
     """The second agent with the same system prompt arrives after the first one's prefill ended (its first
     token is out) and nobody waited for that prompt: the first turn's prompt is parked from its batch row
     then, and the second prefills only its own part. Before, it prefilled the whole prompt again: the cause
@@ -366,8 +368,9 @@ async def test_an_agent_arriving_while_another_decodes_starts_from_its_prompt(tm
     runtime: the first from no cache; the second from no cache (float KV: identical replies) or, Q4 at
     rest, from the first's whole turn parked in Q4 and cut to its first 512 tokens (the blocks it starts
     from; replies may depart only at a near tie). Under the GPU policy the first decodes alone on its own
-    caches (``alone_on_own_caches``), elsewhere in a batch of one: its prompt is parked from either."""
-    lm = tiny("tiny-llama", bits=kv_bits)
+    caches (``alone_on_own_caches``), elsewhere in a batch of one: its prompt is parked from either; and its
+    keys are in Q8 (the policy's default ``kv_key_bits``), as the references' are."""
+    lm = tiny("tiny-llama", bits=kv_bits, key_bits=key_bits)
     system = CORPUS.read_text()[:4000]
     while len(lm.tokenize(system)[0]) > 600:
         system = system[:-50]
@@ -378,7 +381,7 @@ async def test_an_agent_arriving_while_another_decodes_starts_from_its_prompt(tm
     first_expected, first_cache, _, _ = _alone(lm, prompts[0], None, params)
     donor = first_cache.truncated(512, lm.spec) if kv_bits else None
     second_expected, _, pieces, margins = _alone(lm, prompts[1], donor, params)
-    options = {"attention": "at-rest"} if kv_bits else {}
+    options = {"attention": "at-rest", "kv_key_bits": key_bits or kv_bits} if kv_bits else {}
     async with _open(tmp_path, "tiny-llama", kv_bits=kv_bits, prefill_chunk=512, profile=profile, **options) as rt:
         async with rt.agent("first").stream_prompt(prompts[0], max_tokens=48) as stream:
             deltas = aiter(stream)
