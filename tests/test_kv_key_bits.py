@@ -41,7 +41,7 @@ async def test_keys_in_q8_are_saved_restored_and_kept_apart_from_q4(tmp_path: Pa
     assert tag.endswith("/k8v4g64"), tag
     layer = next(layer for layer in saved.load("a", model_tag=tag).layers if "k_w" in layer.arrays)
     assert layer.arrays["k_w"].shape[-1] == 16 and layer.arrays["v_w"].shape[-1] == 8
-    async with _open(tmp_path) as rt:  # the same home, keys in Q4: the Q8 keys' cache is not this format's
+    async with _open(tmp_path, kv_key_bits=4) as rt:  # the same home, keys in Q4: the Q8 keys' cache is not its
         other = await rt.agent("a").send(chat, max_tokens=6)
     assert other.usage.tier == "cold" and other.usage.tokens_reused == 0, other.usage
 
