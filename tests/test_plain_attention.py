@@ -131,7 +131,7 @@ def test_a_lone_rows_pass_builds_its_buffer_mask_once_for_every_layer(monkeypatc
             mx.eval(lm.model(mx.array([[3] * tokens]), cache=[KVCache() for _ in range(layers)]))
         assert len(masks) == layers and all(m is masks[0] for m in masks), tokens
         seen.append(masks[0])
-    assert seen[0] is not seen[1] and seen[2] is seen[0]  # (5 queries over 5 keys) again: the same mask
+    assert seen[0] is not seen[1] and mx.array_equal(seen[2], seen[0]).item()
     n = 5
     assert mx.array_equal(seen[0], mx.arange(adapter.BUFFER_STEP)[None] <= mx.arange(n)[:, None]).item()
 

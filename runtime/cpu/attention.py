@@ -262,7 +262,7 @@ def plain_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scal
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown attention mask {mask!r}")
-        mask = _causal_mask(n, s, s, threading.get_ident())
+        mask = _causal_mask(n, s, s)
     if mask is not None:
         if mask.ndim == 4:  # (B or 1, H or 1, L, S): split the heads as the scores are
             mask = mask.reshape(mask.shape[0], -1 if mask.shape[1] == 1 else kv_heads,
@@ -293,18 +293,22 @@ def plain_attention_over_the_buffer(queries: mx.array, cache: KVCache, *, scale:
     n, s = queries.shape[2], cache.offset
     width = min(cache.keys.shape[2], -(-s // BUFFER_STEP) * BUFFER_STEP)
     return plain_attention(queries, cache.keys[..., :width, :], cache.values[..., :width, :], scale=scale,
-                           mask=_causal_mask(n, s, width, threading.get_ident()))
+                           mask=_causal_mask(n, s, width))
 
 
-@functools.lru_cache(maxsize=8)
-def _causal_mask(queries: int, keys: int, width: int, thread: int) -> mx.array:
+def _causal_mask(queries: int, keys: int, width: int) -> mx.array:
     """``(queries, width)``: which of the first ``width`` keys (a buffer's, or exactly ``keys``) each of a pass's
-    last ``queries`` of ``keys`` tokens sees (causal: none past the cache). Built once a pass (on the ``thread``
-    that runs it: MLX ties an operation's stream to its thread) and shared by every layer, where each built its
-    own: nine graph nodes a layer, each paid on a GPU's host. Built by operations, on the device: from host data,
-    on CUDA, it would be managed memory the device pages in."""
-    del thread  # a key only
-    return mx.arange(width)[None] <= (mx.arange(queries)[:, None] + (keys - queries))
+    last ``queries`` of ``keys`` tokens sees (causal: none past the cache). Built once a pass and shared by every
+    layer, where each built its own: nine graph nodes a layer, each paid on a GPU's host. Kept per thread, the
+    last one only (MLX ties an operation's stream to the thread that built it), and built by operations, on the
+    device: from host data, on CUDA, it would be managed memory the device pages in."""
+    shape = (queries, keys, width)
+    last = getattr(_scope, "mask", None)
+    if last is not None and last[0] == shape:
+        return last[1]
+    mask = mx.arange(width)[None] <= (mx.arange(queries)[:, None] + (keys - queries))
+    _scope.mask = (shape, mask)
+    return mask
 
 
 _CACHED_TRIANGLE_MAX = 4096
