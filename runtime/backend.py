@@ -161,8 +161,8 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             request fits (a 3B model's 32K prompt: about 27 GB). Bounding the cache instead would free
             host-created buffers with ``cudaFree``, a device-wide wait, mid-prefill.
         kv_key_bits: the keys' own bits in a quantized KV format (:class:`runtime.spec.KVFormat`): the setting, else
-            8 under the GPU policy with at-rest attention (keys Q8, values at ``kv_bits``) and none elsewhere (the
-            keys take ``kv_bits``). Why: at-rest Q4 lost 2 of float's 75 needle hits on an H200 (run 6) where the
+            8 under the GPU policy with at-rest attention and quantized KV (keys Q8, values at ``kv_bits``) and none
+            elsewhere (the keys take ``kv_bits``; float KV has no bits). Why: at-rest Q4 lost 2 of float's 75 needle hits on an H200 (run 6) where the
             CPU lost none, and on the real default model keys in Q8 cut Q4's KL to float 5.5x, at 1.44x its bytes
             (``benches/results/fidelity_real.md``); a GPU has the memory. Native attention takes one bits for both.
         tune_allocator: glibc keeps freed memory and one arena (``runtime.allocator``).
@@ -261,6 +261,7 @@ def decide_profile(
     fused_projections: bool | None = None,
     small_products_kernel: bool | None = None,
     kv_key_bits: int | None = None,
+    kv_bits: int | None = 4,
     prewarm_mb: float = 0.0,
     prefill_chunk: int | None = None,
     decode_run_steps: int | None = None,
@@ -277,7 +278,7 @@ def decide_profile(
         backend: ``cpu``, ``metal`` or ``cuda``.
         profile: ``auto`` (the device's policy), ``cpu`` or ``gpu`` (forced).
         attention, weights, numpy_attention, plain_attention_queries, short_attention_kernel, fused_projections,
-            small_products_kernel, kv_key_bits, prewarm_mb,
+            small_products_kernel, kv_key_bits, kv_bits, prewarm_mb,
             prefill_chunk, decode_run_steps: the settings of the same names;
             an explicit value wins over the policy's default (None: the policy's).
         budget_mb, hot_budget_mb, keep_float_mb: the memory settings; None: the policy's default.
@@ -333,7 +334,8 @@ def decide_profile(
         small_products_kernel=(not cpu if small_products_kernel is None else small_products_kernel)
         and backend == "cuda",
         clear_cache_after_prefill=not cpu,
-        kv_key_bits=(None if cpu or attention == "native" else GPU_KV_KEY_BITS) if kv_key_bits is None else kv_key_bits,
+        kv_key_bits=kv_key_bits if kv_key_bits is not None
+        else None if cpu or attention == "native" or kv_bits is None else GPU_KV_KEY_BITS,
         tune_allocator=cpu,
         prewarm_mb=prewarm_mb if cpu else 0.0,
         openblas=openblas,

@@ -59,6 +59,7 @@ def test_keys_take_their_own_bits_under_the_gpu_policys_at_rest_attention_only_u
     assert decide_profile(device="gpu", backend="metal").kv_key_bits == 8
     assert decide_profile(device="gpu", backend="cuda", kv_key_bits=4).kv_key_bits == 4
     assert decide_profile(device="cpu", backend="cpu", kv_key_bits=8).kv_key_bits == 8
+    assert decide_profile(device="gpu", backend="cuda", kv_bits=None).kv_key_bits is None  # float KV has no bits
     assert "kv keys in 8 bits" in decide_profile(device="gpu", backend="cuda").line()
     assert "kv keys" not in decide_profile(device="cpu", backend="cpu").line()
     engine = _engine(profile="gpu")

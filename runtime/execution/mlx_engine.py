@@ -153,7 +153,7 @@ class MlxEngine:
                                        short_attention_kernel=short_attention_kernel,
                                        fused_projections=fused_projections,
                                        small_products_kernel=small_products_kernel,
-                                       kv_key_bits=kv_key_bits,
+                                       kv_key_bits=kv_key_bits, kv_bits=kv_bits,
                                        prefill_chunk=prefill_chunk, decode_run_steps=decode_run_steps,
                                        keep_float_mb=keep_float_mb,
                                        budget_mb=budget_mb, hot_budget_mb=hot_budget_mb)
@@ -163,9 +163,8 @@ class MlxEngine:
         self._models_dir = models_dir
         self._prewarm_mb = self._profile.prewarm_mb  # touched at the first load only
         self._warm_up = self._profile.prewarm_mb > 0  # a throwaway turn at each model load (runtime.execution.warmup.warm_up)
-        # The keys' bits as the profile decided them (the setting, else the policy's); float KV has none
-        self._kv_format = KVFormat(bits=kv_bits, group_size=kv_group_size,
-                                   key_bits=self._profile.kv_key_bits if kv_bits is not None else None)
+        # The keys' bits as the profile decided them (the setting, else the policy's)
+        self._kv_format = KVFormat(bits=kv_bits, group_size=kv_group_size, key_bits=self._profile.kv_key_bits)
         self._attention: AttentionMode = "at-rest"
         self._lm: LoadedModel | None = None
         self._seqs: dict[int, Sequence] = {}
