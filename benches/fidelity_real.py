@@ -188,7 +188,7 @@ def _bytes_vs_q4(label: str) -> float:
     from runtime.spec import KVFormat
 
     b, g, k = AT_REST[label]
-    return KVFormat(bits=b, group_size=g, key_bits=k).quantized_bytes(1, 64, 64) / KVFormat().quantized_bytes(1, 64, 64)
+    return KVFormat(bits=b, group_size=g, key_bits=k).bytes_vs_q4()
 
 
 def _findings(results: dict[str, dict[str, Any]], labels: list[str]) -> list[str]:

@@ -628,6 +628,7 @@ def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadli
     through the disk like the others): which of the two changes keeps float's hits, at what memory."""
     if count <= 0 or model == "none":
         return ["Not run (`--needles 0` or `--needle-model none`)."]
+    from benches.needle import AT_REST_FORMATS
     from runtime.backend import device_profile
     from runtime.errors import ModelError
     from runtime.kv.kvstate import settle_attention
@@ -635,8 +636,9 @@ def needle_rows(model: str, lengths: list[int], count: int, profile: str, deadli
     from runtime.spec import KVFormat
 
     chosen = device_profile(profile=profile)
-    default = ("q4-native" if chosen.attention == "native"
-               else "k8v4-at-rest" if chosen.kv_key_bits == 8 else "q4-at-rest")  # the profile's keys' bits
+    kv_format = KVFormat(bits=4, key_bits=chosen.kv_key_bits)  # the format the profile gives the bench's Q4 KV
+    default = "q4-native" if chosen.attention == "native" else next(
+        name for name, fmt in AT_REST_FORMATS.items() if fmt == kv_format)
     rows: list[dict[str, Any]] = []
     skipped: list[int] = []
     weights_note = ""
@@ -763,8 +765,7 @@ def _needle_verdict(rows: list[dict[str, Any]], formats: list[str], default: str
         return sum(not by[(n, f, i)] for n, i in ran), len(ran)
 
     def cost(f: str) -> str:
-        fmt = AT_REST_FORMATS.get(f, KVFormat())
-        return f"{fmt.quantized_bytes(1, 64, 64) / KVFormat().quantized_bytes(1, 64, 64):.2f}x Q4's bytes"
+        return f"{AT_REST_FORMATS.get(f, KVFormat()).bytes_vs_q4():.2f}x Q4's bytes"
 
     held = [f for f in formats if lost(f)[1] and not lost(f)[0]]
     short = [f for f in formats if lost(f)[0]]

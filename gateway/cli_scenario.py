@@ -372,11 +372,13 @@ def _environment(config: Config) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             pass
     env["model"] = config.model
+    from runtime.backend import GPU_KV_KEY_BITS
+
     kv = "float" if config.kv_bits is None else f"Q{config.kv_bits} (group {config.kv_group_size})"
     if config.kv_bits is not None and config.kv_key_bits not in (None, config.kv_bits):
         kv = f"keys Q{config.kv_key_bits}, values Q{config.kv_bits} (group {config.kv_group_size})"
     elif config.kv_bits is not None and config.kv_key_bits is None:
-        kv += ", keys as the backend profile decides (Q8 under the GPU policy)"
+        kv += f", keys as the backend profile decides (Q{GPU_KV_KEY_BITS} under the GPU policy)"
     env["kv"] = f"{kv}, attention {config.attention}"
     if "OPENBLAS_NUM_THREADS" in os.environ:
         env["OPENBLAS_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"]

@@ -110,6 +110,10 @@ class KVFormat:
         return kv_heads * ((k_head_dim * self.keys_bits + v_head_dim * self.values_bits) // 8
                            + (dims // self.group_size) * 2 * 2)
 
+    def bytes_vs_q4(self, head_dim: int = 64) -> float:
+        """A token's packed bytes against the default format's (Q4 in groups of 64), at ``head_dim``."""
+        return self.quantized_bytes(1, head_dim, head_dim) / KVFormat().quantized_bytes(1, head_dim, head_dim)
+
 
 @dataclass(frozen=True)
 class LayerSpec:
