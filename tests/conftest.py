@@ -111,3 +111,18 @@ def smollm2() -> LoadedModel:
     except ModelError as exc:
         pytest.skip(str(exc))
     return _real_default()
+
+
+def mlx_with(**replaced: object) -> object:
+    """``mlx.core`` with ``replaced`` functions in its place, everything else its own: what a module's ``mx`` is
+    monkeypatched to, to watch the calls that module makes (and only that module's)."""
+    import mlx.core as mx
+
+    class MLX:
+        def __getattr__(self, name: str) -> object:
+            return getattr(mx, name)
+
+    proxy = MLX()
+    for name, fn in replaced.items():
+        setattr(proxy, name, fn)
+    return proxy

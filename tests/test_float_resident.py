@@ -17,7 +17,7 @@ import pytest
 
 import runtime  # noqa: F401
 from actors import open_runtime
-from conftest import models_dir, tiny
+from conftest import mlx_with, models_dir, tiny
 from runtime.kv.float_resident import FloatResident, ResidentPool
 from runtime.kv.kvstate import ActiveKV
 from runtime.execution.sequence import SequenceSampling, Sequence
@@ -109,16 +109,11 @@ def test_a_turn_from_kept_floats_builds_nothing_over_its_parked_q4(monkeypatch: 
     built: list[str] = []
     monkeypatch.setattr(kvstate, "dequantize_kv", lambda *a, **k: built.append("dequantize"))
 
-    class Counting:
-        def __getattr__(self, name: str) -> object:
-            return getattr(mx, name)
+    def concatenate(*a: object, **k: object) -> object:
+        built.append("concatenate")
+        return mx.concatenate(*a, **k)
 
-        @staticmethod
-        def concatenate(*a: object, **k: object) -> object:
-            built.append("concatenate")
-            return mx.concatenate(*a, **k)
-
-    monkeypatch.setattr(kvstate, "mx", Counting())
+    monkeypatch.setattr(kvstate, "mx", mlx_with(concatenate=concatenate))
     assert ActiveKV(parked, lm.spec, "at-rest").resumed_float and built == []
 
 

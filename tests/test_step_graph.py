@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 import trio
-from conftest import models_dir
+from conftest import mlx_with, models_dir
 
 from benches.gpu_probe import graph_operation_names
 from runtime.execution import decode_batch
@@ -149,21 +149,14 @@ async def test_a_batch_rows_park_builds_a_few_operations_a_layer(tmp_path: Path,
 
     parks: list[collections.Counter[str]] = []
 
-    class Counting:
-        """``mlx.core`` as kvstate sees it, its launches counted (a park's only)."""
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(mx, name)
-
-        @staticmethod
-        def async_eval(*arrays: Any) -> None:
-            parks.append(collections.Counter(graph_operation_names(list(arrays))))
-            mx.async_eval(*arrays)
+    def counted(*arrays: Any) -> None:  # kvstate's launches: a park's only
+        parks.append(collections.Counter(graph_operation_names(list(arrays))))
+        mx.async_eval(*arrays)
 
     async with _open(tmp_path) as rt:
         for turn in range(2):  # the second turn's rows are hot: each parks its row of a float batch
             if turn:
-                monkeypatch.setattr(kvstate, "mx", Counting())
+                monkeypatch.setattr(kvstate, "mx", mlx_with(async_eval=counted))
             async with trio.open_nursery() as nursery:
                 for i in range(4):
                     text = f"Agent {i} asks about the harbour, turn {turn}. " * (3 + i)
