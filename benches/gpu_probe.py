@@ -339,8 +339,8 @@ def shape_rows(model: Any, contexts: list[int], new_tokens: int) -> list[list[st
     return rows
 
 
-SHAPE_WAYS = ("fused", "plain", "plain, keys to the buffer's 256 step", "kvmem kernel")
-"""The ways :func:`attention_shape_rows` attends, in its columns' order (the kernel where CUDA has it)."""
+SHAPE_WAYS = ("fused", "plain", "plain, keys to the buffer's 256 step", "kvmem kernel", "kvmem kernel, two passes")
+"""The ways :func:`attention_shape_rows` attends, in its columns' order (the kernels where CUDA has them)."""
 
 
 def attention_shape_rows(queries: list[int], contexts: list[int]) -> list[list[str]]:
@@ -349,7 +349,9 @@ def attention_shape_rows(queries: list[int], contexts: list[int]) -> list[list[s
     per shape); kvmem's plain-operation attention (:func:`runtime.cpu.attention.plain_attention`); the same
     over the buffer up to its 256-token step, the keys past the cache masked (its products' shapes repeat
     across a conversation's turns: run 4's plain first calls cost 4-9 ms a new shape against 0.4-0.8 again);
-    and kvmem's kernel (:mod:`runtime.kv.short_attention`, up to its most queries); then the largest
+    and kvmem's kernel (:mod:`runtime.kv.short_attention`, up to its most queries), one pass and two (its
+    long-keys road, :func:`~runtime.kv.short_attention.long_attention`: the short passes over more than
+    :data:`~runtime.kv.short_attention.SHORT_PASS_KEYS` keys, where it is on); then the largest
     difference from the fused kernel's output of any of the others. One query is a lone row's decode step:
     MLX 0.32's CUDA backend sends it to cuDNN when its keys are a slice of a buffer a multiple of 256 long
     (``use_cudnn_for_decoding``), with a graph per buffer length: H200 run 5's one-agent batch rounds had a
@@ -379,8 +381,10 @@ def attention_shape_rows(queries: list[int], contexts: list[int]) -> list[list[s
                     "plain": lambda: plain_attention(q, k, v, scale=scale, mask="causal"),
                     "plain, keys to the buffer's 256 step": stepped}
             if short_attention.available() and ql <= short_attention.MAX_QUERIES:
-                ways["kvmem kernel"] = lambda: short_attention.short_attention(
-                    q, k, v, scale=scale, starts=mx.zeros((1,), dtype=mx.int32))
+                first_key = mx.zeros((1,), dtype=mx.int32)
+                ways["kvmem kernel"] = lambda: short_attention.short_attention(q, k, v, scale=scale, starts=first_key)
+                ways["kvmem kernel, two passes"] = lambda: short_attention.long_attention(
+                    q, k, v, scale=scale, starts=first_key)
             times: dict[str, list[float]] = {}
             outs = {}
             for name, fn in ways.items():
@@ -406,7 +410,8 @@ def batch_decode_attention_rows(rows: int, contexts: list[int], repeats: int = 2
     (rows of one length need none: the floor), with the boolean padding mask (on CUDA any array mask
     sends a one-query attention to MLX's unfused fallback), once per row on its own unpadded slice
     (fused, no mask, then joined), kvmem's plain operations with the mask, and on CUDA kvmem's kernel
-    (:mod:`runtime.kv.short_attention`: each row from its first key, no mask). Per call: the host's
+    (:mod:`runtime.kv.short_attention`: each row from its first key, no mask), one pass and two (its long-keys
+    road, which the runtime gives only short passes over long keys: this row says whether steps should). Per call: the host's
     time to build it, and its whole time with the evaluation (medians, ms); H200 run 3's batch of 8
     stepped 5-7 ms against one agent's 2.6-4, and a step runs this once per layer. Then the whole time
     again with the keys one longer each call, as a decode's are: H200 run 4's batch of 8 stepped faster
@@ -445,6 +450,8 @@ def batch_decode_attention_rows(rows: int, contexts: list[int], repeats: int = 2
     if short_attention.available():  # kvmem's kernel (the short_attention_kernel setting): each row from its first key
         first_keys = mx.array(pads, dtype=mx.int32)
         ways["kvmem kernel, each row from its first key"] = lambda n: short_attention.short_attention(
+            q, k[:, :, :n], v[:, :, :n], scale=scale, starts=first_keys)
+        ways["kvmem kernel in two passes"] = lambda n: short_attention.long_attention(
             q, k[:, :, :n], v[:, :, :n], scale=scale, starts=first_keys)
 
     def timed(fn: Any, growing: bool) -> tuple[list[float], list[float], Any]:

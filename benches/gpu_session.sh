@@ -116,6 +116,13 @@
 #      cache's buffer up to the next 256 keys, the rest masked (run 6's probe: no new-shape cost across turns).
 #      The threads table adds each busy thread's wait for a core, its minor page faults and the threads that last
 #      shared a physical core. The kernels' device tests left the bench call (the suite call runs them).
+#  13. since session 33: a hot turn's message over more than 2,048 keys (the 16K hot and warm rows) attends in the
+#      short attention kernel's two passes (runtime/kv/short_attention.py long_attention: MLX's two-pass vector
+#      kernel, the keys split over 32 blocks, a warp for a key head's whole query head group), once the load's
+#      check_long_keys holds them to MLX's attention, where run 6 took plain operations (0.51-0.58 ms a 1B layer at
+#      16 queries over 16K keys); grep the gpu.log for "over long keys is off". The probe's shapes rows time the two
+#      passes beside the others, its batch-attention rows for a padded step too (the runtime keeps steps on the one
+#      pass until those rows say otherwise); the suite call runs the new device tests.
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses). 285 s in all (run 5's
 # took 254 s, and the suite has grown since): since session 29 the bench call gives it 20 s of its 560.

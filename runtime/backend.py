@@ -26,7 +26,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | NumPy attention, NumPy KV copies, the shared-prefix check | on (``numpy_attention``) | off: no host round trip |
 | allocator tuning and pre-warm | on | off (device memory is not the glibc heap) |
 | short passes' attention (2 to ``plain_attention_queries`` query positions a row) | NumPy (above) | plain MLX operations, up to :data:`GPU_PLAIN_ATTENTION_QUERIES` (unset): on CUDA the fused kernel builds a cuDNN graph per new shape, about 65 ms each, and a growing conversation's every turn has new ones (an H200, run 3: a batch of 8's join took 263 ms a round instead of 1,071) |
-| a decode step of rows of different lengths (a batch's padding) | NumPy's decode attention (from 1K keys over the batch; MLX's below) | on CUDA, kvmem's one kernel (``short_attention_kernel``, unset): causal, each row from its first key, for these steps and for the short passes over at most :data:`runtime.kv.short_attention.SHORT_PASS_KEYS` keys (``runtime.kv.short_attention``; H200 run 6: a 1B's step of 8 rows launched in 3.5 ms against 6.6 through MLX's masked fallback, which other backends keep: a product, the mask, a softmax and a product a layer) |
+| a decode step of rows of different lengths (a batch's padding) | NumPy's decode attention (from 1K keys over the batch; MLX's below) | on CUDA, kvmem's one kernel (``short_attention_kernel``, unset): causal, each row from its first key, for these steps and for the short passes (over more than :data:`runtime.kv.short_attention.SHORT_PASS_KEYS` keys in two passes, where the load's check holds them; ``runtime.kv.short_attention``; H200 run 6: a 1B's step of 8 rows launched in 3.5 ms against 6.6 through MLX's masked fallback, which other backends keep: a product, the mask, a softmax and a product a layer) |
 | a llama or qwen2 layer's projections (``fused_projections`` unset) | seven products | four: queries, keys and values one product, gate and up another (``runtime.model.fused_projections``; H200 run 6: on CUDA every product of two or more rows costs the host about 37 µs of submit whatever its size, a one-row product 11; a 1B layer's four submitted in 0.17 ms at 8 rows against its seven's 0.26) |
 | memory budgets (``budget_mb``, ``hot_budget_mb``, ``keep_float_mb`` left unset) | 2048 / 512 / 1024 MiB | 25% / 10% / 10% of the device's memory (CUDA's total, Metal's recommended working set); the CPU's where it is not known (the GPU policy forced on a CPU) |
 | MLX's buffer cache | MLX's own: freed buffers kept up to its memory limit | also emptied once a prompt of several chunks has its first token, as mlx-lm's ``generate_step`` empties it after every chunk: a cache growing chunk by chunk frees longer and longer buffers no later request fits |
@@ -123,11 +123,11 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             (:func:`runtime.cpu.attention.plain_attention`); 0: never (the CPU policy's NumPy
             attention covers such passes there); the setting, else :data:`GPU_PLAIN_ATTENTION_QUERIES`.
         short_attention_kernel: on CUDA, a decode step of rows of different lengths and a pass of 2
-            to ``plain_attention_queries`` queries over at most
-            :data:`runtime.kv.short_attention.SHORT_PASS_KEYS` keys attend through kvmem's one kernel
-            (:mod:`runtime.kv.short_attention`: causal, each row from its own first key) instead of MLX's
-            masked fallback and plain operations; the setting, unset on under the GPU policy, and only
-            where the backend is CUDA.
+            to ``plain_attention_queries`` queries attend through kvmem's one kernel
+            (:mod:`runtime.kv.short_attention`: causal, each row from its own first key; a pass over more
+            than :data:`runtime.kv.short_attention.SHORT_PASS_KEYS` keys in its two passes, where the load's
+            check holds them) instead of MLX's masked fallback and plain operations; the setting, unset on
+            under the GPU policy, and only where the backend is CUDA.
         copy_after_turn: a finished turn's park is launched, not waited for, and its host copy for
             the save is made after the turn (:meth:`runtime.plan.contract.Engine.snapshot`), off the
             decode loop. On the CPU the copy is a memcpy of memory the host already holds: made at once.

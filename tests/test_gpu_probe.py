@@ -48,7 +48,7 @@ def test_attention_at_new_shapes_is_the_fused_kernels_every_way_it_is_timed() ->
     for row in attention_shape_rows([1, 3, 16], [20, 300]):  # 1: a lone row's decode step
         assert len(row) == 2 + 2 * len(SHAPE_WAYS) + 1
         if not short_attention.available():
-            assert row[-3:-1] == ["—", "—"]  # no kernel on this device
+            assert row[-5:-1] == ["—"] * 4  # no kernel on this device, one pass or two
         assert float(row[-1]) < 2e-2, row
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from agreement import assert_decoded_alike
 from conftest import tiny
@@ -49,10 +50,23 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[Call]:
 
 
 @pytest.fixture
+def long_calls(monkeypatch: pytest.MonkeyPatch) -> list[Call]:
+    """Each call to the long-keys road (replaced by its definition, as :func:`kernel_calls` does the one pass)."""
+    calls: list[Call] = []
+
+    def kernel(queries, keys, values, *, scale, starts):
+        calls.append(Call(queries.shape[0], queries.shape[2], starts.tolist()))
+        return short_attention.reference(queries, keys, values, scale=scale, starts=starts)
+
+    monkeypatch.setattr(short_attention, "long_attention", kernel)
+    return calls
+
+
+@pytest.fixture
 def lm():
     model = tiny("tiny-llama", bits=None)
     yield model
-    model.short_attention_kernel, model.plain_attention_queries = False, 0
+    model.short_attention_kernel, model.long_keys_kernel, model.plain_attention_queries = False, False, 0
 
 
 def _decode(lm, batched: bool, prompts: list[str] = PROMPTS, max_tokens: int = 8) -> list[Sequence]:
@@ -156,6 +170,94 @@ def test_a_pass_over_more_keys_than_the_kernel_takes_keeps_plain_operations(lm, 
     assert any(c.queries == 1 and max(c.starts) > 0 for c in kernel_calls)
 
 
+def test_where_the_long_keys_road_is_on_long_short_passes_take_it_and_reply_as_before(
+        lm, kernel_calls, long_calls, monkeypatch) -> None:
+    """Past ``SHORT_PASS_KEYS`` keys (here 16: the tiny turns' caches hold more) a short pass goes through the
+    two-pass kernel where the load's check held it, instead of plain operations; a padded step's one query keeps
+    the one-pass kernel. The replies are the plain road's."""
+    lm.plain_attention_queries = 64
+    before = _hot_and_joined(lm, _second_turns(lm))
+    monkeypatch.setattr(short_attention, "SHORT_PASS_KEYS", 16)
+    lm.short_attention_kernel, lm.long_keys_kernel = True, True
+    after = _hot_and_joined(lm, _second_turns(lm))
+    assert any(c.rows == 1 and c.queries > 1 and c.starts == [0] for c in long_calls)  # the hot turn's message
+    assert any(c.rows == 2 and c.queries > 1 for c in long_calls)  # the group's joint pass
+    assert all(c.queries > 1 for c in long_calls)
+    assert kernel_calls and all(c.queries == 1 and max(c.starts) > 0 for c in kernel_calls)  # the padded steps
+    for a, b in zip(before, after, strict=True):
+        assert_decoded_alike(a, b, lm.vocab_limit, FLOAT_TOL)
+
+
+def test_the_long_keys_road_takes_the_groups_and_scratch_it_allows() -> None:
+    def takes(rows: int, heads: int, kv_heads: int, queries: int, dim: int = 64) -> bool:
+        return short_attention.takes_long_keys(mx.zeros((rows, heads, queries, dim)), mx.zeros((rows, kv_heads, 1, dim)))
+
+    assert takes(1, 32, 8, 64, dim=128)  # a 3B-like hot turn's longest message: 33.6 MB of partial sums
+    assert not takes(8, 32, 8, 64, dim=128)  # eight such rows joining: 268 MB, over the scratch bound
+    assert takes(1, 16, 2, 5) and not takes(1, 18, 2, 5)  # 8 query heads a key head, not 9
+    assert not takes(1, 12, 8, 5)  # not a whole group a key head
+
+
+def _two_passes(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, starts: list[int]) -> np.ndarray:
+    """:func:`short_attention.long_attention`'s arithmetic in NumPy, block for block and warp for warp: a (row, query)'s
+    keys from the row's first to its causal bound dealt to ``SPLITS`` blocks of 8 warps, every 256th key a warp,
+    each warp's scores in base 2 with its own max, the warps joined in their block, the blocks in the second pass."""
+    splits, warps = short_attention.SPLITS, 8
+    rows, heads, length, dim = q.shape
+    group, keys = heads // k.shape[1], k.shape[2]
+    floor = np.finfo(np.float32).min  # an empty warp's or block's max, as the kernel's Limits<U>::finite_min()
+    out = np.zeros(q.shape, np.float32)
+    for b, h, i in np.ndindex(rows, heads, length):
+        query = q[b, h, i] * scale * np.log2(np.e)
+        maxs, sums, partials = [], [], []
+        for split in range(splits):
+            warp_max, warp_sum, warp_out = [], [], []
+            for w in range(warps):
+                ks = np.arange(starts[b] + split * warps + w, keys - length + i + 1, splits * warps)
+                scores = k[b, h // group, ks] @ query
+                top = scores.max() if len(ks) else floor
+                e = np.exp2(scores - top)
+                warp_max.append(top), warp_sum.append(e.sum()), warp_out.append(e @ v[b, h // group, ks])
+            block_max = max(warp_max)
+            own = np.exp2(np.array(warp_max) - block_max)
+            maxs.append(block_max), sums.append(own @ warp_sum), partials.append(own @ np.array(warp_out))
+        factor = np.exp2(np.array(maxs) - max(maxs))
+        total = factor @ sums
+        out[b, h, i] = factor @ np.array(partials) / total if total else 0
+    return out
+
+
+@pytest.mark.parametrize(("queries", "group"), [(1, 4), (5, 3)])
+def test_the_two_passes_deal_every_key_once_and_join_to_the_attention(queries: int, group: int) -> None:
+    """The design the CUDA source follows, held to MLX's masked attention on the CPU: rows with no padding, a split's
+    worth, most of the keys and all but one (its first query sees one key), so some warps and blocks are empty."""
+    rng = np.random.default_rng(0)
+    size = 1300
+    q = rng.standard_normal((4, 2 * group, queries, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((4, 2, size, 64)).astype(np.float32) for _ in range(2))
+    starts = [0, 8 * short_attention.SPLITS + 3, size - 200, size - queries]
+    ours = _two_passes(q, k, v, 0.125, starts)
+    theirs = short_attention.reference(mx.array(q), mx.array(k), mx.array(v), scale=0.125,
+                                       starts=mx.array(starts, dtype=mx.int32))
+    np.testing.assert_allclose(ours, np.array(theirs), atol=2e-6)
+
+
+def test_the_long_keys_check_holds_each_head_size_and_group_to_the_attention(monkeypatch) -> None:
+    calls: list[tuple[int, int, int, int]] = []
+
+    def kernel(queries, keys, values, *, scale, starts):
+        calls.append((queries.shape[-1], queries.shape[1] // keys.shape[1], queries.shape[2], keys.shape[2]))
+        return short_attention.reference(queries, keys, values, scale=scale, starts=starts)
+
+    monkeypatch.setattr(short_attention, "long_attention", kernel)
+    assert short_attention.check_long_keys(mx.float16, {64, 80}, {4, 9}) is None  # 80 and 9: not the kernel's
+    assert calls == [(64, 4, 1, 1300), (64, 4, 5, 1300)]
+    monkeypatch.setattr(short_attention, "long_attention", lambda q, k, v, *, scale, starts: q * 0)
+    assert "off MLX's attention" in short_attention.check_long_keys(mx.float32, {64}, {1})
+    monkeypatch.setattr(short_attention, "long_attention", lambda q, k, v, *, scale, starts: 1 / 0)
+    assert short_attention.check_long_keys(mx.float32, {64}, {1}).startswith("ZeroDivisionError")
+
+
 def test_rows_of_one_length_and_long_passes_keep_mlxs_own_kernels(lm, kernel_calls) -> None:
     lm.short_attention_kernel, lm.plain_attention_queries = True, 8
     _decode(lm, batched=True, prompts=[PROMPTS[0]] * 2, max_tokens=4)
@@ -226,15 +328,25 @@ def test_a_load_checks_the_kernel_for_the_models_dtype_and_head_sizes_and_leaves
     monkeypatch.setattr(short_attention, "short_attention", lambda q, k, v, *, scale, starts: q)
     assert "off MLX's attention" in short_attention.check(mx.float32, {64})
     monkeypatch.setattr(short_attention, "available", lambda: True)
-    for problem in (None, "no kernel image"):
+    for problem, long_problem in ((None, None), (None, "off by 0.5"), ("no kernel image", None)):
         checked: list[tuple[mx.Dtype, set[int]]] = []
+        long_checked: list[tuple[mx.Dtype, set[int], set[int]]] = []
         monkeypatch.setattr(short_attention, "check", lambda dtype, dims: checked.append((dtype, set(dims))) or problem)
+        monkeypatch.setattr(short_attention, "check_long_keys",
+                            lambda dtype, dims, groups: long_checked.append((dtype, set(dims), set(groups)))
+                            or long_problem)
         with caplog.at_level("WARNING", logger="kvmem"):
             lm = load_model("tiny-llama", models_dir=models_dir(), numpy_attention=False, plain_attention_queries=64,
                             short_attention_kernel=True)
-        assert checked == [(lm.float_dtype, {layer.k_head_dim for layer in lm.spec.layers})]
+        dims = {layer.k_head_dim for layer in lm.spec.layers}
+        assert checked == [(lm.float_dtype, dims)]
         assert lm.short_attention_kernel == (problem is None)
+        # the long-keys road is checked only once the one-pass kernel holds, for the model's query head group
+        # (tiny-llama: 4 query heads, 2 key heads), and a failure there leaves the one-pass road on
+        assert long_checked == ([(lm.float_dtype, dims, {2})] if problem is None else [])
+        assert lm.long_keys_kernel == (problem is None and long_problem is None)
     assert "short attention kernel is off, its check at load failed: no kernel image" in caplog.text
+    assert "attention kernel over long keys is off, its check at load failed: off by 0.5" in caplog.text
     checked.clear()
     load_model("tiny-llama", models_dir=models_dir(), numpy_attention=False, plain_attention_queries=64)
     assert checked == []  # the setting off: nothing built
@@ -243,3 +355,30 @@ def test_a_load_checks_the_kernel_for_the_models_dtype_and_head_sizes_and_leaves
 def test_on_cuda_the_load_check_passes_for_every_dtype_and_head_size() -> None:
     for dtype in (mx.float32, mx.bfloat16, mx.float16):
         assert short_attention.check(dtype, set(short_attention.HEAD_DIMS)) is None, dtype
+
+
+@pytest.mark.skipif(not short_attention.available(), reason="the kernel is CUDA's: run on a GPU (benches/gpu_session.sh)")
+@pytest.mark.parametrize(("queries", "group"), [(1, 4), (1, 8), (13, 3), (64, 1)])
+@pytest.mark.parametrize("dim", short_attention.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_on_cuda_the_two_passes_are_mlxs_masked_attention(queries: int, group: int, dim: int, dtype: mx.Dtype) -> None:
+    """The long-keys road against MLX's attention with the causal mask from each row's first key, over 5,000 keys read
+    from a slice of a longer buffer: a row with no padding, padded rows, one whose first query sees a single key."""
+    mx.random.seed(5)
+    rows, kv_heads, length = 4, 2, 5000
+    pads = [0, 259, 4100, length - queries]
+    q = mx.random.normal((rows, kv_heads * group, queries, dim)).astype(dtype)
+    k, v = (mx.random.normal((rows, kv_heads, length + 256, dim)).astype(dtype) for _ in range(2))
+    keys, values = k[:, :, :length], v[:, :, :length]
+    starts = mx.array(pads, dtype=mx.int32)
+    ours = short_attention.long_attention(q, keys, values, scale=dim**-0.5, starts=starts)
+    theirs = short_attention.reference(q, keys, values, scale=dim**-0.5, starts=starts)
+    tolerance = 1e-4 if dtype == mx.float32 else 2e-2
+    assert ours.shape == theirs.shape and ours.dtype == dtype
+    assert mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item() < tolerance
+
+
+@pytest.mark.skipif(not short_attention.available(), reason="the kernel is CUDA's: run on a GPU (benches/gpu_session.sh)")
+def test_on_cuda_the_long_keys_check_passes_for_every_dtype_head_size_and_group() -> None:
+    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        assert short_attention.check_long_keys(dtype, set(short_attention.HEAD_DIMS), {1, 3, 4, 8}) is None, dtype

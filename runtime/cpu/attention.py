@@ -55,7 +55,10 @@ setting, a one-query step of a float batch whose rows differ in length
 at most :data:`runtime.kv.short_attention.SHORT_PASS_KEYS` keys attend through
 :func:`runtime.kv.short_attention.short_attention`: one kernel, causal, each row
 from its own first key, where MLX's CUDA backend has no fused kernel that takes a padding mask and
-builds a cuDNN graph for each new shape of a short pass.
+builds a cuDNN graph for each new shape of a short pass. Where the model's load also held the kernel's
+long-keys road to MLX's results (:func:`runtime.kv.short_attention.check_long_keys`), a short pass over more
+keys takes it (:func:`runtime.kv.short_attention.long_attention`: two passes, the keys split over blocks)
+instead of plain operations.
 """
 
 from __future__ import annotations
@@ -157,17 +160,19 @@ def is_installed(model_module: str) -> bool:
 
 
 @contextmanager
-def active(on: bool = True, *, plain_queries: int = 0, attention_kernel: bool = False) -> Iterator[None]:
+def active(on: bool = True, *, plain_queries: int = 0, attention_kernel: bool = False,
+           long_keys_kernel: bool = False) -> Iterator[None]:
     """Within this block, on this thread, installed models attend through :func:`numpy_attention`
     (``on``), passes of 2 to ``plain_queries`` query positions through :func:`plain_attention`, and
     (``attention_kernel``) a padded float decode batch's steps and those short passes through
-    :mod:`runtime.kv.short_attention`."""
-    before = getattr(_scope, "on", False), getattr(_scope, "plain", 0), getattr(_scope, "kernel", False)
-    _scope.on, _scope.plain, _scope.kernel = on, plain_queries, attention_kernel
+    :mod:`runtime.kv.short_attention`, over long keys in its two passes where ``long_keys_kernel``."""
+    before = (getattr(_scope, "on", False), getattr(_scope, "plain", 0), getattr(_scope, "kernel", False),
+              getattr(_scope, "long", False))
+    _scope.on, _scope.plain, _scope.kernel, _scope.long = on, plain_queries, attention_kernel, long_keys_kernel
     try:
         yield
     finally:
-        _scope.on, _scope.plain, _scope.kernel = before
+        _scope.on, _scope.plain, _scope.kernel, _scope.long = before
 
 
 @contextmanager
@@ -194,9 +199,10 @@ def _attention(
 ) -> mx.array:
     """mlx-lm's ``scaled_dot_product_attention``, through NumPy (or plain MLX operations) inside :func:`active`."""
     plain = getattr(_scope, "plain", 0)
-    if getattr(_scope, "kernel", False) and sinks is None and _kernel_takes(queries, keys, values, cache, plain):
-        return short_attention.short_attention(queries, keys, values, scale=scale,
-                                               starts=_starts(_first_keys(cache, queries.shape[0])))
+    if getattr(_scope, "kernel", False) and sinks is None:
+        kernel = _kernel_for(queries, keys, values, cache, plain)
+        if kernel is not None:
+            return kernel(queries, keys, values, scale=scale, starts=_starts(_first_keys(cache, queries.shape[0])))
     if plain and 1 < queries.shape[2] <= plain and sinks is None and not hasattr(cache, "bits"):
         if type(cache) is KVCache and isinstance(mask, str) and keys.shape[2] == cache.offset:
             return plain_attention_over_the_buffer(queries, cache, scale=scale, mask=mask)
@@ -221,19 +227,29 @@ def _attention(
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def _kernel_takes(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, plain: int) -> bool:
-    """Whether :mod:`runtime.kv.short_attention`'s kernel computes this call's attention, mask and all: a float
-    cache whose mask is causal from each row's first key (a lone row's ``KVCache``; a float batch's, whose
+def _kernel_for(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, plain: int) -> Any:
+    """Which of :mod:`runtime.kv.short_attention`'s kernels computes this call's attention, mask and all, or None:
+    a float cache whose mask is causal from each row's first key (a lone row's ``KVCache``; a float batch's, whose
     padding the host knows), a head size and dtypes it takes, and either a padded batch's decode step (an
-    unpadded one has MLX's vector kernel) or a short pass (2 to ``plain`` queries over at most
-    :data:`~runtime.kv.short_attention.SHORT_PASS_KEYS` keys: past them plain operations are faster)."""
+    unpadded one has MLX's vector kernel) or a short pass (2 to ``plain`` queries) over at most
+    :data:`~runtime.kv.short_attention.SHORT_PASS_KEYS` keys; a longer short pass takes the long-keys road where it
+    is on and takes the call (else plain operations, faster there than the one pass)."""
     n = queries.shape[2]
     if queries.shape[-1] not in short_attention.HEAD_DIMS or not queries.dtype == keys.dtype == values.dtype:
-        return False
-    short = 1 < n <= min(plain, short_attention.MAX_QUERIES) and keys.shape[2] <= short_attention.SHORT_PASS_KEYS
+        return None
     if isinstance(cache, DecodeKVCache):
-        return short or (n == 1 and any(cache.pads))
-    return type(cache) is KVCache and short
+        step = n == 1 and any(cache.pads)
+    elif type(cache) is KVCache:
+        step = False
+    else:
+        return None
+    if not (step or 1 < n <= min(plain, short_attention.MAX_QUERIES)):
+        return None
+    if step or keys.shape[2] <= short_attention.SHORT_PASS_KEYS:
+        return short_attention.short_attention
+    if getattr(_scope, "long", False) and short_attention.takes_long_keys(queries, keys):
+        return short_attention.long_attention
+    return None
 
 
 def _first_keys(cache: Any, rows: int) -> tuple[int, ...]:

@@ -17,6 +17,11 @@ left padding; 0 for a lone row) instead of a mask, a causal bound per query (the
 last of the keys, as MLX's ``"causal"`` aligns them), and the keys' and values' strides, so a
 cache's slice of its buffer is read where it lies. One graph node a layer.
 
+A short pass over more than :data:`SHORT_PASS_KEYS` keys (a hot turn's message over a long
+conversation) takes MLX's two-pass vector kernel adapted the same way instead (:func:`long_attention`:
+the keys split over 32 blocks, a warp attending for a key head's whole query head group), where the
+model's load held it to MLX's attention (:func:`check_long_keys`); without it plain operations.
+
 It runs where MLX runs CUDA kernels (:func:`available`), for head sizes 64, 96 and 128, as MLX's
 vector kernel does. Attention goes through it with the backend profile's
 ``short_attention_kernel`` (on under the GPU policy on CUDA since H200 run 6: a 1B's decode step of
@@ -34,7 +39,8 @@ import mlx.core as mx
 from runtime.backend import cuda_kernel_tolerance
 from runtime.backend import cuda_kernels_run as available  # where the kernel runs: the device's one answer
 
-__all__ = ["HEAD_DIMS", "MAX_QUERIES", "SHORT_PASS_KEYS", "available", "check", "reference", "short_attention"]
+__all__ = ["HEAD_DIMS", "MAX_QUERIES", "SHORT_PASS_KEYS", "MAX_GROUP", "SPLITS", "available", "check",
+           "check_long_keys", "long_attention", "reference", "short_attention", "takes_long_keys"]
 
 HEAD_DIMS = (64, 96, 128)
 """Head sizes the kernel takes: MLX's vector kernel's (32 lanes, ``D / 32`` elements a lane)."""
@@ -49,7 +55,20 @@ batch's decode step) goes at any length. Each block reads its query's keys alone
 reads grow with queries times keys where plain operations' products share them: H200 run 6
 (``benches/results/gpu_runs/2026-11-28-run6-probe.md``, a 1B layer, 16 queries) took 0.18 ms
 against plain operations' 0.50 over 1,000 keys, 0.48 against 0.29-0.53 over 4,000, and 1.31
-against 0.51-0.58 over 16,000 (a hot turn's message at 16K: 16 layers of that)."""
+against 0.51-0.58 over 16,000 (a hot turn's message at 16K: 16 layers of that). Past it such a pass takes
+:func:`long_attention`'s two passes where the model's load held them to MLX's results (:func:`check_long_keys`)."""
+
+MAX_GROUP = 8
+"""Most query heads a key head serves (grouped-query attention) that :func:`long_attention` takes: a warp keeps
+each of its group's queries and sums in registers."""
+
+SPLITS = 32
+"""Blocks a (row, key head, query)'s keys are split over in :func:`long_attention`'s first pass; the second pass
+joins them, a warp's lane each (MLX's two-pass kernel's ``blocks``)."""
+
+MAX_PARTIALS_BYTES = 64 * 2**20
+"""Most float32 scratch :func:`long_attention` allocates for its partial sums (rows x heads x queries x
+:data:`SPLITS` x head size): a batch's joint pass of many long rows keeps the other roads."""
 
 _WARPS = 32  # warps a block, one block a (row, query head, query): MLX's BN
 
@@ -222,6 +241,259 @@ def check(dtype: mx.Dtype, head_dims: set[int] | frozenset[int]) -> str | None:
                 worst = mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item()
                 if not worst <= cuda_kernel_tolerance(dtype):
                     return f"{length} queries of head size {dim} in {dtype}: off MLX's attention by {worst:.3g}"
+    except Exception as exc:  # noqa: BLE001 - a kernel that does not build or launch here is reported, not raised
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+# The long-keys road: MLX 0.32's kernel_sdpav_2pass_1 and _2 (``scaled_dot_product_attention.cu``), with
+# starts[row] for the first key, a causal bound per query (blockIdx.y), strided keys and values, and a warp
+# attending for every query head of its key head (G of them, grouped-query attention): each key and value is
+# read once for the group instead of once a query head.
+_LONG_FIRST_SOURCE = """
+  constexpr int BN = 8;  // warps a block, each a key at a time
+  constexpr int BD = 32;
+  constexpr int splits = 32;
+  constexpr int v_per_thread = D / BD;
+  typedef float U;
+
+  U q[G][v_per_thread];
+  U o[G][v_per_thread];
+  U max_score[G];
+  U sum_exp_score[G];
+  __shared__ U outputs[BN][BD + 1];
+  __shared__ U max_scores[BN][G];
+  __shared__ U sum_exp_scores[BN][G];
+
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<32>(block);
+  const int lane_idx = warp.thread_rank();
+  const int warp_idx = warp.meta_group_rank();
+
+  const int kv_head_idx = blockIdx.x;
+  const int query_idx = blockIdx.y;
+  const int batch_idx = blockIdx.z / splits;
+  const int split_idx = blockIdx.z % splits;
+  const int heads = queries_shape[1];
+  const int query_count = queries_shape[2];
+  const int key_end = keys_shape[2] - query_count + query_idx + 1;  // causal: the queries are the last keys
+  const int first = starts[batch_idx];
+
+  const U scale_log2 = scale[0] * 1.4426950408889634f;
+  for (int g = 0; g < G; g++) {
+    const auto* Q = queries + batch_idx * queries_strides[0] + (int64_t)(kv_head_idx * G + g) * queries_strides[1]
+        + (int64_t)query_idx * queries_strides[2];
+    for (int i = 0; i < v_per_thread; i++) {
+      q[g][i] = scale_log2 * static_cast<U>(Q[(v_per_thread * lane_idx + i) * queries_strides[3]]);
+      o[g][i] = 0.f;
+    }
+    max_score[g] = Limits<U>::finite_min();
+    sum_exp_score[g] = 0.f;
+  }
+
+  // This warp's keys: every (splits * BN)-th from the row's first on, the block's split of them.
+  int key = first + split_idx * BN + warp_idx;
+  const auto* K = keys + batch_idx * keys_strides[0] + kv_head_idx * keys_strides[1]
+      + (int64_t)key * keys_strides[2];
+  const auto* V = values + batch_idx * values_strides[0] + kv_head_idx * values_strides[1]
+      + (int64_t)key * values_strides[2];
+  const int64_t k_step = (int64_t)(splits * BN) * keys_strides[2];
+  const int64_t v_step = (int64_t)(splits * BN) * values_strides[2];
+  for (; key < key_end; key += splits * BN) {
+    U k[v_per_thread];
+    U v[v_per_thread];
+    for (int j = 0; j < v_per_thread; j++) {
+      k[j] = static_cast<U>(K[(v_per_thread * lane_idx + j) * keys_strides[3]]);
+      v[j] = static_cast<U>(V[(v_per_thread * lane_idx + j) * values_strides[3]]);
+    }
+    for (int g = 0; g < G; g++) {
+      U score = 0.f;
+      for (int j = 0; j < v_per_thread; j++) {
+        score += q[g][j] * k[j];
+      }
+      score = cg::reduce(warp, score, cg::plus<U>());
+      U new_max = max(max_score[g], score);
+      U factor = exp2f(max_score[g] - new_max);
+      U exp_score = exp2f(score - new_max);
+      max_score[g] = new_max;
+      sum_exp_score[g] = sum_exp_score[g] * factor + exp_score;
+      for (int j = 0; j < v_per_thread; j++) {
+        o[g][j] = o[g][j] * factor + exp_score * v[j];
+      }
+    }
+    K += k_step;
+    V += v_step;
+  }
+
+  if (lane_idx == 0) {
+    for (int g = 0; g < G; g++) {
+      max_scores[warp_idx][g] = max_score[g];
+      sum_exp_scores[warp_idx][g] = sum_exp_score[g];
+    }
+  }
+  block.sync();
+
+  // The block's warps joined, a query head at a time: its split's output, sum and max.
+  for (int g = 0; g < G; g++) {
+    U warp_max = lane_idx < BN ? max_scores[lane_idx][g] : Limits<U>::finite_min();
+    U block_max = cg::reduce(warp, warp_max, cg::greater<U>());
+    U warp_sum = lane_idx < BN ? sum_exp_scores[lane_idx][g] * exp2f(warp_max - block_max) : 0.f;
+    U block_sum = cg::reduce(warp, warp_sum, cg::plus<U>());
+    const int64_t p = (((int64_t)batch_idx * heads + kv_head_idx * G + g) * query_count + query_idx) * splits
+        + split_idx;
+    if (warp_idx == 0 && lane_idx == 0) {
+      sums[p] = block_sum;
+      maxs[p] = block_max;
+    }
+    const U own = exp2f(max_scores[warp_idx][g] - block_max);
+    for (int i = 0; i < v_per_thread; i++) {
+      outputs[warp_idx][lane_idx] = o[g][i] * own;
+      block.sync();
+      if (warp_idx == 0) {
+        U total = 0.f;
+        for (int w = 0; w < BN; w++) {
+          total += outputs[w][lane_idx];
+        }
+        partials[p * D + v_per_thread * lane_idx + i] = total;
+      }
+      block.sync();
+    }
+  }
+"""
+
+_LONG_SECOND_SOURCE = """
+  constexpr int BN = 32;  // warps a block: a split each
+  constexpr int BD = 32;
+  constexpr int splits = 32;
+  constexpr int v_per_thread = D / BD;
+  typedef float U;
+
+  U o[v_per_thread];
+  __shared__ U outputs[BN][BD + 1];
+
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<32>(block);
+  const int lane_idx = warp.thread_rank();
+  const int warp_idx = warp.meta_group_rank();
+
+  const int head_idx = blockIdx.x;
+  const int query_idx = blockIdx.y;
+  const int batch_idx = blockIdx.z;
+  const int heads = sums_shape[1];
+  const int query_count = sums_shape[2];
+  const int64_t p = (((int64_t)batch_idx * heads + head_idx) * query_count + query_idx) * splits;
+
+  // Lane s holds split s's max and sum; warp w reads split w's partial output.
+  U max_score = maxs[p + lane_idx];
+  U new_max = cg::reduce(warp, max_score, cg::greater<U>());
+  U factor = exp2f(max_score - new_max);
+  U sum_exp_score = cg::reduce(warp, sums[p + lane_idx] * factor, cg::plus<U>());
+  sum_exp_score = sum_exp_score == 0 ? 0 : __frcp_rn(sum_exp_score);
+
+  const float* P = partials + (p + warp_idx) * D;
+  for (int i = 0; i < v_per_thread; i++) {
+    o[i] = P[v_per_thread * lane_idx + i];
+  }
+  for (int i = 0; i < v_per_thread; i++) {
+    outputs[lane_idx][warp_idx] = o[i];
+    block.sync();
+    U ot = outputs[warp_idx][lane_idx] * factor;
+    o[i] = cg::reduce(warp, ot, cg::plus<U>()) * sum_exp_score;
+    block.sync();
+  }
+
+  auto* O = out + (((int64_t)batch_idx * heads + head_idx) * query_count + query_idx) * D;
+  if (lane_idx == 0) {
+    for (int i = 0; i < v_per_thread; i++) {
+      O[v_per_thread * warp_idx + i] = static_cast<T>(o[i]);
+    }
+  }
+"""
+
+
+@functools.cache
+def _long_kernels() -> tuple[object, object]:
+    first = mx.fast.cuda_kernel(name="kvmem_long_attention_splits",
+                                input_names=["queries", "keys", "values", "starts", "scale"],
+                                output_names=["partials", "sums", "maxs"], source=_LONG_FIRST_SOURCE,
+                                header=_HEADER, ensure_row_contiguous=False)
+    second = mx.fast.cuda_kernel(name="kvmem_long_attention_join", input_names=["partials", "sums", "maxs"],
+                                 output_names=["out"], source=_LONG_SECOND_SOURCE, header=_HEADER)
+    return first, second
+
+
+def takes_long_keys(queries: mx.array, keys: mx.array) -> bool:
+    """Whether :func:`long_attention` takes this call: whole query head groups of at most :data:`MAX_GROUP` a key
+    head, and partial sums within :data:`MAX_PARTIALS_BYTES`."""
+    rows, heads, length, dim = queries.shape
+    kv_heads = keys.shape[1]
+    return (heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
+            and rows * heads * length * SPLITS * dim * 4 <= MAX_PARTIALS_BYTES)
+
+
+def long_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
+                   starts: mx.array) -> mx.array:
+    """What :func:`short_attention` computes, for long keys: in two passes, as MLX's own vector attention does
+    past 1,024 keys (``sdpa_vector_fallback`` in MLX 0.32's ``scaled_dot_product_attention.cu``). The first splits
+    each (row, key head, query)'s keys over :data:`SPLITS` blocks of 8 warps, a warp attending for all the key
+    head's query heads at once (each key and value read once for the group); the second joins the splits'
+    partial sums. Two graph nodes a layer, where plain operations make about ten.
+
+    Why: a hot turn's message over a long conversation (2 to 64 queries over more than :data:`SHORT_PASS_KEYS`
+    keys). H200 run 6, a 1B layer, 16 queries over 16,000 keys: :func:`short_attention`'s one pass (a block a
+    (row, query head, query), each reading all its keys) took 1.31 ms, plain operations 0.51-0.58, MLX's fused
+    attention 0.42 once it had built that shape's cuDNN graph (67 ms). Not yet run on a GPU: the load's
+    :func:`check_long_keys` decides whether it is used.
+
+    Args, returns: as :func:`short_attention`'s; the query heads a multiple of the key heads, at most
+    :data:`MAX_GROUP` to one (:func:`takes_long_keys`).
+    """
+    rows, heads, length, dim = queries.shape
+    kv_heads = keys.shape[1]
+    if not (1 <= length <= MAX_QUERIES and dim in HEAD_DIMS and keys.dtype == queries.dtype == values.dtype
+            and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP):
+        raise ValueError(f"1 to {MAX_QUERIES} queries a row of head size {HEAD_DIMS}, at most {MAX_GROUP} query heads "
+                         f"a key head, in the keys' dtype, not {queries.shape} {queries.dtype} over {keys.shape} "
+                         f"{keys.dtype}")
+    first, second = _long_kernels()
+    group = heads // kv_heads
+    partials, sums, maxs = first(
+        inputs=[queries, keys, values, starts, _scale(float(scale))],
+        template=[("T", queries.dtype), ("D", dim), ("G", group)],
+        grid=(kv_heads * 8 * 32, length, rows * SPLITS), threadgroup=(8 * 32, 1, 1),
+        output_shapes=[(rows, heads, length, SPLITS, dim), (rows, heads, length, SPLITS),
+                       (rows, heads, length, SPLITS)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32])
+    (out,) = second(inputs=[partials, sums, maxs], template=[("T", queries.dtype), ("D", dim)],
+                    grid=(heads * 32 * 32, length, rows), threadgroup=(32 * 32, 1, 1),
+                    output_shapes=[(rows, heads, length, dim)], output_dtypes=[queries.dtype])
+    return out
+
+
+def check_long_keys(dtype: mx.Dtype, head_dims: set[int] | frozenset[int], groups: set[int] | frozenset[int]) -> str | None:
+    """Build :func:`long_attention` for ``dtype``, each of ``head_dims`` and query head ``groups`` it takes, and hold
+    it to :func:`reference` on MLX's CPU: None when it gives it, else what went wrong (the long-keys road is then
+    left off and the calls keep their other roads).
+
+    Each: one query and five a row over 1,300 keys (several for each of a row's 256 warps), a slice of a longer
+    buffer; a row with no padding, one with a split's worth, one padded past most of the keys, and one whose first
+    query sees a single key."""
+    try:
+        for dim in sorted(d for d in head_dims if d in HEAD_DIMS):
+            for group in sorted(g for g in groups if 1 <= g <= MAX_GROUP):
+                for length in (1, 5):
+                    size = 1300
+                    keys, values = (mx.random.normal((4, 2, size + 40, dim), key=mx.random.key(seed)).astype(dtype)
+                                    [:, :, :size] for seed in (1, 2))
+                    queries = mx.random.normal((4, 2 * group, length, dim), key=mx.random.key(3)).astype(dtype)
+                    starts = mx.array([0, 8 * SPLITS + 3, size - 200, size - length], dtype=mx.int32)
+                    ours = long_attention(queries, keys, values, scale=dim**-0.5, starts=starts)
+                    with mx.stream(mx.cpu):  # an independent device's
+                        theirs = reference(queries, keys, values, scale=dim**-0.5, starts=starts)
+                    worst = mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item()
+                    if not worst <= cuda_kernel_tolerance(dtype):
+                        return (f"{length} queries of head size {dim}, {group} query heads a key head, in {dtype}: "
+                                f"off MLX's attention by {worst:.3g}")
     except Exception as exc:  # noqa: BLE001 - a kernel that does not build or launch here is reported, not raised
         return f"{type(exc).__name__}: {exc}"
     return None

@@ -96,13 +96,16 @@ class LoadedModel:
     """Passes of 2 to this many query positions attend with plain MLX operations (0: never)."""
     short_attention_kernel: bool = False
     """A padded decode batch's steps and short passes attend in :mod:`runtime.kv.short_attention`'s kernel."""
+    long_keys_kernel: bool = False
+    """Those of them over long keys take the kernel's two passes (:func:`runtime.kv.short_attention.long_attention`)."""
     upload_by_copy: bool = False
     """A cache read from disk reaches the device by ``mx.load`` (:mod:`runtime.kv.upload`), not ``mx.array``."""
 
     def _attention_scope(self) -> Any:
         """The attention this model's passes take (:func:`runtime.cpu.attention.active`), as it was loaded."""
         return cpu_attention.active(self.numpy_attention, plain_queries=self.plain_attention_queries,
-                                    attention_kernel=self.short_attention_kernel)
+                                    attention_kernel=self.short_attention_kernel,
+                                    long_keys_kernel=self.short_attention_kernel and self.long_keys_kernel)
 
     def forward(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         """Logits of ``inputs`` over ``cache``: every forward pass kvmem runs goes through here."""
@@ -310,9 +313,15 @@ def load_model(
         else:
             log.warning("%s: kvmem's small products kernel is off, its check at load failed: %s", name, problem)
     if lm.short_attention_kernel and short_attention.available():
-        if (problem := short_attention.check(lm.float_dtype, {layer.k_head_dim for layer in spec.layers})) is not None:
+        head_dims = {layer.k_head_dim for layer in spec.layers}
+        if (problem := short_attention.check(lm.float_dtype, head_dims)) is not None:
             log.warning("%s: kvmem's short attention kernel is off, its check at load failed: %s", name, problem)
             lm.short_attention_kernel = False
+        elif (problem := short_attention.check_long_keys(lm.float_dtype, head_dims, {_query_group(config)})) is None:
+            lm.long_keys_kernel = True
+        else:  # the one-pass road, checked, stays
+            log.warning("%s: kvmem's attention kernel over long keys is off, its check at load failed: %s", name,
+                        problem)
     if len(made_float) < quantized:
         t0 = time.perf_counter()
         products = warm_quantized_kernels(loaded, lm.float_dtype)
@@ -333,6 +342,13 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length",
 """Config fields that name a model's context, in the order they are tried: the Hugging Face
 name (llama, qwen, gemma, gpt-oss, deepseek, phi; a GGUF's ``<arch>.context_length`` is
 written under it by :mod:`runtime.model.gguf`), then GPT-2's, and older or remote-code models' names."""
+
+
+def _query_group(config: Mapping[str, Any]) -> int:
+    """Query heads a key head serves in the model ``config`` describes (grouped-query attention; 1 where it names
+    no key heads): the long-keys kernel is built and checked for this group."""
+    heads = config.get("num_attention_heads") or 1
+    return max(1, heads // (config.get("num_key_value_heads") or heads))
 
 
 def read_context_length(config: Mapping[str, Any]) -> int | None:
