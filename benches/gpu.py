@@ -1206,6 +1206,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--small-products-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="kvmem's setting of that name: products of 2 to 16 rows in kvmem's kernel, not cuBLASLt "
                         "(CUDA; default: the profile's, on under the GPU policy)")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="tune glibc's allocator first, as the CPU policy does (runtime.allocator.keep_freed_memory: "
+                        "freed memory kept, one arena for every thread started after, the model's included): whether "
+                        "H200 run 6's model thread, 1.6x slower in its cold turns than in its batch rounds, was "
+                        "faulting its heap in again")
     p.add_argument("--needle-model", default="kvmem-default", help="needle model: a name, a GGUF, or none")
     p.add_argument("--needle-lengths", type=int, nargs="+", help="default 8192 4096 2048 1024 (1024 with --quick)")
     p.add_argument("--needle-deadline-s", type=float, default=150.0,
@@ -1225,6 +1230,10 @@ def main(argv: list[str] | None = None) -> None:
         log(f"{args.into}: {line}")
         return
     quick = args.quick
+    if args.keep_freed_memory:  # before the runtime's threads start: they then share the main arena
+        from runtime.allocator import keep_freed_memory
+
+        log(f"glibc's allocator told to keep freed memory: {keep_freed_memory()}")
     from runtime.backend import detect_device
 
     if not quick and not args.geometries and detect_device()[0] == "cpu":
@@ -1244,6 +1253,9 @@ def main(argv: list[str] | None = None) -> None:
     res = ResultFile("gpu", "GPU check: kvmem beside plain mlx-lm, needle rows, suite", quick, argv or [], model=None)
     deadline = res.started + args.deadline_s
     res.setup += [*device_lines(), *setup_lines(plan)]
+    if args.keep_freed_memory:
+        res.setup.append("allocator: glibc told to keep freed memory and use one arena before anything ran "
+                         "(--keep-freed-memory, as the CPU policy's `tune_allocator`; the GPU policy leaves it)")
     if quick:
         res.setup.append("**--quick**: a tiny model, one repeat, on whatever device this is (a shared CPU here): it "
                          "proves the script end to end; its verdicts move with the machine's load and judge nothing")

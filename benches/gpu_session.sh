@@ -7,7 +7,7 @@
 #   run command="bash benches/gpu_device.sh go -- bash benches/gpu_session.sh suite" timeout_s=300
 #
 # bench (about 8 minutes, each step under its own time limit, everything into $OUT: 8 files at most come back:
-# gpu.log, gpu.md, gpu.png, trace_1b.json, trace_3b.json, probe.md, probe_3b.md, settings.md):
+# gpu.log, gpu.md, gpu.png, trace_1b.json, trace_3b.json, probe.md, settings.md (probe_3b.md until session 33)):
 #   1. python -m benches gpu: item 4 beside plain mlx-lm (1B, then 3B: run 4 cut the 3B when the needle
 #      rows went first), then 4 needles at 8K (run 5's 6 took 152 s: each trial's times are logged now, to find
 #      why, before item 3's 20 a length can fit); the GPU actor's trace per geometry. Since run 4: the
@@ -122,7 +122,10 @@
 #      check_long_keys holds them to MLX's attention, where run 6 took plain operations (0.51-0.58 ms a 1B layer at
 #      16 queries over 16K keys); grep the gpu.log for "over long keys is off". The probe's shapes rows time the two
 #      passes beside the others, its batch-attention rows for a padded step too (the runtime keeps steps on the one
-#      pass until those rows say otherwise); the suite call runs the new device tests.
+#      pass until those rows say otherwise); the suite call runs the new device tests. The 3B's engine rows (probe_3b.md)
+#      give their time to a settings run of the 1B with glibc's allocator tuned as the CPU policy tunes it
+#      (benches/gpu.py --keep-freed-memory): whether run 6's model thread, 1.6x slower in its cold turns than in its
+#      batch rounds, was faulting its heap in again (the main run's threads table counts its faults).
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses). 285 s in all (run 5's
 # took 254 s, and the suite has grown since): since session 29 the bench call gives it 20 s of its 560.
@@ -180,11 +183,15 @@ case "${1:-bench}" in
       --no-small-products-kernel --out /tmp/small > /tmp/small.log 2>&1
     echo "small products kernel off: exit $?"; cat /tmp/small/gpu.md >> "$out/settings.md"
     grep -iE "batch|decode" /tmp/small.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/small/gpu.md | head -n 12
-    # the 3B's decode (run 5: 0.64-0.72x mlx-lm, steps 5.75 ms against 4.2, its first 1K turn at 227 tokens/s and
-    # the ones after its 32K turns at 155-171): the engine alone, before and after a 32K turn and mx.clear_cache()
-    MLX_ENABLE_TF32=0 timeout -s INT 75 python3 -m benches gpu_probe --gguf none --sections decode-row engine \
-      --model-glob '/tmp/kvmem-bench/models/gpu-3b-*' --engine-after-tokens 32768 > /tmp/probe3b.log 2>&1
-    echo "gpu_probe 3B: exit $?"; grep -A 9 "decode row\|One row.s decode" benches/results/gpu_probe.md; cp benches/results/gpu_probe.md "$out/probe_3b.md"
+    # the 1B's decode (run 6: 0.60x mlx-lm at 1K, its cold turns' steps 2.9-3.8 ms of the model thread's CPU against
+    # 2.0-2.2 in its batch rounds after mlx-lm left): the same turns with glibc's allocator tuned as the CPU policy
+    # tunes it (freed memory kept, one arena: the model thread no longer faults its heap in again), against the
+    # main run's threads table (the model thread's minor faults). Since session 33 in place of the 3B's engine rows
+    # (run 6's 3B decoded at 1.02x mlx-lm: the slowdown they chased is gone)
+    timeout -s INT 40 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 --repeats 2 \
+      --keep-freed-memory --out /tmp/alloc > /tmp/alloc.log 2>&1
+    echo "allocator tuned: exit $?"; cat /tmp/alloc/gpu.md >> "$out/settings.md"
+    grep -iE "batch|decode" /tmp/alloc.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/alloc/gpu.md | head -n 12
     # run 5's three tiny-gpt-oss failures (compile off was not enough; float32, so not cuDNN's attention) down each
     # of runtime/model/cuda_moe.py's roads for the expert products, then with CUDA graphs off
     # (run 6: the three roads passed alone, and the suite's default road failed two batch tests: the default alone first;
