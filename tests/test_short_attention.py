@@ -36,30 +36,28 @@ class Call(NamedTuple):
     starts: list[int]
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[Call]:
-    """Each call to the kernel (the kernel replaced by its definition)."""
+def _recorded(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Call]:
+    """Each call to the module's kernel ``name``, the kernel replaced by its definition."""
     calls: list[Call] = []
 
     def kernel(queries, keys, values, *, scale, starts):
         calls.append(Call(queries.shape[0], queries.shape[2], starts.tolist()))
         return short_attention.reference(queries, keys, values, scale=scale, starts=starts)
 
-    monkeypatch.setattr(short_attention, "short_attention", kernel)
+    monkeypatch.setattr(short_attention, name, kernel)
     return calls
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[Call]:
+    """Each call to the one-pass kernel."""
+    return _recorded(monkeypatch, "short_attention")
 
 
 @pytest.fixture
 def long_calls(monkeypatch: pytest.MonkeyPatch) -> list[Call]:
-    """Each call to the long-keys road (replaced by its definition, as :func:`kernel_calls` does the one pass)."""
-    calls: list[Call] = []
-
-    def kernel(queries, keys, values, *, scale, starts):
-        calls.append(Call(queries.shape[0], queries.shape[2], starts.tolist()))
-        return short_attention.reference(queries, keys, values, scale=scale, starts=starts)
-
-    monkeypatch.setattr(short_attention, "long_attention", kernel)
-    return calls
+    """Each call to the long-keys road, its two passes."""
+    return _recorded(monkeypatch, "long_attention")
 
 
 @pytest.fixture
@@ -295,13 +293,19 @@ def test_on_cuda_the_kernel_is_mlxs_masked_attention(queries: int, dim: int, dty
     from a slice of a longer buffer as a cache hands them over; a row with no padding and one whose
     first query sees a single key included."""
     mx.random.seed(3)
-    rows, heads, kv_heads, length = 5, 8, 2, 300
-    pads = [0, 17, 300 - queries, 120, 64]
-    q = mx.random.normal((rows, heads, queries, dim)).astype(dtype)
-    k, v = (mx.random.normal((rows, kv_heads, length + 40, dim)).astype(dtype) for _ in range(2))
+    _assert_masked_attention(short_attention.short_attention, queries=queries, heads=8, kv_heads=2, length=300,
+                             room=40, dim=dim, dtype=dtype, pads=[0, 17, 300 - queries, 120, 64])
+
+
+def _assert_masked_attention(kernel, *, queries: int, heads: int, kv_heads: int, length: int, room: int, dim: int,
+                             dtype: mx.Dtype, pads: list[int]) -> None:
+    """``kernel`` against MLX's attention with the causal mask from each row's first key (``pads``), keys and values
+    the first ``length`` of a buffer ``room`` longer, in ``dtype`` (within its rounding)."""
+    q = mx.random.normal((len(pads), heads, queries, dim)).astype(dtype)
+    k, v = (mx.random.normal((len(pads), kv_heads, length + room, dim)).astype(dtype) for _ in range(2))
     keys, values = k[:, :, :length], v[:, :, :length]
     starts = mx.array(pads, dtype=mx.int32)
-    ours = short_attention.short_attention(q, keys, values, scale=dim**-0.5, starts=starts)
+    ours = kernel(q, keys, values, scale=dim**-0.5, starts=starts)
     theirs = short_attention.reference(q, keys, values, scale=dim**-0.5, starts=starts)
     tolerance = 1e-4 if dtype == mx.float32 else 2e-2
     assert ours.shape == theirs.shape and ours.dtype == dtype
@@ -366,17 +370,8 @@ def test_on_cuda_the_two_passes_are_mlxs_masked_attention(queries: int, group: i
     A few shapes (a 1B's, a 3B's, the widest group): MLX compiles each (dtype, head size, group) at its first call,
     about 2 s each."""
     mx.random.seed(5)
-    rows, kv_heads, length = 4, 2, 5000
-    pads = [0, 259, 4100, length - queries]
-    q = mx.random.normal((rows, kv_heads * group, queries, dim)).astype(dtype)
-    k, v = (mx.random.normal((rows, kv_heads, length + 256, dim)).astype(dtype) for _ in range(2))
-    keys, values = k[:, :, :length], v[:, :, :length]
-    starts = mx.array(pads, dtype=mx.int32)
-    ours = short_attention.long_attention(q, keys, values, scale=dim**-0.5, starts=starts)
-    theirs = short_attention.reference(q, keys, values, scale=dim**-0.5, starts=starts)
-    tolerance = 1e-4 if dtype == mx.float32 else 2e-2
-    assert ours.shape == theirs.shape and ours.dtype == dtype
-    assert mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item() < tolerance
+    _assert_masked_attention(short_attention.long_attention, queries=queries, heads=2 * group, kv_heads=2,
+                             length=5000, room=256, dim=dim, dtype=dtype, pads=[0, 259, 4100, 5000 - queries])
 
 
 @pytest.mark.skipif(not short_attention.available(), reason="the kernel is CUDA's: run on a GPU (benches/gpu_session.sh)")

@@ -33,6 +33,7 @@ compare it with the others).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
@@ -74,9 +75,40 @@ _WARPS = 32  # warps a block, one block a (row, query head, query): MLX's BN
 
 _HEADER = "#include <cooperative_groups/reduce.h>\n"
 
+_THREAD_INDICES = """
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<32>(block);
+  const int lane_idx = warp.thread_rank();
+  const int warp_idx = warp.meta_group_rank();
+"""
+"""The block, its warps, and this thread's lane and warp: how every kernel here begins."""
+
+_JOIN_WARPS = """
+  // The 32 parts joined (a block's warps, or a pass's splits): lane l holds part l's max (max_score) and sum
+  // (lane_sum), warp w part w's output (o); through shared memory warp w then sums its elements over the parts,
+  // each rescaled to their common max, and its first lane writes them to O.
+  U new_max = cg::reduce(warp, max_score, cg::greater<U>());
+  U factor = exp2f(max_score - new_max);
+  U total = cg::reduce(warp, lane_sum * factor, cg::plus<U>());
+  total = total == 0 ? 0 : __frcp_rn(total);
+  for (int i = 0; i < v_per_thread; i++) {
+    outputs[lane_idx][warp_idx] = o[i];
+    block.sync();
+    U ot = outputs[warp_idx][lane_idx] * factor;
+    o[i] = cg::reduce(warp, ot, cg::plus<U>()) * total;
+    block.sync();
+  }
+  if (lane_idx == 0) {
+    for (int i = 0; i < v_per_thread; i++) {
+      O[v_per_thread * warp_idx + i] = static_cast<T>(o[i]);
+    }
+  }
+"""
+"""How a kernel here ends: its 32 parts' partial attention joined and written out."""
+
 # The body of MLX 0.32's kernel_sdpav_1pass, with starts[row] for the first key, a causal bound per query
 # (blockIdx.y) and strided reads.
-_SOURCE = """
+_SOURCE = _THREAD_INDICES + """
   constexpr int BN = 32;
   constexpr int BD = 32;
   constexpr int v_per_thread = D / BD;
@@ -87,11 +119,6 @@ _SOURCE = """
   __shared__ U outputs[BN][BD + 1];
   __shared__ U max_scores[BN];
   __shared__ U sum_exp_scores[BN];
-
-  auto block = cg::this_thread_block();
-  auto warp = cg::tiled_partition<32>(block);
-  const int lane_idx = warp.thread_rank();
-  const int warp_idx = warp.meta_group_rank();
 
   const int batch_idx = blockIdx.z;
   const int head_idx = blockIdx.x;
@@ -144,25 +171,8 @@ _SOURCE = """
   block.sync();
 
   max_score = max_scores[lane_idx];
-  U new_max = cg::reduce(warp, max_score, cg::greater<U>());
-  U factor = exp2f(max_score - new_max);
-  sum_exp_score = cg::reduce(warp, sum_exp_scores[lane_idx] * factor, cg::plus<U>());
-  sum_exp_score = sum_exp_score == 0 ? 0 : __frcp_rn(sum_exp_score);
-
-  for (int i = 0; i < v_per_thread; i++) {
-    outputs[lane_idx][warp_idx] = o[i];
-    block.sync();
-    U ot = outputs[warp_idx][lane_idx] * factor;
-    o[i] = cg::reduce(warp, ot, cg::plus<U>()) * sum_exp_score;
-    block.sync();
-  }
-
-  if (lane_idx == 0) {
-    for (int i = 0; i < v_per_thread; i++) {
-      O[v_per_thread * warp_idx + i] = static_cast<T>(o[i]);
-    }
-  }
-"""
+  const U lane_sum = sum_exp_scores[lane_idx];
+""" + _JOIN_WARPS
 
 
 
@@ -228,29 +238,23 @@ def check(dtype: mx.Dtype, head_dims: set[int] | frozenset[int]) -> str | None:
     buffer as a cache hands them over; the reference runs on MLX's CPU. A load whose check fails attends
     as if the kernel were off.
     """
-    try:
+    def cases() -> Iterator[tuple[str, Callable[..., mx.array], tuple[mx.array, ...]]]:
         for dim in sorted(d for d in head_dims if d in HEAD_DIMS):
             for length in (1, 5):
                 keys, values = (mx.random.normal((3, 2, 340, dim), key=mx.random.key(seed)).astype(dtype)[:, :, :300]
                                 for seed in (1, 2))
                 queries = mx.random.normal((3, 4, length, dim), key=mx.random.key(3)).astype(dtype)
                 starts = mx.array([0, 17, 300 - length], dtype=mx.int32)
-                ours = short_attention(queries, keys, values, scale=dim**-0.5, starts=starts)
-                with mx.stream(mx.cpu):  # an independent device's
-                    theirs = reference(queries, keys, values, scale=dim**-0.5, starts=starts)
-                worst = mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item()
-                if not worst <= cuda_kernel_tolerance(dtype):
-                    return f"{length} queries of head size {dim} in {dtype}: off MLX's attention by {worst:.3g}"
-    except Exception as exc:  # noqa: BLE001 - a kernel that does not build or launch here is reported, not raised
-        return f"{type(exc).__name__}: {exc}"
-    return None
+                yield f"{length} queries of head size {dim} in {dtype}", short_attention, (queries, keys, values, starts)
+
+    return _first_problem(cases(), dtype)
 
 
 # The long-keys road: MLX 0.32's kernel_sdpav_2pass_1 and _2 (``scaled_dot_product_attention.cu``), with
 # starts[row] for the first key, a causal bound per query (blockIdx.y), strided keys and values, and a warp
 # attending for every query head of its key head (G of them, grouped-query attention): each key and value is
 # read once for the group instead of once a query head.
-_LONG_FIRST_SOURCE = """
+_LONG_FIRST_SOURCE = _THREAD_INDICES + """
   constexpr int BN = 8;  // warps a block, each a key at a time
   constexpr int BD = 32;
   constexpr int splits = 32;
@@ -264,11 +268,6 @@ _LONG_FIRST_SOURCE = """
   __shared__ U outputs[BN][BD + 1];
   __shared__ U max_scores[BN][G];
   __shared__ U sum_exp_scores[BN][G];
-
-  auto block = cg::this_thread_block();
-  auto warp = cg::tiled_partition<32>(block);
-  const int lane_idx = warp.thread_rank();
-  const int warp_idx = warp.meta_group_rank();
 
   const int kv_head_idx = blockIdx.x;
   const int query_idx = blockIdx.y;
@@ -361,7 +360,7 @@ _LONG_FIRST_SOURCE = """
   }
 """
 
-_LONG_SECOND_SOURCE = """
+_LONG_SECOND_SOURCE = _THREAD_INDICES + """
   constexpr int BN = 32;  // warps a block: a split each
   constexpr int BD = 32;
   constexpr int splits = 32;
@@ -370,11 +369,6 @@ _LONG_SECOND_SOURCE = """
 
   U o[v_per_thread];
   __shared__ U outputs[BN][BD + 1];
-
-  auto block = cg::this_thread_block();
-  auto warp = cg::tiled_partition<32>(block);
-  const int lane_idx = warp.thread_rank();
-  const int warp_idx = warp.meta_group_rank();
 
   const int head_idx = blockIdx.x;
   const int query_idx = blockIdx.y;
@@ -385,30 +379,13 @@ _LONG_SECOND_SOURCE = """
 
   // Lane s holds split s's max and sum; warp w reads split w's partial output.
   U max_score = maxs[p + lane_idx];
-  U new_max = cg::reduce(warp, max_score, cg::greater<U>());
-  U factor = exp2f(max_score - new_max);
-  U sum_exp_score = cg::reduce(warp, sums[p + lane_idx] * factor, cg::plus<U>());
-  sum_exp_score = sum_exp_score == 0 ? 0 : __frcp_rn(sum_exp_score);
-
+  const U lane_sum = sums[p + lane_idx];
   const float* P = partials + (p + warp_idx) * D;
   for (int i = 0; i < v_per_thread; i++) {
     o[i] = P[v_per_thread * lane_idx + i];
   }
-  for (int i = 0; i < v_per_thread; i++) {
-    outputs[lane_idx][warp_idx] = o[i];
-    block.sync();
-    U ot = outputs[warp_idx][lane_idx] * factor;
-    o[i] = cg::reduce(warp, ot, cg::plus<U>()) * sum_exp_score;
-    block.sync();
-  }
-
   auto* O = out + (((int64_t)batch_idx * heads + head_idx) * query_count + query_idx) * D;
-  if (lane_idx == 0) {
-    for (int i = 0; i < v_per_thread; i++) {
-      O[v_per_thread * warp_idx + i] = static_cast<T>(o[i]);
-    }
-  }
-"""
+""" + _JOIN_WARPS
 
 
 @functools.cache
@@ -478,22 +455,35 @@ def check_long_keys(dtype: mx.Dtype, head_dims: set[int] | frozenset[int], group
     Each: one query and five a row over 1,300 keys (several for each of a row's 256 warps), a slice of a longer
     buffer; a row with no padding, one with a split's worth, one padded past most of the keys, and one whose first
     query sees a single key."""
-    try:
+    def cases() -> Iterator[tuple[str, Callable[..., mx.array], tuple[mx.array, ...]]]:
+        size = 1300
         for dim in sorted(d for d in head_dims if d in HEAD_DIMS):
             for group in sorted(g for g in groups if 1 <= g <= MAX_GROUP):
                 for length in (1, 5):
-                    size = 1300
                     keys, values = (mx.random.normal((4, 2, size + 40, dim), key=mx.random.key(seed)).astype(dtype)
                                     [:, :, :size] for seed in (1, 2))
                     queries = mx.random.normal((4, 2 * group, length, dim), key=mx.random.key(3)).astype(dtype)
                     starts = mx.array([0, 8 * SPLITS + 3, size - 200, size - length], dtype=mx.int32)
-                    ours = long_attention(queries, keys, values, scale=dim**-0.5, starts=starts)
-                    with mx.stream(mx.cpu):  # an independent device's
-                        theirs = reference(queries, keys, values, scale=dim**-0.5, starts=starts)
-                    worst = mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item()
-                    if not worst <= cuda_kernel_tolerance(dtype):
-                        return (f"{length} queries of head size {dim}, {group} query heads a key head, in {dtype}: "
-                                f"off MLX's attention by {worst:.3g}")
+                    yield (f"{length} queries of head size {dim}, {group} query heads a key head, in {dtype}",
+                           long_attention, (queries, keys, values, starts))
+
+    return _first_problem(cases(), dtype)
+
+
+def _first_problem(cases: Iterator[tuple[str, Callable[..., mx.array], tuple[mx.array, ...]]],
+                   dtype: mx.Dtype) -> str | None:
+    """Each case's kernel call (``what``, the kernel, its queries, keys, values and first keys) against
+    :func:`reference` on MLX's CPU stream (an independent device's): the first that is off by more than the
+    dtype's tolerance, or that does not build or launch, as a line; None when every one gives it."""
+    try:
+        for what, kernel, (queries, keys, values, starts) in cases:
+            scale = queries.shape[-1] ** -0.5
+            ours = kernel(queries, keys, values, scale=scale, starts=starts)
+            with mx.stream(mx.cpu):
+                theirs = reference(queries, keys, values, scale=scale, starts=starts)
+            worst = mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item()
+            if not worst <= cuda_kernel_tolerance(dtype):
+                return f"{what}: off MLX's attention by {worst:.3g}"
     except Exception as exc:  # noqa: BLE001 - a kernel that does not build or launch here is reported, not raised
         return f"{type(exc).__name__}: {exc}"
     return None
