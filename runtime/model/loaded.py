@@ -319,6 +319,8 @@ def load_model(
             lm.short_attention_kernel = False
         elif (problem := short_attention.check_long_keys(lm.float_dtype, head_dims, {_query_group(config)})) is None:
             lm.long_keys_kernel = True
+            log.info("%s: padded decode steps and passes of 2 to %d queries attend in kvmem's kernel (in two passes "
+                     "over more than %d keys)", name, short_attention.MAX_QUERIES, short_attention.SHORT_PASS_KEYS)
         else:  # the one-pass road, checked, stays
             log.warning("%s: kvmem's attention kernel over long keys is off, its check at load failed: %s", name,
                         problem)
