@@ -123,9 +123,11 @@
 #      16 queries over 16K keys); grep the gpu.log for "over long keys is off". The probe's shapes rows time the two
 #      passes beside the others, its batch-attention rows for a padded step too (the runtime keeps steps on the one
 #      pass until those rows say otherwise); the suite call runs the new device tests. The 3B's engine rows (probe_3b.md)
-#      give their time to a settings run of the 1B with glibc's allocator tuned as the CPU policy tunes it
+#      give their time to the 1B's whole plan again with glibc's allocator tuned as the CPU policy tunes it
 #      (benches/gpu.py --keep-freed-memory): whether run 6's model thread, 1.6x slower in its cold turns than in its
-#      batch rounds, was faulting its heap in again (the main run's threads table counts its faults).
+#      batch rounds, was faulting its heap in again (the main run's threads table counts its faults). The whole plan:
+#      run 6's settings runs (1K turns alone) decoded at par with mlx-lm, the main run's cold turns between 4K, 16K
+#      and 32K ones at 0.60x.
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses). 285 s in all (run 5's
 # took 254 s, and the suite has grown since): since session 29 the bench call gives it 20 s of its 560.
@@ -158,6 +160,16 @@ case "${1:-bench}" in
       --sections host-copy sdpa gather shapes products batch-attention decode-row engine joint > /tmp/probe.log 2>&1
     echo "gpu_probe: exit $?"; tail -n 12 /tmp/probe.log
     cp benches/results/gpu_probe.md "$out/probe.md"
+    # the 1B's decode (run 6: 0.60x mlx-lm at 1K, its cold turns' steps 2.9-3.8 ms of the model thread's CPU against
+    # 2.0-2.2 in its batch rounds after mlx-lm left): the main run's whole 1B plan again (the slowdown showed there,
+    # not in run 6's settings runs of 1K turns alone, whose kvmem decoded at 405-449 tokens/s against mlx-lm's
+    # 372-476), with glibc's allocator tuned as the CPU policy tunes it (freed memory kept, one arena: the model
+    # thread no longer faults its heap in again), against the main run's threads table (the model thread's minor
+    # faults). Since session 33 in place of the 3B's engine rows (run 6's 3B decoded at 1.02x mlx-lm)
+    timeout -s INT 80 python3 -m benches gpu --geometries 1b --needles 0 --keep-freed-memory --out /tmp/alloc \
+      > /tmp/alloc.log 2>&1
+    echo "allocator tuned: exit $?"; cat /tmp/alloc/gpu.md >> "$out/settings.md"
+    grep -iE "batch|decode" /tmp/alloc.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/alloc/gpu.md | head -n 12
     # (run 6 timed the products again without CUDA graphs and with graphs of 1000 operations; since session 30 that
     # time goes to the small products kernel's settings run below)
     # the 1B's turns and batch with each setting a GPU run has yet to measure, one run each (the reports into one
@@ -183,15 +195,6 @@ case "${1:-bench}" in
       --no-small-products-kernel --out /tmp/small > /tmp/small.log 2>&1
     echo "small products kernel off: exit $?"; cat /tmp/small/gpu.md >> "$out/settings.md"
     grep -iE "batch|decode" /tmp/small.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/small/gpu.md | head -n 12
-    # the 1B's decode (run 6: 0.60x mlx-lm at 1K, its cold turns' steps 2.9-3.8 ms of the model thread's CPU against
-    # 2.0-2.2 in its batch rounds after mlx-lm left): the same turns with glibc's allocator tuned as the CPU policy
-    # tunes it (freed memory kept, one arena: the model thread no longer faults its heap in again), against the
-    # main run's threads table (the model thread's minor faults). Since session 33 in place of the 3B's engine rows
-    # (run 6's 3B decoded at 1.02x mlx-lm: the slowdown they chased is gone)
-    timeout -s INT 40 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 --repeats 2 \
-      --keep-freed-memory --out /tmp/alloc > /tmp/alloc.log 2>&1
-    echo "allocator tuned: exit $?"; cat /tmp/alloc/gpu.md >> "$out/settings.md"
-    grep -iE "batch|decode" /tmp/alloc.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/alloc/gpu.md | head -n 12
     # run 5's three tiny-gpt-oss failures (compile off was not enough; float32, so not cuDNN's attention) down each
     # of runtime/model/cuda_moe.py's roads for the expert products, then with CUDA graphs off
     # (run 6: the three roads passed alone, and the suite's default road failed two batch tests: the default alone first;
