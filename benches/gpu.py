@@ -133,6 +133,12 @@ GEOMETRIES = {g.name: g for g in (
 )}
 
 
+EVEN_REPEATS = 4
+"""Repeats of a full run: even, so each side's cold turns go first as often as second. H200 run 6 (three repeats,
+mlx-lm first in two) decoded kvmem's 1K turns at 258 and 264 tokens/s right after mlx-lm's and 330 before it, and
+mlx-lm's 16K turns at 345-354 first against 284 right after kvmem's: with three, a median is one order's."""
+
+
 def build_model(geom: Geometry, models_dir: Path) -> Path:
     """``models_dir/gpu-<name>-<digest>/``: the geometry's random weights, built on the device on first use.
 
@@ -1244,7 +1250,7 @@ def main(argv: list[str] | None = None) -> None:
     restart = args.restart_size or (1024 if quick else 16384)
     plan = Plan(sizes=tuple(sorted({*sizes, restart})), decode_sizes=tuple(args.decode_sizes or (
         (256, 1024) if quick else (1024, 16384))), decode_tokens=args.decode_tokens or (16 if quick else 128),
-        restart_size=restart, repeats=harness.repeats(args), batch=args.batch,
+        restart_size=restart, repeats=harness.repeats(args, full=EVEN_REPEATS), batch=args.batch,
         batch_context=args.batch_context or (256 if quick else 1024),
         batch_tokens=args.batch_tokens or (16 if quick else 64), profile=args.profile,
         plain_attention_queries=args.plain_attention_queries, short_attention_kernel=args.short_attention_kernel,

@@ -176,7 +176,7 @@ case "${1:-bench}" in
     # file: 8 come back in all): fused projections (runtime/model/fused_projections.py: four products a layer for
     # seven; the products section above says what a product costs the host), then kvmem's short attention kernel
     # (runtime/kv/short_attention.py, its tests first); run 5's batch of 8 made 4.38x one agent, its steps 4.25 ms
-    # of CPU against one row's 2.23, and its 1K decode 0.80x mlx-lm. Two repeats each (the main run's three): the
+    # of CPU against one row's 2.23, and its 1K decode 0.80x mlx-lm. Two repeats each (the main run's four: since session 33 even, each side first as often as second): the
     # trace's per-step and per-chunk medians read over many steps; before the 3B's engine rows and the gpt-oss roads,
     # which the call's time limit cuts first
     # (the kernels' device tests run in the suite call: since session 31 each model load also checks its kernels)
