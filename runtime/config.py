@@ -139,7 +139,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         short_attention_kernel: on CUDA, the decode steps of a batch of rows of different lengths and
             the short passes (a hot turn's message, a batch's join: up to ``plain_attention_queries``
             queries a row) attend through kvmem's one kernel (causal, each row from its own first key,
-            :mod:`runtime.kv.short_attention`; short passes over more than 2,048 keys in two passes) instead of MLX's masked
+            :mod:`runtime.kv.short_attention`; a short pass over more than 2,048 keys in two passes, where the
+            model's load held them to MLX's attention, else plain operations) instead of MLX's masked
             fallback and plain operations, several graph nodes a layer each; unset (``auto``): on under the
             GPU policy (H200 run 6: a 1B's step of 8 rows launched in 3.5 ms instead of 6.6); ignored on
             other backends.
