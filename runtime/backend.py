@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["BackendProfile", "Policy", "cuda_kernel_tolerance", "cuda_kernels_run", "decide_profile",
+__all__ = ["BackendProfile", "ModelKernels", "Policy", "cuda_kernel_tolerance", "cuda_kernels_run", "decide_profile",
            "detect_device", "device_profile", "profile_setting",
            "CPU_CHUNKS", "GPU_CHUNK", "CPU_MEMORY_MB", "GPU_MEMORY_SHARES", "GPU_DECODE_RUN_STEPS", "DECODE_RUN_S",
            "GPU_PLAIN_ATTENTION_QUERIES"]
@@ -90,6 +90,15 @@ model's weights. The CPU's 1 GiB float pool, for one, cannot hold a 3B model's 1
 float (1.9 GB): restored ahead after a restart, it was dequantized at the turn instead (H200 run 2)."""
 
 
+class ModelKernels(msgspec.Struct, frozen=True, kw_only=True):
+    """Which of kvmem's own CUDA kernels a model's load kept: each is used only where its check at load held it to
+    MLX's results and the model's layers take it (:func:`runtime.model.loaded.load_model`)."""
+
+    short_attention: bool = False
+    long_keys: bool = False
+    small_products: bool = False
+
+
 class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     """Which device kvmem runs on and every policy that follows from it (see the module docstring).
 
@@ -127,7 +136,10 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
             (:mod:`runtime.kv.short_attention`: causal, each row from its own first key; a pass over more
             than :data:`runtime.kv.short_attention.SHORT_PASS_KEYS` keys in its two passes, where the load's
             check holds them) instead of MLX's masked fallback and plain operations; the setting, unset on
-            under the GPU policy, and only where the backend is CUDA.
+            under the GPU policy, and only where the backend is CUDA. A model's load leaves it on only where
+            the kernel passed its check there (:meth:`with_model`).
+        long_keys_kernel: the short attention kernel's two passes over long keys are in use: set by a model's
+            load whose check held them to MLX's attention (:meth:`with_model`), never by a policy.
         copy_after_turn: a finished turn's park is launched, not waited for, and its host copy for
             the save is made after the turn (:meth:`runtime.plan.contract.Engine.snapshot`), off the
             decode loop. On the CPU the copy is a memcpy of memory the host already holds: made at once.
@@ -191,6 +203,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     alone_on_own_caches: bool = False
     plain_attention_queries: int = 0
     short_attention_kernel: bool = False
+    long_keys_kernel: bool = False
     copy_after_turn: bool = False
     upload_by_copy: bool = False
     download_by_copy: bool = False
@@ -211,16 +224,23 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
                 return chunk
         return self.prefill_chunks[-1][1]
 
-    def with_model(self, *, attention: Literal["at-rest", "native"], note: str | None, float_dtype: str
-                   ) -> BackendProfile:
-        """This profile as a model load settled it: the attention its kernels allow, its float dtype."""
-        return msgspec.structs.replace(self, attention=attention, attention_note=note, float_dtype=float_dtype)
+    def with_model(self, *, attention: Literal["at-rest", "native"], note: str | None, float_dtype: str,
+                   kernels: ModelKernels | None = None) -> BackendProfile:
+        """This profile as a model load settled it: the attention its kernels allow, its float dtype, and which of
+        kvmem's own kernels it kept (``kernels``; a load drops one whose check fails, or that its model's layers do
+        not take), so that the line, the log and ``/healthz`` say what runs, not what was asked."""
+        kept = {} if kernels is None else {
+            "short_attention_kernel": self.short_attention_kernel and kernels.short_attention,
+            "long_keys_kernel": self.short_attention_kernel and kernels.short_attention and kernels.long_keys,
+            "small_products_kernel": self.small_products_kernel and kernels.small_products}
+        return msgspec.structs.replace(self, attention=attention, attention_note=note, float_dtype=float_dtype, **kept)
 
     def line(self) -> str:
         """One line for the log: ``backend cuda (gpu policy); attention native; weights quantized; ...``."""
         chunks = "/".join(str(c) for _, c in self.prefill_chunks)
         plain = f"; plain attention up to {self.plain_attention_queries} queries" if self.plain_attention_queries else ""
         plain += "; short attention kernel" if self.short_attention_kernel else ""
+        plain += " (two passes over long keys)" if self.long_keys_kernel else ""
         fused = "; projections fused" if self.fused_projections else ""
         fused += "; small products in kvmem's kernel" if self.small_products_kernel else ""
         host = [name for name, on in (("numpy-attention", self.numpy_attention), ("numpy-kv-copy", self.numpy_kv_copy),

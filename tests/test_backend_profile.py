@@ -22,6 +22,7 @@ from runtime.backend import (
     GPU_DECODE_RUN_STEPS,
     GPU_KV_KEY_BITS,
     GPU_PLAIN_ATTENTION_QUERIES,
+    ModelKernels,
     decide_profile,
     detect_device,
     device_profile,
@@ -108,6 +109,31 @@ def test_the_profile_line_names_every_decision() -> None:
         assert part in cpu
 
 
+def test_a_load_leaves_on_only_the_kernels_it_kept_and_the_line_says_so() -> None:
+    """A kernel whose check at load failed, or that the model's layers do not take, is off in the profile the log
+    and ``/healthz`` show; one the setting turned off stays off whatever the load kept."""
+    asked = decide_profile(device="gpu", backend="cuda")
+    assert asked.short_attention_kernel and asked.small_products_kernel and not asked.long_keys_kernel
+
+    def loaded(profile: Any, **kept: bool) -> Any:
+        return profile.with_model(attention="at-rest", note=None, float_dtype="bfloat16", kernels=ModelKernels(**kept))
+
+    every = loaded(asked, short_attention=True, long_keys=True, small_products=True)
+    assert every.short_attention_kernel and every.long_keys_kernel and every.small_products_kernel
+    assert "short attention kernel (two passes over long keys)" in every.line()
+    assert "small products in kvmem's kernel" in every.line()
+    one_pass = loaded(asked, short_attention=True, small_products=True)
+    assert "short attention kernel;" in one_pass.line() and "two passes" not in one_pass.line()
+    none = loaded(asked)
+    assert not (none.short_attention_kernel or none.long_keys_kernel or none.small_products_kernel)
+    assert "short attention kernel" not in none.line() and "small products" not in none.line()
+    assert not loaded(asked, long_keys=True).long_keys_kernel  # two passes only with the one
+    off = decide_profile(device="gpu", backend="cuda", short_attention_kernel=False, small_products_kernel=False)
+    assert not loaded(off, short_attention=True, long_keys=True, small_products=True).long_keys_kernel
+    # a profile settled without word of the kernels keeps what it asked
+    assert asked.with_model(attention="at-rest", note=None, float_dtype="bfloat16").small_products_kernel
+
+
 # -- the GPU policy, forced on the CPU device ----------------------------------------
 
 
@@ -115,6 +141,30 @@ def _engine(**settings: Any) -> Any:
     from runtime.execution.mlx_engine import MlxEngine
 
     return MlxEngine(models_dir=models_dir(), kv_group_size=64, **{"kv_bits": 4, "attention": "auto", **settings})
+
+
+def test_the_engines_profile_after_a_load_names_the_kernels_the_load_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    import msgspec
+
+    from runtime.execution import mlx_engine
+
+    real = mlx_engine.load_model
+
+    def checked(*args: Any, **kwargs: Any) -> Any:  # as a CUDA load whose two-pass and products checks failed
+        lm = real(*args, **kwargs)
+        lm.short_attention_kernel, lm.long_keys_kernel, lm.small_products_kernel = True, False, False
+        return lm
+
+    monkeypatch.setattr(mlx_engine, "load_model", checked)
+    engine = _engine(profile="gpu")
+    engine._profile = msgspec.structs.replace(engine.profile, short_attention_kernel=True, small_products_kernel=True)
+    try:
+        engine.load("tiny-llama")
+        assert engine.profile.short_attention_kernel and not engine.profile.long_keys_kernel
+        assert not engine.profile.small_products_kernel  # asked, not kept
+        assert "short attention kernel;" in engine.profile.line() and "small products" not in engine.profile.line()
+    finally:
+        engine.unload()
 
 
 def test_the_gpu_policy_on_the_cpu_runs_native_attention_when_asked_without_host_paths() -> None:

@@ -241,7 +241,8 @@ class MlxEngine:
         self._lm = lm
         self._attention, note = settle_attention(lm, self._profile.attention)
         self._profile = self._profile.with_model(attention=self._attention, note=note,
-                                                 float_dtype=str(lm.float_dtype).removeprefix("mlx.core."))
+                                                 float_dtype=str(lm.float_dtype).removeprefix("mlx.core."),
+                                                 kernels=lm.kernels)
         log.info("%s: %s", name, self._profile.line())
         if self._warm_up:
             log.info("warmed %s up in %.2f s", name, warm_up(lm, self._attention))

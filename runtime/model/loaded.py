@@ -35,7 +35,7 @@ from runtime.cpu import attention as cpu_attention
 
 from runtime.reply import generic_tools
 from runtime.distributed.shard import shard_model, shard_model_id
-from runtime.backend import detect_device
+from runtime.backend import ModelKernels, detect_device
 from runtime.model.cuda_compile import turn_compile_off_if_wrong
 from runtime.model.cuda_moe import MOE_ROAD_ENV, take_moe_road
 from runtime.model.cuda_qmm import float_for_cuda, warm_quantized_kernels
@@ -98,8 +98,16 @@ class LoadedModel:
     """A padded decode batch's steps and short passes attend in :mod:`runtime.kv.short_attention`'s kernel."""
     long_keys_kernel: bool = False
     """Those of them over long keys take the kernel's two passes (:func:`runtime.kv.short_attention.long_attention`)."""
+    small_products_kernel: bool = False
+    """Float layers' products of 2 to 16 rows run in :mod:`runtime.model.small_products`' kernel."""
     upload_by_copy: bool = False
     """A cache read from disk reaches the device by ``mx.load`` (:mod:`runtime.kv.upload`), not ``mx.array``."""
+
+    @property
+    def kernels(self) -> ModelKernels:
+        """Which of kvmem's CUDA kernels this load kept (the backend profile reports them)."""
+        return ModelKernels(short_attention=self.short_attention_kernel, long_keys=self.long_keys_kernel,
+                            small_products=self.small_products_kernel)
 
     def _attention_scope(self) -> Any:
         """The attention this model's passes take (:func:`runtime.cpu.attention.active`), as it was loaded."""
@@ -308,8 +316,10 @@ def load_model(
     # kvmem's CUDA kernels are built now, not in a server's first batch, and used only if they give MLX's results.
     if small_products_kernel and small_products.available():  # after the fusion: its groups' products too
         if (problem := small_products.check(lm.float_dtype)) is None:
-            log.info("%s: %d float layers' products of 2 to %d rows in kvmem's kernel", name,
-                     small_products.take_small_products(loaded), small_products.MAX_ROWS)
+            taken = small_products.take_small_products(loaded)
+            lm.small_products_kernel = taken > 0
+            log.info("%s: %d float layers' products of 2 to %d rows in kvmem's kernel", name, taken,
+                     small_products.MAX_ROWS)
         else:
             log.warning("%s: kvmem's small products kernel is off, its check at load failed: %s", name, problem)
     if lm.short_attention_kernel and short_attention.available():
