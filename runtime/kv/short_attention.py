@@ -245,7 +245,8 @@ def check(dtype: mx.Dtype, head_dims: set[int] | frozenset[int]) -> str | None:
                                 for seed in (1, 2))
                 queries = mx.random.normal((3, 4, length, dim), key=mx.random.key(3)).astype(dtype)
                 starts = mx.array([0, 17, 300 - length], dtype=mx.int32)
-                yield f"{length} queries of head size {dim} in {dtype}", short_attention, (queries, keys, values, starts)
+                yield (f"{length} queries of head size {dim} in {dtype}", short_attention,
+                       (queries, keys, values, starts))
 
     return _first_problem(cases(), dtype)
 
@@ -447,7 +448,8 @@ def long_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale
     return out
 
 
-def check_long_keys(dtype: mx.Dtype, head_dims: set[int] | frozenset[int], groups: set[int] | frozenset[int]) -> str | None:
+def check_long_keys(dtype: mx.Dtype, head_dims: set[int] | frozenset[int],
+                    groups: set[int] | frozenset[int]) -> str | None:
     """Build :func:`long_attention` for ``dtype``, each of ``head_dims`` and query head ``groups`` it takes, and hold
     it to :func:`reference` on MLX's CPU: None when it gives it, else what went wrong (the long-keys road is then
     left off and the calls keep their other roads).
