@@ -64,6 +64,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
 import re
 import shutil
 import statistics
@@ -1217,6 +1218,11 @@ def main(argv: list[str] | None = None) -> None:
                         "freed memory kept, one arena for every thread started after, the model's included): whether "
                         "H200 run 6's model thread, 1.6x slower in its cold turns than in its batch rounds, was "
                         "faulting its heap in again")
+    p.add_argument("--one-cpu-a-core", action="store_true",
+                   help="keep the process to one logical CPU of each physical core first (benches.thread_cpu."
+                        "one_cpu_a_core): none of its threads then shares a core with another's hyperthread; whether "
+                        "H200 run 6's model thread, its steps 2.0-2.2 ms in some turns and 3.5-3.8 in others, was "
+                        "sharing one")
     p.add_argument("--needle-model", default="kvmem-default", help="needle model: a name, a GGUF, or none")
     p.add_argument("--needle-lengths", type=int, nargs="+", help="default 8192 4096 2048 1024 (1024 with --quick)")
     p.add_argument("--needle-deadline-s", type=float, default=150.0,
@@ -1240,6 +1246,15 @@ def main(argv: list[str] | None = None) -> None:
         from runtime.allocator import keep_freed_memory
 
         log(f"glibc's allocator told to keep freed memory: {keep_freed_memory()}")
+    cpus = ""
+    if args.one_cpu_a_core:  # before the runtime's threads start: they inherit it
+        from benches.thread_cpu import keep_threads_to, one_cpu_a_core
+
+        allowed, kept = os.sched_getaffinity(0), one_cpu_a_core()
+        cpus = (f"cpus: {len(kept)} of the {len(allowed)} this process may use, one a physical core "
+                f"(--one-cpu-a-core; {keep_threads_to(kept)} threads then): no two of its threads share a core"
+                + ("; no core here has two, so this changes nothing" if kept == allowed else ""))
+        log(cpus)
     from runtime.backend import detect_device
 
     if not quick and not args.geometries and detect_device()[0] == "cpu":
@@ -1259,6 +1274,8 @@ def main(argv: list[str] | None = None) -> None:
     res = ResultFile("gpu", "GPU check: kvmem beside plain mlx-lm, needle rows, suite", quick, argv or [], model=None)
     deadline = res.started + args.deadline_s
     res.setup += [*device_lines(), *setup_lines(plan)]
+    if cpus:
+        res.setup.append(cpus)
     if args.keep_freed_memory:
         res.setup.append("allocator: glibc told to keep freed memory and use one arena before anything ran "
                          "(--keep-freed-memory, as the CPU policy's `tune_allocator`; the GPU policy leaves it)")

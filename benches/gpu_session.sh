@@ -127,7 +127,11 @@
 #      (benches/gpu.py --keep-freed-memory): whether run 6's model thread, 1.6x slower in its cold turns than in its
 #      batch rounds, was faulting its heap in again (the main run's threads table counts its faults). The whole plan:
 #      run 6's settings runs (1K turns alone) decoded at par with mlx-lm, the main run's cold turns between 4K, 16K
-#      and 32K ones at 0.60x.
+#      and 32K ones at 0.60x. Then the whole plan once more with the process kept to one logical CPU of each physical
+#      core (--one-cpu-a-core): whether the model thread shared a core with a busy hyperthread (its steps took 2.0-2.2
+#      ms in some turns, 3.5-3.8 in others). Those two take the time of the settings runs with fused projections and
+#      the short attention kernel off, which run 6 measured against the other road already. The main run repeats
+#      its cold pairs 4 times, not 3: each side first as often as second (run 6: the order mattered).
 # suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses). 285 s in all (run 5's
 # took 254 s, and the suite has grown since): since session 29 the bench call gives it 20 s of its 560.
@@ -170,24 +174,17 @@ case "${1:-bench}" in
       > /tmp/alloc.log 2>&1
     echo "allocator tuned: exit $?"; cat /tmp/alloc/gpu.md >> "$out/settings.md"
     grep -iE "batch|decode" /tmp/alloc.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/alloc/gpu.md | head -n 12
-    # (run 6 timed the products again without CUDA graphs and with graphs of 1000 operations; since session 30 that
-    # time goes to the small products kernel's settings run below)
-    # the 1B's turns and batch with each setting a GPU run has yet to measure, one run each (the reports into one
-    # file: 8 come back in all): fused projections (runtime/model/fused_projections.py: four products a layer for
-    # seven; the products section above says what a product costs the host), then kvmem's short attention kernel
-    # (runtime/kv/short_attention.py, its tests first); run 5's batch of 8 made 4.38x one agent, its steps 4.25 ms
-    # of CPU against one row's 2.23, and its 1K decode 0.80x mlx-lm. Two repeats each (the main run's four: since session 33 even, each side first as often as second): the
-    # trace's per-step and per-chunk medians read over many steps; before the 3B's engine rows and the gpt-oss roads,
-    # which the call's time limit cuts first
+    # the other half of the 1B's decode question: the whole plan again with the process kept to one logical CPU of
+    # each physical core (benches/gpu.py --one-cpu-a-core): run 6's model thread stepped in 2.0-2.2 ms in some turns
+    # and 3.5-3.8 in others, its CPU time itself grown, as a thread's is beside a busy hyperthread of its core (the
+    # main run's threads table names the threads that last shared one). Since session 33 in place of the settings runs
+    # with fused projections and the short attention kernel off: run 6 measured each against the other road already
+    # (its main run had both off, its settings runs each on)
+    timeout -s INT 80 python3 -m benches gpu --geometries 1b --needles 0 --one-cpu-a-core --out /tmp/cores \
+      > /tmp/cores.log 2>&1
+    echo "one cpu a core: exit $?"; cat /tmp/cores/gpu.md >> "$out/settings.md"
+    grep -iE "cpus:|batch|decode" /tmp/cores.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/cores/gpu.md | head -n 12
     # (the kernels' device tests run in the suite call: since session 31 each model load also checks its kernels)
-    timeout -s INT 40 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 --repeats 2 \
-      --no-fused-projections --out /tmp/fused > /tmp/fused.log 2>&1
-    echo "fused projections off: exit $?"; cat /tmp/fused/gpu.md >> "$out/settings.md"
-    grep -iE "batch|decode" /tmp/fused.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/fused/gpu.md | head -n 12
-    timeout -s INT 40 python3 -m benches gpu --geometries 1b --sizes 1024 --decode-sizes 1024 --needles 0 --repeats 2 \
-      --no-short-attention-kernel --out /tmp/padded > /tmp/padded.log 2>&1
-    echo "short attention kernel off: exit $?"; cat /tmp/padded/gpu.md >> "$out/settings.md"
-    grep -iE "batch|decode" /tmp/padded.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/padded/gpu.md | head -n 12
     # kvmem's small products kernel (runtime/model/small_products.py, on by default since session 31 once the load's
     # check holds it to MLX's product): a batch's steps and a hot turn's message without cuBLASLt's host cost a
     # product (run 6: about 37 µs of submit a product of 2+ rows, 11 for one); here turned off, to say what it buys

@@ -25,9 +25,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ThreadClock", "Window", "available"]
+__all__ = ["ThreadClock", "Window", "available", "keep_threads_to", "one_cpu_a_core"]
 
 _TASKS = Path("/proc/self/task")
+_CPUS = Path("/sys/devices/system/cpu")
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
@@ -64,11 +65,37 @@ def _last_core(tid: str) -> str | None:
     fields = _stat_fields(tid)
     if fields is None or len(fields) < 37:
         return None
-    topology = Path(f"/sys/devices/system/cpu/cpu{fields[36]}/topology")  # stat's 39th field: the processor
+    return _core_of(int(fields[36]))  # stat's 39th field: the processor
+
+
+def _core_of(cpu: int, root: Path = _CPUS) -> str | None:
+    """Logical CPU ``cpu``'s physical core, as ``package/core``, or None where the system does not say."""
+    topology = root / f"cpu{cpu}" / "topology"
     try:
         return f"{(topology / 'physical_package_id').read_text().strip()}/{(topology / 'core_id').read_text().strip()}"
     except OSError:
         return None
+
+
+def one_cpu_a_core(allowed: set[int] | None = None, root: Path = _CPUS) -> set[int]:
+    """The lowest logical CPU of each physical core among ``allowed`` (this process's, by default): a process kept
+    to them runs no two of its threads on hyperthreads of one core. A CPU whose core is unknown stands alone."""
+    chosen: dict[str, int] = {}
+    for cpu in sorted(os.sched_getaffinity(0) if allowed is None else allowed):
+        chosen.setdefault(_core_of(cpu, root) or f"cpu{cpu}", cpu)
+    return set(chosen.values())
+
+
+def keep_threads_to(cpus: set[int]) -> int:
+    """Keep every thread of this process, and those they start later, to ``cpus``; returns how many threads."""
+    kept = 0
+    for tid in os.listdir(_TASKS):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+            kept += 1
+        except (OSError, ValueError):  # a thread that ended meanwhile
+            continue
+    return kept
 
 
 def _comm(tid: str) -> str:

@@ -108,3 +108,37 @@ def test_threads_waiting_for_a_core_and_sharing_one_are_told() -> None:
     assert all(window.waits[name] > 0.2 * window.wall_s for name in names), window.waits
     assert sum(window.threads[name] for name in names) <= 1.1 * window.wall_s  # one CPU's worth between them
     assert set(names) <= set(window.sharing_a_core(4)) and len({window.cores[name] for name in names}) == 1
+
+
+def test_one_cpu_a_core_keeps_the_lowest_hyperthread_of_each_core(tmp_path) -> None:
+    from benches.thread_cpu import one_cpu_a_core
+
+    # two packages: cpus 0 and 4 one core, 1 and 5 another; 2 alone on package 1; 3's topology unknown
+    for cpu, package, core in ((0, 0, 0), (4, 0, 0), (1, 0, 1), (5, 0, 1), (2, 1, 0)):
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(f"{package}\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    assert one_cpu_a_core({0, 1, 2, 3, 4, 5}, root=tmp_path) == {0, 1, 2, 3}
+    assert one_cpu_a_core({4, 5}, root=tmp_path) == {4, 5}  # only the allowed ones
+
+
+def test_keep_threads_to_sets_every_threads_cpus_and_new_threads_inherit_them() -> None:
+    import os
+
+    from benches.thread_cpu import keep_threads_to, one_cpu_a_core
+
+    before = os.sched_getaffinity(0)
+    seen: list[set[int]] = []
+    try:
+        keep = {min(before)}
+        assert keep_threads_to(keep) >= 1
+        assert os.sched_getaffinity(0) == keep
+        thread = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        thread.start()
+        thread.join()
+        assert seen == [keep]
+        assert one_cpu_a_core() <= before
+    finally:
+        keep_threads_to(before)
+    assert os.sched_getaffinity(0) == before
