@@ -188,7 +188,8 @@ def test_where_the_long_keys_road_is_on_long_short_passes_take_it_and_reply_as_b
 
 def test_the_long_keys_road_takes_the_groups_and_scratch_it_allows() -> None:
     def takes(rows: int, heads: int, kv_heads: int, queries: int, dim: int = 64) -> bool:
-        return short_attention.takes_long_keys(mx.zeros((rows, heads, queries, dim)), mx.zeros((rows, kv_heads, 1, dim)))
+        queries_, keys = mx.zeros((rows, heads, queries, dim)), mx.zeros((rows, kv_heads, 1, dim))
+        return short_attention.takes_long_keys(queries_, keys)
 
     assert takes(1, 32, 8, 64, dim=128)  # a 3B-like hot turn's longest message: 33.6 MB of partial sums
     assert not takes(8, 32, 8, 64, dim=128)  # eight such rows joining: 268 MB, over the scratch bound
@@ -254,6 +255,10 @@ def test_the_long_keys_check_holds_each_head_size_and_group_to_the_attention(mon
     assert "off MLX's attention" in short_attention.check_long_keys(mx.float32, {64}, {1})
     monkeypatch.setattr(short_attention, "long_attention", lambda q, k, v, *, scale, starts: 1 / 0)
     assert short_attention.check_long_keys(mx.float32, {64}, {1}).startswith("ZeroDivisionError")
+    # a model the kernel would take no call of keeps it off (the profile then does not name it)
+    problem = short_attention.check_long_keys(mx.float32, {64}, {9})
+    assert "no head size of [64] with a query head group of [9]" in problem
+    assert "no head size of [80]" in short_attention.check_long_keys(mx.float32, {80}, {4})
 
 
 def test_rows_of_one_length_and_long_passes_keep_mlxs_own_kernels(lm, kernel_calls) -> None:
@@ -331,6 +336,7 @@ def test_a_load_checks_the_kernel_for_the_models_dtype_and_head_sizes_and_leaves
     assert calls == [(64, 1, mx.bfloat16), (64, 5, mx.bfloat16), (128, 1, mx.bfloat16), (128, 5, mx.bfloat16)]
     monkeypatch.setattr(short_attention, "short_attention", lambda q, k, v, *, scale, starts: q)
     assert "off MLX's attention" in short_attention.check(mx.float32, {64})
+    assert "no head size of [80] is one it takes" in short_attention.check(mx.float32, {80})
     monkeypatch.setattr(short_attention, "available", lambda: True)
     for problem, long_problem in ((None, None), (None, "off by 0.5"), ("no kernel image", None)):
         checked: list[tuple[mx.Dtype, set[int]]] = []

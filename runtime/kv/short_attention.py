@@ -248,7 +248,7 @@ def check(dtype: mx.Dtype, head_dims: set[int] | frozenset[int]) -> str | None:
                 yield (f"{length} queries of head size {dim} in {dtype}", short_attention,
                        (queries, keys, values, starts))
 
-    return _first_problem(cases(), dtype)
+    return _first_problem(cases(), dtype, none=f"no head size of {sorted(head_dims)} is one it takes, {HEAD_DIMS}")
 
 
 # The long-keys road: MLX 0.32's kernel_sdpav_2pass_1 and _2 (``scaled_dot_product_attention.cu``), with
@@ -469,16 +469,20 @@ def check_long_keys(dtype: mx.Dtype, head_dims: set[int] | frozenset[int],
                     yield (f"{length} queries of head size {dim}, {group} query heads a key head, in {dtype}",
                            long_attention, (queries, keys, values, starts))
 
-    return _first_problem(cases(), dtype)
+    return _first_problem(cases(), dtype, none=f"no head size of {sorted(head_dims)} with a query head group of "
+                                                f"{sorted(groups)} is one it takes ({HEAD_DIMS}; 1 to {MAX_GROUP})")
 
 
 def _first_problem(cases: Iterator[tuple[str, Callable[..., mx.array], tuple[mx.array, ...]]],
-                   dtype: mx.Dtype) -> str | None:
+                   dtype: mx.Dtype, *, none: str) -> str | None:
     """Each case's kernel call (``what``, the kernel, its queries, keys, values and first keys) against
     :func:`reference` on MLX's CPU stream (an independent device's): the first that is off by more than the
-    dtype's tolerance, or that does not build or launch, as a line; None when every one gives it."""
+    dtype's tolerance, or that does not build or launch, as a line; ``none`` where there is no case (a model the
+    kernel would take no call of keeps it off, and the profile does not name it); None when every one gives it."""
+    ran = 0
     try:
         for what, kernel, (queries, keys, values, starts) in cases:
+            ran += 1
             scale = queries.shape[-1] ** -0.5
             ours = kernel(queries, keys, values, scale=scale, starts=starts)
             with mx.stream(mx.cpu):
@@ -488,4 +492,4 @@ def _first_problem(cases: Iterator[tuple[str, Callable[..., mx.array], tuple[mx.
                 return f"{what}: off MLX's attention by {worst:.3g}"
     except Exception as exc:  # noqa: BLE001 - a kernel that does not build or launch here is reported, not raised
         return f"{type(exc).__name__}: {exc}"
-    return None
+    return None if ran else none
