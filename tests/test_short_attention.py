@@ -188,8 +188,8 @@ def test_where_the_long_keys_road_is_on_long_short_passes_take_it_and_reply_as_b
 
 def test_the_long_keys_road_takes_the_groups_and_scratch_it_allows() -> None:
     def takes(rows: int, heads: int, kv_heads: int, queries: int, dim: int = 64) -> bool:
-        queries_, keys = mx.zeros((rows, heads, queries, dim)), mx.zeros((rows, kv_heads, 1, dim))
-        return short_attention.takes_long_keys(queries_, keys)
+        q, k = mx.zeros((rows, heads, queries, dim)), mx.zeros((rows, kv_heads, 1, dim))
+        return short_attention.takes_long_keys(q, k)
 
     assert takes(1, 32, 8, 64, dim=128)  # a 3B-like hot turn's longest message: 33.6 MB of partial sums
     assert not takes(8, 32, 8, 64, dim=128)  # eight such rows joining: 268 MB, over the scratch bound
