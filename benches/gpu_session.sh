@@ -121,7 +121,7 @@
 #      kernel, the keys split over 32 blocks, a warp for a key head's whole query head group), once the load's
 #      check_long_keys holds them to MLX's attention, where run 6 took plain operations (0.51-0.58 ms a 1B layer at
 #      16 queries over 16K keys); grep the gpu.log for "over long keys is off". The probe's shapes rows time the two
-#      passes beside the others, its batch-attention rows for a padded step too (the runtime keeps steps on the one
+#      passes beside the others, its batch-attention rows (now at 1K and 16K keys) for a padded step too (the runtime keeps steps on the one
 #      pass until those rows say otherwise); the suite call runs the new device tests. The 3B's engine rows (probe_3b.md)
 #      give their time to the 1B's whole plan again with glibc's allocator tuned as the CPU policy tunes it
 #      (benches/gpu.py --keep-freed-memory): whether run 6's model thread, 1.6x slower in its cold turns than in its
