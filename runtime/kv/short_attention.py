@@ -400,12 +400,17 @@ def _long_kernels() -> tuple[object, object]:
     return first, second
 
 
+def _group(heads: int, kv_heads: int) -> int | None:
+    """Query heads a key head serves, where they are whole groups of at most :data:`MAX_GROUP` (a warp keeps its
+    group's queries and sums in registers); else None."""
+    return heads // kv_heads if heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP else None
+
+
 def takes_long_keys(queries: mx.array, keys: mx.array) -> bool:
     """Whether :func:`long_attention` takes this call: whole query head groups of at most :data:`MAX_GROUP` a key
     head, and partial sums within :data:`MAX_PARTIALS_BYTES`."""
     rows, heads, length, dim = queries.shape
-    kv_heads = keys.shape[1]
-    return (heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
+    return (_group(heads, keys.shape[1]) is not None
             and rows * heads * length * SPLITS * dim * 4 <= MAX_PARTIALS_BYTES)
 
 
@@ -428,13 +433,13 @@ def long_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale
     """
     rows, heads, length, dim = queries.shape
     kv_heads = keys.shape[1]
+    group = _group(heads, kv_heads)
     if not (1 <= length <= MAX_QUERIES and dim in HEAD_DIMS and keys.dtype == queries.dtype == values.dtype
-            and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP):
+            and group is not None):
         raise ValueError(f"1 to {MAX_QUERIES} queries a row of head size {HEAD_DIMS}, at most {MAX_GROUP} query heads "
                          f"a key head, in the keys' dtype, not {queries.shape} {queries.dtype} over {keys.shape} "
                          f"{keys.dtype}")
     first, second = _long_kernels()
-    group = heads // kv_heads
     partials, sums, maxs = first(
         inputs=[queries, keys, values, starts, _scale(float(scale))],
         template=[("T", queries.dtype), ("D", dim), ("G", group)],

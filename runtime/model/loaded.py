@@ -113,7 +113,7 @@ class LoadedModel:
         """The attention this model's passes take (:func:`runtime.cpu.attention.active`), as it was loaded."""
         return cpu_attention.active(self.numpy_attention, plain_queries=self.plain_attention_queries,
                                     attention_kernel=self.short_attention_kernel,
-                                    long_keys_kernel=self.short_attention_kernel and self.long_keys_kernel)
+                                    long_keys_kernel=self.long_keys_kernel)  # read only with the kernel on
 
     def forward(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         """Logits of ``inputs`` over ``cache``: every forward pass kvmem runs goes through here."""
