@@ -254,6 +254,12 @@ class TurnOptions(TypedDict, total=False):
     Attributes:
         max_tokens: new tokens at most (256).
         temperature: 0 is greedy (the default); top_p, top_k: mlx-lm's sampler.
+        seed: the turn's own random stream: a sampled reply repeats for the same seed, prompt
+            and parameters, whatever else runs (it draws what mlx-lm's sampler draws after
+            ``mx.random.seed(seed)``); None draws from the process's.
+        presence_penalty, frequency_penalty (OpenAI's, in [-2, 2]), repetition_penalty
+            (multiplicative, > 0; 1 is none): mlx-lm's repeat penalties over the last 20 tokens.
+        logit_bias: token id to a bias in [-100, 100] added to its logit (OpenAI's).
         stop: a string or strings that end the reply (not part of it).
         system: a system prompt put first unless the messages begin with one.
         model: a configured model name (None: the runtime's default); another
@@ -281,6 +287,11 @@ class TurnOptions(TypedDict, total=False):
     top_p: float
     top_k: int
     stop: str | Sequence[str]
+    seed: int | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    repetition_penalty: float | None
+    logit_bias: Mapping[int, float] | None
     system: str | None
     model: str | None
     tools: Sequence[Mapping[str, Any]] | None

@@ -23,7 +23,7 @@ import trio
 
 from actors.messages_common import Failed, Message, TurnUsage
 from actors.messages_gpu import SamplingOptions, StreamItem, Tier
-from runtime.plan.contract import ResponseFormat, ToolCall, ToolChoice, ToolUse
+from runtime.plan.contract import Penalties, ResponseFormat, ToolCall, ToolChoice, ToolUse
 from runtime.reply.reply_format import schema_error
 
 __all__ = [
@@ -185,6 +185,11 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         top_p: float = 1.0,
         top_k: int = 0,
         stop: str | Sequence[str] = (),
+        seed: int | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
         share_prefix: bool = True,
         durable: bool | None = None,
     ) -> ChatTurn:
@@ -194,10 +199,15 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         ``tool_choice``: ``"auto"`` (default), ``"none"``, ``"required"`` or ``{"name": f}``.
         ``response_format``: OpenAI's shape (``{"type": "json_object"}``, ``{"type":
         "json_schema", "json_schema": {"name": ..., "schema": {...}}}``) or a ``ResponseFormat``.
+        ``seed``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``
+        (token id to bias): see :class:`runtime.plan.contract.SamplingOptions` and
+        :class:`~runtime.plan.contract.Penalties` (None: unset).
         """
         chat = chat_messages(messages or (), system if prompt is None else None)
         sampling = SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                   stop=(stop,) if isinstance(stop, str) else tuple(stop))
+                                   stop=(stop,) if isinstance(stop, str) else tuple(stop), seed=seed,
+                                   penalties=Penalties.of(presence_penalty, frequency_penalty, repetition_penalty),
+                                   logit_bias=tuple(sorted((logit_bias or {}).items())))
         return cls(agent_id=agent_id, messages=chat, prompt=prompt,
                    tools=tuple(dict(t) for t in tools or ()), tool_choice=ToolChoice.of(tool_choice),
                    response_format=ResponseFormat.of(response_format), parallel_tool_calls=parallel_tool_calls,

@@ -157,6 +157,11 @@ def routes(gw: Gateway) -> list[Route]:
                 top_p=req.top_p,
                 top_k=req.top_k,
                 stop=tuple(req.stop),
+                seed=req.seed,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                logit_bias=req.logit_bias,
                 durable=durable_of(request.headers),
             )
             await gw.admit(handle, tenant_of_request(request))  # the tenant's limits: agents, disk

@@ -76,6 +76,7 @@ def register(sub: Any) -> None:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, help="the turn's own random stream: a sampled reply repeats for the same seed")
     chat.add_argument("--json", action="store_true", help="print one JSON object per turn")
     add_setting_options(chat)
     chat.set_defaults(func=_chat)
@@ -198,7 +199,8 @@ async def _turn(rt: Runtime, home: KvmemHome, config: Config, args: argparse.Nam
     if args.system and not messages:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": message})
-    options: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    options: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                               "seed": args.seed}
     if args.json:
         result = await handle.send(messages, **options)
     else:

@@ -46,7 +46,7 @@ _TYPES: dict[str, tuple[str, str]] = {
     "api_error": ("api_error", "server_error"),
 }
 
-_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_PATH = re.compile(r" - at `(?:key` in `)?\$(?P<path>[^`]*)`$")  # a dict key's error names the dict
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
 
 

@@ -233,6 +233,11 @@ def routes(gw: Gateway) -> list[Route]:
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=req.top_k or 0,
                 stop=req.stop or (),
+                seed=req.seed,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                logit_bias=req.logit_bias,
                 durable=durable_of(request.headers),
             )
             await gw.admit(handle, tenant)  # the tenant's limits: agents, disk

@@ -10,6 +10,7 @@ from msgspec import Meta, Struct
 from actors.messages_agent import TurnResult
 from actors.metrics import RunningTurn
 from gateway.schemas_openai import ResponseFormatSpec
+from runtime.plan.contract import SEED_RANGE
 
 __all__ = ["AgentMessage", "AgentTurnRequest", "AgentInfo", "AgentList", "Deleted", "turn_decoder"]
 
@@ -40,6 +41,10 @@ class AgentTurnRequest(Struct, kw_only=True):
             schema's grammar on every model.
         model: a configured model (None: the default).
         max_tokens: new tokens at most (None: the server's ``default_max_tokens``).
+        seed: the turn's own random stream (the same seed, prompt and parameters give the same reply).
+        presence_penalty, frequency_penalty, repetition_penalty: mlx-lm's repeat penalties over the
+            last 20 tokens (OpenAI's first two, in [-2, 2]; the last multiplicative, 1 is none).
+        logit_bias: the model's token ids (object keys) to biases in [-100, 100] added to their logits.
         share_prefix: start from another agent's cached prefix when this agent has nothing to reuse.
     """
 
@@ -52,6 +57,11 @@ class AgentTurnRequest(Struct, kw_only=True):
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=0)] = 0
     stop: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)] = []
+    seed: Annotated[int, Meta(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    logit_bias: dict[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedTool | None = None
     response_format: ResponseFormatSpec | None = None

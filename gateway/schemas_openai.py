@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from runtime.plan.contract import SEED_RANGE
+
 __all__ = [
     "TextPart",
     "JsonSchemaSpec",
@@ -161,8 +163,10 @@ class StreamOptions(Struct, kw_only=True):
 class ChatCompletionRequest(Struct, kw_only=True):
     """``POST /v1/chat/completions``. Token limits are also checked against the server's limit.
 
-    ``top_k`` is an extension (vLLM, llama.cpp and mlx-lm accept it too).
-    Penalties and ``seed`` are accepted and ignored. ``response_format`` is honoured on
+    ``top_k`` and ``repetition_penalty`` are extensions (vLLM, llama.cpp and mlx-lm accept them too).
+    ``seed`` gives the turn its own random stream (the same seed, prompt and parameters give the
+    same reply); the penalties are mlx-lm's, over the last 20 tokens; ``logit_bias`` maps the model's token
+    ids (object keys) to biases added to their logits. ``response_format`` is honoured on
     every model (the reply is decoded under the schema's grammar); so is
     ``parallel_tool_calls: false`` (one call at most) where the model writes kvmem's
     generic tool-call format.
@@ -182,9 +186,11 @@ class ChatCompletionRequest(Struct, kw_only=True):
     n: Annotated[int, Meta(ge=1, le=1)] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    seed: Annotated[int, Meta(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    logit_bias: dict[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
     logprobs: bool | None = None
     response_format: ResponseFormatSpec | None = None
     parallel_tool_calls: bool | None = None

@@ -34,8 +34,11 @@ def test_chat_resumes_agent_from_disk_in_a_new_process(tmp_path):
     assert turn2["tokens_reused"] >= turn1["tokens_prefilled"] + turn1["tokens_generated"] - 1
     assert turn2["tokens_prefilled"] < turn2["tokens_reused"]
 
-    other = _kvmem(tmp_path, "chat", "--agent", "bob", "--json", *model, "Hello, who are you?")
+    sampled = [*model, "--temperature", "1", "--seed", "9", "Hello, who are you?"]
+    other = _kvmem(tmp_path, "chat", "--agent", "bob", "--json", *sampled)
     assert json.loads(other.stdout)["tier"] == "cold"  # agents never share caches by name
+    twin = _kvmem(tmp_path, "chat", "--agent", "dave", "--json", *sampled)
+    assert json.loads(twin.stdout)["reply"] == json.loads(other.stdout)["reply"]  # the same seed, the same draws
 
     listing = _kvmem(tmp_path, "agents", "--json")
     rows = {r["agent"]: r for r in json.loads(listing.stdout)}
@@ -43,7 +46,7 @@ def test_chat_resumes_agent_from_disk_in_a_new_process(tmp_path):
 
     assert _kvmem(tmp_path, "forget", "alice").returncode == 0
     rows = {r["agent"] for r in json.loads(_kvmem(tmp_path, "agents", "--json").stdout)}
-    assert rows == {"bob"}
+    assert rows == {"bob", "dave"}
     again = json.loads(_kvmem(tmp_path, "chat", "--agent", "alice", "--json", *model, "Hi").stdout)
     assert again["tier"] == "cold"
 

@@ -297,6 +297,43 @@ def test_openai_streaming_with_usage(gpt: openai.OpenAI) -> None:
     assert (usage2.prompt_tokens_details.cached_tokens or 0) >= usage.prompt_tokens
 
 
+def test_openai_seed_repeats_a_sampled_reply_and_penalties_change_it(gpt: openai.OpenAI, http: httpx.Client) -> None:
+    """OpenAI's ``seed``, ``presence_penalty`` and ``frequency_penalty`` (and ``repetition_penalty``, an
+    extension) are honoured, through the SDK and kvmem's agents API; out of range they are a 400."""
+    messages: list[dict] = [{"role": "user", "content": "Tell me a story."}]
+
+    def reply(user: str, **kw: Any) -> str:
+        done = gpt.chat.completions.create(model=MODEL, max_tokens=12, messages=messages, user=user,
+                                           **{"temperature": 1.0, **kw})
+        return done.choices[0].message.content or ""
+
+    seeded = reply("seed-a", seed=1234)
+    assert reply("seed-b", seed=1234) == seeded, "another agent, the same seed: the same reply"
+    assert reply("seed-c", seed=1235) != seeded
+    greedy = reply("pen-a", temperature=0.0)
+    assert reply("pen-b", temperature=0.0, presence_penalty=2.0, frequency_penalty=1.0,
+                 extra_body={"repetition_penalty": 1.5}) != greedy
+    turn = {"messages": messages, "max_tokens": 12, "temperature": 1.0, "seed": 1234}
+    assert http.post("/v1/agents/seed-d/messages", json=turn).json()["reply"] == seeded
+    # A bias of 100 on one token all but forces it: the reply is that token, again and again.
+    forced = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 4,
+                                                     "logit_bias": {"300": 100}, "user": "bias-a"})
+    assert forced.status_code == 200, forced.text
+    assert forced.json()["usage"]["completion_tokens"] == 4
+    text = forced.json()["choices"][0]["message"]["content"]
+    assert len(text.split()) == 4 and len(set(text.split())) == 1, text  # token 300 is " i" here
+    unknown = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                      "logit_bias": {"999999": 5}})
+    assert unknown.status_code == 400 and "logit_bias: token 999999" in unknown.text, unknown.text
+
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                         ("seed", 2**63), ("logit_bias", {"7": 101}), ("logit_bias", {"seven": 1})):
+        refused = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"].startswith(field), refused.text
+        refused = http.post("/v1/agents/seed-e/messages", json={"messages": messages, field: value})
+        assert refused.status_code == 400 and field in refused.text, refused.text
+
+
 def test_openai_stream_without_usage_ends_with_done(http: httpx.Client) -> None:
     body = {"model": MODEL, "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "x"}]}
     with http.stream("POST", "/v1/chat/completions", json=body) as response:

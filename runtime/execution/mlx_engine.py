@@ -319,13 +319,22 @@ class MlxEngine:
     def sampling_params(self, sampling: SamplingOptions, rules: ReplyRules | None = None) -> SequenceSampling:
         """How a turn's sequence samples: its options, plus what its ``tool_choice`` and ``response_format``
         enforce (``rules``: the turn's :func:`~runtime.reply.tool_calls.reply_rules`, worked out here if not given)."""
+        unknown = [token for token, _ in sampling.logit_bias if token >= self.lm.vocab_limit]
+        if unknown:
+            raise ValueError(f"logit_bias: token {unknown[0]} is not in the model's vocabulary "
+                             f"(ids 0 to {self.lm.vocab_limit - 1})")
+        # A top-k of the whole vocabulary or more keeps every token: no filter (mlx-lm's refuses it).
+        top_k = sampling.top_k if sampling.top_k < self.lm.vocab_limit else 0
         params = SequenceSampling(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                                top_p=sampling.top_p, top_k=sampling.top_k, stop=tuple(sampling.stop))
+                                  top_p=sampling.top_p, top_k=top_k, stop=tuple(sampling.stop),
+                                  seed=sampling.seed, penalties=sampling.penalties,
+                                  logit_bias=dict(sampling.logit_bias))
         rules = rules or self._rules(sampling)
         if rules is None:
             return params
+        banned = {token: float("-inf") for token in rules.banned}  # the reply rules' bans win over a client's bias
         return replace(params, forced=tuple(self.lm.tokenize(rules.forced)[0]) if rules.forced else (),
-                       logit_bias={token: float("-inf") for token in rules.banned}, grammar=rules.grammar)
+                       logit_bias={**params.logit_bias, **banned}, grammar=rules.grammar)
 
     def _rules(self, sampling: SamplingOptions) -> ReplyRules | None:
         """The turn's reply rules; None when it has no tools and no ``response_format`` (nothing to enforce)."""

@@ -8,8 +8,8 @@ matcher (:func:`runtime.plan.kv_manager.own_plan`) and started by the same
 per :meth:`accept` call, whether it decodes alone (``runtime.execution.generate``) or
 inside a batch (:class:`runtime.execution.decode_batch.DecodeBatch`).
 
-What it generates is set by its :class:`SequenceSampling` (length, temperature,
-top-p / top-k through mlx-lm's sampler, logit bias, stop strings);
+What it generates is set by its :class:`~runtime.execution.sampling.SequenceSampling` (length,
+temperature, top-p / top-k through mlx-lm's sampler, a seed, repeat penalties, logit bias, stop strings);
 :class:`StopMatcher` finds stop strings in the growing reply and holds back
 text that could still become one.
 """
@@ -17,16 +17,15 @@ text that could still become one.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 
 from runtime.backend import CPU_CHUNKS
 from runtime.execution.pass_clock import PassClock
+from runtime.execution.sampling import SequenceSampling, build_sampler, penalty_processors
 from runtime.plan.contract import (
-    COLD, ColdStart, FromHot, FromShared, FromWarm, OwnCache, StepTiming, Tokenized, ToolCall, TurnPlan,
+    COLD, PENALTY_CONTEXT, ColdStart, FromHot, FromShared, FromWarm, OwnCache, StepTiming, Tokenized, ToolCall, TurnPlan,
 )
 from runtime.reply.grammar import ReplyGrammar, mask_rows
 from runtime.kv.kvstate import ActiveKV, ParkedCache, AttentionMode
@@ -35,46 +34,10 @@ from runtime.plan.kv_manager import own_plan
 from runtime.plan.prefix import MatchKind
 from runtime.reply.tool_calls import ToolCallSplitter
 
-__all__ = ["SequenceSampling", "StopMatcher", "build_sampler", "Sequence", "StartFrom", "TurnStats", "prefill_chunk_size", "start_from"]
+__all__ = ["SequenceSampling", "StopMatcher", "Sequence", "StartFrom", "TurnStats", "prefill_chunk_size", "start_from"]
 
 
-# -- sampling ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SequenceSampling:
-    """How one sequence samples: what to generate, its randomness and where to stop.
-
-    Built from a turn's :class:`runtime.plan.contract.SamplingOptions` (what the client asked)
-    plus what its reply rules enforce (forced tokens, banned tokens, a grammar):
-    :meth:`runtime.execution.mlx_engine.MlxEngine.sampling_params`.
-
-    ``temperature == 0`` is greedy. ``top_p`` / ``top_k`` follow mlx-lm's sampler.
-    ``logit_bias`` adds to the logits of the given token ids before sampling.
-    ``forced``: token ids the reply starts with, whatever the model predicts (the
-    opening of a tool call a ``tool_choice`` requires; tests force whole replies).
-    ``grammar``: the Lark grammar the reply is decoded under (:mod:`runtime.reply.grammar`:
-    a generic-format tool call, a ``response_format``); None: unconstrained.
-    """
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    forced: tuple[int, ...] = ()
-    grammar: str | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-def build_sampler(params: SequenceSampling) -> Callable[[mx.array], mx.array]:
-    """mlx-lm's sampler for these parameters (log-probabilities in, token ids out)."""
-    top_p = params.top_p if 0.0 < params.top_p < 1.0 else 0.0
-    return make_sampler(temp=params.temperature, top_p=top_p, top_k=params.top_k)
+# -- stop strings ----------------------------------------------------------------
 
 
 class StopMatcher:
@@ -245,7 +208,8 @@ class Sequence:
         self.stats.tokens_reused = base.num_tokens
         self.stats.tokens_prefilled = len(suffix_ids)
         self._prefilled = 0
-        self._sampler = build_sampler(params)
+        self._sampler = build_sampler(params, width=lm.logits_width)
+        self._processors = penalty_processors(params.penalties)
         self._stops = StopMatcher(tuple(params.stop) + lm.default_stop)
         self._detok = lm.tokenizer.detokenizer
         self.generated: list[int] = []
@@ -367,7 +331,13 @@ class Sequence:
     @property
     def samples_alone(self) -> bool:
         """Whether this sequence's next token cannot come from a batch's shared greedy argmax."""
-        return not self.params.greedy or bool(self.params.logit_bias) or len(self.generated) < len(self.params.forced)
+        return (not self.params.greedy or bool(self.params.logit_bias) or self.penalizes_repeats
+                or len(self.generated) < len(self.params.forced))
+
+    @property
+    def penalizes_repeats(self) -> bool:
+        """Whether its sampling reads its latest tokens (repeat penalties): the host must know the last one."""
+        return bool(self._processors)
 
     def sample(self, logits: mx.array) -> mx.array:
         """Sample one token per row from last-position logits ``(B, V)``, already masked by the grammars
@@ -378,14 +348,21 @@ class Sequence:
         limit = self.lm.vocab_limit
         if logits.shape[-1] > limit:
             logits = logits[..., :limit]
-        if self.params.greedy and not self.params.logit_bias:
-            # Normalizing would not move the argmax, and a full-vocab exp per row is costly on CPU.
-            return mx.argmax(logits, axis=-1)
         if self.params.logit_bias:
             ids = [i for i in self.params.logit_bias if 0 <= i < limit]
             bias = mx.zeros((limit,), dtype=logits.dtype)
             bias[mx.array(ids)] = mx.array([self.params.logit_bias[i] for i in ids], dtype=logits.dtype)
             logits = logits + bias
+        if self._processors:
+            # As generate_step applies them: to the logits, given the prompt's and the reply's tokens so far.
+            # mlx-lm's processors assign into the array they are given: a slice keeps the caller's out of it.
+            latest = mx.array((self.token_ids[-PENALTY_CONTEXT:] + self.generated)[-PENALTY_CONTEXT:])
+            logits = logits[..., :limit]
+            for process in self._processors:
+                logits = process(latest, logits)
+        if self.params.greedy:
+            # Normalizing would not move the argmax, and a full-vocab exp per row is costly on CPU.
+            return mx.argmax(logits, axis=-1)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return self._sampler(logprobs)
 

@@ -146,6 +146,11 @@ class LoadedModel:
         return len(self.tokenizer._tokenizer)
 
     @property
+    def logits_width(self) -> int:
+        """How many logits the model gives a position: its configured vocabulary, padding rows included."""
+        return max(int(self.config.get("vocab_size") or 0), self.vocab_limit)
+
+    @property
     def eos_token_ids(self) -> set[int]:
         return set(self.tokenizer.eos_token_ids)
 
@@ -179,8 +184,7 @@ class LoadedModel:
     @functools.cached_property
     def grammar_vocabulary(self) -> GrammarVocabulary:
         """The vocabulary constrained replies are decoded over (built on first use, ~0.5 s)."""
-        width = int(self.config.get("vocab_size") or self.vocab_limit)
-        return GrammarVocabulary(self.tokenizer._tokenizer, max(width, self.vocab_limit), sorted(self.eos_token_ids))
+        return GrammarVocabulary(self.tokenizer._tokenizer, self.logits_width, sorted(self.eos_token_ids))
 
     def render(
         self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
