@@ -260,6 +260,8 @@ class TurnOptions(TypedDict, total=False):
         presence_penalty, frequency_penalty (OpenAI's, in [-2, 2]), repetition_penalty
             (multiplicative, > 0; 1 is none): mlx-lm's repeat penalties over the last 20 tokens.
         logit_bias: token id to a bias in [-100, 100] added to its logit (OpenAI's).
+        fit_context: max_tokens is a default, not a limit the caller named: a prompt that leaves
+            less room in the model's context gets what is left instead of ``ContextLengthExceededError``.
         stop: a string or strings that end the reply (not part of it).
         system: a system prompt put first unless the messages begin with one.
         model: a configured model name (None: the runtime's default); another
@@ -292,6 +294,7 @@ class TurnOptions(TypedDict, total=False):
     frequency_penalty: float | None
     repetition_penalty: float | None
     logit_bias: Mapping[int, float] | None
+    fit_context: bool
     system: str | None
     model: str | None
     tools: Sequence[Mapping[str, Any]] | None

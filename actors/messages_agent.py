@@ -190,6 +190,7 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         frequency_penalty: float | None = None,
         repetition_penalty: float | None = None,
         logit_bias: Mapping[int, float] | None = None,
+        fit_context: bool = False,
         share_prefix: bool = True,
         durable: bool | None = None,
     ) -> ChatTurn:
@@ -200,14 +201,15 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         ``response_format``: OpenAI's shape (``{"type": "json_object"}``, ``{"type":
         "json_schema", "json_schema": {"name": ..., "schema": {...}}}``) or a ``ResponseFormat``.
         ``seed``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``
-        (token id to bias): see :class:`runtime.plan.contract.SamplingOptions` and
+        (token id to bias), ``fit_context`` (``max_tokens`` is a default: shrink it to the room the model's
+        context leaves rather than refuse): see :class:`runtime.plan.contract.SamplingOptions` and
         :class:`~runtime.plan.contract.Penalties` (None: unset).
         """
         chat = chat_messages(messages or (), system if prompt is None else None)
         sampling = SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                    stop=(stop,) if isinstance(stop, str) else tuple(stop), seed=seed,
                                    penalties=Penalties.of(presence_penalty, frequency_penalty, repetition_penalty),
-                                   logit_bias=tuple(sorted((logit_bias or {}).items())))
+                                   logit_bias=tuple(sorted((logit_bias or {}).items())), fit_context=fit_context)
         return cls(agent_id=agent_id, messages=chat, prompt=prompt,
                    tools=tuple(dict(t) for t in tools or ()), tool_choice=ToolChoice.of(tool_choice),
                    response_format=ResponseFormat.of(response_format), parallel_tool_calls=parallel_tool_calls,

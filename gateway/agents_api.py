@@ -162,6 +162,7 @@ def routes(gw: Gateway) -> list[Route]:
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
                 logit_bias=req.logit_bias,
+                fit_context=req.max_tokens is None,
                 durable=durable_of(request.headers),
             )
             await gw.admit(handle, tenant_of_request(request))  # the tenant's limits: agents, disk

@@ -238,6 +238,7 @@ def routes(gw: Gateway) -> list[Route]:
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
                 logit_bias=req.logit_bias,
+                fit_context=req.max_tokens is None and req.max_completion_tokens is None,
                 durable=durable_of(request.headers),
             )
             await gw.admit(handle, tenant)  # the tenant's limits: agents, disk

@@ -189,7 +189,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         body_timeout_s: a request body still arriving this long after its headers gets
             408 and the connection is closed (slow-upload clients cannot hold it open).
         max_tokens_limit: requests asking for more new tokens get 400.
-        default_max_tokens: new tokens when an OpenAI request names no limit.
+        default_max_tokens: new tokens when an OpenAI or agents API request names no limit (fewer where
+            the model's context leaves less room).
         graceful_timeout_s: on shutdown, how long running requests may finish.
     """
 

@@ -7,6 +7,8 @@ Now the GPU actor compares the prompt's tokens plus ``max_tokens`` with the cont
 a non-streaming request gets a 400 (OpenAI ``context_length_exceeded``, Anthropic
 ``invalid_request_error``) naming both numbers; a streaming one an error event.
 A model whose config names no context says so at load, and only the KV budget applies.
+A request that names no ``max_tokens`` (OpenAI's, kvmem's agents API) gets the server's default
+shrunk to the room the context leaves, and a 400 only when the prompt leaves none.
 
 The fake engine (one character, one token; ``fake_render`` adds 17 characters around
 one user message) runs the API tests without MLX; tiny-llama shows the real model.
@@ -107,6 +109,7 @@ def http(server: ServerThread) -> Iterator[httpx.Client]:
 OVER = {"model": FAKE, "max_tokens": 16, "messages": _sized(CONTEXT - 15)}
 AT = {"model": FAKE, "max_tokens": 16, "messages": _sized(CONTEXT - 16)}
 NAMES_BOTH = f"the prompt ({CONTEXT - 15} tokens) plus max_tokens (16) exceeds the model's context of {CONTEXT} tokens"
+NO_ROOM = "the prompt ({tokens} tokens) fills the model's context of " + f"{CONTEXT} tokens: no room is left for a reply"
 
 
 def test_openai_answers_400_context_length_exceeded(http: httpx.Client) -> None:
@@ -117,13 +120,25 @@ def test_openai_answers_400_context_length_exceeded(http: httpx.Client) -> None:
     assert http.post("/v1/chat/completions", json=AT).status_code == 200
 
 
-def test_openai_counts_the_default_max_tokens_when_a_request_names_none(http: httpx.Client) -> None:
-    body = {"model": FAKE, "messages": _sized(CONTEXT - DEFAULT_MAX_TOKENS + 1)}
-    response = http.post("/v1/chat/completions", json=body)
-    assert response.status_code == 400, response.text
-    assert f"plus max_tokens ({DEFAULT_MAX_TOKENS})" in response.json()["error"]["message"]
-    body = {"model": FAKE, "messages": _sized(CONTEXT - DEFAULT_MAX_TOKENS)}
-    assert http.post("/v1/chat/completions", json=body).status_code == 200
+def test_a_request_that_names_no_limit_gets_the_room_the_context_leaves(http: httpx.Client) -> None:
+    """OpenAI's and the agents API's ``max_tokens`` left out: the server's ``default_max_tokens``, shrunk to
+    what the context leaves (OpenAI, vLLM and llama.cpp generate up to the context), and a 400 only when
+    the prompt leaves no room at all."""
+    for room in (DEFAULT_MAX_TOKENS + 5, DEFAULT_MAX_TOKENS - 7, 1):
+        body = {"model": FAKE, "messages": _sized(CONTEXT - room), "user": f"room-{room}"}
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == min(room, DEFAULT_MAX_TOKENS)
+        assert response.json()["choices"][0]["finish_reason"] == "length"
+    agents = http.post("/v1/agents/ctx-room/messages", json={"messages": _sized(CONTEXT - 3)})
+    assert agents.status_code == 200 and agents.json()["usage"]["tokens_generated"] == 3, agents.text
+    full = NO_ROOM.format(tokens=CONTEXT)
+    for refused in (http.post("/v1/chat/completions", json={"model": FAKE, "messages": _sized(CONTEXT)}),
+                    http.post("/v1/agents/ctx-full/messages", json={"messages": _sized(CONTEXT)})):
+        assert refused.status_code == 400 and refused.json()["error"]["message"] == full, refused.text
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+    named = {"model": FAKE, "max_tokens": DEFAULT_MAX_TOKENS, "messages": _sized(CONTEXT - 3)}
+    assert http.post("/v1/chat/completions", json=named).status_code == 400, "a limit the client names is kept"
 
 
 def test_anthropic_answers_400_invalid_request_error(http: httpx.Client) -> None:

@@ -296,6 +296,9 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     ``logit_bias``: (token id, bias) pairs added to those tokens' logits before sampling, as OpenAI's
     ``logit_bias`` (-100 bans a token in practice, 100 all but forces it); ids past the model's vocabulary
     are refused when the turn starts.
+    ``fit_context``: ``max_tokens`` is a default the client did not name (the server's
+    ``default_max_tokens``): a prompt that leaves less room in the model's context gets what is left
+    instead of a refusal, as OpenAI, vLLM and llama.cpp generate up to the context when no limit is named.
 
     Raises:
         ValueError: a value out of range (the message names it).
@@ -311,6 +314,7 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     penalties: Penalties | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    fit_context: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
