@@ -431,14 +431,14 @@ class GPUActor:
             need = plan.reuse_tokens + len(tokens.ids)
             context = self._info.context_length if self._info is not None else None
             if context is not None and need + msg.sampling.max_tokens > context:  # before any prefill
-                if msg.sampling.fit_context and need >= context:
-                    raise ContextLengthExceededError(
-                        f"the prompt ({need:,} tokens) fills the model's context of {context:,} tokens: "
-                        f"no room is left for a reply")
                 if not msg.sampling.fit_context:
                     raise ContextLengthExceededError(
                         f"the prompt ({need:,} tokens) plus max_tokens ({msg.sampling.max_tokens:,}) exceeds "
                         f"the model's context of {context:,} tokens")
+                if need >= context:
+                    raise ContextLengthExceededError(
+                        f"the prompt ({need:,} tokens) fills the model's context of {context:,} tokens: "
+                        f"no room is left for a reply")
                 # No limit named: the reply gets the room the context leaves.
                 fitted = msgspec.structs.replace(msg.sampling, max_tokens=context - need)
                 msg = msgspec.structs.replace(msg, sampling=fitted)
