@@ -9,8 +9,7 @@ from msgspec import Meta, Struct
 
 from actors.messages_agent import TurnResult
 from actors.metrics import RunningTurn
-from gateway.schemas_openai import ResponseFormatSpec
-from runtime.plan.contract import SEED_RANGE
+from gateway.schemas_openai import AdditivePenalty, LogitBias, RepetitionPenalty, ResponseFormatSpec, Seed
 
 __all__ = ["AgentMessage", "AgentTurnRequest", "AgentInfo", "AgentList", "Deleted", "turn_decoder"]
 
@@ -57,11 +56,11 @@ class AgentTurnRequest(Struct, kw_only=True):
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=0)] = 0
     stop: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)] = []
-    seed: Annotated[int, Meta(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
-    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    logit_bias: dict[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    seed: Seed | None = None
+    presence_penalty: AdditivePenalty | None = None
+    frequency_penalty: AdditivePenalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedTool | None = None
     response_format: ResponseFormatSpec | None = None

@@ -36,6 +36,12 @@ __all__ = [
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
 
+# Sampling controls OpenAI's API and kvmem's agents API both take, with OpenAI's ranges.
+Seed = Annotated[int, Meta(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
+AdditivePenalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # presence_penalty, frequency_penalty
+RepetitionPenalty = Annotated[float, Meta(gt=0.0)]
+LogitBias = dict[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=-100.0, le=100.0)]]  # token id: bias
+
 
 class TextPart(Struct, tag="text", tag_field="type", kw_only=True):
     """OpenAI's ``text`` content part; a message's parts are joined with newlines."""
@@ -186,11 +192,11 @@ class ChatCompletionRequest(Struct, kw_only=True):
     n: Annotated[int, Meta(ge=1, le=1)] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    seed: Annotated[int, Meta(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
-    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    logit_bias: dict[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    seed: Seed | None = None
+    presence_penalty: AdditivePenalty | None = None
+    frequency_penalty: AdditivePenalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
     logprobs: bool | None = None
     response_format: ResponseFormatSpec | None = None
     parallel_tool_calls: bool | None = None
