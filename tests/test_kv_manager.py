@@ -108,15 +108,41 @@ def test_a_partial_match_reuses_up_to_where_the_texts_differ():
 SYSTEM = "s" * (2 * BLOCK_TOKENS + 40)
 
 
-def test_another_agents_cache_gives_its_whole_blocks_when_own_cache_has_nothing():
+def test_another_agents_cache_gives_its_prefix_to_the_token_when_own_cache_has_nothing():
+    """Not only whole 256-token blocks: every token before the word where the prompts part."""
     m = _manager()
     donor = Parked(TAG, SYSTEM + "user: donor's question")
     _put(m, "donor", donor)
     plan = m.plan("new", TAG, SYSTEM + "user: my question", share_prefix=True, own=m.checkout("new", TAG))
     assert plan.tier == "shared" and isinstance(plan.source, FromShared)
-    assert plan.source.donor == "donor" and plan.source.reuse_tokens == 2 * BLOCK_TOKENS
-    assert (plan.match, plan.reuse_tokens, plan.reuse_chars) == ("extend", 2 * BLOCK_TOKENS, 2 * BLOCK_TOKENS)
+    kept = len(SYSTEM + "user:")  # " my" is the word they part in
+    assert plan.source.donor == "donor" and plan.source.reuse_tokens == kept
+    assert (plan.match, plan.reuse_tokens, plan.reuse_chars) == ("partial", kept, kept)
     assert m.stats().prefix_hits == 1
+
+
+def test_a_compacted_history_keeps_the_system_prompt_of_the_agents_own_cache():
+    """An agent CLI's compaction: the system prompt, a summary, a new question. The seeds' 80% rule sent it cold."""
+    m = _manager()
+    history = "".join(f"user: question {i}\nassistant: answer {i}\n" for i in range(200))
+    _put(m, "a", Parked(TAG, SYSTEM + history))
+    prompt = SYSTEM + "user: summary of the work so far. Next question?"
+    plan = m.plan("a", TAG, prompt, share_prefix=True, own=m.checkout("a", TAG))
+    assert (plan.tier, plan.match) == ("hot", "partial") and isinstance(plan.source, FromHot)
+    assert plan.reuse_tokens == len(SYSTEM + "user:") < 0.2 * len(SYSTEM + history)
+
+
+def test_the_cache_that_covers_more_of_the_prompt_wins_own_or_another_agents():
+    m = _manager()
+    _put(m, "a", Parked(TAG, SYSTEM[:100] + " an old branch of the conversation"))
+    _put(m, "b", Parked(TAG, SYSTEM + "user: the same question"))
+    prompt = SYSTEM + "user: the same question, again"
+    plan = m.plan("a", TAG, prompt, share_prefix=True, own=m.checkout("a", TAG))
+    assert plan.tier == "shared" and plan.source.donor == "b" and plan.reuse_chars == len(SYSTEM + "user: the same question")
+    assert m.plan("a", TAG, prompt, share_prefix=False, own=m.checkout("a", TAG)).tier == "hot"  # opted out: own
+    _put(m, "a", Parked(TAG, prompt))
+    plan = m.plan("a", TAG, prompt + " more", share_prefix=True, own=m.checkout("a", TAG))
+    assert (plan.tier, plan.match, plan.reuse_chars) == ("hot", "extend", len(prompt))
 
 
 @pytest.mark.parametrize(("requester_shares", "donor_shares"), [(False, True), (True, False)])
@@ -126,11 +152,11 @@ def test_prefix_sharing_is_opt_out_both_ways(requester_shares, donor_shares):
     assert m.plan("new", TAG, SYSTEM + "mine", share_prefix=requester_shares, own=m.checkout("new", TAG)).tier == "cold"
 
 
-def test_a_prompt_that_ends_on_a_block_boundary_keeps_one_token_to_prefill():
+def test_a_prompt_inside_another_agents_cache_keeps_one_token_to_prefill():
     m = _manager()
     _put(m, "donor", Parked(TAG, SYSTEM))
     plan = m.plan("new", TAG, SYSTEM[: 2 * BLOCK_TOKENS], share_prefix=True, own=m.checkout("new", TAG))
-    assert plan.reuse_tokens == BLOCK_TOKENS  # the second block would leave nothing to prefill
+    assert plan.reuse_tokens == 2 * BLOCK_TOKENS - 1  # the last token's logits are the next token's
 
 
 def test_a_turn_in_flight_donates_its_prompt_blocks_to_a_turn_that_has_not_started():
@@ -143,7 +169,7 @@ def test_a_turn_in_flight_donates_its_prompt_blocks_to_a_turn_that_has_not_start
     assert m.wants_donor(1) and not m.wants_donor(2)  # 2 has not prefilled: it cannot donate
     m.add_donor(1, Parked(TAG, SYSTEM + "first"))
     adopted = m.adopt(2)
-    assert adopted is not None and adopted.donor == "a" and adopted.reuse_tokens == 2 * BLOCK_TOKENS
+    assert adopted is not None and adopted.donor == "a" and adopted.reuse_tokens == len(SYSTEM)  # to the token
     assert m.adopt(2) is None  # only before the first chunk
     assert not m.wants_donor(1)  # 2 has it now
     # A new sharing turn of a third agent plans from the donor while it runs...
@@ -199,7 +225,7 @@ def test_a_decoding_turn_whose_prompt_nobody_waited_for_is_asked_for_it_late():
     m.add_donor(1, Parked(TAG, SYSTEM + "first"))
     assert m.late_donor(3, [1]) is None  # parked once
     shared = m.adopt(3)
-    assert shared is not None and shared.donor == "a" and shared.reuse_tokens == 2 * BLOCK_TOKENS
+    assert shared is not None and shared.donor == "a" and shared.reuse_tokens == len(SYSTEM)
     assert m.late_donor(3, [2]) is None  # started
     m.add_donor(2, None)  # its prompt could not be parked (a sliding window): not asked again
     m.begin(4, agent_id="d", model_tag=TAG, token_ids=ids[:BLOCK_TOKENS] + [7] * 30, tokens_reused=0,
@@ -212,15 +238,16 @@ def test_a_decoding_turn_whose_prompt_nobody_waited_for_is_asked_for_it_late():
 
 def test_a_cold_turn_adopts_a_hot_cache_that_came_after_its_plan_and_an_own_cache_keeps_its_plan():
     """A donor whose turn ended between this turn's plan and its first chunk left its prompt in the hot
-    tier: a turn that reuses nothing starts from it there; one that reuses its own cache keeps it."""
+    tier: a turn that reuses nothing starts from it there, to the token; one that reuses its own cache was
+    planned against the hot caches already and keeps its plan."""
     m = _manager()
     ids = [ord(c) for c in SYSTEM + "mine"]
     m.begin(1, agent_id="b", model_tag=TAG, token_ids=ids, tokens_reused=0, share_prefix=True)
     m.begin(2, agent_id="c", model_tag=TAG, token_ids=ids, tokens_reused=BLOCK_TOKENS, share_prefix=True)
     _put(m, "a", Parked(TAG, SYSTEM + "a reply"))
-    _put(m, "z", Parked(TAG, SYSTEM + "an opted-out one"), share_prefix=False)
+    _put(m, "z", Parked(TAG, SYSTEM + "mine, opted out"), share_prefix=False)
     shared = m.adopt(1)
-    assert shared is not None and shared.donor == "a" and shared.reuse_tokens == 2 * BLOCK_TOKENS
+    assert shared is not None and shared.donor == "a" and shared.reuse_tokens == len(SYSTEM)
     assert m.adopt(2) is None
 
 

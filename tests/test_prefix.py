@@ -6,7 +6,7 @@ import random
 import pytest
 
 from runtime.plan import prefix
-from runtime.plan.prefix import MatchKind, common_prefix_length, match_prefix
+from runtime.plan.prefix import MatchKind, common_prefix_length, match_prefix, word_start
 
 TEXT = "Hello world, how are you?"
 # tokens: "Hello" " world" "," " how" " are" " you" "?"
@@ -41,18 +41,30 @@ def test_partial_trims_to_last_whole_token_inside_common_prefix():
     assert m.suffix(prompt) == " yo!!"
 
 
-def test_diverge_below_threshold_starts_cold():
+def test_any_common_prefix_is_reused_however_small_a_part_of_the_cache():
+    """The seeds' rule discarded a cache the prompt kept less than 80% of: a compacted history (the system
+    prompt kept, the conversation replaced) started cold. Every whole token before the parting word is kept."""
     m = match_prefix(TEXT, OFFSETS, "Hello there")
-    assert m.kind is MatchKind.DIVERGE and m.reuse_tokens == 0
+    assert m.kind is MatchKind.PARTIAL and m.reuse_tokens == 1 and m.suffix("Hello there") == " there"
+    m = match_prefix(TEXT, OFFSETS, "Hello world,")  # a rewind to a prefix of the cache: all but its last token
+    assert m.kind is MatchKind.PARTIAL and m.reuse_tokens == 2 and m.suffix("Hello world,") == ","
 
 
-def test_tokens_sharing_a_character_are_never_split():
-    text = "a\u00e9b"  # é encoded as two byte tokens, both ending after é
-    offsets = [1, 2, 2, 3]
-    m = match_prefix(text, offsets, "a\u00e9X", partial_threshold=0.5)
-    assert m.reuse_tokens == 3 and m.suffix("a\u00e9X") == "X"
-    m = match_prefix(text, offsets, "a\u00e8", partial_threshold=0.3)
-    assert m.reuse_tokens == 1 and m.suffix("a\u00e8") == "\u00e8"
+def test_nothing_in_common_or_no_whole_token_is_cold():
+    assert match_prefix(TEXT, OFFSETS, "Goodbye").kind is MatchKind.DIVERGE
+    m = match_prefix(TEXT, OFFSETS, "Help")  # "Hel" in common, inside the first token
+    assert m.kind is MatchKind.DIVERGE and m.reuse_tokens == 0 and m.common_chars == 3
+
+
+def test_a_cut_inside_a_word_backs_off_to_the_words_start():
+    """Where the texts part inside a word, the suffix starts at the word's leading space, so it tokenizes as
+    a cold prefill of the whole prompt does (the word's first tokens would otherwise end where they part)."""
+    text = "the capital of France"
+    offsets = [3, 11, 14, 18, 21]  # "the" " capital" " of" " Fr" "ance"
+    m = match_prefix(text, offsets, "the capital of Francis?")
+    assert m.reuse_tokens == 3 and m.suffix("the capital of Francis?") == " Francis?"
+    assert word_start("abc def", 6) == 3 and word_start("abc def", 3) == 3
+    assert word_start("x" * 200, 150) == 150  # no whitespace within WORD_BACKOFF: cut where they part
 
 
 def test_replacement_character_round_trip_matches():

@@ -165,7 +165,6 @@ class Sequence:
             against it itself (standalone use: ``runtime.execution.generate``, tests, benches).
         params: sampling parameters.
         attention: ``at-rest`` or ``native``: how the active cache attends (:mod:`runtime.kv.kvstate`).
-        partial_threshold: PARTIAL match threshold (fraction of cached text).
         start: a turn planned by :class:`runtime.plan.kv_manager.KVCacheManager`
             (``parked`` must then be None): no matching, no tokenizing here.
         tool_calls: splits the reply into content and tool calls (a turn with
@@ -181,7 +180,6 @@ class Sequence:
         params: SequenceSampling,
         *,
         attention: AttentionMode = "at-rest",
-        partial_threshold: float = 0.8,
         start: StartFrom | None = None,
         tool_calls: ToolCallSplitter | None = None,
     ) -> None:
@@ -194,7 +192,7 @@ class Sequence:
             plan = COLD
             if parked is not None:
                 own = OwnCache(source=FromHot(parked=parked), tier="hot")
-                plan = own_plan(own, prompt, partial_threshold=partial_threshold) or COLD
+                plan = own_plan(own, prompt) or COLD
             start = start_from(lm, prompt, plan)
         elif parked is not None:
             raise ValueError("a planned sequence takes its cache from `start`, not `parked`")

@@ -19,7 +19,7 @@ the actors execute it. It owns
 and answers the question of every turn (:meth:`KVCacheManager.plan`): given this
 agent's cache (:meth:`KVCacheManager.checkout`) and this prompt, what is reused, from where, and what is prefilled.
 The answer, a :class:`runtime.plan.contract.TurnPlan`, travels to the engine unchanged.
-A turn that began cold can still adopt a donor's whole blocks before its first
+A turn can still adopt a donor's tokens that cover more of its prompt before its first
 prefill chunk (:meth:`KVCacheManager.adopt`): agents that arrive together with the
 same system prompt then prefill it once, and one that comes while the first decodes
 has the first's prompt parked then (:meth:`KVCacheManager.late_donor`).
@@ -30,34 +30,33 @@ trio thread and every method here is synchronous, so each call is atomic.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from runtime.plan.block_pool import BlockPool, PoolStats
 from runtime.plan.contract import COLD, FromHot, FromShared, FromWarm, ParkedView, OwnCache, Tier, TurnPlan
 from runtime.errors import BudgetExceededError
-from runtime.plan.prefix import MatchKind, common_prefix_length, match_prefix
+from runtime.plan.prefix import PrefixMatch, common_prefix_length, match_prefix
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot
 from runtime.identity import AgentKey, pool_key, tenant_of
 
-__all__ = ["KVCacheManager", "HotEntry", "HotTierStats", "PARTIAL_THRESHOLD", "own_plan"]
+__all__ = ["KVCacheManager", "HotEntry", "HotTierStats", "own_plan"]
 
-PARTIAL_THRESHOLD = 0.8
-"""A prompt that keeps at least this fraction of the cached text reuses it up to the last whole token."""
 
-def own_plan(own: OwnCache, prompt: str, *, partial_threshold: float = PARTIAL_THRESHOLD) -> TurnPlan | None:
+def own_plan(own: OwnCache, prompt: str) -> TurnPlan | None:
     """What ``prompt`` reuses of the agent's own cache (None: nothing): kvmem's one reuse matcher.
 
     On characters (:func:`runtime.plan.prefix.match_prefix`), so a reply the client got back
     with its bytes replaced (U+FFFD where a token ended inside a character) still reuses the
-    tokens before it. Real turns (:meth:`KVCacheManager.plan`) and standalone sequences
+    tokens before it. Any common prefix counts, however small a part of the cache: a compacted
+    history keeps its system prompt, an edit keeps what comes before it. Real turns
+    (:meth:`KVCacheManager.plan`) and standalone sequences
     (:class:`runtime.execution.sequence.Sequence`, the warm-up) both match here.
     """
     cached = own.source.parked if isinstance(own.source, FromHot) else own.source.snapshot
     if not cached.text:
         return None
-    match = match_prefix(cached.text, cached.offsets, prompt, partial_threshold=partial_threshold)
+    match = match_prefix(cached.text, cached.offsets, prompt)
     if match.reuse_tokens == 0:
         return None
     return TurnPlan(tier=own.tier, source=own.source, match=match.kind.value, reuse_tokens=match.reuse_tokens,
@@ -122,12 +121,10 @@ class KVCacheManager:
 
     Args:
         hot_budget_bytes: RAM for parked caches, per model.
-        partial_threshold: see :data:`PARTIAL_THRESHOLD`.
     """
 
-    def __init__(self, *, hot_budget_bytes: int, partial_threshold: float = PARTIAL_THRESHOLD) -> None:
+    def __init__(self, *, hot_budget_bytes: int) -> None:
         self._budget = hot_budget_bytes
-        self._threshold = partial_threshold
         self._entries: dict[AgentKey, HotEntry] = {}  # least recently used first
         self._pools: dict[str, BlockPool] = {}
         self._inflight: dict[int, _InFlight] = {}
@@ -162,40 +159,35 @@ class KVCacheManager:
     def plan(self, agent_id: str, model_tag: str, prompt: str, *, share_prefix: bool, own: OwnCache | None) -> TurnPlan:
         """What this turn reuses, from where, and what it prefills.
 
-        The agent's own cache first (``own``, from :meth:`checkout`). When nothing of it is
-        reusable and the agent shares prefixes, the longest whole-block prefix another
-        sharing agent's hot cache or turn in flight covers. Else cold.
+        The agent's own cache (``own``, from :meth:`checkout`) to the last whole token it has
+        in common with the prompt; when the agent shares prefixes and another sharing agent's
+        hot cache or turn in flight covers more of the prompt, that one, to the token. Else cold.
         """
-        if own is not None:
-            plan = own_plan(own, prompt, partial_threshold=self._threshold)
-            if plan is not None:
-                return plan
+        mine = own_plan(own, prompt) if own is not None else None
         if share_prefix:
-            shared = self._shared(agent_id, model_tag, prompt)
+            shared = self._shared(agent_id, model_tag, prompt, beyond=mine.reuse_chars if mine else 0)
             if shared is not None:
                 return shared
-        return COLD
+        return mine or COLD
 
-    def _shared(self, agent_id: str, model_tag: str, prompt: str) -> TurnPlan | None:
-        """The longest whole-block prefix of ``prompt`` another sharing agent's cache covers."""
+    def _shared(self, agent_id: str, model_tag: str, prompt: str, *, beyond: int) -> TurnPlan | None:
+        """The longest prefix of ``prompt`` another sharing agent's cache covers, to the last whole token before
+        the word where they part (as the agent's own cache is matched), if it covers more than ``beyond``
+        characters."""
         hot, in_flight = self._donors(agent_id, model_tag)
-        best: tuple[int, str, ParkedView, HotEntry | None] | None = None
+        best: tuple[PrefixMatch, str, ParkedView, HotEntry | None] | None = None
         for donor, parked, entry in hot + in_flight:
-            if parked.num_tokens < BLOCK_TOKENS:
-                continue
-            # Whole blocks only, and at least one character of the prompt left to prefill.
-            common = min(common_prefix_length(parked.text, prompt), len(prompt) - 1)
-            keep = _whole_blocks(bisect_right(parked.offsets, common))
-            if keep and (best is None or keep > best[0]):
-                best = (keep, donor, parked, entry)
+            match = match_prefix(parked.text, parked.offsets, prompt)
+            if match.reuse_chars > (best[0].reuse_chars if best else beyond):
+                best = (match, donor, parked, entry)
         if best is None:
             return None
-        keep, donor, parked, entry = best
+        match, donor, parked, entry = best
         self._prefix_hits += 1
         if entry is not None:
             self._touch(entry)
-        return TurnPlan(tier="shared", source=FromShared(parked=parked, reuse_tokens=keep, donor=donor),
-                        match=MatchKind.EXTEND.value, reuse_tokens=keep, reuse_chars=parked.offsets[keep - 1])
+        return TurnPlan(tier="shared", source=FromShared(parked=parked, reuse_tokens=match.reuse_tokens, donor=donor),
+                        match=match.kind.value, reuse_tokens=match.reuse_tokens, reuse_chars=match.reuse_chars)
 
     def _donors(self, agent_id: str, model_tag: str) -> tuple[list[_Donor], list[_Donor]]:
         """What ``agent_id`` may start from for ``model_tag``, within its tenant: other sharing agents' hot caches,
@@ -219,13 +211,14 @@ class KVCacheManager:
         self._inflight[request_id] = _InFlight(agent_id, model_tag, tuple(token_ids), tokens_reused, share_prefix)
 
     def adopt(self, request_id: int) -> FromShared | None:
-        """Before a sharing turn's first prefill chunk: a donor's whole blocks that cover more than it reuses.
+        """Before a sharing turn's first prefill chunk: a donor's tokens that cover more of its prompt than it reuses.
 
-        Donors are the prompts turns in flight parked for others and, for a turn that reuses nothing,
-        other sharing agents' hot caches, as :meth:`plan` asks (a donor whose turn ended since this turn
-        was planned left its cache there).
-        The turn then starts from them (its own tokenization, so the result is what a prefill of those
-        tokens computes). Marks the turn's prefill as started.
+        Donors are the prompts turns in flight parked for others and, for a turn that reuses nothing, other
+        sharing agents' hot caches (a donor whose turn ended since this turn was planned left its cache
+        there; a turn that reuses something was planned against the hot caches already, on its text).
+        Matched on token ids, to the token: the turn then starts from the donor's first tokens, which are
+        its own tokenization's, so the result is what a prefill of those tokens computes. Marks the turn's
+        prefill as started.
         """
         turn = self._inflight.get(request_id)
         if turn is None or turn.prefill_started:
@@ -235,9 +228,9 @@ class KVCacheManager:
             return None
         hot, in_flight = self._donors(turn.agent_id, turn.model_tag)
         best: tuple[int, str, ParkedView, HotEntry | None] | None = None
-        for agent_id, parked, entry in in_flight + (hot if turn.tokens_reused == 0 else []):  # own cache first
-            keep = min(self._shared_blocks(parked.token_ids, turn), _whole_blocks(len(turn.token_ids) - 1))
-            if keep > turn.tokens_reused and (best is None or keep > best[0]):
+        for agent_id, parked, entry in in_flight + (hot if turn.tokens_reused == 0 else []):
+            keep = min(common_prefix_length(parked.token_ids, turn.token_ids), len(turn.token_ids) - 1)
+            if keep > (best[0] if best else turn.tokens_reused):
                 best = (keep, agent_id, parked, entry)
         if best is None:
             return None
@@ -307,6 +300,8 @@ class KVCacheManager:
 
     @staticmethod
     def _shared_blocks(donor_ids: Sequence[int], turn: _InFlight) -> int:
+        """Whole blocks of ``turn``'s prompt ``donor_ids`` cover: what is worth waiting for, or parking a
+        decoding row for (a few tokens in common, such as a template's opening, are not)."""
         return _whole_blocks(common_prefix_length(donor_ids, turn.token_ids))
 
     # -- the hot tier -------------------------------------------------------------

@@ -6,6 +6,17 @@ one character share that character's end offset, so a cut between them is never
 chosen. Matching on text rather than token ids survives re-tokenization: a reply
 that contained byte-fallback tokens comes back as "\ufffd" and still matches, and
 a template that renders an earlier turn differently costs only the changed tail.
+
+Any common prefix is reused, whatever fraction of the cache it is: an agent CLI that
+compacts its history keeps its system prompt, a client that edits a message three turns
+back keeps everything before it. Trimming a cache is a slice, and the tokens it keeps
+are tokens the turn does not prefill, so no fraction is worth declining (the seeds'
+80% rule was never measured; ARCHITECTURE.md's decisions table has the measurement).
+
+Where the texts part inside a word, the cut backs off to the start of that word
+(:func:`word_start`): BPE and SentencePiece tokenizers begin a token at a word's
+leading space, so the suffix then tokenizes as a cold prefill of the whole prompt
+does, where a cut inside the word would prefill its tail as unusual tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MatchKind", "PrefixMatch", "match_prefix", "common_prefix_length"]
+__all__ = ["MatchKind", "PrefixMatch", "match_prefix", "common_prefix_length", "word_start", "WORD_BACKOFF"]
 
 
 class MatchKind(str, enum.Enum):
@@ -23,8 +34,8 @@ class MatchKind(str, enum.Enum):
 
     EXACT = "exact"  # same text: reuse all but the last token (its logits are recomputed)
     EXTEND = "extend"  # prompt continues the cached text: reuse everything
-    PARTIAL = "partial"  # ≥ threshold of the cached text in common: reuse up to the last whole token
-    DIVERGE = "diverge"  # too little in common: start cold
+    PARTIAL = "partial"  # the texts part: reuse up to the last whole token before the word where they do
+    DIVERGE = "diverge"  # not one whole token in common: start cold
     EMPTY = "empty"  # nothing cached
 
 
@@ -79,26 +90,36 @@ def _tokens_within(offsets: Sequence[int], chars: int) -> int:
     return bisect_right(offsets, chars)
 
 
-def match_prefix(
-    cached_text: str,
-    offsets: Sequence[int],
-    prompt: str,
-    *,
-    partial_threshold: float = 0.8,
-) -> PrefixMatch:
-    """Decide how much of a cache a prompt can reuse.
+WORD_BACKOFF = 64
+"""How far back :func:`word_start` looks for whitespace (a longer run, such as CJK text or a long
+identifier, is cut where the texts part)."""
+
+
+def word_start(text: str, cut: int) -> int:
+    """Where the word holding position ``cut`` of ``text`` begins: the whitespace before it, or ``cut``.
+
+    The whitespace itself is left to the suffix, since tokenizers attach a word's leading space to
+    the word. ``cut`` itself when it is whitespace or no whitespace is within :data:`WORD_BACKOFF`.
+    """
+    for i in range(cut, max(cut - WORD_BACKOFF, 0) - 1, -1):
+        if i < len(text) and text[i].isspace():
+            return i
+    return cut
+
+
+def match_prefix(cached_text: str, offsets: Sequence[int], prompt: str) -> PrefixMatch:
+    """Decide how much of a cache a prompt can reuse: every whole token of the common prefix.
 
     Args:
         cached_text: the text the cache covers.
         offsets: end offset in ``cached_text`` of each cached token (non-decreasing).
         prompt: the new prompt text.
-        partial_threshold: minimum fraction of ``cached_text`` that must be common
-            for a PARTIAL reuse.
 
     Returns:
         A :class:`PrefixMatch`. ``reuse_tokens`` always leaves at least one
         character of the prompt to prefill, since the next token's logits come
-        from the last prefilled position.
+        from the last prefilled position. Where the texts part, only tokens that end
+        before the word they part in are kept (:func:`word_start`).
     """
     if not offsets or not cached_text:
         return PrefixMatch(MatchKind.EMPTY, 0, 0, 0)
@@ -107,14 +128,15 @@ def match_prefix(
         kind = MatchKind.EXACT
     elif common == len(cached_text):
         kind = MatchKind.EXTEND
-    elif common >= partial_threshold * len(cached_text):
-        kind = MatchKind.PARTIAL
     else:
-        return PrefixMatch(MatchKind.DIVERGE, 0, 0, common)
+        kind = MatchKind.PARTIAL
     # Keep tokens that end strictly inside the prompt so at least one token is prefilled.
     budget = min(common, len(prompt) - 1)
+    if kind is MatchKind.PARTIAL and common < len(prompt):
+        budget = min(budget, word_start(prompt, common))
     keep = _tokens_within(offsets, budget)
+    if keep == 0:
+        return PrefixMatch(MatchKind.DIVERGE, 0, 0, common)
     if kind is MatchKind.EXTEND and keep < len(offsets):
         kind = MatchKind.PARTIAL
-    chars = offsets[keep - 1] if keep else 0
-    return PrefixMatch(kind, keep, chars, common)
+    return PrefixMatch(kind, keep, offsets[keep - 1], common)
