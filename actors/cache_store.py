@@ -64,6 +64,7 @@ from actors.metrics import GpuEvent
 from actors.messages_store import (
     AgentRecord,
     AgentsListed,
+    BlocksRead,
     CheckedOut,
     CheckIn,
     CheckOut,
@@ -74,6 +75,7 @@ from actors.messages_store import (
     Forget,
     Forgotten,
     ListAgents,
+    ReadBlocks,
     Saved,
     SaveReply,
     SnapshotDue,
@@ -92,7 +94,7 @@ from runtime.plan.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
 from runtime.plan.save_queue import SaveQueue, WaitForLoads, WaitUntil, Write
 from runtime.persist.tenants import TenantDirectories
-from runtime.spec import CacheSnapshot
+from runtime.spec import CacheSnapshot, LayerSnapshot
 
 if TYPE_CHECKING:
     from runtime.persist.remote import RemoteTier
@@ -127,6 +129,7 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     prefetch_hits: int = 0  # turns that took a prefetched cache instead of reading the disk
     prefetch_held_bytes: int = 0  # prefetched caches still waiting for their turn
     prefetch_restored: int = 0  # of those read ahead, restored on the MLX thread before serving
+    block_reads: int = 0  # turns that started from whole blocks read by their hash chain (ReadBlocks)
 
 
 
@@ -177,7 +180,7 @@ class CacheStoreActor:
         self._no_loads = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._writes = self._write_errors = self._bytes_written = 0
-        self._warm_loads = self._misses = 0
+        self._warm_loads = self._misses = self._block_reads = 0
         self._remote = remote
         self.shared = None if remote is None else SharedTier(
             remote, disk=self._disk, dirty=lambda agent_id: any(key[0] == agent_id for key in self._saves.keys()))
@@ -260,6 +263,9 @@ class CacheStoreActor:
             case Usage():
                 assert self._nursery is not None
                 self._nursery.start_soon(self._usage, message)
+            case ReadBlocks():
+                assert self._nursery is not None
+                self._nursery.start_soon(self._read_blocks, message)
             case _:
                 assert_never(message)
 
@@ -309,6 +315,21 @@ class CacheStoreActor:
                 self._no_loads.set()
         own = self._manager.checkout(message.agent_id, message.model_tag, warm=warm, warm_tier=tier, prepared=prepared)
         send_reply(message.reply, CheckedOut(own=own))
+
+    async def _read_blocks(self, message: ReadBlocks) -> None:
+        """A prompt's first whole blocks from its tenant's disk, on the read thread (an unreadable one: a logged miss)."""
+        started = time.perf_counter()
+        layers: list[LayerSnapshot] = []
+        try:
+            layers = await self._disk(self._directory.read_prefix_blocks, message.agent_id, message.model_tag,
+                                      message.token_ids, layer_kinds=message.layer_kinds, limiter=self._read_limiter)
+        except (OSError, ValueError, CacheMiss) as exc:
+            log.warning("reading blocks for %r failed: %s", message.agent_id, exc)
+        tokens = next(iter(layers[0].arrays.values())).shape[1] if layers else 0
+        if tokens:
+            self._block_reads += 1
+            self._traced("read", started, f"{tokens} tokens of blocks")
+        send_reply(message.reply, BlocksRead(tokens=tokens, layers=tuple(layers)))
 
     def _traced(self, kind: str, started: float, detail: str) -> None:
         """A disk job that ended now joins the runtime's trace, when it is on (``save``: a cache written, on the
@@ -558,6 +579,7 @@ class CacheStoreActor:
             bytes_written=self._bytes_written,
             warm_loads=self._warm_loads,
             misses=self._misses,
+            block_reads=self._block_reads,
             prefix_hits=hot.prefix_hits,
             demotions=hot.demotions,
             pools=dict(hot.pools),

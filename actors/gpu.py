@@ -54,7 +54,7 @@ import msgspec
 import outcome
 import trio
 
-from actors.mailbox import receiver_left, send_reply
+from actors.mailbox import ask, receiver_left, send_reply
 from actors.messages_common import Failed, failed_from
 from actors.messages_gpu import (
     Chat,
@@ -72,7 +72,7 @@ from actors.messages_gpu import (
     UnloadModel,
 )
 from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
-from actors.messages_store import SnapshotDue
+from actors.messages_store import ReadBlocks, SnapshotDue, StoreInbox
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
 from actors.text_jobs import TextJobs
@@ -83,9 +83,11 @@ from runtime.plan.save_queue import copy_wait, next_copy
 from runtime.plan.scheduler import Scheduler, Step
 from runtime.plan.contract import (
     Engine, Finished, FromShared, ModelInfo, ParkedView, PrefillResult, SequenceStarted, StepTiming, Tokenized, ToolCall,
+    TurnPlan,
 )
 from runtime.errors import ContextLengthExceededError
 from runtime.plan.block_pool import PoolStats
+from runtime.plan.disk_blocks import blocks_to_look_up, start_from_blocks
 from runtime.plan.kv_manager import KVCacheManager
 
 __all__ = ["GPUActor"]
@@ -138,6 +140,8 @@ class GPUActor:
         decode_run_steps: decode steps that may run back to back in one MLX job (the setting).
         events: the runtime's trace, when it is on (tests, diagnostics): a :class:`GpuEvent` per unit of
             work goes in, and per run of Python's collector; the cache store adds its saves and reads.
+        store: the cache store's mailbox, for a turn's whole blocks on disk (``ReadBlocks``); None: RAM only.
+            The actor closes it when it stops.
     """
 
     def __init__(
@@ -151,8 +155,10 @@ class GPUActor:
         prefill_chunk: int | None = None,
         decode_run_steps: int = 1,
         events: deque[GpuEvent] | None = None,
+        store: trio.MemorySendChannel[StoreInbox] | None = None,
     ) -> None:
         self._inbox = inbox
+        self._store = store
         self._engine = engine
         self._manager = manager
         self._budget_bytes = budget_bytes
@@ -217,6 +223,8 @@ class GPUActor:
                         owed.due.failed("the GPU actor stopped before making the copy")
                     self._owed.clear()
                 heap.thaw()  # the model goes with the thread: what it left may be collected again
+                if self._store is not None:
+                    self._store.close()  # the store's mailbox ends once every sender has closed its end
                 if self._on_collection in gc.callbacks:
                     gc.callbacks.remove(self._on_collection)
 
@@ -428,6 +436,7 @@ class GPUActor:
             plan = self._manager.plan(msg.agent_id, msg.model_tag, prompt, share_prefix=msg.share_prefix, own=msg.own)
             self._event("planned", msg.request_id)
             tokens: Tokenized = await self._text_job(self._engine.tokenize, prompt, plan)
+            plan, tokens = await self._from_disk_blocks(msg, prompt, plan, tokens)
             need = plan.reuse_tokens + len(tokens.ids)
             context = self._info.context_length if self._info is not None else None
             if context is not None and need + msg.sampling.max_tokens > context:  # before any prefill
@@ -454,6 +463,28 @@ class GPUActor:
             self._tokenizing.discard(msg.request_id)
             if not self._tokenizing:
                 self._no_texts.set()
+
+    async def _from_disk_blocks(self, msg: Generate, prompt: str, plan: TurnPlan,
+                                tokens: Tokenized) -> tuple[TurnPlan, Tokenized]:
+        """The turn's plan, or one that starts from more of its prompt's whole blocks, read from its tenant's
+        disk by their hash chain (:mod:`runtime.plan.disk_blocks`): a sibling's system prompt after a
+        restart, an earlier branch of the agent's own. One round trip to the store, only for a turn whose
+        plan leaves a whole block of its prompt to prefill."""
+        kinds = self._info.layer_kinds if self._info is not None else ()
+        wanted = blocks_to_look_up(plan, tokens, share_prefix=msg.share_prefix, layer_kinds=kinds)
+        if wanted is None or self._store is None:
+            return plan, tokens
+        try:
+            read = await ask(self._store, lambda reply: ReadBlocks(
+                agent_id=msg.agent_id, model_tag=msg.model_tag, token_ids=wanted, layer_kinds=kinds, reply=reply))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):  # the store stopped: the plan stands
+            return plan, tokens
+        started = start_from_blocks(plan, tokens, prompt, model_tag=msg.model_tag, reused=read.tokens,
+                                    layers=read.layers)
+        if started is None:
+            return plan, tokens
+        self._event("blocks", msg.request_id)
+        return started
 
     def _register(self, turn: GpuTurn, need: int) -> None:
         """A tokenized turn joins the scheduler's queue (the model may have changed while it was tokenized)."""

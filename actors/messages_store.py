@@ -13,6 +13,11 @@ A turn visits the store twice: one :class:`CheckOut` when it begins and one
     Flush()                           -> Flushed(written)     write every dirty cache now
     ListAgents(agent_id | None, tenant) -> AgentsListed(agents) hot and on-disk caches (of one agent, or a tenant's)
     Usage(tenant)                     -> Used(agent_dirs, disk_bytes)   what a tenant holds (its limits)
+    ReadBlocks(agent_id, token_ids)   -> BlocksRead(layers)   a prompt's first whole blocks from the tenant's disk
+
+The GPU actor sends :class:`ReadBlocks` for a turn whose plan reuses less of its prompt than whole
+blocks stored on disk might (a sibling after a restart, a return to an earlier branch): one more
+round trip for that turn only.
 
 An agent has one cache per model (keyed by agent id and model tag): a turn with
 model B never replaces the agent's model-A cache.
@@ -28,7 +33,7 @@ import msgspec
 
 from actors.messages_common import Failed, ParkedView, Message
 from runtime.plan.contract import OwnCache
-from runtime.spec import CacheSnapshot
+from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot
 
 __all__ = [
     "CheckOut",
@@ -52,6 +57,8 @@ __all__ = [
     "Flushed",
     "Saved",
     "SaveReply",
+    "ReadBlocks",
+    "BlocksRead",
     "StoreInbox",
     "CheckOutReply",
     "ForgetReply",
@@ -133,6 +140,13 @@ class Used(Message, frozen=True, kw_only=True):
     disk_bytes: int
 
 
+class BlocksRead(Message, frozen=True, kw_only=True):
+    """Reply to :class:`ReadBlocks`: every layer over the first ``tokens`` tokens (0: none stored; ``layers`` empty)."""
+
+    tokens: int
+    layers: tuple[LayerSnapshot, ...]
+
+
 CheckOutReply = CheckedOut | Failed
 ForgetReply = Forgotten | Failed
 EvictReply = Evicted | Failed
@@ -155,6 +169,21 @@ class CheckOut(Message, frozen=True, kw_only=True):
     agent_id: str
     model_tag: str
     reply: trio.MemorySendChannel[CheckOutReply]
+
+
+class ReadBlocks(Message, frozen=True, kw_only=True):
+    """Read the longest run of ``token_ids``' whole blocks the agent's tenant stores, from the first
+    (:meth:`runtime.persist.CacheDirectory.read_prefix_blocks`), for a model whose layers are ``layer_kinds``.
+
+    Whoever saved them: the tokens are the requesting turn's own, so it learns only that its tenant
+    once cached them. Never another tenant's blocks. A damaged block ends the run (a logged miss).
+    """
+
+    agent_id: str
+    model_tag: str
+    token_ids: tuple[int, ...]
+    layer_kinds: tuple[LayerKind, ...]
+    reply: trio.MemorySendChannel[BlocksRead]
 
 
 class SnapshotLost(Exception):
@@ -282,4 +311,4 @@ class Usage(Message, frozen=True, kw_only=True):
     reply: trio.MemorySendChannel[UsageReply]
 
 
-StoreInbox = CheckOut | CheckIn | Forget | Evict | Flush | ListAgents | Usage
+StoreInbox = CheckOut | CheckIn | Forget | Evict | Flush | ListAgents | Usage | ReadBlocks

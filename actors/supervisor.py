@@ -484,6 +484,7 @@ async def _owned_runtime(
         prefill_chunk=config.prefill_chunk,
         decode_run_steps=int(profile_setting("decode_run_steps", config.decode_run_steps, engine.profile)),
         events=events,
+        store=store_send.clone(),
     )
     registry = ModelRegistry(
         registry_receive,

@@ -158,6 +158,7 @@ class FakeEngine:
             sequence_bytes=0,
             model_bytes=0,
             context_length=self.context_length,
+            layer_kinds=(LayerKind.FLOAT,),  # its snapshots' one layer
         )
 
     def unload(self) -> None:

@@ -259,7 +259,8 @@ class MlxEngine:
         return ModelInfo(name=name, tag=lm.spec.tag, block_bytes=lm.spec.bytes_per_block(),
                          active_token_bytes=active_token_bytes(lm.spec, self._attention),
                          sequence_bytes=sequence_bytes(lm.spec), model_bytes=self._model_bytes,
-                         context_length=context, profile=self._profile)
+                         context_length=context, profile=self._profile,
+                         layer_kinds=tuple(lm.spec.layer_kinds()))
 
     def unload(self) -> None:
         self._seqs.clear()

@@ -30,8 +30,9 @@ from runtime.persist.format import BlockPiece, Piece, block_chain_hashes
 from runtime.persist.gc import collect_garbage, remove_leftover_temp_files
 from runtime.persist.load import load_cache
 from runtime.persist.owner import OwnerLock, unless_owned
+from runtime.persist.prefix_blocks import read_prefix_blocks
 from runtime.persist.save import SaveReport, save_cache
-from runtime.spec import CacheSnapshot
+from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot
 
 __all__ = ["CacheDirectory", "CachePaths", "MAX_AGENT_ID_CHARS", "safe_agent_dirname", "subdirs"]
 
@@ -212,3 +213,10 @@ class CacheDirectory:
     def block_hashes(self, model_tag: str, token_ids: Sequence[int]) -> list[str]:
         """Chain hashes of the full blocks of ``token_ids`` (for shared-prefix lookups)."""
         return block_chain_hashes(model_tag, token_ids)
+
+    def read_prefix_blocks(
+        self, model_tag: str, token_ids: Sequence[int], *, layer_kinds: Sequence[LayerKind]
+    ) -> list[LayerSnapshot]:
+        """The layers of the longest run of ``token_ids``' whole blocks stored here, whoever saved them
+        (see :mod:`runtime.persist.prefix_blocks`): an empty list when there is none."""
+        return read_prefix_blocks(self._paths, model_tag, token_ids, layer_kinds=layer_kinds)

@@ -31,7 +31,7 @@ from runtime.persist.agents import AgentEntry
 from runtime.persist.directory import CacheDirectory
 from runtime.persist.files import ensure_private_dir
 from runtime.persist.save import SaveReport
-from runtime.spec import CacheSnapshot
+from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot
 from runtime.identity import check_agent_id, check_tenant_name, namespaced, safe_agent_dirname, split_agent_id
 
 __all__ = ["TenantDirectories", "TenantUsage", "TENANTS_DIR"]
@@ -98,6 +98,13 @@ class TenantDirectories:
         """:meth:`CacheDirectory.load` from the agent's directory."""
         directory, local = self._of(agent_id)
         return directory.load(local, model_tag=model_tag)
+
+    def read_prefix_blocks(
+        self, agent_id: str, model_tag: str, token_ids: Sequence[int], *, layer_kinds: Sequence[LayerKind]
+    ) -> list[LayerSnapshot]:
+        """:meth:`CacheDirectory.read_prefix_blocks` of the agent's tenant: never another tenant's blocks."""
+        directory, _ = self._of(agent_id)
+        return directory.read_prefix_blocks(model_tag, token_ids, layer_kinds=layer_kinds)
 
     def exists(self, agent_id: str, *, model_tag: str | None = None) -> bool:
         """:meth:`CacheDirectory.exists` in the agent's directory."""

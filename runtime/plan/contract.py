@@ -40,7 +40,7 @@ import msgspec
 from runtime.backend import BackendProfile
 from runtime.plan.prefix import MatchKind
 from runtime.reply.reply_format import schema_error
-from runtime.spec import CacheSnapshot
+from runtime.spec import CacheSnapshot, LayerKind
 
 __all__ = [
     # the plan
@@ -437,6 +437,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
             and then only the KV budget limits a prompt.
         profile: the backend profile the load settled (:mod:`runtime.backend`); None for
             engines that have none (tests' fakes).
+        layer_kinds: how each layer's KV is held at rest. A turn may start from whole blocks read off
+            the disk by their hash chain only when none is ``sliding`` (a window lives in an agent's
+            state file, not in blocks); empty: never.
     """
 
     name: str
@@ -447,6 +450,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     model_bytes: int
     context_length: int | None = None
     profile: BackendProfile | None = None
+    layer_kinds: tuple[LayerKind, ...] = ()
 
 
 @dataclass(frozen=True)
