@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from conftest import models_dir, numpy_attention
-from reference import top1_margin
+from reference import first_split_is_a_near_tie, top1_margin
 from runtime.execution.generate import decode_alone
 from runtime.execution.sequence import Sequence, SequenceSampling
 from runtime.model.loaded import LoadedModel, load_model
@@ -160,3 +160,63 @@ def test_a_rewind_to_an_earlier_message_reuses_everything_before_it(lm):
     assert second.stats.tokens_reused >= len(lm.tokenize(lm.render([system, *history[:2]], add_generation_prompt=False))[0])
     _assert_cut_as_cold(lm, branch, second)
     _assert_reply_as_reference(lm, branch, second)
+
+
+# -- through the runtime: another agent's prefix to the token, blocks after a restart, a branch from disk --
+
+
+def _reply_pieces(lm: LoadedModel, seq: Sequence) -> tuple[list[str], list[float]]:
+    """The reference reply's token texts and top-1 margins, per step (for ``first_split_is_a_near_tie``)."""
+    texts = [lm.tokenizer.decode(seq.generated[: k + 1]) for k in range(len(seq.generated))]
+    pieces = [b[len(a):] for a, b in zip(["", *texts], texts, strict=False)]
+    return pieces, [float(m) for m in top1_margin(np.stack([np.array(t.reshape(-1)) for t in seq.logits_trace]))]
+
+
+def _as_cold(lm: LoadedModel, messages: list[dict[str, str]], reply: str) -> None:
+    reference = _turn(lm, lm.render(messages), trace=True)
+    assert first_split_is_a_near_tie(reply, reference.reply, *_reply_pieces(lm, reference)), (reply, reference.reply)
+
+
+async def test_agents_share_a_prefix_to_the_token_hot_from_blocks_after_a_restart_and_a_branch_from_disk(tmp_path, smollm2):
+    """Float KV, so each reply is a cold prefill's of its prompt (up to a near tie):
+
+    * a sibling starts from the first agent's hot cache to the last whole token they share (not whole blocks);
+    * after a restart (nothing in RAM), a third starts from the whole blocks the first one's save stored;
+    * an agent that branched back to an earlier point (its hot cache is the new branch) and then returns to
+      the first branch starts from that branch's blocks on disk, beyond what its hot cache shares."""
+    from actors import open_runtime
+
+    lm = _default_model(None)
+    system = {"role": "system", "content": _system(lm, 700)}
+    asks = ["Who wrote the notes?", "What is the first note about?", "Name one idea from the notes."]
+    sibling_messages = [[system, {"role": "user", "content": q}] for q in asks]
+    system_tokens = len(lm.tokenize(lm.render([system], add_generation_prompt=False))[0])
+    history = _history(3)
+    branch_a = [system, *history, {"role": "user", "content": "And then?"}]
+    branch_b = [system, history[0], {"role": "user", "content": "Stop there. Who is speaking?"}]
+
+    def runtime():
+        return open_runtime(model="kvmem-default", home=tmp_path, models_dir=models_dir(), fsync=False,
+                            handle_signals=False, kv_bits=None)
+
+    async with runtime() as rt:
+        first = await rt.agent("first").send(sibling_messages[0], max_tokens=STEPS)
+        second = await rt.agent("second").send(sibling_messages[1], max_tokens=STEPS)
+        writer = rt.agent("writer")
+        await writer.send(branch_a, max_tokens=STEPS)
+        on_b = await writer.send(branch_b, max_tokens=STEPS)
+    assert first.usage.tier == "cold"
+    assert second.usage.tier == "shared" and system_tokens <= second.usage.tokens_reused
+    assert second.usage.tokens_reused % 256 != 0  # to the token, not whole blocks
+    assert on_b.usage.tier == "hot" and on_b.usage.match == "partial"
+
+    async with runtime() as rt:  # a restart: nothing in RAM, and nobody holds the system prompt
+        third = await rt.agent("third").send(sibling_messages[2], max_tokens=STEPS)
+        back = await rt.agent("writer").send(branch_a, max_tokens=STEPS)
+    assert third.usage.tier == "warm" and third.usage.tokens_reused == system_tokens // 256 * 256 > 0
+    whole_a = len(lm.tokenize(lm.render(branch_a))[0])
+    assert back.usage.tier == "warm" and back.usage.tokens_reused == (whole_a - 1) // 256 * 256
+    assert back.usage.tokens_reused > on_b.usage.tokens_reused  # more than its own cache (branch B) shares
+
+    for messages, result in zip([*sibling_messages, branch_b, branch_a], [first, second, third, on_b, back]):
+        _as_cold(lm, messages, result.reply)
