@@ -121,6 +121,18 @@ def test_another_agents_cache_gives_its_prefix_to_the_token_when_own_cache_has_n
     assert m.stats().prefix_hits == 1
 
 
+def test_less_than_a_block_in_common_with_another_agent_is_not_taken():
+    """A chat template's opening and a short system prompt: a few milliseconds of prefill, not worth tying
+    the turn to another agent's cache. The agent's own cache has no such floor."""
+    m = _manager()
+    short = "s" * (BLOCK_TOKENS - 10)
+    _put(m, "donor", Parked(TAG, short + " donor's question"))
+    assert m.plan("new", TAG, short + " my question", share_prefix=True, own=m.checkout("new", TAG)).tier == "cold"
+    _put(m, "new", Parked(TAG, short + " an earlier question"))
+    plan = m.plan("new", TAG, short + " my question", share_prefix=True, own=m.checkout("new", TAG))
+    assert (plan.tier, plan.reuse_tokens) == ("hot", len(short))
+
+
 def test_a_compacted_history_keeps_the_system_prompt_of_the_agents_own_cache():
     """An agent CLI's compaction: the system prompt, a summary, a new question. The seeds' 80% rule sent it cold."""
     m = _manager()
