@@ -494,8 +494,8 @@ class Outcome:
     reply: Reply
 
 
-def stream(client: httpx.Client, running: Running, step: Send, max_tokens: int) -> Reply:
-    """POST ``step`` streamed (greedy, usage included) and time it.
+def stream(running: Running, step: Send, max_tokens: int) -> Reply:
+    """POST ``step`` streamed (greedy, usage included) on a new connection and time it.
 
     Unlike :func:`benches.openai_client.stream_chat` it sends ``tools``, counts
     a tool-call delta as the first token, and keeps llama.cpp's ``timings``
@@ -511,8 +511,8 @@ def stream(client: httpx.Client, running: Running, step: Send, max_tokens: int) 
     parts: list[str] = []
     first: float | None = None
     t0 = time.perf_counter()
-    with client.stream("POST", f"{running.url}/v1/chat/completions", json=body,
-                       headers=running.headers(step.agent)) as resp:
+    with httpx.stream("POST", f"{running.url}/v1/chat/completions", json=body, headers=running.headers(step.agent),
+                      timeout=None) as resp:
         if resp.status_code != 200:
             resp.read()
             raise RuntimeError(f"{running.name}: HTTP {resp.status_code}: {resp.text[:500]}")
@@ -575,21 +575,20 @@ def run_script(contender: Contender, setup: Setup, run: str, script: Script, rep
     running.start()
     out: list[Outcome] = []
     try:
-        with httpx.Client(timeout=None) as client:
-            for step in script.steps:
-                if isinstance(step, Restart):
-                    took = running.restart()
-                    res.record(section=run, contender=contender.name, repeat=repeat, restart_s=took)
-                    continue
-                reply = stream(client, running, step, sizes.max_tokens)
-                res.record(section=run, contender=contender.name, repeat=repeat, agent=step.agent, tag=step.tag,
-                           measured=step.measured, tokens=step.tokens, minimum=step.minimum,
-                           first_ms=reply.first_ms, e2e_ms=reply.e2e_ms, prompt_tokens=reply.prompt_tokens,
-                           cached_tokens=reply.cached_tokens, prefilled=reply.prefilled, server=reply.server)
-                if step.measured:
-                    out.append(Outcome(contender.name, repeat, step, reply))
-                    log(f"{run} {contender.name} {step.tag}: first token {reply.first_ms:.0f} ms, prefilled "
-                        f"{reply.prefilled} of {reply.prompt_tokens} (minimum {step.minimum} of {step.tokens})")
+        for step in script.steps:
+            if isinstance(step, Restart):
+                took = running.restart()
+                res.record(section=run, contender=contender.name, repeat=repeat, restart_s=took)
+                continue
+            reply = stream(running, step, sizes.max_tokens)
+            res.record(section=run, contender=contender.name, repeat=repeat, agent=step.agent, tag=step.tag,
+                       measured=step.measured, tokens=step.tokens, minimum=step.minimum, first_ms=reply.first_ms,
+                       e2e_ms=reply.e2e_ms, prompt_tokens=reply.prompt_tokens, cached_tokens=reply.cached_tokens,
+                       prefilled=reply.prefilled, server=reply.server)
+            if step.measured:
+                out.append(Outcome(contender.name, repeat, step, reply))
+                log(f"{run} {contender.name} {step.tag}: first token {reply.first_ms:.0f} ms, prefilled "
+                    f"{reply.prefilled} of {reply.prompt_tokens} (minimum {step.minimum} of {step.tokens})")
     finally:
         running.stop()
     return out

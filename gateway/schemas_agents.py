@@ -44,7 +44,8 @@ class AgentTurnRequest(Struct, kw_only=True):
         presence_penalty, frequency_penalty, repetition_penalty: mlx-lm's repeat penalties over the
             last 20 tokens (OpenAI's first two, in [-2, 2]; the last multiplicative, 1 is none).
         logit_bias: the model's token ids (object keys) to biases in [-100, 100] added to their logits.
-        share_prefix: start from another agent's cached prefix when this agent has nothing to reuse.
+        share_prefix: start from another agent's cached prefix (or its tenant's blocks on disk) when it covers more of
+            the prompt than this agent's own cache; and be a donor for others.
     """
 
     messages: list[AgentMessage] | None = None
