@@ -62,6 +62,29 @@ async def test_a_turn_on_another_node_loads_the_agent_from_redis_and_replies_as_
     assert fourth.usage.tier == "remote" and fourth.usage.tokens_reused > second.usage.tokens_reused
 
 
+async def test_a_compacted_history_on_another_node_reuses_the_system_prompt_from_redis(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """An agent CLI compacts its history (the system prompt kept, the conversation replaced by a summary) and
+    its next turn lands on another node: the cache pulled from Redis gives what the prompts have in common,
+    whatever fraction of it that is (the seeds' 80% rule sent this turn cold), with a single node's reply."""
+    long = [*MESSAGES, {"role": "assistant", "content": "She kept the light for forty years. " * 12},
+            {"role": "user", "content": "Tell me everything about her cat, in detail."}]
+    compacted = [MESSAGES[0], {"role": "user", "content": "Summary: a keeper, her cat, forty years. What now?"}]
+    async with _open(tmp_path / "reference", None) as rt:  # one node, no Redis: the reference
+        await rt.agent("keeper").send(long, max_tokens=4)
+        reference = await rt.agent("keeper").send(compacted, max_tokens=8)
+    async with _open(tmp_path / "node-a", redis_server.url) as rt:
+        await rt.agent("keeper").send(long, max_tokens=4)
+    async with _open(tmp_path / "node-b", redis_server.url) as rt:
+        moved = await rt.agent("keeper").send(compacted, max_tokens=8)
+    assert reference.usage.tier == "hot" and reference.usage.match == "partial"
+    assert moved.usage.tier == "remote" and moved.usage.match == "partial"
+    assert moved.usage.tokens_reused == reference.usage.tokens_reused > 0
+    assert moved.usage.tokens_prefilled == reference.usage.tokens_prefilled
+    assert moved.reply == reference.reply
+
+
 async def test_blocks_are_stored_once_for_every_agent_with_the_same_prefix(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
