@@ -16,7 +16,7 @@ from actors import open_runtime
 from fake_engine import FakeEngine, FakeParked, fake_reply
 from runtime.identity import namespaced
 from runtime.persist import CacheDirectory
-from runtime.plan.contract import COLD, FromWarm, Tokenized
+from runtime.plan.contract import COLD, FromHot, FromWarm, Tokenized, TurnPlan
 from runtime.plan.disk_blocks import blocks_to_look_up, start_from_blocks
 from runtime.spec import BLOCK_TOKENS, LayerKind
 
@@ -84,6 +84,16 @@ def test_a_turn_looks_for_blocks_only_where_they_could_give_it_more() -> None:
     assert blocks_to_look_up(COLD, cold, share_prefix=True, layer_kinds=()) is None  # an engine that cannot
     short = Tokenized(ids=tuple(_ids(prompt[:BLOCK_TOKENS])), ends=tuple(range(1, BLOCK_TOKENS + 1)))
     assert blocks_to_look_up(COLD, short, share_prefix=True, layer_kinds=floats) is None  # no whole block + 1
+
+    # A plan that reuses its own cache's first tokens: a lookup only for a block or more beyond them.
+    long = SYSTEM + "y" * 500  # 1,112 tokens: four whole blocks before the last token
+    own = _parked(long[:300] + " an older branch")
+    for reused, asked in ((300, True), (3 * BLOCK_TOKENS + 10, False)):
+        plan = TurnPlan(tier="hot", source=FromHot(parked=own if reused == 300 else _parked(long)), match="partial",
+                        reuse_tokens=reused, reuse_chars=reused)
+        rest = Tokenized(ids=tuple(_ids(long[reused:])), ends=tuple(range(1, len(long) - reused + 1)))
+        wanted = blocks_to_look_up(plan, rest, share_prefix=True, layer_kinds=floats)
+        assert (wanted == tuple(_ids(long))[:-1]) if asked else wanted is None, reused
 
     layers = _parked(prompt[: 2 * BLOCK_TOKENS]).to_snapshot().layers
     started = start_from_blocks(COLD, cold, prompt, model_tag=TAG, reused=2 * BLOCK_TOKENS, layers=layers)

@@ -44,16 +44,18 @@ def blocks_to_look_up(plan: TurnPlan, tokens: Tokenized, *, share_prefix: bool,
     """The token ids whose whole blocks a turn should look for on disk, or None: nothing to gain.
 
     None when the agent opted out of sharing, a layer slides (its window is in no block), the plan
-    extends or repeats a cache already (the disk holds no more of it than RAM), or the prompt has no
-    whole block beyond what the plan reuses. The last token is never asked for: its logits are the
-    next token's, so it is prefilled.
+    extends or repeats a cache already (the disk holds no more of it than RAM), or the prompt's whole
+    blocks could give less than a block more than the plan reuses: the read starts at the first block
+    (a run is found by its hash chain from there), so a compacted history that keeps 3,009 tokens of a
+    3,100-token prompt would read twelve blocks to save 63 tokens of prefill. The last token is never
+    asked for: its logits are the next token's, so it is prefilled.
     """
     if not share_prefix or not layer_kinds or LayerKind.SLIDING in layer_kinds:
         return None
     if plan.match in (MatchKind.EXTEND.value, MatchKind.EXACT.value):
         return None
     total = plan.reuse_tokens + len(tokens.ids)
-    if (total - 1) // BLOCK_TOKENS * BLOCK_TOKENS <= plan.reuse_tokens:
+    if (total - 1) // BLOCK_TOKENS * BLOCK_TOKENS - plan.reuse_tokens < BLOCK_TOKENS:
         return None
     ids, _ = whole_prompt(plan, tokens)
     return tuple(ids[: total - 1])
