@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from runtime.plan.block_pool import BlockPool, PoolStats
 from runtime.plan.contract import COLD, FromHot, FromShared, FromWarm, ParkedView, OwnCache, Tier, TurnPlan
 from runtime.errors import BudgetExceededError
-from runtime.plan.prefix import PrefixMatch, common_prefix_length, match_prefix
+from runtime.plan.prefix import MatchKind, PrefixMatch, common_prefix_length, match_prefix
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot
 from runtime.identity import AgentKey, pool_key, tenant_of
 
@@ -164,6 +164,8 @@ class KVCacheManager:
         hot cache or turn in flight covers more of the prompt, that one, to the token. Else cold.
         """
         mine = own_plan(own, prompt) if own is not None else None
+        if mine is not None and mine.match in (MatchKind.EXTEND.value, MatchKind.EXACT.value):
+            return mine  # an append: another agent's cache would have to hold this agent's own turns to beat it
         if share_prefix:
             shared = self._shared(agent_id, model_tag, prompt, beyond=mine.reuse_chars if mine else 0)
             if shared is not None:
