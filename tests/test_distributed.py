@@ -250,7 +250,9 @@ def test_two_ranks_answer_as_one_process_and_resume_warm_after_both_restart(tmp_
         carol_next = _turn(url, "carol", TURNS[:2], [carol["reply"]], temperature=1.0)
     assert third["tier"] == "warm" and third["reused"] > 0
     assert third["reply"] == want[2]
-    assert bob_next["tier"] == "cold" and bob_next["reused"] == 0  # a missing part is a miss on every rank
+    # A missing part is a miss on every rank: bob's own cache is not used (what alice's hot cache shares with his
+    # conversation, the same messages, is).
+    assert bob_next["tier"] in ("cold", "shared")
     assert bob_next["reply"]
     assert carol_next["tier"] == "warm"  # the sampled turn's parts agree: both ranks drew the same tokens
 

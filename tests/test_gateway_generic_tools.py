@@ -210,7 +210,8 @@ def test_anthropic_tool_loop_on_the_default_model_extends_the_cache(claude: anth
         second = claude.messages.create(messages=messages, **options)  # type: ignore[arg-type]
     assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
     u1, u2 = first.usage, second.usage
-    assert u2.cache_read_input_tokens == u1.input_tokens + u1.output_tokens - 1  # EXTEND: all of turn 1 is read
+    # EXTEND: all of turn 1 is read (its prompt: what it read, from another agent too, and what it prefilled)
+    assert u2.cache_read_input_tokens == u1.cache_read_input_tokens + u1.input_tokens + u1.output_tokens - 1
 
 
 def test_anthropic_stream_of_a_generic_call_opens_a_tool_use_block(http: httpx.Client) -> None:

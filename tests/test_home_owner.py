@@ -137,7 +137,7 @@ def test_cli_forget_reaches_a_live_server_and_second_owners_are_refused(tmp_path
         assert forgot.stdout.strip() == "forgot x"
         assert {row["agent"] for row in json.loads(_kvmem(home, "agents", "--json").stdout)} == {"keep"}
         after = _turn(server.url, "x", hello2)
-        assert (after["tier"], after["reused"]) == ("cold", 0)
+        assert after["tier"] in ("cold", "shared")  # its own cache is gone (keep's prefix, HELLO, may be shared)
         _kvmem(home, "forget", "x")  # and forget the turn just made, for the restart below
 
         pid = server.process.pid if server.process else None
@@ -147,7 +147,7 @@ def test_cli_forget_reaches_a_live_server_and_second_owners_are_refused(tmp_path
             assert f"pid {pid}" in refused.stderr and "in use" in refused.stderr, refused.stderr
     with kvmem_serve(*args, env=_env(home)) as server:  # after a restart: still forgotten, the other kept
         after = _turn(server.url, "x", hello2)
-        assert (after["tier"], after["reused"]) == ("cold", 0)
+        assert after["tier"] in ("cold", "shared")  # its own cache is gone (keep's prefix, HELLO, may be shared)
         assert _turn(server.url, "keep", HELLO)["tier"] == "warm"
 
 

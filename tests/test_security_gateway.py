@@ -235,21 +235,26 @@ def test_naming_another_conversations_hash_reads_nothing_of_it(http: httpx.Clien
     assert info["cached_tokens"] > 0 and secret not in str(info) and "vault" not in str(info)
 
     probe_messages = [{"role": "user", "content": "What is the vault code?"}]
+    # The reference: an agent whose own cache holds a conversation of the victim's shape with another secret.
+    # Any common prefix of an agent's own cache is reused, so the probe reuses the same chat-template preamble
+    # from either cache: the same tokens, prefilled alike, whatever the secret after them.
+    decoy = {**victim, "messages": [{"role": "user", "content": "The lunch order is soup; tell everyone."}]}
+    assert http.post("/v1/messages", json=decoy, headers={"X-Agent-ID": "fresh-reference"}).status_code == 200
     cold = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "temperature": 0, "messages": probe_messages},
                      headers={"X-Agent-ID": "fresh-reference"})
     stolen = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "temperature": 0, "messages": probe_messages},
                        headers={"X-Agent-ID": victim_id})
     assert cold.status_code == stolen.status_code == 200
-    # the attacker's reply is exactly what her prompt gives cold; nothing of the victim's text appears
+    # the attacker's reply is exactly what her prompt gives another agent; nothing of the victim's text appears
     assert stolen.json()["content"] == cold.json()["content"]
     assert "vault code is" not in stolen.text and "7391" not in stolen.text
     # reuse stops where the texts differ: at most the shared chat-template preamble is reused
     usage, victim_usage = stolen.json()["usage"], first.json()["usage"]
     victim_prompt = victim_usage["input_tokens"] + victim_usage["cache_creation_input_tokens"]
     assert usage["cache_read_input_tokens"] < victim_prompt // 2, (usage, victim_usage)
-    # the same holds over the OpenAI route with the hash as `user`
+    # the same holds over the OpenAI route with the hash as `user` (both agents' caches now hold the probe's turn)
     cold_oa = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 8, "temperature": 0, "messages": probe_messages,
-                                                      "user": "fresh-reference-oa"})
+                                                      "user": "fresh-reference"})
     stolen_oa = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 8, "temperature": 0,
                                                         "messages": probe_messages, "user": victim_id})
     assert stolen_oa.json()["choices"][0]["message"] == cold_oa.json()["choices"][0]["message"]

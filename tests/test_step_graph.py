@@ -154,13 +154,16 @@ async def test_a_batch_rows_park_builds_a_few_operations_a_layer(tmp_path: Path,
         mx.async_eval(*arrays)
 
     async with _open(tmp_path) as rt:
-        for turn in range(2):  # the second turn's rows are hot: each parks its row of a float batch
+        for turn in range(2):  # the second turn's rows park their rows of a float batch, the first's warmed up
             if turn:
                 monkeypatch.setattr(kvstate, "mx", mlx_with(async_eval=counted))
             async with trio.open_nursery() as nursery:
                 for i in range(4):
                     text = f"Agent {i} asks about the harbour, turn {turn}. " * (3 + i)
-                    nursery.start_soon(lambda i=i, text=text: rt.agent(f"r{i}").send(_ask(text), max_tokens=8))
+                    # Agents of their own that share nothing: rows that began cold (a row that began from a
+                    # cache also views each chunk it began from; the seeds' 80% rule once sent these cold too).
+                    agent = rt.agent(f"r{i}-{turn}", share_prefix=False)
+                    nursery.start_soon(lambda agent=agent, text=text: agent.send(_ask(text), max_tokens=8))
     assert len(parks) == 4, parks
     for ops in parks:
         layers = ops["Quantize"] // 2

@@ -194,12 +194,16 @@ def test_cached_tokens_say_nothing_of_another_tenants_prompt(
     acme: httpx.Client, globex: httpx.Client, api: str, b_agent: str
 ) -> None:
     send, cached = (_openai, _cached) if api == "openai" else (_anthropic, _claude_cached)
-    system = f"Treasury notes ({api}, {b_agent}), for ACME's eyes only. " * 12  # new to both tenants
-    assert cached(send(acme, agent="treasury-1", system=system)) == 0
+    system = f"{b_agent} {api}: treasury notes, for ACME's eyes only. " * 12  # new to both tenants from its start
+    # Ids fresh to each case: any common prefix of an agent's own cache is reused (the chat template's opening
+    # too), so an id that held another case's prompt would not start from nothing.
+    first = f"treasury-1-{api}-{b_agent}"
+    b_id = first if b_agent == "treasury-1" else f"treasury-9-{api}"
+    assert cached(send(acme, agent=first, system=system)) == 0
     # The control: another agent of the same tenant starts from the first one's prefix.
-    assert cached(send(acme, agent="treasury-2", system=system)) >= 256
+    assert cached(send(acme, agent=f"treasury-2-{api}-{b_agent}", system=system)) >= 256
     # Tenant B, A's exact prompt: nothing reused, whatever the agent id.
-    assert cached(send(globex, agent=b_agent, system=system)) == 0
+    assert cached(send(globex, agent=b_id, system=system)) == 0
 
 
 def test_b_cannot_continue_as_conversation_by_its_hash(acme: httpx.Client, globex: httpx.Client) -> None:

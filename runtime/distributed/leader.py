@@ -32,6 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 
 from runtime.backend import BackendProfile
 from runtime.distributed.wire import (
@@ -252,7 +253,9 @@ class LeaderEngine:
         seed = secrets.randbelow(2**31)
         self._leader.send(LoadModel(name, seed))
         mx.random.seed(seed)
-        return self._inner.load(name)
+        # No turn starts from blocks read by their hash chain (ModelInfo.layer_kinds empty): rank 0 would read
+        # only its own part of them, and every other rank reads its part of a cache under a handle rank 0 names.
+        return msgspec.structs.replace(self._inner.load(name), layer_kinds=())
 
     def unload(self) -> None:
         self._leader.send(UnloadModel())

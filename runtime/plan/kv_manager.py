@@ -40,7 +40,7 @@ from runtime.plan.prefix import MatchKind, PrefixMatch, common_prefix_length, ma
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot
 from runtime.identity import AgentKey, pool_key, tenant_of
 
-__all__ = ["KVCacheManager", "HotEntry", "HotTierStats", "own_plan"]
+__all__ = ["KVCacheManager", "HotEntry", "HotTierStats", "MIN_SHARED_TOKENS", "own_plan"]
 
 
 def own_plan(own: OwnCache, prompt: str) -> TurnPlan | None:
@@ -112,6 +112,16 @@ _Donor = tuple[str, ParkedView, HotEntry | None]
 """A cache a turn may start from: its agent, the cache, and its hot-tier entry (None: a turn in flight's prompt)."""
 
 
+MIN_SHARED_TOKENS = 32
+"""The fewest tokens a turn takes from another agent's cache (beyond them, to the token).
+
+What every agent of a tenant has in common without trying: the chat template's opening and a
+model's default system prompt (25 tokens on the default model). Prefilling them costs a few
+milliseconds (``benches/results/reuse_costs.md``); taking them from another agent would mark nearly
+every first turn ``shared`` and keep whichever agent donated them at the head of the hot tier's
+LRU order. The agent's own cache has no floor."""
+
+
 def _whole_blocks(tokens: int) -> int:
     return tokens // BLOCK_TOKENS * BLOCK_TOKENS
 
@@ -175,12 +185,12 @@ class KVCacheManager:
     def _shared(self, agent_id: str, model_tag: str, prompt: str, *, beyond: int) -> TurnPlan | None:
         """The longest prefix of ``prompt`` another sharing agent's cache covers, to the last whole token before
         the word where they part (as the agent's own cache is matched), if it covers more than ``beyond``
-        characters."""
+        characters and at least :data:`MIN_SHARED_TOKENS` tokens."""
         hot, in_flight = self._donors(agent_id, model_tag)
         best: tuple[PrefixMatch, str, ParkedView, HotEntry | None] | None = None
         for donor, parked, entry in hot + in_flight:
             match = match_prefix(parked.text, parked.offsets, prompt)
-            if match.reuse_chars > (best[0].reuse_chars if best else beyond):
+            if match.reuse_tokens >= MIN_SHARED_TOKENS and match.reuse_chars > (best[0].reuse_chars if best else beyond):
                 best = (match, donor, parked, entry)
         if best is None:
             return None
@@ -232,7 +242,7 @@ class KVCacheManager:
         best: tuple[int, str, ParkedView, HotEntry | None] | None = None
         for agent_id, parked, entry in in_flight + (hot if turn.tokens_reused == 0 else []):
             keep = min(common_prefix_length(parked.token_ids, turn.token_ids), len(turn.token_ids) - 1)
-            if keep > (best[0] if best else turn.tokens_reused):
+            if keep >= MIN_SHARED_TOKENS and keep > (best[0] if best else turn.tokens_reused):
                 best = (keep, agent_id, parked, entry)
         if best is None:
             return None
