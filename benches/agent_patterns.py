@@ -39,7 +39,13 @@ a compaction midway (the summary request, then the compacted conversation),
 two sub-agents (their own agent ids, the same system prompt, 3 requests each;
 the second after the restart), a server restart after request 15 of the main
 agent, and an edit and resend. The assistant messages are the script's, not
-the model's, so every contender sees the same conversations.
+the model's, so every contender sees the same conversations. SmolLM2's chat
+template has no tool syntax: kvmem writes tools, calls and results into the
+messages in its generic format, while llama.cpp's rendering of ``tools`` would
+leave the definitions and the calls out of its prompt. So llama.cpp gets the
+messages with them already written in the same way (``--llama-tools client``,
+the default): both prompts are the same tokens (checked in the result file).
+``--llama-tools server`` sends llama.cpp ``tools`` instead.
 
 **Recorded per request**: first-token time (client side: to the first content
 or tool-call delta; the end of the stream if none came), the prompt tokens the
@@ -48,8 +54,7 @@ server reports, the tokens it prefilled (kvmem: ``usage.prompt_tokens`` minus
 of its last chunk), and the **minimum**: the request's prompt tokens past the
 longest common token prefix with any prompt sent to that server before (one
 tenant: all agents of the run), in kvmem's rendering and tokenizer (the same
-GGUF vocabulary as llama.cpp's; llama.cpp renders tool calls its own way, so
-its prompt-token counts differ a little). The minimum counts earlier prompts
+GGUF vocabulary as llama.cpp's). The minimum counts earlier prompts
 only: the assistant messages are the script's, but a server's own reply (at
 most ``max_tokens``) may happen to begin the next scripted one (a tool call's
 opening) and take that request's prefill a few tokens below its minimum.
@@ -59,9 +64,14 @@ first token ≤ 1.2x llama.cpp -np 1's (a sibling's ≤ 1.5x); in the session no
 request prefills more than its minimum + 256 tokens; the session's summed
 first-token time ≤ 0.5x llama.cpp -np 4's.
 
-``--quick``: one repeat, a 1,000-token system prompt, a 300-token history and
-tool results a fifth of the size (a check that everything runs; its ratios are
-not the issue's). Results: ``benches/results/agent_patterns[_quick].{md,png,json}``.
+``--quick``: one repeat, a ~900-token system prompt (the instructions and tool
+definitions, little else), a 200-token history and tool results a sixth of the
+size (a check that everything runs, ~10 minutes; its ratios are not the issue's).
+``--repeats`` sets the patterns' repeats (default 3), ``--session-repeats`` the
+session's runs (default 1), ``--only patterns|session`` runs one part; the
+llama-server binary is ``--llama-server PATH`` or ``$LLAMA_SERVER``.
+Results: ``benches/results/agent_patterns[_quick].{md,png,json}`` (the JSON
+file: every request's raw record, the server's accounting included).
 """
 
 from __future__ import annotations
@@ -88,11 +98,11 @@ from benches.harness import ResultFile, log, median, table
 from benches.llama_cpp import add_binary_option, build_info, find_binary
 from benches.prompts import CORPUS, count_tokens
 from benches.race_goals import Goal
-from benches.race_servers import KVMEM, LLAMA_BUILTIN, Contender, Running, Setup
+from benches.race_servers import KVMEM, LLAMA, LLAMA_BUILTIN, Contender, Running, Setup
 from benches.server import KvmemServer
+from runtime.reply.generic_tools import render_messages
 
 LLAMA_1, LLAMA_4, BEFORE = "llama.cpp -np 1", "llama.cpp -np 4", "kvmem before"
-CONTENDERS = (LLAMA_1, LLAMA_4, KVMEM, BEFORE)
 SLOTS = {LLAMA_1: 1, LLAMA_4: 4}
 COLORS = {LLAMA_1: "C0", LLAMA_4: "C9", KVMEM: "C2", BEFORE: "C1"}
 #: Context per llama.cpp slot: SmolLM2's training context, where llama-server caps a slot anyway.
@@ -117,7 +127,7 @@ class Sizes:
     max_tokens: int = 8
 
 
-FULL, QUICK = Sizes(system=3000, history=1500, result=250), Sizes(system=1000, history=300, result=50)
+FULL, QUICK = Sizes(system=3000, history=1500, result=250), Sizes(system=600, history=200, result=40)
 
 #: Pattern key -> (what the measured request is, the goal's bound on kvmem / llama.cpp -np 1 first token).
 PATTERNS = {
@@ -494,18 +504,24 @@ class Outcome:
     reply: Reply
 
 
-def stream(running: Running, step: Send, max_tokens: int) -> Reply:
+def stream(running: Running, step: Send, max_tokens: int, *, client_tools: bool) -> Reply:
     """POST ``step`` streamed (greedy, usage included) on a new connection and time it.
 
     Unlike :func:`benches.openai_client.stream_chat` it sends ``tools``, counts
     a tool-call delta as the first token, and keeps llama.cpp's ``timings``
-    and kvmem's own accounting from the last chunks.
+    and kvmem's own accounting from the last chunks. ``client_tools``: llama.cpp
+    gets the messages with the tools, calls and results already written in
+    (:func:`runtime.reply.generic_tools.render_messages`, what kvmem does for a
+    model whose template has no tool syntax) instead of ``tools``.
     """
-    body: dict[str, Any] = {"model": running.model, "messages": step.messages, "max_tokens": max_tokens,
+    messages, tools = step.messages, step.tools
+    if tools and client_tools and running.contender.engine == LLAMA:
+        messages, tools = render_messages(messages, tools), None
+    body: dict[str, Any] = {"model": running.model, "messages": messages, "max_tokens": max_tokens,
                             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
                             **running.body(0)}
-    if step.tools:
-        body["tools"] = step.tools
+    if tools:
+        body["tools"] = tools
     usage: dict[str, Any] = {}
     server: dict[str, Any] = {}
     parts: list[str] = []
@@ -569,8 +585,8 @@ def older_env(checkout: Path, home: Path) -> dict[str, str]:
 
 
 def run_script(contender: Contender, setup: Setup, run: str, script: Script, repeat: int, sizes: Sizes,
-               res: ResultFile) -> list[Outcome]:
-    """``script`` on a fresh server of ``contender``; the measured requests' outcomes."""
+               res: ResultFile, *, client_tools: bool) -> list[Outcome]:
+    """``script`` on a fresh server of ``contender``; the measured requests' outcomes (see :func:`stream`)."""
     running = contender.launch(setup, run, slots=SLOTS.get(contender.name, 1), slot_ctx=SLOT_CTX)
     running.start()
     out: list[Outcome] = []
@@ -580,11 +596,11 @@ def run_script(contender: Contender, setup: Setup, run: str, script: Script, rep
                 took = running.restart()
                 res.record(section=run, contender=contender.name, repeat=repeat, restart_s=took)
                 continue
-            reply = stream(running, step, sizes.max_tokens)
+            reply = stream(running, step, sizes.max_tokens, client_tools=client_tools)
             res.record(section=run, contender=contender.name, repeat=repeat, agent=step.agent, tag=step.tag,
                        measured=step.measured, tokens=step.tokens, minimum=step.minimum, first_ms=reply.first_ms,
                        e2e_ms=reply.e2e_ms, prompt_tokens=reply.prompt_tokens, cached_tokens=reply.cached_tokens,
-                       prefilled=reply.prefilled, server=reply.server)
+                       prefilled=reply.prefilled, server=reply.server, text=reply.text[:60])
             if step.measured:
                 out.append(Outcome(contender.name, repeat, step, reply))
                 log(f"{run} {contender.name} {step.tag}: first token {reply.first_ms:.0f} ms, prefilled "
@@ -623,19 +639,27 @@ def pattern_medians(outcomes: list[Outcome]) -> dict[tuple[str, str], dict[str, 
 
 @dataclass
 class SessionTotals:
-    """One contender's session, summed over its requests."""
+    """One contender's session: sums over its requests, means over its repeats."""
 
     first_s: float
+    server_s: float  # the server's own count: kvmem's ``ttft_ms``, llama.cpp's ``timings.prompt_ms``
     e2e_s: float
-    prefilled: int
-    minimum: int
-    over: list[int] = field(default_factory=list)  # prefill past minimum + SLACK, per request over it
+    prompt: float
+    prefilled: float
+    minimum: float
+    over: list[int] = field(default_factory=list)  # prefill past the minimum, of every request over minimum + SLACK
 
     @classmethod
     def of(cls, outcomes: Iterable[Outcome]) -> SessionTotals:
         mine = list(outcomes)
-        return cls(first_s=sum(o.reply.first_ms for o in mine) / 1e3, e2e_s=sum(o.reply.e2e_ms for o in mine) / 1e3,
-                   prefilled=sum(o.reply.prefilled or 0 for o in mine), minimum=sum(o.step.minimum for o in mine),
+        reps = len({o.repeat for o in mine}) or 1
+        return cls(first_s=sum(o.reply.first_ms for o in mine) / 1e3 / reps,
+                   server_s=sum(o.reply.server.get("ttft_ms", o.reply.server.get("prompt_ms", 0.0))
+                                for o in mine) / 1e3 / reps,
+                   e2e_s=sum(o.reply.e2e_ms for o in mine) / 1e3 / reps,
+                   prompt=sum(o.reply.prompt_tokens for o in mine) / reps,
+                   prefilled=sum(o.reply.prefilled or 0 for o in mine) / reps,
+                   minimum=sum(o.step.minimum for o in mine) / reps,
                    over=[(o.reply.prefilled or 0) - o.step.minimum for o in mine
                          if (o.reply.prefilled or 0) > o.step.minimum + SLACK])
 
@@ -656,8 +680,8 @@ def goals(patterns: dict[tuple[str, str], dict[str, float]], session: dict[str, 
     excess = None if kv_s is None else float(kv_s.worst_excess)
     out.append(Goal(f"session: requests prefilling more than minimum + {SLACK} (largest excess, tokens)",
                     excess, 0, True,
-                    "—" if kv_s is None else f"{len(kv_s.over)} request(s) over; prefilled {kv_s.prefilled:,} vs "
-                    f"minimum {kv_s.minimum:,} in all" + ("" if old_s is None else
+                    "—" if kv_s is None else f"{len(kv_s.over)} request(s) over; prefilled {kv_s.prefilled:,.0f} vs "
+                    f"minimum {kv_s.minimum:,.0f} in all" + ("" if old_s is None else
                                                            f"; kvmem before: {len(old_s.over)} over")))
     ratio = _ratio(kv_s.first_s if kv_s else None, np4.first_s if np4 else None)
     out.append(Goal("session: summed first-token time, kvmem / llama.cpp -np 4", ratio, 0.5, True,
@@ -700,71 +724,95 @@ def report_patterns(res: ResultFile, med: dict[tuple[str, str], dict[str, float]
     ]
 
 
+def by_request(outcomes: list[Outcome], name: str) -> list[list[Outcome]]:
+    """``name``'s session outcomes request by request, one per repeat."""
+    runs: dict[int, list[Outcome]] = {}
+    for o in outcomes:
+        if o.contender == name:
+            runs.setdefault(o.repeat, []).append(o)
+    return [list(same) for same in zip(*runs.values(), strict=True)]
+
+
 def report_session(res: ResultFile, session: Script, outcomes: list[Outcome], names: Sequence[str],
-                   totals: dict[str, SessionTotals]) -> None:
-    per_server = {n: [o for o in outcomes if o.contender == n] for n in names}
+                   totals: dict[str, SessionTotals], reps: int) -> None:
+    per_server = {n: by_request(outcomes, n) for n in names}
+    llama = per_server.get(LLAMA_1, [])
+
+    def med(n: str, i: int, value: str) -> str:
+        got = per_server[n][i] if i < len(per_server[n]) else []
+        return _fmt(median(getattr(o.reply, value) for o in got) if got else None)
+
     rows: list[list[str]] = []
     i = 0
     for step in session.steps:
         if isinstance(step, Restart):
-            rows.append(["", "**restart**", *[""] * (2 + 2 * len(names))])
+            rows.append(["", "**restart**", *[""] * (3 + 2 * len(names))])
         elif step.measured:
-            got = [per_server[n][i] if i < len(per_server[n]) else None for n in names]
-            prefill = [_fmt(o.reply.prefilled if o else None) for o in got]
-            first = [_fmt(o.reply.first_ms if o else None) for o in got]
-            rows.append([str(i + 1), step.tag, str(step.tokens), str(step.minimum), *prefill, *first])
+            theirs = _fmt(llama[i][0].reply.prompt_tokens if i < len(llama) else None)
+            rows.append([str(i + 1), step.tag, str(step.tokens), theirs, str(step.minimum),
+                         *(med(n, i, "prefilled") for n in names), *(med(n, i, "first_ms") for n in names)])
             i += 1
     total_rows = []
     for n in names:
         t = totals[n]
-        prompt = sum(o.reply.prompt_tokens for o in outcomes if o.contender == n)
-        total_rows.append([n, f"{prompt:,}", f"{t.prefilled:,}", f"{t.minimum:,}", str(len(t.over)),
-                           f"{t.first_s:.1f}", f"{t.e2e_s:.1f}"])
+        total_rows.append([n, f"{t.prompt:,.0f}", f"{t.prefilled:,.0f}", f"{t.minimum:,.0f}", str(len(t.over)),
+                           f"{t.first_s:.1f}", f"{t.server_s:.1f}", f"{t.e2e_s:.1f}"])
     res.body += [
         "## Session: totals", "",
         *table(["server", "prompt tok (server's)", "prefilled", "minimum", f"requests over minimum + {SLACK}",
-                "summed first token s", "summed E2E s"], total_rows),
+                "summed first token s", "the server's own s", "summed E2E s"], total_rows),
+        "",
+        "*the server's own s*: kvmem's `kvmem.ttft_ms` (its first token, sampled), llama.cpp's "
+        "`timings.prompt_ms` (its prefill), summed. The client's first token comes later when a server holds "
+        "the first tokens back: kvmem streams no text that could still begin a tool call (`<tool_call>`) until "
+        "it cannot, so a reply that opens with `<tool_response>` (this small model echoes the tool results' "
+        "markup) shows up a few decode steps after kvmem's own first token.",
         "",
         "## Session: per request", "",
-        *table(["#", "request", "prompt tok (kvmem)", "minimum", *(f"prefilled {n}" for n in names),
-                *(f"first token ms {n}" for n in names)], rows, align="rl" + "r" * (2 + 2 * len(names))),
+        *table(["#", "request", "prompt tok (kvmem)", "prompt tok (llama.cpp)", "minimum",
+                *(f"prefilled {n}" for n in names), *(f"first token ms {n}" for n in names)], rows,
+               align="rl" + "r" * (3 + 2 * len(names))),
         "",
-        "Every server is restarted where the table says so. The main agent's requests are `main:`; `sub1` and "
-        "`sub2` are sub-agents (their own agent ids, the same system prompt).",
+        f"Sums over the session's requests, means over {reps} run(s) of it; per request, medians. Every server "
+        "is restarted where the table says so. The main agent's requests are `main:`; `sub1` and `sub2` are "
+        "sub-agents (their own agent ids, the same system prompt).",
         "",
     ]
 
 
-def report_accounting(res: ResultFile, outcomes: list[Outcome], max_tokens: int) -> None:
-    """kvmem's usage checked against itself and against the prompt the bench rendered the way kvmem does."""
+def report_accounting(res: ResultFile, outcomes: list[Outcome], names: Sequence[str], max_tokens: int) -> None:
+    """Each server's usage checked against its own accounting and against the bench's rendering of the prompt."""
     rows = []
-    for n in (KVMEM, BEFORE):
+    for n in names:
         mine = [o for o in outcomes if o.contender == n]
-        if not mine:
-            continue
-        own = sum(o.reply.server.get("tokens_prefilled") != o.reply.prefilled for o in mine)
-        tokens = sum(o.reply.prompt_tokens != o.step.tokens for o in mine)
-        under = sum((o.reply.prefilled or 0) < o.step.minimum - max_tokens for o in mine)
-        rows.append([n, str(len(mine)), str(own), str(tokens), str(under)])
-    if rows:
-        res.body += [
-            "## kvmem's usage, checked", "",
-            *table(["server", "requests", "`kvmem.tokens_prefilled` ≠ prompt - cached",
-                    "`prompt_tokens` ≠ the bench's rendering", f"prefilled < minimum - {max_tokens}"], rows),
-            "",
-        ]
+        own = [o.reply.server.get("tokens_prefilled", o.reply.server.get("prompt_n")) for o in mine]
+        usage = [None if o.reply.cached_tokens is None else o.reply.prompt_tokens - o.reply.cached_tokens
+                 for o in mine]
+        rows.append([n, str(len(mine)), str(sum(a != b for a, b in zip(own, usage, strict=True))),
+                     str(sum(o.reply.prompt_tokens != o.step.tokens for o in mine)),
+                     str(sum((o.reply.prefilled or 0) < o.step.minimum - max_tokens for o in mine))])
+    res.body += [
+        "## Usage, checked", "",
+        *table(["server", "measured requests", "own prefill count ≠ `prompt_tokens - cached_tokens`",
+                "`prompt_tokens` ≠ the bench's rendering", f"prefilled < minimum - {max_tokens}"], rows),
+        "",
+        "The own prefill count is kvmem's `kvmem.tokens_prefilled`, llama.cpp's `timings.prompt_n`. A server's own "
+        f"reply (≤ {max_tokens} tokens) may begin the next scripted message, so a prefill a few tokens below the "
+        "minimum is no error.",
+        "",
+    ]
 
 
 def plot(res: ResultFile, session: list[Outcome], med: dict[tuple[str, str], dict[str, float]],
-         names: Sequence[str], restart_at: int | None) -> None:
+         names: Sequence[str], marks: list[tuple[float, str]]) -> None:
     plt = harness.pyplot()
     fig, ax = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [2, 1]})
     for n in names:
-        mine = [o for o in session if o.contender == n]
-        ax[0].plot(range(1, len(mine) + 1), [o.reply.first_ms for o in mine], "o-", ms=3, color=COLORS[n], label=n)
-    if restart_at is not None:
-        ax[0].axvline(restart_at + 0.5, color="grey", ls="--", lw=1)
-        ax[0].text(restart_at + 0.6, ax[0].get_ylim()[1], "restart", va="top", fontsize=8, color="grey")
+        mine = [median(o.reply.first_ms for o in same) for same in by_request(session, n)]
+        ax[0].plot(range(1, len(mine) + 1), mine, "o-", ms=3, color=COLORS[n], label=n)
+    for x, label in marks:
+        ax[0].axvline(x, color="grey", ls="--" if label == "restart" else ":", lw=1)
+        ax[0].text(x - 0.1, ax[0].get_ylim()[1], label, va="top", ha="right", rotation=90, fontsize=8, color="grey")
     ax[0].set_yscale("log")
     ax[0].set_xlabel("session request")
     ax[0].set_ylabel("first token ms (log)")
@@ -799,7 +847,7 @@ def contenders_of(before: Path | None, before_home: Path) -> list[Contender]:
 
 
 def _setup_lines(setup: Setup, binary: Path, contenders: list[Contender], sizes: Sizes, reps: int,
-                 quick: bool) -> list[str]:
+                 session_reps: int, *, quick: bool, client_tools: bool) -> list[str]:
     version, flags = build_info(binary)
     sha = hashlib.sha256(setup.gguf.read_bytes()).hexdigest()[:16]
     lines = [
@@ -810,6 +858,13 @@ def _setup_lines(setup: Setup, binary: Path, contenders: list[Contender], sizes:
         + (" ".join(f"`{k}={v}`" for k, v in setup.llama_env.items()) or "unchanged")
         + "; every request carries `cache_prompt: true`; its slot is chosen by prompt similarity",
         "kvmem: `kvmem serve --model kvmem-default --cache-dir <fresh folder>`, agents named by `X-Agent-ID`",
+        "the session's tools: kvmem gets `tools` and renders them in its generic format (SmolLM2's template has "
+        "no tool syntax); llama.cpp gets "
+        + ("the same messages with the tools, calls and results written in by the client as kvmem writes them "
+           "(`--llama-tools client`), so both prompts are the same tokens; sent as `tools`, llama.cpp's jinja "
+           "rendering of this template would leave out the definitions and the calls" if client_tools else
+           "`tools` as well (`--llama-tools server`): its rendering of SmolLM2's template leaves out the "
+           "definitions and renders calls as empty assistant turns, so its prompts are shorter than kvmem's"),
     ]
     for c in contenders:
         if isinstance(c, OlderKvmem):
@@ -819,7 +874,8 @@ def _setup_lines(setup: Setup, binary: Path, contenders: list[Contender], sizes:
         f"sizes (kvmem's tokenizer): system prompt ~{sizes.system}, history ~{sizes.history}, the session's tool "
         f"outputs in units of ~{sizes.result} tokens; `max_tokens` {sizes.max_tokens}, greedy, streamed with "
         f"`stream_options.include_usage`; {reps} repeat(s) of the patterns (one server per contender and repeat, "
-        "the order of contenders alternating between repeats), the session once per contender on its own server",
+        f"the order of contenders alternating between repeats), {session_reps} run(s) of the session per "
+        "contender, each on its own server (the order alternating on)",
         "a restart is SIGTERM, a new process and its readiness check (kvmem `/healthz`, llama-server `/health`); "
         "llama.cpp loses its prompt cache, kvmem keeps its caches on disk",
     ]
@@ -851,6 +907,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--before-home", type=Path, default=Path("/tmp/kvmem-bench-before"),
                    help="kvmem before's home, where it builds its models (default /tmp/kvmem-bench-before)")
     p.add_argument("--only", choices=("patterns", "session"), help="run one part (default both)")
+    p.add_argument("--session-repeats", type=int, default=1,
+                   help="runs of the session per contender (default 1; medians per request, means of the sums)")
+    p.add_argument("--llama-tools", choices=("client", "server"), default="client",
+                   help="the session's tools for llama.cpp: `client` (default) writes them into the messages as "
+                        "kvmem renders them, so both see the same prompt; `server` sends `tools` as to kvmem "
+                        "(SmolLM2's template has no tool syntax: llama.cpp's prompt then leaves out the "
+                        "definitions and the calls)")
     p.add_argument("--omp-wait-policy", choices=("passive", "active", "unset"), default="passive",
                    help="OMP_WAIT_POLICY for llama-server's OpenMP threads (default passive, as the race)")
     args = p.parse_args(argv)
@@ -860,6 +923,7 @@ def main(argv: list[str] | None = None) -> None:
     from runtime.model.default_model import default_model_file
 
     sizes, reps = (QUICK if args.quick else FULL), harness.repeats(args)
+    client_tools = args.llama_tools == "client"
     contenders = contenders_of(args.before, args.before_home)
     names = [c.name for c in contenders]
     res = ResultFile("agent_patterns", "Agent patterns: edits, compactions, sub-agents and restarts, kvmem vs "
@@ -874,14 +938,19 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-agent-patterns-") as tmp:
         setup = Setup(binary, default_model_file(), folder, Path(tmp), llama_env)
-        res.setup += _setup_lines(setup, binary, contenders, sizes, reps, args.quick)
+        res.setup += _setup_lines(setup, binary, contenders, sizes, reps, args.session_repeats, quick=args.quick,
+                                  client_tools=client_tools)
         for r, script in enumerate(scripts):
             for c in contenders if r % 2 == 0 else contenders[::-1]:
                 log(f"patterns, repeat {r}: {c.name}")
-                pattern_runs += run_script(c, setup, f"patterns-r{r}", script, r, sizes, res)
-        for c in contenders if session else []:
-            log(f"session: {c.name}")
-            session_runs += run_script(c, setup, "session", cast(Script, session), 0, sizes, res)
+                pattern_runs += run_script(c, setup, f"patterns-r{r}", script, r, sizes, res,
+                                           client_tools=client_tools)
+        for r in range(args.session_repeats if session else 0):
+            # The other order than the patterns' last repeat, alternating from there.
+            for c in contenders if (r + len(scripts)) % 2 == 0 else contenders[::-1]:
+                log(f"session, run {r}: {c.name}")
+                session_runs += run_script(c, setup, f"session-r{r}", cast(Script, session), r, sizes, res,
+                                           client_tools=client_tools)
 
     med = pattern_medians(pattern_runs)
     totals = {n: SessionTotals.of(o for o in session_runs if o.contender == n) for n in names} if session else {}
@@ -891,23 +960,27 @@ def main(argv: list[str] | None = None) -> None:
     if pattern_runs:
         report_patterns(res, med, names, reps)
     if session:
-        report_session(res, session, session_runs, names, totals)
-    report_accounting(res, pattern_runs + session_runs, sizes.max_tokens)
-    restart_at = _restart_index(session) if session else None
-    plot(res, session_runs, med, names, restart_at)
+        report_session(res, session, session_runs, names, totals, args.session_repeats)
+    report_accounting(res, pattern_runs + session_runs, names, sizes.max_tokens)
+    plot(res, session_runs, med, names, _marks(session) if session else [])
     path = res.write(plot=True)
     path.with_suffix(".json").write_text(json.dumps(res.raw, indent=1, default=str) + "\n")
     print(path.read_text())
 
 
-def _restart_index(script: Script) -> int | None:
-    """How many measured requests come before the script's restart."""
+def _marks(script: Script) -> list[tuple[float, str]]:
+    """Where the plot marks the session's restart, compaction and edit (x: the measured request's number)."""
+    named = {"main: compacted conversation": "compaction", "main: edit and resend": "edit"}
+    out: list[tuple[float, str]] = []
     measured = 0
     for step in script.steps:
         if isinstance(step, Restart):
-            return measured
-        measured += isinstance(step, Send) and step.measured
-    return None
+            out.append((measured + 0.5, "restart"))
+        elif step.measured:
+            measured += 1
+            if step.tag in named:
+                out.append((measured, named[step.tag]))
+    return out
 
 
 if __name__ == "__main__":

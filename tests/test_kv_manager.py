@@ -121,22 +121,18 @@ def test_another_agents_cache_gives_its_prefix_to_the_token_when_own_cache_has_n
     assert m.stats().prefix_hits == 1
 
 
-def test_a_short_system_prompt_of_another_agent_is_taken_and_a_template_opening_is_not():
-    """Every token in common beyond MIN_SHARED_TOKENS saves its prefill (a trim is a slice); below it, what
-    every agent has in common anyway (a chat template's opening) stays each agent's own. The agent's own cache
-    has no floor."""
+def test_less_than_a_block_of_another_agents_cache_is_not_taken_and_of_its_own_is():
+    """A short conversation replies as it does alone, whichever agents are hot (another agent's cache is Q4);
+    its prefill costs at most a block's. The agent's own cache has no floor."""
     from runtime.plan.kv_manager import MIN_SHARED_TOKENS
 
     m = _manager()
-    short = "s" * 40
+    short = "s" * (MIN_SHARED_TOKENS - 10)
     _put(m, "donor", Parked(TAG, short + " donor's question"))
+    assert m.plan("new", TAG, short + " my question", share_prefix=True, own=m.checkout("new", TAG)).tier == "cold"
+    _put(m, "new", Parked(TAG, short + " an earlier question"))
     plan = m.plan("new", TAG, short + " my question", share_prefix=True, own=m.checkout("new", TAG))
-    assert (plan.tier, plan.reuse_tokens) == ("shared", len(short))
-    opening = "s" * (MIN_SHARED_TOKENS - 2)
-    assert m.plan("new", TAG, opening + " my question", share_prefix=True, own=m.checkout("new", TAG)).tier == "cold"
-    _put(m, "new", Parked(TAG, opening + " an earlier question"))
-    plan = m.plan("new", TAG, opening + " my question", share_prefix=True, own=m.checkout("new", TAG))
-    assert (plan.tier, plan.reuse_tokens) == ("hot", len(opening))
+    assert (plan.tier, plan.reuse_tokens) == ("hot", len(short))
 
 
 def test_a_compacted_history_keeps_the_system_prompt_of_the_agents_own_cache():

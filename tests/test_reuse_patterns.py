@@ -116,8 +116,8 @@ def _assert_cut_as_cold(lm, prompt: str, cached: Sequence) -> None:
 
 def test_a_compacted_history_reuses_the_system_prompt_of_its_own_cache(lm):
     """The seeds' rule discarded a cache a prompt kept less than 80% of: the compaction turn went cold."""
-    system = {"role": "system", "content": _system(lm)}
-    long = lm.render([system, *_history(8), {"role": "user", "content": "What did the keeper see?"}])
+    system = {"role": "system", "content": _system(lm, 400)}
+    long = lm.render([system, *_history(6), {"role": "user", "content": "What did the keeper see?"}])
     first = _turn(lm, long)
     compacted = lm.render([system, {"role": "user", "content": "Summary: we read four parts of a story about a "
                                     "lighthouse keeper. Now, in one sentence, what is a lighthouse for?"}])
@@ -187,11 +187,11 @@ async def test_agents_share_a_prefix_to_the_token_hot_from_blocks_after_a_restar
     from actors import open_runtime
 
     lm = _default_model(None)
-    system = {"role": "system", "content": _system(lm, 700)}
+    system = {"role": "system", "content": _system(lm, 500)}
     asks = ["Who wrote the notes?", "What is the first note about?", "Name one idea from the notes."]
     sibling_messages = [[system, {"role": "user", "content": q}] for q in asks]
     system_tokens = len(lm.tokenize(lm.render([system], add_generation_prompt=False))[0])
-    history = _history(3)
+    history = _history(6)  # branch A runs more than a block past where branch B leaves it
     branch_a = [system, *history, {"role": "user", "content": "And then?"}]
     branch_b = [system, history[0], {"role": "user", "content": "Stop there. Who is speaking?"}]
 

@@ -112,14 +112,15 @@ _Donor = tuple[str, ParkedView, HotEntry | None]
 """A cache a turn may start from: its agent, the cache, and its hot-tier entry (None: a turn in flight's prompt)."""
 
 
-MIN_SHARED_TOKENS = 32
+MIN_SHARED_TOKENS = BLOCK_TOKENS
 """The fewest tokens a turn takes from another agent's cache (beyond them, to the token).
 
-What every agent of a tenant has in common without trying: the chat template's opening and a
-model's default system prompt (25 tokens on the default model). Prefilling them costs a few
-milliseconds (``benches/results/reuse_costs.md``); taking them from another agent would mark nearly
-every first turn ``shared`` and keep whichever agent donated them at the head of the hot tier's
-LRU order. The agent's own cache has no floor."""
+Another agent's cache is Q4 at rest: a turn that starts from it gets a reply that may part, at a
+near tie, from the one the same conversation gets alone. Below a block that is a chat template's
+opening, a default system prompt or a short one, whose prefill costs at most a block's (256 tokens:
+``benches/results/reuse_costs.md``), so a short conversation replies as it does alone, whichever
+agents happen to be hot (``tests/test_reliability_load.py``); a long system prompt, the case sharing
+is for, is taken to the token. The agent's own cache has no floor."""
 
 
 def _whole_blocks(tokens: int) -> int:
