@@ -191,6 +191,8 @@ class KVCacheManager:
         hot, in_flight = self._donors(agent_id, model_tag)
         best: tuple[PrefixMatch, str, ParkedView, HotEntry | None] | None = None
         for donor, parked, entry in hot + in_flight:
+            if parked.num_tokens < MIN_SHARED_TOKENS:
+                continue  # it cannot give enough: not worth matching its text
             match = match_prefix(parked.text, parked.offsets, prompt)
             if match.reuse_tokens >= MIN_SHARED_TOKENS and match.reuse_chars > (best[0].reuse_chars if best else beyond):
                 best = (match, donor, parked, entry)
