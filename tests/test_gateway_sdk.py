@@ -558,7 +558,10 @@ def test_a_claude_code_shaped_session_reuses_the_agent_cache_every_turn(claude: 
                                                messages=messages, extra_headers=headers).input_tokens  # type: ignore[arg-type]
         raw = claude.messages.with_raw_response.create(
             model=MODEL, max_tokens=12, system=system, tools=CODING_TOOLS, messages=messages,  # type: ignore[arg-type]
-            thinking={"type": "enabled", "budget_tokens": 1024}, extra_headers=headers)
+            # Greedy: at Anthropic's default temperature (1) the reply was drawn from the process's random stream,
+            # so its text, and how far its re-tokenization parts from the tokens kvmem generated (the count below
+            # allows a few), depended on every test that ran before in the process (25 tokens once, a fresh clone).
+            thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0}, extra_headers=headers)
         reply = raw.parse()
         # thinking is declined cleanly: an ordinary answer, no thinking blocks
         assert [block.type for block in reply.content] == ["text"]
