@@ -41,6 +41,7 @@ from actors.messages_agent import ChatTurn
 from actors.messages_store import AgentRecord
 from actors.metrics import RunningTurn
 from gateway.context import (
+    AGENT_SEGMENT_KEY,
     CLIENT_GONE,
     Gateway,
     decode_agent_id,
@@ -51,7 +52,7 @@ from gateway.context import (
     request_id,
     tenant_of_request,
 )
-from gateway.errors import ApiError, error_dict, from_exception, runtime_errors
+from gateway.errors import DISK_CODES, ApiError, error_dict, from_exception, runtime_errors
 from gateway.openai_api import response_format_of
 from gateway.schemas_agents import (
     AgentInfo,
@@ -92,13 +93,12 @@ def routes(gw: Gateway) -> list[Route]:
 
     def agent_of(request: Request) -> AgentHandle:
         # checks the id, and names it in the request's tenant
-        raw_path = request.scope.get("raw_path")
-        if raw_path is not None:
-            # The server decoded the path with errors="replace": %FF%FE and %FE%FF both read
-            # U+FFFD U+FFFD. Decoding strictly refuses them; when it succeeds it reads what the
-            # server read, and only the id segment can hold non-ASCII (the rest had to match a route).
-            decode_agent_id(raw_path.partition(b"?")[0], param="agent_id")
-        return gw.agent(request.path_params["agent_id"], tenant=tenant_of_request(request))
+        agent_id = request.path_params["agent_id"]
+        if request.scope.get(AGENT_SEGMENT_KEY):
+            # Routed on the segment as sent (gateway.app.keep_agent_id_encoded): decoded here, strictly, so
+            # %FF%FE and %FE%FF (both U+FFFD U+FFFD to a lenient decoder) are refused, not one agent.
+            agent_id = decode_agent_id(agent_id.encode("latin-1"), param="agent_id")
+        return gw.agent(agent_id, tenant=tenant_of_request(request))
 
     async def list_agents(request: Request) -> Response:
         tenant = tenant_of_request(request)
@@ -124,8 +124,15 @@ def routes(gw: Gateway) -> list[Route]:
     async def delete_agent(request: Request) -> Response:
         handle = agent_of(request)
         agent_id = handle.agent_id
-        with runtime_errors():
-            existed = await handle.forget()
+        try:
+            with runtime_errors():
+                existed = await handle.forget()
+        except ApiError as exc:
+            if exc.code in DISK_CODES:  # its RAM copy is gone, its files are not: say so, they come back
+                raise ApiError(exc.status, exc.kind, f"agent {local_id(agent_id)!r} was not forgotten: its cache on "
+                               f"disk could not be deleted and is read again after a restart; {exc.message}",
+                               code=exc.code, param="agent_id") from None
+            raise
         if not existed:
             raise ApiError(404, "not_found", f"agent {local_id(agent_id)!r} has no cache", param="agent_id")
         return gw.json(Deleted(id=local_id(agent_id), object="agent", deleted=True))

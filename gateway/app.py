@@ -39,6 +39,7 @@ import time
 from collections.abc import Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import msgspec
 from starlette.applications import Starlette
@@ -50,8 +51,8 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import agents_api, anthropic_api, openai_api, status_api
-from gateway.context import REQUEST_ID_KEY, TENANT_KEY, Gateway, request_id
-from gateway.errors import ApiError, error_body, flavor_of
+from gateway.context import AGENT_SEGMENT_KEY, REQUEST_ID_KEY, TENANT_KEY, Gateway, request_id
+from gateway.errors import ApiError, error_body, flavor_of, from_exception
 from gateway.metrics import CONTENT_TYPE, render_metrics
 from gateway.openapi import openapi_document
 from gateway.tenants import OPERATOR_PATHS, TenantKeys, load_tenant_keys, retry_after
@@ -123,6 +124,32 @@ def _tenant_refusal(scope: Scope, keys: TenantKeys) -> ApiError | None:
     return None
 
 
+AGENT_PATH = "/v1/agents/"
+
+
+def keep_agent_id_encoded(scope: Scope) -> None:
+    """Route an agent path with its id segment as the client percent-encoded it.
+
+    The server decodes the path before routing, so an id holding ``/`` (``team%2Falice``,
+    which ``user`` and ``X-Agent-ID`` accept) would read as two segments and match no route,
+    and an id of ``/`` would be redirected. Routing on the raw segment (ASGI's ``raw_path``)
+    lets every id a client can create be read, continued and forgotten by URL; the route
+    decodes it (:func:`gateway.context.decode_agent_id`, strict UTF-8). Marks the scope
+    (:data:`gateway.context.AGENT_SEGMENT_KEY`) so the route knows its segment is still encoded.
+    """
+    raw = scope.get("raw_path")
+    if not raw or not scope["path"].startswith(AGENT_PATH):
+        return
+    raw = raw.partition(b"?")[0]
+    prefix = AGENT_PATH.encode()
+    if not raw.startswith(prefix):
+        return
+    segment, slash, rest = raw[len(prefix):].partition(b"/")
+    # Latin-1 keeps every byte as one character: a segment that is not UTF-8 reaches the route, which refuses it.
+    scope["path"] = AGENT_PATH + segment.decode("latin-1") + slash.decode() + unquote(rest.decode("latin-1"))
+    scope[AGENT_SEGMENT_KEY] = True
+
+
 def _has_body(scope: Scope) -> bool:
     for name, value in scope["headers"]:
         if name == b"content-length":
@@ -151,6 +178,7 @@ class GatewayMiddleware:
             return
         rid = "req_" + secrets.token_hex(12)
         scope[REQUEST_ID_KEY] = rid
+        keep_agent_id_encoded(scope)
         status = 500
         body_read = not _has_body(scope)
 
@@ -214,6 +242,9 @@ async def _on_disconnect(request: Request, exc: Exception) -> Response:
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, RecursionError):  # the request's own nesting (gateway.json_depth bounds the body's)
+        log.info("request %s: nested too deeply to be read", request_id(request))
+        return _error_response(from_exception(exc), request.scope)
     log.error("request %s failed", request_id(request), exc_info=exc)
     error = ApiError(500, "api_error", f"internal error: {type(exc).__name__}")
     return _error_response(error, request.scope)

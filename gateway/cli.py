@@ -38,11 +38,15 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    from gateway.cli_common import the_one_error
     from runtime.config import ConfigError
     from runtime.errors import KvmemError
 
     try:
-        return int(args.func(args) or 0)
+        try:
+            return int(args.func(args) or 0)
+        except BaseExceptionGroup as group:  # raised in a nursery (``serve``'s): one refusal is one line
+            raise the_one_error(group, (ConfigError, KvmemError)) from None
     except ConfigError as exc:
         print(f"kvmem {args.command}: {exc}", file=sys.stderr)
         return 2

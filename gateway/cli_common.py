@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from runtime.config import Config
 
-__all__ = ["add_setting_options", "config_from_args"]
+__all__ = ["add_setting_options", "config_from_args", "the_one_error"]
 
 
 def add_setting_options(p: argparse.ArgumentParser, *, server: bool = False) -> None:
@@ -62,3 +62,26 @@ def config_from_args(args: argparse.Namespace, **defaults: Any) -> Config:
 
     flags = {name: getattr(args, name, None) for name in FIELDS}
     return load_config(flags, config_file=getattr(args, "config", None), defaults=defaults)
+
+
+def the_one_error(group: BaseExceptionGroup, expected: tuple[type[Exception], ...]) -> BaseException:
+    """The first of ``expected`` in ``group`` when the group holds nothing else but cancellations and
+    interruptions (the nursery's other tasks, stopped by it); else the group itself, traceback and all."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    found = [e for e in leaves if isinstance(e, expected)]
+    stopped = (*expected, KeyboardInterrupt)
+    others = [e for e in leaves if not isinstance(e, stopped) and type(e).__name__ != "Cancelled"]
+    if found and not others:
+        return found[0]
+    if leaves and all(isinstance(e, KeyboardInterrupt) for e in leaves):
+        return leaves[0]
+    return group

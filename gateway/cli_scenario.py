@@ -196,6 +196,7 @@ def _drive(args: argparse.Namespace, spec: Any, state: Any, run_dir: Path, confi
 
     from actors.scenario.report import build_report, write_outputs
     from actors.scenario.state import save_state
+    from gateway.cli_common import the_one_error
 
     out = sys.stdout
     if not args.json:
@@ -211,6 +212,14 @@ def _drive(args: argparse.Namespace, spec: Any, state: Any, run_dir: Path, confi
         trio.run(_session, args, spec, state, run_dir, config, fresh)
     except KeyboardInterrupt:
         interrupted = True
+        if state.status == "running":
+            state.status = "interrupted"
+    except BaseException as exc:
+        if state.status == "running":  # refused before the runner began (the home in use, the model): not running
+            reason = the_one_error(exc, (Exception,)) if isinstance(exc, BaseExceptionGroup) else exc
+            state.status = "failed"
+            state.error = f"{type(reason).__name__}: {reason}"
+        raise
     finally:
         try:
             state.environment["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

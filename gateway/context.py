@@ -58,6 +58,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import ApiError, from_decode_error, runtime_errors
+from gateway.json_depth import MAX_JSON_DEPTH, json_depth
 from runtime.config import Config
 from runtime.errors import InvalidAgentIdError
 from runtime.identity import local_id, namespaced, safe_agent_dirname
@@ -75,8 +76,11 @@ __all__ = [
     "AgentRef",
     "resolve_agent_id",
     "decode_agent_id",
+    "decode_body",
+    "DECODE_ON_LOOP_BYTES",
     "conversation_id",
     "REQUEST_ID_KEY",
+    "AGENT_SEGMENT_KEY",
     "request_id",
     "kvmem_extras",
     "kvmem_headers",
@@ -173,6 +177,30 @@ def decode_agent_id(raw: bytes, *, param: str) -> str:
                        code="invalid_agent_id") from None
 
 
+DECODE_ON_LOOP_BYTES = 256 * 1024
+"""Bodies up to this size are decoded on the event loop (well under a millisecond); larger ones on a thread."""
+
+
+def decode_body(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:
+    """``body`` decoded by ``decoder`` once its nesting is measured (:mod:`gateway.json_depth`).
+
+    Raises:
+        ApiError: 400 for nesting past :data:`MAX_JSON_DEPTH`, malformed JSON, text that is not
+            UTF-8, or a schema violation (its JSON path as ``param``).
+    """
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise ApiError(400, "invalid_request", f"the request body nests {depth} levels deep; at most "
+                       f"{MAX_JSON_DEPTH} are allowed", code="too_deeply_nested")
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise from_decode_error(exc) from None
+    except UnicodeDecodeError as exc:  # msgspec raises it for bytes that are not UTF-8 inside a string
+        raise ApiError(400, "invalid_request", f"the request body is not valid UTF-8 ({exc.reason} at byte "
+                       f"{exc.start})", code="invalid_json") from None
+
+
 DURABLE_HEADER = "x-kvmem-durable"
 """A request header: ``true`` (or ``1``) answers the turn only once its cache is on disk; ``false`` (``0``)
 answers as soon as it is generated (write-behind). Absent: the server's ``durable`` setting."""
@@ -196,6 +224,9 @@ def durable_of(headers: Mapping[str, str]) -> bool | None:
 
 REQUEST_ID_KEY = "kvmem_request_id"
 """Where the gateway's middleware keeps a request's id in the ASGI scope."""
+
+AGENT_SEGMENT_KEY = "kvmem_agent_segment_encoded"
+"""Scope key: the path's agent id segment is still percent-encoded (:func:`gateway.app.keep_agent_id_encoded`)."""
 
 
 def request_id(request: Request) -> str:
@@ -380,17 +411,15 @@ class Gateway:
         return b"".join(chunks)
 
     async def decode(self, request: Request, decoder: msgspec.json.Decoder[T]) -> T:
-        """Read and decode a JSON body; malformed JSON or a schema violation is a 400."""
+        """Read and decode a JSON body; malformed JSON, nesting past :data:`MAX_JSON_DEPTH` or a schema
+        violation is a 400. A body over :data:`DECODE_ON_LOOP_BYTES` is measured and decoded on a worker
+        thread: tens of milliseconds for a few megabytes, which would otherwise stall every other request."""
         body = await self.read_body(request)
         if not body.strip():
             raise ApiError(400, "invalid_request", "the request body is empty; a JSON object is required")
-        try:
-            return decoder.decode(body)
-        except msgspec.DecodeError as exc:
-            raise from_decode_error(exc) from None
-        except UnicodeDecodeError as exc:  # msgspec raises it for bytes that are not UTF-8 inside a string
-            raise ApiError(400, "invalid_request", f"the request body is not valid UTF-8 ({exc.reason} at byte "
-                           f"{exc.start})", code="invalid_json") from None
+        if len(body) > DECODE_ON_LOOP_BYTES:
+            return await trio.to_thread.run_sync(decode_body, body, decoder)
+        return decode_body(body, decoder)
 
     async def accepted_stream(self, request: Request, handle: AgentHandle, turn: ChatTurn) -> TurnStream | None:
         """Start ``turn`` streaming and wait until it is accepted, so a refused turn is a real 4xx.

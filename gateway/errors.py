@@ -12,6 +12,9 @@ A ``msgspec.ValidationError`` becomes a 400 whose ``param`` is the JSON path it 
 
 from __future__ import annotations
 
+import builtins
+import errno
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +33,8 @@ __all__ = [
     "from_exception",
     "from_decode_error",
     "runtime_errors",
+    "without_server_paths",
+    "DISK_CODES",
 ]
 
 Flavor = Literal["anthropic", "openai", "kvmem"]
@@ -115,6 +120,40 @@ def from_decode_error(exc: msgspec.DecodeError) -> ApiError:
     return ApiError(400, "invalid_request", f"the body is not valid JSON: {message}", code="invalid_json")
 
 
+# An absolute path of two or more components (not a URL's: no scheme or host before it).
+_SERVER_PATH = re.compile(r"(?<![\w.:/~-])/(?:[^\s/'\"`,;()\[\]{}<>]+/)+(?P<name>[^\s/'\"`,;()\[\]{}<>]*)")
+_ERRNO = re.compile(r"\[Errno (?P<errno>\d+)\]")
+
+
+def without_server_paths(text: str) -> str:
+    """``text`` with each absolute file path cut to its last name (``…/manifest.json``): an error a client
+    reads says what failed, never where this server keeps its files. The server's log keeps the whole path."""
+    return _SERVER_PATH.sub(lambda m: "…/" + m.group("name"), text)
+
+
+DISK_CODES = frozenset({"insufficient_storage", "cache_dir_not_writable", "disk_error"})
+"""The ``code`` of an error that :func:`from_exception` made of a disk failure."""
+
+
+def _disk_error(kind: str, message: str) -> ApiError | None:
+    """The HTTP error for an ``OSError`` (by its class name, its errno in the message) a runtime call met on
+    disk: 507 when the disk is full, 503 when the cache directory cannot be written, else 500; None when
+    ``kind`` is no ``OSError``."""
+    cls = getattr(builtins, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, OSError)):
+        return None
+    found = _ERRNO.search(message)
+    code = int(found.group("errno")) if found else None
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return ApiError(507, "api_error", f"the cache directory's disk is full ({os.strerror(code)})",
+                        code="insufficient_storage")
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return ApiError(503, "overloaded", f"the cache directory cannot be written ({os.strerror(code)})",
+                        code="cache_dir_not_writable")
+    reason = os.strerror(code) if code is not None else kind
+    return ApiError(500, "api_error", f"the cache directory failed: {reason}", code="disk_error")
+
+
 def from_exception(exc: Exception) -> ApiError:
     """The HTTP error for an exception a runtime call raised."""
     from actors.client import (
@@ -130,6 +169,8 @@ def from_exception(exc: Exception) -> ApiError:
                         code="context_length_exceeded")
     if isinstance(exc, ContextLengthExceededError):  # OpenAI's code and param for the same refusal
         return ApiError(400, "invalid_request", str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, RecursionError):  # a structure nested in a string field (tool arguments, YAML)
+        return ApiError(400, "invalid_request", "the request nests too deeply to be read", code="too_deeply_nested")
     if isinstance(exc, InvalidAgentIdError):
         return ApiError(400, "invalid_request", f"invalid agent id: {exc}", param="agent_id", code="invalid_agent_id")
     if isinstance(exc, ValueError):
@@ -140,14 +181,22 @@ def from_exception(exc: Exception) -> ApiError:
         if exc.kind in ("Closed", "Cancelled"):
             return ApiError(503, "overloaded", "kvmem is shutting down")
         if exc.kind == "NotSaved":  # a durable turn (X-Kvmem-Durable) whose cache did not reach the disk
+            reason = without_server_paths(str(exc).removeprefix("NotSaved: "))
             return ApiError(500, "api_error", f"the turn was generated but its cache could not be saved, so it is "
-                            f"not answered as durable: {str(exc).removeprefix('NotSaved: ')}", code="cache_not_saved")
+                            f"not answered as durable: {reason}", code="cache_not_saved")
+        disk = _disk_error(exc.kind, str(exc))
+        if disk is not None:
+            return disk
         if exc.kind == "AgentBusy":  # another node runs a turn of this agent (its lease in the shared tier)
             return ApiError(429, "rate_limit", str(exc).removeprefix("AgentBusy: "), code="agent_busy",
                             retry_after_s=1)
         if exc.kind.startswith("Template") or exc.kind == "UndefinedError":
             return ApiError(400, "invalid_request", f"the chat template cannot render these messages: {exc}")
-    return ApiError(500, "api_error", f"internal error: {type(exc).__name__}: {exc}")
+    if isinstance(exc, OSError):
+        disk = _disk_error(type(exc).__name__, str(exc))
+        if disk is not None:
+            return disk
+    return ApiError(500, "api_error", without_server_paths(f"internal error: {type(exc).__name__}: {exc}"))
 
 
 @contextmanager

@@ -108,7 +108,7 @@ def _arguments(text: str) -> dict[str, Any] | str:
     """A call's arguments as an object for the chat template (as mlx-lm's server passes them); text if not one."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return text
     return value if isinstance(value, dict) else text
 

@@ -41,6 +41,8 @@ from starlette.routing import BaseRoute, Route
 from actors.scenario.catalog import library_names, library_text
 from actors.scenario.service import RunConflictError, RunNotFoundError, ScenarioService
 from actors.scenario.spec import ScenarioError, load_scenario
+from gateway.context import decode_body
+from gateway.errors import ApiError
 
 if TYPE_CHECKING:
     from actors.supervisor import Runtime
@@ -129,13 +131,9 @@ def scenario_routes(rt: Runtime, *, home: Path, nursery: trio.Nursery | None = N
 
     async def create(request: Request) -> JSONResponse:
         try:
-            body = _decoder.decode(await request.body())
-        except msgspec.ValidationError as exc:
-            return _error(400, "invalid_request", str(exc))
-        except msgspec.DecodeError as exc:
-            return _error(400, "invalid_request", f"body is not JSON: {exc}")
-        except UnicodeDecodeError as exc:  # bytes that are not UTF-8 inside a JSON string
-            return _error(400, "invalid_request", f"body is not valid UTF-8 ({exc.reason} at byte {exc.start})")
+            body = decode_body(await request.body(), _decoder)
+        except ApiError as exc:  # malformed, too deeply nested, not UTF-8, or not the schema
+            return _error(exc.status, exc.kind, exc.message)
         given = [k for k in ("name", "yaml", "resume") if getattr(body, k) is not None]
         if len(given) != 1:
             return _error(400, "invalid_request", "give exactly one of 'name', 'yaml' or 'resume'")

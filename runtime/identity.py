@@ -185,6 +185,10 @@ def safe_agent_dirname(agent_id: str) -> str:
     return name
 
 
+DOT_SEGMENTS = frozenset({".", ".."})
+"""Ids :func:`check_agent_id` refuses: no URL path can hold them as a segment."""
+
+
 def check_agent_id(agent_id: str) -> str:
     """``agent_id`` once checked, in the one spelling kvmem keys the agent by.
 
@@ -192,7 +196,8 @@ def check_agent_id(agent_id: str) -> str:
     name (``café`` as ``e`` + U+0301 or as U+00E9) are one agent, one cache and one
     folder, whichever door (header, body field, path, CLI) the id came in by. It may
     not hold U+FFFD: a lenient decoder writes that character for bytes that were not
-    valid UTF-8, so two different byte strings would otherwise become one agent.
+    valid UTF-8, so two different byte strings would otherwise become one agent. It
+    may not be ``.`` or ``..`` (:data:`DOT_SEGMENTS`), which no URL can name.
 
     Returns:
         The normalized id (the tenant part, if any, unchanged): callers key the agent by it.
@@ -211,6 +216,10 @@ def check_agent_id(agent_id: str) -> str:
     if "\ufffd" in local:
         raise InvalidAgentIdError("agent id contains U+FFFD (the replacement character, left where bytes "
                                   "were not valid UTF-8)")
+    if local in DOT_SEGMENTS:
+        # A URL cannot name it: browsers (and the WHATWG URL parser) resolve "." and ".." segments, even
+        # percent-encoded, so /v1/agents/{id} and the operator page could never reach or forget it.
+        raise InvalidAgentIdError(f"agent id {local!r} is a relative path segment no URL can name; choose another")
     local = unicodedata.normalize("NFC", local)
     safe_agent_dirname(local)
     return namespaced(tenant, local)

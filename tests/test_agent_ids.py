@@ -177,3 +177,48 @@ async def test_the_runtime_api_normalizes_too(tmp_path: Path) -> None:
         await handle.send([{"role": "user", "content": "hi"}], max_tokens=2)
         assert NFC in rt.live_agents() and NFD not in rt.live_agents()
         assert await rt.agent(NFC).forget()
+
+
+# -- every id a client can create is reachable by URL (issue 58, item 3) ---------------
+
+REACHABLE = ["team/alice", "/", "a/b/c", "50% off", "two  spaces", "...", ".x", "x/..", "x/messages", NFD,
+             "é" * 256, "z" * 256]
+
+
+def _url_segment(agent_id: str) -> str:
+    """``agent_id`` as one path segment: every reserved character escaped, dots too (``..`` is no traversal)."""
+    return quote(agent_id, safe="").replace(".", "%2E")
+
+
+@pytest.mark.parametrize("agent_id", REACHABLE, ids=lambda a: repr(a[:12]))
+def test_an_id_created_by_user_or_header_is_read_continued_and_forgotten_by_url(http: httpx.Client,
+                                                                               agent_id: str) -> None:
+    created = _openai(http, "remember the reachable id", user=agent_id)
+    assert created.status_code == 200, created.text
+    kept = unicodedata.normalize("NFC", agent_id)
+    assert kept in _listed(http)
+    path = f"/v1/agents/{_url_segment(agent_id)}"
+    found = http.get(path)
+    assert found.status_code == 200, found.text
+    assert found.json()["id"] == kept and found.json()["cached_tokens"] > 0
+    turn = http.post(f"{path}/messages", json={"max_tokens": 2, "prompt": "and continue it"})
+    assert turn.status_code == 200, turn.text
+    assert turn.json()["agent_id"] == kept, turn.json()
+    header = _openai(http, "by its header too", headers={"X-Agent-ID": header_safe(kept)})
+    assert header.status_code == 200 and header.headers["x-kvmem-agent-id"] == header_safe(kept), header.text
+    gone = http.delete(path)
+    assert gone.status_code == 200, gone.text
+    assert http.get(path).status_code == 404 and kept not in _listed(http)
+
+
+@pytest.mark.parametrize("refused", ["z" * 257, "..", "."])
+def test_an_id_no_url_can_name_is_the_same_400_by_every_door(http: httpx.Client, refused: str) -> None:
+    too_long = refused
+    segment = _url_segment(refused)
+    responses = [_openai(http, "long", user=too_long), _anthropic(http, "long", user_id=too_long),
+                 _openai(http, "long", headers={"X-Agent-ID": too_long}), http.get(f"/v1/agents/{segment}"),
+                 http.post(f"/v1/agents/{segment}/messages", json={"max_tokens": 2, "prompt": "x"}),
+                 http.delete(f"/v1/agents/{segment}")]
+    assert [r.status_code for r in responses] == [400] * len(responses), [r.text for r in responses]
+    assert all(("256" if len(refused) > 2 else "no URL can name") in r.text for r in responses), \
+        [r.text for r in responses]

@@ -292,3 +292,20 @@ def test_cli_run_stop_and_resume_in_a_new_runtime(tmp_path, capsys):
     assert load_state(out).status == "done"
     for name in ("transcript.md", "transcript.json", "public.md", "report.md", "report.json"):
         assert (out / name).is_file()
+
+
+def test_cli_run_refused_at_start_is_marked_failed_not_running(tmp_path, capsys):
+    """A run that cannot open its runtime (another process holds the home) says so in one line and is left
+    ``failed`` with the reason, not ``running`` forever in ``GET /v1/scenarios`` and the operator page."""
+    from gateway.cli import main
+    from runtime.persist.owner import OwnerLock
+
+    out = tmp_path / "run"
+    with OwnerLock(tmp_path / "caches", command="kvmem serve"):
+        code = main(["scenario", "run", "gossip", "--out", str(out), "--model", MODEL, "--home", str(tmp_path),
+                     "--no-plot", "--max-tokens", "4"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "in use by" in err and "Traceback" not in err, err
+    state = load_state(out)
+    assert state.status == "failed" and "in use by" in state.error, (state.status, state.error)

@@ -228,9 +228,11 @@ def test_ids_that_try_to_name_another_tenant_are_refused_or_stay_home(
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_agent_id", hostile
         assert globex.get("/v1/agents/" + hostile.replace("\u001f", "%1F")).status_code == 400
     acme_before = sorted(p.name for p in (caches / "caches" / "tenants" / "acme").rglob("*"))
-    for sneaky in ("../acme/agents/alice", "../../tenants/acme", "..", "acme:alice"):
+    for sneaky in ("../acme/agents/alice", "../../tenants/acme", "acme:alice"):
         assert _openai(globex, agent=sneaky).status_code == 200
         assert globex.get("/v1/agents/" + sneaky.replace("/", "%2F")).status_code in (200, 404)
+    refused = _openai(globex, agent="..")  # no URL could name it (runtime.identity.DOT_SEGMENTS)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_agent_id"
     assert sorted(p.name for p in (caches / "caches" / "tenants" / "acme").rglob("*")) == acme_before
     assert acme.get("/v1/agents/alice").status_code in (200, 404)
 

@@ -200,6 +200,8 @@ def decode_scenario(text: str, *, source: str = "<string>") -> ScenarioSpec:
         data: Any = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ScenarioError(source, [f"not valid YAML: {exc}"]) from None
+    except RecursionError:
+        raise ScenarioError(source, ["the YAML nests too deeply to be read"]) from None
     if not isinstance(data, dict):
         raise ScenarioError(source, ["expected a mapping with 'name', 'agents' and 'phases' at the top level"])
     try:

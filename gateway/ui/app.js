@@ -51,6 +51,12 @@
     }
   }
 
+  // An agent id as one path segment: "/" and "%" escaped, and dots too, so that an id
+  // of "." or ".." is not a dot segment the browser would resolve away.
+  function agentSegment(id) {
+    return encodeURIComponent(id).replace(/\./g, "%2E");
+  }
+
   function apiUrl(path) {
     // The page lives at <prefix>/ui/: the API is one level up (works behind a path prefix too).
     return new URL("../" + path, new URL("./", location.href));
@@ -629,7 +635,7 @@
     const ok = window.confirm(`Forget agent “${id}”?\n\nIts cache is deleted from RAM and disk; its next turn starts cold.`);
     if (!ok) return;
     try {
-      const response = await call(`v1/agents/${encodeURIComponent(id)}`, { method: "DELETE" });
+      const response = await call(`v1/agents/${agentSegment(id)}`, { method: "DELETE" });
       if (!response.ok && response.status !== 404) throw new HttpError(response.status, await errorText(response));
       delete state.chats[id];
       saveChats();
@@ -745,7 +751,7 @@
     state.chatBusy = true;
     $("chat-send").disabled = true;
     try {
-      const response = await call(`v1/agents/${encodeURIComponent(id)}/messages`, {
+      const response = await call(`v1/agents/${agentSegment(id)}/messages`, {
         method: "POST",
         headers: { "content-type": "application/json" },
         body: JSON.stringify({ messages, max_tokens: maxTokens, stream: true }),
