@@ -95,5 +95,10 @@ class EventStreamResponse:
             nursery.start_soon(keep_alive)
             await self.producer(emit)
             async with sending:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                # Shielded: ending the body makes the server tell the app the request is over
+                # (``http.disconnect``, which wakes watch_disconnect and cancels this nursery)
+                # and then close a ``Connection: close`` connection, still inside this call.
+                # Cancelled there, the connection stayed open until the client gave up.
+                with trio.CancelScope(shield=True):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
             nursery.cancel_scope.cancel()

@@ -8,12 +8,14 @@ Against a real hypercorn server on :class:`fake_engine.FakeEngine`:
   nesting inside a string field that kvmem parses (a tool call's ``arguments``, a scenario's YAML);
 * a failed forget on a cache directory that cannot be written is a 503 that says the agent was not
   forgotten, names no path, and the agent is still there after a restart (as the client was told);
-* an internal error's body names no absolute path (:func:`gateway.errors.without_server_paths`).
+* an internal error's body names no absolute path (:func:`gateway.errors.without_server_paths`);
+* a stream asked with ``Connection: close`` is closed once its last event is out (item 5).
 """
 
 from __future__ import annotations
 
 import errno
+import socket
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,3 +183,27 @@ def test_a_forget_the_disk_refuses_is_a_503_and_the_agent_is_still_there_after_a
         assert http.delete("/v1/agents/kept").status_code == 200
     with ServerThread(config, engine=FakeEngine()) as running, httpx.Client(base_url=running.url) as http:
         assert http.get("/v1/agents/kept").status_code == 404  # forgotten stays forgotten
+
+
+# -- Connection: close after a stream (issue 58, item 5) ---------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/agents/closer/messages"])
+def test_a_finished_stream_asked_with_connection_close_closes_the_connection(server: ServerThread, path: str) -> None:
+    """The server closes the socket once the stream's last event is out, as the request asked: a client that
+    reads to the end of the connection (HTTP/1.0 style, some proxies) is not left waiting for a timeout."""
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "stream": True,
+                            "messages": [{"role": "user", "content": "close after this"}]}
+    if path.startswith("/v1/agents/"):
+        body = {"prompt": "close after this", "max_tokens": 3, "stream": True}
+    payload = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: kvmem\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        received = b""
+        while chunk := sock.recv(65536):  # a connection left open times out here (10 s) and fails the test
+            received += chunk
+    head, _, rest = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"connection: close" in head.lower(), head
+    assert rest.endswith(b"0\r\n\r\n"), rest[-200:]  # the whole stream came before the close
