@@ -109,7 +109,7 @@ class AgentActor:
         idle_timeout_s: float,
         retire: Callable[[AgentActor], bool],
         handled: Callable[[], None] = lambda: None,
-        durable: bool = False,
+        durable: bool = True,
         events: deque[GpuEvent] | None = None,
     ) -> None:
         self.agent_id = agent_id

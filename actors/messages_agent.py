@@ -135,7 +135,7 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
             cache has nothing reusable, and let others start from this one's.
         durable: answer only once the turn's cache is saved on disk (fsynced): a turn
             answered is a turn kept, even if the process is killed right after. None:
-            the runtime's ``durable`` setting (default off: the save is write-behind).
+            the runtime's ``durable`` setting (on by default; off: the save is write-behind).
     """
 
     agent_id: str

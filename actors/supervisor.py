@@ -136,7 +136,7 @@ class Runtime:
         agents_nursery: trio.Nursery,
         metrics: RuntimeMetrics,
         idle_timeout_s: float,
-        durable: bool = False,
+        durable: bool = True,
         manager: KVCacheManager | None = None,
     ) -> None:
         self._gpu = gpu

@@ -180,10 +180,14 @@ def from_exception(exc: Exception) -> ApiError:
     if isinstance(exc, TurnFailedError):
         if exc.kind in ("Closed", "Cancelled"):
             return ApiError(503, "overloaded", "kvmem is shutting down")
-        if exc.kind == "NotSaved":  # a durable turn (X-Kvmem-Durable) whose cache did not reach the disk
+        if exc.kind == "NotSaved":  # a durable turn (the default) whose cache did not reach the disk
             reason = without_server_paths(str(exc).removeprefix("NotSaved: "))
-            return ApiError(500, "api_error", f"the turn was generated but its cache could not be saved, so it is "
-                            f"not answered as durable: {reason}", code="cache_not_saved")
+            found = _ERRNO.search(reason)
+            disk = _disk_error("OSError", reason) if found else None
+            return ApiError(disk.status if disk else 500, disk.kind if disk else "api_error",
+                            f"the turn was generated but its cache could not be saved, so it is not answered "
+                            f"(durable turns are the default; X-Kvmem-Durable: false answers without waiting "
+                            f"for the disk): {reason}", code="cache_not_saved")
         disk = _disk_error(exc.kind, str(exc))
         if disk is not None:
             return disk

@@ -103,8 +103,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         fsync: fsync cache files (turn off only for throwaway caches).
         durable: answer a turn (the non-streaming response, a stream's final event) only
             once its cache is saved, so a turn answered is a turn kept even if the process
-            is killed right after; off: the save is write-behind, 15-30 ms after the answer
-            (a request turns it on or off for itself with ``X-Kvmem-Durable``).
+            is killed right after (the default); off: the save is write-behind, 15-30 ms after
+            the answer (a request turns it on or off for itself with ``X-Kvmem-Durable``).
         store: the shared tier, ``redis://[:PASSWORD@]HOST:PORT/DB`` (``rediss://`` for
             TLS): the local cache directory stays the fast tier, Redis holds every
             node's caches so any node serves any agent (:mod:`runtime.persist.remote`).
@@ -204,7 +204,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     cache_dir: str | None = None
     models_dir: str | None = None
     fsync: bool = True
-    durable: bool = False
+    durable: bool = True
     store: Annotated[str, Meta(pattern=r"^(redis|rediss|unix)://")] | None = None
     lease_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     # -- KV format

@@ -43,7 +43,7 @@ SAMPLES: dict[str, tuple[str, Any, Any]] = {
     "cache_dir": ("/fast", "/fast", "/fast"),
     "models_dir": ("/m", "/m", "/m"),
     "fsync": ("false", False, False),
-    "durable": ("true", True, True),
+    "durable": ("false", False, False),
     "store": ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
     "lease_s": ("12.5", 12.5, 12.5),
     "kv_bits": ("8", 8, 8),

@@ -1,8 +1,11 @@
 """Disk trouble through a running server: a full or read-only disk, an unusable cache directory.
 
-Saves are write-behind, so a failing disk must never fail a turn: the turn is served, the failure
-is logged and counted (``kvmem_cache_write_errors_total``), the cache stays in RAM (dirty) and the
-save is retried on a timer (``runtime.plan.save_queue.SAVE_RETRY_S``) or on the next turn; once the disk
+A turn is durable by default: it is answered once its cache is on disk. With a failing disk it
+cannot be, so it is refused in so many words: 507 ``cache_not_saved`` for a full disk, 503 for
+one that cannot be written. A write-behind turn (``--no-durable``, ``X-Kvmem-Durable: false``)
+never fails for the disk: it is served, and the failure is logged and counted
+(``kvmem_cache_write_errors_total``). Either way the cache stays in RAM (dirty) and the save is
+retried on a timer (``runtime.plan.save_queue.SAVE_RETRY_S``) or on the next turn; once the disk
 recovers the cache reaches it without another turn, and a restarted server loads it warm.
 """
 
@@ -27,9 +30,9 @@ from runtime.persist import CacheDirectory
 MODEL = "tiny-llama"
 
 
-def _config(cache_dir: Path) -> Config:
+def _config(cache_dir: Path, *, durable: bool = False) -> Config:
     return Config(model=MODEL, port=0, home=str(models_dir().parent), cache_dir=str(cache_dir),
-                       budget_mb=128, hot_budget_mb=32, graceful_timeout_s=2)
+                  budget_mb=128, hot_budget_mb=32, graceful_timeout_s=2, durable=durable)
 
 
 def _metric(http: httpx.Client, name: str) -> float:
@@ -93,6 +96,29 @@ def test_a_failing_disk_never_fails_a_turn_and_the_save_is_retried(
         third = http.post("/v1/agents/diary/messages",
                           json={**follow, "prompt": follow["prompt"] + second.json()["reply"] + " And"})
         assert third.status_code == 200 and third.headers["x-kvmem-tier"] == "warm", third.headers
+
+
+@pytest.mark.parametrize(("code", "status"), [(errno.ENOSPC, 507), (errno.EROFS, 503)])
+def test_a_durable_turn_on_a_failing_disk_is_refused_in_words_and_saved_once_the_disk_recovers(
+    tmp_path: Path, failing_disk: dict[str, int | None], code: int, status: int
+) -> None:
+    prompt = {"prompt": "A diary of the disk that filled up.", "max_tokens": 4, "share_prefix": False}
+    with ServerThread(_config(tmp_path, durable=True)) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        failing_disk["errno"] = code
+        refused = http.post("/v1/agents/diary/messages", json=prompt)
+        assert refused.status_code == status, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "cache_not_saved" and os.strerror(code) in error["message"], error
+        assert "X-Kvmem-Durable: false" in error["message"] and str(tmp_path) not in refused.text, error
+        info = http.get("/v1/agents/diary").json()  # generated, kept in RAM, not on disk
+        assert info["dirty"] and info["hot"] and not info["on_disk"], info
+        opted_out = http.post("/v1/agents/other/messages", json=prompt, headers={"X-Kvmem-Durable": "false"})
+        assert opted_out.status_code == 200, opted_out.text  # the request's own opt-out: answered at once
+        failing_disk["errno"] = None  # the disk recovers: the retry timer saves it
+        _wait(lambda: not http.get("/v1/agents/diary").json()["dirty"], 30, "the save was never retried")
+        again = http.post("/v1/agents/diary/messages", json=prompt)
+        assert again.status_code == 200, again.text
 
 
 def test_shutdown_with_a_failing_disk_still_exits(tmp_path: Path, failing_disk: dict[str, int | None]) -> None:
