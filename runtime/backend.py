@@ -17,7 +17,7 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 | decision | ``cpu`` policy | ``gpu`` policy |
 |--|--|--|
 | attention (``auto``) | at-rest (float while active: prefill into Q4 is 3-4x slower on CPU) | at-rest too: quantizing each token as it arrives (native) loses needles float keeps (``docs/models.md``); ``native`` when asked, once its kernels run the model's shapes, else at-rest |
-| GGUF weights (``auto``) | float32 (the only fast matmul on MLX's CPU backend) | as stored (Q4/Q8) |
+| GGUF weights (``auto``) | float32 (the only fast matmul on MLX's CPU backend), where that takes at most half the machine's memory; else as stored (one log line) | as stored (Q4/Q8) |
 | a packed GGUF's float tensors (its norms: llama.cpp stores them float32) | float32 (MLX's CPU quantized matmul is several times slower in float16) | float16, the packed blocks' own scale dtype: activations and KV follow the norms, and MLX's CUDA quantized matmul has no float32 kernel |
 | float dtype of activations and KV | the weights' (float32 for a GGUF) | the model's own (bf16 / f16 stay so; a packed GGUF float16; never float32 by accident) |
 | prefill chunk | 512 / 256 / 128 as the context grows | 2048 (mlx-lm's ``prefill_step_size``) |
@@ -39,12 +39,13 @@ paths' logic; ``cpu`` on a GPU machine gives the CPU policy there.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import msgspec
 
 __all__ = ["BackendProfile", "ModelKernels", "Policy", "cuda_kernel_tolerance", "cuda_kernels_run", "decide_profile",
-           "detect_device", "device_profile", "profile_setting",
+           "detect_device", "device_profile", "profile_setting", "physical_memory_mb", "WEIGHTS_MEMORY_SHARE",
            "CPU_CHUNKS", "GPU_CHUNK", "CPU_MEMORY_MB", "GPU_MEMORY_SHARES", "GPU_DECODE_RUN_STEPS", "DECODE_RUN_S",
            "GPU_PLAIN_ATTENTION_QUERIES"]
 
@@ -189,6 +190,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     attention: Literal["at-rest", "native"]
     attention_note: str | None = None
     weights: str
+    weights_fit_mb: float | None = None
     packed_floats: str = "float32"
     budget_mb: float = CPU_MEMORY_MB["budget_mb"]
     hot_budget_mb: float = CPU_MEMORY_MB["hot_budget_mb"]
@@ -225,14 +227,17 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         return self.prefill_chunks[-1][1]
 
     def with_model(self, *, attention: Literal["at-rest", "native"], note: str | None, float_dtype: str,
-                   kernels: ModelKernels | None = None) -> BackendProfile:
-        """This profile as a model load settled it: the attention its kernels allow, its float dtype, and which of
+                   kernels: ModelKernels | None = None, weights: str | None = None) -> BackendProfile:
+        """This profile as a model load settled it: the attention its kernels allow, its float dtype, which of
         kvmem's own kernels it kept (``kernels``; a load drops one whose check fails, or that its model's layers do
-        not take), so that the line, the log and ``/healthz`` say what runs, not what was asked."""
-        kept = {} if kernels is None else {
+        not take) and how its weights are held (``weights``: ``quantized`` where float32 would not fit), so that
+        the line, the log and ``/healthz`` say what runs, not what was asked."""
+        kept: dict[str, Any] = {} if kernels is None else {
             "short_attention_kernel": self.short_attention_kernel and kernels.short_attention,
             "long_keys_kernel": self.short_attention_kernel and kernels.short_attention and kernels.long_keys,
             "small_products_kernel": self.small_products_kernel and kernels.small_products}
+        if weights is not None:
+            kept["weights"] = weights
         return msgspec.structs.replace(self, attention=attention, attention_note=note, float_dtype=float_dtype, **kept)
 
     def line(self) -> str:
@@ -332,6 +337,8 @@ def decide_profile(
         # needles float keeps (11 of 20 at 8K where float found 15); at-rest attends in float.
         attention="at-rest" if attention == "auto" else attention,  # type: ignore[arg-type]
         weights=("float32" if cpu else "quantized") if weights == "auto" else weights,
+        # float32 only where it fits: a GGUF whose float32 weights would pass this keeps its packed ones
+        weights_fit_mb=_weights_fit_mb() if cpu and weights == "auto" else None,
         packed_floats="float32" if cpu else "float16",
         **memory,
         prefill_chunks=chunks,
@@ -403,6 +410,26 @@ def detect_device_memory_mb() -> float | None:
     info = mx.device_info()
     size = info.get("max_recommended_working_set_size") or info.get("total_memory")
     return float(size) / 2**20 if isinstance(size, int | float) and size > 0 else None
+
+
+WEIGHTS_MEMORY_SHARE = 0.5
+"""Under the CPU policy, GGUF weights are made float32 only when that takes at most this share of the
+machine's memory (the rest for the KV budgets, activations, the OS and other processes); a larger model
+keeps the file's packed weights, which MLX's CPU backend multiplies about 3x slower but which load at all:
+a 7B Q4 GGUF is ~4 GB packed and ~28 GB float32."""
+
+
+def physical_memory_mb() -> float | None:
+    """This machine's memory in MiB (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _weights_fit_mb() -> float | None:
+    total = physical_memory_mb()
+    return None if total is None else total * WEIGHTS_MEMORY_SHARE
 
 
 def device_profile(**settings: object) -> BackendProfile:

@@ -315,6 +315,48 @@ def test_a_packed_gguf_computes_in_float16_under_the_gpu_policy(tmp_path: Path, 
         kv_copy.use_host_views(None)
 
 
+def test_a_gguf_too_large_for_float32_on_this_machine_keeps_its_packed_weights(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 58, item 6: under the CPU policy ``weights=auto`` makes a GGUF float32, which for a 7B Q4 file
+    would take ~28 GB of this machine's 24. A model whose float32 weights pass the share of memory left for
+    them (:data:`runtime.backend.WEIGHTS_MEMORY_SHARE`) keeps the file's packed weights, says so in one
+    line, and runs; one that fits is still made float32. The machine's memory is set small for the test."""
+    import mlx.core as mx
+    from gguf_writer import write_gguf, write_quantized_gguf
+    from mlx.utils import tree_flatten
+
+    import runtime.backend
+
+    from runtime.cpu import kv_copy
+    from runtime.model import tiny_models
+
+    floats = write_gguf(tiny_models.ensure_tiny_model("tiny-llama", models_dir()), tmp_path / "tiny.gguf")
+    write_quantized_gguf(floats, tmp_path / "q4.gguf", "Q4_0")
+    unpacked_mb = floats.stat().st_size / 2**20  # the float32 file: about what its weights take unpacked
+    for memory_mb, kept in ((unpacked_mb / 2 / runtime.backend.WEIGHTS_MEMORY_SHARE, "quantized"),
+                            (unpacked_mb * 4 / runtime.backend.WEIGHTS_MEMORY_SHARE, "float32")):
+        monkeypatch.setattr(runtime.backend, "physical_memory_mb", lambda mb=memory_mb: mb)
+        caplog.clear()
+        engine = _engine(profile="cpu", weights="auto")
+        try:
+            assert engine.profile.weights == "float32" and engine.profile.weights_fit_mb is not None
+            with caplog.at_level(logging.WARNING, logger="kvmem.gguf"):
+                info = engine.load(str(tmp_path / "q4.gguf"))
+            assert info.profile is not None and info.profile.weights == kept, info.profile
+            assert f"weights {kept}" in info.profile.line()
+            warned = [r for r in caplog.records if "kept packed" in r.getMessage()]
+            assert len(warned) == (kept == "quantized"), caplog.text
+            packed = any(str(a.dtype) == "mlx.core.uint32" for _, a in tree_flatten(engine.lm.model.parameters()))
+            assert packed == (kept == "quantized")
+            logits = engine.lm.model(mx.array([[1, 2, 3, 4]]))  # it runs
+            assert logits.shape[-1] > 0 and bool(mx.all(mx.isfinite(logits)))
+        finally:
+            engine.unload()
+            kv_copy.use_host_views(None)
+    explicit = _engine(profile="cpu", weights="float32")  # asked for by name: no bound
+    assert explicit.profile.weights_fit_mb is None
+
+
 def test_unset_memory_settings_are_shares_of_a_gpus_memory_and_fixed_on_a_cpu() -> None:
     """The CPU's budgets (2 GiB of running KV, a 1 GiB float pool) starve a GPU: a 3B model's 16K
     cache is 1.9 GB as float, so the float pool could not keep a restored agent's cache."""

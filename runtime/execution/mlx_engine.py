@@ -235,6 +235,7 @@ class MlxEngine:
             fused_projections=self._profile.fused_projections,
             small_products_kernel=self._profile.small_products_kernel,
             group=self._group,
+            weights_fit_mb=self._profile.weights_fit_mb,
         )
         lm.upload_by_copy = self._profile.upload_by_copy
         lm.spec = replace(lm.spec, fused_dequantize=self._profile.fused_dequantize)
@@ -242,7 +243,8 @@ class MlxEngine:
         self._attention, note = settle_attention(lm, self._profile.attention)
         self._profile = self._profile.with_model(attention=self._attention, note=note,
                                                  float_dtype=str(lm.float_dtype).removeprefix("mlx.core."),
-                                                 kernels=lm.kernels)
+                                                 kernels=lm.kernels,
+                                                 weights="quantized" if lm.weights_mode == "quantized" else None)
         log.info("%s: %s", name, self._profile.line())
         if self._warm_up:
             log.info("warmed %s up in %.2f s", name, warm_up(lm, self._attention))

@@ -139,6 +139,7 @@ class GGUFModel:
         config: the mlx-lm config (``model_type``, sizes, ``eos_token_id``, ...).
         weights: parameters under mlx-lm's names, in the requested mode.
         quantized: parameter path -> {"group_size", "bits"} for packed layers.
+        mode: how the weights are held (a :data:`WEIGHT_MODES` value other than ``auto``).
     """
 
     def __init__(
@@ -148,12 +149,15 @@ class GGUFModel:
         config: dict[str, Any],
         weights: dict[str, mx.array],
         quantized: dict[str, dict[str, int]],
+        *,
+        mode: str = "quantized",
     ) -> None:
         self.path = path
         self.folder = folder
         self.config = config
         self.weights = weights
         self.quantized = quantized
+        self.mode = mode
 
     def build_model(self) -> nn.Module:
         """Instantiate the mlx-lm model and load the weights strictly."""
@@ -177,7 +181,8 @@ class GGUFModel:
 
 
 def prepare_gguf(
-    path: str | Path, *, models_dir: Path, weights: str = "auto", packed_floats: str = "auto"
+    path: str | Path, *, models_dir: Path, weights: str = "auto", packed_floats: str = "auto",
+    fit_mb: float | None = None,
 ) -> GGUFModel:
     """Read a GGUF file and write (once) the folder mlx-lm's tokenizer loader needs.
 
@@ -185,6 +190,9 @@ def prepare_gguf(
     (``float32`` as llama.cpp stores its norms, or ``float16``, the blocks' scale dtype);
     activations and KV follow it. ``auto``: the backend profile's choice
     (:attr:`runtime.backend.BackendProfile.packed_floats`).
+    ``fit_mb``: where ``weights`` unpacks them (``float32``, ...) and the unpacked weights would take
+    more than this, the file's packed weights are kept instead (``quantized``), with one warning:
+    a model too large for this machine in float32 still loads (:attr:`GGUFModel.mode` says which).
 
     Raises:
         ModelError: the file cannot be read, or its architecture, a tensor type
@@ -205,11 +213,19 @@ def prepare_gguf(
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     named, quantized = _rename_tensors(tensors, path)
+    if fit_mb is not None and mode != "quantized" and quantized:
+        unpacked_mb = _unpacked_bytes(named, quantized, mode) / 2**20
+        if unpacked_mb > fit_mb:
+            log.warning("%s: weights kept packed as stored: %s would take %.0f MiB, over the %.0f MiB this machine "
+                        "leaves for weights (MLX multiplies packed weights on CPU about 3x slower)",
+                        path.name, mode, unpacked_mb, fit_mb)
+            mode = "quantized"
+            floats = resolve_packed_floats(packed_floats)
     digest = _file_digest(path, memo=models_dir / "gguf" / "digests.json")
     config = _config(meta, named, architecture, digest=digest, mode=mode, floats=floats)
     named, quantized = _apply_weight_mode(named, quantized, mode, floats)
     folder = _ensure_folder(path, meta, config, digest=digest, models_dir=models_dir)
-    return GGUFModel(path, folder, config, named, quantized)
+    return GGUFModel(path, folder, config, named, quantized, mode=mode)
 
 
 def _rename_tensors(
@@ -250,6 +266,21 @@ def _target_name(name: str) -> str | None:
         if tensor in _GLOBAL_NAMES:
             return f"{_GLOBAL_NAMES[tensor]}.{part}"
     return None
+
+
+def _unpacked_bytes(named: dict[str, mx.array], quantized: dict[str, dict[str, int]], mode: str) -> int:
+    """The bytes the weights take once ``mode`` unpacks them: every packed matrix at its full size."""
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[mode]
+    elements = 0
+    for name, value in named.items():
+        module, part = name.rsplit(".", 1)
+        if module in quantized and part in ("scales", "biases"):
+            continue
+        if module in quantized and part == "weight":
+            elements += value.size * 32 // quantized[module]["bits"]  # uint32 words of bits-wide values
+        else:
+            elements += value.size
+    return elements * itemsize
 
 
 def _apply_weight_mode(

@@ -102,6 +102,8 @@ class LoadedModel:
     """Float layers' products of 2 to 16 rows run in :mod:`runtime.model.small_products`' kernel."""
     upload_by_copy: bool = False
     """A cache read from disk reaches the device by ``mx.load`` (:mod:`runtime.kv.upload`), not ``mx.array``."""
+    weights_mode: str = "as stored"
+    """How a GGUF's weights are held (:data:`runtime.model.gguf.WEIGHT_MODES`); other models' are as stored."""
 
     @property
     def kernels(self) -> ModelKernels:
@@ -254,13 +256,15 @@ def load_model(
     fused_projections: bool = False,
     small_products_kernel: bool = False,
     group: Any = None,
+    weights_fit_mb: float | None = None,
 ) -> LoadedModel:
     """Load ``model``: ``kvmem-default``, a GGUF file, a tiny recipe name, a folder or a Hugging Face id.
 
     ``weights`` applies to GGUF files (:data:`runtime.model.gguf.WEIGHT_MODES`):
     ``auto`` dequantizes to float32 on CPU and keeps the file's quantization on GPUs;
     ``packed_floats`` is the dtype of a packed GGUF's float tensors, and so of its activations
-    (:func:`runtime.model.gguf.prepare_gguf`).
+    (:func:`runtime.model.gguf.prepare_gguf`); ``weights_fit_mb``: a GGUF whose unpacked weights would
+    take more keeps its packed ones (:attr:`LoadedModel.weights_mode` says which).
     ``numpy_attention`` lets :meth:`LoadedModel.forward` use :mod:`runtime.cpu.attention`
     where it applies (llama and qwen2 models on the CPU backend); ``plain_attention_queries``
     (0: never) sends their short passes' attention through plain MLX operations instead, and
@@ -281,11 +285,13 @@ def load_model(
     path = _source(name, models_dir)
     if is_gguf(path):
         gguf = prepare_gguf(path, models_dir=_need_models_dir(name, models_dir), weights=weights,
-                            packed_floats=packed_floats)
+                            packed_floats=packed_floats, fit_mb=weights_fit_mb)
+        weights_mode = gguf.mode
         loaded = gguf.build_model()
         config = gguf.config
         tokenizer = load_tokenizer(gguf.folder, eos_token_ids=config["eos_token_id"])
     else:
+        weights_mode = "as stored"
         try:
             loaded, tokenizer, config = mlx_load(str(path), return_config=True)
         except Exception as exc:  # mlx-lm raises many kinds; the user needs one message
@@ -306,6 +312,7 @@ def load_model(
     lm = LoadedModel(
         model=loaded, tokenizer=tokenizer, spec=spec, model_id=name, config=config, numpy_attention=numpy_on,
         plain_attention_queries=plain, short_attention_kernel=short_attention_kernel and adapted,
+        weights_mode=weights_mode,
     )
     made_float, quantized = float_for_cuda(loaded, lm.float_dtype) if float_slow_projections else ([], 0)
     if made_float:
