@@ -75,15 +75,15 @@ from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
 from actors.messages_store import ReadBlocks, SnapshotDue, StoreInbox
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
-from actors.text_jobs import TextJobs
+from actors.text_jobs import Abandoned, TextJobs
 from runtime import heap
 from runtime.backend import DECODE_RUN_S
 from runtime.plan import save_queue
 from runtime.plan.save_queue import copy_wait, next_copy
 from runtime.plan.scheduler import Scheduler, Step
 from runtime.plan.contract import (
-    Engine, Finished, FromShared, ModelInfo, ParkedView, PrefillResult, SequenceStarted, StepTiming, Tokenized, ToolCall,
-    TurnPlan,
+    Engine, Finished, FromShared, ModelInfo, ParkedView, PrefillResult, SamplingOptions, SequenceStarted, StepTiming,
+    Tokenized, ToolCall, TurnPlan,
 )
 from runtime.errors import ContextLengthExceededError
 from runtime.plan.block_pool import PoolStats
@@ -98,6 +98,34 @@ STOP_COPIES_S = 60.0
 """At shutdown, how long the copies still owed may take before the rest are given up (their saves fail)."""
 
 _SHUTTING_DOWN = Failed(kind="Cancelled", error="the runtime is shutting down")
+
+LONG_TEXT_CHARS = 64 * 1024
+"""A prompt longer than this (about 15K tokens of prose) is tokenized by its own worker (``_long_text_jobs``):
+a 3.5 MB prompt took 5 s to tokenize on this 2-core machine, and every turn behind it waited."""
+
+
+def _still_wanted(msg: Generate) -> bool:
+    """Whether anyone still waits for ``msg``'s turn: its client (a stream's deltas) and its agent."""
+    return not (receiver_left(msg.client) or receiver_left(msg.reply))
+
+
+def _refuse_from_length(prompt: str, info: ModelInfo | None, sampling: SamplingOptions) -> None:
+    """Refuse, before it is tokenized, a prompt whose length alone shows it cannot fit the context: each token
+    covers at most ``info.max_token_bytes`` bytes of its text, so it has at least bytes / that many tokens.
+
+    Raises:
+        ContextLengthExceededError: naming the bound, as the exact check after tokenizing names the count.
+    """
+    if info is None or info.context_length is None or not info.max_token_bytes:
+        return
+    size = len(prompt.encode("utf-8", "surrogatepass"))
+    least = -(-size // info.max_token_bytes)
+    room = 1 if sampling.fit_context else sampling.max_tokens
+    if least + room > info.context_length:
+        raise ContextLengthExceededError(
+            f"the prompt ({size:,} bytes: at least {least:,} tokens, at most {info.max_token_bytes} bytes a token) "
+            f"plus {'a reply' if sampling.fit_context else f'max_tokens ({sampling.max_tokens:,})'} exceeds the "
+            f"model's context of {info.context_length:,} tokens")
 
 
 @dataclass(frozen=True)
@@ -183,9 +211,13 @@ class GPUActor:
         # (_submit): the running turns go on meanwhile.
         self._texts: trio.Nursery | None = None
         self._text_jobs = TextJobs()
+        self._long_text_jobs = TextJobs()  # texts past LONG_TEXT_CHARS: never ahead of a short one
         self._tokenizing: set[int] = set()
+        self._long_texts: set[int] = set()  # of those, the ones past LONG_TEXT_CHARS: an idle loop does not wait
         self._no_texts = trio.Event()
         self._no_texts.set()
+        self._no_short_texts = trio.Event()  # what an idle loop waits for before it admits (_texts_or_message)
+        self._no_short_texts.set()
         self._chunks = 0
         self.events = events
         self._collection_started: float | None = None
@@ -206,6 +238,7 @@ class GPUActor:
                 async with trio.open_nursery() as texts:
                     self._texts = texts
                     texts.start_soon(self._text_jobs.serve, name="the GPU actor's text jobs")
+                    texts.start_soon(self._long_text_jobs.serve, name="the GPU actor's long text jobs")
                     await self._loop()
                     texts.cancel_scope.cancel()  # every turn's text is done (the loop waited): the worker goes
             finally:
@@ -231,10 +264,13 @@ class GPUActor:
     async def _job(self, fn: Any, *args: Any) -> Any:
         return await self._thread.run(fn, *args)
 
-    async def _text_job(self, fn: Any, *args: Any) -> Any:
-        """Render or tokenize on the text worker's thread (:class:`actors.text_jobs.TextJobs`): no MLX there, and
-        the tokenizer's Rust code lets go of the GIL, so the model's thread runs on meanwhile."""
-        return await self._text_jobs.run(fn, *args)
+    async def _text_job(self, fn: Any, *args: Any, wanted: Callable[[], bool] | None = None,
+                        long: bool = False) -> Any:
+        """Render or tokenize on a text worker's thread (:class:`actors.text_jobs.TextJobs`): no MLX there, and
+        the tokenizer's Rust code lets go of the GIL, so the model's thread runs on meanwhile. A ``long`` text
+        goes to a worker of its own, so a huge prompt never holds up the others' turns; a job whose turn is
+        no longer ``wanted`` when its worker comes to it is dropped (:class:`actors.text_jobs.Abandoned`)."""
+        return await (self._long_text_jobs if long else self._text_jobs).run(fn, *args, wanted=wanted)
 
     def _ring(self) -> None:
         """Something is waiting in ``_early``: end a decode run or an idle copy at its next check,
@@ -305,9 +341,10 @@ class GPUActor:
                     closing = True
                     break
                 await self._handle(message)
-            if self._tokenizing and not self._running():
+            if self._tokenizing - self._long_texts and not self._running():
                 # Nothing runs, so waiting costs nothing: turns that arrive together (a batch's
-                # agents) are admitted, and prefilled, together.
+                # agents) are admitted, and prefilled, together. Not for a long prompt: its
+                # tokenizing takes seconds, and the turns ready meanwhile would wait for it.
                 await self._texts_or_message()
                 continue
             await self._reap()
@@ -323,10 +360,10 @@ class GPUActor:
     # -- mailbox ---------------------------------------------------------------
 
     async def _texts_or_message(self) -> None:
-        """Until every prompt being tokenized is, or a message comes (kept in ``_early``)."""
+        """Until every short prompt being tokenized is, or a message comes (kept in ``_early``)."""
         async with trio.open_nursery() as nursery:
             async def texts() -> None:
-                await self._no_texts.wait()
+                await self._no_short_texts.wait()
                 nursery.cancel_scope.cancel()
 
             async def message() -> None:
@@ -422,6 +459,8 @@ class GPUActor:
         self._event("submit", msg.request_id)
         if not self._tokenizing:
             self._no_texts = trio.Event()
+        if not self._tokenizing - self._long_texts:
+            self._no_short_texts = trio.Event()
         self._tokenizing.add(msg.request_id)
         return True
 
@@ -431,11 +470,17 @@ class GPUActor:
         tokens on the model's thread (run 4: a 32K prompt waited 120-206 ms before admission), and
         every running turn waited for it too."""
         try:
-            prompt = await self._render(msg.prompt)
+            prompt = await self._render(msg.prompt, wanted=partial(_still_wanted, msg))
             self._event("rendered", msg.request_id)
+            _refuse_from_length(prompt, self._info, msg.sampling)
+            long = len(prompt) > LONG_TEXT_CHARS
+            if long:
+                self._long_texts.add(msg.request_id)
+                self._texts_changed()
             plan = self._manager.plan(msg.agent_id, msg.model_tag, prompt, share_prefix=msg.share_prefix, own=msg.own)
             self._event("planned", msg.request_id)
-            tokens: Tokenized = await self._text_job(self._engine.tokenize, prompt, plan)
+            tokens: Tokenized = await self._text_job(self._engine.tokenize, prompt, plan,
+                                                     wanted=partial(_still_wanted, msg), long=long)
             plan, tokens = await self._from_disk_blocks(msg, prompt, plan, tokens)
             need = plan.reuse_tokens + len(tokens.ids)
             context = self._info.context_length if self._info is not None else None
@@ -454,6 +499,8 @@ class GPUActor:
             self._event("tokenized", msg.request_id)
             self._early.append(_Tokenized(GpuTurn(msg, prompt, plan, tokens), need))
             self._ring()
+        except Abandoned:
+            send_reply(msg.reply, Failed(kind="Cancelled", error="the client left before its prompt was tokenized"))
         except Exception as exc:  # noqa: BLE001 - template, tokenizer or context errors go back to the agent
             send_reply(msg.reply, failed_from(exc))
         except BaseException:  # cancelled: the actor stops
@@ -461,8 +508,15 @@ class GPUActor:
             raise
         finally:
             self._tokenizing.discard(msg.request_id)
-            if not self._tokenizing:
-                self._no_texts.set()
+            self._long_texts.discard(msg.request_id)
+            self._texts_changed()
+
+    def _texts_changed(self) -> None:
+        """Set the events of the prompts being tokenized: none at all, none short."""
+        if not self._tokenizing:
+            self._no_texts.set()
+        if not self._tokenizing - self._long_texts:
+            self._no_short_texts.set()
 
     async def _from_disk_blocks(self, msg: Generate, prompt: str, plan: TurnPlan,
                                 tokens: Tokenized) -> tuple[TurnPlan, Tokenized]:
@@ -506,11 +560,12 @@ class GPUActor:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 turn.client_gone = True
 
-    async def _render(self, prompt: Chat | str) -> str:
+    async def _render(self, prompt: Chat | str, *, wanted: Callable[[], bool] | None = None) -> str:
         """The prompt text: chat messages rendered with the loaded model's template, a raw prompt as is."""
         if isinstance(prompt, str):
             return prompt
-        return await self._text_job(self._engine.render, prompt.messages, prompt.tools, prompt.tool_choice)
+        return await self._text_job(self._engine.render, prompt.messages, prompt.tools, prompt.tool_choice,
+                                    wanted=wanted)
 
     # -- work ------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ A prompt is rendered and tokenized off the model's thread (a 32K prompt took 120
 run 4) and off trio's, one job at a time in arrival order. Each job was a hop to a worker thread and back:
 a batch's 8 joins, arriving together, were tokenized 0.3 ms apart on an H200's host (run 5), before their
 joint pass could start. :class:`TextJobs` runs the jobs that queued while a hop was under way together in
-the next hop; each job's caller still gets its result as soon as that job is done.
+the next hop; each job's caller still gets its result as soon as that job is done. A job whose caller no
+longer wants it when its hop comes (its client left) is dropped there, unrun: :class:`Abandoned`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ from typing import Any
 import outcome
 import trio
 
-__all__ = ["TextJobs"]
+__all__ = ["TextJobs", "Abandoned"]
+
+
+class Abandoned(Exception):
+    """A text job dropped unrun: when its hop came, its caller no longer wanted it."""
 
 
 class _Job:
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[[], Any], wanted: Callable[[], bool] | None) -> None:
         self.fn = fn
+        self.wanted = wanted
         self.result: outcome.Outcome[Any] | None = None
         self.done = trio.Event()
 
@@ -38,8 +44,10 @@ class TextJobs:
         self._send, self._receive = trio.open_memory_channel[_Job](math.inf)
         self.hops = 0
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        job = _Job(partial(fn, *args))
+    async def run(self, fn: Callable[..., Any], *args: Any, wanted: Callable[[], bool] | None = None) -> Any:
+        """``fn(*args)`` on the worker thread; ``wanted`` (called on trio's thread as the job's hop is formed):
+        False drops the job unrun, and this raises :class:`Abandoned`."""
+        job = _Job(partial(fn, *args), wanted)
         self._send.send_nowait(job)
         await job.done.wait()  # a caller that stops waiting leaves its job to run, its result unread
         assert job.result is not None
@@ -55,8 +63,16 @@ class TextJobs:
                     batch.append(self._receive.receive_nowait())
                 except trio.WouldBlock:
                     break
-            self.hops += 1
-            await trio.to_thread.run_sync(_run_all, batch, token)
+            kept = []
+            for queued in batch:
+                if queued.wanted is None or queued.wanted():
+                    kept.append(queued)
+                else:
+                    queued.result = outcome.Error(Abandoned())
+                    queued.done.set()
+            if kept:
+                self.hops += 1
+                await trio.to_thread.run_sync(_run_all, kept, token)
 
 
 def _run_all(batch: list[_Job], token: trio.lowlevel.TrioToken) -> None:

@@ -12,6 +12,7 @@ import sys
 
 #: Benchmarks in the order ``all`` runs them (cheapest first).
 BENCHES = {
+    "blas": "MLX's CPU matmul GFLOP/s with OpenBLAS loaded vs the wheel's bundled reference BLAS (KVMEM_NO_OPENBLAS=1)",
     "memory": "KV bytes per token Q4 / float16 / float32, peak memory with N hot agents, agents in 2 GB",
     "cache_io": "save / load ms vs cache size, next to the machine's sequential read / write floor",
     "ttft": "TTFT cold / warm (after restart) / hot at 1K-4K through the HTTP gateway, E2E for 64 tokens",
@@ -25,6 +26,7 @@ BENCHES = {
     "vs_llama_cpp": "llama.cpp's server on the same GGUF: prompt token ids, 20 greedy continuations, top-2 margins",
     "recall": "10 fact kinds told, restart, asked warm on kvmem-default, next to a float-cache mlx-lm reference",
     "overhead": "E2E through HTTP gateway + actors vs runtime.execution.generate directly",
+    "huge_prompts": "a bystander's first token alone and while two clients loop 3.5 MB prompts and hang up (goal: <= 1.5x)",
     "durability": "kill -9 the moment a turn is answered: turns lost write-behind vs durable, the write-behind window, hot-path cost",
     "grammar_engines": "llguidance vs outlines-core on kvmem-default's tokenizer: vocab prep, schema compile, per-token mask, sanity, wheels",
     "fuzz": "a live kvmem serve fuzzed for a time budget with damaged requests on every POST route: 5xx (goal 0)",

@@ -159,6 +159,7 @@ class FakeEngine:
             model_bytes=0,
             context_length=self.context_length,
             layer_kinds=(LayerKind.FLOAT,),  # its snapshots' one layer
+            max_token_bytes=4,  # a token a character
         )
 
     def unload(self) -> None:

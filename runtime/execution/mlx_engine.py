@@ -262,7 +262,7 @@ class MlxEngine:
                          active_token_bytes=active_token_bytes(lm.spec, self._attention),
                          sequence_bytes=sequence_bytes(lm.spec), model_bytes=self._model_bytes,
                          context_length=context, profile=self._profile,
-                         layer_kinds=tuple(lm.spec.layer_kinds()))
+                         layer_kinds=tuple(lm.spec.layer_kinds()), max_token_bytes=_longest_token_bytes(lm))
 
     def unload(self) -> None:
         self._seqs.clear()
@@ -498,3 +498,15 @@ class MlxEngine:
             except Exception:  # noqa: BLE001 - a broken batch is dropped whole
                 self._batch = self._new_batch()
                 self._ids = {i: r for i, r in self._ids.items() if r in self._seqs}
+
+
+def _longest_token_bytes(lm: LoadedModel) -> int | None:
+    """The UTF-8 length of the vocabulary's longest entry, as its tokenizer spells it: an upper bound on the
+    bytes of text one token covers (a byte-level BPE writes a byte as one character of up to 2 bytes, a
+    SentencePiece space as 3, a byte fallback token as 6: each spelling is at least the bytes it stands for)."""
+    hf = getattr(lm.tokenizer, "_tokenizer", lm.tokenizer)
+    try:
+        vocab = hf.get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary: no bound
+        return None
+    return max((len(token.encode("utf-8", "surrogatepass")) for token in vocab), default=None)

@@ -440,6 +440,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
         layer_kinds: how each layer's KV is held at rest. A turn may start from whole blocks read off
             the disk by their hash chain only when none is ``sliding`` (a window lives in an agent's
             state file, not in blocks); empty: never.
+        max_token_bytes: the most UTF-8 bytes of prompt text one token covers (the longest entry of
+            the vocabulary), so a prompt of N bytes has at least N / this many tokens: a prompt that
+            cannot fit the context is refused from its length, before it is tokenized. None: unknown.
     """
 
     name: str
@@ -451,6 +454,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     context_length: int | None = None
     profile: BackendProfile | None = None
     layer_kinds: tuple[LayerKind, ...] = ()
+    max_token_bytes: int | None = None
 
 
 @dataclass(frozen=True)
