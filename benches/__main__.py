@@ -26,6 +26,7 @@ BENCHES = {
     "vs_llama_cpp": "llama.cpp's server on the same GGUF: prompt token ids, 20 greedy continuations, top-2 margins",
     "recall": "10 fact kinds told, restart, asked warm on kvmem-default, next to a float-cache mlx-lm reference",
     "overhead": "E2E through HTTP gateway + actors vs runtime.execution.generate directly",
+    "distributed_stop": "seconds until mlx.launch and both ranks are gone after SIGTERM/SIGINT to it, its group or a rank (goal: 10 s)",
     "huge_prompts": "a bystander's first token alone and while two clients loop 3.5 MB prompts and hang up (goal: <= 1.5x)",
     "durability": "kill -9 the moment a turn is answered: turns lost write-behind vs durable, the write-behind window, hot-path cost",
     "grammar_engines": "llguidance vs outlines-core on kvmem-default's tokenizer: vocab prep, schema compile, per-token mask, sanity, wheels",

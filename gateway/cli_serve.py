@@ -58,6 +58,9 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         if not isinstance(rank, LeaderRank):
             return _follow(rank)
+        from runtime.distributed.launch import stop_when_orphaned
+
+        stop_when_orphaned()  # mlx.launch killed: this rank shuts down as on SIGTERM
         engine, directory, leader = rank.engine, rank.directory, rank
 
     def scenarios(rt: Any, nursery: trio.Nursery) -> list[Any]:
@@ -83,6 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
             if started.profile is not None:  # every CPU-versus-GPU decision, in one line (runtime.backend)
                 print(f"kvmem: {started.profile}", file=sys.stderr, flush=True)
             print(f"kvmem: serving {config.model} on {started.url}", file=sys.stderr, flush=True)
+            print(f"kvmem: operator page {started.url.rstrip('/')}/ui/", file=sys.stderr, flush=True)
 
     try:
         trio.run(main)
@@ -142,16 +146,28 @@ class StartProgress:
 
 
 def _follow(follower: Any) -> int:
-    """A rank other than 0: follow rank 0 until it stops. Signals are rank 0's to handle.
+    """A rank other than 0: follow rank 0 until it stops. Shutting down is rank 0's to run.
 
-    SIGINT (Ctrl-C reaches every local rank) is ignored: rank 0 shuts down,
-    flushes every cache (this rank saves its parts then) and says when to exit.
-    SIGTERM (``mlx.launch`` sends it when another rank failed) leaves 30 s for that.
+    SIGINT (Ctrl-C reaches every local rank) and SIGTERM (``mlx.launch`` sends it when another rank
+    failed; an operator may send it to this rank) give rank 0 :data:`FOLLOWER_GRACE_S` to shut down,
+    flush every cache (this rank saves its parts then) and say when to exit; then this rank exits
+    anyway, and ``mlx.launch`` stops rank 0. The launcher gone, it stops the same way
+    (:func:`runtime.distributed.launch.stop_when_orphaned`).
     """
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda _signum, _frame: signal.alarm(30))
+    from runtime.distributed.launch import FOLLOWER_GRACE_S, stop_when_orphaned
+
+    def leave_soon(_signum: int, _frame: Any) -> None:
+        remaining = signal.alarm(FOLLOWER_GRACE_S)  # SIGALRM's default action ends the process
+        if remaining:
+            signal.alarm(remaining)  # a second signal: the first one's deadline stands
+        else:
+            print(f"kvmem: rank {follower.rank}: stopping within {FOLLOWER_GRACE_S} s", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, leave_soon)
+    signal.signal(signal.SIGTERM, leave_soon)
+    stop_when_orphaned()
     print(f"kvmem: rank {follower.rank} of {follower.size} following rank 0", file=sys.stderr, flush=True)
     code: int = follower.run()
     return code

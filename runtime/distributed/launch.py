@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +38,44 @@ from runtime.errors import DistributedError, ModelError
 from runtime.execution.mlx_engine import MlxEngine
 from runtime.persist import CacheDirectory
 
-__all__ = ["LeaderRank", "open_rank", "rank_cache_dir", "leader_host"]
+__all__ = ["LeaderRank", "open_rank", "rank_cache_dir", "leader_host", "stop_when_orphaned", "ORPHAN_POLL_S"]
 
 log = logging.getLogger("kvmem.distributed")
 
 CONNECT_TIMEOUT_S = 120.0
 """How long ranks wait for each other at the handshake (a slow rank may still be importing)."""
+
+
+ORPHAN_POLL_S = 0.5
+"""How often a rank checks that the process that started it (``mlx.launch``) is still there."""
+
+
+def stop_when_orphaned() -> threading.Thread:
+    """Send this rank SIGTERM once the process that started it is gone, on a daemon thread.
+
+    ``mlx.launch`` does not pass a SIGTERM or SIGINT of its own on to the ranks: killed, it left both
+    serving, a port held and nothing to stop them. A rank whose parent changes (the kernel hands an
+    orphan to init or a subreaper) stops as if it had got SIGTERM itself: rank 0 shuts down, flushes and
+    tells the followers to exit; a follower waits :data:`FOLLOWER_GRACE_S` for that and then goes.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_POLL_S)
+        log.warning("the process that started this rank (pid %d) is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="kvmem-orphan-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+FOLLOWER_GRACE_S = 6
+"""A follower told to stop (SIGTERM, SIGINT, or its launcher gone) exits this long after, unless rank 0 (told
+too, by the same Ctrl-C or by ``mlx.launch`` once this rank has gone) has flushed and told it sooner. Rank 0
+stops in a second or two with durable turns (each turn's cache was saved when it was answered), so both ranks
+are gone within 10 s of any of these signals to either."""
 
 
 @dataclass
