@@ -78,6 +78,12 @@ __all__ = ["routes", "to_chat", "tool_choice_of", "usage_of", "stop_reason_of"]
 log = logging.getLogger("kvmem.gateway")
 
 
+def tool_use_id(call_id: str) -> str:
+    """A call's id as Anthropic spells one (``toolu_...``): kvmem names the calls it reads ``call_...``, as OpenAI
+    does; an id the model wrote itself is kept as it is."""
+    return "toolu_" + call_id.removeprefix("call_") if call_id.startswith("call_") else call_id
+
+
 def _join_text(blocks: list[TextBlock | ImageBlock], where: str) -> str:
     parts = []
     for i, block in enumerate(blocks):
@@ -183,7 +189,8 @@ def _content(result: Any) -> list[ResponseText | ResponseToolUse]:
     blocks: list[ResponseText | ResponseToolUse] = []
     if result.content or not result.tool_calls:
         blocks.append(ResponseText(type="text", text=result.content))
-    blocks += [ResponseToolUse(type="tool_use", id=c.id, name=c.name, input=c.input()) for c in result.tool_calls]
+    blocks += [ResponseToolUse(type="tool_use", id=tool_use_id(c.id), name=c.name, input=c.input())
+               for c in result.tool_calls]
     return blocks
 
 
@@ -203,7 +210,7 @@ class _Blocks:
                                                          "delta": {"type": "text_delta", "text": delta}}))
 
     async def tool_use(self, call: ToolCall) -> None:
-        await self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        await self._start({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": {}})
         await self._emit(sse("content_block_delta", {"type": "content_block_delta", "index": self._index,
                                                      "delta": {"type": "input_json_delta",
                                                                "partial_json": call.arguments}}))

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -68,3 +70,14 @@ def test_unknown_model_is_a_clear_error(tmp_path):
     proc = _kvmem(tmp_path, "chat", "--agent", "x", "--model", str(tmp_path / "nope"), "hi")
     assert proc.returncode == 2
     assert "could not load model" in proc.stderr
+
+
+def test_version_names_the_installed_package(capsys):
+    from importlib import metadata
+
+    from gateway.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvmem {metadata.version('kvmem')}"

@@ -158,6 +158,7 @@ def test_anthropic_tool_loop_through_the_sdk_extends_the_cache(
     text, use = first.content
     assert text.type == "text" and text.text == "Let me look."
     assert use.type == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
+    assert use.id.startswith("toolu_"), use.id  # Anthropic's spelling of a tool call's id
 
     messages += [{"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]}]
@@ -191,6 +192,7 @@ def test_anthropic_stream_opens_a_tool_use_block_with_an_input_json_delta(
     starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
     assert starts[0] == {"type": "text", "text": ""}
     assert starts[1] == {"type": "tool_use", "id": starts[1]["id"], "name": "get_weather", "input": {}}
+    assert starts[1]["id"].startswith("toolu_"), starts[1]
     deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
     assert "".join(d["text"] for d in deltas if d["type"] == "text_delta") == "Checking."
     assert [d for d in deltas if d["type"] == "input_json_delta"] == [
