@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from gateway.cli_common import add_setting_options, config_from_args
+from gateway.cli_common import HOME_SETTINGS, add_setting_options, config_from_args
 from gateway.progress import Progress
 
 if TYPE_CHECKING:
@@ -81,16 +81,17 @@ def register(sub: Any) -> None:
     add_setting_options(chat)
     chat.set_defaults(func=_chat)
 
-    agents = sub.add_parser("agents", help="list agents and their cache sizes")
+    # No abbreviations: with only the home's settings, --models would read as --models-dir.
+    agents = sub.add_parser("agents", help="list agents and their cache sizes", allow_abbrev=False)
     agents.add_argument("--json", action="store_true")
     agents.add_argument("--tenant", help="a tenant's agents (kvmem serve --api-keys) instead of the keyless ones")
-    add_setting_options(agents)
+    add_setting_options(agents, only=HOME_SETTINGS)
     agents.set_defaults(func=_agents)
 
-    forget = sub.add_parser("forget", help="delete an agent's conversation and cache")
+    forget = sub.add_parser("forget", help="delete an agent's conversation and cache", allow_abbrev=False)
     forget.add_argument("agent")
     forget.add_argument("--tenant", help="the agent of this tenant (kvmem serve --api-keys)")
-    add_setting_options(forget)
+    add_setting_options(forget, only=HOME_SETTINGS)
     forget.set_defaults(func=_forget)
 
     build = sub.add_parser("build-model", help="prepare a model's files (kvmem-default, a GGUF, or a tiny test model)")
@@ -302,9 +303,10 @@ def _agents(args: argparse.Namespace) -> int:
     if not rows:
         print("no agents yet")
         return 0
-    print(f"{'agent':24} {'turns':>5} {'tokens':>7} {'disk':>10}  model")
+    width = max(24, *(len(r.agent) for r in rows))  # a conversation's id is conv- and 64 hex digits
+    print(f"{'agent':{width}} {'turns':>5} {'tokens':>7} {'disk':>10}  model")
     for r in rows:
-        print(f"{r.agent:24} {r.turns:5d} {r.cached_tokens:7d} {r.disk_bytes:10,d}  {r.model}")
+        print(f"{r.agent:{width}} {r.turns:5d} {r.cached_tokens:7d} {r.disk_bytes:10,d}  {r.model}")
     return 0
 
 

@@ -16,14 +16,21 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from runtime.config import Config
 
-__all__ = ["add_setting_options", "config_from_args", "the_one_error"]
+__all__ = ["add_setting_options", "config_from_args", "the_one_error", "HOME_SETTINGS"]
 
 
-def add_setting_options(p: argparse.ArgumentParser, *, server: bool = False) -> None:
+HOME_SETTINGS = frozenset({"home", "cache_dir", "models_dir", "model", "fsync", "store"})
+"""The settings a command that only reads or changes a home's agents takes (``kvmem agents``, ``kvmem forget``):
+where the caches are, the model whose caches they are, and the shared tier a forget must reach."""
+
+
+def add_setting_options(p: argparse.ArgumentParser, *, server: bool = False,
+                        only: frozenset[str] | None = None) -> None:
     """A flag for every setting (``--kv-bits`` for ``kv_bits``), and ``--config``.
 
     ``server``: the HTTP server's settings too (:data:`runtime.config.SERVER_FIELDS`;
-    ``kvmem serve``). A flag's destination is the setting's name: :func:`config_from_args`
+    ``kvmem serve``); ``only``: just these settings (:data:`HOME_SETTINGS`), for a command the
+    others do not touch. A flag's destination is the setting's name: :func:`config_from_args`
     relies on it. Defaults are None ("not given"), so the environment and TOML still apply.
     """
     from runtime.config import settings
@@ -32,7 +39,7 @@ def add_setting_options(p: argparse.ArgumentParser, *, server: bool = False) -> 
                                              "see docs/configuration.md")
     group.add_argument("--config", help="TOML file with settings (also $KVMEM_CONFIG)")
     for setting in settings():
-        if setting.server_only and not server:
+        if (setting.server_only and not server) or (only is not None and setting.name not in only):
             continue
         shown = setting.default not in ("", "[]")
         help_text = _plain(setting.meaning) + (f" (default: {setting.default})" if shown else "")

@@ -481,8 +481,10 @@ def configuration_page() -> str:
     rows = settings()
     parts = [_PAGE_HEAD]
     for title, note, server in (
-        ("The runtime", ("Flags of every command that opens a runtime: `kvmem serve`, `chat`, `agents`, "
-                         "`forget`, `build-model`, `scenario run` and `scenario resume`."), False),
+        ("The runtime", ("Flags of every command that opens a runtime: `kvmem serve`, `chat`, `build-model`, "
+                         "`scenario run` and `scenario resume`; `agents` and `forget`, which only read or change a "
+                         "home's agents, take `home`, `cache_dir`, `models_dir`, `model`, `fsync` and `store` (the "
+                         "others still apply from the environment and TOML)."), False),
         ("The HTTP server", "Flags of `kvmem serve` only.", True),
     ):
         parts.append(f"\n## {title}\n\n{note}\n\n"
