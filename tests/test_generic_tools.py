@@ -115,6 +115,8 @@ CASES = [  # (tool_choice, parallel, answer schema, reply, accepted)
     ("auto", True, None, CALL.replace('{"city": "Paris"}', "{}"), False),  # city is required
     ("auto", True, None, CALL.replace("get_weather", "get_time"), False),  # no such function
     ("auto", True, None, TWO_CALLS.replace('"limit": 3', '"limit": 3, "x": 1'), False),  # no extra keys
+    # get_weather leaves additionalProperties unsaid: its listed keys only, as llama.cpp and xgrammar read it
+    ("auto", True, None, CALL.replace('{"city": "Paris"}', '{"city": "Paris", "temperature": 25}'), False),
     ("auto", True, None, CALL.replace('": "', '":"'), False),  # json.dumps's separators, no others
     ("auto", False, None, TWO_CALLS, False),  # parallel_tool_calls false: one call at most
     ("required", True, None, "It is sunny.", False),
@@ -146,6 +148,24 @@ def test_the_grammar_admits_exactly_the_replies_the_choice_allows(smollm2, choic
     rules = reply_rules(smollm2, use, ResponseFormat(schema=schema) if schema else None)
     assert rules.grammar is not None
     assert _accepts(smollm2, rules.grammar, reply) is accepted
+
+
+def test_closed_objects_closes_what_lists_properties_and_keeps_what_says_otherwise():
+    nested = {"type": "object", "properties": {
+        "where": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "extra": {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+        "pattern": {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}},
+        "free": {"type": "object"},
+        "either": {"anyOf": [{"type": "object", "properties": {"b": {}}}, {"type": "string"}]}}}
+    closed = generic_tools.closed_objects(nested)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False and props["where"]["additionalProperties"] is False
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert props["extra"]["additionalProperties"] is True and "additionalProperties" not in props["pattern"]
+    assert "additionalProperties" not in props["free"]  # lists no properties: any object
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in nested  # the client's schema is not changed in place
 
 
 @pytest.mark.parametrize(("reply", "accepted"), [('{"a": [1, 2.5, null], "b": {"c": "d"}}', True), ("{}", True),

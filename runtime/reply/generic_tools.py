@@ -36,7 +36,8 @@ from typing import Any
 
 from runtime.reply.reply_format import json_schema_rule
 
-__all__ = ["FORMAT", "CALL_START", "CALL_END", "render_messages", "reply_grammar", "parse_calls", "function_of"]
+__all__ = ["FORMAT", "CALL_START", "CALL_END", "render_messages", "reply_grammar", "parse_calls", "function_of",
+           "closed_objects"]
 
 FORMAT = "kvmem-tools-1"
 """This format's name and version (bump it whenever what it renders changes)."""
@@ -129,10 +130,41 @@ def _calls_text(calls: Iterable[Mapping[str, Any]]) -> str:
     return CALL_START + json.dumps(items, ensure_ascii=False) + CALL_END
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = ("items", "not", "if", "then", "else", "contains", "additionalItems")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with every object that lists ``properties`` but leaves ``additionalProperties`` unsaid closed to them.
+
+    A tool's arguments are passed as keyword arguments (``fn(**args)``): a key the schema never named is a
+    ``TypeError`` in the client. JSON Schema allows extra keys unless told otherwise; llama.cpp's schema
+    converter and xgrammar's default strict mode allow only the listed ones, and so does kvmem's grammar for
+    a call. An object that says ``additionalProperties`` (or ``patternProperties``) keeps its word; one that
+    lists no properties stays any object, as llama.cpp reads it.
+    """
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in _SUBSCHEMA_LISTS or key in _SUBSCHEMAS or key == "additionalProperties":
+            out[key] = closed_objects(value)
+        else:
+            out[key] = value
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _calls_schema(tools: list[dict[str, Any]], only: str | None, parallel: bool) -> dict[str, Any]:
     variants = [
         {"type": "object", "properties": {"name": {"const": function_of(t).get("name")},
-                                          "arguments": _parameters(function_of(t))},
+                                          "arguments": closed_objects(_parameters(function_of(t)))},
          "required": ["name", "arguments"], "additionalProperties": False}
         for t in tools if only is None or function_of(t).get("name") == only
     ]
