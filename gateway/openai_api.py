@@ -56,6 +56,7 @@ from gateway.schemas_openai import (
     JsonSchemaFormat,
     ResponseFormatSpec,
     SystemMessage,
+    TextFormat,
     ToolDef,
     ToolMessage,
     UserMessage,
@@ -63,7 +64,7 @@ from gateway.schemas_openai import (
 )
 from gateway.sse import Emit, EventStreamResponse, sse_data
 from runtime.identity import local_id
-from runtime.reply.reply_format import schema_error
+from runtime.reply.reply_format import lark_from_gbnf, schema_error
 
 __all__ = ["routes", "to_chat", "tool_choice_of", "response_format_of", "usage_of", "finish_reason_of"]
 
@@ -152,14 +153,42 @@ def response_format_of(spec: ResponseFormatSpec | None) -> ResponseFormat | None
         ApiError: a schema that cannot constrain a reply (400 naming it).
     """
     match spec:
-        case JsonObjectFormat():
-            return ResponseFormat()
+        case JsonObjectFormat(schema=schema):
+            if schema is not None and (error := schema_error(schema)):
+                raise ApiError(400, "invalid_request", f"response_format.schema: {error}",
+                               param="response_format.schema")
+            return ResponseFormat(schema=schema)
         case JsonSchemaFormat(json_schema=spec):
             if spec.schema is not None and (error := schema_error(spec.schema)):
                 raise ApiError(400, "invalid_request", f"response_format.json_schema.schema: {error}",
                                param="response_format.json_schema.schema")
             return ResponseFormat(schema=spec.schema, name=spec.name)
     return None
+
+
+def answer_format_of(req: ChatCompletionRequest) -> ResponseFormat | None:
+    """What the reply must be: ``response_format``, or llama.cpp's ``json_schema`` or ``grammar`` (GBNF); one of them.
+
+    Raises:
+        ApiError: two of them, a schema that cannot constrain a reply, or a grammar that does not convert or
+            compile (400 naming the field).
+    """
+    given = [name for name, value in (("response_format", req.response_format), ("json_schema", req.json_schema),
+                                      ("grammar", req.grammar))
+             if value is not None and not isinstance(value, TextFormat)]
+    if len(given) > 1:
+        raise ApiError(400, "invalid_request", f"give one of {' and '.join(given)}: each says what the reply is",
+                       param=given[1])
+    if req.json_schema is not None:
+        if error := schema_error(req.json_schema):
+            raise ApiError(400, "invalid_request", f"json_schema: {error}", param="json_schema")
+        return ResponseFormat(schema=req.json_schema)
+    if req.grammar is not None:
+        try:
+            return ResponseFormat(grammar=lark_from_gbnf(req.grammar))
+        except ValueError as exc:
+            raise ApiError(400, "invalid_request", f"grammar (GBNF): {exc}", param="grammar") from None
+    return response_format_of(req.response_format)
 
 
 def to_chat(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -225,7 +254,7 @@ def routes(gw: Gateway) -> list[Route]:
                 messages=chat,
                 tools=tools,
                 tool_choice=tool_choice,
-                response_format=response_format_of(req.response_format),
+                response_format=answer_format_of(req),
                 parallel_tool_calls=req.parallel_tool_calls is not False,
                 model=model,
                 max_tokens=max_tokens,

@@ -148,7 +148,10 @@ class TextFormat(Struct, tag="text", tag_field="type", kw_only=True):
 
 
 class JsonObjectFormat(Struct, tag="json_object", tag_field="type", kw_only=True):
-    """``response_format: {"type": "json_object"}``: the reply is a JSON object."""
+    """``response_format: {"type": "json_object"}``: the reply is a JSON object; with ``schema`` (llama.cpp's and
+    vLLM's extension), one valid against it."""
+
+    schema: dict[str, Any] | None = None
 
 
 class JsonSchemaFormat(Struct, tag="json_schema", tag_field="type", kw_only=True):
@@ -173,7 +176,9 @@ class ChatCompletionRequest(Struct, kw_only=True):
     ``seed`` gives the turn its own random stream (the same seed, prompt and parameters give the
     same reply); the penalties are mlx-lm's, over the last 20 tokens; ``logit_bias`` maps the model's token
     ids (object keys) to biases added to their logits. ``response_format`` is honoured on
-    every model (the reply is decoded under the schema's grammar); so is
+    every model (the reply is decoded under the schema's grammar), and so are llama.cpp's
+    ``json_schema`` (the same as a ``json_schema`` response format) and ``grammar`` (GBNF, converted to
+    llguidance's Lark by llguidance's own converter); so is
     ``parallel_tool_calls: false`` (one call at most) where the model writes kvmem's
     generic tool-call format.
     """
@@ -200,6 +205,8 @@ class ChatCompletionRequest(Struct, kw_only=True):
     logprobs: bool | None = None
     response_format: ResponseFormatSpec | None = None
     parallel_tool_calls: bool | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: NonEmpty | None = None
 
 
 chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)

@@ -122,6 +122,52 @@ def test_openai_json_schema_response_format_gives_a_valid_object(gpt: openai.Ope
     assert set(value) == {"name", "age"} and isinstance(value["name"], str) and isinstance(value["age"], int)
 
 
+@pytest.mark.parametrize("how", ["json_schema", "response_format.schema"])
+def test_llama_cpps_json_schema_fields_give_a_valid_object(http: httpx.Client, how: str) -> None:
+    """llama.cpp's top-level ``json_schema`` and ``response_format: {"type": "json_object", "schema": ...}`` were
+    ignored with a 200 (issue 59): each now constrains the reply as a ``json_schema`` response format does."""
+    body: dict[str, Any] = {"model": DEFAULT_MODEL, "max_tokens": 40, "temperature": 0,
+                            "messages": [{"role": "user", "content": "Invent a person."}]}
+    if how == "json_schema":
+        body["json_schema"] = PERSON
+    else:
+        body["response_format"] = {"type": "json_object", "schema": PERSON}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    value = json.loads(response.json()["choices"][0]["message"]["content"])
+    assert set(value) == {"name", "age"} and isinstance(value["name"], str) and isinstance(value["age"], int)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_llama_cpps_gbnf_grammar_constrains_the_reply(http: httpx.Client, stream: bool) -> None:
+    body = {"model": DEFAULT_MODEL, "max_tokens": 8, "temperature": 0, "stream": stream,
+            "messages": [{"role": "user", "content": "Is the sea salty? Answer yes or no."}],
+            "grammar": 'root ::= ("yes" | "no") "."'}
+    if stream:
+        text = "".join(c["delta"].get("content") or "" for c in openai_stream_choices(http, body))
+    else:
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        text = response.json()["choices"][0]["message"]["content"]
+    assert text in ("yes.", "no."), text
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"grammar": "root ::= ("}, "grammar"),
+    ({"grammar": 'root ::= "a"', "json_schema": PERSON}, "grammar"),
+    ({"json_schema": PERSON, "response_format": {"type": "json_object"}}, "json_schema"),
+    ({"json_schema": {"type": "object", "properties": {"x": {"type": "banana"}}}}, "json_schema"),
+    ({"grammar": 'root ::= "a"', "tools": GPT_TOOLS}, None),
+])
+def test_a_grammar_or_schema_that_cannot_be_used_is_a_400_naming_it(http: httpx.Client, extra: dict[str, Any],
+                                                                    param: str | None) -> None:
+    body = {"model": DEFAULT_MODEL, "max_tokens": 4, "messages": ASK, **extra}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    if param is not None:
+        assert response.json()["error"]["param"] == param, response.json()
+
+
 def test_openai_refuses_a_schema_it_cannot_use_naming_the_field(http: httpx.Client) -> None:
     bad = {"type": "object", "properties": {"city": {"type": "banana"}}}
     body = {"model": DEFAULT_MODEL, "max_tokens": 8, "messages": ASK,

@@ -39,7 +39,7 @@ import msgspec
 
 from runtime.backend import BackendProfile
 from runtime.plan.prefix import MatchKind
-from runtime.reply.reply_format import schema_error
+from runtime.reply.reply_format import check_grammar, schema_error
 from runtime.spec import CacheSnapshot, LayerKind
 
 __all__ = [
@@ -174,17 +174,22 @@ class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         schema: a JSON Schema (None: any JSON object, OpenAI's ``json_object``).
         name: the schema's name, as OpenAI's ``json_schema.name`` gives it.
+        grammar: instead of JSON, a grammar the reply follows (llguidance's Lark dialect; llama.cpp's
+            ``grammar`` field, GBNF, converted to it): not with tools.
 
     Raises:
-        ValueError: a schema that cannot constrain a reply (the message says why).
+        ValueError: a schema or grammar that cannot constrain a reply (the message says why).
     """
 
     schema: dict[str, Any] | None = None
     name: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.schema is not None and (error := schema_error(self.schema)):
             raise ValueError(f"response_format's schema: {error}")
+        if self.grammar is not None:
+            check_grammar(self.grammar)  # raises ValueError with llguidance's message
 
     @classmethod
     def of(cls, value: Mapping[str, Any] | ResponseFormat | None) -> ResponseFormat | None:

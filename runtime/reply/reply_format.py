@@ -16,7 +16,7 @@ from typing import Any
 
 import llguidance
 
-__all__ = ["JSON_OPTIONS", "answer_grammar", "check_grammar", "json_schema_rule", "schema_error"]
+__all__ = ["JSON_OPTIONS", "answer_grammar", "check_grammar", "json_schema_rule", "schema_error", "lark_from_gbnf"]
 
 JSON_OPTIONS: dict[str, Any] = {
     # JSON written as Python's json.dumps writes it: when a client sends a call back, kvmem
@@ -82,3 +82,20 @@ def check_grammar(lark: str) -> str:
     if is_error:
         raise ValueError(messages[0] if messages else "the grammar does not compile")
     return grammar
+
+
+def lark_from_gbnf(gbnf: str) -> str:
+    """A GBNF grammar (llama.cpp's ``grammar`` field, ``root ::= ...``) in llguidance's Lark dialect, by
+    llguidance's own converter.
+
+    Raises:
+        ValueError: it does not parse as GBNF, or its conversion does not compile (the message says where).
+    """
+    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+
+    try:
+        lark = gbnf_to_lark(gbnf)
+    except GbnfToLarkError as exc:
+        raise ValueError(str(exc)) from None
+    check_grammar(lark)
+    return lark

@@ -240,6 +240,11 @@ def reply_rules(lm: LoadedModel, use: ToolUse | None, answer: ResponseFormat | N
             renders a named call's opening, and the model has none; or ``answer`` is asked
             with tools the model's own template formats (not supported).
     """
+    if answer is not None and answer.grammar is not None:  # llama.cpp's grammar: the reply is that, text only
+        if use is not None and use.tools and use.choice.mode != "none":
+            raise ValueError("a grammar with tools: the reply would have to be both a call and the grammar's "
+                             "text; give tool_choice 'none' or no tools")
+        return ReplyRules(fmt=None, render_tools=bool(use and use.tools), grammar=answer.grammar)
     answer_schema = answer.schema if answer is not None else None
     if use is None or not use.tools:
         return ReplyRules(fmt=None, grammar=answer_grammar(answer_schema) if answer is not None else None)
