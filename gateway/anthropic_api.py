@@ -153,9 +153,7 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> tuple[str | None, list
     """The system prompt, the chat messages and the tool definitions of a request."""
     system = req.system if req.system is None or isinstance(req.system, str) else _join_text(
         list(req.system), "system")
-    if req.messages[-1].role == "assistant":
-        raise ApiError(400, "invalid_request", "the last message must be a user message: kvmem does not continue a "
-                       "partial assistant message (prefill)", param=f"messages[{len(req.messages) - 1}].role")
+    # A last assistant message is a prefill: the reply continues it (runtime.model.loaded.is_prefill).
     chat = [c for i, m in enumerate(req.messages) for c in _message(i, m)]
     return system, chat, _tools(req.tools)
 

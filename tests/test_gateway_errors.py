@@ -162,9 +162,6 @@ def test_unsupported_content_is_a_clear_400(http: httpx.Client) -> None:
     error = _anthropic_error(http.post("/v1/messages", json={**ANTHROPIC_OK, "messages": [
         {"role": "user", "content": [image]}]}), 400, "invalid_request_error")
     assert "image" in error["message"]
-    prefill = {**ANTHROPIC_OK, "messages": [*MSG, {"role": "assistant", "content": "Sure"}]}
-    assert "prefill" in _anthropic_error(http.post("/v1/messages", json=prefill), 400, "invalid_request_error")[
-        "message"]
     server_tool = {**ANTHROPIC_OK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}
     _anthropic_error(http.post("/v1/messages", json=server_tool), 400, "invalid_request_error")
     part = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
@@ -210,3 +207,29 @@ def test_no_request_above_ended_in_a_5xx(http: httpx.Client) -> None:
                 if line.startswith("kvmem_http_requests_total{")]
     assert statuses and not [s for s in statuses if 'status="5' in s]
     assert http.post("/v1/messages", json=ANTHROPIC_OK).status_code == 200  # and it still serves
+
+
+@pytest.mark.parametrize("api", ["anthropic", "openai"])
+def test_a_last_assistant_message_is_continued_as_a_prefill(http: httpx.Client, api: str) -> None:
+    """Issue 59: a trailing assistant message (Anthropic's prefill; OpenAI clients that continue a partial reply)
+    was a 400 on Anthropic and a fresh reply on OpenAI. The reply now continues it: greedy, it is the reply to
+    the raw prompt that ends inside that message (the agents API's ``prompt``, rendered by the test itself)."""
+    from runtime.model.loaded import load_model
+
+    lm = load_model(MODEL, models_dir=models_dir())
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    rendered = lm.render(messages)
+    assert rendered.endswith("The colour is") and rendered.count("The colour is") == 1, rendered[-80:]
+    reference = http.post(f"/v1/agents/prefill-ref-{api}/messages",  # a fresh agent: cold, as the turn is
+                          json={"prompt": rendered, "max_tokens": 6, "temperature": 0}).json()["reply"]
+    if api == "anthropic":
+        response = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 6, "temperature": 0,
+                                                    "messages": messages}, headers={"X-Agent-ID": "prefill-a"})
+        assert response.status_code == 200, response.text
+        text = "".join(block["text"] for block in response.json()["content"] if block["type"] == "text")
+    else:
+        response = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 6, "temperature": 0,
+                                                            "messages": messages}, headers={"X-Agent-ID": "prefill-o"})
+        assert response.status_code == 200, response.text
+        text = response.json()["choices"][0]["message"]["content"]
+    assert text == reference, (text, reference)

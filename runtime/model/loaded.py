@@ -48,7 +48,8 @@ from runtime.model.gguf import is_gguf, prepare_gguf
 from runtime.reply.grammar import GrammarVocabulary
 from runtime.spec import KVFormat, LayerKind, LayerSpec, ModelCacheSpec
 
-__all__ = ["LoadedModel", "load_model", "read_cache_spec", "read_context_length", "PLAIN_CHAT_TEMPLATE", "PLAIN_STOP"]
+__all__ = ["LoadedModel", "load_model", "read_cache_spec", "read_context_length", "PLAIN_CHAT_TEMPLATE", "PLAIN_STOP",
+           "is_prefill"]
 
 log = logging.getLogger("kvmem.models")
 
@@ -79,6 +80,16 @@ def _last_position_head(model: Any) -> Any:
     if model.args.tie_word_embeddings:
         return model.model.embed_tokens.as_linear
     return model.lm_head
+
+
+def is_prefill(messages: list[dict[str, Any]]) -> bool:
+    """Whether the conversation ends with a partial assistant message to continue: text, no tool calls."""
+    if not messages or messages[-1].get("role") != "assistant" or messages[-1].get("tool_calls"):
+        return False
+    content = messages[-1].get("content")
+    if isinstance(content, list):  # content parts: their text
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return isinstance(content, str) and content != ""
 
 
 @dataclass
@@ -194,10 +205,14 @@ class LoadedModel:
     ) -> str:
         """Render chat messages to prompt text, ending with the assistant's turn (unless told not to).
 
-        Tools, tool calls and tool results go through the chat template when it renders
-        tools, else through :mod:`runtime.reply.generic_tools` (into the messages).
+        A last message from the assistant with text and no calls is a *prefill*: the prompt ends inside
+        it, so the reply continues it (Anthropic's prefill, llama.cpp's and transformers'
+        ``continue_final_message``). Tools, tool calls and tool results go through the chat template when
+        it renders tools, else through :mod:`runtime.reply.generic_tools` (into the messages).
         """
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+        if add_generation_prompt and is_prefill(messages):
+            kwargs.update(add_generation_prompt=False, continue_final_message=True)
         if not self.supports_tools:
             if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
                 messages = generic_tools.render_messages(messages, tools)
