@@ -94,7 +94,9 @@ def test_openai_tool_loop_on_the_default_model_extends_the_cache(gpt: openai.Ope
 
 
 def test_openai_stream_of_a_generic_call_is_a_start_chunk_then_its_arguments(http: httpx.Client) -> None:
+    # Greedy: sampled at OpenAI's default temperature a call once ran past max_tokens (finish_reason length).
     body = {"model": DEFAULT_MODEL, "max_tokens": 48, "stream": True, "tools": GPT_TOOLS, "messages": ASK,
+            "temperature": 0,
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": False}
     deltas = openai_stream_choices(http, body)
     calls = [c["delta"]["tool_calls"] for c in deltas if "tool_calls" in c["delta"]]
