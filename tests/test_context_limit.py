@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -190,14 +189,12 @@ async def test_tiny_llama_refuses_a_prompt_past_its_context_before_prefill_and_t
         over = _long(2000)
         prompt_tokens = await rt.count_tokens(over)
         assert prompt_tokens > TINY_CONTEXT
-        began = time.perf_counter()
         with pytest.raises(ContextLengthExceededError) as refused:
             await rt.agent("long").send(over, max_tokens=8)
-        assert time.perf_counter() - began < 5
         assert str(refused.value) == (f"the prompt ({prompt_tokens:,} tokens) plus max_tokens (8) exceeds "
                                       f"the model's context of {TINY_CONTEXT:,} tokens")
         gpu = rt.stats().gpu
-        assert gpu.admitted_total == 0 and gpu.prefill_chunks == 0
+        assert gpu.admitted_total == 0 and gpu.prefill_chunks == 0  # refused before any prefill (counted, not timed)
 
         at = _long(1650)
         prompt_tokens = await rt.count_tokens(at)

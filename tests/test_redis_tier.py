@@ -192,10 +192,11 @@ def test_a_stale_lease_holder_cannot_publish_over_a_newer_manifest(tmp_path: Pat
     directory = CacheDirectory(tmp_path / "node" / "caches", fsync=False)
     tier = RemoteTier(redis_server.url, directory.paths)
     (tag,) = {e.model_tag for e in directory.list_agents()}
-    old = tier.lease("keeper", lease_ms=50)
+    old = tier.lease("keeper")  # the default length: held through the next call, however slow the machine
     assert old is not None and old.fence > 0
     assert tier.lease("keeper") is None  # held
-    trio.run(trio.sleep, 0.2)  # expired: the holder stalled
+    assert tier.renew(old, lease_ms=50)  # its last renewal, then the holder stalled
+    trio.run(trio.sleep, 0.2)  # expired
     new = tier.lease("keeper")
     assert new is not None and new.fence > old.fence
     assert tier.publish("keeper", tag, fence=new.fence) is True

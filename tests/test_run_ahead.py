@@ -8,8 +8,6 @@ finish by length, by a stop string and by end of text, and one row starts with f
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 from agreement import assert_decoded_alike
 from conftest import tiny
@@ -67,9 +65,11 @@ def test_one_step_ahead_decodes_what_lockstep_decodes(attention: str) -> None:
 
 
 @pytest.mark.parametrize("run_ahead", [False, True])
-def test_every_step_records_where_its_time_went(run_ahead: bool) -> None:
+def test_every_step_records_where_its_time_went(run_ahead: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU actor's trace carries each step's launch / wait / host split (``StepTiming``): its parts
-    are the step's own time, nothing before it or after it."""
+    are the step's own time, nothing before it or after it. Each part is held against the spans it must
+    contain, timed on the same clock around the step's own calls (its launches: the graph's building; each
+    row's accepting its token: the host's work), so the checks hold however slow or busy the machine is."""
     import time
 
     lm = tiny("tiny-llama")
@@ -81,9 +81,23 @@ def test_every_step_records_where_its_time_went(run_ahead: bool) -> None:
             pass
         batch.add(seq)
     assert batch.last_timing is None
-    covered = []
+    spans: dict[str, float] = {"launch": 0.0, "accept": 0.0}
+
+    def timed(what: str, fn):
+        def call(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans[what] += (time.perf_counter() - began) * 1e3
+
+        return call
+
+    batch._launch = timed("launch", batch._launch)
+    monkeypatch.setattr(Sequence, "accept", timed("accept", Sequence.accept))
     for _ in range(6):
         time.sleep(0.02)  # time between steps is no step's
+        spans.update(launch=0.0, accept=0.0)
         t0 = time.perf_counter()
         batch.step_once()
         wall_ms = (time.perf_counter() - t0) * 1e3
@@ -91,14 +105,13 @@ def test_every_step_records_where_its_time_went(run_ahead: bool) -> None:
         assert timing is not None
         parts = (timing.launch_ms, timing.wait_ms, timing.host_ms)
         assert all(p >= 0 for p in parts) and timing.host_ms > 0
-        assert sum(parts) <= wall_ms
-        covered.append(sum(parts) / wall_ms)
+        assert sum(parts) <= wall_ms  # nothing before the step or after it
+        # and nothing of the step's own work left out: its launches are in the launch, its rows' tokens in the host's
+        assert spans["launch"] > 0 and spans["accept"] > 0
+        assert timing.launch_ms >= spans["launch"] - 1e-6 and timing.host_ms >= spans["accept"] - 1e-6, (timing, spans)
         # Building the graph is part of the launch; the thread ran for at most the launch's wall time.
         assert 0 < timing.build_ms <= timing.launch_ms
         assert 0 < timing.launch_cpu_ms <= timing.launch_ms + 0.5  # thread_time ticks coarser than perf_counter
-    # The step's merge and bookkeeping aside, its time is all in its parts. The median step is read:
-    # on a 2-core machine under load, one step of a few ms can be preempted between its parts.
-    assert statistics.median(covered) >= 0.5, covered
 
 
 def test_a_launch_that_waits_off_the_cpu_is_told_apart() -> None:
@@ -127,8 +140,11 @@ def test_a_launch_that_waits_off_the_cpu_is_told_apart() -> None:
     timing = batch.last_timing
     assert timing is not None
     assert timing.launch_ms >= 50
-    assert timing.launch_cpu_ms < 0.5 * timing.launch_ms
-    assert timing.build_ms < 0.5 * timing.launch_ms  # the wait came before the build, not in it
+    # The 50 ms off the CPU are in the launch's wall time, neither in its CPU time nor in the build (the
+    # wait came before the build, not in it): true on a machine of any speed (CPU time never passes wall
+    # time; thread_time ticks coarser than perf_counter, hence the 1 ms).
+    assert timing.launch_ms - timing.launch_cpu_ms >= 49, timing
+    assert timing.launch_ms - timing.build_ms >= 49, timing
 
 
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
