@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from benches import harness
 from benches.harness import ROOT, ResultFile, log, median, table
+from benches.ranks import alive, children_of, free_port_pair
 
 MODEL = "tiny-llama"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -45,42 +45,12 @@ CASES = [
 GIVE_UP_S = 60.0
 
 
-def _port_pair() -> int:
-    for port in range(20000, 30000, 2):
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError):
-            continue
-    return sorted(found)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _stop_once(home: Path, target: str, signum: int) -> float:
     """Start two ranks, send the signal, and return the seconds until every process is gone."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVMEM_", "MLX_"))}
     env.update(KVMEM_HOME=str(home), KVMEM_MODELS_DIR=str(harness.BENCH_HOME / "models"), KVMEM_PREWARM_MB="0",
                PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
-    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_port_pair()), "--python",
+    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()), "--python",
                sys.executable, "-m", "gateway.cli", "serve", "--distributed", "--model", MODEL, "--port", "0"]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -98,7 +68,7 @@ def _stop_once(home: Path, target: str, signum: int) -> float:
     try:
         if not serving.wait(180):
             raise RuntimeError("the two ranks did not start")
-        ranks = _children(proc.pid)
+        ranks = children_of(proc.pid)
         if len(ranks) != 2:
             raise RuntimeError(f"expected two ranks, found {ranks}")
         t0 = time.perf_counter()
@@ -108,7 +78,7 @@ def _stop_once(home: Path, target: str, signum: int) -> float:
             os.killpg(proc.pid, signum)
         else:
             os.kill(ranks[0] if target == "rank 0" else ranks[1], signum)
-        while any(_alive(p) for p in (proc.pid, *ranks)):
+        while any(alive(p) for p in (proc.pid, *ranks)):
             if time.perf_counter() - t0 > GIVE_UP_S:
                 return float("inf")
             time.sleep(0.05)

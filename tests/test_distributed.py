@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import re
 import shutil
 import signal
@@ -40,6 +39,7 @@ import pytest
 from conftest import models_dir
 from serve_process import kvmem_serve
 
+from benches.ranks import alive, children_of, free_port_pair
 from runtime.distributed.shard import check_shardable, rank_tag, shard_model_id
 from runtime.errors import UnsupportedModelError
 from runtime.model.tiny_models import RANDOM_SMOLLM2, RECIPES
@@ -60,7 +60,7 @@ def _ring_works() -> str | None:
     if not LAUNCH.exists():
         return "mlx.launch is not installed beside this Python"
     try:
-        proc = subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()),
+        proc = subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
                                "--python", sys.executable, "-c", PROBE], cwd=ROOT, env=_env(Path(".")),
                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
                               start_new_session=True)
@@ -86,48 +86,6 @@ def _env(home: Path) -> dict[str, str]:
             "OPENBLAS_NUM_THREADS": "1"}
 
 
-def _free_port_pair() -> int:
-    """A port P with P and P + 1 free (the ring backend listens on one port per rank), below the kernel's
-    ephemeral range: a port from that range can be taken between this check and the ranks' binds by any
-    outgoing connection, the ranks' own included (CI once saw rank 1's bind fail: error 98, in use)."""
-    low = _ephemeral_low()
-    if low < 12000:  # no room below it: a pair from the ephemeral range, as the kernel hands them out
-        return _ephemeral_port_pair()
-    pick = random.Random()
-    for _ in range(200):
-        port = pick.randrange(10000, low - 2)
-        try:
-            with socket.socket() as first, socket.socket() as second:
-                first.bind(("127.0.0.1", port))
-                second.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports below the ephemeral range")
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def _ephemeral_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
-
-
 @contextmanager
 def two_ranks(home: Path, *args: str, model: str = MODEL) -> Iterator[str]:
     """``mlx.launch -n 2 --backend ring ... kvmem serve --distributed``; yields rank 0's URL.
@@ -136,7 +94,7 @@ def two_ranks(home: Path, *args: str, model: str = MODEL) -> Iterator[str]:
     ignores it and exits when rank 0 tells it to); SIGKILL to the group if it outlives 60 s.
     ``mlx.launch`` itself is left running, so it forwards the ranks' logs to the end.
     """
-    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()),
+    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
                "--python", sys.executable, "-m", "gateway.cli", "serve", "--distributed", "--model", model,
                "--port", "0", *args]
     with launched(command, home) as url:
@@ -168,7 +126,7 @@ def launched(command: list[str], home: Path) -> Iterator[str]:
         found.wait(timeout=180)
         assert url, "the two ranks did not start:\n" + "".join(log)
         yield url[0]
-        for rank in _children(proc.pid):
+        for rank in children_of(proc.pid):
             os.kill(rank, signal.SIGINT)
         try:
             proc.wait(timeout=60)
@@ -183,19 +141,6 @@ def launched(command: list[str], home: Path) -> Iterator[str]:
                 os.killpg(proc.pid, signal.SIGKILL)  # a rank the launcher left behind
             except ProcessLookupError:
                 pass
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (the ranks ``mlx.launch`` started), from ``/proc``."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def _turn(url: str, agent: str, turns: list[str], replies: list[str], *, temperature: float = 0) -> dict[str, Any]:
@@ -263,13 +208,6 @@ STOP_GUARD_S = 45.0
 issue asks of these stops is measured in benches/distributed_stop.py)."""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 @pytest.mark.parametrize(("target", "signum", "said"), [
     ("launcher", signal.SIGTERM, None),  # mlx.launch dies and leaves its ranks: they stop (their log went with it)
     ("rank 1", signal.SIGTERM, "rank 1: stopping within"),  # a follower gives rank 0 its grace, then goes
@@ -280,7 +218,7 @@ def test_a_signal_to_mlx_launch_or_to_a_rank_stops_both_ranks(tmp_path: Path, ri
     """Issue 58, item 5: killing ``mlx.launch`` left both ranks serving, and a SIGTERM to rank 1 took 30 s. Every
     process ends; a rank's signal by the path the log names, rank 0 flushing (``caches flushed``). With
     ``mlx.launch`` gone, the ranks' log has nowhere to go: that they end is what is checked."""
-    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()),
+    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
                "--python", sys.executable, "-m", "gateway.cli", "serve", "--distributed", "--model", MODEL,
                "--port", "0"]
     proc = subprocess.Popen(command, cwd=ROOT, env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -301,13 +239,13 @@ def test_a_signal_to_mlx_launch_or_to_a_rank_stops_both_ranks(tmp_path: Path, ri
     ranks: list[int] = []
     try:
         assert serving.wait(180) and any("serving " in line for line in log), "".join(log)
-        ranks = sorted(_children(proc.pid))
+        ranks = sorted(children_of(proc.pid))
         assert len(ranks) == 2, ranks
         os.kill(proc.pid if target == "launcher" else ranks[1], signum)
         deadline = time.monotonic() + STOP_GUARD_S
-        while any(_alive(pid) for pid in (proc.pid, *ranks)) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in (proc.pid, *ranks)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = [pid for pid in (proc.pid, *ranks) if _alive(pid)]
+        left = [pid for pid in (proc.pid, *ranks) if alive(pid)]
         assert not left, f"still running {STOP_GUARD_S:g} s after the signal: {left}\n" + "".join(log[-30:])
         reader.join(10)
         text = "".join(log)
@@ -328,7 +266,7 @@ def test_the_documented_two_machine_command_runs_with_its_host_flag_after_the_se
     # read as an abbreviation of its own --hosts / --hostfile) to kvmem.
     hosts = tmp_path / "hosts.json"
     hosts.write_text('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]')
-    command = [str(LAUNCH), "--backend", "ring", "--hostfile", str(hosts), "--starting-port", str(_free_port_pair()),
+    command = [str(LAUNCH), "--backend", "ring", "--hostfile", str(hosts), "--starting-port", str(free_port_pair()),
                "--python", sys.executable,
                "--", "-m", "gateway.cli", "serve", "--distributed", "--model", MODEL,
                "--host", "0.0.0.0", "--port", "0", "--api-key", "readme-key"]
@@ -343,7 +281,7 @@ def test_the_documented_two_machine_command_runs_with_its_host_flag_after_the_se
 
 def test_a_model_whose_heads_do_not_divide_is_refused_on_every_rank(tmp_path: Path, ring: None) -> None:
     # tiny-qwen2: 2 attention heads and 1 key-value head: the key-value head cannot be split over 2 ranks.
-    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()),
+    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
                "--python", sys.executable, "-m", "gateway.cli", "serve", "--distributed", "--model", "tiny-qwen2",
                "--port", "0"]
     proc = subprocess.run(command, cwd=ROOT, env=_env(tmp_path), stdin=subprocess.DEVNULL, capture_output=True,
