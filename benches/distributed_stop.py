@@ -30,7 +30,7 @@ from pathlib import Path
 
 from benches import harness
 from benches.harness import ROOT, ResultFile, log, median, table
-from benches.ranks import alive, children_of, free_port_pair
+from benches.ranks import alive, children_of, free_port_pair, kill_all
 
 MODEL = "tiny-llama"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -84,12 +84,7 @@ def _stop_once(home: Path, target: str, signum: int) -> float:
             time.sleep(0.05)
         return time.perf_counter() - t0
     finally:
-        for pid in (*ranks, proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
+        kill_all(proc, ranks)
 
 
 def main(argv: list[str] | None = None) -> None:

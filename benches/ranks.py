@@ -5,11 +5,14 @@ Shared by ``tests/test_distributed.py`` and ``benches/distributed_stop.py`` (Lin
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import socket
+import subprocess
 from pathlib import Path
 
-__all__ = ["free_port_pair", "children_of", "alive"]
+__all__ = ["free_port_pair", "children_of", "alive", "kill_all"]
 
 
 def free_port_pair() -> int:
@@ -73,3 +76,13 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def kill_all(proc: subprocess.Popen[str], ranks: list[int]) -> None:
+    """SIGKILL the ranks and ``mlx.launch`` (whichever are left) and reap the launcher."""
+    for pid in (*ranks, proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()

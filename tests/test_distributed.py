@@ -39,7 +39,7 @@ import pytest
 from conftest import models_dir
 from serve_process import kvmem_serve
 
-from benches.ranks import alive, children_of, free_port_pair
+from benches.ranks import alive, children_of, free_port_pair, kill_all
 from runtime.distributed.shard import check_shardable, rank_tag, shard_model_id
 from runtime.errors import UnsupportedModelError
 from runtime.model.tiny_models import RANDOM_SMOLLM2, RECIPES
@@ -251,12 +251,7 @@ def test_a_signal_to_mlx_launch_or_to_a_rank_stops_both_ranks(tmp_path: Path, ri
         text = "".join(log)
         assert said is None or (said in text and "caches flushed" in text), text[-3000:]
     finally:
-        for pid in (*ranks, proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
+        kill_all(proc, ranks)
 
 
 def test_the_documented_two_machine_command_runs_with_its_host_flag_after_the_separator(tmp_path: Path,
