@@ -11,6 +11,7 @@ Chromium, chromedriver or Selenium is missing (``.ci/setup`` installs them).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -210,3 +211,54 @@ def test_a_tenants_page_lists_no_other_tenants_agent(served: Served, browser: An
     assert "ops-private" not in text and "operator's private" not in text
     assert "shown to operators" in browser.find_element(By.ID, "memory").text
     assert "shown to operators" in browser.find_element(By.ID, "batch").text
+
+
+def test_the_chat_sends_its_settings_renders_markdown_as_text_and_lists_its_conversations(
+    served: Served, browser: Any
+) -> None:
+    """Issue 59, item 5: the chat panel's system prompt, temperature and top-p go with the turn; a reply's
+    markdown is drawn as elements, and HTML in it is shown as text, never run; the tab's conversations are
+    listed, one button each."""
+    from selenium.webdriver.common.by import By
+
+    _open(browser, f"{served.url}/ui#key={KEY_OPS}")
+    _wait(browser, "the page signed in", lambda: _visible(browser, "app"))
+    # What the page sends: a wrapper around fetch keeps each agents-API body (the page's own code is untouched).
+    _js(browser, "window.sentBodies = []; const f = window.fetch; window.fetch = (url, opts) => {"
+                 " if (opts && opts.body && String(url).includes('/messages')) window.sentBodies.push(opts.body);"
+                 " return f(url, opts); }")
+    browser.find_element(By.CSS_SELECTOR, "#chat-settings summary").click()
+    browser.find_element(By.ID, "chat-system").send_keys("You are terse.")
+    for field, value in (("chat-temperature", "0.7"), ("chat-top-p", "0.9"), ("chat-max", "3")):
+        browser.find_element(By.ID, field).clear()
+        browser.find_element(By.ID, field).send_keys(value)
+    agent = browser.find_element(By.ID, "chat-agent")
+    agent.clear()
+    agent.send_keys("grace")
+    browser.find_element(By.ID, "chat-input").send_keys("Hello there.")
+    browser.find_element(By.ID, "chat-send").click()
+    _wait(browser, "the turn's tier", lambda: _js(browser, "return document.getElementById('chat-turn').dataset.tier"),
+          timeout=60)
+    body = json.loads(_js(browser, "return window.sentBodies[0]"))
+    assert body["system"] == "You are terse." and body["temperature"] == 0.7 and body["top_p"] == 0.9, body
+    assert body["max_tokens"] == 3 and body["messages"][-1] == {"role": "user", "content": "Hello there."}
+    listed = _js(browser, "return [...document.querySelectorAll('#chat-list button')].map(b => b.textContent)")
+    assert listed == ["grace · 1 turn"], listed
+
+    # A reply with markdown and with HTML in it, as the page keeps conversations (this tab's sessionStorage).
+    hostile = ("# Plan\n**bold** and *soft* and `code`\n\n- one\n- two\n\n```\nx < y && <b>raw</b>\n```\n"
+               "<img src=x onerror=\"window.pwned=1\"> [site](https://example.org) [bad](javascript:alert(1))")
+    _js(browser, "sessionStorage.setItem('kvmem.chats', JSON.stringify({grace: [{role: 'user', content: 'hi'},"
+                 f" {{role: 'assistant', content: {json.dumps(hostile)}}}]}}))")
+    _open(browser, f"{served.url}/ui")
+    _wait(browser, "the page signed in", lambda: _visible(browser, "app"))
+    browser.find_element(By.CSS_SELECTOR, "#chat-list button").click()
+    reply = browser.find_element(By.CSS_SELECTOR, "#chat-log .msg.assistant")
+    tags = browser.execute_script("return [...arguments[0].querySelectorAll('*')].map(e => e.tagName.toLowerCase())",
+                                  reply)
+    assert {"h1", "strong", "em", "code", "ul", "li", "pre", "a"} <= set(tags), tags
+    assert "img" not in tags and "b" not in tags and "script" not in tags, tags
+    assert "<img src=x" in reply.text and "<b>raw</b>" in reply.text  # shown as the characters they are
+    links = browser.execute_script("return [...arguments[0].querySelectorAll('a')].map(a => a.href)", reply)
+    assert links == ["https://example.org/"], links  # a javascript: link stays text
+    assert _js(browser, "return window.pwned === undefined")

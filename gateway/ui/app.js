@@ -233,6 +233,7 @@
   function showApp() {
     $("signin").hidden = true;
     $("app").hidden = false;
+    listChats();
   }
 
   async function signIn(event) {
@@ -258,6 +259,8 @@
     $("chat-log").replaceChildren(el("p", { class: "empty", text: "The conversation appears here." }));
     $("chat-turn").replaceChildren();
     $("chat-agent").value = "";
+    $("chat-list").replaceChildren();
+    $("chat-system").value = "";
     renderAgents();
   }
 
@@ -640,6 +643,7 @@
       delete state.chats[id];
       saveChats();
       if ($("chat-agent").value.trim() === id) showConversation(id);
+      else listChats();
       await refreshAgents();
     } catch (error) {
       if (error instanceof AuthError) signOut("The key is no longer accepted. Sign in again.");
@@ -666,7 +670,81 @@
   }
 
   function bubble(role, text) {
+    if (role.startsWith("assistant")) {
+      const node = el("div", { class: `msg ${role} md` });
+      node.replaceChildren(...markdown(text));
+      return node;
+    }
     return el("div", { class: `msg ${role}`, text });
+  }
+
+  // -- markdown, as DOM nodes --------------------------------------------------------
+  // A reply is the model's text: it is never parsed as HTML. Its markdown (paragraphs, headings, lists,
+  // fenced code, inline code, bold, italics, http(s) links) becomes elements whose text is set as text,
+  // so "<img onerror=...>" in a reply shows as those characters and runs nothing.
+
+  function inline(text) {
+    const out = [];
+    const pattern = /(`[^`\n]+`)|(\*\*[^*\n]+\*\*)|(\*[^*\n]+\*|_[^_\n]+_)|(\[[^\]\n]+\]\((https?:\/\/[^\s)]+)\))/g;
+    let last = 0;
+    for (const m of text.matchAll(pattern)) {
+      if (m.index > last) out.push(document.createTextNode(text.slice(last, m.index)));
+      if (m[1]) out.push(el("code", { text: m[1].slice(1, -1) }));
+      else if (m[2]) out.push(el("strong", { text: m[2].slice(2, -2) }));
+      else if (m[3]) out.push(el("em", { text: m[3].slice(1, -1) }));
+      else {
+        const label = m[4].slice(1, m[4].indexOf("]("));
+        out.push(el("a", { href: m[5], target: "_blank", rel: "noopener noreferrer", text: label }));
+      }
+      last = m.index + m[0].length;
+    }
+    if (last < text.length) out.push(document.createTextNode(text.slice(last)));
+    return out;
+  }
+
+  function markdown(text) {
+    const blocks = [];
+    const lines = String(text).split("\n");
+    let para = [];
+    let list = null;
+    const endPara = () => {
+      if (para.length) blocks.push(el("p", {}, ...inline(para.join("\n"))));
+      para = [];
+    };
+    const endList = () => { list = null; };
+    for (let i = 0; i < lines.length; i++) {
+      const line = lines[i];
+      const fence = line.match(/^\s*```/);
+      if (fence) {
+        endPara(); endList();
+        const code = [];
+        for (i += 1; i < lines.length && !/^\s*```/.test(lines[i]); i++) code.push(lines[i]);
+        blocks.push(el("pre", {}, el("code", { text: code.join("\n") })));
+        continue;
+      }
+      const heading = line.match(/^(#{1,3})\s+(.*)$/);
+      const bullet = line.match(/^\s*[-*]\s+(.*)$/);
+      const numbered = line.match(/^\s*\d+[.)]\s+(.*)$/);
+      if (heading) {
+        endPara(); endList();
+        blocks.push(el(`h${heading[1].length}`, {}, ...inline(heading[2])));
+      } else if (bullet || numbered) {
+        endPara();
+        const tag = bullet ? "ul" : "ol";
+        if (!list || list.tagName.toLowerCase() !== tag) {
+          list = el(tag);
+          blocks.push(list);
+        }
+        list.append(el("li", {}, ...inline((bullet || numbered)[1])));
+      } else if (!line.trim()) {
+        endPara(); endList();
+      } else {
+        endList();
+        para.push(line);
+      }
+    }
+    endPara();
+    return blocks;
   }
 
   function showConversation(id) {
@@ -679,6 +757,17 @@
     }
     log.scrollTop = log.scrollHeight;
     $("chat-turn").replaceChildren();
+    listChats();
+  }
+
+  // The conversations this tab holds (sessionStorage): one button each, the shown one marked.
+  function listChats() {
+    const shown = $("chat-agent").value.trim();
+    $("chat-list").replaceChildren(...Object.keys(state.chats).sort().map((id) => {
+      const turns = state.chats[id].filter((m) => m.role === "user").length;
+      return el("button", { type: "button", class: `button ghost small${id === shown ? " current" : ""}`,
+                            text: `${id} · ${turns} turn${turns === 1 ? "" : "s"}`, onclick: () => chatWith(id) });
+    }));
   }
 
   function chatWith(id) {
@@ -738,6 +827,9 @@
     error.hidden = true;
     if (!id || !text) return;
     const maxTokens = Math.max(1, Math.min(8192, parseInt($("chat-max").value, 10) || 64));
+    const temperature = Math.max(0, Math.min(2, parseFloat($("chat-temperature").value) || 0));
+    const topP = Math.max(0.01, Math.min(1, parseFloat($("chat-top-p").value) || 1));
+    const system = $("chat-system").value.trim();
     const history = state.chats[id] || [];
     const messages = [...history, { role: "user", content: text }];
     const log = $("chat-log");
@@ -754,7 +846,8 @@
       const response = await call(`v1/agents/${agentSegment(id)}/messages`, {
         method: "POST",
         headers: { "content-type": "application/json" },
-        body: JSON.stringify({ messages, max_tokens: maxTokens, stream: true }),
+        body: JSON.stringify({ messages, max_tokens: maxTokens, stream: true, temperature, top_p: topP,
+                               ...(system ? { system } : {}) }),
       });
       if (!response.ok) throw new HttpError(response.status, await errorText(response));
       let streamed = "";
@@ -763,7 +856,7 @@
       await readEvents(response, (name, data) => {
         if (name === "delta") {
           streamed += data.text;
-          reply.textContent = streamed;
+          reply.replaceChildren(...markdown(streamed));
           log.scrollTop = log.scrollHeight;
         } else if (name === "done") {
           result = data;
@@ -773,9 +866,10 @@
       });
       if (failure || !result) throw new Error(failure || "the stream ended without a result");
       reply.classList.remove("streaming");
-      reply.textContent = result.content;
+      reply.replaceChildren(...markdown(result.content));
       state.chats[id] = [...messages, { role: "assistant", content: result.content }];
       saveChats();
+      listChats();
       showTurn(result);
       refreshAgents().catch(onPollError);
     } catch (err) {
