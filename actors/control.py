@@ -1,13 +1,14 @@
 """The owner's control socket: other processes on the machine ask the running kvmem to forget or list agents.
 
 One process owns a cache directory (:class:`runtime.persist.owner.OwnerLock`).
-``kvmem forget`` or ``kvmem agents`` run while a server (or any other runtime)
+``kvmem forget``, ``kvmem agents`` or ``kvmem chat`` run while a server (or any other runtime)
 holds it must not touch the files themselves: the holder keeps hot, unsaved
 and prefetched copies the files know nothing of, and would serve and save a
 forgotten agent again. So the holder listens on a Unix socket beside the lock
 (``<cache dir>/control.sock``) and those commands send it their request
 instead; the forget then runs through the holder's own
-``Runtime.agent(id).forget()``, which reaches every copy it holds.
+``Runtime.agent(id).forget()``, which reaches every copy it holds, and a chat's turn through its
+``Runtime.agent(id).send(...)`` (:class:`TurnRequest`).
 
 Who may ask is decided by the file system, as for Docker's socket: the socket
 is ``0o600`` inside the ``0o700`` cache directory, so only the user who owns
@@ -27,24 +28,26 @@ import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
 
+from actors.messages_agent import TurnResult
 from actors.messages_store import AgentRecord
 from runtime.persist.owner import CONTROL_NAME, OwnerInfo, OwnerLock
 
 if TYPE_CHECKING:
     from actors.supervisor import Runtime
 
-__all__ = ["ForgetRequest", "ListRequest", "ControlRequest", "ControlReply", "serve_control", "ask_owner",
-           "OwnerUnreachableError"]
+__all__ = ["ForgetRequest", "ListRequest", "TurnRequest", "ControlRequest", "ControlReply", "serve_control",
+           "ask_owner", "OwnerUnreachableError"]
 
 log = logging.getLogger("kvmem.control")
 
 _MAX_FRAME = 64 * 2**20
 _TIMEOUT_S = 60.0  # a forget waits for the agent's running turn to end
+_TURN_TIMEOUT_S = 3600.0  # a turn: a long prompt's prefill on a CPU takes minutes
 
 
 class ForgetRequest(msgspec.Struct, frozen=True, kw_only=True, tag="forget"):
@@ -59,7 +62,16 @@ class ListRequest(msgspec.Struct, frozen=True, kw_only=True, tag="list"):
     tenant: str | None = None
 
 
-ControlRequest = ForgetRequest | ListRequest
+class TurnRequest(msgspec.Struct, frozen=True, kw_only=True, tag="turn"):
+    """One turn of ``agent_id`` run by the owner, as ``Runtime.agent(agent_id).send(messages, **options)``:
+    ``kvmem chat`` beside a running server goes through the server's runtime, its caches and its batch."""
+
+    agent_id: str
+    messages: tuple[dict[str, Any], ...]
+    options: dict[str, Any] = {}
+
+
+ControlRequest = ForgetRequest | ListRequest | TurnRequest
 
 
 class ControlReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,6 +79,7 @@ class ControlReply(msgspec.Struct, frozen=True, kw_only=True):
 
     existed: bool = False
     agents: tuple[AgentRecord, ...] = ()
+    result: TurnResult | None = None
     error: str | None = None
     kind: str | None = None
 
@@ -124,6 +137,8 @@ async def _answer(rt: Runtime, request: ControlRequest) -> ControlReply:
                 return ControlReply(existed=await rt.agent(agent_id).forget())
             case ListRequest(tenant=tenant):
                 return ControlReply(agents=tuple(await rt.list_agents(tenant=tenant)))
+            case TurnRequest(agent_id=agent_id, messages=messages, options=options):
+                return ControlReply(result=await rt.agent(agent_id).send(list(messages), **options))
     except Exception as exc:  # noqa: BLE001 - the asking process reports it
         return ControlReply(error=str(exc), kind=type(exc).__name__)
 
@@ -160,8 +175,10 @@ async def serve_control(rt: Runtime, lock: OwnerLock, *, task_status: trio.TaskS
     async def handle(stream: trio.SocketStream) -> None:
         async with stream:
             try:
-                with trio.fail_after(_TIMEOUT_S):
+                with trio.fail_after(_TIMEOUT_S) as deadline:
                     request = _request_decoder.decode(await _receive_frame(stream))
+                    if isinstance(request, TurnRequest):
+                        deadline.deadline = trio.current_time() + _TURN_TIMEOUT_S
                     await _send_frame(stream, await _answer(rt, request))
             except (OSError, EOFError, ValueError, msgspec.DecodeError, trio.TooSlowError,
                     trio.BrokenResourceError) as exc:
@@ -186,8 +203,9 @@ async def ask_owner(owner: OwnerInfo, request: ControlRequest) -> ControlReply:
     """
     if owner.control is None:
         raise OwnerUnreachableError(f"{owner.describe()} has no control socket")
+    timeout = _TURN_TIMEOUT_S if isinstance(request, TurnRequest) else _TIMEOUT_S
     try:
-        with _reachable(Path(owner.control)) as address, trio.fail_after(_TIMEOUT_S):
+        with _reachable(Path(owner.control)) as address, trio.fail_after(timeout):
             stream = await trio.open_unix_socket(address)
             async with stream:
                 await _send_frame(stream, request)

@@ -140,11 +140,19 @@ async def _chat_session(args: argparse.Namespace, config: Config) -> None:
     """One runtime for the whole session: later turns of an interactive chat are served hot."""
     from runtime.home import KvmemHome
 
+    from runtime.errors import DirectoryInUseError
+
     home = KvmemHome(config.home_path)
     async with AsyncExitStack() as stack:
         loading = Progress(f"kvmem: loading {config.model}", delay_s=PROGRESS_DELAY_S)
-        with nullcontext() if args.json else loading.ticking(_loaded(config.model)):
-            rt = await stack.enter_async_context(_open_runtime(config))
+        rt: Runtime | ThroughOwner
+        try:
+            with nullcontext() if args.json else loading.ticking(_loaded(config.model)):
+                rt = await stack.enter_async_context(_open_runtime(config))
+        except DirectoryInUseError as exc:  # a server holds the home: its runtime runs the turns
+            if exc.holder is None or exc.holder.control is None:
+                raise
+            rt = ThroughOwner(exc)
         if args.message is not None:
             await _turn(rt, home, config, args, args.message)
             return
@@ -189,12 +197,30 @@ class LineReader:
         return line.rstrip(b"\r").decode("utf-8", errors="replace")
 
 
-async def _turn(rt: Runtime, home: KvmemHome, config: Config, args: argparse.Namespace, message: str) -> None:
-    """Send ``message`` as the agent's next user turn; save the conversation; print the reply and accounting."""
-    from runtime.identity import safe_agent_dirname
+class ThroughOwner:
+    """The runtime of the process that holds the home (``kvmem serve``), reached through its control socket
+    (:class:`actors.control.TurnRequest`): ``kvmem chat`` beside a running server runs its turns there, on the
+    server's caches, instead of stopping at the lock. A turn's reply comes whole (the socket answers once)."""
 
-    handle = rt.agent(args.agent)
-    name = safe_agent_dirname(handle.agent_id)  # the id as checked (NFC): one conversation per agent
+    def __init__(self, held: DirectoryInUseError) -> None:
+        self._held = held
+
+    async def send(self, agent_id: str, messages: list[dict[str, Any]], **options: Any) -> TurnResult:
+        from actors.control import TurnRequest
+
+        reply = await _ask_owner(self._held, TurnRequest(agent_id=agent_id, messages=tuple(messages),
+                                                         options=options))
+        assert reply.result is not None
+        return reply.result
+
+
+async def _turn(rt: Runtime | ThroughOwner, home: KvmemHome, config: Config, args: argparse.Namespace,
+                message: str) -> None:
+    """Send ``message`` as the agent's next user turn; save the conversation; print the reply and accounting."""
+    from runtime.identity import check_agent_id, safe_agent_dirname
+
+    agent_id = check_agent_id(args.agent)
+    name = safe_agent_dirname(agent_id)  # the id as checked (NFC): one conversation per agent
     convo = home.load_conversation(name)
     messages: list[dict[str, Any]] = list(convo["messages"])
     if args.system and not messages:
@@ -202,9 +228,14 @@ async def _turn(rt: Runtime, home: KvmemHome, config: Config, args: argparse.Nam
     messages.append({"role": "user", "content": message})
     options: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                                "seed": args.seed}
-    if args.json:
-        result = await handle.send(messages, **options)
+    if isinstance(rt, ThroughOwner):
+        result = await rt.send(agent_id, messages, **options)
+        if not args.json:
+            print(result.reply, flush=True)
+    elif args.json:
+        result = await rt.agent(agent_id).send(messages, **options)
     else:
+        handle = rt.agent(agent_id)
         import trio
 
         progress = PrefillProgress(rt, args.agent)

@@ -116,7 +116,7 @@ async def test_forget_through_the_control_socket_reaches_hot_and_unsaved_copies(
     assert not (tmp_path / "caches" / CONTROL_NAME).exists()
 
 
-def test_cli_forget_reaches_a_live_server_and_second_owners_are_refused(tmp_path: Path) -> None:
+def test_cli_forget_and_chat_reach_a_live_server_and_a_second_server_is_refused(tmp_path: Path) -> None:
     home = tmp_path / "home"
     args = ("--model", MODEL, "--port", "0", "--host", "127.0.0.1")
     with kvmem_serve(*args, env=_env(home)) as server:
@@ -140,13 +140,24 @@ def test_cli_forget_reaches_a_live_server_and_second_owners_are_refused(tmp_path
         _kvmem(home, "forget", "x")  # and forget the turn just made, for the restart below
 
         pid = server.process.pid if server.process else None
-        for command in (["serve", *args], ["chat", "--agent", "y", "--model", MODEL, "hi"]):
-            refused = _kvmem(home, *command)
-            assert refused.returncode == 2
-            assert f"pid {pid}" in refused.stderr and "in use" in refused.stderr, refused.stderr
-            if command[0] == "serve":  # the refusal as docs/reliability.md shows it: one line, no traceback
-                assert "Traceback" not in refused.stderr and "Exception" not in refused.stderr, refused.stderr
-                assert refused.stderr.splitlines()[-1].startswith("kvmem: the cache directory"), refused.stderr
+        refused = _kvmem(home, "serve", *args)
+        assert refused.returncode == 2
+        assert f"pid {pid}" in refused.stderr and "in use" in refused.stderr, refused.stderr
+        # the refusal as docs/reliability.md shows it: one line, no traceback
+        assert "Traceback" not in refused.stderr and "Exception" not in refused.stderr, refused.stderr
+        assert refused.stderr.splitlines()[-1].startswith("kvmem: the cache directory"), refused.stderr
+
+        # (issue 59) kvmem chat beside the server runs its turns in the server's runtime, on its caches
+        chat = _kvmem(home, "chat", "--agent", "y", "--model", MODEL, "--max-tokens", "3", "hi")
+        assert chat.returncode == 0, chat.stderr
+        assert chat.stdout.strip() and "[y] tier=cold" in chat.stderr, (chat.stdout, chat.stderr)
+        again = _kvmem(home, "chat", "--agent", "y", "--model", MODEL, "--max-tokens", "3", "--json", "and then?")
+        assert again.returncode == 0, again.stderr
+        turn = json.loads(again.stdout)
+        assert turn["tier"] == "hot" and turn["tokens_reused"] > 0, turn  # the server's hot cache of y
+        assert (home / "conversations").is_dir() and any((home / "conversations").glob("y*.json"))
+        assert "y" in {row["agent"] for row in json.loads(_kvmem(home, "agents", "--json").stdout)}
+        _kvmem(home, "forget", "y")
     with kvmem_serve(*args, env=_env(home)) as server:  # after a restart: still forgotten, the other kept
         after = _turn(server.url, "x", hello2)
         assert after["tier"] in ("cold", "shared")  # its own cache is gone (keep's prefix, HELLO, may be shared)
