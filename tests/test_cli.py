@@ -81,3 +81,19 @@ def test_version_names_the_installed_package(capsys):
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"kvmem {metadata.version('kvmem')}"
+
+
+def test_kvmem_forget_takes_every_id_a_client_can_create(tmp_path):
+    """Issue 58, item 3: an id with ``/``, ``%`` or spaces made by a chat is listed and forgotten by the CLI."""
+    model = ["--model", "tiny-llama", "--max-tokens", "2", "--json"]
+    ids = ["team/alice", "50% off", "a b"]
+    for agent in ids:
+        made = _kvmem(tmp_path, "chat", "--agent", agent, *model, "Hello.")
+        assert made.returncode == 0, made.stderr
+    assert {r["agent"] for r in json.loads(_kvmem(tmp_path, "agents", "--json").stdout)} == set(ids)
+    for agent in ids:
+        gone = _kvmem(tmp_path, "forget", agent)
+        assert gone.returncode == 0 and gone.stdout.strip() == f"forgot {agent}", (gone.stdout, gone.stderr)
+    assert json.loads(_kvmem(tmp_path, "agents", "--json").stdout) == []
+    refused = _kvmem(tmp_path, "chat", "--agent", "..", *model, "Hello.")
+    assert refused.returncode == 2 and "no URL can name" in refused.stderr, refused.stderr
