@@ -262,3 +262,31 @@ def test_the_chat_sends_its_settings_renders_markdown_as_text_and_lists_its_conv
     links = browser.execute_script("return [...arguments[0].querySelectorAll('a')].map(a => a.href)", reply)
     assert links == ["https://example.org/"], links  # a javascript: link stays text
     assert _js(browser, "return window.pwned === undefined")
+
+
+def test_an_agent_whose_id_holds_a_slash_is_chatted_with_and_forgotten_through_the_page(
+    served: Served, browser: Any
+) -> None:
+    """Issue 58, item 3: the page names an agent in a URL path as one escaped segment (``team%2Fada``)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _open(browser, f"{served.url}/ui#key={KEY_OPS}")
+    _wait(browser, "the page signed in", lambda: _visible(browser, "app"))
+    agent = browser.find_element(By.ID, "chat-agent")
+    agent.clear()
+    agent.send_keys("team/ada 50%")
+    browser.find_element(By.ID, "chat-max").clear()
+    browser.find_element(By.ID, "chat-max").send_keys("2")
+    browser.find_element(By.ID, "chat-input").send_keys("Hello.")
+    browser.find_element(By.ID, "chat-send").click()
+    _wait(browser, "the turn's tier", lambda: _js(browser, "return document.getElementById('chat-turn').dataset.tier"),
+          timeout=60)
+    _wait(browser, "the agent in the table", lambda: "team/ada 50%" in _rows(browser))
+    button = browser.find_element(By.CSS_SELECTOR, '#agents-body tr[data-agent="team/ada 50%"] button.forget')
+    button.click()
+    WebDriverWait(browser, 5).until(expected_conditions.alert_is_present()).accept()
+    _wait(browser, "the agent gone from the table", lambda: "team/ada 50%" not in _rows(browser))
+    gone = httpx.get(f"{served.url}/v1/agents/team%2Fada%2050%25", headers={"x-api-key": KEY_OPS})
+    assert gone.status_code == 404, gone.text
