@@ -30,7 +30,7 @@ from pathlib import Path
 
 from benches import harness
 from benches.harness import ROOT, ResultFile, log, median, table
-from benches.ranks import alive, children_of, free_port_pair, kill_all
+from benches.ranks import alive, free_port_pair, kill_all, ranks_of
 
 MODEL = "tiny-llama"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -68,7 +68,7 @@ def _stop_once(home: Path, target: str, signum: int) -> float:
     try:
         if not serving.wait(180):
             raise RuntimeError("the two ranks did not start")
-        ranks = children_of(proc.pid)
+        ranks = ranks_of(proc.pid)
         if len(ranks) != 2:
             raise RuntimeError(f"expected two ranks, found {ranks}")
         t0 = time.perf_counter()

@@ -12,7 +12,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-__all__ = ["free_port_pair", "children_of", "alive", "kill_all"]
+__all__ = ["free_port_pair", "children_of", "ranks_of", "alive", "kill_all"]
 
 
 def free_port_pair() -> int:
@@ -68,6 +68,20 @@ def children_of(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             found.append(int(stat.parent.name))
     return found
+
+
+def ranks_of(launcher: int) -> list[int]:
+    """The processes ``mlx.launch`` (pid ``launcher``) started, in rank order (their ``MLX_RANK``): pids are
+    not (a test that took the higher pid for rank 1 sometimes signalled rank 0)."""
+    def rank(pid: int) -> int:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return 1 << 30
+        found = [int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"MLX_RANK=")]
+        return found[0] if found else 1 << 30
+
+    return sorted(children_of(launcher), key=rank)
 
 
 def alive(pid: int) -> bool:

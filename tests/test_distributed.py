@@ -39,7 +39,7 @@ import pytest
 from conftest import models_dir
 from serve_process import kvmem_serve
 
-from benches.ranks import alive, children_of, free_port_pair, kill_all
+from benches.ranks import alive, children_of, free_port_pair, kill_all, ranks_of
 from runtime.distributed.shard import check_shardable, rank_tag, shard_model_id
 from runtime.errors import UnsupportedModelError
 from runtime.model.tiny_models import RANDOM_SMOLLM2, RECIPES
@@ -239,7 +239,7 @@ def test_a_signal_to_mlx_launch_or_to_a_rank_stops_both_ranks(tmp_path: Path, ri
     ranks: list[int] = []
     try:
         assert serving.wait(180) and any("serving " in line for line in log), "".join(log)
-        ranks = sorted(children_of(proc.pid))
+        ranks = ranks_of(proc.pid)
         assert len(ranks) == 2, ranks
         os.kill(proc.pid if target == "launcher" else ranks[1], signum)
         deadline = time.monotonic() + STOP_GUARD_S
