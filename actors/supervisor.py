@@ -13,6 +13,10 @@ Orchestration code (and the HTTP gateway, a thin client of the same API)::
                 print(delta, end="")
         print(stream.result.finish_reason)
 
+Beside a server: when another process (``kvmem serve``) holds the home, ``open_runtime``
+yields an :class:`actors.owner_client.OwnerClient` instead, whose handles are the same and
+whose turns run in the server; the code above runs unchanged.
+
 Streaming: ``handle.stream(...)`` returns a :class:`TurnStream`. Use it as an
 async context manager and iterate it; after the loop ``stream.result`` holds
 the :class:`TurnResult` (the concatenated deltas equal ``result.reply``).
@@ -49,9 +53,9 @@ import signal
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import msgspec
 import trio
@@ -101,7 +105,11 @@ from runtime.plan.contract import Engine, ToolChoice
 from runtime.identity import check_agent_id, local_id, safe_agent_dirname, tenant_of
 from runtime.plan.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
+from runtime.errors import DirectoryInUseError
 from runtime.persist.owner import OwnerLock
+
+if TYPE_CHECKING:
+    from actors.owner_client import OwnerClient
 
 _MAILBOX_SIZE = 16
 
@@ -365,7 +373,8 @@ class Runtime:
         self._agents.clear()
 
 
-def _single_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+def single_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception ``group`` holds, however deeply nested (None: more than one)."""
     leaves: list[BaseException] = []
     stack: list[BaseException] = [group]
     while stack:
@@ -381,26 +390,50 @@ class _SignalState:
     signum: int | None = None
 
 
-@asynccontextmanager
-async def open_runtime(
+_Opened = AbstractAsyncContextManager["Runtime | OwnerClient"]
+
+
+@overload
+def open_runtime(config: Config | None = None, *, through_owner: Literal[False], engine: Engine | None = None,
+                 directory: CacheDirectory | None = None, trace: bool = False, handle_signals: bool = True,
+                 preload: bool = True, **overrides: Any) -> AbstractAsyncContextManager[Runtime]: ...
+
+
+@overload
+def open_runtime(config: Config | None = None, *, through_owner: bool = True, engine: Engine | None = None,
+                 directory: CacheDirectory | None = None, trace: bool = False, handle_signals: bool = True,
+                 preload: bool = True, **overrides: Any) -> _Opened: ...
+
+
+def open_runtime(
     config: Config | None = None,
     *,
+    through_owner: bool = True,
     engine: Engine | None = None,
     directory: CacheDirectory | None = None,
     trace: bool = False,
     handle_signals: bool = True,
     preload: bool = True,
     **overrides: Any,
-) -> AsyncIterator[Runtime]:
-    """Start kvmem's actors, load the default model, and yield a :class:`Runtime`.
+) -> _Opened:
+    """Start kvmem's actors, load the default model, and yield a :class:`Runtime`; or, when another
+    process's runtime holds the home (``kvmem serve``), yield an :class:`actors.owner_client.OwnerClient`
+    that runs every turn there.
 
     ``open_runtime(load_config(...))`` at an edge that reads flags and the
     environment; ``open_runtime(model="tiny-llama", home=tmp, kv_bits=4)`` in
     Python (the defaults of :class:`runtime.config.Config` plus the overrides).
 
+    Beside a server the same program runs unchanged: ``rt.agent(id)`` gives the same handles, whose
+    turns run in the server's runtime, on its caches, and come back streamed as they would here
+    (why this, and what differs: :mod:`actors.owner_client`).
+
     Args:
         config: the settings (default ``Config()``: defaults only; nothing is
             read from the environment here but the home folder's default).
+        through_owner: when another process holds the home, act through it (False: refuse,
+            as ``kvmem serve`` does). A runtime given its own ``engine`` or ``directory`` is
+            always this process's own, so it is refused too.
         engine: the engine to run (default: MLX, configured from ``config``); tests pass ``FakeEngine``.
         directory: the warm tier (default: ``config``'s cache folder; a distributed rank 0 passes its own).
         trace: record the GPU actor's work log (``Runtime.gpu_events``).
@@ -414,18 +447,45 @@ async def open_runtime(
         runtime.config.ConfigError: a bad setting (the message names it).
         ModelError: the default model does not load (with ``preload``).
         runtime.errors.DirectoryInUseError: another live runtime (this process's or
-            another's) holds the cache directory; its message names the holder's pid. Other
-            processes reach the holder through its control socket (:mod:`actors.control`).
+            another's) holds the cache directory and cannot be acted through (it has no
+            control socket, or does not answer, or ``through_owner`` is off); its message
+            names the holder's pid.
     """
+    return _open_runtime(config, through_owner=through_owner, engine=engine, directory=directory, trace=trace,
+                         handle_signals=handle_signals, preload=preload, **overrides)
+
+
+@asynccontextmanager
+async def _open_runtime(
+    config: Config | None,
+    *,
+    through_owner: bool,
+    engine: Engine | None,
+    directory: CacheDirectory | None,
+    trace: bool,
+    handle_signals: bool,
+    preload: bool,
+    **overrides: Any,
+) -> AsyncIterator[Runtime | OwnerClient]:
     if config is not None and not isinstance(config, Config):
         raise TypeError(
             f"open_runtime() takes a Config, not {type(config).__name__}; pass settings by name, e.g. model=..."
         )
     config = (config or Config()).replace(**overrides)  # validates the whole configuration
-    caches, fsync = config.caches_path, config.fsync
+    caches = config.caches_path
     # One owner per cache directory, taken before anything in it is read, cleaned or written
     # (runtime.persist.owner); released by the kernel if this process dies.
-    lock = OwnerLock(caches if directory is None else directory.root)
+    try:
+        lock = OwnerLock(caches if directory is None else directory.root)
+    except DirectoryInUseError as held:
+        if not through_owner or engine is not None or directory is not None or held.holder is None \
+                or held.holder.control is None:
+            raise
+        from actors.owner_client import open_owner_client
+
+        async with open_owner_client(held, model=config.model) as client:
+            yield client
+        return
     try:
         async with _owned_runtime(config, lock, engine=engine, directory=directory, trace=trace,
                                   handle_signals=handle_signals, preload=preload) as rt:
@@ -545,7 +605,7 @@ async def _owned_runtime(
             watcher_scope.cancel()
     except BaseExceptionGroup as group:
         # The caller's body runs inside our nurseries: give its error back unwrapped.
-        only = _single_exception(group)
+        only = single_exception(group)
         if only is None:
             raise
         raise only from None

@@ -7,6 +7,12 @@ command line and the server agree on replies, tiers and token accounting.
 The conversation (the messages so far) is kept in the kvmem home
 (``conversations/<agent>.json``); the cache belongs to the runtime's store,
 which writes it to disk when the runtime closes.
+
+With a server holding the home, every command here acts through it
+(``open_runtime`` yields an :class:`actors.owner_client.OwnerClient`): a chat's
+turns run in the server's runtime, on its caches, streamed back; ``agents`` lists
+its hot agents too; ``forget`` reaches every copy it holds. Output and exit
+codes are those of the command alone.
 """
 
 from __future__ import annotations
@@ -27,13 +33,12 @@ from gateway.cli_common import HOME_SETTINGS, add_setting_options, config_from_a
 from gateway.progress import Progress
 
 if TYPE_CHECKING:
-    from actors.control import ControlReply, ControlRequest
     from actors.messages_agent import TurnResult
     from actors.messages_store import AgentRecord
+    from actors.owner_client import OwnerClient
     from actors.supervisor import Runtime
     from runtime.config import Config
     from runtime.home import KvmemHome
-    from runtime.errors import DirectoryInUseError  # noqa: F401 - annotations
 
 __all__ = ["register", "TurnReport", "AgentSummary", "LineReader"]
 
@@ -104,8 +109,9 @@ def register(sub: Any) -> None:
 
 
 @asynccontextmanager
-async def _open_runtime(config: Config, *, preload: bool = True) -> AsyncIterator[Runtime]:
-    """``open_runtime(config)`` for a command that runs until its process exits."""
+async def _open_runtime(config: Config, *, preload: bool = True) -> AsyncIterator[Runtime | OwnerClient]:
+    """``open_runtime(config)`` for a command that runs until its process exits (through the server
+    that holds the home, if one does)."""
     from actors import open_runtime
 
     async with open_runtime(config, preload=preload) as rt:
@@ -140,19 +146,11 @@ async def _chat_session(args: argparse.Namespace, config: Config) -> None:
     """One runtime for the whole session: later turns of an interactive chat are served hot."""
     from runtime.home import KvmemHome
 
-    from runtime.errors import DirectoryInUseError
-
     home = KvmemHome(config.home_path)
     async with AsyncExitStack() as stack:
         loading = Progress(f"kvmem: loading {config.model}", delay_s=PROGRESS_DELAY_S)
-        rt: Runtime | ThroughOwner
-        try:
-            with nullcontext() if args.json else loading.ticking(_loaded(config.model)):
-                rt = await stack.enter_async_context(_open_runtime(config))
-        except DirectoryInUseError as exc:  # a server holds the home: its runtime runs the turns
-            if exc.holder is None or exc.holder.control is None:
-                raise
-            rt = ThroughOwner(exc)
+        with nullcontext() if args.json else loading.ticking(_loaded(config.model)):
+            rt = await stack.enter_async_context(_open_runtime(config))
         if args.message is not None:
             await _turn(rt, home, config, args, args.message)
             return
@@ -197,24 +195,7 @@ class LineReader:
         return line.rstrip(b"\r").decode("utf-8", errors="replace")
 
 
-class ThroughOwner:
-    """The runtime of the process that holds the home (``kvmem serve``), reached through its control socket
-    (:class:`actors.control.TurnRequest`): ``kvmem chat`` beside a running server runs its turns there, on the
-    server's caches, instead of stopping at the lock. A turn's reply comes whole (the socket answers once)."""
-
-    def __init__(self, held: DirectoryInUseError) -> None:
-        self._held = held
-
-    async def send(self, agent_id: str, messages: list[dict[str, Any]], **options: Any) -> TurnResult:
-        from actors.control import TurnRequest
-
-        reply = await _ask_owner(self._held, TurnRequest(agent_id=agent_id, messages=tuple(messages),
-                                                         options=options))
-        assert reply.result is not None
-        return reply.result
-
-
-async def _turn(rt: Runtime | ThroughOwner, home: KvmemHome, config: Config, args: argparse.Namespace,
+async def _turn(rt: Runtime | OwnerClient, home: KvmemHome, config: Config, args: argparse.Namespace,
                 message: str) -> None:
     """Send ``message`` as the agent's next user turn; save the conversation; print the reply and accounting."""
     from runtime.identity import check_agent_id, safe_agent_dirname
@@ -228,25 +209,27 @@ async def _turn(rt: Runtime | ThroughOwner, home: KvmemHome, config: Config, arg
     messages.append({"role": "user", "content": message})
     options: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                                "seed": args.seed}
-    if isinstance(rt, ThroughOwner):
-        result = await rt.send(agent_id, messages, **options)
-        if not args.json:
-            print(result.reply, flush=True)
-    elif args.json:
-        result = await rt.agent(agent_id).send(messages, **options)
+    handle = rt.agent(agent_id)
+    if args.json:
+        result = await handle.send(messages, **options)
     else:
-        handle = rt.agent(agent_id)
         import trio
 
-        progress = PrefillProgress(rt, args.agent)
+        from actors.supervisor import Runtime
+
+        # A server's prefill is the server's to show (its operator page): through it, no progress line.
+        progress = PrefillProgress(rt, args.agent) if isinstance(rt, Runtime) else None
         async with handle.stream(messages, **options) as stream, trio.open_nursery() as nursery:
-            nursery.start_soon(progress.show)
+            if progress is not None:
+                nursery.start_soon(progress.show)
             try:
                 async for delta in stream:
-                    progress.stop()  # the reply begins: the progress line goes first
+                    if progress is not None:
+                        progress.stop()  # the reply begins: the progress line goes first
                     print(delta, end="", flush=True)
             finally:
-                progress.stop()  # also before an error's message
+                if progress is not None:
+                    progress.stop()  # also before an error's message
                 nursery.cancel_scope.cancel()
         print(flush=True)
         assert stream.result is not None
@@ -352,39 +335,13 @@ def _tenant_arg(args: argparse.Namespace) -> str | None:
         raise ConfigError(f"--tenant: {exc}") from None
 
 
-async def _ask_owner(exc: DirectoryInUseError, request: ControlRequest) -> ControlReply:
-    """Send ``request`` to the process that holds the home (``exc`` names it); its reply.
-
-    Raises:
-        DirectoryInUseError: the holder has no control socket or does not answer (the message names its pid).
-        the error the holder's runtime raised (``InvalidAgentIdError``, ...).
-    """
-    from actors.client import raise_failed
-    from actors.control import OwnerUnreachableError, ask_owner
-    from actors.messages_common import Failed
-
-    if exc.holder is None:
-        raise exc
-    try:
-        reply = await ask_owner(exc.holder, request)
-    except OwnerUnreachableError as unreachable:
-        raise exc from unreachable  # refused, naming the holder's pid
-    if reply.error is not None:
-        raise_failed(Failed(kind=reply.kind or "Failed", error=reply.error))
-    return reply
-
-
 async def _list_agents(config: Config, tenant: str | None = None) -> list[AgentSummary]:
-    from actors.control import ListRequest
     from runtime.home import KvmemHome
-    from runtime.errors import DirectoryInUseError
     from runtime.identity import local_id
 
-    try:
-        async with _open_runtime(config, preload=False) as rt:  # listing needs no model
-            records = await rt.list_agents(tenant=tenant)
-    except DirectoryInUseError as exc:  # a server holds the home: it knows its hot agents too
-        records = list((await _ask_owner(exc, ListRequest(tenant=tenant))).agents)
+    # Listing needs no model; a server holding the home lists its hot agents too.
+    async with _open_runtime(config, preload=False) as rt:
+        records = await rt.list_agents(tenant=tenant)
     if tenant is not None:  # a tenant's agents have no `kvmem chat` conversations in the home
         return summarize_agents(None, [msgspec.structs.replace(r, agent_id=local_id(r.agent_id)) for r in records])
     return summarize_agents(KvmemHome(config.home_path), records)
@@ -426,24 +383,16 @@ def _forget(args: argparse.Namespace) -> int:
 
 async def _forget_agent(config: Config, agent: str, tenant: str | None = None) -> bool:
     """Delete the agent's caches (every model's) and conversation; True if anything existed."""
-    from actors.control import ForgetRequest
     from runtime.home import KvmemHome
-    from runtime.identity import safe_agent_dirname
-    from runtime.errors import DirectoryInUseError
-    from runtime.identity import check_agent_id
-    from runtime.identity import namespaced
+    from runtime.identity import check_agent_id, namespaced, safe_agent_dirname
 
     agent = check_agent_id(agent)  # NFC, as every door names it
     name = safe_agent_dirname(agent)
     agent_id = namespaced(tenant, agent)
-    try:
-        async with _open_runtime(config, preload=False) as rt:  # forgetting needs no model
-            # its caches, and blocks no other agent (of its tenant) references
-            had_cache = await rt.agent(agent_id).forget()
-    except DirectoryInUseError as exc:
-        # A server (or another runtime) holds the home: only it can drop its hot, unsaved and
-        # prefetched copies, so it forgets the agent; this process deletes nothing itself.
-        had_cache = (await _ask_owner(exc, ForgetRequest(agent_id=agent_id))).existed
+    # Forgetting needs no model. A server (or another runtime) holding the home forgets the agent
+    # itself: only it can drop its hot, unsaved and prefetched copies; this process deletes no cache.
+    async with _open_runtime(config, preload=False) as rt:
+        had_cache = await rt.agent(agent_id).forget()  # its caches, and blocks no other agent references
     return had_cache if tenant else KvmemHome(config.home_path).delete_conversation(name) or had_cache
 
 

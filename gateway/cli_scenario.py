@@ -1,7 +1,8 @@
 """Multi-phase scenarios from the command line: ``kvmem scenario run|resume|validate|list``.
 
 ``kvmem scenario run FILE`` runs a scenario (a YAML file, or the name of a
-shipped one) through the in-process runtime, printing one line per turn
+shipped one) through the in-process runtime (through the server's when one holds
+the home: :mod:`actors.owner_client`; the same lines, files and exit codes), printing one line per turn
 (phase, agent, cache tier and match, tokens reused vs prefilled), and writes
 into the run folder: ``state.json`` (after every turn), ``transcript.md/.json``
 (every phase, each marked with who may see it), ``public.md/.json`` (public

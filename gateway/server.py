@@ -132,6 +132,7 @@ async def serve(
     shutdown = trio.Event()
     async with open_runtime(
         config,
+        through_owner=False,  # a second server on a home is refused, never a client of the first
         engine=engine,
         directory=directory,
         handle_signals=False,

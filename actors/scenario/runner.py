@@ -1,4 +1,4 @@
-"""Run a scenario through the in-process runtime, phase by phase, turn by turn.
+"""Run a scenario through the in-process runtime (or the server's, when one holds the home), phase by phase.
 
 Cache keys: a permanent agent is ``scenario:<scenario name>:<agent>`` — an
 identity that outlives the run and a restart, so the next phase (or the next
@@ -42,6 +42,7 @@ from actors.scenario.state import (
 )
 
 if TYPE_CHECKING:
+    from actors.owner_client import OwnerClient
     from actors.supervisor import Runtime
 
 __all__ = [
@@ -154,7 +155,7 @@ def new_run_state(
     )
 
 
-async def forget_permanent_agents(rt: Runtime, spec: ScenarioSpec) -> list[str]:
+async def forget_permanent_agents(rt: Runtime | OwnerClient, spec: ScenarioSpec) -> list[str]:
     """Forget the caches of ``spec``'s permanent agents (``--fresh``); returns the ids that existed."""
     forgotten = []
     for key in spec.agents:
@@ -169,7 +170,7 @@ class ScenarioRunner:
     """Drives one run (see the module docstring).
 
     Args:
-        rt: the runtime the turns go to.
+        rt: the runtime the turns go to (this process's, or the server's that holds the home).
         spec: the validated scenario.
         state: the run's state (new, or loaded to resume); updated in place.
         run_dir: where ``state.json`` is saved after every turn (None: not saved).
@@ -179,7 +180,7 @@ class ScenarioRunner:
 
     def __init__(
         self,
-        rt: Runtime,
+        rt: Runtime | OwnerClient,
         spec: ScenarioSpec,
         state: RunState,
         *,
