@@ -31,6 +31,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import assert_never
 
 import msgspec
@@ -68,6 +69,7 @@ from actors.messages_store import (
 )
 from actors.metrics import GpuEvent, RuntimeMetrics
 from actors.registry import Acquire, AcquireReply, RegistryInbox, Release
+from runtime.plan.contract import OwnCache
 
 __all__ = ["AgentActor", "CacheHandle"]
 
@@ -204,28 +206,11 @@ class AgentActor:
                                          waited_ms=(received - turn.submitted_at) * 1e3, took_ms=(now - received) * 1e3))
         checked_in = False
         try:
-            generated: GenerateReply = await ask(
-                self._gpu,
-                lambda r: Generate(
-                    request_id=turn.request_id,
-                    agent_id=self.agent_id,
-                    model_tag=info.tag,
-                    prompt=request.prompt if request.prompt is not None else Chat(
-                        messages=request.chat(), tools=request.tool_list(),
-                        tool_choice=request.tool_choice if request.tools else None),
-                    own=opened.own,
-                    sampling=request.engine_sampling(),
-                    submitted_at=turn.submitted_at,
-                    deltas=turn.deltas,
-                    client=turn.reply,
-                    reply=r,
-                    share_prefix=request.share_prefix,
-                ),
-            )
+            generated = await self._generate(turn, info, opened.own)
             if isinstance(generated, Failed):
                 return generated
             checked_in = True
-            failed = await self._check_in(request, info, generated)
+            failed = await self._check_in(request, info, generated[0])
             if failed is not None:
                 return failed
             return self._done(turn, info, generated)
@@ -236,6 +221,50 @@ class AgentActor:
                         await self._store.send(CheckIn(agent_id=self.agent_id))
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
+
+    async def _generate(self, turn: Turn, info: ModelInfo, own: OwnCache | None) -> list[Generated] | Failed:
+        """The turn's reply from the GPU actor; with ``n`` > 1 its samples too, asked together (one group:
+        they start from one prefill of the prompt and decode in one batch), the first being the agent's own."""
+        request = turn.turn
+        ids = (turn.request_id, *turn.sample_ids)
+        prompt = request.prompt if request.prompt is not None else Chat(
+            messages=request.chat(), tools=request.tool_list(), tool_choice=request.tool_choice if request.tools else None)
+
+        def generate(sample: int, reply: trio.MemorySendChannel[GenerateReply]) -> Generate:
+            return Generate(request_id=ids[sample], agent_id=self.agent_id, model_tag=info.tag, prompt=prompt, own=own,
+                            sampling=request.engine_sampling(sample), submitted_at=turn.submitted_at,
+                            deltas=turn.deltas, client=turn.reply, reply=reply, share_prefix=request.share_prefix,
+                            group=turn.request_id if len(ids) > 1 else None, sample=sample)
+
+        if len(ids) == 1:
+            alone: GenerateReply = await ask(self._gpu, partial(generate, 0))
+            return alone if isinstance(alone, Failed) else [alone]
+        # Sent in order, the first first: the GPU actor tokenizes and queues them in order, so the first
+        # sample starts first and the others start from its prompt (``KVCacheManager.held_back``).
+        receivers = []
+        for sample in range(len(ids)):
+            send, receive = trio.open_memory_channel[GenerateReply](1)
+            receivers.append(receive)
+            await self._gpu.send(generate(sample, send))
+        replies: list[GenerateReply | None] = [None] * len(ids)
+        async with trio.open_nursery() as nursery:
+            async def wait_for(sample: int) -> None:
+                async with receivers[sample]:
+                    try:
+                        replies[sample] = reply = await receivers[sample].receive()
+                    except trio.EndOfChannel:  # the GPU actor stopped without answering
+                        replies[sample] = reply = Failed(kind="Cancelled", error="the runtime is shutting down")
+                if isinstance(reply, Failed):
+                    nursery.cancel_scope.cancel()  # the others are cancelled: the turn fails
+
+            for sample in range(len(ids)):
+                nursery.start_soon(wait_for, sample)
+        for receive in receivers:
+            receive.close()  # a sample cancelled above: its reply channel closed tells the GPU actor
+        failed = next((r for r in replies if isinstance(r, Failed)), None)
+        if failed is not None:
+            return failed
+        return [r for r in replies if r is not None]
 
     async def _check_in(self, request: ChatTurn, info: ModelInfo, generated: Generated) -> Failed | None:
         """Hand the turn's new cache to the store (which ends the turn there); a durable turn waits for its save."""
@@ -256,19 +285,23 @@ class AgentActor:
                                       text_chars=len(cache.parked.text))
         return None
 
-    def _done(self, turn: Turn, info: ModelInfo, generated: Generated) -> TurnDone:
+    def _done(self, turn: Turn, info: ModelInfo, generated: list[Generated]) -> TurnDone:
         self.turns += 1
-        usage = generated.usage
-        self._metrics.turn_done(agent_id=self.agent_id, finish_reason=generated.finish_reason, usage=usage)
-        result = TurnResult(
-            agent_id=self.agent_id,
-            request_id=turn.request_id,
-            model=info.name,
-            reply=generated.reply,
-            finish_reason=generated.finish_reason,
-            usage=usage,
-            stop_sequence=generated.stop_sequence,
-            content=generated.content,
-            tool_calls=generated.tool_calls,
-        )
-        return TurnDone(result=result)
+        main = generated[0]
+        self._metrics.turn_done(agent_id=self.agent_id, finish_reason=main.finish_reason, usage=main.usage)
+        results = [
+            TurnResult(
+                agent_id=self.agent_id,
+                request_id=g.request_id,
+                model=info.name,
+                reply=g.reply,
+                finish_reason=g.finish_reason,
+                usage=g.usage,
+                stop_sequence=g.stop_sequence,
+                content=g.content,
+                tool_calls=g.tool_calls,
+                logprobs=g.logprobs,
+            )
+            for g in generated
+        ]
+        return TurnDone(result=msgspec.structs.replace(results[0], samples=tuple(results[1:])))

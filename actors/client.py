@@ -7,7 +7,7 @@ runtime's agent mailboxes and turn ``Failed`` replies back into exceptions.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypedDict
 
@@ -29,7 +29,7 @@ from actors.messages_agent import (
     TurnResult,
 )
 from actors.messages_common import Failed
-from actors.messages_gpu import StreamItem, TurnAccepted, TurnStarted
+from actors.messages_gpu import OfSample, Scores, StreamItem, TurnAccepted, TurnStarted
 from runtime.errors import (
     BudgetExceededError,
     ContextLengthExceededError,
@@ -38,8 +38,9 @@ from runtime.errors import (
     ModelError,
     UnsupportedModelError,
 )
+from runtime.reply.logprobs import TokenLogprob
 
-__all__ = ["AgentHandle", "TurnOptions", "TurnStream", "TurnEvents", "TurnFailedError", "raise_failed"]
+__all__ = ["AgentHandle", "TurnOptions", "TurnStream", "TurnEvents", "TurnChoices", "TurnFailedError", "raise_failed"]
 
 TurnBuilder = Callable[[trio.MemorySendChannel[StreamItem] | None, trio.MemorySendChannel[TurnReply]], Turn]
 
@@ -94,6 +95,10 @@ class TurnStream:
 
     After iteration ends, :attr:`result` is the turn's :class:`TurnResult`.
     Failures raise from the iteration (``BudgetExceededError``, ``ModelError``, ...).
+
+    A turn of ``n`` > 1 samples: ``async for index, item in stream.choices()`` yields every sample's
+    text and tool calls as they come, each with its sample's index (0: the agent's own, which
+    iterating the stream itself yields alone).
     """
 
     def __init__(self, runtime: Dispatcher, agent_id: str, build: TurnBuilder) -> None:
@@ -102,9 +107,13 @@ class TurnStream:
         self._build = build
         self._deltas: trio.MemoryReceiveChannel[StreamItem] | None = None
         self._reply: trio.MemoryReceiveChannel[TurnReply] | None = None
-        self._streamed = 0  # content characters delivered
-        self._calls = 0  # tool calls delivered
-        self._tail: deque[str | ToolCall] = deque()  # what the final reply has and the deltas did not
+        # Per sample (0: the agent's own): content characters and tool calls delivered, logprobs received.
+        self._streamed: dict[int, int] = defaultdict(int)
+        self._calls: dict[int, int] = defaultdict(int)
+        self._scores: dict[int, list[TokenLogprob]] = defaultdict(list)
+        self._scores_taken: dict[int, int] = defaultdict(int)
+        self._tail: deque[tuple[int, str | ToolCall]] = deque()  # what the final reply has and the deltas did not
+        self._held: deque[OfSample] = deque()  # other samples' items read while waiting for the turn's own
         self._done = False
         self.result: TurnResult | None = None
         self.started: TurnStarted | None = None
@@ -145,6 +154,9 @@ class TurnStream:
             return
         try:
             item = await self._deltas.receive()
+            while isinstance(item, OfSample):  # another sample's, before the turn's own acceptance
+                self._held.append(item)
+                item = await self._deltas.receive()
         except trio.EndOfChannel:
             self._early_reply = reply = await self._reply.receive()
             if isinstance(reply, Failed):
@@ -167,11 +179,14 @@ class TurnStream:
         assert self._deltas is not None
         while self.started is None:
             try:
-                item = await self._deltas.receive()
+                item = await self._receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 return None
             if isinstance(item, TurnAccepted):
                 self._accepted = True
+                continue
+            if isinstance(item, OfSample):  # another sample's, before the turn's own announcement
+                self._held.append(item)
                 continue
             assert isinstance(item, TurnStarted), "the GPU actor announces a turn before any text"
             self.started = item
@@ -187,8 +202,20 @@ class TurnStream:
         """The turn's text deltas and tool calls, in order (see the class docstring)."""
         return TurnEvents(self)
 
+    def choices(self) -> TurnChoices:
+        """Every sample's text deltas and tool calls with its index, in order (see the class docstring)."""
+        return TurnChoices(self)
+
     async def next_event(self) -> str | ToolCall:
-        """The next text delta or completed tool call; ``StopAsyncIteration`` at the end."""
+        """The next text delta or completed tool call of the agent's own reply; ``StopAsyncIteration`` at the end."""
+        while True:
+            index, item = await self.next_choice()
+            if index == 0:
+                return item
+
+    async def next_choice(self) -> tuple[int, str | ToolCall]:
+        """The next text delta or completed tool call of any sample, with its index; ``StopAsyncIteration`` at
+        the end."""
         if self._tail:
             return self._tail.popleft()
         if self._done:
@@ -197,24 +224,24 @@ class TurnStream:
             await self._open()
             assert self._deltas is not None and self._reply is not None
             try:
-                item = await self._deltas.receive()
-                while isinstance(item, (TurnAccepted, TurnStarted)):
-                    if isinstance(item, TurnStarted):
-                        self.started = item
-                    self._accepted = True
-                    item = await self._deltas.receive()
+                while True:
+                    received = await self._receive()
+                    index, item = (received.index, received.item) if isinstance(received, OfSample) else (0, received)
+                    if isinstance(item, Scores):
+                        self._scores[index].extend(item.tokens)
+                    elif isinstance(item, (TurnAccepted, TurnStarted)):
+                        self.started = item if isinstance(item, TurnStarted) else self.started
+                        self._accepted = True
+                    else:
+                        break
             except trio.EndOfChannel:
                 reply = self._early_reply or await self._reply.receive()
                 self._done = True
                 if isinstance(reply, Failed):
                     raise_failed(reply)
                 self.result = result = reply.result
-                # What the deltas did not carry (a full channel, or content after a call at the very end).
-                rest = result.content[self._streamed :]
-                self._streamed += len(rest)
-                self._tail.extend([rest] if rest else [])
-                self._tail.extend(result.tool_calls[self._calls :])
-                self._calls = len(result.tool_calls)
+                for index, sample in enumerate((result, *result.samples)):
+                    self._finish_sample(index, sample)
                 if self._tail:
                     return self._tail.popleft()
                 raise StopAsyncIteration from None
@@ -222,10 +249,35 @@ class TurnStream:
             await self.aclose()  # when the turn is still running, this tells the GPU actor: the client left
             raise
         if isinstance(item, ToolCall):
-            self._calls += 1
+            self._calls[index] += 1
         else:
-            self._streamed += len(item)
-        return item
+            self._streamed[index] += len(item)
+        return index, item
+
+    async def _receive(self) -> StreamItem:
+        """The next item: one read early and held (another sample's), else the channel's next."""
+        if self._held:
+            return self._held.popleft()
+        assert self._deltas is not None
+        return await self._deltas.receive()
+
+    def _finish_sample(self, index: int, result: TurnResult) -> None:
+        """What sample ``index``'s result has and the deltas did not carry (a full channel, or content after a
+        call at the very end) goes to the tail; its logprobs are every token's."""
+        self._scores[index] = list(result.logprobs)
+        rest = result.content[self._streamed[index] :]
+        self._streamed[index] += len(rest)
+        self._tail.extend([(index, rest)] if rest else [])
+        self._tail.extend((index, call) for call in result.tool_calls[self._calls[index] :])
+        self._calls[index] = len(result.tool_calls)
+
+    def take_logprobs(self, index: int = 0) -> tuple[TokenLogprob, ...]:
+        """The logprobs of sample ``index``'s reply tokens received since the last call: after a text of it came,
+        they include the scores of its tokens (a turn asking for ``logprobs``; else always empty)."""
+        scores = self._scores[index]
+        new = tuple(scores[self._scores_taken[index] :])
+        self._scores_taken[index] = len(scores)
+        return new
 
     async def aclose(self) -> None:
         """Stop the turn if it is still running (closing our ends is the signal)."""
@@ -248,6 +300,19 @@ class TurnEvents:
         return await self._stream.next_event()
 
 
+class TurnChoices:
+    """``stream.choices()``: an async iterator of every sample's (index, text delta or :class:`ToolCall`)."""
+
+    def __init__(self, stream: TurnStream) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> TurnChoices:
+        return self
+
+    async def __anext__(self) -> tuple[int, str | ToolCall]:
+        return await self._stream.next_choice()
+
+
 class TurnOptions(TypedDict, total=False):
     """The keyword arguments every ``AgentHandle`` turn method takes (see :meth:`ChatTurn.of`).
 
@@ -260,6 +325,10 @@ class TurnOptions(TypedDict, total=False):
         presence_penalty, frequency_penalty (OpenAI's, in [-2, 2]), repetition_penalty
             (multiplicative, > 0; 1 is none): mlx-lm's repeat penalties over the last 20 tokens.
         logit_bias: token id to a bias in [-100, 100] added to its logit (OpenAI's).
+        logprobs: report each reply token's log-probability and this many most likely alternatives
+            (0 to 20; None: none): ``TurnResult.logprobs``, streamed through ``TurnStream.take_logprobs``.
+        n: sample this many replies from the prompt (one prefill, one batch); the first is the agent's
+            own, the others come back in ``TurnResult.samples`` (streamed: ``TurnStream.choices``).
         fit_context: max_tokens is a default, not a limit the caller named: a prompt that leaves
             less room in the model's context gets what is left instead of ``ContextLengthExceededError``.
         stop: a string or strings that end the reply (not part of it).
@@ -294,6 +363,8 @@ class TurnOptions(TypedDict, total=False):
     frequency_penalty: float | None
     repetition_penalty: float | None
     logit_bias: Mapping[int, float] | None
+    logprobs: int | None
+    n: int
     fit_context: bool
     system: str | None
     model: str | None
@@ -342,8 +413,11 @@ class AgentHandle:
         request_id = self._runtime.new_request_id()
         submitted_at = time.perf_counter()
 
+        sample_ids = tuple(self._runtime.new_request_id() for _ in range(turn.n - 1))
+
         def build(deltas: trio.MemorySendChannel[StreamItem] | None, reply: trio.MemorySendChannel[TurnReply]) -> Turn:
-            return Turn(request_id=request_id, turn=turn, submitted_at=submitted_at, deltas=deltas, reply=reply)
+            return Turn(request_id=request_id, turn=turn, submitted_at=submitted_at, deltas=deltas, reply=reply,
+                        sample_ids=sample_ids)
 
         return build
 

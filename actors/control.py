@@ -251,7 +251,8 @@ async def _serve_turn(rt: Runtime, request: TurnRequest, stream: trio.SocketStre
         try:
             await rt.deliver(handle.agent_id, Turn(request_id=rt.new_request_id(), turn=turn,
                                                    submitted_at=time.perf_counter(), deltas=deltas_send,
-                                                   reply=reply_send))
+                                                   reply=reply_send,
+                                                   sample_ids=tuple(rt.new_request_id() for _ in range(turn.n - 1))))
             if deltas is not None:
                 async for item in deltas:
                     await _send_frame(stream, TurnItem.of(item))

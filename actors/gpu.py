@@ -65,7 +65,9 @@ from actors.messages_gpu import (
     LoadModel,
     ModelReady,
     Prepare,
+    OfSample,
     Prepared,
+    Scores,
     TurnAccepted,
     TurnStarted,
     Unloaded,
@@ -86,6 +88,7 @@ from runtime.plan.contract import (
     Tokenized, ToolCall, TurnPlan,
 )
 from runtime.errors import ContextLengthExceededError
+from runtime.reply.logprobs import TokenLogprob
 from runtime.plan.block_pool import PoolStats
 from runtime.plan.disk_blocks import blocks_to_look_up, start_from_blocks
 from runtime.plan.kv_manager import KVCacheManager
@@ -552,7 +555,7 @@ class GPUActor:
             send_reply(msg.reply, failed_from(exc))
             return
         self._requests[msg.request_id] = turn
-        if msg.deltas is not None:  # the client may answer its status now: nothing it asked for is refused
+        if msg.deltas is not None and not msg.sample:  # the client may answer its status now: nothing it asked for is refused
             try:
                 msg.deltas.send_nowait(TurnAccepted(prompt_tokens=need))
             except trio.WouldBlock:
@@ -607,7 +610,7 @@ class GPUActor:
                 continue
             self._manager.begin(request_id, agent_id=req.msg.agent_id, model_tag=req.msg.model_tag,
                                 token_ids=started.token_ids, tokens_reused=started.tokens_reused,
-                                share_prefix=req.msg.share_prefix)
+                                share_prefix=req.msg.share_prefix, group=req.msg.group)
             req.started = started
             self._sched.to_prefill(request_id, started.tokens_to_prefill)
             self._event("admit", request_id)
@@ -673,7 +676,7 @@ class GPUActor:
         self._sched.to_prefill(request_id, result.remaining)
         if result.text is None:
             return False
-        self._deliver(request_id, result.text, result.tool_calls)
+        self._deliver(request_id, result.text, result.tool_calls, result.logprobs)
         if result.finished:
             await self._complete(request_id)
             return False
@@ -801,7 +804,7 @@ class GPUActor:
                 if req is None:  # the actor stopped and answered its requests while the run went on
                     self._ring_for("the actor stopping")
                     continue
-                self._deliver(token.request_id, token.text, token.tool_calls)
+                self._deliver(token.request_id, token.text, token.tool_calls, token.logprobs)
                 if req.client_gone or receiver_left(req.msg.client) or receiver_left(req.msg.reply):
                     self._ring_for("a client left")  # the run ends; the loop reaps it
         except Exception:  # noqa: BLE001 - posted to trio, which cannot report it: end the run instead
@@ -817,7 +820,7 @@ class GPUActor:
         started = req.started
         reused = adopt.reuse_tokens if adopt is not None else started.tokens_reused
         req.tokens_reused, req.to_prefill_total = reused, len(started.token_ids) - reused
-        if req.msg.deltas is None:
+        if req.msg.deltas is None or req.msg.sample:  # the first sample announces the turn
             return
         announcement = TurnStarted(tokens_reused=reused, tokens_prefilled=req.to_prefill_total,
                                    tier=tier_of(req, reused), match="extend" if adopt is not None else started.match)
@@ -828,8 +831,10 @@ class GPUActor:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             req.client_gone = True
 
-    def _deliver(self, request_id: int, text: str, tool_calls: tuple[ToolCall, ...] = ()) -> None:
-        """One sampled token's streamable text (possibly empty), then the tool calls it completed, go to the client."""
+    def _deliver(self, request_id: int, text: str, tool_calls: tuple[ToolCall, ...] = (),
+                 logprobs: tuple[TokenLogprob, ...] = ()) -> None:
+        """One sampled token's streamable text (possibly empty), after the scores of the tokens it completes (a
+        turn asking for logprobs), then the tool calls it completed, go to the client."""
         req = self._requests[request_id]
         req.generated += 1
         now = time.perf_counter()
@@ -840,15 +845,18 @@ class GPUActor:
         if deltas is None:
             return
         pending = req.pending
+        if logprobs:
+            pending.append(Scores(tokens=logprobs))
         if text:
             if pending and isinstance(pending[-1], str):
                 pending[-1] += text  # coalesced with the text the channel had no room for
             else:
                 pending.append(text)
         pending.extend(tool_calls)
+        sample = req.msg.sample
         while pending:
             try:
-                deltas.send_nowait(pending[0])
+                deltas.send_nowait(pending[0] if not sample else OfSample.of(sample, pending[0]))
             except trio.WouldBlock:
                 return  # the rest waits for the next token (the final reply carries everything)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -870,7 +878,7 @@ class GPUActor:
         self._event("finish", request_id)
         due = None
         if finished is not None and finished.parked is not None and finished.snapshot is None \
-                and not receiver_left(req.msg.reply):
+                and not req.msg.sample and not receiver_left(req.msg.reply):  # another sample's cache is not kept
             due = SnapshotDue(on_wanted=self._copy_wanted)
             self._owed.append(_OwedCopy(request_id, finished.parked, due, trio.current_time()))
         send_reply(req.msg.reply, generated_reply(req, finished, cancelled=cancelled, due=due))

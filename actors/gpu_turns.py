@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from actors.messages_common import TurnUsage
-from actors.messages_gpu import Generate, Generated
+from actors.messages_gpu import Generate, Generated, Scores
 from actors.messages_store import SnapshotDue
 from actors.metrics import RunningTurn
 from runtime.plan.contract import Finished, SequenceStarted, Tier, Tokenized, ToolCall, TurnPlan
@@ -25,7 +25,7 @@ class GpuTurn:
     admitted_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    pending: list[str | ToolCall] = field(default_factory=list)  # what the client's channel had no room for
+    pending: list[str | ToolCall | Scores] = field(default_factory=list)  # what the client's channel had no room for
     client_gone: bool = False
     adopted: bool = False  # started from a prefix of another agent's turn in flight
     started: SequenceStarted | None = None
@@ -73,6 +73,7 @@ def generated_reply(req: GpuTurn, fin: Finished | None, *, cancelled: bool, due:
         stop_sequence=fin.stop_sequence if fin is not None and not cancelled else None,
         content=(fin.reply if fin.content is None else fin.content) if fin is not None else "",
         tool_calls=fin.tool_calls if fin is not None else (),
+        logprobs=fin.logprobs if fin is not None else (),
     )
 
 

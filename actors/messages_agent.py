@@ -23,10 +23,12 @@ import trio
 
 from actors.messages_common import Failed, Message, TurnUsage
 from actors.messages_gpu import SamplingOptions, StreamItem, Tier
-from runtime.plan.contract import Penalties, ResponseFormat, ToolCall, ToolChoice, ToolUse
+from runtime.plan.contract import SEED_RANGE, Penalties, ResponseFormat, ToolCall, ToolChoice, ToolUse
+from runtime.reply.logprobs import TokenLogprob
 from runtime.reply.reply_format import schema_error
 
 __all__ = [
+    "MAX_SAMPLES",
     "ChatMessage",
     "ChatTurn",
     "ResponseFormat",
@@ -46,6 +48,10 @@ __all__ = [
 ]
 
 
+MAX_SAMPLES = 16
+"""The most replies one turn samples from its prompt (``n``): each is a row of the batch."""
+
+
 class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
     """A finished turn: the reply, its tool calls, why it stopped, usage.
 
@@ -59,6 +65,10 @@ class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
             ``length`` or ``cancelled``.
         stop_sequence: the caller's stop string that ended the reply (not part
             of ``reply``); None when the turn stopped at end-of-sequence or for another reason.
+        logprobs: each reply token's log-probability and most likely alternatives, when the turn
+            asked for them (``logprobs``; :mod:`runtime.reply.logprobs`); empty otherwise.
+        samples: the other replies to the same prompt, when the turn asked for ``n`` > 1 (each a result
+            of its own, with its own usage; none of them is in the agent's cache, this one is).
     """
 
     agent_id: str
@@ -70,6 +80,8 @@ class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
     stop_sequence: str | None = None
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    samples: tuple[TurnResult, ...] = ()
 
     def assistant_message(self) -> dict[str, Any]:
         """The reply as the next turn's assistant message: its content and, if any, its tool calls.
@@ -136,6 +148,10 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         durable: answer only once the turn's cache is saved on disk (fsynced): a turn
             answered is a turn kept, even if the process is killed right after. None:
             the runtime's ``durable`` setting (on by default; off: the save is write-behind).
+        n: how many replies to sample from the prompt (OpenAI's ``n``, 1 to :data:`MAX_SAMPLES`): they
+            start from one prefill of it and decode as rows of one batch; the first is the agent's own
+            (its cache is kept), the others come back in ``TurnResult.samples``. A ``seed`` gives sample
+            ``i`` the seed + ``i``.
     """
 
     agent_id: str
@@ -149,8 +165,11 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     share_prefix: bool = True
     durable: bool | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.n <= MAX_SAMPLES:
+            raise ValueError(f"n must be in [1, {MAX_SAMPLES}], not {self.n}")
         if self.prompt is None and not self.messages:
             raise ValueError("no messages")
         if self.prompt is not None and self.messages:
@@ -190,9 +209,11 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         frequency_penalty: float | None = None,
         repetition_penalty: float | None = None,
         logit_bias: Mapping[int, float] | None = None,
+        logprobs: int | None = None,
         fit_context: bool = False,
         share_prefix: bool = True,
         durable: bool | None = None,
+        n: int = 1,
     ) -> ChatTurn:
         """Build a turn from plain values: chat dicts (``role``, ``content``, ...) or a prompt.
 
@@ -201,7 +222,8 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         ``response_format``: OpenAI's shape (``{"type": "json_object"}``, ``{"type":
         "json_schema", "json_schema": {"name": ..., "schema": {...}}}``) or a ``ResponseFormat``.
         ``seed``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``
-        (token id to bias), ``fit_context`` (``max_tokens`` is a default: shrink it to the room the model's
+        (token id to bias), ``logprobs`` (report each token's log-probability and this many alternatives;
+        None: none), ``fit_context`` (``max_tokens`` is a default: shrink it to the room the model's
         context leaves rather than refuse): see :class:`runtime.plan.contract.SamplingOptions` and
         :class:`~runtime.plan.contract.Penalties` (None: unset).
         """
@@ -209,11 +231,12 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         sampling = SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                    stop=(stop,) if isinstance(stop, str) else tuple(stop), seed=seed,
                                    penalties=Penalties.of(presence_penalty, frequency_penalty, repetition_penalty),
-                                   logit_bias=tuple(sorted((logit_bias or {}).items())), fit_context=fit_context)
+                                   logit_bias=tuple(sorted((logit_bias or {}).items())), logprobs=logprobs,
+                                   fit_context=fit_context)
         return cls(agent_id=agent_id, messages=chat, prompt=prompt,
                    tools=tuple(dict(t) for t in tools or ()), tool_choice=ToolChoice.of(tool_choice),
                    response_format=ResponseFormat.of(response_format), parallel_tool_calls=parallel_tool_calls,
-                   model=model, sampling=sampling, share_prefix=share_prefix, durable=durable)
+                   model=model, sampling=sampling, share_prefix=share_prefix, durable=durable, n=n)
 
     def chat(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (plain dicts)."""
@@ -223,10 +246,13 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         """The tool definitions for the template (None: no tools)."""
         return [dict(t) for t in self.tools] or None
 
-    def engine_sampling(self) -> SamplingOptions:
+    def engine_sampling(self, sample: int = 0) -> SamplingOptions:
         """The sampling options as the engine takes them: with the tools and ``tool_choice`` when there are
-        tools, and the ``response_format``."""
+        tools, and the ``response_format``; for sample ``sample`` of ``n``, the seed + ``sample``."""
         sampling = msgspec.structs.replace(self.sampling, response_format=self.response_format)
+        if sample and sampling.seed is not None:
+            low, high = SEED_RANGE
+            sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + sample - low) % (high - low + 1) + low)
         if not self.tools or self.prompt is not None:
             return sampling
         use = ToolUse(tools=self.tools, choice=self.tool_choice, parallel=self.parallel_tool_calls)
@@ -264,6 +290,7 @@ class Turn(Message, frozen=True, kw_only=True):
             the streamed text and tool calls (None: not streaming); the agent closes
             it when the generation is over, then answers on ``reply``.
         reply: the one-shot reply. Closing its receive end cancels the turn.
+        sample_ids: the runtime's ids for the turn's other samples (``n`` - 1 of them).
     """
 
     request_id: int
@@ -271,6 +298,7 @@ class Turn(Message, frozen=True, kw_only=True):
     submitted_at: float
     deltas: trio.MemorySendChannel[StreamItem] | None
     reply: trio.MemorySendChannel[TurnReply]
+    sample_ids: tuple[int, ...] = ()
 
 
 class ForgetAgent(Message, frozen=True, kw_only=True):

@@ -26,6 +26,7 @@ import trio
 from actors.messages_common import Failed, ParkedView, Message, TurnUsage
 from actors.messages_store import SnapshotDue
 from runtime.plan.contract import ModelInfo, OwnCache, SamplingOptions, Tier, ToolCall, ToolChoice
+from runtime.reply.logprobs import TokenLogprob
 from runtime.spec import CacheSnapshot
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
     "Counted",
     "Generated",
     "TurnStarted",
+    "OfSample",
+    "Scores",
     "StreamItem",
     "TurnAccepted",
     "GpuInbox",
@@ -99,9 +102,39 @@ class TurnStarted(msgspec.Struct, frozen=True, kw_only=True):
     match: str
 
 
-StreamItem = str | TurnAccepted | TurnStarted | ToolCall
+class Scores(msgspec.Struct, frozen=True, kw_only=True):
+    """The log-probabilities of the reply tokens whose text comes next on a stream (a turn asking for
+    ``logprobs``): sent before that text, so a client holds a text's scores when the text arrives."""
+
+    tokens: tuple[TokenLogprob, ...]
+
+
+class OfSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Text, a tool call or scores of another sample of the turn's prompt (``n`` > 1: sample ``index``, from 1;
+    the first sample's come bare), on the stream they share. One field holds it (a union of untagged structs
+    would not decode over the control socket)."""
+
+    index: int
+    text: str = ""
+    call: ToolCall | None = None
+    scores: Scores | None = None
+
+    @classmethod
+    def of(cls, index: int, item: str | ToolCall | Scores) -> OfSample:
+        if isinstance(item, str):
+            return cls(index=index, text=item)
+        return cls(index=index, call=item) if isinstance(item, ToolCall) else cls(index=index, scores=item)
+
+    @property
+    def item(self) -> str | ToolCall | Scores:
+        return self.call if self.call is not None else self.scores if self.scores is not None else self.text
+
+
+StreamItem = str | TurnAccepted | TurnStarted | ToolCall | Scores | OfSample
 """What a streaming turn's ``deltas`` channel carries: a :class:`TurnAccepted`, a :class:`TurnStarted`,
-then reply text and, in a turn with tools, each :class:`runtime.plan.contract.ToolCall` once complete."""
+then reply text (each piece after its :class:`Scores` when the turn asked for logprobs) and, in a turn with
+tools, each :class:`runtime.plan.contract.ToolCall` once complete; a turn with several samples, the others'
+as :class:`OfSample`."""
 
 
 class Generated(Message, frozen=True, kw_only=True):
@@ -132,6 +165,7 @@ class Generated(Message, frozen=True, kw_only=True):
     stop_sequence: str | None = None
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Prepared(Message, frozen=True, kw_only=True):
@@ -197,6 +231,10 @@ class Generate(Message, frozen=True, kw_only=True):
         submitted_at: ``time.perf_counter()`` when the client submitted the turn.
         share_prefix: this turn's prompt prefix may be shared with other agents'
             sequences in flight, both ways (the agent's ``share_prefix`` setting).
+        group: the request id of the first of several samples of one prompt (``n`` > 1) this is one of: the
+            samples start from one prefill of it (:class:`runtime.plan.kv_manager.KVCacheManager`); None: alone.
+        sample: which of them this is (0: the first, the agent's own; the others stream as :class:`OfSample`,
+            announce nothing and keep no cache).
     """
 
     request_id: int
@@ -210,6 +248,8 @@ class Generate(Message, frozen=True, kw_only=True):
     client: trio.MemorySendChannel[Any] | None
     reply: trio.MemorySendChannel[GenerateReply]
     share_prefix: bool = False
+    group: int | None = None
+    sample: int = 0
 
 
 class Prepare(Message, frozen=True, kw_only=True):

@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from actors.messages_agent import ResponseFormat, ToolCall, ToolChoice
+from actors.messages_agent import ResponseFormat, ToolCall, ToolChoice, TurnResult
 from gateway.context import (
     CLIENT_GONE,
     Gateway,
@@ -64,6 +64,7 @@ from gateway.schemas_openai import (
 )
 from gateway.sse import Emit, EventStreamResponse, sse_data
 from runtime.identity import local_id
+from runtime.reply.logprobs import TokenLogprob
 from runtime.reply.reply_format import lark_from_gbnf, schema_error
 
 __all__ = ["routes", "to_chat", "tool_choice_of", "response_format_of", "usage_of", "finish_reason_of"]
@@ -196,16 +197,37 @@ def to_chat(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict
     return [_message(i, m) for i, m in enumerate(req.messages)], _tools(req.tools)
 
 
-def usage_of(result: Any) -> dict[str, Any]:
+def usage_of(result: TurnResult) -> dict[str, Any]:
+    """OpenAI's usage: the prompt once, the completion tokens of every choice (``n`` > 1: all samples')."""
     u = result.usage
     prompt = u.tokens_reused + u.tokens_prefilled
+    generated = u.tokens_generated + sum(s.usage.tokens_generated for s in result.samples)
     return {
         "prompt_tokens": prompt,
-        "completion_tokens": u.tokens_generated,
-        "total_tokens": prompt + u.tokens_generated,
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
         "prompt_tokens_details": {"cached_tokens": u.tokens_reused},
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
+
+
+def _choice(index: int, result: TurnResult, *, logprobs: bool) -> dict[str, Any]:
+    """One choice of a non-streamed completion: the message, its tool calls, logprobs and finish reason."""
+    message: dict[str, Any] = {"role": "assistant", "content": result.content, "refusal": None}
+    if result.tool_calls:
+        message["tool_calls"] = [_tool_call(call) for call in result.tool_calls]
+        message["content"] = result.content or None
+    return {"index": index, "message": message, "logprobs": logprobs_of(result.logprobs) if logprobs else None,
+            "finish_reason": finish_reason_of(result)}
+
+
+def logprobs_of(tokens: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """A choice's ``logprobs``: OpenAI's ``content`` list, each token with its ``top_logprobs``."""
+    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
+                         "top_logprobs": [{"token": o.token, "logprob": o.logprob, "bytes": list(o.bytes)}
+                                          for o in t.top]}
+                        for t in tokens],
+            "refusal": None}
 
 
 def finish_reason_of(result: Any) -> str:
@@ -240,8 +262,8 @@ def routes(gw: Gateway) -> list[Route]:
         req = await gw.decode(request, chat_decoder)
         max_tokens = _max_tokens(gw, req)
         model = gw.model_for(req.model)
-        if req.logprobs:
-            raise ApiError(400, "invalid_request", "logprobs are not supported by kvmem", param="logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
         chat, tools = to_chat(req)
         tool_choice = tool_choice_of(req)
         system = chat[0]["content"] if chat[0]["role"] == "system" else None
@@ -267,6 +289,8 @@ def routes(gw: Gateway) -> list[Route]:
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
                 logit_bias=req.logit_bias,
+                logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                n=req.n or 1,
                 fit_context=req.max_tokens is None and req.max_completion_tokens is None,
                 durable=durable_of(request.headers),
             )
@@ -278,18 +302,14 @@ def routes(gw: Gateway) -> list[Route]:
                 result = await gw.unless_client_leaves(request, lambda: handle.run(turn))
             if result is None:
                 return Response(status_code=CLIENT_GONE)
-            message: dict[str, Any] = {"role": "assistant", "content": result.content, "refusal": None}
-            if result.tool_calls:
-                message["tool_calls"] = [_tool_call(call) for call in result.tool_calls]
-                message["content"] = result.content or None
             body = {
                 "id": completion_id,
                 "object": "chat.completion",
                 "created": created,
                 "model": result.model,
                 "system_fingerprint": FINGERPRINT,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": finish_reason_of(result)}],
+                "choices": [_choice(index, sample, logprobs=bool(req.logprobs))
+                            for index, sample in enumerate((result, *result.samples))],
                 "usage": usage_of(result),
             }
             return gw.json(body, headers=kvmem_headers(result))
@@ -309,24 +329,29 @@ def routes(gw: Gateway) -> list[Route]:
             body.update(extra)
             return sse_data(body)
 
-        def choice(delta: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
-            return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        def choice(index: int, delta: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
+            scores = stream.take_logprobs(index)
+            return [{"index": index, "delta": delta, "logprobs": logprobs_of(scores) if scores else None,
+                     "finish_reason": finish}]
+
+        choices = req.n or 1
 
         async def produce(emit: Emit) -> None:
-            await emit(chunk(choice({"role": "assistant", "content": ""})))
-            calls = 0
+            for index in range(choices):
+                await emit(chunk(choice(index, {"role": "assistant", "content": ""})))
+            calls = [0] * choices  # each choice's tool calls so far
             try:
                 async with stream:
-                    async for item in stream.events():
+                    async for index, item in stream.choices():
                         if isinstance(item, str):
-                            await emit(chunk(choice({"content": item})))
+                            await emit(chunk(choice(index, {"content": item})))
                             continue
-                        start = {"index": calls, "id": item.id, "type": "function",
+                        start = {"index": calls[index], "id": item.id, "type": "function",
                                  "function": {"name": item.name, "arguments": ""}}
-                        await emit(chunk(choice({"tool_calls": [start]})))
-                        await emit(chunk(choice({"tool_calls": [{"index": calls,
-                                                                 "function": {"arguments": item.arguments}}]})))
-                        calls += 1
+                        await emit(chunk(choice(index, {"tool_calls": [start]})))
+                        await emit(chunk(choice(index, {"tool_calls": [{"index": calls[index],
+                                                                        "function": {"arguments": item.arguments}}]})))
+                        calls[index] += 1
             except Exception as exc:  # noqa: BLE001 - the stream has started: report it in the stream
                 error = from_exception(exc)
                 log.warning("stream %s failed: %s", rid, error.message)
@@ -334,7 +359,8 @@ def routes(gw: Gateway) -> list[Route]:
                 return
             result = stream.result
             assert result is not None
-            await emit(chunk(choice({}, finish_reason_of(result))))
+            for index, sample in enumerate((result, *result.samples)):
+                await emit(chunk(choice(index, {}, finish_reason_of(sample))))
             if include_usage:
                 await emit(chunk([], usage=usage_of(result), kvmem=kvmem_extras(result)))
             await emit(sse_data(b"[DONE]"))

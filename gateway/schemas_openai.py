@@ -10,7 +10,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from actors.messages_agent import MAX_SAMPLES
 from runtime.plan.contract import SEED_RANGE
+from runtime.reply.logprobs import MAX_TOP_LOGPROBS
 
 __all__ = [
     "TextPart",
@@ -180,7 +182,9 @@ class ChatCompletionRequest(Struct, kw_only=True):
     ``json_schema`` (the same as a ``json_schema`` response format) and ``grammar`` (GBNF, converted to
     llguidance's Lark by llguidance's own converter); so is
     ``parallel_tool_calls: false`` (one call at most) where the model writes kvmem's
-    generic tool-call format.
+    generic tool-call format. ``logprobs`` / ``top_logprobs`` (``top_logprobs`` needs ``logprobs``, as
+    OpenAI's): the model's own log-probabilities, before temperature and penalties (:mod:`runtime.reply.logprobs`).
+    ``n``: that many choices, sampled from one prefill of the prompt in one batch (the first is the agent's own).
     """
 
     model: NonEmpty
@@ -194,7 +198,7 @@ class ChatCompletionRequest(Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Meta(max_length=256)] | None = None
-    n: Annotated[int, Meta(ge=1, le=1)] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_SAMPLES)] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
     seed: Seed | None = None
@@ -203,6 +207,7 @@ class ChatCompletionRequest(Struct, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None
     logit_bias: LogitBias | None = None
     logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormatSpec | None = None
     parallel_tool_calls: bool | None = None
     json_schema: dict[str, Any] | None = None

@@ -169,6 +169,9 @@ class _Donors:
     def awaits_donor(self, request_id: int, prefilling: object) -> bool:
         return request_id in self._awaiting
 
+    def held_back(self, request_id: int) -> bool:
+        return False
+
 
 NO_DONORS = _Donors()
 

@@ -81,7 +81,7 @@ OPENAI_BAD = [
     ({**OPENAI_OK, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({**OPENAI_OK, "temperature": 3}, "temperature"),
     ({**OPENAI_OK, "top_p": 0}, "top_p"),
-    ({**OPENAI_OK, "n": 2}, "n"),
+    ({**OPENAI_OK, "n": 17}, "n"),
     ({**OPENAI_OK, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({**OPENAI_OK, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({**OPENAI_OK, "user": ["x"]}, "user"),

@@ -54,6 +54,15 @@ async def main() -> None:
         usage = stream.result.usage
         print("stream", usage.tier, usage.tokens_reused, usage.tokens_prefilled, repr("".join(deltas)))
         print("forget", await rt.agent("alice").forget())
+        bob = rt.agent("bob")  # two samples with their logprobs, streamed (issue 59, item 4)
+        texts = {}
+        async with bob.stream(messages[:1], max_tokens=4, temperature=1.0, seed=3, n=2, logprobs=1) as stream:
+            async for index, item in stream.choices():
+                texts[index] = texts.get(index, "") + item
+        results = (stream.result, *stream.result.samples)
+        print("samples", texts == {i: r.content for i, r in enumerate(results)}, len(results),
+              [len(r.logprobs) for r in results], repr(texts))
+        print("forget", await bob.forget())
 
 trio.run(main)
 """
@@ -160,6 +169,7 @@ def test_a_program_and_kvmem_chat_beside_a_keyed_server_run_there_as_they_run_al
     assert printed["served"][1:] == printed["alone"][1:]  # the same replies, tiers (cold, hot) and counts
     assert printed["served"][1].startswith("send cold") and printed["served"][2].startswith("stream hot")
     assert printed["served"][3] == "forget True"
+    assert printed["served"][4].startswith("samples True 2 ") and printed["served"][5] == "forget True"
 
     chats: dict[str, list[subprocess.CompletedProcess[str]]] = {}
     for where, home in (("alone", tmp_path / "alone"), ("served", served_home)):

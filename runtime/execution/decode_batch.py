@@ -307,8 +307,10 @@ def _forcing(seq: Sequence) -> bool:
     """Whether ``seq``'s next token depends on the last one on the host: forced tokens still to
     produce (a tool call's opening; its sampler picks them by how many tokens it accepted, a count
     that lags one behind while a step runs ahead), a grammar (its mask follows each token), or
-    repeat penalties (they read the latest tokens)."""
-    return seq.grammar is not None or seq.penalizes_repeats or len(seq.generated) < len(seq.params.forced)
+    repeat penalties (they read the latest tokens), or logprobs (a step's scores are read with its token, so
+    the next step cannot be built first)."""
+    return (seq.grammar is not None or seq.penalizes_repeats or seq.params.logprobs is not None
+            or len(seq.generated) < len(seq.params.forced))
 
 
 def sample_rows(members: list[Sequence], logits: mx.array) -> mx.array:

@@ -331,7 +331,7 @@ class MlxEngine:
         params = SequenceSampling(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                   top_p=sampling.top_p, top_k=top_k, stop=tuple(sampling.stop),
                                   seed=sampling.seed, penalties=sampling.penalties,
-                                  logit_bias=dict(sampling.logit_bias))
+                                  logit_bias=dict(sampling.logit_bias), logprobs=sampling.logprobs)
         rules = rules or self._rules(sampling)
         if rules is None:
             return params
@@ -355,7 +355,8 @@ class MlxEngine:
         text = seq.prefill_step(chunk or self._profile.chunk_for(seq.context))
         self._sample_memory()
         return PrefillResult(text=text, finished=seq.finish_reason is not None, context=seq.context,
-                             remaining=seq.to_prefill, tool_calls=seq.take_tool_calls(), timing=seq.last_chunk_timing)
+                             remaining=seq.to_prefill, tool_calls=seq.take_tool_calls(), timing=seq.last_chunk_timing,
+                             logprobs=seq.take_logprobs())
 
     def prefill_together(self, request_ids: list[int]) -> dict[int, PrefillResult]:
         group = choose_group({r: self._seqs[r] for r in request_ids})
@@ -369,7 +370,8 @@ class MlxEngine:
         self._sample_memory()
         return {
             r: PrefillResult(text=text, finished=seq.finish_reason is not None, context=seq.context, remaining=0,
-                             tool_calls=seq.take_tool_calls(), timing=seq.last_chunk_timing)
+                             tool_calls=seq.take_tool_calls(), timing=seq.last_chunk_timing,
+                             logprobs=seq.take_logprobs())
             for r, seq, text in zip(ids, rows, texts, strict=True)
         }
 
@@ -415,7 +417,7 @@ class MlxEngine:
         self._sample_memory()
         return [
             StepToken(request_id=self._ids[id(seq)], text=text, finished=seq.finish_reason is not None,
-                      tool_calls=seq.take_tool_calls())
+                      tool_calls=seq.take_tool_calls(), logprobs=seq.take_logprobs())
             for seq, text in results
         ]
 
@@ -467,6 +469,7 @@ class MlxEngine:
             stop_sequence=seq.stop_sequence,
             content=seq.content,
             tool_calls=tuple(seq.tool_calls),
+            logprobs=seq.logprobs,
         )
 
     def snapshot(self, parked: ParkedView, *, stop: Callable[[], bool] | None = None,

@@ -20,8 +20,10 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from runtime.plan.contract import PENALTY_CONTEXT, Penalties
+from runtime.reply.logprobs import LEAST_LOGPROB, TokenLogprob, TopLogprob
 
-__all__ = ["LogitsProcessor", "SeededSampler", "SequenceSampling", "build_sampler", "penalty_processors"]
+__all__ = ["LogitsProcessor", "Scored", "SeededSampler", "SequenceSampling", "build_sampler", "penalty_processors",
+           "score", "token_logprob"]
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 """mlx-lm's logits processor: (the latest tokens, logits ``(1, V)``) in, logits out."""
@@ -43,6 +45,8 @@ class SequenceSampling:
     opening of a tool call a ``tool_choice`` requires; tests force whole replies).
     ``grammar``: the Lark grammar the reply is decoded under (:mod:`runtime.reply.grammar`:
     a generic-format tool call, a ``response_format``); None: unconstrained.
+    ``logprobs``: score each token and its this many most likely alternatives
+    (:mod:`runtime.reply.logprobs`); None: no scores.
     """
 
     max_tokens: int = 256
@@ -55,6 +59,7 @@ class SequenceSampling:
     logit_bias: dict[int, float] = field(default_factory=dict)
     forced: tuple[int, ...] = ()
     grammar: str | None = None
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -108,3 +113,38 @@ def penalty_processors(penalties: Penalties | None) -> list[LogitsProcessor]:
         presence_penalty=penalties.presence, presence_context_size=PENALTY_CONTEXT,
         frequency_penalty=penalties.frequency, frequency_context_size=PENALTY_CONTEXT,
     )
+
+
+# -- logprobs (runtime.reply.logprobs): the model's distribution, before any of the above ----------
+@dataclass(frozen=True)
+class Scored:
+    """One position's scores, lazily (MLX arrays, evaluated when its token is accepted):
+    the log-probabilities ``(V,)`` and the ids and log-probabilities of its top ``k``."""
+
+    logprobs: mx.array
+    top_ids: mx.array
+    top_logprobs: mx.array
+
+
+def score(logits: mx.array, top: int) -> Scored:
+    """The log-probabilities of one row of logits ``(1, V)`` and its ``top`` most likely tokens (lazy)."""
+    row = logits[0].astype(mx.float32)
+    logprobs = row - mx.logsumexp(row, keepdims=True)
+    if top == 0:
+        return Scored(logprobs, mx.array([], dtype=mx.int32), mx.array([], dtype=mx.float32))
+    top_ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+    return Scored(logprobs, top_ids, logprobs[top_ids])
+
+
+def token_logprob(scored: Scored, token: int, spell: Callable[[int], tuple[str, tuple[int, ...]]]) -> TokenLogprob:
+    """``token`` as ``scored`` rates it; ``spell(id)`` is its ``(text, UTF-8 bytes)``."""
+    mx.eval(scored.logprobs, scored.top_ids, scored.top_logprobs)
+    pairs = sorted(zip(scored.top_ids.tolist(), scored.top_logprobs.tolist(), strict=True), key=lambda p: -p[1])
+    top = tuple(TopLogprob(token=text, bytes=raw, logprob=_finite(value))
+                for i, value in pairs for text, raw in (spell(i),))
+    text, raw = spell(token)
+    return TokenLogprob(token=text, bytes=raw, logprob=_finite(scored.logprobs[token].item()), top=top)
+
+
+def _finite(value: float) -> float:
+    return value if value > LEAST_LOGPROB else LEAST_LOGPROB

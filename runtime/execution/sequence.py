@@ -23,11 +23,12 @@ import mlx.core as mx
 
 from runtime.backend import CPU_CHUNKS
 from runtime.execution.pass_clock import PassClock
-from runtime.execution.sampling import SequenceSampling, build_sampler, penalty_processors
+from runtime.execution.sampling import Scored, SequenceSampling, build_sampler, penalty_processors, score, token_logprob
 from runtime.plan.contract import (
     COLD, PENALTY_CONTEXT, ColdStart, FromHot, FromShared, FromWarm, OwnCache, StepTiming, Tokenized, ToolCall, TurnPlan,
 )
 from runtime.reply.grammar import ReplyGrammar, mask_rows
+from runtime.reply.logprobs import TokenLogprob
 from runtime.kv.kvstate import ActiveKV, ParkedCache, AttentionMode
 from runtime.model.loaded import LoadedModel
 from runtime.plan.kv_manager import own_plan
@@ -232,6 +233,10 @@ class Sequence:
         self._calls_taken = 0
         # The reply's grammar, if it has one (raises ValueError for one that does not compile).
         self.grammar = ReplyGrammar(lm.grammar_vocabulary, params.grammar) if params.grammar else None
+        self._scored: Scored | None = None  # the scores of the token being sampled (a turn asking for logprobs)
+        self._logprobs: list[TokenLogprob | None] = []  # per generated token (None: an end-of-reply token)
+        self._logprobs_released = 0  # how many of them have their text streamed
+        self._logprobs_taken = 0
 
     def adopt(self, base: ParkedCache) -> None:
         """Start from ``base`` instead: a cache whose tokens are this prompt's first tokens.
@@ -330,7 +335,7 @@ class Sequence:
     def samples_alone(self) -> bool:
         """Whether this sequence's next token cannot come from a batch's shared greedy argmax."""
         return (not self.params.greedy or bool(self.params.logit_bias) or self.penalizes_repeats
-                or len(self.generated) < len(self.params.forced))
+                or self.params.logprobs is not None or len(self.generated) < len(self.params.forced))
 
     @property
     def penalizes_repeats(self) -> bool:
@@ -339,13 +344,16 @@ class Sequence:
 
     def sample(self, logits: mx.array) -> mx.array:
         """Sample one token per row from last-position logits ``(B, V)``, already masked by the grammars
-        (:func:`runtime.reply.grammar.mask_rows`)."""
+        (:func:`runtime.reply.grammar.mask_rows`). A sequence that reports logprobs samples alone (one row)
+        and scores the row first (:func:`runtime.execution.sampling.score`)."""
         step = len(self.generated)
-        if step < len(self.params.forced):
-            return mx.array([self.params.forced[step]] * logits.shape[0])
         limit = self.lm.vocab_limit
         if logits.shape[-1] > limit:
             logits = logits[..., :limit]
+        if self.params.logprobs is not None:
+            self._scored = score(logits, self.params.logprobs)
+        if step < len(self.params.forced):
+            return mx.array([self.params.forced[step]] * logits.shape[0])
         if self.params.logit_bias:
             ids = [i for i in self.params.logit_bias if 0 <= i < limit]
             bias = mx.zeros((limit,), dtype=logits.dtype)
@@ -370,6 +378,10 @@ class Sequence:
             return ""
         self.stats.tokens_generated += 1
         self.generated.append(token)
+        if self._scored is not None:
+            eos = token in self.lm.eos_token_ids  # an end of reply is no token of it: not reported
+            self._logprobs.append(None if eos else token_logprob(self._scored, token, self.lm.spell))
+            self._scored = None
         if self.grammar is not None:
             self.grammar.consume(token)
         if token in self.lm.eos_token_ids:
@@ -418,7 +430,37 @@ class Sequence:
             safe = self._stops.safe_length(self.reply)
         delta = self.reply[self._streamed : safe]
         self._streamed = max(self._streamed, safe)
+        if self.params.logprobs is not None:
+            self._release_logprobs(final=final)
         return delta if self._splitter is None else self._split(delta, final=final)
+
+    # -- logprobs -----------------------------------------------------------------
+    def _release_logprobs(self, *, final: bool) -> None:
+        """Make the scores of the tokens whose text has streamed takeable: a token's once all its text
+        is out (at the end: every token of the reply; one that only spells a stop string is not)."""
+        while self._logprobs_released < len(self._logprobs):
+            i = self._logprobs_released
+            start = self._gen_ends[i - 1] if i else 0
+            if final:
+                if self._stop_cut is not None and start >= self._stop_cut:
+                    break
+            elif self._gen_ends[i] == -1 or self._gen_ends[i] > self._streamed:
+                break
+            self._logprobs_released += 1
+        if final:
+            del self._logprobs[self._logprobs_released :]
+
+    def take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The scores of the tokens whose text streamed since the last call, in order (end-of-reply
+        tokens left out); empty when the turn asked for none."""
+        new = tuple(p for p in self._logprobs[self._logprobs_taken : self._logprobs_released] if p is not None)
+        self._logprobs_taken = self._logprobs_released
+        return new
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...]:
+        """Every reply token's scores so far (end-of-reply tokens left out)."""
+        return tuple(p for p in self._logprobs[: self._logprobs_released] if p is not None)
 
     # -- tool calls ---------------------------------------------------------------
     @property

@@ -199,6 +199,16 @@ class LoadedModel:
         """The vocabulary constrained replies are decoded over (built on first use, ~0.5 s)."""
         return GrammarVocabulary(self.tokenizer._tokenizer, self.logits_width, sorted(self.eos_token_ids))
 
+    def spell(self, token: int) -> tuple[str, tuple[int, ...]]:
+        """A token's text and UTF-8 bytes, as a reply's logprobs report them: the bytes it stands for (part of
+        a character, for a byte-level piece of one; its text then has U+FFFD), or a special token's name."""
+        vocabulary = self.grammar_vocabulary.tokenizer
+        if vocabulary.is_special_token(token):
+            name = str(self.tokenizer._tokenizer.convert_ids_to_tokens(token))
+            return name, tuple(name.encode())
+        raw = vocabulary.decode_bytes([token])
+        return raw.decode("utf-8", errors="replace"), tuple(raw)
+
     def render(
         self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,

@@ -39,6 +39,7 @@ import msgspec
 
 from runtime.backend import BackendProfile
 from runtime.plan.prefix import MatchKind
+from runtime.reply.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from runtime.reply.reply_format import check_grammar, schema_error
 from runtime.spec import CacheSnapshot, LayerKind
 
@@ -301,6 +302,8 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     ``logit_bias``: (token id, bias) pairs added to those tokens' logits before sampling, as OpenAI's
     ``logit_bias`` (-100 bans a token in practice, 100 all but forces it); ids past the model's vocabulary
     are refused when the turn starts.
+    ``logprobs``: report each reply token's log-probability and its this many most likely alternatives
+    (0 to :data:`~runtime.reply.logprobs.MAX_TOP_LOGPROBS`; :mod:`runtime.reply.logprobs`); None: none.
     ``fit_context``: ``max_tokens`` is a default the client did not name (the server's
     ``default_max_tokens``): a prompt that leaves less room in the model's context gets what is left
     instead of a refusal, as OpenAI, vLLM and llama.cpp generate up to the context when no limit is named.
@@ -319,6 +322,7 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     penalties: Penalties | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
     fit_context: bool = False
 
     def __post_init__(self) -> None:
@@ -332,6 +336,8 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"top_k must be >= 0, not {self.top_k}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must be a 64-bit integer, not {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {self.logprobs}")
         for token, bias in self.logit_bias:
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias: token {token} with bias {bias}: ids are >= 0, biases in [-100, 100]")
@@ -499,6 +505,7 @@ class PrefillResult:
     remaining: int = 0
     tool_calls: tuple[ToolCall, ...] = ()
     timing: StepTiming | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -514,6 +521,7 @@ class StepToken:
     text: str
     finished: bool
     tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()  # the scores of the tokens ``text`` completes (a turn asking for them)
 
 
 @dataclass(frozen=True)
@@ -567,6 +575,7 @@ class Finished:
     stop_sequence: str | None = None  # the caller's stop string that ended the reply
     content: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()  # every reply token's scores (a turn asking for them)
 
 
 class Engine(Protocol):

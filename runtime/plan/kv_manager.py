@@ -22,7 +22,11 @@ The answer, a :class:`runtime.plan.contract.TurnPlan`, travels to the engine unc
 A turn can still adopt a donor's tokens that cover more of its prompt before its first
 prefill chunk (:meth:`KVCacheManager.adopt`): agents that arrive together with the
 same system prompt then prefill it once, and one that comes while the first decodes
-has the first's prompt parked then (:meth:`KVCacheManager.late_donor`).
+has the first's prompt parked then (:meth:`KVCacheManager.late_donor`). The samples of one
+request (OpenAI's ``n``: one prompt, several replies) form a *group*: the first prefills the
+prompt (from the agent's own cache) while the others wait (:meth:`KVCacheManager.held_back`), then
+they start from its prompt, to its last token, whatever its length (the same prompt, the same
+tokens: no floor, no tenant or opt-in to check).
 
 The cache store actor and the GPU actor share one manager. Both run on the same
 trio thread and every method here is synchronous, so each call is atomic.
@@ -106,6 +110,7 @@ class _InFlight:
     prefill_started: bool = False
     donor: ParkedView | None = field(default=None, repr=False)
     donated: bool = False  # its prompt was parked for others (``donor`` None: it could not be)
+    group: int | None = None  # the samples of one request (``n`` > 1): the first's request id
 
 
 _Donor = tuple[str, ParkedView, HotEntry | None]
@@ -222,9 +227,45 @@ class KVCacheManager:
     # -- turns in flight ----------------------------------------------------------
 
     def begin(self, request_id: int, *, agent_id: str, model_tag: str, token_ids: Sequence[int], tokens_reused: int,
-              share_prefix: bool) -> None:
-        """A turn's sequence was built: ``token_ids`` is its whole prompt, ``tokens_reused`` of them cached."""
-        self._inflight[request_id] = _InFlight(agent_id, model_tag, tuple(token_ids), tokens_reused, share_prefix)
+              share_prefix: bool, group: int | None = None) -> None:
+        """A turn's sequence was built: ``token_ids`` is its whole prompt, ``tokens_reused`` of them cached;
+        ``group``: the first request id of the samples of one request it is one of (None: it is alone)."""
+        self._inflight[request_id] = _InFlight(agent_id, model_tag, tuple(token_ids), tokens_reused, share_prefix,
+                                               group=group)
+
+    def _siblings(self, request_id: int, turn: _InFlight) -> list[tuple[int, _InFlight]]:
+        """The other samples of ``turn``'s request in flight (none for a turn alone)."""
+        if turn.group is None:
+            return []
+        return [(other_id, other) for other_id, other in self._inflight.items()
+                if other_id != request_id and other.group == turn.group]
+
+    def held_back(self, request_id: int) -> bool:
+        """Whether this sample of a request waits for its first sample's prompt: the first is in flight and has
+        not parked its prompt yet (once it has, or once it is gone, the sample starts). The first sample goes
+        first, from the agent's own cache; the others then start from its prompt, to its last token."""
+        turn = self._inflight.get(request_id)
+        if turn is None or turn.group is None or turn.group == request_id or turn.prefill_started:
+            return False
+        first = self._inflight.get(turn.group)
+        return first is not None and not first.donated
+
+    def _sibling_donor(self, request_id: int, turn: _InFlight) -> FromShared | None:
+        """The prompt another sample of ``turn``'s request parked, to its last token, if it covers more than the
+        turn reuses (see the module docstring)."""
+        best: tuple[int, _InFlight] | None = None
+        for _, other in self._siblings(request_id, turn):
+            if other.donor is None:
+                continue
+            keep = min(common_prefix_length(other.donor.token_ids, turn.token_ids), len(turn.token_ids) - 1)
+            if keep > (best[0] if best else turn.tokens_reused):
+                best = (keep, other)
+        if best is None:
+            return None
+        keep, other = best
+        assert other.donor is not None
+        turn.tokens_reused = keep
+        return FromShared(parked=other.donor, reuse_tokens=keep, donor=other.agent_id)
 
     def adopt(self, request_id: int) -> FromShared | None:
         """Before a sharing turn's first prefill chunk: a donor's tokens that cover more of its prompt than it reuses.
@@ -240,6 +281,8 @@ class KVCacheManager:
         if turn is None or turn.prefill_started:
             return None
         turn.prefill_started = True
+        if (sibling := self._sibling_donor(request_id, turn)) is not None:
+            return sibling
         if not turn.share_prefix:
             return None
         hot, in_flight = self._donors(turn.agent_id, turn.model_tag)
@@ -262,6 +305,8 @@ class KVCacheManager:
         turn = self._inflight.get(request_id)
         if turn is None:
             return False
+        if turn.group == request_id and any(not other.prefill_started for _, other in self._siblings(request_id, turn)):
+            return True  # the first sample of a request: the others start from its prompt
         return any(not other.prefill_started and self._would_reuse_more(turn, other)
                    for other_id, other in self._inflight.items() if other_id != request_id)
 
@@ -274,6 +319,8 @@ class KVCacheManager:
         turn = self._inflight.get(request_id)
         if turn is None or turn.prefill_started:
             return False
+        if self.held_back(request_id):
+            return True
         return any(other.prefill_started and self._would_reuse_more(other, turn)
                    for other_id in prefilling
                    if other_id != request_id and (other := self._inflight.get(other_id)) is not None)
@@ -294,6 +341,10 @@ class KVCacheManager:
         turn = self._inflight.get(request_id)
         if turn is None or turn.prefill_started:
             return None
+        decoding = list(decoding)
+        first = self._inflight.get(turn.group) if turn.group is not None and turn.group != request_id else None
+        if first is not None and turn.group in decoding and not first.donated:
+            return turn.group  # a sample admitted after its request's first sample prefilled: it starts from that
         best: tuple[int, int] | None = None
         for other_id in decoding:
             other = self._inflight.get(other_id)

@@ -77,6 +77,11 @@ class Donors(Protocol):
         than it reuses: it waits for that prompt instead of taking the next chunk."""
         ...
 
+    def held_back(self, request_id: int) -> bool:
+        """Whether this turn is a sample of a request whose first sample has not parked its prompt yet: it
+        neither joins nor prefills until then."""
+        ...
+
 
 @dataclass(frozen=True)
 class Step:
@@ -237,7 +242,7 @@ class Scheduler:
         limit = JOIN_AHEAD_TOKENS if self.prefill_chunk is None else min(JOIN_AHEAD_TOKENS, self.prefill_chunk)
         # A short prompt joins; the last chunk of a long one does not (one chunk between two steps).
         join = tuple(r for r in self._prefilling
-                     if (n := self._running[r].prompt_to_prefill) is not None and n <= limit)
+                     if (n := self._running[r].prompt_to_prefill) is not None and n <= limit and not donors.held_back(r))
         adopt = {r: shared for r in join if (shared := donors.adopt(r)) is not None}
         together = tuple(r for r in join if r not in adopt and not donors.wants_donor(r))
         # A turn that would start from a prompt being prefilled waits for it (the first of several agents that
