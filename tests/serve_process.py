@@ -1,4 +1,5 @@
-"""``kvmem serve`` as a real process, for tests that restart it or compare it with ``kvmem chat``."""
+"""``kvmem serve`` and the other commands as real processes, on a home of the test's own, for tests that
+restart a server or compare a command beside it with the same command alone."""
 
 from __future__ import annotations
 
@@ -7,13 +8,40 @@ import re
 import signal
 import subprocess
 import sys
+import os
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from conftest import models_dir
+
 ROOT = Path(__file__).resolve().parents[1]
+
+SMALL_SCENARIO = """
+name: small
+agents:
+  alice: {name: Alice, system: You are Alice.}
+  bob: {name: Bob, system: You are Bob.}
+  judge: {name: Judge, system: You judge., lifecycle: ephemeral}
+phases:
+  - {name: talk, agents: [alice, bob], rounds: 2, opening: Alice and Bob talk., visible_to: [judge]}
+  - {name: verdict, agents: [judge], public: true, prompts: {judge: "${talk.messages[judge]}"}}
+"""
+"""A scenario of two phases and three agents (one ephemeral), small enough for a test to run on tiny-llama."""
+
+
+def home_env(home: Path) -> dict[str, str]:
+    """This process's environment with ``home`` as the kvmem home (the suite's built models, no pre-warm)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}
+    return {**env, "KVMEM_HOME": str(home), "KVMEM_MODELS_DIR": str(models_dir()), "KVMEM_PREWARM_MB": "0"}
+
+
+def kvmem_cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``kvmem ARGS`` on ``home``, run to its end: its status, stdout and stderr."""
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True,
+                          env=home_env(home), cwd=ROOT, timeout=300)
 
 
 @dataclass

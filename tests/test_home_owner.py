@@ -18,9 +18,8 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from conftest import models_dir
 from fake_engine import FakeEngine
-from serve_process import kvmem_serve
+from serve_process import home_env, kvmem_cli, kvmem_serve
 
 from actors import open_runtime
 from actors.control import ForgetRequest, ListRequest, ask_owner
@@ -32,15 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"
 HELLO = [{"role": "user", "content": "Remember the number 7 and the colour blue, please."}]
 
-
-def _env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}
-    return {**env, "KVMEM_HOME": str(home), "KVMEM_MODELS_DIR": str(models_dir()), "KVMEM_PREWARM_MB": "0"}
-
-
-def _kvmem(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True,
-                          env=_env(home), cwd=ROOT, timeout=300)
 
 
 def _turn(url: str, agent: str, messages: list[dict[str, str]]) -> dict[str, Any]:
@@ -119,7 +109,7 @@ async def test_forget_through_the_control_socket_reaches_hot_and_unsaved_copies(
 def test_cli_forget_and_chat_reach_a_live_server_and_a_second_server_is_refused(tmp_path: Path) -> None:
     home = tmp_path / "home"
     args = ("--model", MODEL, "--port", "0", "--host", "127.0.0.1")
-    with kvmem_serve(*args, env=_env(home)) as server:
+    with kvmem_serve(*args, env=home_env(home)) as server:
         # (issue 33) the backend profile, one line at start
         assert sum(line.startswith("kvmem: backend ") and " policy)" in line for line in server.log) == 1, server.log
         first = _turn(server.url, "x", HELLO)
@@ -127,20 +117,20 @@ def test_cli_forget_and_chat_reach_a_live_server_and_a_second_server_is_refused(
         hello2 = [*HELLO, {"role": "assistant", "content": first["reply"]}, {"role": "user", "content": "And?"}]
         assert _turn(server.url, "x", hello2)["tier"] == "hot"
         _turn(server.url, "keep", HELLO)
-        listed = _kvmem(home, "agents", "--json", "--model", MODEL)  # listed by the server, hot ones too
+        listed = kvmem_cli(home, "agents", "--json", "--model", MODEL)  # listed by the server, hot ones too
         assert listed.returncode == 0, listed.stderr
         assert {row["agent"] for row in json.loads(listed.stdout)} == {"x", "keep"}
 
-        forgot = _kvmem(home, "forget", "x", "--model", MODEL)
+        forgot = kvmem_cli(home, "forget", "x", "--model", MODEL)
         assert forgot.returncode == 0, forgot.stderr
         assert forgot.stdout.strip() == "forgot x"
-        assert {row["agent"] for row in json.loads(_kvmem(home, "agents", "--json").stdout)} == {"keep"}
+        assert {row["agent"] for row in json.loads(kvmem_cli(home, "agents", "--json").stdout)} == {"keep"}
         after = _turn(server.url, "x", hello2)
         assert after["tier"] in ("cold", "shared")  # its own cache is gone (keep's prefix, HELLO, may be shared)
-        _kvmem(home, "forget", "x")  # and forget the turn just made, for the restart below
+        kvmem_cli(home, "forget", "x")  # and forget the turn just made, for the restart below
 
         pid = server.process.pid if server.process else None
-        refused = _kvmem(home, "serve", *args)
+        refused = kvmem_cli(home, "serve", *args)
         assert refused.returncode == 2
         assert f"pid {pid}" in refused.stderr and "in use" in refused.stderr, refused.stderr
         # the refusal as docs/reliability.md shows it: one line, no traceback
@@ -148,17 +138,17 @@ def test_cli_forget_and_chat_reach_a_live_server_and_a_second_server_is_refused(
         assert refused.stderr.splitlines()[-1].startswith("kvmem: the cache directory"), refused.stderr
 
         # (issue 59) kvmem chat beside the server runs its turns in the server's runtime, on its caches
-        chat = _kvmem(home, "chat", "--agent", "y", "--model", MODEL, "--max-tokens", "3", "hi")
+        chat = kvmem_cli(home, "chat", "--agent", "y", "--model", MODEL, "--max-tokens", "3", "hi")
         assert chat.returncode == 0, chat.stderr
         assert chat.stdout.strip() and "[y] tier=cold" in chat.stderr, (chat.stdout, chat.stderr)
-        again = _kvmem(home, "chat", "--agent", "y", "--model", MODEL, "--max-tokens", "3", "--json", "and then?")
+        again = kvmem_cli(home, "chat", "--agent", "y", "--model", MODEL, "--max-tokens", "3", "--json", "and then?")
         assert again.returncode == 0, again.stderr
         turn = json.loads(again.stdout)
         assert turn["tier"] == "hot" and turn["tokens_reused"] > 0, turn  # the server's hot cache of y
         assert (home / "conversations").is_dir() and any((home / "conversations").glob("y*.json"))
-        assert "y" in {row["agent"] for row in json.loads(_kvmem(home, "agents", "--json").stdout)}
-        _kvmem(home, "forget", "y")
-    with kvmem_serve(*args, env=_env(home)) as server:  # after a restart: still forgotten, the other kept
+        assert "y" in {row["agent"] for row in json.loads(kvmem_cli(home, "agents", "--json").stdout)}
+        kvmem_cli(home, "forget", "y")
+    with kvmem_serve(*args, env=home_env(home)) as server:  # after a restart: still forgotten, the other kept
         after = _turn(server.url, "x", hello2)
         assert after["tier"] in ("cold", "shared")  # its own cache is gone (keep's prefix, HELLO, may be shared)
         assert _turn(server.url, "keep", HELLO)["tier"] == "warm"
@@ -166,7 +156,7 @@ def test_cli_forget_and_chat_reach_a_live_server_and_a_second_server_is_refused(
 
 def test_cli_forget_without_a_server_still_works_and_reports_a_missing_agent(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    missing = _kvmem(home, "forget", "nobody")
+    missing = kvmem_cli(home, "forget", "nobody")
     assert missing.returncode == 1 and "no agent named 'nobody'" in missing.stderr
 
 

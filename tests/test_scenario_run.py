@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import trio
 from conftest import models_dir
+from serve_process import SMALL_SCENARIO
 
 from actors import open_runtime
 from actors.scenario.catalog import library_text
@@ -192,20 +193,10 @@ def test_prisoners_dilemma_compartments_memory_and_forgets_the_ephemeral_analyst
     assert "Phase 5: The verdict" in public and "Room A" not in public and "Final reckoning" not in public
 
 
-SMALL = """
-name: small
-agents:
-  alice: {name: Alice, system: You are Alice.}
-  bob: {name: Bob, system: You are Bob.}
-  judge: {name: Judge, system: You judge., lifecycle: ephemeral}
-phases:
-  - {name: talk, agents: [alice, bob], rounds: 2, opening: Alice and Bob talk., visible_to: [judge]}
-  - {name: verdict, agents: [judge], public: true, prompts: {judge: "${talk.messages[judge]}"}}
-"""
 
 
 async def test_compare_cold_replays_the_same_prompts_from_no_cache(tmp_path):
-    text = SMALL
+    text = SMALL_SCENARIO
     spec = load_scenario(text)
     state = new_run_state(spec, text, source="small", options=RunOptions(model=MODEL, max_tokens=6, compare_cold=True))
     async with _open(tmp_path) as rt:

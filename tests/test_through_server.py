@@ -11,7 +11,6 @@ server, not in a runtime of the command's own, shows in the server's own listing
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,21 +21,11 @@ from typing import Any
 import httpx
 import pytest
 from conftest import models_dir
-from serve_process import ServeProcess, kvmem_serve
+from serve_process import SMALL_SCENARIO, ServeProcess, home_env, kvmem_cli, kvmem_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"
 KEY = "K-issue-59"
-SCENARIO = """
-name: small
-agents:
-  alice: {name: Alice, system: You are Alice.}
-  bob: {name: Bob, system: You are Bob.}
-  judge: {name: Judge, system: You judge., lifecycle: ephemeral}
-phases:
-  - {name: talk, agents: [alice, bob], rounds: 2, opening: Alice and Bob talk., visible_to: [judge]}
-  - {name: verdict, agents: [judge], public: true, prompts: {judge: "${talk.messages[judge]}"}}
-"""
 PROGRAM = """
 import trio
 from actors import open_runtime
@@ -68,21 +57,12 @@ trio.run(main)
 """
 
 
-def _env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}
-    return {**env, "KVMEM_HOME": str(home), "KVMEM_MODELS_DIR": str(models_dir()), "KVMEM_PREWARM_MB": "0"}
-
-
-def _kvmem(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True,
-                          env=_env(home), cwd=ROOT, timeout=300)
-
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, Path]]:
     """A live ``kvmem serve --api-key`` on a home of its own: (the server, its home)."""
     home = tmp_path_factory.mktemp("served")
-    with kvmem_serve("--model", MODEL, "--port", "0", "--api-key", KEY, env=_env(home)) as server:
+    with kvmem_serve("--model", MODEL, "--port", "0", "--api-key", KEY, env=home_env(home)) as server:
         yield server, home
 
 
@@ -120,18 +100,18 @@ def _turns(run: Path) -> list[tuple[Any, ...]]:
 def test_scenario_run_and_resume_through_a_keyed_server_match_the_run_alone(
         served: tuple[ServeProcess, Path], tmp_path: Path) -> None:
     server, served_home = served
-    (tmp_path / "small.yaml").write_text(SCENARIO)
+    (tmp_path / "small.yaml").write_text(SMALL_SCENARIO)
     scenario = str(tmp_path / "small.yaml")
     common = ("--model", MODEL, "--max-tokens", "4", "--no-plot")
     runs: dict[str, tuple[Path, list[subprocess.CompletedProcess[str]]]] = {}
     _with_models(tmp_path / "alone")
     for where, home in (("alone", tmp_path / "alone"), ("served", served_home)):
         out = tmp_path / f"run-{where}"
-        stopped = _kvmem(home, "scenario", "run", scenario, "--out", str(out), "--stop-after", "talk", *common)
+        stopped = kvmem_cli(home, "scenario", "run", scenario, "--out", str(out), "--stop-after", "talk", *common)
         assert stopped.returncode == 0, stopped.stderr
         assert "continue with: kvmem scenario resume" in stopped.stderr
         assert json.loads((out / "state.json").read_text())["status"] == "stopped"
-        resumed = _kvmem(home, "scenario", "resume", str(out), "--no-plot")
+        resumed = kvmem_cli(home, "scenario", "resume", str(out), "--no-plot")
         assert resumed.returncode == 0, resumed.stderr
         assert json.loads((out / "state.json").read_text())["status"] == "done"
         runs[where] = (out, [stopped, resumed])
@@ -161,7 +141,7 @@ def test_a_program_and_kvmem_chat_beside_a_keyed_server_run_there_as_they_run_al
     printed = {}
     _with_models(tmp_path / "alone")
     for where, home in (("alone", tmp_path / "alone"), ("served", served_home)):
-        ran = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, env=_env(home),
+        ran = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, env=home_env(home),
                              cwd=ROOT, timeout=300)
         assert ran.returncode == 0, ran.stderr
         printed[where] = ran.stdout.splitlines()
@@ -174,17 +154,17 @@ def test_a_program_and_kvmem_chat_beside_a_keyed_server_run_there_as_they_run_al
     chats: dict[str, list[subprocess.CompletedProcess[str]]] = {}
     for where, home in (("alone", tmp_path / "alone"), ("served", served_home)):
         chats[where] = [
-            _kvmem(home, "chat", "--agent", "y", "--model", MODEL, "--max-tokens", "3", "hi"),
-            _kvmem(home, "chat", "--agent", "y", "--model", MODEL, "--max-tokens", "3", "--json", "and then?"),
+            kvmem_cli(home, "chat", "--agent", "y", "--model", MODEL, "--max-tokens", "3", "hi"),
+            kvmem_cli(home, "chat", "--agent", "y", "--model", MODEL, "--max-tokens", "3", "--json", "and then?"),
         ]
         if where == "served":
             assert "y" in _server_agents(server)  # the server ran y's turns
-        listed = _kvmem(home, "agents", "--json")
+        listed = kvmem_cli(home, "agents", "--json")
         assert listed.returncode == 0, listed.stderr
         rows = [row for row in json.loads(listed.stdout) if row["agent"] == "y"]
         assert len(rows) == 1 and rows[0].pop("disk_bytes") > 0  # (a manifest's few bytes vary run to run)
         chats[where].append(subprocess.CompletedProcess(listed.args, 0, json.dumps(rows), ""))
-        chats[where] += [_kvmem(home, "forget", "y"), _kvmem(home, "forget", "y")]
+        chats[where] += [kvmem_cli(home, "forget", "y"), kvmem_cli(home, "forget", "y")]
     for alone_done, served_done in zip(chats["alone"], chats["served"], strict=True):
         assert served_done.returncode == alone_done.returncode, (alone_done, served_done)
         # A new process reads y's cache from disk (warm) where the server kept it hot.
