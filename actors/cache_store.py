@@ -183,7 +183,7 @@ class CacheStoreActor:
         self._warm_loads = self._misses = self._block_reads = 0
         self._remote = remote
         self.shared = None if remote is None else SharedTier(
-            remote, disk=self._disk, dirty=lambda agent_id: any(key[0] == agent_id for key in self._saves.keys()))
+            remote, disk=self._disk, dirty=lambda agent_id: any(key.agent_id == agent_id for key in self._saves.keys()))
         # Not with a shared tier: another node may publish a newer cache after the read.
         self.prefetch = Prefetcher(self._directory.list_all_agents, self._directory.load, self._disk,
                                    budget_bytes=prefetch_bytes) if prefetch_bytes > 0 and remote is None else None
@@ -249,7 +249,7 @@ class CacheStoreActor:
                 await self._forget(message)
             case Evict(model_tag=tag, reply=reply):
                 written = await self._flush_all(tag)
-                for waiter in self._saves.drop(lambda key: key[1] == tag):
+                for waiter in self._saves.drop(lambda key: key.model_tag == tag):
                     send_reply(waiter, Failed(kind="NotSaved", error=f"model {tag!r} was unloaded first"))
                 self._manager.drop_model(tag)
                 if self.prefetch is not None:
@@ -280,7 +280,7 @@ class CacheStoreActor:
                 send_reply(message.reply, Failed(
                     kind="AgentBusy", error=f"agent {message.agent_id!r} is in a turn on another node; retry shortly"))
                 return
-            key = (message.agent_id, message.model_tag)
+            key = AgentKey(message.agent_id, message.model_tag)
             if self.shared is not None:
                 match await self._disk(self.shared.remote.check, *key, limiter=self._read_limiter):  # a Redis read
                     case "forgotten":  # on another node, since this node last held the agent: drop every copy
@@ -406,7 +406,7 @@ class CacheStoreActor:
         for entry in published:
             if (wanted is not None and entry.agent_id != wanted) or tenant_of(entry.agent_id) != tenant:
                 continue
-            key = (entry.agent_id, entry.model_tag)
+            key = AgentKey(entry.agent_id, entry.model_tag)
             if key in mine:
                 record = local[mine[key]]
                 if not record.dirty and entry.updated_at > (record.updated_at or 0.0):
@@ -423,7 +423,7 @@ class CacheStoreActor:
         except (OSError, ValueError) as exc:
             send_reply(message.reply, failed_from(exc))
             return
-        in_ram = {e.agent_id for e in self._manager.entries()} | {key[0] for key in self._saves.keys()}
+        in_ram = {e.agent_id for e in self._manager.entries()} | {key.agent_id for key in self._saves.keys()}
         dirs = {safe_agent_dirname(local_id(a)) for a in in_ram if tenant_of(a) == message.tenant}
         send_reply(message.reply, Used(agent_dirs=disk.agent_dirs | dirs, disk_bytes=disk.disk_bytes))
 
@@ -446,9 +446,9 @@ class CacheStoreActor:
         if self.prefetch is not None:
             self.prefetch.drop(agent_id)
         existed = self._manager.forget(agent_id) > 0
-        for due in self._copies_owed(lambda key: key[0] == agent_id):
+        for due in self._copies_owed(lambda key: key.agent_id == agent_id):
             due.drop()
-        for waiter in self._saves.drop(lambda key: key[0] == agent_id):
+        for waiter in self._saves.drop(lambda key: key.agent_id == agent_id):
             send_reply(waiter, Failed(kind="NotSaved", error=f"agent {agent_id!r} was forgotten first"))
         if self.shared is not None:
             self.shared.drop_unpublished(agent_id)
@@ -469,7 +469,7 @@ class CacheStoreActor:
     def _put(self, message: CheckIn) -> None:
         assert message.cache is not None
         parked = message.cache.parked
-        key = (message.agent_id, parked.model_tag)
+        key = AgentKey(message.agent_id, parked.model_tag)
         hashes = self._directory.block_hashes(parked.model_tag, parked.token_ids)
         self._manager.put(message.agent_id, parked, share_prefix=message.cache.share_prefix,
                           block_bytes=message.cache.block_bytes, block_hashes=hashes)
@@ -558,10 +558,10 @@ class CacheStoreActor:
     async def _flush_all(self, model_tag: str | None = None) -> int:
         """Write every dirty cache (of ``model_tag``, if given); returns how many were written."""
         written = 0
-        for due in self._copies_owed(lambda key: model_tag is None or key[1] == model_tag):
+        for due in self._copies_owed(lambda key: model_tag is None or key.model_tag == model_tag):
             due.want()  # all at once: the GPU actor makes them while the first is written
         for key in self._saves.keys():
-            if model_tag is None or key[1] == model_tag:
+            if model_tag is None or key.model_tag == model_tag:
                 written += await self._write(key)
         return written
 

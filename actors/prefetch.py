@@ -157,10 +157,10 @@ class Prefetcher:
             left -= entry.disk_bytes
             chosen.append(entry)
         for entry in chosen:
-            self._reading[(entry.agent_id, entry.model_tag)] = trio.Event()
+            self._reading[AgentKey(entry.agent_id, entry.model_tag)] = trio.Event()
         for i, entry in enumerate(chosen):
             self._tell("read", i, len(chosen))
-            key = (entry.agent_id, entry.model_tag)
+            key = AgentKey(entry.agent_id, entry.model_tag)
             if entry.agent_id in self._dropped:
                 self._reading.pop(key).set()
                 continue
@@ -193,7 +193,7 @@ class Prefetcher:
 
         Waits for the agent's read if it is under way.
         """
-        key = (agent_id, model_tag)
+        key = AgentKey(agent_id, model_tag)
         reading = self._reading.get(key)
         if reading is not None:
             await reading.wait()
@@ -206,13 +206,13 @@ class Prefetcher:
     def drop(self, agent_id: str) -> None:
         """Forget the agent's prefetched caches (and any still being read)."""
         self._dropped.add(agent_id)
-        for key in [k for k in self._ready if k[0] == agent_id]:
+        for key in [k for k in self._ready if k.agent_id == agent_id]:
             del self._ready[key]
             self._prepared.pop(key, None)
 
     def drop_model(self, model_tag: str) -> None:
         """Forget the prefetched caches of one model (its caches were evicted)."""
-        for key in [k for k in self._ready if k[1] == model_tag]:
+        for key in [k for k in self._ready if k.model_tag == model_tag]:
             del self._ready[key]
             self._prepared.pop(key, None)
 

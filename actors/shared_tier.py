@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from runtime.identity import AgentKey
+
 if TYPE_CHECKING:
     from runtime.persist.remote import Lease, RemoteTier
 
@@ -152,7 +154,7 @@ class SharedTier:
     async def publish(self, key: AgentKey) -> None:
         """Send the cache just saved under ``key`` to Redis, under the agent's lease (remembered if Redis is down)."""
         self._unpublished.pop(key, None)
-        held = self._leases.get(key[0])
+        held = self._leases.get(key.agent_id)
         published = await self._disk(self.remote.publish, *key, fence=held.lease.fence if held else None)
         if published is None and not self.remote.up:
             self._unpublished[key] = None
@@ -170,7 +172,7 @@ class SharedTier:
 
     def drop_unpublished(self, agent_id: str) -> None:
         """The agent's local copies are gone (forgotten): nothing of it waits to be published."""
-        self._unpublished = {k: None for k in self._unpublished if k[0] != agent_id}
+        self._unpublished = {k: None for k in self._unpublished if k.agent_id != agent_id}
 
     async def forget(self, agent_id: str) -> bool:
         """Forget the agent cluster-wide (a tombstone other nodes heed: ``RemoteTier.forget``); whether Redis had it."""

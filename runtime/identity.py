@@ -56,6 +56,7 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
+from typing import NamedTuple
 
 from runtime.errors import InvalidAgentIdError
 
@@ -127,9 +128,13 @@ def pool_key(agent_id: str, block_hash: str) -> str:
 
 # -- the id of an agent ------------------------------------------------------------
 
-AgentKey = tuple[str, str]
-"""A cache's key wherever one is kept (the hot tier, the pending saves, the read-ahead, the
-shared tier): (agent id as :func:`check_agent_id` returned it, model tag)."""
+class AgentKey(NamedTuple):
+    """A cache's key wherever one is kept (the hot tier, the pending saves, the read-ahead, the
+    shared tier): the agent id as :func:`check_agent_id` returned it (every door checks it first:
+    ``Runtime.agent``) and the model tag. A pair, so it hashes and compares as one; read by name."""
+
+    agent_id: str
+    model_tag: str
 
 MAX_AGENT_ID_CHARS = 256
 """Longest accepted agent id, in code points."""

@@ -85,7 +85,7 @@ class HotEntry:
 
     @property
     def key(self) -> AgentKey:
-        return (self.agent_id, self.model_tag)
+        return AgentKey(self.agent_id, self.model_tag)
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class KVCacheManager:
 
     def needs_disk(self, agent_id: str, model_tag: str) -> bool:
         """Whether the agent's disk cache must be read before its turn (it has no hot cache)."""
-        return (agent_id, model_tag) not in self._entries
+        return AgentKey(agent_id, model_tag) not in self._entries
 
     def checkout(
         self, agent_id: str, model_tag: str, *, warm: CacheSnapshot | None = None, warm_tier: Tier = "warm",
@@ -165,7 +165,7 @@ class KVCacheManager:
         ``prepared``: the same cache already restored at start). The turn holds the
         returned cache, so dropping it from the hot tier meanwhile loses nothing.
         """
-        entry = self._entries.get((agent_id, model_tag))
+        entry = self._entries.get(AgentKey(agent_id, model_tag))
         if entry is not None:
             self._touch(entry)
             return OwnCache(source=FromHot(parked=entry.parked), tier="hot")
@@ -375,7 +375,7 @@ class KVCacheManager:
 
     def get(self, agent_id: str, model_tag: str) -> HotEntry | None:
         """The agent's hot cache for that model (without touching the LRU order)."""
-        return self._entries.get((agent_id, model_tag))
+        return self._entries.get(AgentKey(agent_id, model_tag))
 
     def entries(self) -> list[HotEntry]:
         """Every hot cache, least recently used first."""
@@ -388,7 +388,7 @@ class KVCacheManager:
         ``block_hashes`` are its full blocks' hash-chain ids. Returns the caches
         dropped from RAM to make room (all already on disk).
         """
-        key = (agent_id, parked.model_tag)
+        key = AgentKey(agent_id, parked.model_tag)
         entry = self._entries.get(key)
         if entry is None:
             entry = HotEntry(agent_id, parked.model_tag, parked, share_prefix)
@@ -418,7 +418,7 @@ class KVCacheManager:
 
     def drop(self, agent_id: str, model_tag: str) -> bool:
         """Drop the agent's hot cache for that model (another node has served the agent since); whether it had one."""
-        entry = self._entries.get((agent_id, model_tag))
+        entry = self._entries.get(AgentKey(agent_id, model_tag))
         if entry is not None:
             self._drop(entry)
         return entry is not None
