@@ -1,0 +1,137 @@
+"""What one turn costs the house (issue 60, item 2): typed messages, MLX jobs and text jobs, counted.
+
+A tracer records every msgspec message sent on a trio memory channel (a forward through a mailbox
+counts again: it is another send), the text deltas apart, and every job handed to the MLX thread and
+to the text worker, during one streaming turn of tiny-llama: cold (a new agent), hot (the next turn,
+its cache in RAM), warm (after a restart, its cache on disk) and batched (four agents at once, per
+turn). The counts may fall, never grow: :data:`CEILING` holds today's, so a change that adds a hop
+fails here and says which; a change that removes one lowers the ceiling with it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+from conftest import models_dir
+
+from actors import open_runtime
+from actors.mlx_thread import MlxThread
+from actors.text_jobs import TextJobs
+
+MESSAGES = [{"role": "user", "content": "Log: fog at dawn over the harbour."}]
+STEPS = 6
+
+
+@dataclass
+class Costs:
+    """What the traced turns sent and ran: message types, deltas, MLX jobs, text jobs."""
+
+    messages: Counter[str] = field(default_factory=Counter)
+    deltas: int = 0
+    mlx_jobs: int = 0
+    text_jobs: int = 0
+    jobs: Counter[str] = field(default_factory=Counter)  # MLX jobs by function
+
+    def per_turn(self, turns: int) -> dict[str, float]:
+        return {"messages": sum(self.messages.values()) / turns, "mlx_jobs": self.mlx_jobs / turns,
+                "text_jobs": self.text_jobs / turns}
+
+
+@contextmanager
+def traced(monkeypatch: pytest.MonkeyPatch) -> Iterator[Costs]:
+    """Count, while inside, what every memory channel carries and every MLX and text job."""
+    costs = Costs()
+    send, send_nowait = trio.MemorySendChannel.send, trio.MemorySendChannel.send_nowait
+    mlx_run, text_run = MlxThread.run, TextJobs.run
+
+    def note(value: object) -> None:
+        if isinstance(value, str):
+            costs.deltas += 1
+        elif isinstance(value, msgspec.Struct):
+            costs.messages[type(value).__name__] += 1
+
+    async def traced_send(self, value):  # type: ignore[no-untyped-def]
+        note(value)
+        return await send(self, value)
+
+    def traced_send_nowait(self, value):  # type: ignore[no-untyped-def]
+        note(value)
+        return send_nowait(self, value)
+
+    async def traced_mlx(self, fn, *args):  # type: ignore[no-untyped-def]
+        costs.mlx_jobs += 1
+        costs.jobs[getattr(fn, "__name__", type(fn).__name__)] += 1
+        return await mlx_run(self, fn, *args)
+
+    async def traced_text(self, fn, *args, **kw):  # type: ignore[no-untyped-def]
+        costs.text_jobs += 1
+        return await text_run(self, fn, *args, **kw)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trio.MemorySendChannel, "send", traced_send)
+        patch.setattr(trio.MemorySendChannel, "send_nowait", traced_send_nowait)
+        patch.setattr(MlxThread, "run", traced_mlx)
+        patch.setattr(TextJobs, "run", traced_text)
+        yield costs
+
+
+async def _turn(rt, agent_id: str, messages) -> str:  # type: ignore[no-untyped-def]
+    async with rt.agent(agent_id).stream(messages, max_tokens=STEPS) as stream:
+        async for _ in stream:
+            pass
+    assert stream.result is not None
+    return stream.result.usage.tier
+
+
+CEILING = {  # per streaming turn of STEPS tokens, measured at this commit; lower them as hops go
+    # 19 messages: Turn, Acquire, CheckOut and Generate twice each (sent, then forwarded through a mailbox),
+    # Granted, CheckedOut, TurnAccepted, TurnStarted, Generated, CheckIn twice, Saved (the turn is durable),
+    # Release twice, TurnDone. 9 MLX jobs: start, the prefill (its first token), joining the batch, 5 decode
+    # steps, finish. A batched turn's jobs depend on when its rows arrive: at most a lone turn's.
+    "cold": {"messages": 19, "mlx_jobs": 9, "text_jobs": 2},
+    "hot": {"messages": 19, "mlx_jobs": 9, "text_jobs": 2},
+    "warm": {"messages": 19, "mlx_jobs": 9, "text_jobs": 2},
+    "batched": {"messages": 19, "mlx_jobs": 9, "text_jobs": 2},
+}
+
+
+def _open(home: Path):  # type: ignore[no-untyped-def]
+    return open_runtime(model="tiny-llama", home=home, models_dir=models_dir(), fsync=False, prewarm_mb=0,
+                        through_owner=False)
+
+
+async def test_a_turn_costs_no_more_messages_and_jobs_than_it_did(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    measured: dict[str, dict[str, float]] = {}
+    kinds: dict[str, Counter[str]] = {}
+    jobs: dict[str, Counter[str]] = {}
+    async with _open(tmp_path) as rt:
+        await _turn(rt, "warm-up", MESSAGES)  # the first turn of a process compiles and allocates
+        with traced(monkeypatch) as cold:
+            assert await _turn(rt, "a", MESSAGES) == "cold"
+        follow = [*MESSAGES, {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Log: wind."}]
+        with traced(monkeypatch) as hot:
+            assert await _turn(rt, "a", follow) in ("hot", "shared")
+        with traced(monkeypatch) as batched:
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(_turn, rt, f"b{i}", [{"role": "user", "content": f"Log {i}: calm seas."}])
+    async with _open(tmp_path) as rt:
+        await _turn(rt, "warm-up", [*MESSAGES, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}])
+        again = [*follow, {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Log: rain."}]
+        with traced(monkeypatch) as warm:
+            assert await _turn(rt, "a", again) == "warm"
+    for name, costs, turns in (("cold", cold, 1), ("hot", hot, 1), ("warm", warm, 1), ("batched", batched, 4)):
+        measured[name], kinds[name], jobs[name] = costs.per_turn(turns), costs.messages, costs.jobs
+    for name, ceiling in CEILING.items():
+        for what, most in ceiling.items():
+            assert measured[name][what] <= most, f"a {name} turn now costs {measured[name][what]} {what} " \
+                                                 f"(at most {most}); its messages: {dict(kinds[name])}, " \
+                                                 f"its MLX jobs: {dict(jobs[name])}"
