@@ -37,7 +37,6 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -51,6 +50,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import agents_api, anthropic_api, openai_api, status_api
+from gateway.cli_common import kvmem_version
 from gateway.context import AGENT_SEGMENT_KEY, REQUEST_ID_KEY, TENANT_KEY, Gateway, request_id
 from gateway.errors import ApiError, error_body, flavor_of, from_exception
 from gateway.metrics import CONTENT_TYPE, render_metrics
@@ -68,13 +68,6 @@ log = logging.getLogger("kvmem.gateway")
 
 GATEWAY_KEY = "kvmem_gateway"
 """``app.state`` attribute holding the :class:`gateway.context.Gateway` (for extra routes)."""
-
-
-def _version() -> str:
-    try:
-        return metadata.version("kvmem")
-    except metadata.PackageNotFoundError:
-        return "0"
 
 
 def _error_response(error: ApiError, scope: Scope) -> Response:
@@ -269,7 +262,7 @@ def create_app(
     if tenants is None and settings.api_keys is not None:
         tenants = load_tenant_keys(settings.api_keys)
     gw = Gateway(rt=rt, config=settings, models=models, tenants=tenants)
-    version = _version()
+    version = kvmem_version()
 
     async def healthz(request: Request) -> Response:
         stats = rt.stats()

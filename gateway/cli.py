@@ -12,6 +12,7 @@ import logging
 import sys
 
 import runtime  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+from gateway.cli_common import kvmem_version
 
 __all__ = ["main"]
 
@@ -22,19 +23,10 @@ COMMAND_MODULES = (
 )
 
 
-def _version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("kvmem")
-    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "0 (not installed)"
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmem", description="Persistent Q4 KV caches for LLM agents.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    parser.add_argument("--version", action="version", version=f"kvmem {_version()}")
+    parser.add_argument("--version", action="version", version=f"kvmem {kvmem_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -16,7 +16,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from runtime.config import Config
 
-__all__ = ["add_setting_options", "config_from_args", "the_one_error", "HOME_SETTINGS"]
+__all__ = ["add_setting_options", "config_from_args", "the_one_error", "kvmem_version", "HOME_SETTINGS"]
+
+
+def kvmem_version() -> str:
+    """kvmem's installed version (``kvmem --version``, ``/healthz``); a checkout never installed says so."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvmem")
+    except metadata.PackageNotFoundError:
+        return "0 (not installed)"
 
 
 HOME_SETTINGS = frozenset({"home", "cache_dir", "models_dir", "model", "fsync", "store"})
