@@ -44,6 +44,7 @@ BENCHES = {
     "distributed": "kvmem serve --distributed: prefill tok/s and decode ms/token at 1 process vs 2 ranks (mlx.launch, loopback)",
     "race": "kvmem vs llama-server (built-in cache; slot files) vs mlx_lm.server: cold/hot/restart, multi-agent, tok/s",
     "agent_patterns": "agent clients' patterns (edit and resend, compaction, sub-agents, restarts) and a scripted tool-calling session: kvmem vs llama.cpp -np 1 / -np 4 (vs an older kvmem with --before)",
+    "llama_cpp_suite": "llama.cpp's own server tests (tools/server/tests, every file) against kvmem serve on stories260K: passed / failed, each failure llama.cpp-specific or not (--before an older kvmem)",
     "reuse_costs": "a trim, a reuse of half a prompt and a block read from disk, against the prefill they save, on kvmem-default",
     "ui_screenshots": "the operator page (/ui) at 1280 and 420 px after a workload on kvmem-default, headless Debian Chromium: benches/results/ui_wide.png, ui_narrow.png",
     "constrained": "decode steps at batch 8 with 0, 4 and 8 rows under a grammar (generic tool calls): the mask's share of a step",
