@@ -575,12 +575,26 @@ def reclassify(args: argparse.Namespace, source: Path) -> None:
     write_results(name, runs, args, source)
 
 
+def results_json(runs: list[SuiteRun], argv: list[str]) -> str:
+    """The runs as JSON, one test a line; a passing or could-not-run test without its assertion's text."""
+    parts = []
+    for run in runs:
+        meta = json.dumps({k: v for k, v in asdict(run).items() if k != "outcomes"})[:-1]
+        rows = []
+        for o in run.outcomes:
+            row = {k: v for k, v in asdict(o).items() if v != "" and v is not False}
+            if o.klass in ("passed", "could not run"):
+                row.pop("message", None), row.pop("line", None)
+            rows.append(json.dumps(row))
+        parts.append(f'{json.dumps(run.label)}: {meta}, "outcomes": [\n' + ",\n".join(rows) + "\n]}")
+    return '{"argv": ' + json.dumps(argv) + ', "runs": {\n' + ",\n".join(parts) + "\n}}\n"
+
+
 def write_results(name: str, runs: list[SuiteRun], args: argparse.Namespace, source: Path) -> None:
     """``benches/results/<name>.md`` and ``.json``."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.md").write_text(markdown(runs, args, source, args.fixture))
-    (RESULTS / f"{name}.json").write_text(json.dumps({"argv": args.argv, "runs": {r.label: asdict(r) for r in runs}},
-                                                     indent=1) + "\n")
+    (RESULTS / f"{name}.json").write_text(results_json(runs, args.argv))
     log(f"wrote {RESULTS / name}.md and .json")
 
 
