@@ -44,6 +44,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -150,6 +151,16 @@ def _has_body(scope: Scope) -> bool:
         if name == b"transfer-encoding":
             return True
     return False
+
+
+def _cors(origins: tuple[str, ...]) -> list[Middleware]:
+    """Starlette's CORS middleware for ``origins`` (none when unset), outside the API key's check: a
+    browser's preflight carries no key. Every response header is exposed (request ids, kvmem's
+    ``x-kvmem-*`` accounting): requests carry keys in headers, not cookies, so no credentials mode."""
+    if not origins:
+        return []
+    return [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"], allow_headers=["*"],
+                       expose_headers=["*"])]
 
 
 class GatewayMiddleware:
@@ -298,7 +309,7 @@ def create_app(
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(GatewayMiddleware, gateway=gw)],
+        middleware=[*_cors(settings.cors_origins), Middleware(GatewayMiddleware, gateway=gw)],
         exception_handlers={
             ApiError: _on_api_error,
             HTTPException: _on_http_exception,

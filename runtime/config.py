@@ -185,6 +185,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             key), nor with ``store`` (yet).
         accept_any_model: serve requests naming an unknown model with the default
             model instead of answering 404 (for clients with a hard-coded model name).
+        cors_origins: the origins a web page may call the API from (``https://app.example``,
+            comma-separated; ``*``: any): browsers' CORS preflight is answered, before any API key
+            is asked for, and responses carry ``Access-Control-Allow-Origin``. Unset: none (a page
+            on another origin cannot call kvmem; the operator page is served from kvmem itself).
         max_body_bytes: request bodies above this get 413.
         body_timeout_s: a request body still arriving this long after its headers gets
             408 and the connection is closed (slow-upload clients cannot hold it open).
@@ -234,6 +238,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     api_key: str | None = None
     api_keys: str | None = None
     accept_any_model: bool = False
+    cors_origins: tuple[str, ...] = ()
     max_body_bytes: Annotated[int, Meta(ge=1024)] = 4 * 2**20
     body_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     max_tokens_limit: Annotated[int, Meta(ge=1)] = 4096
@@ -274,7 +279,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 FIELDS: tuple[str, ...] = Config.__struct_fields__
 SERVER_FIELDS: frozenset[str] = frozenset({
-    "host", "port", "api_key", "api_keys", "accept_any_model", "max_body_bytes", "body_timeout_s",
+    "host", "port", "api_key", "api_keys", "accept_any_model", "cors_origins", "max_body_bytes", "body_timeout_s",
     "max_tokens_limit", "default_max_tokens", "graceful_timeout_s",
 })
 """The HTTP server's settings: flags of ``kvmem serve`` only (the others are flags of every command)."""
@@ -298,7 +303,7 @@ def _normalize(key: str, value: Any) -> Any:
         return None if value == 0 else value
     if not isinstance(value, str):
         return value
-    if key == "models":
+    if key in ("models", "cors_origins"):
         return [m.strip() for m in value.split(",") if m.strip()]
     if key in _AUTO_IS_NONE and value.strip().lower() in (*_NONE_WORDS, "auto"):
         return None

@@ -70,6 +70,8 @@ SAMPLES: dict[str, tuple[str, Any, Any]] = {
     "api_key": ("k", "k", "k"),
     "api_keys": ("/etc/kvmem/keys.toml", "/etc/kvmem/keys.toml", "/etc/kvmem/keys.toml"),
     "accept_any_model": ("true", True, True),
+    "cors_origins": ("https://a.example, https://b.example", ["https://a.example", "https://b.example"],
+                     ("https://a.example", "https://b.example")),
     "max_body_bytes": ("2048", 2048, 2048),
     "body_timeout_s": ("3", 3, 3.0),
     "max_tokens_limit": ("64", 64, 64),

@@ -99,6 +99,31 @@ def test_every_route_but_healthz_needs_the_key(server: ServerThread, http: httpx
     assert httpx.get(server.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
 
 
+PAGE = "https://app.example"
+PREFLIGHT = {"access-control-request-method": "POST", "access-control-request-headers": "content-type, x-api-key"}
+
+
+def test_a_page_on_another_origin_is_refused_unless_its_origin_is_named(server: ServerThread, tmp_path: Path) -> None:
+    """CORS is off by default: a preflight needs the key like any request, and no answer allows the origin.
+    With ``cors_origins``, a named origin's preflight is answered without the key (browsers send none), its
+    requests still need the key, and every answer, a 401 too, lets the page read it; another origin is refused."""
+    plain = httpx.options(server.url + "/v1/chat/completions", headers={"origin": PAGE, **PREFLIGHT})
+    assert plain.status_code == 401 and "access-control-allow-origin" not in plain.headers
+    config = Config(model=MODEL, port=0, home=str(models_dir().parent), cache_dir=str(tmp_path / "kv"),
+                    api_key=KEY, cors_origins=(PAGE,), budget_mb=128, hot_budget_mb=32, graceful_timeout_s=2)
+    with ServerThread(config) as cors, httpx.Client(base_url=cors.url, timeout=60) as http:
+        preflight = http.options("/v1/chat/completions", headers={"origin": PAGE, **PREFLIGHT})
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == PAGE
+        assert "x-api-key" in preflight.headers["access-control-allow-headers"].lower()
+        stranger = http.options("/v1/chat/completions", headers={"origin": "https://evil.example", **PREFLIGHT})
+        assert stranger.status_code == 400 and "access-control-allow-origin" not in stranger.headers
+        refused = http.get("/v1/models", headers={"origin": PAGE})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == PAGE
+        listed = http.get("/v1/models", headers={"origin": PAGE, "x-api-key": KEY})
+        assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == PAGE
+        assert listed.headers["access-control-expose-headers"] == "*"
+
+
 def test_rejected_and_accepted_requests_share_one_keep_alive_client(server: ServerThread) -> None:
     # Every answer sent before the body was read to its end (401, 400 on a bad agent id in the path,
     # 404 / 405 with a body, a 413 that stops reading) must say Connection: close; otherwise the
