@@ -480,8 +480,13 @@ async def test_new_agents_admitted_at_once_cannot_all_pass_the_limit() -> None:
     await tenant.admit(rt, namespaced("tiny", admitted[0]))  # type: ignore[arg-type]  # an existing agent goes on
 
 
-def test_the_cli_lists_and_forgets_a_tenants_agents(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_lists_and_forgets_a_tenants_agents(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from gateway.cli import main
+
+    # The settings file names this test's home; the suite's KVMEM_HOME (CI's, where the docs' examples ran
+    # and left their conversations) would win over it.
+    monkeypatch.delenv("KVMEM_HOME", raising=False)
 
     keys = _key_file(tmp_path / "keys.toml")
     config = Config(model=MODEL, port=0, home=str(tmp_path / "home"), cache_dir=str(tmp_path), api_keys=str(keys),
