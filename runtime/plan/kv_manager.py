@@ -250,22 +250,28 @@ class KVCacheManager:
         first = self._inflight.get(turn.group)
         return first is not None and not first.donated
 
+    @staticmethod
+    def _best_donor(turn: _InFlight, donors: Iterable[_Donor], *, floor: int) -> tuple[int, _Donor] | None:
+        """The donor whose tokens cover the most of ``turn``'s prompt, to its last token: at least ``floor``
+        tokens and more than the turn reuses; (tokens kept, donor), or None."""
+        best: tuple[int, _Donor] | None = None
+        for donor in donors:
+            keep = min(common_prefix_length(donor[1].token_ids, turn.token_ids), len(turn.token_ids) - 1)
+            if keep >= floor and keep > (best[0] if best else turn.tokens_reused):
+                best = (keep, donor)
+        return best
+
     def _sibling_donor(self, request_id: int, turn: _InFlight) -> FromShared | None:
         """The prompt another sample of ``turn``'s request parked, to its last token, if it covers more than the
         turn reuses (see the module docstring)."""
-        best: tuple[int, _InFlight] | None = None
-        for _, other in self._siblings(request_id, turn):
-            if other.donor is None:
-                continue
-            keep = min(common_prefix_length(other.donor.token_ids, turn.token_ids), len(turn.token_ids) - 1)
-            if keep > (best[0] if best else turn.tokens_reused):
-                best = (keep, other)
+        parked = [(other.agent_id, other.donor, None) for _, other in self._siblings(request_id, turn)
+                  if other.donor is not None]
+        best = self._best_donor(turn, parked, floor=1)
         if best is None:
             return None
-        keep, other = best
-        assert other.donor is not None
+        keep, (donor, cache, _) = best
         turn.tokens_reused = keep
-        return FromShared(parked=other.donor, reuse_tokens=keep, donor=other.agent_id)
+        return FromShared(parked=cache, reuse_tokens=keep, donor=donor)
 
     def adopt(self, request_id: int) -> FromShared | None:
         """Before a sharing turn's first prefill chunk: a donor's tokens that cover more of its prompt than it reuses.
@@ -286,14 +292,10 @@ class KVCacheManager:
         if not turn.share_prefix:
             return None
         hot, in_flight = self._donors(turn.agent_id, turn.model_tag)
-        best: tuple[int, str, ParkedView, HotEntry | None] | None = None
-        for agent_id, parked, entry in in_flight + (hot if turn.tokens_reused == 0 else []):
-            keep = min(common_prefix_length(parked.token_ids, turn.token_ids), len(turn.token_ids) - 1)
-            if keep >= MIN_SHARED_TOKENS and keep > (best[0] if best else turn.tokens_reused):
-                best = (keep, agent_id, parked, entry)
+        best = self._best_donor(turn, in_flight + (hot if turn.tokens_reused == 0 else []), floor=MIN_SHARED_TOKENS)
         if best is None:
             return None
-        keep, donor, parked, entry = best
+        keep, (donor, parked, entry) = best
         if entry is not None:
             self._touch(entry)
         turn.tokens_reused = keep
