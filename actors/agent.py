@@ -1,25 +1,22 @@
-"""AgentActor: one per agent id; serializes the agent's turns and carries its cache.
+"""AgentActor: one per agent id; serializes the agent's turns and knows its cache.
 
 A turn, in order (the next turn of the same agent starts only after this one
 ends, so turn 2 always sees turn 1's cache):
 
-1. lease the model from the registry (a swap may happen first);
-2. check the agent's own cache out of the store (:class:`CheckOut`): its hot
-   cache, else the one on disk;
-3. one request to the GPU actor (:class:`Generate`), which renders the
-   messages, plans what of the prompt is reused and from where (that cache,
-   else another agent's whole-block prefix, else nothing: the cache manager,
-   :meth:`runtime.plan.kv_manager.KVCacheManager.plan`) and generates; deltas go
-   straight to the client's stream;
-4. check the updated cache back in (:class:`CheckIn`, write-behind) — *before*
-   answering the client, so every turn a client saw complete is in the store and
-   is flushed on shutdown; a *durable* turn (``ChatTurn.durable``, else the
-   runtime's ``durable`` setting) also waits until the store has it on disk, so a
-   turn answered is a turn kept even if the process is killed a moment later. A
-   turn that fails checks in without a cache;
-5. release the lease and answer with a :class:`TurnResult`.
-
-Each turn visits the store once in each direction and the GPU actor once.
+1. one request to the GPU actor (:class:`Generate`, naming the model), which holds
+   the model (swapping first when the turn names another one: :mod:`actors.model_slot`),
+   checks the agent's own cache out of the store (its hot cache, else the one on
+   disk), renders the messages, plans what of the prompt is reused and from where
+   (that cache, else another agent's prefix, else nothing: the cache manager,
+   :meth:`runtime.plan.kv_manager.KVCacheManager.plan`), generates — deltas go
+   straight to the client's stream — and checks the updated cache back in
+   (write-behind) *before* it answers, so every turn a client saw complete is in
+   the store and is flushed on shutdown;
+2. a *durable* turn (``ChatTurn.durable``, else the runtime's ``durable`` setting)
+   then waits until the store has its cache on disk (the store answers the turn's
+   ``saved`` channel), so a turn answered is a turn kept even if the process is
+   killed a moment later;
+3. answer with a :class:`TurnResult`.
 
 The actor stops after ``idle_timeout_s`` without messages (its hot cache
 stays in the store); the runtime starts a new one on the agent's next request.
@@ -28,8 +25,6 @@ stays in the store); the runtime starts a new one on the agent's next request.
 from __future__ import annotations
 
 import logging
-import time
-from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import assert_never
@@ -49,27 +44,9 @@ from actors.messages_agent import (
     TurnResult,
 )
 from actors.messages_common import Failed
-from actors.messages_gpu import (
-    Chat,
-    Generate,
-    Generated,
-    GenerateReply,
-    GpuInbox,
-    ModelInfo,
-)
-from actors.messages_store import (
-    CheckIn,
-    CheckOut,
-    CheckOutReply,
-    Forget,
-    ForgetReply,
-    NewCache,
-    SaveReply,
-    StoreInbox,
-)
-from actors.metrics import GpuEvent, RuntimeMetrics
-from actors.registry import Acquire, AcquireReply, RegistryInbox, Release
-from runtime.plan.contract import OwnCache
+from actors.messages_gpu import Chat, Generate, Generated, GenerateReply, GpuInbox
+from actors.messages_store import Forget, ForgetReply, SaveReply, StoreInbox
+from actors.metrics import RuntimeMetrics
 
 __all__ = ["AgentActor", "CacheHandle"]
 
@@ -90,7 +67,7 @@ class AgentActor:
     Args:
         agent_id: the agent.
         inbox: its mailbox.
-        gpu, store, registry: clones of the other actors' mailboxes (closed on exit).
+        gpu, store: clones of the other actors' mailboxes (closed on exit).
         metrics: runtime counters, updated as turns end.
         idle_timeout_s: stop after this long without a message.
         durable: whether turns that do not say wait for their save (the ``durable`` setting).
@@ -106,30 +83,26 @@ class AgentActor:
         *,
         gpu: trio.MemorySendChannel[GpuInbox],
         store: trio.MemorySendChannel[StoreInbox],
-        registry: trio.MemorySendChannel[RegistryInbox],
         metrics: RuntimeMetrics,
         idle_timeout_s: float,
         retire: Callable[[AgentActor], bool],
         handled: Callable[[], None] = lambda: None,
         durable: bool = True,
-        events: deque[GpuEvent] | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.inbox = inbox
         self._gpu = gpu
         self._store = store
-        self._registry = registry
         self._metrics = metrics
         self._idle_timeout_s = idle_timeout_s
         self._retire = retire
         self._handled = handled
         self._durable = durable
-        self._events = events  # the runtime's trace, when it is on: each turn's checkout joins it
         self.handle: CacheHandle | None = None
         self.turns = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with self.inbox, self._gpu, self._store, self._registry:
+        async with self.inbox, self._gpu, self._store:
             task_status.started()
             while True:
                 message: AgentInbox | None = None
@@ -159,10 +132,9 @@ class AgentActor:
                 try:
                     if receiver_left(message.reply):
                         return  # the client left while the turn was queued
-                    received = time.perf_counter()
                     self._metrics.request_started()
                     try:
-                        reply = await self._turn(message, received)
+                        reply = await self._turn(message)
                     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                         reply = Failed(kind="Cancelled", error=f"the runtime is shutting down ({exc!r})")
                 finally:
@@ -181,48 +153,30 @@ class AgentActor:
             case _:
                 assert_never(message)
 
-    async def _turn(self, turn: Turn, received: float) -> TurnReply:
-        grant: AcquireReply = await ask(self._registry, lambda r: Acquire(model=turn.turn.model, reply=r))
-        if isinstance(grant, Failed):
-            return grant
-        try:
-            return await self._run_turn(turn, grant.info, received)
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
-                try:
-                    await self._registry.send(Release(lease_id=grant.lease_id))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
-
-    async def _run_turn(self, turn: Turn, info: ModelInfo, received: float) -> TurnReply:
+    async def _turn(self, turn: Turn) -> TurnReply:
         request = turn.turn
-        opened: CheckOutReply = await ask(
-            self._store, lambda r: CheckOut(agent_id=self.agent_id, model_tag=info.tag, reply=r))
-        if isinstance(opened, Failed):
-            return opened
-        if self._events is not None:  # from the client's send: waited to reach this actor, then took to check out
-            now = time.perf_counter()
-            self._events.append(GpuEvent(kind="checkout", request_ids=(turn.request_id,), at=now,
-                                         waited_ms=(received - turn.submitted_at) * 1e3, took_ms=(now - received) * 1e3))
-        checked_in = False
-        try:
-            generated = await self._generate(turn, info, opened.own)
-            if isinstance(generated, Failed):
-                return generated
-            checked_in = True
-            failed = await self._check_in(request, info, generated[0])
-            if failed is not None:
-                return failed
-            return self._done(turn, info, generated)
-        finally:
-            if not checked_in:  # the turn failed or was cancelled: it ends without a cache
-                with trio.CancelScope(shield=True), trio.move_on_after(5):
-                    try:
-                        await self._store.send(CheckIn(agent_id=self.agent_id))
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        pass
+        durable = self._durable if request.durable is None else request.durable
+        saved, on_disk = trio.open_memory_channel[SaveReply](1) if durable else (None, None)
+        generated = await self._generate(turn, saved)
+        if isinstance(generated, Failed):
+            return generated
+        main = generated[0]
+        if main.saving and on_disk is not None:  # the store answers once the new cache is on disk
+            async with on_disk:
+                try:
+                    kept: SaveReply = await on_disk.receive()
+                except trio.EndOfChannel:
+                    kept = Failed(kind="NotSaved", error="the cache store stopped first")
+            if isinstance(kept, Failed):
+                log.warning("durable turn of %s not answered: %s", self.agent_id, kept.error)
+                return kept
+        if main.parked is not None and main.snapshot is not None:
+            self.handle = CacheHandle(model_tag=main.parked.model_tag, num_tokens=main.parked.num_tokens,
+                                      text_chars=len(main.parked.text))
+        return self._done(generated)
 
-    async def _generate(self, turn: Turn, info: ModelInfo, own: OwnCache | None) -> list[Generated] | Failed:
+    async def _generate(self, turn: Turn, saved: trio.MemorySendChannel[SaveReply] | None
+                        ) -> list[Generated] | Failed:
         """The turn's reply from the GPU actor; with ``n`` > 1 its samples too, asked together (one group:
         they start from one prefill of the prompt and decode in one batch), the first being the agent's own."""
         request = turn.turn
@@ -231,10 +185,11 @@ class AgentActor:
             messages=request.chat(), tools=request.tool_list(), tool_choice=request.tool_choice if request.tools else None)
 
         def generate(sample: int, reply: trio.MemorySendChannel[GenerateReply]) -> Generate:
-            return Generate(request_id=ids[sample], agent_id=self.agent_id, model_tag=info.tag, prompt=prompt, own=own,
+            return Generate(request_id=ids[sample], agent_id=self.agent_id, model=request.model, prompt=prompt,
                             sampling=request.engine_sampling(sample), submitted_at=turn.submitted_at,
                             deltas=turn.deltas, client=turn.reply, reply=reply, share_prefix=request.share_prefix,
-                            group=turn.request_id if len(ids) > 1 else None, sample=sample)
+                            group=turn.request_id if len(ids) > 1 else None, sample=sample,
+                            saved=saved if sample == 0 else None)
 
         if len(ids) == 1:
             alone: GenerateReply = await ask(self._gpu, partial(generate, 0))
@@ -266,26 +221,7 @@ class AgentActor:
             return failed
         return [r for r in replies if r is not None]
 
-    async def _check_in(self, request: ChatTurn, info: ModelInfo, generated: Generated) -> Failed | None:
-        """Hand the turn's new cache to the store (which ends the turn there); a durable turn waits for its save."""
-        cache = None
-        if generated.parked is not None and generated.snapshot is not None:
-            cache = NewCache(parked=generated.parked, snapshot=generated.snapshot, block_bytes=info.block_bytes,
-                             share_prefix=request.share_prefix)
-        if cache is not None and (self._durable if request.durable is None else request.durable):
-            saved: SaveReply = await ask(
-                self._store, lambda r: CheckIn(agent_id=self.agent_id, cache=cache, saved=r))
-            if isinstance(saved, Failed):
-                log.warning("durable turn of %s not answered: %s", self.agent_id, saved.error)
-                return saved
-        else:
-            await self._store.send(CheckIn(agent_id=self.agent_id, cache=cache))
-        if cache is not None:
-            self.handle = CacheHandle(model_tag=cache.parked.model_tag, num_tokens=cache.parked.num_tokens,
-                                      text_chars=len(cache.parked.text))
-        return None
-
-    def _done(self, turn: Turn, info: ModelInfo, generated: list[Generated]) -> TurnDone:
+    def _done(self, generated: list[Generated]) -> TurnDone:
         self.turns += 1
         main = generated[0]
         self._metrics.turn_done(agent_id=self.agent_id, finish_reason=main.finish_reason, usage=main.usage)
@@ -293,7 +229,7 @@ class AgentActor:
             TurnResult(
                 agent_id=self.agent_id,
                 request_id=g.request_id,
-                model=info.name,
+                model=g.model,
                 reply=g.reply,
                 finish_reason=g.finish_reason,
                 usage=g.usage,

@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, assert_never
@@ -61,20 +62,20 @@ from actors.messages_gpu import (
     Counted,
     CountTokens,
     Generate,
+    GenerateReply,
     GpuInbox,
-    LoadModel,
-    ModelReady,
     Prepare,
     OfSample,
     Prepared,
     Scores,
     TurnAccepted,
     TurnStarted,
-    Unloaded,
-    UnloadModel,
 )
 from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
-from actors.messages_store import ReadBlocks, SnapshotDue, StoreInbox
+from actors.messages_store import (
+    CheckIn, CheckOut, CheckOutReply, Evict, EvictReply, NewCache, ReadBlocks, SnapshotDue, StoreInbox,
+)
+from actors.model_slot import ModelSlot, RegistryStats
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, RunningTurn
 from actors.mlx_thread import MlxThread
 from actors.text_jobs import Abandoned, TextJobs
@@ -84,10 +85,10 @@ from runtime.plan import save_queue
 from runtime.plan.save_queue import copy_wait, next_copy
 from runtime.plan.scheduler import Scheduler, Step
 from runtime.plan.contract import (
-    Engine, Finished, FromShared, ModelInfo, ParkedView, PrefillResult, SamplingOptions, SequenceStarted, StepTiming,
+    Engine, Finished, FromShared, ModelInfo, OwnCache, ParkedView, PrefillResult, SamplingOptions, SequenceStarted, StepTiming,
     Tokenized, ToolCall, TurnPlan,
 )
-from runtime.errors import ContextLengthExceededError
+from runtime.errors import ContextLengthExceededError, ModelError
 from runtime.reply.logprobs import TokenLogprob
 from runtime.plan.block_pool import PoolStats
 from runtime.plan.disk_blocks import blocks_to_look_up, start_from_blocks
@@ -139,6 +140,14 @@ class _Tokenized:
     need: int  # the tokens its cache will hold once prefilled (reused + new)
 
 
+@dataclass
+class _FirstSample:
+    """The first of a turn's samples, as the others wait for it: its cache checked out, and its registration."""
+
+    own: OwnCache | None = None
+    tokenized: trio.Event = field(default_factory=trio.Event)  # set once it is tokenized, or failed
+
+
 @dataclass(eq=False)  # one owed copy is one object (removed by identity)
 class _OwedCopy:
     """A finished turn's cache whose host copy the actor still owes the store."""
@@ -148,6 +157,11 @@ class _OwedCopy:
     due: SnapshotDue
     since: float
     done: list[Any] = field(default_factory=list)  # the parts copied so far (a copy stopped between two)
+
+
+def _saving(answer: GenerateReply, saving: bool) -> GenerateReply:
+    """``answer``, saying whether the store answers the turn's ``saved`` channel (:class:`Generated`)."""
+    return msgspec.structs.replace(answer, saving=True) if saving and not isinstance(answer, Failed) else answer
 
 
 def _after(seconds: float) -> Callable[[], bool]:
@@ -171,8 +185,13 @@ class GPUActor:
         decode_run_steps: decode steps that may run back to back in one MLX job (the setting).
         events: the runtime's trace, when it is on (tests, diagnostics): a :class:`GpuEvent` per unit of
             work goes in, and per run of Python's collector; the cache store adds its saves and reads.
-        store: the cache store's mailbox, for a turn's whole blocks on disk (``ReadBlocks``); None: RAM only.
-            The actor closes it when it stops.
+        store: the cache store's mailbox: each turn's :class:`CheckOut` and :class:`CheckIn`, a turn's whole
+            blocks on disk (``ReadBlocks``), a swapped model's caches (``Evict``); None: RAM only (no cache
+            is kept). The actor closes it when it stops.
+        default_model: the model of requests that name none (:mod:`actors.model_slot`).
+        models: other model names requests may ask for.
+        idle_unload_s: unload the model after this long without a turn (None: never).
+        preload: load the default model before reporting started (False: at the first request).
     """
 
     def __init__(
@@ -187,9 +206,17 @@ class GPUActor:
         decode_run_steps: int = 1,
         events: deque[GpuEvent] | None = None,
         store: trio.MemorySendChannel[StoreInbox] | None = None,
+        default_model: str,
+        models: Sequence[str] = (),
+        idle_unload_s: float | None = None,
+        preload: bool = True,
     ) -> None:
         self._inbox = inbox
         self._store = store
+        self._slot = ModelSlot(default_model, models)
+        self._idle_unload_s = idle_unload_s
+        self._preload = preload
+        self._idle_since = 0.0  # when the last message came or turn ran (idle_unload_s counts from it)
         self._engine = engine
         self._manager = manager
         self._budget_bytes = budget_bytes
@@ -198,7 +225,6 @@ class GPUActor:
         self._decode_run_steps = decode_run_steps
         profile = engine.profile
         self._thread = MlxThread(on_exit=engine.close, tune_allocator=profile is None or profile.tune_allocator)
-        self._info: ModelInfo | None = None
         self._sched: Scheduler | None = None
         self._requests: dict[int, GpuTurn] = {}
         self._owed: deque[_OwedCopy] = deque()
@@ -216,6 +242,7 @@ class GPUActor:
         self._text_jobs = TextJobs()
         self._long_text_jobs = TextJobs()  # texts past LONG_TEXT_CHARS: never ahead of a short one
         self._tokenizing: set[int] = set()
+        self._first_samples: dict[int, _FirstSample] = {}  # by group: the samples after it wait for it
         self._long_texts: set[int] = set()  # of those, the ones past LONG_TEXT_CHARS: an idle loop does not wait
         self._no_texts = trio.Event()
         self._no_texts.set()
@@ -229,11 +256,26 @@ class GPUActor:
     def thread_ident(self) -> int | None:
         return self._thread.ident
 
+    @property
+    def _info(self) -> ModelInfo | None:
+        """The loaded model (None: none): every turn in flight runs on it."""
+        return self._slot.current
+
     # -- lifecycle -------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve the mailbox until it is closed (then finish running work) or cancelled."""
+        """Load the default model (with ``preload``), then serve the mailbox until it is closed (then finish
+        running work) or cancelled.
+
+        Raises:
+            runtime.errors.ModelError: the default model does not load (with ``preload``).
+        """
         async with self._thread, self._inbox:
+            if self._preload:
+                failure = await self._load(self._slot.default)
+                if failure is not None:
+                    raise ModelError(failure.error)
+            self._idle_since = trio.current_time()
             task_status.started()
             if self.events is not None:
                 gc.callbacks.append(self._on_collection)
@@ -246,13 +288,18 @@ class GPUActor:
                     texts.cancel_scope.cancel()  # every turn's text is done (the loop waited): the worker goes
             finally:
                 self._texts = None
-                for req in self._requests.values():
-                    send_reply(req.msg.reply, _SHUTTING_DOWN)
-                self._requests.clear()
-                for item in self._early:
-                    if isinstance(item, _Tokenized):
-                        send_reply(item.turn.msg.reply, _SHUTTING_DOWN)
-                with trio.CancelScope(shield=True):  # the store's last saves wait for these
+                with trio.CancelScope(shield=True):  # the turns checked out end there; the store's last saves
+                    for req in self._requests.values():  # wait for the copies below
+                        await self._end(req, _SHUTTING_DOWN)
+                    self._requests.clear()
+                    for item in self._early:
+                        if isinstance(item, _Tokenized):
+                            await self._end(item.turn, _SHUTTING_DOWN)
+                        elif isinstance(item, (Generate, CountTokens)):
+                            send_reply(item.reply, _SHUTTING_DOWN)
+                    for waiting in self._slot.waiting:
+                        send_reply(waiting.reply, _SHUTTING_DOWN)
+                    self._slot.waiting.clear()
                     with trio.move_on_after(STOP_COPIES_S):
                         await self._make_copies(every=True)
                     for owed in self._owed:
@@ -312,9 +359,14 @@ class GPUActor:
             while self._early:
                 item = self._early.popleft()
                 if isinstance(item, _Tokenized):
-                    self._register(item.turn, item.need)
+                    await self._register(item.turn, item.need)
                 else:
                     await self._handle(item)
+            if self._requests or self._tokenizing:
+                self._idle_since = trio.current_time()
+            elif self._slot.waiting:  # nothing in flight: the model they wait for may be loaded now
+                await self._serve_waiting()
+                continue
             if not self._requests:
                 if closing:
                     if not self._tokenizing:
@@ -322,8 +374,10 @@ class GPUActor:
                     await self._no_texts.wait()  # the turns sent before the mailbox closed are served
                     continue
                 message = None
+                now = trio.current_time()
                 try:
-                    with trio.move_on_after(copy_wait(self._copies_owed(), now=trio.current_time())) as wait:
+                    with trio.move_on_after(min(copy_wait(self._copies_owed(), now=now),
+                                                self._unload_at() - now)) as wait:
                         self._idle_wait = wait  # a copy the store wants ends it (SnapshotDue.want)
                         message = await self._inbox.receive()
                 except trio.EndOfChannel:
@@ -331,6 +385,9 @@ class GPUActor:
                     continue
                 finally:
                     self._idle_wait = None
+                if message is None and trio.current_time() >= self._unload_at():
+                    await self._unload_idle()
+                    continue
                 if message is None:  # nothing came while copies came due: they cost no turn now
                     await self._make_copies(idle=True)
                     continue
@@ -382,21 +439,28 @@ class GPUActor:
         return self._sched is not None and bool(self._sched.decoding() or self._sched.prefilling())
 
     async def _handle(self, message: GpuInbox) -> None:
+        self._idle_since = trio.current_time()
         match message:
-            case LoadModel(name=name, reply=reply):
-                await self._load(name, reply)
-            case UnloadModel(reply=reply):
-                if self._requests:
-                    send_reply(reply, Failed(kind="RuntimeError", error="generations are running"))
-                    return
-                await self._make_copies(every=True)
-                heap.thaw()
-                await self._job(self._engine.unload)
-                self._info, self._sched = None, None
-                send_reply(reply, Unloaded())
-            case CountTokens(model_tag=tag, chat=chat, reply=reply):
-                if not self._serves(tag, reply):
-                    return
+            case CountTokens() | Generate():
+                refusal = self._slot.refusal(message.model)
+                if refusal is not None:
+                    send_reply(message.reply, refusal)
+                elif self._slot.serves_now(message.model):
+                    await self._serve(message)
+                else:  # another model, or behind a request for one: after the swap (actors.model_slot)
+                    self._slot.waiting.append(message)
+            case Prepare(snapshot=snapshot, reply=reply):
+                try:
+                    send_reply(reply, Prepared(parked=await self._job(self._engine.prepare, snapshot)))
+                except Exception as exc:  # noqa: BLE001 - the turn then restores it itself
+                    send_reply(reply, failed_from(exc))
+            case _:
+                assert_never(message)
+
+    async def _serve(self, message: CountTokens | Generate) -> None:
+        """A request for the loaded model."""
+        match message:
+            case CountTokens(chat=chat, reply=reply):
                 try:
                     count = await self._text_job(self._engine.count_tokens, await self._render(chat))
                 except Exception as exc:  # noqa: BLE001 - a bad message list is the client's error
@@ -407,30 +471,58 @@ class GPUActor:
                 if self._accept(message):
                     assert self._texts is not None
                     self._texts.start_soon(self._submit, message)
-            case Prepare(snapshot=snapshot, reply=reply):
-                try:
-                    send_reply(reply, Prepared(parked=await self._job(self._engine.prepare, snapshot)))
-                except Exception as exc:  # noqa: BLE001 - the turn then restores it itself
-                    send_reply(reply, failed_from(exc))
-            case _:
-                assert_never(message)
 
-    async def _load(self, name: str, reply: trio.MemorySendChannel[Any]) -> None:
-        if self._requests:
-            send_reply(reply, Failed(kind="RuntimeError", error="generations are running"))
+    async def _serve_waiting(self) -> None:
+        """No turn is in flight: load the model the first waiting request needs, then serve the waiting
+        requests for it in order, up to the first for yet another model (:mod:`actors.model_slot`)."""
+        slot = self._slot
+        while slot.waiting and not self._requests and not self._tokenizing:
+            head = slot.waiting[0]
+            if receiver_left(head.reply) or (isinstance(head, Generate) and not _still_wanted(head)):
+                slot.waiting.popleft()
+                continue
+            name = slot.next_model()
+            assert name is not None
+            if slot.current is None or slot.current.name != name:
+                if slot.current is not None:
+                    log.info("swapping model %s -> %s", slot.current.name, name)
+                    slot.swaps += 1
+                failure = await self._load(name)
+                if failure is not None:
+                    send_reply(slot.waiting.popleft().reply, failure)
+                    continue
+            while slot.waiting and slot.next_model() == name:
+                await self._serve(slot.waiting.popleft())
+
+    async def _evict(self) -> None:
+        """Before the loaded model goes: the host copies owed, then the store writes its dirty caches and drops
+        its hot ones (caches are tagged with their model: they load from disk when it returns)."""
+        info = self._info
+        if info is None:
             return
         await self._make_copies(every=True)  # before the model they were made with goes
-        self._info, self._sched = None, None
+        self._slot.current, self._sched = None, None
+        if self._store is None:
+            return
+        try:
+            evicted: EvictReply = await ask(self._store, lambda r: Evict(model_tag=info.tag, reply=r))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        if isinstance(evicted, Failed):
+            log.warning("evicting caches of %s failed: %s", info.tag, evicted.error)
+
+    async def _load(self, name: str) -> Failed | None:
+        """Load ``name`` in place of the loaded model (whose caches go to disk first)."""
+        await self._evict()
         heap.thaw()  # a model loaded before goes: what it leaves may be collected
         try:
             info: ModelInfo = await self._job(self._engine.load, name)
-        except Exception as exc:  # noqa: BLE001 - reported to the registry
+        except Exception as exc:  # noqa: BLE001 - the request that asked for it fails
             log.warning("loading %s failed: %s", name, exc)
-            send_reply(reply, failed_from(exc))
-            return
+            return failed_from(exc)
         if info.model_bytes:  # what the load left stays for good: no full collection walks it again (a
             heap.settle()     # load that brought no weights, a test's fake engine, left nothing of its own)
-        self._info = info
+        self._slot.loaded(info)
         self._sched = Scheduler(
             budget_bytes=self._budget_bytes,
             token_bytes=info.active_token_bytes,
@@ -439,14 +531,21 @@ class GPUActor:
             prefill_chunk=self._prefill_chunk,
             decode_run_steps=self._decode_run_steps,
         )
-        send_reply(reply, ModelReady(info=info))
+        self._idle_since = trio.current_time()
+        return None
 
-    def _serves(self, model_tag: str, reply: Any) -> bool:
-        """Whether ``model_tag`` is the model loaded (else ``reply`` is told it is not)."""
-        if self._info is None or self._sched is None or self._info.tag != model_tag:
-            send_reply(reply, Failed(kind="ModelError", error=f"model {model_tag!r} is not loaded"))
-            return False
-        return True
+    def _unload_at(self) -> float:
+        """When the loaded model is unloaded for want of turns (inf: never; ``idle_unload_s``)."""
+        if self._idle_unload_s is None or self._info is None or self._tokenizing or self._slot.waiting:
+            return math.inf
+        return self._idle_since + self._idle_unload_s
+
+    async def _unload_idle(self) -> None:
+        log.info("unloading idle model %s", self._info.name if self._info else None)
+        self._slot.idle_unloads += 1
+        await self._evict()
+        heap.thaw()
+        await self._job(self._engine.unload)
 
     def _accept(self, msg: Generate) -> bool:
         """Whether ``msg`` goes on to be tokenized (else it was answered); counted as tokenizing from here,
@@ -454,12 +553,12 @@ class GPUActor:
         if self._texts is None:
             send_reply(msg.reply, _SHUTTING_DOWN)
             return False
-        if not self._serves(msg.model_tag, msg.reply):
-            return False
         if msg.request_id in self._requests or msg.request_id in self._tokenizing:
             send_reply(msg.reply, Failed(kind="ValueError", error=f"duplicate request id {msg.request_id}"))
             return False
         self._event("submit", msg.request_id)
+        if msg.group == msg.request_id:
+            self._first_samples[msg.request_id] = _FirstSample()
         if not self._tokenizing:
             self._no_texts = trio.Event()
         if not self._tokenizing - self._long_texts:
@@ -467,12 +566,42 @@ class GPUActor:
         self._tokenizing.add(msg.request_id)
         return True
 
+    async def _check_out(self, msg: Generate, tag: str) -> CheckOutReply | None:
+        """The agent's own cache from the store (its hot one, else the one on disk): a turn's first sample
+        only (the others start from its prompt and keep no cache); None: nothing checked out."""
+        if msg.sample or self._store is None:
+            return None
+        asked = time.perf_counter()
+        opened: CheckOutReply = await ask(
+            self._store, lambda r: CheckOut(agent_id=msg.agent_id, model_tag=tag, reply=r))
+        # From the client's send: waited to reach this actor, then took to check out.
+        self._event("checkout", msg.request_id, waited_ms=(asked - msg.submitted_at) * 1e3,
+                    took_ms=(time.perf_counter() - asked) * 1e3)
+        return opened
+
     async def _submit(self, msg: Generate) -> None:
-        """Render, plan and tokenize a turn's prompt off the model's thread (:meth:`_text_job`), then
-        hand it to the loop (``_early``) to register. An H200's host tokenized about 4 ms per 1K
-        tokens on the model's thread (run 4: a 32K prompt waited 120-206 ms before admission), and
-        every running turn waited for it too."""
+        """Check the agent's cache out, then render, plan and tokenize a turn's prompt off the model's thread
+        (:meth:`_text_job`), and hand it to the loop (``_early``) to register. An H200's host tokenized about
+        4 ms per 1K tokens on the model's thread (run 4: a 32K prompt waited 120-206 ms before admission), and
+        every running turn waited for it too. A turn that fails here checks its cache in unchanged."""
+        checked_out = False
         try:
+            assert self._info is not None  # loaded until every turn in flight ends (actors.model_slot)
+            tag = self._info.tag
+            own = None
+            if msg.sample and (first := self._first_samples.get(msg.group or 0)) is not None:
+                # The first sample is registered first, and the others plan against its cache: they start
+                # from its prompt (KVCacheManager.held_back), whose tokens its plan decides.
+                await first.tokenized.wait()
+                own = first.own
+            opened = await self._check_out(msg, tag)
+            if isinstance(opened, Failed):
+                send_reply(msg.reply, opened)  # nothing checked out (a bad agent id, another node's lease)
+                return
+            if opened is not None:
+                checked_out, own = True, opened.own
+                if (group := self._first_samples.get(msg.request_id)) is not None:
+                    group.own = own
             prompt = await self._render(msg.prompt, wanted=partial(_still_wanted, msg))
             self._event("rendered", msg.request_id)
             _refuse_from_length(prompt, self._info, msg.sampling)
@@ -480,11 +609,11 @@ class GPUActor:
             if long:
                 self._long_texts.add(msg.request_id)
                 self._texts_changed()
-            plan = self._manager.plan(msg.agent_id, msg.model_tag, prompt, share_prefix=msg.share_prefix, own=msg.own)
+            plan = self._manager.plan(msg.agent_id, tag, prompt, share_prefix=msg.share_prefix, own=own)
             self._event("planned", msg.request_id)
             tokens: Tokenized = await self._text_job(self._engine.tokenize, prompt, plan,
                                                      wanted=partial(_still_wanted, msg), long=long)
-            plan, tokens = await self._from_disk_blocks(msg, prompt, plan, tokens)
+            plan, tokens = await self._from_disk_blocks(msg, tag, prompt, plan, tokens)
             need = plan.reuse_tokens + len(tokens.ids)
             context = self._info.context_length if self._info is not None else None
             if context is not None and need + msg.sampling.max_tokens > context:  # before any prefill
@@ -500,16 +629,20 @@ class GPUActor:
                 fitted = msgspec.structs.replace(msg.sampling, max_tokens=context - need)
                 msg = msgspec.structs.replace(msg, sampling=fitted)
             self._event("tokenized", msg.request_id)
-            self._early.append(_Tokenized(GpuTurn(msg, prompt, plan, tokens), need))
+            self._early.append(_Tokenized(GpuTurn(msg, prompt, plan, tokens, checked_out=checked_out), need))
             self._ring()
         except Abandoned:
-            send_reply(msg.reply, Failed(kind="Cancelled", error="the client left before its prompt was tokenized"))
+            await self._answer(msg, checked_out, Failed(
+                kind="Cancelled", error="the client left before its prompt was tokenized"))
         except Exception as exc:  # noqa: BLE001 - template, tokenizer or context errors go back to the agent
-            send_reply(msg.reply, failed_from(exc))
+            await self._answer(msg, checked_out, failed_from(exc))
         except BaseException:  # cancelled: the actor stops
-            send_reply(msg.reply, _SHUTTING_DOWN)
+            with trio.CancelScope(shield=True):
+                await self._answer(msg, checked_out, _SHUTTING_DOWN)
             raise
         finally:
+            if (first := self._first_samples.pop(msg.request_id, None)) is not None:
+                first.tokenized.set()
             self._tokenizing.discard(msg.request_id)
             self._long_texts.discard(msg.request_id)
             self._texts_changed()
@@ -521,7 +654,7 @@ class GPUActor:
         if not self._tokenizing - self._long_texts:
             self._no_short_texts.set()
 
-    async def _from_disk_blocks(self, msg: Generate, prompt: str, plan: TurnPlan,
+    async def _from_disk_blocks(self, msg: Generate, tag: str, prompt: str, plan: TurnPlan,
                                 tokens: Tokenized) -> tuple[TurnPlan, Tokenized]:
         """The turn's plan, or one that starts from more of its prompt's whole blocks, read from its tenant's
         disk by their hash chain (:mod:`runtime.plan.disk_blocks`): a sibling's system prompt after a
@@ -533,26 +666,24 @@ class GPUActor:
             return plan, tokens
         try:
             read = await ask(self._store, lambda reply: ReadBlocks(
-                agent_id=msg.agent_id, model_tag=msg.model_tag, token_ids=wanted, layer_kinds=kinds, reply=reply))
+                agent_id=msg.agent_id, model_tag=tag, token_ids=wanted, layer_kinds=kinds, reply=reply))
         except (trio.BrokenResourceError, trio.ClosedResourceError):  # the store stopped: the plan stands
             return plan, tokens
-        started = start_from_blocks(plan, tokens, prompt, model_tag=msg.model_tag, reused=read.tokens,
+        started = start_from_blocks(plan, tokens, prompt, model_tag=tag, reused=read.tokens,
                                     layers=read.layers)
         if started is None:
             return plan, tokens
         self._event("blocks", msg.request_id)
         return started
 
-    def _register(self, turn: GpuTurn, need: int) -> None:
-        """A tokenized turn joins the scheduler's queue (the model may have changed while it was tokenized)."""
+    async def _register(self, turn: GpuTurn, need: int) -> None:
+        """A tokenized turn joins the scheduler's queue."""
         msg = turn.msg
-        if not self._serves(msg.model_tag, msg.reply):
-            return
-        assert self._sched is not None
+        assert self._sched is not None  # the model stays while a turn is in flight (actors.model_slot)
         try:
             self._sched.submit(msg.request_id, need + msg.sampling.max_tokens)
         except Exception as exc:  # noqa: BLE001 - a request the budget can never hold
-            send_reply(msg.reply, failed_from(exc))
+            await self._end(turn, failed_from(exc))
             return
         self._requests[msg.request_id] = turn
         if msg.deltas is not None and not msg.sample:  # the client may answer its status now: nothing it asked for is refused
@@ -582,7 +713,7 @@ class GPUActor:
                 self._sched.finished(request_id)
                 self._manager.end(request_id)
                 del self._requests[request_id]
-                send_reply(req.msg.reply, self._generated(req, None, cancelled=True))
+                await self._end(req, self._generated(req, None, cancelled=True))
                 continue
             await self._complete(request_id, cancelled=True)
 
@@ -603,12 +734,12 @@ class GPUActor:
                     out.append(exc)
             return out
 
-        assert self._sched is not None
+        assert self._sched is not None and self._info is not None
         for (request_id, req), started in zip(reqs, await self._job(start_each), strict=True):
             if isinstance(started, Exception):
                 await self._fail(request_id, started)
                 continue
-            self._manager.begin(request_id, agent_id=req.msg.agent_id, model_tag=req.msg.model_tag,
+            self._manager.begin(request_id, agent_id=req.msg.agent_id, model_tag=self._info.tag,
                                 token_ids=started.token_ids, tokens_reused=started.tokens_reused,
                                 share_prefix=req.msg.share_prefix, group=req.msg.group)
             req.started = started
@@ -876,12 +1007,62 @@ class GPUActor:
         self._manager.end(request_id)
         del self._requests[request_id]
         self._event("finish", request_id)
-        due = None
-        if finished is not None and finished.parked is not None and finished.snapshot is None \
-                and not req.msg.sample and not receiver_left(req.msg.reply):  # another sample's cache is not kept
-            due = SnapshotDue(on_wanted=self._copy_wanted)
-            self._owed.append(_OwedCopy(request_id, finished.parked, due, trio.current_time()))
-        send_reply(req.msg.reply, generated_reply(req, finished, cancelled=cancelled, due=due))
+        due, cache = None, None
+        if finished is not None and finished.parked is not None and req.checked_out:  # a sample's is not kept
+            snapshot = finished.snapshot
+            if snapshot is None:
+                snapshot = due = SnapshotDue(on_wanted=self._copy_wanted)
+                self._owed.append(_OwedCopy(request_id, finished.parked, due, trio.current_time()))
+            assert self._info is not None
+            cache = NewCache(parked=finished.parked, snapshot=snapshot, block_bytes=self._info.block_bytes,
+                             share_prefix=req.msg.share_prefix)
+        await self._end(req, self._generated(req, finished, cancelled=cancelled, due=due), cache)
+
+    def _generated(self, req: GpuTurn, finished: Finished | None, *, cancelled: bool,
+                   due: SnapshotDue | None = None) -> GenerateReply:
+        assert self._info is not None
+        return generated_reply(req, finished, model=self._info.name, cancelled=cancelled, due=due)
+
+    async def _end(self, turn: GpuTurn, answer: GenerateReply, cache: NewCache | None = None) -> None:
+        """The turn is over: check its cache in (``cache``: the new one; None: it stays as it was), then answer."""
+        checked_out, turn.checked_out = turn.checked_out, False
+        await self._answer(turn.msg, checked_out, answer, cache)
+
+    async def _answer(self, msg: Generate, checked_out: bool, answer: GenerateReply,
+                      cache: NewCache | None = None) -> None:
+        """Answer the agent, after the check-in of what ``msg`` checked out (so its next turn's checkout finds
+        ``cache``); with the turn's ``saved`` channel, when there is a new cache. The loop never waits for a
+        busy store: the check-in and the answer then go from a task of their own, in that order."""
+        if not checked_out or self._store is None:
+            send_reply(msg.reply, answer)
+            return
+        check_in = CheckIn(agent_id=msg.agent_id, cache=cache, saved=msg.saved if cache is not None else None)
+        try:
+            self._store.send_nowait(check_in)
+            sent = True
+        except trio.WouldBlock:
+            if self._texts is not None:
+                self._texts.start_soon(self._check_in_then_answer, msg, check_in, answer)
+                return
+            sent = await self._send_check_in(check_in)  # the actor stops: the answer waits for it
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            sent = False
+        send_reply(msg.reply, _saving(answer, sent and check_in.saved is not None))
+
+    async def _check_in_then_answer(self, msg: Generate, check_in: CheckIn, answer: GenerateReply) -> None:
+        sent = await self._send_check_in(check_in)
+        send_reply(msg.reply, _saving(answer, sent and check_in.saved is not None))
+
+    async def _send_check_in(self, check_in: CheckIn) -> bool:
+        """Whether ``check_in`` reached the store (shielded: a turn checked out is checked in)."""
+        assert self._store is not None
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            try:
+                await self._store.send(check_in)
+                return True
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        return False
 
     def _copy_wanted(self) -> None:
         if self._idle_wait is not None:
@@ -943,7 +1124,7 @@ class GPUActor:
         except Exception:  # noqa: BLE001
             log.exception("discarding request %d failed", request_id)
         if req is not None:
-            send_reply(req.msg.reply, failed_from(exc))
+            await self._end(req, failed_from(exc))
 
     # -- statistics ------------------------------------------------------------
 
@@ -965,6 +1146,10 @@ class GPUActor:
             memory=MemorySnapshot(active=mem.active, peak=mem.peak, baseline=mem.baseline, model=mem.model),
             turns=tuple(self.running_turns()),
         )
+
+    def model_statistics(self) -> RegistryStats:
+        """Which model is loaded, and the turns on it or waiting for another (``Runtime.stats().registry``)."""
+        return self._slot.statistics(in_flight=len(self._requests) + len(self._tokenizing))
 
     def running_turns(self) -> list[RunningTurn]:
         """The turns on the GPU right now, each with its phase and progress."""

@@ -34,6 +34,7 @@ class GpuTurn:
     to_prefill_total: int = 0
     prefilled: int = 0
     generated: int = 0
+    checked_out: bool = False  # the agent's cache was checked out of the store for this turn (its first sample)
 
 
 def tier_of(req: GpuTurn, reused: int) -> Tier:
@@ -43,10 +44,11 @@ def tier_of(req: GpuTurn, reused: int) -> Tier:
     return "shared" if req.adopted else req.plan.tier
 
 
-def generated_reply(req: GpuTurn, fin: Finished | None, *, cancelled: bool, due: SnapshotDue | None = None
-                    ) -> Generated:
+def generated_reply(req: GpuTurn, fin: Finished | None, *, model: str, cancelled: bool,
+                    due: SnapshotDue | None = None) -> Generated:
     """The ``Generated`` reply of a turn that left the GPU (``fin``: its engine result; None if it had none;
-    ``due``: the host copy of its cache the GPU actor owes, when the engine left it for later)."""
+    ``model``: the loaded model's name; ``due``: the host copy of its cache the GPU actor owes, when the
+    engine left it for later)."""
     submitted = req.msg.submitted_at
     admitted = req.admitted_at if req.admitted_at is not None else time.perf_counter()
     first, last = req.first_token_at, req.last_token_at
@@ -56,6 +58,7 @@ def generated_reply(req: GpuTurn, fin: Finished | None, *, cancelled: bool, due:
     tier = tier_of(req, fin.tokens_reused if fin is not None else 0)
     return Generated(
         request_id=req.msg.request_id,
+        model=model,
         reply=fin.reply if fin is not None else "",
         finish_reason=reason,
         usage=TurnUsage(

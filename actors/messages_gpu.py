@@ -1,19 +1,20 @@
-"""The GPU actor's mailbox: model loading, prompt rendering and generation requests.
+"""The GPU actor's mailbox: prompt rendering and generation requests, each naming its model.
 
 Requests (:data:`GpuInbox`)::
 
-    LoadModel(name)        -> ModelReady(info)  | Failed
-    UnloadModel()          -> Unloaded()        | Failed
-    CountTokens(chat)      -> Counted(num_tokens) | Failed  (the Anthropic API's count_tokens)
-    Generate(chat, own)    -> Generated(...)    | Failed    (+ text and tool calls on ``deltas``)
-    Prepare(snapshot)      -> Prepared(parked)  | Failed    (a cache read at start, restored ahead)
+    CountTokens(model, chat)  -> Counted(num_tokens) | Failed  (the Anthropic API's count_tokens)
+    Generate(model, chat)     -> Generated(...)    | Failed    (+ text and tool calls on ``deltas``)
+    Prepare(snapshot)         -> Prepared(parked)  | Failed    (a cache read at start, restored ahead)
 
-A turn is one :class:`Generate`: the GPU actor renders its messages, plans it
-against the agent's own cache the store found (:class:`runtime.plan.contract.OwnCache`)
-with the cache manager (:meth:`runtime.plan.kv_manager.KVCacheManager.plan`: what is
-reused and from where: the agent's own cache, a prefix of another agent's, or
-none), and generates. A template or tool error is its ``Failed`` reply, before
-anything reaches the client.
+The GPU actor holds the model: a request naming another configured model waits
+until the turns on the loaded one are done, then the actor swaps
+(:mod:`actors.model_slot`). A turn is one :class:`Generate`: the GPU actor checks
+the agent's own cache out of the store (:class:`actors.messages_store.CheckOut`),
+renders its messages, plans it against that cache with the cache manager
+(:meth:`runtime.plan.kv_manager.KVCacheManager.plan`: what is reused and from where:
+the agent's own cache, a prefix of another agent's, or none), generates, and checks
+the new cache back in (:class:`actors.messages_store.CheckIn`) before it answers. A
+template or tool error is its ``Failed`` reply, before anything reaches the client.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import msgspec
 import trio
 
 from actors.messages_common import Failed, ParkedView, Message, TurnUsage
-from actors.messages_store import SnapshotDue
-from runtime.plan.contract import ModelInfo, OwnCache, SamplingOptions, Tier, ToolCall, ToolChoice
+from actors.messages_store import SaveReply, SnapshotDue
+from runtime.plan.contract import ModelInfo, SamplingOptions, Tier, ToolCall, ToolChoice
 from runtime.reply.logprobs import TokenLogprob
 from runtime.spec import CacheSnapshot
 
@@ -33,13 +34,9 @@ __all__ = [
     "SamplingOptions",
     "ModelInfo",
     "Tier",
-    "LoadModel",
-    "UnloadModel",
     "Chat",
     "CountTokens",
     "Generate",
-    "ModelReady",
-    "Unloaded",
     "Counted",
     "Generated",
     "TurnStarted",
@@ -48,8 +45,6 @@ __all__ = [
     "StreamItem",
     "TurnAccepted",
     "GpuInbox",
-    "LoadReply",
-    "UnloadReply",
     "CountReply",
     "GenerateReply",
     "Prepare",
@@ -58,16 +53,6 @@ __all__ = [
 ]
 
 # -- replies -------------------------------------------------------------------
-
-
-class ModelReady(Message, frozen=True, kw_only=True):
-    """Reply to :class:`LoadModel`: the model is loaded; ``info`` is its name, tag and sizes."""
-
-    info: ModelInfo
-
-
-class Unloaded(Message, frozen=True, kw_only=True):
-    """Reply to :class:`UnloadModel`: no model is loaded now."""
 
 
 class Counted(Message, frozen=True, kw_only=True):
@@ -154,9 +139,13 @@ class Generated(Message, frozen=True, kw_only=True):
         parked: the updated cache (None when nothing new was computed or a
             sliding window could not be kept); ``snapshot`` is its numpy copy
             for the write-behind save, or the copy the GPU actor owes (:class:`SnapshotDue`).
+        model: the name of the model that generated it.
+        saving: the GPU actor checked the cache in with the turn's ``saved`` channel: the
+            store answers there once it is on disk (a durable turn waits for that).
     """
 
     request_id: int
+    model: str
     reply: str
     finish_reason: str
     usage: TurnUsage
@@ -166,6 +155,7 @@ class Generated(Message, frozen=True, kw_only=True):
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    saving: bool = False
 
 
 class Prepared(Message, frozen=True, kw_only=True):
@@ -174,26 +164,11 @@ class Prepared(Message, frozen=True, kw_only=True):
     parked: ParkedView | None
 
 
-LoadReply = ModelReady | Failed
-UnloadReply = Unloaded | Failed
 CountReply = Counted | Failed
 GenerateReply = Generated | Failed
 PrepareReply = Prepared | Failed
 
 # -- requests ------------------------------------------------------------------
-
-
-class LoadModel(Message, frozen=True, kw_only=True):
-    """Unload the current model (if any) and load ``name``."""
-
-    name: str
-    reply: trio.MemorySendChannel[LoadReply]
-
-
-class UnloadModel(Message, frozen=True, kw_only=True):
-    """Unload the current model (the registry's idle unload); fails while generations are running."""
-
-    reply: trio.MemorySendChannel[UnloadReply]
 
 
 class Chat(msgspec.Struct, frozen=True, kw_only=True):
@@ -211,18 +186,21 @@ class Chat(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CountTokens(Message, frozen=True, kw_only=True):
-    """Count the tokens ``chat`` renders to with the loaded model's template (what a cold turn prefills)."""
+    """Count the tokens ``chat`` renders to with ``model``'s template (what a cold turn prefills; None: the
+    default model)."""
 
-    model_tag: str
+    model: str | None
     chat: Chat
     reply: trio.MemorySendChannel[CountReply]
 
 
 class Generate(Message, frozen=True, kw_only=True):
-    """Render ``prompt`` (chat messages, or a raw prompt as is), plan it against ``own``, and generate a reply.
+    """Render ``prompt`` (chat messages, or a raw prompt as is) with ``model`` (None: the default), plan it
+    against the agent's own cache (checked out of the store), and generate a reply.
 
     Attributes:
-        own: the agent's own cache the store found when the turn began (None: none).
+        saved: where the store answers once the turn's new cache is on disk (a durable turn); None: the
+            save is write-behind.
         deltas: where a :class:`TurnStarted` goes when prefill begins, then the
             streamable text and tool calls (:data:`StreamItem`; ``send_nowait``: what
             does not fit waits for the next token, text coalesced). The GPU actor never closes it.
@@ -239,9 +217,8 @@ class Generate(Message, frozen=True, kw_only=True):
 
     request_id: int
     agent_id: str
-    model_tag: str
+    model: str | None
     prompt: Chat | str
-    own: OwnCache | None
     sampling: SamplingOptions
     submitted_at: float
     deltas: trio.MemorySendChannel[StreamItem] | None
@@ -250,6 +227,7 @@ class Generate(Message, frozen=True, kw_only=True):
     share_prefix: bool = False
     group: int | None = None
     sample: int = 0
+    saved: trio.MemorySendChannel[SaveReply] | None = None
 
 
 class Prepare(Message, frozen=True, kw_only=True):
@@ -259,4 +237,4 @@ class Prepare(Message, frozen=True, kw_only=True):
     reply: trio.MemorySendChannel[PrepareReply]
 
 
-GpuInbox = LoadModel | UnloadModel | CountTokens | Generate | Prepare
+GpuInbox = CountTokens | Generate | Prepare

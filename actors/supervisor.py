@@ -35,11 +35,10 @@ back extends it; one that drops it reuses the cache up to where the texts
 differ (PARTIAL match), or starts cold when too little is common. A turn
 still queued behind the agent's earlier turns is dropped without running.
 
-Lifecycle: :func:`open_runtime` starts, in order, the cache store, the GPU
-actor and the model registry (which loads the model) with ``nursery.start``;
-agent actors start on first use and stop after ``idle_timeout_s``. Leaving the
-``async with`` normally closes the mailboxes in reverse order (agents,
-registry, GPU, store); the store writes every dirty cache before it stops. On
+Lifecycle: :func:`open_runtime` starts, in order, the cache store and the GPU
+actor (which loads the model) with ``nursery.start``; agent actors start on
+first use and stop after ``idle_timeout_s``. Leaving the ``async with``
+normally closes the mailboxes in reverse order (agents, GPU, store); the store writes every dirty cache before it stops. On
 SIGINT or SIGTERM (handled when running in the main thread) the runtime is
 cancelled, the store still flushes (shielded), and then ``KeyboardInterrupt``
 (SIGINT) or ``SystemExit(128 + signum)`` (SIGTERM) is raised from the
@@ -89,14 +88,7 @@ from actors.metrics import (
     RunningTurn,
     RuntimeMetrics,
 )
-from actors.registry import (
-    Acquire,
-    AcquireReply,
-    ModelRegistry,
-    RegistryInbox,
-    RegistryStats,
-    Release,
-)
+from actors.model_slot import RegistryStats
 from actors.signals import watch_signals
 from actors.turn_log import TurnRecord
 from runtime.backend import profile_setting
@@ -117,7 +109,7 @@ __all__ = ["open_runtime", "Runtime", "AgentHandle", "TurnStream", "RuntimeStats
 
 
 class RuntimeStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything ``Runtime.stats()`` reports: counters, GPU, store, registry."""
+    """Everything ``Runtime.stats()`` reports: counters, GPU, store, the model loaded (``registry``)."""
 
     agents: int
     metrics: MetricsSnapshot
@@ -137,10 +129,8 @@ class Runtime:
         *,
         gpu: GPUActor,
         store: CacheStoreActor,
-        registry: ModelRegistry,
         gpu_mailbox: trio.MemorySendChannel[GpuInbox],
         store_mailbox: trio.MemorySendChannel[StoreInbox],
-        registry_mailbox: trio.MemorySendChannel[RegistryInbox],
         agents_nursery: trio.Nursery,
         metrics: RuntimeMetrics,
         idle_timeout_s: float,
@@ -149,10 +139,8 @@ class Runtime:
     ) -> None:
         self._gpu = gpu
         self._store = store
-        self._registry = registry
         self._gpu_mailbox = gpu_mailbox
         self._store_mailbox = store_mailbox
-        self._registry_mailbox = registry_mailbox
         self._agents_nursery = agents_nursery
         self._metrics = metrics
         self._idle_timeout_s = idle_timeout_s
@@ -192,7 +180,7 @@ class Runtime:
             metrics=self._metrics.snapshot(),
             gpu=self._gpu.statistics(),
             store=self._store.statistics(),
-            registry=self._registry.statistics(),
+            registry=self._gpu.model_statistics(),
         )
 
     def running_turns(self) -> list[RunningTurn]:
@@ -275,22 +263,12 @@ class Runtime:
             raise ValueError("no messages")
         if self._closed:
             raise TurnFailedError("Closed", "the runtime is closed")
-        grant: AcquireReply = await ask(self._registry_mailbox, lambda r: Acquire(model=model, reply=r))
-        if isinstance(grant, Failed):
-            raise_failed(grant)
-        try:
-            counted: CountReply = await ask(
-                self._gpu_mailbox,
-                lambda r: CountTokens(model_tag=grant.info.tag, chat=Chat(
-                    messages=chat, tools=[dict(t) for t in tools or ()] or None,
-                    tool_choice=ToolChoice.of(tool_choice) if tools else None), reply=r),
-            )
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
-                try:
-                    await self._registry_mailbox.send(Release(lease_id=grant.lease_id))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
+        counted: CountReply = await ask(
+            self._gpu_mailbox,
+            lambda r: CountTokens(model=model, chat=Chat(
+                messages=chat, tools=[dict(t) for t in tools or ()] or None,
+                tool_choice=ToolChoice.of(tool_choice) if tools else None), reply=r),
+        )
         if isinstance(counted, Failed):
             raise_failed(counted)
         return counted.num_tokens
@@ -343,13 +321,11 @@ class Runtime:
                 receive,
                 gpu=self._gpu_mailbox.clone(),
                 store=self._store_mailbox.clone(),
-                registry=self._registry_mailbox.clone(),
                 metrics=self._metrics,
                 idle_timeout_s=self._idle_timeout_s,
                 retire=self._retire,
                 handled=self._handled,
                 durable=self._durable,
-                events=self._gpu.events,
             )
             entry = self._agents[agent_id] = (send, actor)
             self._agents_nursery.start_soon(actor.run, name=f"agent {agent_id}")
@@ -529,7 +505,6 @@ async def _owned_runtime(
     metrics = RuntimeMetrics()
     store_send, store_receive = trio.open_memory_channel[StoreInbox](_MAILBOX_SIZE)
     gpu_send, gpu_receive = trio.open_memory_channel[GpuInbox](_MAILBOX_SIZE)
-    registry_send, registry_receive = trio.open_memory_channel[RegistryInbox](_MAILBOX_SIZE)
     hot_mb = profile_setting("hot_budget_mb", config.hot_budget_mb, engine.profile)
     manager = KVCacheManager(hot_budget_bytes=int(hot_mb * 2**20))
     events: deque[GpuEvent] | None = deque(maxlen=100_000) if trace else None  # one log, the actors' work in order
@@ -544,11 +519,6 @@ async def _owned_runtime(
         prefill_chunk=config.prefill_chunk,
         decode_run_steps=int(profile_setting("decode_run_steps", config.decode_run_steps, engine.profile)),
         events=events,
-        store=store_send.clone(),
-    )
-    registry = ModelRegistry(
-        registry_receive,
-        gpu=gpu_send.clone(),
         store=store_send.clone(),
         default_model=config.model,
         models=config.models,
@@ -569,17 +539,14 @@ async def _owned_runtime(
                 await nursery.start(partial(watch_signals, on_signal, stop=watcher_scope))
             await nursery.start(store.run)
             await nursery.start(gpu.run)
-            await nursery.start(registry.run)
             if preload and store.prefetch is not None:  # the newest caches ready before anyone is served
                 await store.prefetch.prepare(restorer(gpu_send))
             async with trio.open_nursery() as agents_nursery:
                 rt = Runtime(
                     gpu=gpu,
                     store=store,
-                    registry=registry,
                     gpu_mailbox=gpu_send,
                     store_mailbox=store_send,
-                    registry_mailbox=registry_send,
                     agents_nursery=agents_nursery,
                     metrics=metrics,
                     idle_timeout_s=config.idle_timeout_s,
@@ -599,7 +566,6 @@ async def _owned_runtime(
                     control_scope.cancel()
                     rt._close()
             # Agents are gone: stop the rest in reverse start order.
-            registry_send.close()
             gpu_send.close()
             store_send.close()
             watcher_scope.cancel()

@@ -881,7 +881,7 @@ def waits_before_first_token(trace: dict[str, Any]) -> list[list[str]]:
 
 def batch_round_waits(trace: dict[str, Any]) -> list[list[str]]:
     """Each batch round's first tokens read against the trace, in ms from the round's start: when the first
-    and the last of its turns were checked out in their agents' actors, reached the GPU actor, were tokenized
+    and the last of its turns were checked out (by the GPU actor, since issue 60), reached the GPU actor, were tokenized
     and admitted; the prefill passes before the first decode step (the joint pass of the rows that join
     together is one), when the last ended and its launch; and the first decode step's launch. H200 run 5, read
     by hand from its trace: 8 joins reached the GPU actor 5.5-7.1 ms in, were tokenized by 12 and admitted by

@@ -1,7 +1,7 @@
 """``serve(config)``: the runtime and hypercorn (trio worker) in one nursery.
 
-Start order: the runtime (cache store, GPU actor, model registry — the model is
-loaded before the port opens), then hypercorn bound to ``config.host:port``.
+Start order: the runtime (cache store, then the GPU actor, which loads the model —
+before the port opens), then hypercorn bound to ``config.host:port``.
 Shutdown (SIGINT/SIGTERM when running in the main thread, or the
 ``shutdown_trigger`` given) is graceful: hypercorn stops accepting, gives
 running requests ``graceful_timeout_s`` to finish (then cancels them, which

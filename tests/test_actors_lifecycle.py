@@ -474,8 +474,9 @@ def test_the_cli_progress_line_is_erased_before_the_reply():
 
 
 async def test_each_turn_visits_the_gpu_actor_once_and_the_store_once_each_way(tmp_path, monkeypatch):
-    """One Generate renders, plans and generates; the store sees one CheckOut and one CheckIn,
-    for a turn that fails at its template too (the failure is the Generate's reply)."""
+    """One Generate, whose GPU actor checks the agent's cache out, renders, plans, generates and checks the
+    new cache in: the store sees one CheckOut and one CheckIn, for a turn that fails at its template too
+    (the failure is the Generate's reply, after the check-in)."""
     from actors.cache_store import CacheStoreActor
     from actors.gpu import GPUActor
 
@@ -493,16 +494,16 @@ async def test_each_turn_visits_the_gpu_actor_once_and_the_store_once_each_way(t
         agent = rt.agent("walker")
         seen.clear()
         await agent.send(_user("hello"), max_tokens=4)
-        assert seen == ["CheckOut", "Generate", "CheckIn"]
+        assert seen == ["Generate", "CheckOut", "CheckIn"]
         seen.clear()
         await agent.send(_user("hello"), max_tokens=4)  # hot now: the same walk
-        assert seen == ["CheckOut", "Generate", "CheckIn"]
+        assert seen == ["Generate", "CheckOut", "CheckIn"]
 
         seen.clear()
         monkeypatch.setattr(engine, "render", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad template")))
         with pytest.raises(Exception, match="bad template"):
             await agent.send(_user("again"), max_tokens=4)
-        assert seen == ["CheckOut", "Generate", "CheckIn"]
+        assert seen == ["Generate", "CheckOut", "CheckIn"]
         assert (await agent.send_prompt("raw text", max_tokens=2)).reply  # the agent goes on
 
 
@@ -526,17 +527,17 @@ async def test_the_stores_saves_and_reads_join_the_trace(tmp_path):
     assert reads[0].at <= admit.at
 
 
-async def test_the_trace_says_when_each_turn_was_checked_out_before_it_reached_the_gpu_actor(tmp_path):
+async def test_the_trace_says_when_each_turn_was_checked_out(tmp_path):
     """H200 run 5: turns reached the GPU actor 5-7 ms after they were sent, and nothing in its trace said why:
-    each turn's agent actor now logs its checkout (from the send: the wait for that actor, then its lease and
-    checkout), ahead of the GPU actor's ``submit``."""
+    the GPU actor logs each turn's checkout, right after its ``submit`` (from the send: the wait to reach that
+    actor, then the checkout)."""
     async with _open(tmp_path, trace=True) as rt:
         t0 = time.perf_counter()
         done = await rt.agent("a").send_prompt("hello there", max_tokens=3)
         events = [e for e in rt.gpu_events() if done.request_id in e.request_ids]
     kinds = [e.kind for e in events]
-    assert kinds[:2] == ["checkout", "submit"], kinds
-    checkout = events[0]
+    assert kinds[:2] == ["submit", "checkout"], kinds
+    checkout = events[1]
     assert checkout.waited_ms is not None and checkout.took_ms is not None
     assert 0 <= checkout.waited_ms and 0 <= checkout.took_ms
     assert t0 <= checkout.at - (checkout.waited_ms + checkout.took_ms) / 1e3 + 1e-6  # it starts at the send

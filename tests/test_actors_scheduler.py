@@ -131,10 +131,9 @@ def _inboxes():
     from actors.messages_agent import AgentInbox
     from actors.messages_gpu import GpuInbox
     from actors.messages_store import StoreInbox
-    from actors.registry import RegistryInbox
     from runtime.plan.contract import CacheSource
 
-    return [AgentInbox, GpuInbox, StoreInbox, RegistryInbox, CacheSource]
+    return [AgentInbox, GpuInbox, StoreInbox, CacheSource]
 
 
 @pytest.mark.parametrize("inbox", _inboxes(), ids=lambda u: "|".join(t.__name__ for t in typing.get_args(u)))

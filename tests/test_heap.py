@@ -65,7 +65,7 @@ async def test_an_idle_unload_thaws_and_the_next_load_freezes_again(tmp_path, au
         assert heap.frozen_objects() > level + 1000
         await trio.sleep(61)
         assert rt.stats().registry.idle_unloads == 1
-        for _ in range(500):  # the registry counts the unload as it asks for it
+        for _ in range(500):  # the GPU actor counts the unload as it starts it
             if heap.frozen_objects() <= level:
                 break
             # real time: the autojump clock's sleeps return at once while the unload's job runs on a thread
