@@ -166,7 +166,9 @@ class TurnStream:
         except BaseException:
             await self.aclose()
             raise
-        assert isinstance(item, TurnAccepted), "the GPU actor accepts a turn before anything else"
+        assert isinstance(item, (TurnAccepted, TurnStarted)), "the GPU actor accepts a turn before anything else"
+        if isinstance(item, TurnStarted):  # it started at once: accepted and announced in one
+            self.started = item
         self._accepted = True
 
     async def start_info(self) -> TurnStarted | None:

@@ -414,6 +414,7 @@ class GPUActor:
             if admitted:
                 await self._start(admitted)
             await self._run_step(self._sched.step(self._manager))
+            self._accept_waiting()
             await self._make_copies(prefilling=bool(self._sched.prefilling()))
             await trio.lowlevel.checkpoint()
 
@@ -686,13 +687,10 @@ class GPUActor:
             await self._end(turn, failed_from(exc))
             return
         self._requests[msg.request_id] = turn
-        if msg.deltas is not None and not msg.sample:  # the client may answer its status now: nothing it asked for is refused
-            try:
-                msg.deltas.send_nowait(TurnAccepted(prompt_tokens=need))
-            except trio.WouldBlock:
-                pass  # not possible: it is the first item on the channel
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                turn.client_gone = True
+        # The client may answer its status now (nothing it asked for is refused): with its TurnStarted when
+        # its prefill begins in this loop pass, else with a TurnAccepted at the pass's end (_accept_waiting).
+        turn.accept_due = msg.deltas is not None and not msg.sample
+        turn.prompt_tokens = need
 
     async def _render(self, prompt: Chat | str, *, wanted: Callable[[], bool] | None = None) -> str:
         """The prompt text: chat messages rendered with the loaded model's template, a raw prompt as is."""
@@ -942,6 +940,21 @@ class GPUActor:
             log.exception("delivering a decode step failed")
             self._ring_for("a delivery failed")
 
+    def _accept_waiting(self) -> None:
+        """Tell each streaming client whose turn registered and did not start in this loop pass that it waits
+        for the batch (:class:`TurnAccepted`); one that started got its :class:`TurnStarted` instead."""
+        for req in self._requests.values():
+            if not req.accept_due:
+                continue
+            req.accept_due = False
+            assert req.msg.deltas is not None
+            try:
+                req.msg.deltas.send_nowait(TurnAccepted(prompt_tokens=req.prompt_tokens))
+            except trio.WouldBlock:
+                pass  # not possible: it is the first item on the channel
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                req.client_gone = True
+
     def _announce(self, request_id: int, adopt: FromShared | None) -> None:
         """Before the first prefill chunk: tell a streaming client what the turn reuses and prefills."""
         req = self._requests[request_id]
@@ -953,6 +966,7 @@ class GPUActor:
         req.tokens_reused, req.to_prefill_total = reused, len(started.token_ids) - reused
         if req.msg.deltas is None or req.msg.sample:  # the first sample announces the turn
             return
+        req.accept_due = False  # started: accepted too
         announcement = TurnStarted(tokens_reused=reused, tokens_prefilled=req.to_prefill_total,
                                    tier=tier_of(req, reused), match="extend" if adopt is not None else started.match)
         try:

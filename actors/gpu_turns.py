@@ -30,6 +30,8 @@ class GpuTurn:
     adopted: bool = False  # started from a prefix of another agent's turn in flight
     started: SequenceStarted | None = None
     announced: bool = False  # the TurnStarted went out
+    accept_due: bool = False  # a streaming client waits for its TurnAccepted or TurnStarted
+    prompt_tokens: int = 0  # what its cache holds once prefilled (reused + new)
     tokens_reused: int = 0  # tokens the turn started from (after an adoption)
     to_prefill_total: int = 0
     prefilled: int = 0

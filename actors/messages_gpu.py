@@ -62,11 +62,13 @@ class Counted(Message, frozen=True, kw_only=True):
 
 
 class TurnAccepted(msgspec.Struct, frozen=True, kw_only=True):
-    """The first item on a streaming turn's ``deltas`` channel: the turn passed every check a
-    request can fail (its template rendered, its prompt tokenized and within the model's context
-    and the KV budget) and waits for the batch; anything after this is the server's trouble.
+    """The first item on the ``deltas`` channel of a streaming turn that waits for the batch: the turn
+    passed every check a request can fail (its template rendered, its prompt tokenized and within the
+    model's context and the KV budget); anything after this is the server's trouble. A turn that starts
+    in the GPU actor's loop pass it was registered in sends its :class:`TurnStarted` first instead,
+    which says the same (one message fewer).
 
-    A streaming API answers its HTTP status only once it has this (or the turn's failure), so a
+    A streaming API answers its HTTP status only once it has either (or the turn's failure), so a
     request the turn refuses gets a real 4xx instead of an error event in a 200 stream.
     """
 
@@ -74,7 +76,8 @@ class TurnAccepted(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TurnStarted(msgspec.Struct, frozen=True, kw_only=True):
-    """A turn's accounting once its prefill begins: the next item on a streaming turn's ``deltas`` channel.
+    """A turn's accounting once its prefill begins: the first item on a streaming turn's ``deltas`` channel, or
+    the next after its :class:`TurnAccepted`.
 
     Known before any token is generated, so a streaming API can report it up
     front (Anthropic's ``message_start`` usage). ``tier`` and ``match`` as in
@@ -116,7 +119,7 @@ class OfSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 StreamItem = str | TurnAccepted | TurnStarted | ToolCall | Scores | OfSample
-"""What a streaming turn's ``deltas`` channel carries: a :class:`TurnAccepted`, a :class:`TurnStarted`,
+"""What a streaming turn's ``deltas`` channel carries: a :class:`TurnAccepted` (a turn that waits), a :class:`TurnStarted`,
 then reply text (each piece after its :class:`Scores` when the turn asked for logprobs) and, in a turn with
 tools, each :class:`runtime.plan.contract.ToolCall` once complete; a turn with several samples, the others'
 as :class:`OfSample`."""

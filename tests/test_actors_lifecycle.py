@@ -264,6 +264,28 @@ async def test_idle_model_is_unloaded_and_reloaded_on_demand(tmp_path, autojump_
         assert result.model == "fake-a" and engine.loads == ["fake-a", "fake-a"]
 
 
+async def test_a_turn_that_starts_at_once_is_accepted_by_its_announcement_and_one_that_waits_first(tmp_path):
+    """A streaming client answers its status once its turn is accepted. A turn that starts in the loop pass it
+    was registered in says so with its ``TurnStarted`` alone (one message fewer a turn, issue 60); one that waits
+    for memory gets a ``TurnAccepted`` first, so its status does not wait for the batch."""
+    async with _open(tmp_path, budget_mb=8 * 1024 / 2**20) as rt:  # two 256-token blocks: one turn at a time
+        started_when_accepted: list[bool] = []
+
+        async def one(i: int) -> None:
+            async with rt.agent(f"b{i}").stream_prompt(f"{i:03d}" + "z" * 250, max_tokens=8) as stream:
+                await stream.accepted()
+                started_when_accepted.append(stream.started is not None)
+                async for _ in stream:
+                    pass
+                assert stream.started is not None and stream.result is not None
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i)
+        assert rt.stats().gpu.memory_waits_total >= 1
+    assert True in started_when_accepted and False in started_when_accepted, started_when_accepted
+
+
 async def test_small_budget_queues_requests_and_none_fails(tmp_path):
     # 16 bytes/token: a 4 KiB block is 256 tokens; 2 blocks fit one 300-token request.
     async with _open(tmp_path, budget_mb=8 * 1024 / 2**20) as rt:

@@ -99,16 +99,17 @@ async def _turn(rt, agent_id: str, messages) -> str:  # type: ignore[no-untyped-
 
 
 CEILING = {  # per streaming turn of STEPS tokens, measured at this commit; lower them as hops go
-    # 10 messages: Turn (to the agent); Generate (to the GPU actor, which holds the model: no lease, no
-    # registry); CheckOut, CheckedOut (the GPU actor and the store); TurnAccepted, TurnStarted (to the client);
-    # CheckIn (the GPU actor hands the new cache to the store before it answers); Generated (to the agent);
-    # Saved (the store to the agent: the turn is durable); TurnDone. 13 before (the model registry's Acquire,
-    # Granted and Release; the agent's own CheckOut and CheckIn). 9 MLX jobs: start, the prefill (its first
-    # token), joining the batch, 5 decode steps, finish. A batched turn's jobs depend on when its rows
-    # arrive: at most a lone turn's.
-    "cold": {"messages": 10, "mlx_jobs": 9, "text_jobs": 2},
-    "hot": {"messages": 10, "mlx_jobs": 9, "text_jobs": 2},
-    "warm": {"messages": 10, "mlx_jobs": 9, "text_jobs": 2},
+    # 9 messages: Turn (to the agent); Generate (to the GPU actor, which holds the model: no lease, no
+    # registry); CheckOut, CheckedOut (the GPU actor and the store); TurnStarted (to the client: it started
+    # at once, so it is accepted too; a turn that waits gets a TurnAccepted first); CheckIn (the GPU actor
+    # hands the new cache to the store before it answers); Generated (to the agent); Saved (the store to the
+    # agent: the turn is durable); TurnDone. 13 before (the model registry's Acquire, Granted and Release;
+    # the agent's own CheckOut and CheckIn; a TurnAccepted always). 9 MLX jobs: start, the prefill (its
+    # first token), joining the batch, 5 decode steps, finish. A batched turn's jobs depend on when its rows
+    # arrive: at most a lone turn's; one that waits for the others' prefill gets its TurnAccepted.
+    "cold": {"messages": 9, "mlx_jobs": 9, "text_jobs": 2},
+    "hot": {"messages": 9, "mlx_jobs": 9, "text_jobs": 2},
+    "warm": {"messages": 9, "mlx_jobs": 9, "text_jobs": 2},
     "batched": {"messages": 10, "mlx_jobs": 9, "text_jobs": 2},
 }
 
