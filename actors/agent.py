@@ -10,13 +10,13 @@ ends, so turn 2 always sees turn 1's cache):
    (that cache, else another agent's prefix, else nothing: the cache manager,
    :meth:`runtime.plan.kv_manager.KVCacheManager.plan`), generates — deltas go
    straight to the client's stream — and checks the updated cache back in
-   (write-behind) *before* it answers, so every turn a client saw complete is in
-   the store and is flushed on shutdown;
+   (write-behind) *before* the turn is answered, so every turn a client saw
+   complete is in the store and is flushed on shutdown;
 2. a *durable* turn (``ChatTurn.durable``, else the runtime's ``durable`` setting)
-   then waits until the store has its cache on disk (the store answers the turn's
-   ``saved`` channel), so a turn answered is a turn kept even if the process is
-   killed a moment later;
-3. answer with a :class:`TurnResult`.
+   is answered by the store, once its cache is on disk (the GPU actor hands the
+   reply over with the cache), so a turn answered is a turn kept even if the
+   process is killed a moment later; any other by the GPU actor at once;
+3. answer the client with a :class:`TurnResult`.
 
 The actor stops after ``idle_timeout_s`` without messages (its hot cache
 stays in the store); the runtime starts a new one on the agent's next request.
@@ -45,7 +45,7 @@ from actors.messages_agent import (
 )
 from actors.messages_common import Failed
 from actors.messages_gpu import Chat, Generate, Generated, GenerateReply, GpuInbox
-from actors.messages_store import Forget, ForgetReply, SaveReply, StoreInbox
+from actors.messages_store import Forget, ForgetReply, StoreInbox
 from actors.metrics import RuntimeMetrics
 
 __all__ = ["AgentActor", "CacheHandle"]
@@ -154,32 +154,23 @@ class AgentActor:
                 assert_never(message)
 
     async def _turn(self, turn: Turn) -> TurnReply:
-        request = turn.turn
-        durable = self._durable if request.durable is None else request.durable
-        saved, on_disk = trio.open_memory_channel[SaveReply](1) if durable else (None, None)
-        generated = await self._generate(turn, saved)
+        generated = await self._generate(turn)
         if isinstance(generated, Failed):
+            if generated.kind == "NotSaved":
+                log.warning("durable turn of %s not answered: %s", self.agent_id, generated.error)
             return generated
         main = generated[0]
-        if main.saving and on_disk is not None:  # the store answers once the new cache is on disk
-            async with on_disk:
-                try:
-                    kept: SaveReply = await on_disk.receive()
-                except trio.EndOfChannel:
-                    kept = Failed(kind="NotSaved", error="the cache store stopped first")
-            if isinstance(kept, Failed):
-                log.warning("durable turn of %s not answered: %s", self.agent_id, kept.error)
-                return kept
         if main.parked is not None and main.snapshot is not None:
             self.handle = CacheHandle(model_tag=main.parked.model_tag, num_tokens=main.parked.num_tokens,
                                       text_chars=len(main.parked.text))
         return self._done(generated)
 
-    async def _generate(self, turn: Turn, saved: trio.MemorySendChannel[SaveReply] | None
-                        ) -> list[Generated] | Failed:
-        """The turn's reply from the GPU actor; with ``n`` > 1 its samples too, asked together (one group:
-        they start from one prefill of the prompt and decode in one batch), the first being the agent's own."""
+    async def _generate(self, turn: Turn) -> list[Generated] | Failed:
+        """The turn's reply from the GPU actor (from the store, for a durable turn: once its cache is on disk);
+        with ``n`` > 1 its samples too, asked together (one group: they start from one prefill of the prompt
+        and decode in one batch), the first being the agent's own."""
         request = turn.turn
+        durable = self._durable if request.durable is None else request.durable
         ids = (turn.request_id, *turn.sample_ids)
         prompt = request.prompt if request.prompt is not None else Chat(
             messages=request.chat(), tools=request.tool_list(), tool_choice=request.tool_choice if request.tools else None)
@@ -189,7 +180,7 @@ class AgentActor:
                             sampling=request.engine_sampling(sample), submitted_at=turn.submitted_at,
                             deltas=turn.deltas, client=turn.reply, reply=reply, share_prefix=request.share_prefix,
                             group=turn.request_id if len(ids) > 1 else None, sample=sample,
-                            saved=saved if sample == 0 else None)
+                            durable=durable)
 
         if len(ids) == 1:
             alone: GenerateReply = await ask(self._gpu, partial(generate, 0))

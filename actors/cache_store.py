@@ -15,9 +15,10 @@
   writer task saves dirty caches oldest first (a newer cache of the same agent
   and model supersedes an unwritten one). Loads are awaited by the agent that asked.
 * **Durable turns**: a :class:`CheckIn` with a ``saved`` channel goes to the front of
-  the queue and is answered :class:`Saved` once it (or a newer cache of the same
-  agent and model) is on disk, or ``Failed(kind="NotSaved")`` when its save fails
-  or the agent is forgotten first; the agent answers its client only then.
+  the queue and is answered once it (or a newer cache of the same agent and model) is
+  on disk — with the turn's own reply, which the GPU actor handed over with it, so the
+  agent hears of its turn only then — or ``Failed(kind="NotSaved")`` when its save
+  fails or the agent is forgotten first.
 * **Shutdown**: on normal exit or cancellation (SIGINT/SIGTERM cancel the
   runtime), the store picks up any CheckIn still in its mailbox and writes every
   dirty cache, shielded from the cancellation, before it returns.
@@ -77,7 +78,6 @@ from actors.messages_store import (
     ListAgents,
     ReadBlocks,
     Saved,
-    SaveReply,
     SnapshotDue,
     SnapshotLost,
     StoreInbox,
@@ -133,7 +133,6 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 
-
 @dataclass(frozen=True)
 class _Pending:
     """A hot cache not yet on disk: the cache, its numpy copy for the save (or the copy the GPU
@@ -143,6 +142,21 @@ class _Pending:
     parked: ParkedView
     snapshot: CacheSnapshot | SnapshotDue
     block_hashes: list[str]  # computed once, for the hot tier's accounting and the save
+
+
+@dataclass(frozen=True)
+class _Waiter:
+    """A durable turn waiting for its cache's save: where to answer, and with what once it is on disk."""
+
+    channel: trio.MemorySendChannel[Any]
+    answer: msgspec.Struct | None  # the turn's own reply (None: Saved)
+
+    def saved(self) -> None:
+        send_reply(self.channel, self.answer if self.answer is not None else Saved())
+
+    def failed(self, error: str) -> None:
+        send_reply(self.channel, Failed(kind="NotSaved", error=error))
+
 
 class CacheStoreActor:
     """Owns the cache directory and feeds the cache manager (see the module docstring).
@@ -174,7 +188,7 @@ class CacheStoreActor:
         # only when it has no hot cache, and a cache leaves RAM only once it is on disk.
         self._read_limiter = trio.CapacityLimiter(1)
         # Unsaved caches and the durable turns waiting for them: the write-behind policy.
-        self._saves: SaveQueue[AgentKey, _Pending, trio.MemorySendChannel[SaveReply]] = SaveQueue()
+        self._saves: SaveQueue[AgentKey, _Pending, _Waiter] = SaveQueue()
         self._wake = trio.Event()
         self._loads_waiting = 0
         self._no_loads = trio.Event()
@@ -212,7 +226,7 @@ class CacheStoreActor:
                 if written:
                     log.info("flushed %d dirty caches on shutdown", written)
                 for waiter in self._saves.drop(lambda key: True):
-                    send_reply(waiter, Failed(kind="NotSaved", error="the cache store stopped first"))
+                    waiter.failed("the cache store stopped first")
                 if self.shared is not None:
                     await self.shared.release_all()
 
@@ -250,7 +264,7 @@ class CacheStoreActor:
             case Evict(model_tag=tag, reply=reply):
                 written = await self._flush_all(tag)
                 for waiter in self._saves.drop(lambda key: key.model_tag == tag):
-                    send_reply(waiter, Failed(kind="NotSaved", error=f"model {tag!r} was unloaded first"))
+                    waiter.failed(f"model {tag!r} was unloaded first")
                 self._manager.drop_model(tag)
                 if self.prefetch is not None:
                     self.prefetch.drop_model(tag)
@@ -449,7 +463,7 @@ class CacheStoreActor:
         for due in self._copies_owed(lambda key: key.agent_id == agent_id):
             due.drop()
         for waiter in self._saves.drop(lambda key: key.agent_id == agent_id):
-            send_reply(waiter, Failed(kind="NotSaved", error=f"agent {agent_id!r} was forgotten first"))
+            waiter.failed(f"agent {agent_id!r} was forgotten first")
         if self.shared is not None:
             self.shared.drop_unpublished(agent_id)
         on_disk = await self._disk(self._directory.exists, agent_id)
@@ -475,7 +489,8 @@ class CacheStoreActor:
                           block_bytes=message.cache.block_bytes, block_hashes=hashes)
         for due in self._copies_owed(lambda k: k == key):
             due.drop()  # superseded: its copy is never made (nor waited for)
-        self._saves.put(key, _Pending(message.agent_id, parked, message.cache.snapshot, hashes), message.saved)
+        waiter = None if message.saved is None else _Waiter(message.saved, message.answer)
+        self._saves.put(key, _Pending(message.agent_id, parked, message.cache.snapshot, hashes), waiter)
         if message.saved is not None:
             # A turn waits for this save, written first: the copy it needs is wanted now, and so are
             # those of a save the writer may be waiting on.
@@ -536,11 +551,11 @@ class CacheStoreActor:
                 "saved with the agent's next turn"
             log.error("saving the cache of %r failed: %s; it stays in RAM, %s", pending.agent_id, exc, later)
             report = None
-            answer: SaveReply = Failed(kind="NotSaved", error=f"the cache was not saved: {exc}")
+            error: str | None = f"the cache was not saved: {exc}"
         else:
-            answer = Saved()
+            error = None
         for waiter in self._saves.answered(key, dirty):
-            send_reply(waiter, answer)
+            waiter.saved() if error is None else waiter.failed(error)
         if report is not None:
             self._writes += 1
             self._bytes_written += report.bytes_written

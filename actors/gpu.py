@@ -159,11 +159,6 @@ class _OwedCopy:
     done: list[Any] = field(default_factory=list)  # the parts copied so far (a copy stopped between two)
 
 
-def _saving(answer: GenerateReply, saving: bool) -> GenerateReply:
-    """``answer``, saying whether the store answers the turn's ``saved`` channel (:class:`Generated`)."""
-    return msgspec.structs.replace(answer, saving=True) if saving and not isinstance(answer, Failed) else answer
-
-
 def _after(seconds: float) -> Callable[[], bool]:
     """A ``stop`` for :meth:`runtime.plan.contract.Engine.snapshot`: true once ``seconds`` went by
     from now (read on the model's thread, between two parts of the copy)."""
@@ -1045,12 +1040,15 @@ class GPUActor:
     async def _answer(self, msg: Generate, checked_out: bool, answer: GenerateReply,
                       cache: NewCache | None = None) -> None:
         """Answer the agent, after the check-in of what ``msg`` checked out (so its next turn's checkout finds
-        ``cache``); with the turn's ``saved`` channel, when there is a new cache. The loop never waits for a
-        busy store: the check-in and the answer then go from a task of their own, in that order."""
+        ``cache``); a durable turn with a new cache is answered by the store instead, once the cache is on disk
+        (the check-in carries the answer). The loop never waits for a busy store: the check-in and the answer
+        then go from a task of their own, in that order."""
         if not checked_out or self._store is None:
             send_reply(msg.reply, answer)
             return
-        check_in = CheckIn(agent_id=msg.agent_id, cache=cache, saved=msg.saved if cache is not None else None)
+        durable = msg.durable and cache is not None and not isinstance(answer, Failed)
+        check_in = CheckIn(agent_id=msg.agent_id, cache=cache, saved=msg.reply if durable else None,
+                           answer=answer if durable else None)
         try:
             self._store.send_nowait(check_in)
             sent = True
@@ -1061,11 +1059,12 @@ class GPUActor:
             sent = await self._send_check_in(check_in)  # the actor stops: the answer waits for it
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             sent = False
-        send_reply(msg.reply, _saving(answer, sent and check_in.saved is not None))
+        if not (sent and durable):
+            send_reply(msg.reply, answer)
 
     async def _check_in_then_answer(self, msg: Generate, check_in: CheckIn, answer: GenerateReply) -> None:
-        sent = await self._send_check_in(check_in)
-        send_reply(msg.reply, _saving(answer, sent and check_in.saved is not None))
+        if not (await self._send_check_in(check_in) and check_in.saved is not None):
+            send_reply(msg.reply, answer)
 
     async def _send_check_in(self, check_in: CheckIn) -> bool:
         """Whether ``check_in`` reached the store (shielded: a turn checked out is checked in)."""

@@ -25,7 +25,7 @@ import msgspec
 import trio
 
 from actors.messages_common import Failed, ParkedView, Message, TurnUsage
-from actors.messages_store import SaveReply, SnapshotDue
+from actors.messages_store import SnapshotDue
 from runtime.plan.contract import ModelInfo, SamplingOptions, Tier, ToolCall, ToolChoice
 from runtime.reply.logprobs import TokenLogprob
 from runtime.spec import CacheSnapshot
@@ -143,8 +143,6 @@ class Generated(Message, frozen=True, kw_only=True):
             sliding window could not be kept); ``snapshot`` is its numpy copy
             for the write-behind save, or the copy the GPU actor owes (:class:`SnapshotDue`).
         model: the name of the model that generated it.
-        saving: the GPU actor checked the cache in with the turn's ``saved`` channel: the
-            store answers there once it is on disk (a durable turn waits for that).
     """
 
     request_id: int
@@ -158,7 +156,6 @@ class Generated(Message, frozen=True, kw_only=True):
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
-    saving: bool = False
 
 
 class Prepared(Message, frozen=True, kw_only=True):
@@ -202,8 +199,9 @@ class Generate(Message, frozen=True, kw_only=True):
     against the agent's own cache (checked out of the store), and generate a reply.
 
     Attributes:
-        saved: where the store answers once the turn's new cache is on disk (a durable turn); None: the
-            save is write-behind.
+        durable: the turn is answered once its new cache is on disk: the GPU actor hands this reply to
+            the store with the cache, and the store sends it (or ``Failed(kind="NotSaved")``) then;
+            otherwise the save is write-behind and the GPU actor answers at once.
         deltas: where a :class:`TurnStarted` goes when prefill begins, then the
             streamable text and tool calls (:data:`StreamItem`; ``send_nowait``: what
             does not fit waits for the next token, text coalesced). The GPU actor never closes it.
@@ -230,7 +228,7 @@ class Generate(Message, frozen=True, kw_only=True):
     share_prefix: bool = False
     group: int | None = None
     sample: int = 0
-    saved: trio.MemorySendChannel[SaveReply] | None = None
+    durable: bool = False
 
 
 class Prepare(Message, frozen=True, kw_only=True):

@@ -26,6 +26,7 @@ model B never replaces the agent's model-A cache.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -258,14 +259,17 @@ class CheckIn(Message, frozen=True, kw_only=True):
     """The turn :class:`CheckOut` began is over (done or failed), with its new cache, if any.
 
     The cache becomes the agent's hot cache and is saved write-behind. ``saved``: when
-    set, answered once this cache is on disk (fsynced unless ``fsync`` is off) or its save
-    failed: a durable turn's answer waits for it. With a shared tier the store then gives
-    the agent's cluster lease back, once the turn's cache is published.
+    set, answered once this cache is on disk (fsynced unless ``fsync`` is off) with
+    ``answer`` (a durable turn's own reply, which the store sends its agent then; None:
+    :class:`Saved`), or with ``Failed(kind="NotSaved")`` when its save failed. With a
+    shared tier the store then gives the agent's cluster lease back, once the turn's
+    cache is published.
     """
 
     agent_id: str
     cache: NewCache | None = None
-    saved: trio.MemorySendChannel[SaveReply] | None = None
+    saved: trio.MemorySendChannel[Any] | None = None
+    answer: msgspec.Struct | None = None
 
 
 class Forget(Message, frozen=True, kw_only=True):

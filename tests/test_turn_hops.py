@@ -99,18 +99,19 @@ async def _turn(rt, agent_id: str, messages) -> str:  # type: ignore[no-untyped-
 
 
 CEILING = {  # per streaming turn of STEPS tokens, measured at this commit; lower them as hops go
-    # 9 messages: Turn (to the agent); Generate (to the GPU actor, which holds the model: no lease, no
+    # 8 messages: Turn (to the agent); Generate (to the GPU actor, which holds the model: no lease, no
     # registry); CheckOut, CheckedOut (the GPU actor and the store); TurnStarted (to the client: it started
     # at once, so it is accepted too; a turn that waits gets a TurnAccepted first); CheckIn (the GPU actor
-    # hands the new cache to the store before it answers); Generated (to the agent); Saved (the store to the
-    # agent: the turn is durable); TurnDone. 13 before (the model registry's Acquire, Granted and Release;
-    # the agent's own CheckOut and CheckIn; a TurnAccepted always). 9 MLX jobs: start, the prefill (its
-    # first token), joining the batch, 5 decode steps, finish. A batched turn's jobs depend on when its rows
-    # arrive: at most a lone turn's; one that waits for the others' prefill gets its TurnAccepted.
-    "cold": {"messages": 9, "mlx_jobs": 9, "text_jobs": 2},
-    "hot": {"messages": 9, "mlx_jobs": 9, "text_jobs": 2},
-    "warm": {"messages": 9, "mlx_jobs": 9, "text_jobs": 2},
-    "batched": {"messages": 10, "mlx_jobs": 9, "text_jobs": 2},
+    # hands the new cache to the store, with the turn's reply: the turn is durable); Generated (the store
+    # sends the agent that reply once the cache is on disk); TurnDone. 13 before (the model registry's
+    # Acquire, Granted and Release; the agent's own CheckOut and CheckIn; a TurnAccepted always; Generated
+    # and the store's Saved apart). 9 MLX jobs: start, the prefill (its first token), joining the batch, 5
+    # decode steps, finish. A batched turn's jobs depend on when its rows arrive: at most a lone turn's; one
+    # that waits for the others' prefill gets its TurnAccepted.
+    "cold": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2},
+    "hot": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2},
+    "warm": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2},
+    "batched": {"messages": 9, "mlx_jobs": 9, "text_jobs": 2},
 }
 
 
