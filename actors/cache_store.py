@@ -1,13 +1,12 @@
 """CacheStoreActor: sole owner of the cache directory; plans turns over the hot and warm tiers.
 
-* **Hot tier** and **plans**: a :class:`runtime.plan.kv_manager.KVCacheManager` (shared
-  with the GPU actor) holds every agent's latest parked cache per model, its block
-  accounting and the shared-prefix index, and decides each turn's
-  :class:`runtime.plan.contract.TurnPlan`. The store feeds it: a :class:`CheckOut` (a turn
-  begins) answers with the agent's own cache, its hot one or, without one, the one
-  it reads from disk (the GPU actor then plans the turn against the rendered prompt);
-  a :class:`CheckIn` (the turn ends) makes its new cache hot; a completed save tells
-  the manager the cache may now be dropped from RAM.
+* **Hot tier**: a :class:`runtime.plan.hot_tier.HotTier`, the store's own, holds every
+  agent's latest parked cache per model and its block accounting. A :class:`CheckOut` (a
+  turn begins, from the GPU actor) answers with the agent's own cache, its hot one or,
+  without one, the one it reads from disk, and, for an agent that shares prefixes, the
+  other sharing agents' hot caches (the GPU actor then plans the turn against the rendered
+  prompt); a :class:`CheckIn` (the turn ends) makes its new cache hot; a completed save
+  lets the hot tier drop the cache from RAM.
 * **Warm tier**: ``runtime.persist.CacheDirectory``; one disk operation at a
   time, on a worker thread (``trio.to_thread`` under ``CapacityLimiter(1)``:
   numpy and files only, never MLX).
@@ -90,7 +89,7 @@ from runtime.plan.contract import Tier
 from runtime.errors import CacheMiss, InvalidAgentIdError
 from runtime.identity import AgentKey, local_id, safe_agent_dirname, tenant_of
 from runtime.plan.block_pool import PoolStats
-from runtime.plan.kv_manager import KVCacheManager
+from runtime.plan.hot_tier import HotTier
 from runtime.persist import CacheDirectory
 from runtime.plan.save_queue import SaveQueue, WaitForLoads, WaitUntil, Write
 from runtime.persist.tenants import TenantDirectories
@@ -121,7 +120,6 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     bytes_written: int
     warm_loads: int
     misses: int
-    prefix_hits: int
     demotions: int
     pools: dict[str, PoolStats]
     remote: RemoteStats | None = None
@@ -164,7 +162,7 @@ class CacheStoreActor:
     Args:
         inbox: the store mailbox (:data:`actors.messages_store.StoreInbox`).
         directory: the warm tier (the tenants' subtrees are inside it).
-        manager: the hot tier and the planner (shared with the GPU actor).
+        hot: the hot tier (the store's own).
         remote: the shared tier (None: this node's disk only).
     """
 
@@ -173,7 +171,7 @@ class CacheStoreActor:
         inbox: trio.MemoryReceiveChannel[StoreInbox],
         *,
         directory: CacheDirectory,
-        manager: KVCacheManager,
+        hot: HotTier,
         remote: RemoteTier | None = None,
         prefetch_bytes: int = 0,
         events: deque[GpuEvent] | None = None,
@@ -181,7 +179,7 @@ class CacheStoreActor:
         self._inbox = inbox
         self._events = events  # the runtime's trace (the GPU actor's log), when it is on: saves and reads join it
         self._directory = TenantDirectories(directory)
-        self._manager = manager
+        self._hot = hot
         self._limiter = trio.CapacityLimiter(1)
         # A turn's read has its own thread: it never waits behind a write in progress (a long
         # context's save takes a while). Reads and writes never touch one file: an agent is read
@@ -252,11 +250,11 @@ class CacheStoreActor:
     async def _handle(self, message: StoreInbox) -> None:
         match message:
             case CheckOut(agent_id=agent_id, model_tag=tag):
-                if self.shared is not None or self._manager.needs_disk(agent_id, tag):
+                if self.shared is not None or self._hot.needs_disk(agent_id, tag):
                     assert self._nursery is not None
                     self._nursery.start_soon(self._check_out_after_load, message)
                 else:
-                    send_reply(message.reply, CheckedOut(own=self._manager.checkout(agent_id, tag)))
+                    send_reply(message.reply, self._checked_out(message))
             case CheckIn():
                 self._check_in(message, self._nursery)
             case Forget():
@@ -265,7 +263,7 @@ class CacheStoreActor:
                 written = await self._flush_all(tag)
                 for waiter in self._saves.drop(lambda key: key.model_tag == tag):
                     waiter.failed(f"model {tag!r} was unloaded first")
-                self._manager.drop_model(tag)
+                self._hot.drop_model(tag)
                 if self.prefetch is not None:
                     self.prefetch.drop_model(tag)
                 send_reply(reply, Evicted(written=written))
@@ -299,12 +297,12 @@ class CacheStoreActor:
                 match await self._disk(self.shared.remote.check, *key, limiter=self._read_limiter):  # a Redis read
                     case "forgotten":  # on another node, since this node last held the agent: drop every copy
                         await self._forget_here(message.agent_id)
-                    case "newer" if not self._manager.needs_disk(*key) and key not in self._saves:
-                        self._manager.drop(*key)  # another node served the agent since: Redis has more of it
+                    case "newer" if not self._hot.needs_disk(*key) and key not in self._saves:
+                        self._hot.drop(*key)  # another node served the agent since: Redis has more of it
                     case _:
                         pass
-            if not self._manager.needs_disk(*key):
-                send_reply(message.reply, CheckedOut(own=self._manager.checkout(*key)))
+            if not self._hot.needs_disk(*key):
+                send_reply(message.reply, self._checked_out(message))
                 return
             taken = None if self.prefetch is None else await self.prefetch.take(*key)
             if taken is None:
@@ -327,8 +325,13 @@ class CacheStoreActor:
             self._loads_waiting -= 1
             if not self._loads_waiting:
                 self._no_loads.set()
-        own = self._manager.checkout(message.agent_id, message.model_tag, warm=warm, warm_tier=tier, prepared=prepared)
-        send_reply(message.reply, CheckedOut(own=own))
+        send_reply(message.reply, self._checked_out(message, warm=warm, warm_tier=tier, prepared=prepared))
+
+    def _checked_out(self, message: CheckOut, **warm: Any) -> CheckedOut:
+        """The agent's own cache (its hot one, else ``warm``'s) and, when it shares, the others' hot caches."""
+        own = self._hot.checkout(message.agent_id, message.model_tag, **warm)
+        donors = self._hot.donors(message.agent_id, message.model_tag) if message.share_prefix else ()
+        return CheckedOut(own=own, donors=donors)
 
     async def _read_blocks(self, message: ReadBlocks) -> None:
         """A prompt's first whole blocks from its tenant's disk, on the read thread (an unreadable one: a logged miss)."""
@@ -382,7 +385,7 @@ class CacheStoreActor:
             if wanted is None or e.agent_id == wanted
         }
         hot: list[AgentRecord] = []  # most recently used first
-        for entry in reversed(self._manager.entries()):
+        for entry in reversed(self._hot.entries()):
             if (wanted is not None and entry.agent_id != wanted) or tenant_of(entry.agent_id) != tenant:
                 continue
             disk = on_disk.pop(entry.key, None)
@@ -437,7 +440,7 @@ class CacheStoreActor:
         except (OSError, ValueError) as exc:
             send_reply(message.reply, failed_from(exc))
             return
-        in_ram = {e.agent_id for e in self._manager.entries()} | {key.agent_id for key in self._saves.keys()}
+        in_ram = {e.agent_id for e in self._hot.entries()} | {key.agent_id for key in self._saves.keys()}
         dirs = {safe_agent_dirname(local_id(a)) for a in in_ram if tenant_of(a) == message.tenant}
         send_reply(message.reply, Used(agent_dirs=disk.agent_dirs | dirs, disk_bytes=disk.disk_bytes))
 
@@ -459,7 +462,7 @@ class CacheStoreActor:
         """
         if self.prefetch is not None:
             self.prefetch.drop(agent_id)
-        existed = self._manager.forget(agent_id) > 0
+        existed = self._hot.forget(agent_id) > 0
         for due in self._copies_owed(lambda key: key.agent_id == agent_id):
             due.drop()
         for waiter in self._saves.drop(lambda key: key.agent_id == agent_id):
@@ -485,7 +488,7 @@ class CacheStoreActor:
         parked = message.cache.parked
         key = AgentKey(message.agent_id, parked.model_tag)
         hashes = self._directory.block_hashes(parked.model_tag, parked.token_ids)
-        self._manager.put(message.agent_id, parked, share_prefix=message.cache.share_prefix,
+        self._hot.put(message.agent_id, parked, share_prefix=message.cache.share_prefix,
                           block_bytes=message.cache.block_bytes, block_hashes=hashes)
         for due in self._copies_owed(lambda k: k == key):
             due.drop()  # superseded: its copy is never made (nor waited for)
@@ -565,7 +568,7 @@ class CacheStoreActor:
         if not self._saves.settle(key, dirty, saved=report is not None, retry=retry, now=trio.current_time()):
             return report is not None  # superseded or forgotten meanwhile, or kept for a retry
         if report is not None:
-            self._manager.saved(pending.agent_id, pending.parked)
+            self._hot.saved(pending.agent_id, pending.parked)
         if self.shared is not None:
             await self.shared.release(pending.agent_id)  # if its turns are over
         return report is not None
@@ -583,7 +586,7 @@ class CacheStoreActor:
     # -- statistics --------------------------------------------------------------
 
     def statistics(self) -> StoreStats:
-        hot = self._manager.stats()
+        hot = self._hot.stats()
         return StoreStats(
             hot_agents=hot.hot_agents,
             hot_bytes=hot.hot_bytes,
@@ -595,7 +598,6 @@ class CacheStoreActor:
             warm_loads=self._warm_loads,
             misses=self._misses,
             block_reads=self._block_reads,
-            prefix_hits=hot.prefix_hits,
             demotions=hot.demotions,
             pools=dict(hot.pools),
             remote=None if self.shared is None else self.shared.statistics(),

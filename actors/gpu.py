@@ -172,8 +172,7 @@ class GPUActor:
     Args:
         inbox: the GPU mailbox (:data:`actors.messages_gpu.GpuInbox`).
         engine: the engine its jobs call (real MLX or fake).
-        manager: the cache manager (shared with the store): turns in flight and
-            the prefixes they share.
+        manager: the reuse planner, the actor's own: turns in flight and the prefixes they share.
         budget_bytes: KV memory for running sequences (admission, batch size).
         max_batch: most sequences running at once.
         prefill_chunk: tokens per prefill chunk (None: adaptive, see ``runtime.execution.sequence``).
@@ -569,7 +568,8 @@ class GPUActor:
             return None
         asked = time.perf_counter()
         opened: CheckOutReply = await ask(
-            self._store, lambda r: CheckOut(agent_id=msg.agent_id, model_tag=tag, reply=r))
+            self._store, lambda r: CheckOut(agent_id=msg.agent_id, model_tag=tag, share_prefix=msg.share_prefix,
+                                            reply=r))
         # From the client's send: waited to reach this actor, then took to check out.
         self._event("checkout", msg.request_id, waited_ms=(asked - msg.submitted_at) * 1e3,
                     took_ms=(time.perf_counter() - asked) * 1e3)
@@ -584,7 +584,7 @@ class GPUActor:
         try:
             assert self._info is not None  # loaded until every turn in flight ends (actors.model_slot)
             tag = self._info.tag
-            own = None
+            own, donors = None, ()
             if msg.sample and (first := self._first_samples.get(msg.group or 0)) is not None:
                 # The first sample is registered first, and the others plan against its cache: they start
                 # from its prompt (KVCacheManager.held_back), whose tokens its plan decides.
@@ -595,7 +595,7 @@ class GPUActor:
                 send_reply(msg.reply, opened)  # nothing checked out (a bad agent id, another node's lease)
                 return
             if opened is not None:
-                checked_out, own = True, opened.own
+                checked_out, own, donors = True, opened.own, opened.donors
                 if (group := self._first_samples.get(msg.request_id)) is not None:
                     group.own = own
             prompt = await self._render(msg.prompt, wanted=partial(_still_wanted, msg))
@@ -605,7 +605,7 @@ class GPUActor:
             if long:
                 self._long_texts.add(msg.request_id)
                 self._texts_changed()
-            plan = self._manager.plan(msg.agent_id, tag, prompt, share_prefix=msg.share_prefix, own=own)
+            plan = self._manager.plan(msg.agent_id, tag, prompt, share_prefix=msg.share_prefix, own=own, hot=donors)
             self._event("planned", msg.request_id)
             tokens: Tokenized = await self._text_job(self._engine.tokenize, prompt, plan,
                                                      wanted=partial(_still_wanted, msg), long=long)
@@ -625,7 +625,8 @@ class GPUActor:
                 fitted = msgspec.structs.replace(msg.sampling, max_tokens=context - need)
                 msg = msgspec.structs.replace(msg, sampling=fitted)
             self._event("tokenized", msg.request_id)
-            self._early.append(_Tokenized(GpuTurn(msg, prompt, plan, tokens, checked_out=checked_out), need))
+            self._early.append(_Tokenized(GpuTurn(msg, prompt, plan, tokens, checked_out=checked_out,
+                                                  donors=donors), need))
             self._ring()
         except Abandoned:
             await self._answer(msg, checked_out, Failed(
@@ -734,7 +735,7 @@ class GPUActor:
                 continue
             self._manager.begin(request_id, agent_id=req.msg.agent_id, model_tag=self._info.tag,
                                 token_ids=started.token_ids, tokens_reused=started.tokens_reused,
-                                share_prefix=req.msg.share_prefix, group=req.msg.group)
+                                share_prefix=req.msg.share_prefix, group=req.msg.group, hot=req.donors)
             req.started = started
             self._sched.to_prefill(request_id, started.tokens_to_prefill)
             self._event("admit", request_id)
@@ -1025,6 +1026,8 @@ class GPUActor:
             assert self._info is not None
             cache = NewCache(parked=finished.parked, snapshot=snapshot, block_bytes=self._info.block_bytes,
                              share_prefix=req.msg.share_prefix)
+            if req.msg.share_prefix:  # the turns waiting to prefill may start from it, as from a hot cache
+                self._manager.left(req.msg.agent_id, self._info.tag, finished.parked)
         await self._end(req, self._generated(req, finished, cancelled=cancelled, due=due), cache)
 
     def _generated(self, req: GpuTurn, finished: Finished | None, *, cancelled: bool,
@@ -1158,6 +1161,7 @@ class GPUActor:
             pool=sched.pool if sched else PoolStats(),
             memory=MemorySnapshot(active=mem.active, peak=mem.peak, baseline=mem.baseline, model=mem.model),
             turns=tuple(self.running_turns()),
+            prefix_hits=self._manager.prefix_hits,
         )
 
     def model_statistics(self) -> RegistryStats:

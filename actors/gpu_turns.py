@@ -9,6 +9,7 @@ from actors.messages_common import TurnUsage
 from actors.messages_gpu import Generate, Generated, Scores
 from actors.messages_store import SnapshotDue
 from actors.metrics import RunningTurn
+from runtime.plan.hot_tier import HotDonor
 from runtime.plan.contract import Finished, SequenceStarted, Tier, Tokenized, ToolCall, TurnPlan
 
 __all__ = ["GpuTurn", "generated_reply", "running_turn", "tier_of"]
@@ -37,6 +38,7 @@ class GpuTurn:
     prefilled: int = 0
     generated: int = 0
     checked_out: bool = False  # the agent's cache was checked out of the store for this turn (its first sample)
+    donors: tuple[HotDonor, ...] = field(default=(), repr=False)  # others' hot caches its checkout gave
 
 
 def tier_of(req: GpuTurn, reused: int) -> Tier:

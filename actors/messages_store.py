@@ -34,6 +34,7 @@ import msgspec
 
 from actors.messages_common import Failed, ParkedView, Message
 from runtime.plan.contract import OwnCache
+from runtime.plan.hot_tier import HotDonor
 from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot
 
 __all__ = [
@@ -71,10 +72,13 @@ __all__ = [
 class CheckedOut(Message, frozen=True, kw_only=True):
     """The agent's own cache its turn may start from (its disk cache read first when it had no hot one).
 
-    None: the agent has no cache of that model (or its disk cache could not be read: a logged miss).
+    ``own`` None: the agent has no cache of that model (or its disk cache could not be read: a logged
+    miss). ``donors``: for a turn that shares prefixes, the other sharing agents' hot caches of its
+    tenant and model, which it may start from instead (:meth:`runtime.plan.hot_tier.HotTier.donors`).
     """
 
     own: OwnCache | None
+    donors: tuple[HotDonor, ...] = ()
 
 
 class Forgotten(Message, frozen=True, kw_only=True):
@@ -170,6 +174,7 @@ class CheckOut(Message, frozen=True, kw_only=True):
     agent_id: str
     model_tag: str
     reply: trio.MemorySendChannel[CheckOutReply]
+    share_prefix: bool = False
 
 
 class ReadBlocks(Message, frozen=True, kw_only=True):

@@ -220,6 +220,7 @@ class GpuStats(msgspec.Struct, frozen=True, kw_only=True):
     pool: PoolStats
     memory: MemorySnapshot
     turns: tuple[RunningTurn, ...] = ()
+    prefix_hits: int = 0  # turns that started from another agent's cache (its hot cache or prompt in flight)
 
 
 class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):

@@ -95,6 +95,7 @@ from runtime.backend import profile_setting
 from runtime.config import Config
 from runtime.plan.contract import Engine, ToolChoice
 from runtime.identity import check_agent_id, local_id, safe_agent_dirname, tenant_of
+from runtime.plan.hot_tier import HotTier
 from runtime.plan.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
 from runtime.errors import DirectoryInUseError
@@ -135,7 +136,6 @@ class Runtime:
         metrics: RuntimeMetrics,
         idle_timeout_s: float,
         durable: bool = True,
-        manager: KVCacheManager | None = None,
     ) -> None:
         self._gpu = gpu
         self._store = store
@@ -145,7 +145,6 @@ class Runtime:
         self._metrics = metrics
         self._idle_timeout_s = idle_timeout_s
         self._durable = durable
-        self._manager = manager
         self._agents: dict[str, tuple[trio.MemorySendChannel[AgentInbox], AgentActor]] = {}
         self._request_ids = itertools.count(1)
         self._closed = False
@@ -193,9 +192,7 @@ class Runtime:
 
     def hot_caches(self) -> list[HotCacheBytes]:
         """Each cache in the hot tier (one per agent and model) and the RAM it holds, least recently used first."""
-        if self._manager is None:
-            return []
-        return [HotCacheBytes.of(entry.agent_id, entry.parked) for entry in self._manager.entries()]
+        return [HotCacheBytes.of(entry.agent_id, entry.parked) for entry in self._store.hot_entries()]
 
     def last_turn(self, agent_id: str) -> TurnRecord | None:
         """The agent's last turn since the runtime opened (None: none yet, or forgotten since)."""
@@ -506,14 +503,14 @@ async def _owned_runtime(
     store_send, store_receive = trio.open_memory_channel[StoreInbox](_MAILBOX_SIZE)
     gpu_send, gpu_receive = trio.open_memory_channel[GpuInbox](_MAILBOX_SIZE)
     hot_mb = profile_setting("hot_budget_mb", config.hot_budget_mb, engine.profile)
-    manager = KVCacheManager(hot_budget_bytes=int(hot_mb * 2**20))
+    hot = HotTier(hot_budget_bytes=int(hot_mb * 2**20))
     events: deque[GpuEvent] | None = deque(maxlen=100_000) if trace else None  # one log, the actors' work in order
-    store = CacheStoreActor(store_receive, directory=directory, manager=manager, remote=remote,
+    store = CacheStoreActor(store_receive, directory=directory, hot=hot, remote=remote,
                             prefetch_bytes=int(config.prefetch_mb * 2**20), events=events)
     gpu = GPUActor(
         gpu_receive,
         engine=engine,
-        manager=manager,
+        manager=KVCacheManager(),
         budget_bytes=int(profile_setting("budget_mb", config.budget_mb, engine.profile) * 2**20),
         max_batch=config.max_batch,
         prefill_chunk=config.prefill_chunk,
@@ -551,7 +548,6 @@ async def _owned_runtime(
                     metrics=metrics,
                     idle_timeout_s=config.idle_timeout_s,
                     durable=config.durable,
-                    manager=manager,
                 )
                 control_scope = trio.CancelScope()
 

@@ -30,7 +30,7 @@ from actors.messages_store import (
     NewCache,
     StoreInbox,
 )
-from runtime.plan.kv_manager import KVCacheManager
+from runtime.plan.hot_tier import HotTier
 from runtime.persist import CacheDirectory
 from runtime.spec import BLOCK_TOKENS
 
@@ -118,7 +118,7 @@ async def test_the_hot_tier_keeps_one_cache_per_agent_and_model(tmp_path: Path) 
     directory = CacheDirectory(tmp_path / "caches", fsync=False)
     a, b = _parked(TAG_A, "on model a"), _parked(TAG_B, "on model b, longer")
     send, receive = trio.open_memory_channel[StoreInbox](0)
-    store = CacheStoreActor(receive, directory=directory, manager=KVCacheManager(hot_budget_bytes=1 << 20))
+    store = CacheStoreActor(receive, directory=directory, hot=HotTier(hot_budget_bytes=1 << 20))
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         async with send:
@@ -146,7 +146,7 @@ async def test_the_hot_tier_keeps_one_cache_per_agent_and_model(tmp_path: Path) 
     directory.save("x", a.to_snapshot())
     directory.save("x", b.to_snapshot())
     send, receive = trio.open_memory_channel[StoreInbox](0)
-    store = CacheStoreActor(receive, directory=directory, manager=KVCacheManager(hot_budget_bytes=1 << 20))
+    store = CacheStoreActor(receive, directory=directory, hot=HotTier(hot_budget_bytes=1 << 20))
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         async with send:

@@ -1,7 +1,10 @@
-"""The cache manager's one decision per turn: what is reused, from where, and what is prefilled.
+"""The reuse planner's one decision per turn (what is reused, from where, and what is prefilled), over the
+hot tier's caches.
 
 Pure Python (no trio, no mlx): caches here are plain objects with one token per
-character, so every expected number can be counted by hand.
+character, so every expected number can be counted by hand. :class:`Wired` joins the
+store's hot tier and the GPU actor's planner as the actors do: a turn plans against what
+its checkout gave (its own cache, and the other sharing agents' hot caches).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import numpy as np
 import pytest
 
 from runtime.plan.contract import ColdStart, FromHot, FromShared, FromWarm
+from runtime.plan.hot_tier import HotTier
 from runtime.plan.kv_manager import KVCacheManager
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 
@@ -48,11 +52,38 @@ def _snapshot(text: str, tag: str = TAG) -> CacheSnapshot:
                          layers=[LayerSnapshot(LayerKind.FLOAT, {"k": ids, "v": ids})])
 
 
-def _manager(budget: int = 1 << 30) -> KVCacheManager:
-    return KVCacheManager(hot_budget_bytes=budget)
+class Wired:
+    """The store's hot tier and the GPU actor's planner, joined as the actors join them: ``plan`` and ``begin``
+    take the other sharing agents' hot caches a checkout gives, and ``put`` (a turn's check-in) tells the
+    planner of a sharing agent's new cache, as the GPU actor does; the rest is either's own."""
+
+    def __init__(self, budget: int) -> None:
+        self.hot = HotTier(hot_budget_bytes=budget)
+        self.planner = KVCacheManager()
+
+    def plan(self, agent_id, model_tag, prompt, *, share_prefix, own):  # type: ignore[no-untyped-def]
+        donors = self.hot.donors(agent_id, model_tag) if share_prefix else ()
+        return self.planner.plan(agent_id, model_tag, prompt, share_prefix=share_prefix, own=own, hot=donors)
+
+    def begin(self, request_id, *, agent_id, model_tag, share_prefix, **kw):  # type: ignore[no-untyped-def]
+        donors = self.hot.donors(agent_id, model_tag) if share_prefix else ()
+        self.planner.begin(request_id, agent_id=agent_id, model_tag=model_tag, share_prefix=share_prefix,
+                           hot=donors, **kw)
+
+    def put(self, agent_id, parked, *, share_prefix, **kw):  # type: ignore[no-untyped-def]
+        if share_prefix:  # the GPU actor, as it checks a sharing turn's new cache in
+            self.planner.left(agent_id, parked.model_tag, parked)
+        return self.hot.put(agent_id, parked, share_prefix=share_prefix, **kw)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.planner if hasattr(self.planner, name) else self.hot, name)
 
 
-def _put(m: KVCacheManager, agent: str, parked: Parked, *, share_prefix: bool = True, block_bytes: int = 1) -> list:
+def _manager(budget: int = 1 << 30) -> Wired:
+    return Wired(budget)
+
+
+def _put(m: Wired, agent: str, parked: Parked, *, share_prefix: bool = True, block_bytes: int = 1) -> list:
     hashes = [f"{parked.model_tag}:{parked.text[:end]}" for end in range(BLOCK_TOKENS, parked.num_tokens + 1,
                                                                          BLOCK_TOKENS)]
     return m.put(agent, parked, share_prefix=share_prefix, block_bytes=block_bytes, block_hashes=hashes)
@@ -118,7 +149,7 @@ def test_another_agents_cache_gives_its_prefix_to_the_token_when_own_cache_has_n
     kept = len(SYSTEM + "user:")  # " my" is the word they part in
     assert plan.source.donor == "donor" and plan.source.reuse_tokens == kept
     assert (plan.match, plan.reuse_tokens, plan.reuse_chars) == ("partial", kept, kept)
-    assert m.stats().prefix_hits == 1
+    assert m.prefix_hits == 1
 
 
 def test_less_than_a_block_of_another_agents_cache_is_not_taken_and_of_its_own_is():

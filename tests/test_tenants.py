@@ -28,6 +28,7 @@ from gateway.tenants import Limits, Tenant, load_tenant_keys
 from gateway.testing import ServerThread
 from runtime.config import Config, ConfigError, load_config
 from runtime.plan.contract import ParkedView
+from runtime.plan.hot_tier import HotTier
 from runtime.plan.kv_manager import KVCacheManager
 from runtime.identity import namespaced
 
@@ -426,19 +427,24 @@ def _hot(text: str) -> ParkedView:
     return FakeParked(MODEL, text, tuple(ord(c) for c in text), tuple(range(1, len(text) + 1)))
 
 
-def test_the_manager_shares_prefixes_within_a_tenant_only() -> None:
-    manager = KVCacheManager(hot_budget_bytes=2**20)
+def test_the_hot_tier_shares_prefixes_within_a_tenant_only() -> None:
+    hot, planner = HotTier(hot_budget_bytes=2**20), KVCacheManager()
     text = "x" * 600
     donor = namespaced("acme", "a")
-    manager.put(donor, _hot(text), share_prefix=True, block_bytes=16, block_hashes=["h1", "h2"])
-    assert manager.plan(namespaced("acme", "b"), MODEL, text + "y", share_prefix=True, own=manager.checkout(namespaced("acme", "b"), MODEL)).tier == "shared"
-    assert manager.plan(namespaced("globex", "a"), MODEL, text + "y", share_prefix=True, own=manager.checkout(namespaced("globex", "a"), MODEL)).tier == "cold"
-    assert manager.plan("a", MODEL, text + "y", share_prefix=True, own=manager.checkout("a", MODEL)).tier == "cold"  # the default namespace too
+    hot.put(donor, _hot(text), share_prefix=True, block_bytes=16, block_hashes=["h1", "h2"])
+
+    def tier(agent: str) -> str:  # planned against what its checkout gives, as the GPU actor plans a turn
+        return planner.plan(agent, MODEL, text + "y", share_prefix=True, own=hot.checkout(agent, MODEL),
+                            hot=hot.donors(agent, MODEL)).tier
+
+    assert tier(namespaced("acme", "b")) == "shared"
+    assert tier(namespaced("globex", "a")) == "cold"
+    assert tier("a") == "cold"  # the default namespace too
     # The same blocks held by another tenant are charged again: the pool's dedup is per tenant.
-    manager.put(namespaced("acme", "c"), _hot(text), share_prefix=True, block_bytes=16, block_hashes=["h1", "h2"])
-    shared_once = manager.stats().pools[MODEL].used_blocks
-    manager.put(namespaced("globex", "c"), _hot(text), share_prefix=True, block_bytes=16, block_hashes=["h1", "h2"])
-    assert manager.stats().pools[MODEL].used_blocks > shared_once
+    hot.put(namespaced("acme", "c"), _hot(text), share_prefix=True, block_bytes=16, block_hashes=["h1", "h2"])
+    shared_once = hot.stats().pools[MODEL].used_blocks
+    hot.put(namespaced("globex", "c"), _hot(text), share_prefix=True, block_bytes=16, block_hashes=["h1", "h2"])
+    assert hot.stats().pools[MODEL].used_blocks > shared_once
 
 
 async def test_new_agents_admitted_at_once_cannot_all_pass_the_limit() -> None:
