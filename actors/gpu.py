@@ -760,6 +760,8 @@ class GPUActor:
         the engine can, :meth:`runtime.plan.contract.Engine.prefill_together`, the rest one by one), the
         decode step, then one prefill chunk. A request that ended meanwhile is skipped."""
         assert self._sched is not None
+        for request_id in step.starts:  # the scheduler decided; the planner records it
+            self._manager.start_prefill(request_id, step.adopt.get(request_id))
         if step.together:
             await self._prefill_together(list(step.together))
         for request_id in step.join:

@@ -158,14 +158,14 @@ class _Donors:
         self._awaiting = awaiting or set()
         self.asked: list[int] = []
 
-    def adopt(self, request_id: int) -> FromShared | None:
+    def donor_for(self, request_id: int) -> FromShared | None:
         self.asked.append(request_id)
-        return self._adopt.pop(request_id, None)  # first chunk only, as the manager
+        return self._adopt.get(request_id)
 
-    def wants_donor(self, request_id: int) -> bool:
+    def wants_donor(self, request_id: int, starting: object = ()) -> bool:
         return request_id in self._wanted
 
-    def awaits_donor(self, request_id: int, prefilling: object) -> bool:
+    def awaits_donor(self, request_id: int, prefilling: object, starting: object = ()) -> bool:
         return request_id in self._awaiting
 
     def held_back(self, request_id: int) -> bool:
@@ -225,7 +225,7 @@ def test_the_tail_of_a_long_prefill_does_not_join_ahead() -> None:
     s = _sched(1000)
     _prefilling(s, {1: 300})
     s.to_prefill(1, 44)  # after one chunk of 256
-    assert s.step(_Donors()) == Step(prefill=1)  # one chunk, then the batch steps again
+    assert s.step(_Donors()) == Step(prefill=1, starts=(1,))  # one chunk, then the batch steps again
 
 
 def test_a_step_with_nothing_to_prefill_only_decodes() -> None:
@@ -251,3 +251,27 @@ def test_the_batch_steps_once_between_two_chunks_of_a_long_prefill() -> None:
     s.to_prefill(2, 300)
     step = s.step(_Donors())
     assert step.decode == (1,) and step.prefill == 2 and step.decode_steps == 1
+
+
+def test_a_step_is_a_value_asking_changes_nothing_and_the_gpu_actor_records_its_starts() -> None:
+    """Issue 60: the scheduler returns the whole step and changes nothing, not even the planner it asks
+    (a turn's adoption used to be recorded as it was asked); the GPU actor records each start it carries out."""
+    from runtime.plan.kv_manager import KVCacheManager
+    from runtime.spec import BLOCK_TOKENS as TOKENS
+
+    system = [7] * (2 * TOKENS + 10)
+    planner = KVCacheManager()
+    planner.begin(1, agent_id="a", model_tag="m", token_ids=[*system, 1], tokens_reused=0, share_prefix=True)
+    planner.begin(2, agent_id="b", model_tag="m", token_ids=[*system, 2], tokens_reused=0, share_prefix=True)
+    s = _sched(64)
+    _prefilling(s, {1: len(system) + 1, 2: len(system) + 1})
+    first = s.step(planner)
+    assert s.step(planner) == first  # asked again, the same answer
+    assert not planner.awaits_donor(2, s.prefilling())  # nothing recorded: 1 has not started for the planner
+    assert first.starts == (first.prefill,) and first.prefill == 1 and not first.adopt
+    assert first.donate == frozenset({1})  # 2 would start from 1's prompt: 1 parks it once prefilled
+    for request_id in first.starts:
+        planner.start_prefill(request_id, first.adopt.get(request_id))
+    # Recorded: 1 started, so 2 now waits for its prompt instead of prefilling the same blocks.
+    assert planner.awaits_donor(2, s.prefilling())
+    assert s.step(planner).prefill == 1

@@ -75,6 +75,12 @@ class Wired:
             self.planner.left(agent_id, parked.model_tag, parked)
         return self.hot.put(agent_id, parked, share_prefix=share_prefix, **kw)
 
+    def adopt(self, request_id):  # type: ignore[no-untyped-def]
+        """What the GPU actor does with a step's start: the planner's answer, recorded."""
+        shared = self.planner.donor_for(request_id)
+        self.planner.start_prefill(request_id, shared)
+        return shared
+
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self.planner if hasattr(self.planner, name) else self.hot, name)
 

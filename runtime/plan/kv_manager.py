@@ -14,7 +14,7 @@ cache (checked out of the store's :class:`runtime.plan.hot_tier.HotTier`) and th
 what is reused, from where, and what is prefilled. The answer, a
 :class:`runtime.plan.contract.TurnPlan`, travels to the engine unchanged. A turn can still
 adopt a donor's tokens that cover more of its prompt before its first prefill chunk
-(:meth:`KVCacheManager.adopt`): agents that arrive together with the same system prompt then
+(:meth:`KVCacheManager.donor_for`): agents that arrive together with the same system prompt then
 prefill it once, and one that comes while the first decodes has the first's prompt parked
 then (:meth:`KVCacheManager.late_donor`). The samples of one request (OpenAI's ``n``: one
 prompt, several replies) form a *group*: the first prefills the prompt (from the agent's own
@@ -25,7 +25,7 @@ no tenant or opt-in to check).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from runtime.identity import tenant_of
@@ -190,23 +190,21 @@ class KVCacheManager:
         if best is None:
             return None
         keep, (donor, cache) = best
-        turn.tokens_reused = keep
         return FromShared(parked=cache, reuse_tokens=keep, donor=donor)
 
-    def adopt(self, request_id: int) -> FromShared | None:
-        """Before a sharing turn's first prefill chunk: a donor's tokens that cover more of its prompt than it reuses.
+    def donor_for(self, request_id: int) -> FromShared | None:
+        """Before a sharing turn's first prefill chunk: a donor's tokens that cover more of its prompt than it
+        reuses (None: none, or its prefill started already). A question: :meth:`start_prefill` records the answer.
 
         Donors are the prompts turns in flight parked for others and, for a turn that reuses nothing, the
         other sharing agents' hot caches its checkout gave (a turn that reuses something was planned
-        against them already, on its text).
-        Matched on token ids, to the token: the turn then starts from the donor's first tokens, which are
-        its own tokenization's, so the result is what a prefill of those tokens computes. Marks the turn's
-        prefill as started.
+        against them already, on its text). Matched on token ids, to the token: the turn then starts from
+        the donor's first tokens, which are its own tokenization's, so the result is what a prefill of
+        those tokens computes.
         """
         turn = self._inflight.get(request_id)
         if turn is None or turn.prefill_started:
             return None
-        turn.prefill_started = True
         if (sibling := self._sibling_donor(request_id, turn)) is not None:
             return sibling
         if not turn.share_prefix:
@@ -217,32 +215,47 @@ class KVCacheManager:
         if best is None:
             return None
         keep, (donor, parked) = best
-        turn.tokens_reused = keep
-        self.prefix_hits += 1
         return FromShared(parked=parked, reuse_tokens=keep, donor=donor)
 
-    def wants_donor(self, request_id: int) -> bool:
-        """Whether a sharing turn that has not started prefill would reuse more of this prefilled turn's prompt."""
+    def start_prefill(self, request_id: int, adopted: FromShared | None) -> None:
+        """The turn's first prefill chunk runs now, from ``adopted`` (:meth:`donor_for`'s answer) if not None."""
+        turn = self._inflight.get(request_id)
+        if turn is None or turn.prefill_started:
+            return
+        turn.prefill_started = True
+        if adopted is not None:
+            turn.tokens_reused = adopted.reuse_tokens
+            if adopted.donor != turn.agent_id:  # another agent's, not a sample's own request's
+                self.prefix_hits += 1
+
+    def wants_donor(self, request_id: int, starting: Collection[int] = ()) -> bool:
+        """Whether a sharing turn that has not started prefill would reuse more of this prefilled turn's prompt
+        (``starting``: turns whose prefill starts in the same step, counted as started)."""
         turn = self._inflight.get(request_id)
         if turn is None:
             return False
-        if turn.group == request_id and any(not other.prefill_started for _, other in self._siblings(request_id, turn)):
+
+        def waiting(other_id: int, other: _InFlight) -> bool:
+            return not (other.prefill_started or other_id in starting)
+
+        if turn.group == request_id and any(waiting(*pair) for pair in self._siblings(request_id, turn)):
             return True  # the first sample of a request: the others start from its prompt
-        return any(not other.prefill_started and self._would_reuse_more(turn, other)
+        return any(waiting(other_id, other) and self._would_reuse_more(turn, other)
                    for other_id, other in self._inflight.items() if other_id != request_id)
 
-    def awaits_donor(self, request_id: int, prefilling: Iterable[int]) -> bool:
+    def awaits_donor(self, request_id: int, prefilling: Iterable[int], starting: Collection[int] = ()) -> bool:
         """Whether a sharing turn that has not started prefill would start from more of a prompt being prefilled
         (a sharing turn of ``prefilling`` whose prefill started) than it reuses: it then waits for that prompt,
         which its turn parks once prefilled (:meth:`wants_donor`), instead of prefilling the same blocks again.
         Prompts of a few tokens' difference in length otherwise take turns at the chunks (the scheduler's
-        aging credit), and agents that arrived together each prefilled the system prompt they share."""
+        aging credit), and agents that arrived together each prefilled the system prompt they share.
+        ``starting``: turns whose prefill starts in the same step, counted as started."""
         turn = self._inflight.get(request_id)
         if turn is None or turn.prefill_started:
             return False
         if self.held_back(request_id):
             return True
-        return any(other.prefill_started and self._would_reuse_more(other, turn)
+        return any((other.prefill_started or other_id in starting) and self._would_reuse_more(other, turn)
                    for other_id in prefilling
                    if other_id != request_id and (other := self._inflight.get(other_id)) is not None)
 

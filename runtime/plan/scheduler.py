@@ -40,7 +40,7 @@ one started; so a turn that would start from a prompt being prefilled waits for 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,17 +64,18 @@ causes is a few short chunks. Longer prompts keep one chunk per step."""
 class Donors(Protocol):
     """Who may start from another turn's blocks (:class:`runtime.plan.kv_manager.KVCacheManager`)."""
 
-    def adopt(self, request_id: int) -> FromShared | None:
-        """Before a turn's first prefill chunk: the donor blocks it starts from (marks its prefill started)."""
+    def donor_for(self, request_id: int) -> FromShared | None:
+        """Before a turn's first prefill chunk: the donor blocks it would start from (a question: nothing changes)."""
         ...
 
-    def wants_donor(self, request_id: int) -> bool:
-        """Whether turns waiting to prefill would start from this turn's prompt once it is prefilled."""
+    def wants_donor(self, request_id: int, starting: Collection[int] = ()) -> bool:
+        """Whether turns waiting to prefill would start from this turn's prompt once it is prefilled
+        (``starting``: turns whose first chunk runs in this step, counted as started)."""
         ...
 
-    def awaits_donor(self, request_id: int, prefilling: Iterable[int]) -> bool:
+    def awaits_donor(self, request_id: int, prefilling: Iterable[int], starting: Collection[int] = ()) -> bool:
         """Whether this turn, not yet started, would start from more of one of ``prefilling``'s started prompts
-        than it reuses: it waits for that prompt instead of taking the next chunk."""
+        (or ``starting``'s) than it reuses: it waits for that prompt instead of taking the next chunk."""
         ...
 
     def held_back(self, request_id: int) -> bool:
@@ -91,6 +92,8 @@ class Step:
         join: prefills short enough to join the batch before this step (one chunk each, in this order).
         together: those of ``join`` prefilled in one pass (at least two; none starts from or gives blocks).
         adopt: the donor blocks a prefill's first chunk starts from, per request.
+        starts: the prefills whose first chunk may run in this step (``join``, then ``prefill``): the GPU actor
+            records each one's start, with its ``adopt`` (:meth:`runtime.plan.kv_manager.KVCacheManager.start_prefill`).
         donate: the prefills (of ``join`` and ``prefill``) that park their prompt for turns
             waiting to start from it, if their prefill completes in this step.
         decode: the rows the batch steps: those decoding, and those that join first.
@@ -107,6 +110,7 @@ class Step:
     join: tuple[int, ...] = ()
     together: tuple[int, ...] = ()
     adopt: Mapping[int, FromShared] = field(default_factory=dict)
+    starts: tuple[int, ...] = ()
     donate: frozenset[int] = frozenset()
     decode: tuple[int, ...] = ()
     prefill: int | None = None
@@ -238,23 +242,26 @@ class Scheduler:
         return tuple(self._admit())
 
     def step(self, donors: Donors) -> Step:
-        """The rest of this loop iteration (see :class:`Step`), once the admitted requests have started."""
+        """The rest of this loop iteration (see :class:`Step`), once the admitted requests have started: a value;
+        neither the scheduler nor ``donors`` changes (the GPU actor carries it out)."""
         limit = JOIN_AHEAD_TOKENS if self.prefill_chunk is None else min(JOIN_AHEAD_TOKENS, self.prefill_chunk)
         # A short prompt joins; the last chunk of a long one does not (one chunk between two steps).
         join = tuple(r for r in self._prefilling
                      if (n := self._running[r].prompt_to_prefill) is not None and n <= limit and not donors.held_back(r))
-        adopt = {r: shared for r in join if (shared := donors.adopt(r)) is not None}
-        together = tuple(r for r in join if r not in adopt and not donors.wants_donor(r))
+        adopt = {r: shared for r in join if (shared := donors.donor_for(r)) is not None}
+        together = tuple(r for r in join if r not in adopt and not donors.wants_donor(r, join))
         # A turn that would start from a prompt being prefilled waits for it (the first of several agents that
         # arrive together with one system prompt prefills it; the others start from its blocks).
-        awaiting = tuple(r for r in self._prefilling if r not in join and donors.awaits_donor(r, self._prefilling))
+        awaiting = tuple(r for r in self._prefilling
+                         if r not in join and donors.awaits_donor(r, self._prefilling, join))
         prefill = self.next_prefill(exclude=join + awaiting)
-        if prefill is not None and (shared := donors.adopt(prefill)) is not None:
+        if prefill is not None and (shared := donors.donor_for(prefill)) is not None:
             adopt[prefill] = shared
-        # Asked again, now that the next prefill took its donor: a prompt only it wanted is not parked.
-        donate = frozenset(r for r in (*join, *([prefill] if prefill is not None else []))
-                           if r not in together and donors.wants_donor(r))
-        return Step(join=join, together=together if len(together) >= 2 else (), adopt=adopt, donate=donate,
+        starts = (*join, *([prefill] if prefill is not None else []))
+        # Asked again, now that the next prefill starts too: a prompt only it wanted is not parked.
+        donate = frozenset(r for r in starts if r not in together and donors.wants_donor(r, starts))
+        return Step(join=join, together=together if len(together) >= 2 else (), adopt=adopt, starts=starts,
+                    donate=donate,
                     decode=tuple(sorted({*self._decoding, *join})), prefill=prefill, chunk=self.prefill_chunk,
                     decode_steps=self.decode_run_steps if prefill is None else 1)
 
