@@ -407,7 +407,7 @@ class GPUActor:
             admitted = self._sched.admit()
             if admitted:
                 await self._start(admitted)
-            await self._run_step(self._sched.step(self._manager))
+            await self._run_step(self._sched.step(self._manager, admitted))
             self._accept_waiting()
             await self._make_copies(prefilling=bool(self._sched.prefilling()))
             await trio.lowlevel.checkpoint()
@@ -739,16 +739,10 @@ class GPUActor:
             req.started = started
             self._sched.to_prefill(request_id, started.tokens_to_prefill)
             self._event("admit", request_id)
-        for request_id, _ in reqs:
-            await self._park_late_donor(request_id)
 
-    async def _park_late_donor(self, request_id: int) -> None:
-        """A decoding turn's prompt this new turn would start from, parked now (see
-        :meth:`runtime.plan.kv_manager.KVCacheManager.late_donor`); its first prefill chunk adopts it."""
-        assert self._sched is not None
-        donor = self._manager.late_donor(request_id, self._sched.decoding())
-        if donor is None:
-            return
+    async def _park_for_others(self, donor: int) -> None:
+        """A decoding turn's prompt a new turn would start from, parked now (a step's ``park``: see
+        :meth:`runtime.plan.kv_manager.KVCacheManager.late_donor`); the new turn's first prefill chunk adopts it."""
         try:
             self._manager.add_donor(donor, await self._job(self._engine.park_prompt, donor))
         except Exception:  # noqa: BLE001 - the new turn prefills the prompt itself; the donor's turn goes on
@@ -760,6 +754,8 @@ class GPUActor:
         the engine can, :meth:`runtime.plan.contract.Engine.prefill_together`, the rest one by one), the
         decode step, then one prefill chunk. A request that ended meanwhile is skipped."""
         assert self._sched is not None
+        for donor in step.park:
+            await self._park_for_others(donor)
         for request_id in step.starts:  # the scheduler decided; the planner records it
             self._manager.start_prefill(request_id, step.adopt.get(request_id))
         if step.together:

@@ -286,6 +286,22 @@ async def test_a_turn_that_starts_at_once_is_accepted_by_its_announcement_and_on
     assert True in started_when_accepted and False in started_when_accepted, started_when_accepted
 
 
+async def test_a_turn_that_comes_while_another_with_its_system_prompt_decodes_starts_from_that_prompt(tmp_path):
+    """The first turn prefilled its prompt before the second came, so nobody asked it to park it: the step that
+    follows the second's admission parks it from its batch row (the scheduler's ``park``), and the second's
+    first chunk starts from it, to the token, instead of prefilling the same blocks again."""
+    system = "S" * 700  # the fake engine's tokens are characters: two whole blocks and more
+    async with _open(tmp_path, engine=FakeEngine(step_delay_s=0.005)) as rt:
+        async with rt.agent("a").stream_prompt(system + " a's question", max_tokens=200) as first:
+            async for _ in first:
+                break  # its first token: it decodes now
+            second = await rt.agent("b").send_prompt(system + " b's question", max_tokens=2)
+            async for _ in first:
+                pass
+        assert rt.stats().gpu.prefix_hits == 1
+    assert second.usage.tier == "shared" and second.usage.tokens_reused == len(system) + 1
+
+
 async def test_small_budget_queues_requests_and_none_fails(tmp_path):
     # 16 bytes/token: a 4 KiB block is 256 tokens; 2 blocks fit one 300-token request.
     async with _open(tmp_path, budget_mb=8 * 1024 / 2**20) as rt:

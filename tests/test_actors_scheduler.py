@@ -168,6 +168,9 @@ class _Donors:
     def awaits_donor(self, request_id: int, prefilling: object, starting: object = ()) -> bool:
         return request_id in self._awaiting
 
+    def late_donor(self, request_id: int, decoding: object) -> int | None:
+        return None
+
     def held_back(self, request_id: int) -> bool:
         return False
 
@@ -275,3 +278,21 @@ def test_a_step_is_a_value_asking_changes_nothing_and_the_gpu_actor_records_its_
     # Recorded: 1 started, so 2 now waits for its prompt instead of prefilling the same blocks.
     assert planner.awaits_donor(2, s.prefilling())
     assert s.step(planner).prefill == 1
+
+
+def test_a_step_that_parks_a_decoding_turns_prompt_for_a_new_turn_does_only_that() -> None:
+    """A turn admitted while another with its system prompt decodes starts from that prompt, parked from the
+    batch row first: the step says which (``park``, asked for the admitted turns only) and does nothing else,
+    so the new turn's first chunk, in the next step, may start from it."""
+
+    class Late(_Donors):
+        def late_donor(self, request_id: int, decoding: object) -> int | None:
+            return 1 if request_id == 2 else None
+
+    s = _sched(64)
+    _prefilling(s, {1: 10})
+    s.prefilled(1)
+    _prefilling(s, {2: 40})
+    assert s.step(Late(), admitted=(2,)) == Step(park=(1,))
+    step = s.step(Late())  # the next pass: nothing newly admitted
+    assert step.park == () and step.join == (2,) and step.decode == (1, 2)

@@ -78,6 +78,10 @@ class Donors(Protocol):
         (or ``starting``'s) than it reuses: it waits for that prompt instead of taking the next chunk."""
         ...
 
+    def late_donor(self, request_id: int, decoding: Iterable[int]) -> int | None:
+        """The decoding turn whose prompt this new turn would start from, parked for nobody yet (None: none)."""
+        ...
+
     def held_back(self, request_id: int) -> bool:
         """Whether this turn is a sample of a request whose first sample has not parked its prompt yet: it
         neither joins nor prefills until then."""
@@ -92,6 +96,9 @@ class Step:
         join: prefills short enough to join the batch before this step (one chunk each, in this order).
         together: those of ``join`` prefilled in one pass (at least two; none starts from or gives blocks).
         adopt: the donor blocks a prefill's first chunk starts from, per request.
+        park: decoding turns whose prompt is parked now, for turns just admitted that would start from it
+            (:meth:`runtime.plan.kv_manager.KVCacheManager.late_donor`); a step that parks does nothing else,
+            so the next one's first chunks may start from what it parked.
         starts: the prefills whose first chunk may run in this step (``join``, then ``prefill``): the GPU actor
             records each one's start, with its ``adopt`` (:meth:`runtime.plan.kv_manager.KVCacheManager.start_prefill`).
         donate: the prefills (of ``join`` and ``prefill``) that park their prompt for turns
@@ -111,6 +118,7 @@ class Step:
     together: tuple[int, ...] = ()
     adopt: Mapping[int, FromShared] = field(default_factory=dict)
     starts: tuple[int, ...] = ()
+    park: tuple[int, ...] = ()
     donate: frozenset[int] = frozenset()
     decode: tuple[int, ...] = ()
     prefill: int | None = None
@@ -241,9 +249,13 @@ class Scheduler:
         """The waiting requests that start now (FIFO, as the budget and ``max_batch`` allow)."""
         return tuple(self._admit())
 
-    def step(self, donors: Donors) -> Step:
-        """The rest of this loop iteration (see :class:`Step`), once the admitted requests have started: a value;
-        neither the scheduler nor ``donors`` changes (the GPU actor carries it out)."""
+    def step(self, donors: Donors, admitted: Iterable[int] = ()) -> Step:
+        """The rest of this loop iteration (see :class:`Step`), once the ``admitted`` requests have started: a
+        value; neither the scheduler nor ``donors`` changes (the GPU actor carries it out)."""
+        decoding = self.decoding()
+        park = tuple(dict.fromkeys(d for r in admitted if (d := donors.late_donor(r, decoding)) is not None))
+        if park:
+            return Step(park=park)
         limit = JOIN_AHEAD_TOKENS if self.prefill_chunk is None else min(JOIN_AHEAD_TOKENS, self.prefill_chunk)
         # A short prompt joins; the last chunk of a long one does not (one chunk between two steps).
         join = tuple(r for r in self._prefilling
