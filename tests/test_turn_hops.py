@@ -37,6 +37,7 @@ class Costs:
     """What the traced turns sent and ran: message types, deltas, MLX jobs, text jobs."""
 
     messages: Counter[str] = field(default_factory=Counter)
+    order: list[str] = field(default_factory=list)  # the message types, as they were sent
     deltas: int = 0
     mlx_jobs: int = 0
     text_jobs: int = 0
@@ -59,6 +60,7 @@ def traced(monkeypatch: pytest.MonkeyPatch) -> Iterator[Costs]:
             costs.deltas += 1
         elif isinstance(value, msgspec.Struct):
             costs.messages[type(value).__name__] += 1
+            costs.order.append(type(value).__name__)
 
     async def traced_send(self, value):  # type: ignore[no-untyped-def]
         note(value)
@@ -115,6 +117,14 @@ CEILING = {  # per streaming turn of STEPS tokens, measured at this commit; lowe
 }
 
 
+def _diagram() -> list[str]:
+    """The message types ARCHITECTURE.md's diagram of a turn names, in order (its deltas apart)."""
+    text = (Path(__file__).resolve().parents[1] / "ARCHITECTURE.md").read_text()
+    block = text.split("## A turn's messages", 1)[1].split("```mermaid", 1)[1].split("```", 1)[0]
+    labels = [line.split(":", 1)[1].strip() for line in block.splitlines() if "->>" in line]
+    return [label.split()[0] for label in labels if label[0].isupper()]
+
+
 def _open(home: Path):  # type: ignore[no-untyped-def]
     return open_runtime(model="tiny-llama", home=home, models_dir=models_dir(), fsync=False, prewarm_mb=0,
                         through_owner=False)
@@ -143,6 +153,7 @@ async def test_a_turn_costs_no_more_messages_and_jobs_than_it_did(tmp_path: Path
             assert await _turn(rt, "a", again) == "warm"
     for name, costs, turns in (("cold", cold, 1), ("hot", hot, 1), ("warm", warm, 1), ("batched", batched, 4)):
         measured[name], kinds[name], jobs[name] = costs.per_turn(turns), costs.messages, costs.jobs
+    assert hot.order == _diagram(), f"ARCHITECTURE.md's diagram says {_diagram()}; a hot turn sent {hot.order}"
     for name, ceiling in CEILING.items():
         for what, most in ceiling.items():
             assert measured[name][what] <= most, f"a {name} turn now costs {measured[name][what]} {what} " \
