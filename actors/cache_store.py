@@ -85,7 +85,7 @@ from actors.messages_store import (
 )
 from actors.prefetch import Prefetcher
 from actors.shared_tier import RemoteStats, SharedTier
-from runtime.plan.contract import Tier
+from runtime.plan.turn_plan import Tier
 from runtime.errors import CacheMiss, InvalidAgentIdError
 from runtime.identity import AgentKey, local_id, safe_agent_dirname, tenant_of
 from runtime.plan.block_pool import PoolStats

@@ -1,7 +1,7 @@
 """GPUActor: the one actor that owns MLX work, and its scheduler loop.
 
 Every MLX call runs on one :class:`actors.mlx_thread.MlxThread`, as one
-bounded job of a :class:`runtime.plan.contract.Engine`. The loop::
+bounded job of a :class:`runtime.plan.engine.Engine`. The loop::
 
     receive messages (block only when there is nothing to do); a turn's prompt is rendered and
         tokenized on a worker thread meanwhile, then queued (when nothing runs, the loop waits
@@ -84,10 +84,10 @@ from runtime.backend import DECODE_RUN_S
 from runtime.plan import save_queue
 from runtime.plan.save_queue import copy_wait, next_copy
 from runtime.plan.scheduler import Scheduler, Step
-from runtime.plan.contract import (
-    Engine, Finished, FromShared, ModelInfo, OwnCache, ParkedView, PrefillResult, SamplingOptions, SequenceStarted, StepTiming,
-    Tokenized, ToolCall, TurnPlan,
-)
+from runtime.plan.engine import Engine, Finished, ModelInfo, PrefillResult, SequenceStarted, StepTiming
+from runtime.plan.sampling import SamplingOptions
+from runtime.plan.tools import ToolCall
+from runtime.plan.turn_plan import FromShared, OwnCache, ParkedView, Tokenized, TurnPlan
 from runtime.errors import ContextLengthExceededError, ModelError
 from runtime.reply.logprobs import TokenLogprob
 from runtime.plan.block_pool import PoolStats
@@ -160,7 +160,7 @@ class _OwedCopy:
 
 
 def _after(seconds: float) -> Callable[[], bool]:
-    """A ``stop`` for :meth:`runtime.plan.contract.Engine.snapshot`: true once ``seconds`` went by
+    """A ``stop`` for :meth:`runtime.plan.engine.Engine.snapshot`: true once ``seconds`` went by
     from now (read on the model's thread, between two parts of the copy)."""
     deadline = time.perf_counter() + seconds
     return lambda: time.perf_counter() >= deadline
@@ -751,7 +751,7 @@ class GPUActor:
 
     async def _run_step(self, step: Step) -> None:
         """Carry out one :class:`runtime.plan.scheduler.Step`: the joining prefills (in one pass where
-        the engine can, :meth:`runtime.plan.contract.Engine.prefill_together`, the rest one by one), the
+        the engine can, :meth:`runtime.plan.engine.Engine.prefill_together`, the rest one by one), the
         decode step, then one prefill chunk. A request that ended meanwhile is skipped."""
         assert self._sched is not None
         for donor in step.park:

@@ -10,7 +10,9 @@ from actors.messages_gpu import Generate, Generated, Scores
 from actors.messages_store import SnapshotDue
 from actors.metrics import RunningTurn
 from runtime.plan.hot_tier import HotDonor
-from runtime.plan.contract import Finished, SequenceStarted, Tier, Tokenized, ToolCall, TurnPlan
+from runtime.plan.engine import Finished, SequenceStarted
+from runtime.plan.tools import ToolCall
+from runtime.plan.turn_plan import Tier, Tokenized, TurnPlan
 
 __all__ = ["GpuTurn", "generated_reply", "running_turn", "tier_of"]
 

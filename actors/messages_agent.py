@@ -23,7 +23,8 @@ import trio
 
 from actors.messages_common import Failed, Message, TurnUsage
 from actors.messages_gpu import SamplingOptions, StreamItem, Tier
-from runtime.plan.contract import SEED_RANGE, Penalties, ResponseFormat, ToolCall, ToolChoice, ToolUse
+from runtime.plan.sampling import SEED_RANGE, Penalties
+from runtime.plan.tools import ResponseFormat, ToolCall, ToolChoice, ToolUse
 from runtime.reply.logprobs import TokenLogprob
 from runtime.reply.reply_format import schema_error
 
@@ -224,8 +225,8 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         ``seed``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``
         (token id to bias), ``logprobs`` (report each token's log-probability and this many alternatives;
         None: none), ``fit_context`` (``max_tokens`` is a default: shrink it to the room the model's
-        context leaves rather than refuse): see :class:`runtime.plan.contract.SamplingOptions` and
-        :class:`~runtime.plan.contract.Penalties` (None: unset).
+        context leaves rather than refuse): see :class:`runtime.plan.sampling.SamplingOptions` and
+        :class:`~runtime.plan.sampling.Penalties` (None: unset).
         """
         chat = chat_messages(messages or (), system if prompt is None else None)
         sampling = SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from runtime.plan.contract import ParkedView, Tier
+from runtime.plan.turn_plan import ParkedView, Tier
 
 __all__ = ["Failed", "ParkedView", "failed_from", "Message", "TurnUsage"]
 

@@ -26,7 +26,10 @@ import trio
 
 from actors.messages_common import Failed, ParkedView, Message, TurnUsage
 from actors.messages_store import SnapshotDue
-from runtime.plan.contract import ModelInfo, SamplingOptions, Tier, ToolCall, ToolChoice
+from runtime.plan.engine import ModelInfo
+from runtime.plan.sampling import SamplingOptions
+from runtime.plan.tools import ToolCall, ToolChoice
+from runtime.plan.turn_plan import Tier
 from runtime.reply.logprobs import TokenLogprob
 from runtime.spec import CacheSnapshot
 
@@ -121,7 +124,7 @@ class OfSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 StreamItem = str | TurnAccepted | TurnStarted | ToolCall | Scores | OfSample
 """What a streaming turn's ``deltas`` channel carries: a :class:`TurnAccepted` (a turn that waits), a :class:`TurnStarted`,
 then reply text (each piece after its :class:`Scores` when the turn asked for logprobs) and, in a turn with
-tools, each :class:`runtime.plan.contract.ToolCall` once complete; a turn with several samples, the others'
+tools, each :class:`runtime.plan.tools.ToolCall` once complete; a turn with several samples, the others'
 as :class:`OfSample`."""
 
 
@@ -232,7 +235,7 @@ class Generate(Message, frozen=True, kw_only=True):
 
 
 class Prepare(Message, frozen=True, kw_only=True):
-    """Restore a cache read from disk at start ahead of its turn (:meth:`runtime.plan.contract.Engine.prepare`)."""
+    """Restore a cache read from disk at start ahead of its turn (:meth:`runtime.plan.engine.Engine.prepare`)."""
 
     snapshot: CacheSnapshot
     reply: trio.MemorySendChannel[PrepareReply]

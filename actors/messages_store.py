@@ -33,7 +33,7 @@ import trio
 import msgspec
 
 from actors.messages_common import Failed, ParkedView, Message
-from runtime.plan.contract import OwnCache
+from runtime.plan.turn_plan import OwnCache
 from runtime.plan.hot_tier import HotDonor
 from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot
 

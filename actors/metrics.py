@@ -19,7 +19,8 @@ import msgspec
 from actors.messages_common import TurnUsage
 from actors.turn_log import TurnLog, TurnRecord
 from runtime.plan.block_pool import PoolStats
-from runtime.plan.contract import ParkedView, StepTiming
+from runtime.plan.engine import StepTiming
+from runtime.plan.turn_plan import ParkedView
 
 __all__ = [
     "TTFT_BUCKETS_MS",
@@ -244,7 +245,7 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
 
     ``at`` is when it completed (``time.perf_counter``); a step's is taken on the model's thread
     as it ends, and ``timing`` says where a step's or a chunk's time went there
-    (:class:`runtime.plan.contract.StepTiming`; None for other kinds, or an engine that does not measure).
+    (:class:`runtime.plan.engine.StepTiming`; None for other kinds, or an engine that does not measure).
     """
 
     kind: str

@@ -31,7 +31,7 @@ import msgspec
 
 from actors.messages_common import Failed
 from runtime.backend import BackendProfile
-from runtime.plan.contract import ModelInfo
+from runtime.plan.engine import ModelInfo
 
 __all__ = ["ModelSlot", "RegistryStats"]
 

@@ -93,7 +93,8 @@ from actors.signals import watch_signals
 from actors.turn_log import TurnRecord
 from runtime.backend import profile_setting
 from runtime.config import Config
-from runtime.plan.contract import Engine, ToolChoice
+from runtime.plan.engine import Engine
+from runtime.plan.tools import ToolChoice
 from runtime.identity import check_agent_id, local_id, safe_agent_dirname, tenant_of
 from runtime.plan.hot_tier import HotTier
 from runtime.plan.kv_manager import KVCacheManager

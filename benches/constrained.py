@@ -79,7 +79,7 @@ def run_setting(lm: Any, constrained: int, timer: MaskTimer) -> tuple[list[float
     how many of the constrained rows' replies parsed into tool calls by the end.
     """
     from runtime.execution.decode_batch import DecodeBatch
-    from runtime.plan.contract import ToolChoice, ToolUse
+    from runtime.plan.tools import ToolChoice, ToolUse
     from runtime.execution.sequence import SequenceSampling, Sequence
     from runtime.reply.tool_calls import reply_rules
 

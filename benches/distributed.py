@@ -163,7 +163,8 @@ def _plain_decode(folder: Path, prompt: str, steps: int, *, sharded: bool) -> li
 
 
 def _one_turn(engine: Any, request_id: int, prompt: str, decode: int) -> dict[str, Any]:
-    from runtime.plan.contract import COLD, SamplingOptions
+    from runtime.plan.sampling import SamplingOptions
+    from runtime.plan.turn_plan import COLD
 
     tokens = engine.tokenize(prompt, COLD)
     t0 = time.perf_counter()

@@ -919,7 +919,7 @@ def _windows(trace: dict[str, Any]) -> list[tuple[str, float, float]]:
 def decode_step_split(trace: dict[str, Any]) -> list[list[str]]:
     """Where decode steps' time went, from the GPU actor's trace: each kind of window (cold turns by
     size, batch rounds by agents) pools its steps; per step, the time since the step before ended
-    (median, and mean: a rate is the mean's) and its :class:`runtime.plan.contract.StepTiming` on the
+    (median, and mean: a rate is the mean's) and its :class:`runtime.plan.engine.StepTiming` on the
     model's thread: the launch, split into building the graph in Python and MLX handing it to the
     device, with the thread's CPU time over the launch (far below the launch: the thread waited, for
     the GIL or MLX's queue); the wait for the device; host work on the tokens. What the three leave of

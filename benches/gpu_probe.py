@@ -615,7 +615,8 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
     from actors.mlx_thread import MlxThread
     from benches.gpu import mlx_lm_turn
     from runtime.execution.mlx_engine import MlxEngine
-    from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
+    from runtime.plan.sampling import SamplingOptions
+    from runtime.plan.turn_plan import ColdStart, TurnPlan
 
     text = " ".join(f"note{i % 97} was kept" for i in range(300))  # about a thousand tokens
     from mlx_lm import load
@@ -709,7 +710,7 @@ def engine_decode_rows(folder: str, steps: int, profile: str = "auto", after_tok
 def _one_step_operations(engine: Any, text: str, plan: Any) -> str:
     """One steady decode step of ``engine``'s: the operations it hands MLX's submit and the submit's time (the
     count taken out of it), as a line: the joint section's pieces are read against it (µs an operation)."""
-    from runtime.plan.contract import SamplingOptions
+    from runtime.plan.sampling import SamplingOptions
 
     engine.start(99, text, plan, engine.tokenize(text, plan), SamplingOptions(max_tokens=8))
     while engine.prefill(99, None).remaining:

@@ -11,7 +11,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from actors.messages_agent import MAX_SAMPLES
-from runtime.plan.contract import SEED_RANGE
+from runtime.plan.sampling import SEED_RANGE
 from runtime.reply.logprobs import MAX_TOP_LOGPROBS
 
 __all__ = [

@@ -31,7 +31,7 @@ from runtime.config import Config
 
 if TYPE_CHECKING:
     from actors.supervisor import Runtime
-    from runtime.plan.contract import Engine
+    from runtime.plan.engine import Engine
     from runtime.persist import CacheDirectory
 
 __all__ = ["serve", "ServerStarted", "RoutesFactory", "hypercorn_config", "exposure_warning"]

@@ -24,7 +24,7 @@ from gateway.server import RoutesFactory, ServerStarted, serve
 from runtime.config import Config
 
 if TYPE_CHECKING:
-    from runtime.plan.contract import Engine
+    from runtime.plan.engine import Engine
 
 __all__ = ["ServerThread"]
 

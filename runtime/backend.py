@@ -142,7 +142,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
         long_keys_kernel: the short attention kernel's two passes over long keys are in use: set by a model's
             load whose check held them to MLX's attention (:meth:`with_model`), never by a policy.
         copy_after_turn: a finished turn's park is launched, not waited for, and its host copy for
-            the save is made after the turn (:meth:`runtime.plan.contract.Engine.snapshot`), off the
+            the save is made after the turn (:meth:`runtime.plan.engine.Engine.snapshot`), off the
             decode loop. On the CPU the copy is a memcpy of memory the host already holds: made at once.
         upload_by_copy: a cache read from disk reaches the device through ``mx.load``, one copy an
             array (:mod:`runtime.kv.upload`): on CUDA ``mx.array`` of host data is managed memory the

@@ -10,7 +10,9 @@ import mlx.core as mx
 import numpy as np
 from conftest import models_dir
 
-from runtime.plan.contract import ColdStart, Finished, SamplingOptions, TurnPlan
+from runtime.plan.engine import Finished
+from runtime.plan.sampling import SamplingOptions
+from runtime.plan.turn_plan import ColdStart, TurnPlan
 
 COLD = TurnPlan(tier="cold", source=ColdStart(), match="empty", reuse_tokens=0, reuse_chars=0)
 PROMPT = "User: Tell me about the harbour and its boats.\nAssistant:"

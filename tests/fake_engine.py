@@ -23,20 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from runtime.plan.contract import (
+from runtime.plan.engine import (
     Finished,
-    FromShared,
     MemoryReading,
     ModelInfo,
     PrefillResult,
-    SamplingOptions,
     SequenceStarted,
     StepTiming,
     StepToken,
-    Tokenized,
-    ToolChoice,
-    TurnPlan,
 )
+from runtime.plan.sampling import SamplingOptions
+from runtime.plan.tools import ToolChoice
+from runtime.plan.turn_plan import FromShared, Tokenized, TurnPlan
 from runtime.errors import ModelError
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 
@@ -108,7 +106,7 @@ class _FakeSeq:
 
 
 class FakeEngine:
-    """See the module docstring. Implements :class:`runtime.plan.contract.Engine`."""
+    """See the module docstring. Implements :class:`runtime.plan.engine.Engine`."""
 
     profile = None  # no backend profile: nothing here runs on a device
 

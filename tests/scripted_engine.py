@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from dataclasses import replace
 
-from runtime.plan.contract import SamplingOptions
+from runtime.plan.sampling import SamplingOptions
 from runtime.execution.mlx_engine import MlxEngine
 from runtime.execution.sequence import SequenceSampling
 from runtime.reply.tool_calls import ReplyRules

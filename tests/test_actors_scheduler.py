@@ -9,7 +9,7 @@ import pytest
 
 import runtime  # noqa: F401  (OpenBLAS before mlx)
 from runtime.plan.scheduler import JOIN_AHEAD_TOKENS, Scheduler, Step
-from runtime.plan.contract import FromShared
+from runtime.plan.turn_plan import FromShared
 from runtime.errors import BudgetExceededError
 from runtime.spec import BLOCK_TOKENS
 
@@ -131,7 +131,7 @@ def _inboxes():
     from actors.messages_agent import AgentInbox
     from actors.messages_gpu import GpuInbox
     from actors.messages_store import StoreInbox
-    from runtime.plan.contract import CacheSource
+    from runtime.plan.turn_plan import CacheSource
 
     return [AgentInbox, GpuInbox, StoreInbox, CacheSource]
 

@@ -253,7 +253,8 @@ def test_a_bfloat16_model_keeps_bfloat16_activations_and_kv_under_the_gpu_policy
     from runtime.cpu import kv_copy
 
     from runtime.model import tiny_models
-    from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
+    from runtime.plan.sampling import SamplingOptions
+    from runtime.plan.turn_plan import ColdStart, TurnPlan
     from runtime.kv.kvstate import ActiveKV, ParkedCache
 
     gguf = write_gguf(tiny_models.ensure_tiny_model("tiny-llama", models_dir()), tmp_path / "tiny.gguf")

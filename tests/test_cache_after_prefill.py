@@ -13,7 +13,8 @@ from conftest import models_dir
 
 from runtime.backend import decide_profile
 from runtime.execution import mlx_engine
-from runtime.plan.contract import COLD, SamplingOptions
+from runtime.plan.sampling import SamplingOptions
+from runtime.plan.turn_plan import COLD
 
 PROMPT = "The harbour master kept a ledger of ships and their cargo. " * 12
 

@@ -74,7 +74,7 @@ def test_a_copy_made_after_the_next_turn_ran_on_the_kept_buffers_is_the_copy_mad
     place), and a part at a time, as an idle actor whose copies messages interrupt makes it. Any
     buffer the unwaited park still read and the next turn overwrote would show here."""
     from runtime.cpu import kv_copy
-    from runtime.plan.contract import FromHot, TurnPlan
+    from runtime.plan.turn_plan import FromHot, TurnPlan
 
     at_once, later = _engine(attention), _engine(attention)
     try:

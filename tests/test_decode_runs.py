@@ -23,7 +23,7 @@ from actors.client import TurnFailedError
 from actors.gpu import GPUActor
 from actors.mlx_thread import MlxThread
 from fake_engine import FakeEngine, fake_reply
-from runtime.plan.contract import StepToken
+from runtime.plan.engine import StepToken
 
 STEP_S = 0.01
 WAIT_S = 10.0
@@ -99,7 +99,7 @@ async def test_a_lone_turn_decodes_in_runs_and_streams_every_token_as_it_is_made
 
 @pytest.mark.parametrize("run_steps", [1, 16])
 async def test_the_trace_times_each_step_on_the_model_thread(tmp_path, run_steps):
-    """A step event carries the engine's timing of it (:class:`runtime.plan.contract.StepTiming`) and,
+    """A step event carries the engine's timing of it (:class:`runtime.plan.engine.StepTiming`) and,
     in a run, the time it ended on the model's thread: a device run reads the decode loop from them."""
 
     class Clocked(FakeEngine):

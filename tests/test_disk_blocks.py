@@ -16,7 +16,7 @@ from actors import open_runtime
 from fake_engine import FakeEngine, FakeParked, fake_reply
 from runtime.identity import namespaced
 from runtime.persist import CacheDirectory
-from runtime.plan.contract import COLD, FromHot, FromWarm, Tokenized, TurnPlan
+from runtime.plan.turn_plan import COLD, FromHot, FromWarm, Tokenized, TurnPlan
 from runtime.plan.disk_blocks import blocks_to_look_up, start_from_blocks
 from runtime.spec import BLOCK_TOKENS, LayerKind
 

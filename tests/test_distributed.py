@@ -340,7 +340,9 @@ def test_a_handle_is_released_when_rank_0_has_dropped_every_object_it_names() ->
 
 def test_commands_cross_the_wire_unchanged() -> None:
     from runtime.distributed.wire import HotWire, Start, WirePlan, recv_command, send_frame
-    from runtime.plan.contract import SamplingOptions, Tokenized, ToolChoice, ToolUse
+    from runtime.plan.sampling import SamplingOptions
+    from runtime.plan.tools import ToolChoice, ToolUse
+    from runtime.plan.turn_plan import Tokenized
 
     tools = ToolUse(tools=({"type": "function", "function": {"name": "f", "parameters": {}}},),
                     choice=ToolChoice(mode="required", name="f"))
@@ -360,7 +362,7 @@ class _PartEngine:
         self.parts = parts
 
     def finish(self, request_id: int) -> Any:
-        from runtime.plan.contract import Finished
+        from runtime.plan.engine import Finished
 
         return Finished(reply="", finish_reason="stop", match="empty", tokens_reused=0, tokens_prefilled=0,
                         tokens_generated=0, parked=None, snapshot=self.parts.pop(0))

@@ -166,7 +166,8 @@ def test_a_cache_restored_ahead_keeps_its_float_when_the_float_itself_fits_the_b
     from runtime.cpu import kv_copy
     from runtime.execution.mlx_engine import MlxEngine, kept_float_bytes
     from runtime.model import tiny_models
-    from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
+    from runtime.plan.sampling import SamplingOptions
+    from runtime.plan.turn_plan import ColdStart, TurnPlan
 
     gguf = write_gguf(tiny_models.ensure_tiny_model("tiny-llama", models_dir()), tmp_path / "tiny.gguf")
 
@@ -208,7 +209,8 @@ def test_the_saves_host_copy_settles_the_kept_floats_pending_writes() -> None:
     from engine_turns import run_turn, tiny_engine
 
     from benches.gpu_probe import counting_submits
-    from runtime.plan.contract import FromHot, SamplingOptions, TurnPlan
+    from runtime.plan.sampling import SamplingOptions
+    from runtime.plan.turn_plan import FromHot, TurnPlan
 
     replies, first_passes = [], []
     for settle in (False, True):

@@ -20,7 +20,7 @@ from engine_turns import run_turn, tiny_engine
 
 from runtime.kv import q4_packing
 from runtime.kv.q4_packing import dequantize_kv, quantize_kv
-from runtime.plan.contract import FromHot, TurnPlan
+from runtime.plan.turn_plan import FromHot, TurnPlan
 
 
 def _ops(a: mx.array, tmp_path: Path) -> list[str]:

@@ -20,7 +20,7 @@ from mlx_lm.generate import generate_step
 
 from runtime.reply import generic_tools
 from runtime.execution.decode_batch import DecodeBatch
-from runtime.plan.contract import ResponseFormat, ToolChoice, ToolUse
+from runtime.plan.tools import ResponseFormat, ToolChoice, ToolUse
 from runtime.execution.generate import decode_alone
 from runtime.reply.grammar import ReplyGrammar, mask_rows
 from runtime.model.loaded import LoadedModel, load_model

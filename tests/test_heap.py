@@ -18,7 +18,7 @@ import runtime  # noqa: F401
 from actors import open_runtime
 from fake_engine import FakeEngine
 from runtime import heap
-from runtime.plan.contract import ModelInfo
+from runtime.plan.engine import ModelInfo
 
 
 class Weighty(FakeEngine):

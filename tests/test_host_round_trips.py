@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from conftest import models_dir
 
-from runtime.plan.contract import ColdStart, SamplingOptions, TurnPlan
+from runtime.plan.sampling import SamplingOptions
+from runtime.plan.turn_plan import ColdStart, TurnPlan
 
 PROMPT = "Tell me about the sea and the ships on it. " * 60
 
@@ -149,7 +150,7 @@ def test_a_turn_resumed_from_its_cache_starts_without_a_wait(host_calls: HostCal
     prefill launches once and reads its first token; the end waits for nothing."""
     from engine_turns import run_turn, tiny_engine
 
-    from runtime.plan.contract import FromHot, FromWarm, OwnCache
+    from runtime.plan.turn_plan import FromHot, FromWarm, OwnCache
     from runtime.plan.kv_manager import own_plan
 
     with tiny_engine("gpu", keep_float_mb=0) as engine:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from runtime.plan.contract import ColdStart, FromHot, FromShared, FromWarm
+from runtime.plan.turn_plan import ColdStart, FromHot, FromShared, FromWarm
 from runtime.plan.hot_tier import HotTier
 from runtime.plan.kv_manager import KVCacheManager
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot

@@ -95,7 +95,8 @@ PLAIN_MODULES = _plain_modules()
 
 def test_the_plain_rooms_hold_the_policy_modules():
     for module in ("runtime.plan.kv_manager", "runtime.plan.scheduler", "runtime.plan.save_queue",
-                   "runtime.plan.block_pool", "runtime.plan.contract", "runtime.config", "runtime.identity",
+                   "runtime.plan.block_pool", "runtime.plan.turn_plan", "runtime.plan.sampling",
+                   "runtime.plan.tools", "runtime.plan.engine", "runtime.plan.hot_tier", "runtime.config", "runtime.identity",
                    "runtime.spec", "runtime.backend", "runtime.persist.directory"):
         assert module in PLAIN_MODULES
 

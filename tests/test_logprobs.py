@@ -23,7 +23,7 @@ from runtime.execution.decode_batch import DecodeBatch
 from runtime.execution.generate import decode_alone
 from runtime.execution.sampling import SequenceSampling
 from runtime.execution.sequence import Sequence
-from runtime.plan.contract import Penalties, SamplingOptions
+from runtime.plan.sampling import Penalties, SamplingOptions
 from runtime.reply.logprobs import MAX_TOP_LOGPROBS
 
 FLOAT_TOL = 2e-3  # float caches against a cold pass (tests/test_cache_correctness.py's)

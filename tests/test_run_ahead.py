@@ -155,7 +155,7 @@ def test_every_prefill_chunk_records_where_its_time_went(profile: str) -> None:
 
     from engine_turns import COLD, tiny_engine
 
-    from runtime.plan.contract import SamplingOptions
+    from runtime.plan.sampling import SamplingOptions
 
     with tiny_engine(profile) as engine:
         prompt = "User: " + "Tell me about the harbour and its boats. " * 8 + "\nAssistant:"

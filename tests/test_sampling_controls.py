@@ -21,7 +21,7 @@ from runtime.execution.decode_batch import DecodeBatch
 from runtime.execution.generate import generate
 from runtime.execution.sampling import SeededSampler, SequenceSampling
 from runtime.execution.sequence import Sequence
-from runtime.plan.contract import Penalties, SamplingOptions
+from runtime.plan.sampling import Penalties, SamplingOptions
 from runtime.reply.tool_calls import ReplyRules
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3

@@ -27,7 +27,7 @@ from fake_engine import FakeEngine
 from gateway.tenants import Limits, Tenant, load_tenant_keys
 from gateway.testing import ServerThread
 from runtime.config import Config, ConfigError, load_config
-from runtime.plan.contract import ParkedView
+from runtime.plan.turn_plan import ParkedView
 from runtime.plan.hot_tier import HotTier
 from runtime.plan.kv_manager import KVCacheManager
 from runtime.identity import namespaced

@@ -10,7 +10,7 @@ import pytest
 from conftest import models_dir, tiny
 from mlx_lm.tool_parsers import mistral, pythonic
 
-from runtime.plan.contract import ToolCall, ToolChoice, ToolUse
+from runtime.plan.tools import ToolCall, ToolChoice, ToolUse
 from runtime.execution.generate import generate
 from runtime.model.loaded import LoadedModel, load_model
 from runtime.execution.sequence import SequenceSampling

@@ -54,7 +54,7 @@ from runtime.distributed.wire import (
     recv_command,
     send_frame,
 )
-from runtime.plan.contract import CacheSource, ColdStart, FromHot, FromShared, FromWarm, TurnPlan
+from runtime.plan.turn_plan import CacheSource, ColdStart, FromHot, FromShared, FromWarm, TurnPlan
 from runtime.errors import KvmemError
 from runtime.execution.mlx_engine import MlxEngine
 from runtime.persist import CacheDirectory

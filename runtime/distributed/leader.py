@@ -59,23 +59,18 @@ from runtime.distributed.wire import (
     recv_reply,
     send_frame,
 )
-from runtime.plan.contract import (
-    ColdStart,
+from runtime.plan.engine import (
     Finished,
-    FromHot,
-    FromShared,
-    FromWarm,
     MemoryReading,
     ModelInfo,
     PrefillResult,
-    SamplingOptions,
     SequenceStarted,
     StepTiming,
     StepToken,
-    Tokenized,
-    ToolChoice,
-    TurnPlan,
 )
+from runtime.plan.sampling import SamplingOptions
+from runtime.plan.tools import ToolChoice
+from runtime.plan.turn_plan import ColdStart, FromHot, FromShared, FromWarm, Tokenized, TurnPlan
 from runtime.kv.kvstate import ParkedCache
 from runtime.execution.mlx_engine import MlxEngine
 

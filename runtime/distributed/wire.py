@@ -17,7 +17,8 @@ import struct
 
 import msgspec
 
-from runtime.plan.contract import SamplingOptions, Tier, Tokenized
+from runtime.plan.sampling import SamplingOptions
+from runtime.plan.turn_plan import Tier, Tokenized
 
 __all__ = [
     "ColdWire", "HotWire", "WarmWire", "SharedWire", "WireSource", "WirePlan",
@@ -67,7 +68,7 @@ WireSource = ColdWire | HotWire | WarmWire | SharedWire
 
 
 class WirePlan(msgspec.Struct, frozen=True, kw_only=True):
-    """A :class:`runtime.plan.contract.TurnPlan` with its source named by handle."""
+    """A :class:`runtime.plan.turn_plan.TurnPlan` with its source named by handle."""
 
     tier: Tier
     source: WireSource

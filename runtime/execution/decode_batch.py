@@ -24,7 +24,7 @@ from runtime.kv.float_resident import extract_with_room, row_view
 from runtime.reply.grammar import mask_rows
 from runtime.cpu.kv_copy import place_buffers
 from runtime.execution.pass_clock import PassClock
-from runtime.plan.contract import StepTiming
+from runtime.plan.engine import StepTiming
 from runtime.kv.q4_cache import (
     BatchDequantizingQuantizedKVCache,
     BatchQuantizedKVCache,

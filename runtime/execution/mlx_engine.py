@@ -2,7 +2,7 @@
 
 Every method here calls MLX and must run on the GPU actor's MLX thread (the GPU actor guarantees it);
 memory is read with the backend-neutral ``mx.get_active_memory`` / ``mx.get_peak_memory``.
-:class:`MlxEngine` does what :class:`runtime.plan.contract.Engine` asks: load a model, render a prompt,
+:class:`MlxEngine` does what :class:`runtime.plan.engine.Engine` asks: load a model, render a prompt,
 tokenize a turn's new text once, build its sequence from the plan's cache, prefill, step, park.
 Sequences that finished prefill decode together in a :class:`runtime.execution.decode_batch.DecodeBatch`.
 """
@@ -19,25 +19,18 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from runtime.plan.contract import (
-    ColdStart,
+from runtime.plan.engine import (
     Finished,
-    FromHot,
-    FromShared,
-    FromWarm,
     MemoryReading,
     ModelInfo,
-    ParkedView,
     PrefillResult,
-    SamplingOptions,
     SequenceStarted,
     StepTiming,
     StepToken,
-    Tokenized,
-    ToolChoice,
-    ToolUse,
-    TurnPlan,
 )
+from runtime.plan.sampling import SamplingOptions
+from runtime.plan.tools import ToolChoice, ToolUse
+from runtime.plan.turn_plan import ColdStart, FromHot, FromShared, FromWarm, ParkedView, Tokenized, TurnPlan
 from runtime.backend import BackendProfile, device_profile
 from runtime.errors import ModelError
 from runtime.execution.batch_prefill import choose_group, prefill_together
@@ -92,7 +85,7 @@ def sequence_bytes(spec: ModelCacheSpec) -> int:
 
 
 class MlxEngine:
-    """Sequences, the decode batch and the loaded model (see :class:`runtime.plan.contract.Engine`).
+    """Sequences, the decode batch and the loaded model (see :class:`runtime.plan.engine.Engine`).
 
     Args:
         models_dir: where tiny models are built.

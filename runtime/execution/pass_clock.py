@@ -2,7 +2,7 @@
 
 On a GPU a pass is bound by whichever is slower: the host building its graph and handing it to the
 device, or the device computing it. :class:`PassClock` marks the phases as the pass goes (building,
-launched, read back) and turns them into a :class:`runtime.plan.contract.StepTiming`, which the GPU
+launched, read back) and turns them into a :class:`runtime.plan.engine.StepTiming`, which the GPU
 actor's trace carries, so a device run can tell which without a profiler.
 """
 
@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from runtime.plan.contract import StepTiming
+from runtime.plan.engine import StepTiming
 
 __all__ = ["PassClock"]
 

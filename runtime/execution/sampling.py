@@ -1,7 +1,7 @@
 """How one sequence picks its tokens: mlx-lm's sampler and logits processors, a turn's own seed.
 
 :class:`SequenceSampling` is what a sequence is told (from the turn's
-:class:`runtime.plan.contract.SamplingOptions` plus its reply rules); :func:`build_sampler` and
+:class:`runtime.plan.sampling.SamplingOptions` plus its reply rules); :func:`build_sampler` and
 :func:`penalty_processors` turn it into mlx-lm's pieces, which :class:`runtime.execution.sequence.Sequence`
 applies to each step's logits.
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
-from runtime.plan.contract import PENALTY_CONTEXT, Penalties
+from runtime.plan.sampling import PENALTY_CONTEXT, Penalties
 from runtime.reply.logprobs import LEAST_LOGPROB, TokenLogprob, TopLogprob
 
 __all__ = ["LogitsProcessor", "Scored", "SeededSampler", "SequenceSampling", "build_sampler", "penalty_processors",
@@ -33,7 +33,7 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 class SequenceSampling:
     """How one sequence samples: what to generate, its randomness and where to stop.
 
-    Built from a turn's :class:`runtime.plan.contract.SamplingOptions` (what the client asked)
+    Built from a turn's :class:`runtime.plan.sampling.SamplingOptions` (what the client asked)
     plus what its reply rules enforce (forced tokens, banned tokens, a grammar):
     :meth:`runtime.execution.mlx_engine.MlxEngine.sampling_params`.
 
@@ -104,7 +104,7 @@ class SeededSampler:
 
 def penalty_processors(penalties: Penalties | None) -> list[LogitsProcessor]:
     """mlx-lm's logits processors for ``penalties`` (none for None), each over the last
-    :data:`~runtime.plan.contract.PENALTY_CONTEXT` tokens."""
+    :data:`~runtime.plan.sampling.PENALTY_CONTEXT` tokens."""
     if penalties is None:
         return []
     return make_logits_processors(

@@ -24,9 +24,10 @@ import mlx.core as mx
 from runtime.backend import CPU_CHUNKS
 from runtime.execution.pass_clock import PassClock
 from runtime.execution.sampling import Scored, SequenceSampling, build_sampler, penalty_processors, score, token_logprob
-from runtime.plan.contract import (
-    COLD, PENALTY_CONTEXT, ColdStart, FromHot, FromShared, FromWarm, OwnCache, StepTiming, Tokenized, ToolCall, TurnPlan,
-)
+from runtime.plan.engine import StepTiming
+from runtime.plan.sampling import PENALTY_CONTEXT
+from runtime.plan.tools import ToolCall
+from runtime.plan.turn_plan import COLD, ColdStart, FromHot, FromShared, FromWarm, OwnCache, Tokenized, TurnPlan
 from runtime.reply.grammar import ReplyGrammar, mask_rows
 from runtime.reply.logprobs import TokenLogprob
 from runtime.kv.kvstate import ActiveKV, ParkedCache, AttentionMode

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runtime.plan.contract import FromHot, FromShared, FromWarm, Tokenized, TurnPlan
+from runtime.plan.turn_plan import FromHot, FromShared, FromWarm, Tokenized, TurnPlan
 from runtime.plan.prefix import MatchKind
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
 

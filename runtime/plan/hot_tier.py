@@ -25,7 +25,7 @@ from typing import NamedTuple
 from runtime.errors import BudgetExceededError
 from runtime.identity import AgentKey, pool_key, tenant_of
 from runtime.plan.block_pool import BlockPool, PoolStats
-from runtime.plan.contract import FromHot, FromWarm, OwnCache, ParkedView, Tier
+from runtime.plan.turn_plan import FromHot, FromWarm, OwnCache, ParkedView, Tier
 from runtime.spec import CacheSnapshot
 
 __all__ = ["HotTier", "HotEntry", "HotDonor", "HotTierStats"]

@@ -12,7 +12,7 @@ GPU actor, its one owner, executes it. It holds
 and answers the question of every turn (:meth:`KVCacheManager.plan`): given this agent's
 cache (checked out of the store's :class:`runtime.plan.hot_tier.HotTier`) and this prompt,
 what is reused, from where, and what is prefilled. The answer, a
-:class:`runtime.plan.contract.TurnPlan`, travels to the engine unchanged. A turn can still
+:class:`runtime.plan.turn_plan.TurnPlan`, travels to the engine unchanged. A turn can still
 adopt a donor's tokens that cover more of its prompt before its first prefill chunk
 (:meth:`KVCacheManager.donor_for`): agents that arrive together with the same system prompt then
 prefill it once, and one that comes while the first decodes has the first's prompt parked
@@ -29,7 +29,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from runtime.identity import tenant_of
-from runtime.plan.contract import COLD, FromHot, FromShared, OwnCache, ParkedView, TurnPlan
+from runtime.plan.turn_plan import COLD, FromHot, FromShared, OwnCache, ParkedView, TurnPlan
 from runtime.plan.hot_tier import HotDonor
 from runtime.plan.prefix import MatchKind, PrefixMatch, common_prefix_length, match_prefix
 from runtime.spec import BLOCK_TOKENS

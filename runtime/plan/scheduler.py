@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from runtime.plan.block_pool import BlockPool, PoolStats
-from runtime.plan.contract import FromShared
+from runtime.plan.turn_plan import FromShared
 from runtime.errors import BudgetExceededError
 from runtime.spec import BLOCK_TOKENS
 

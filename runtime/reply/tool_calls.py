@@ -9,7 +9,7 @@ itself:
 * :class:`ToolCallSplitter` runs mlx-lm's ``TextStateMachine`` over the reply as it
   streams: text outside the markers is content; text between them is held back until the
   closing marker (or the end of the reply) and handed to the parser, which yields
-  :class:`runtime.plan.contract.ToolCall` s. A call the parser cannot read (cut off by
+  :class:`runtime.plan.tools.ToolCall` s. A call the parser cannot read (cut off by
   ``max_tokens``, malformed) comes back as content, as generated.
 * Whitespace between content and a call, and after the last call, is not content: a chat
   template that re-renders the assistant's message (content, then its calls) then writes
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.generate import TextStateMachine
 
 from runtime.reply import generic_tools
-from runtime.plan.contract import ResponseFormat, ToolCall, ToolUse
+from runtime.plan.tools import ResponseFormat, ToolCall, ToolUse
 from runtime.reply.reply_format import answer_grammar
 
 if TYPE_CHECKING:
