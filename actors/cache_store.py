@@ -87,7 +87,7 @@ from actors.prefetch import Prefetcher
 from actors.shared_tier import RemoteStats, SharedTier
 from runtime.plan.turn_plan import Tier
 from runtime.errors import CacheMiss, InvalidAgentIdError
-from runtime.identity import AgentKey, local_id, safe_agent_dirname, tenant_of
+from runtime.identity import AgentKey, is_checked_agent_id, local_id, safe_agent_dirname, tenant_of
 from runtime.plan.block_pool import PoolStats
 from runtime.plan.hot_tier import HotTier
 from runtime.persist import CacheDirectory
@@ -250,7 +250,10 @@ class CacheStoreActor:
     async def _handle(self, message: StoreInbox) -> None:
         match message:
             case CheckOut(agent_id=agent_id, model_tag=tag):
-                if self.shared is not None or self._hot.needs_disk(agent_id, tag):
+                if not is_checked_agent_id(agent_id):  # every door checks it: a caller that did not is refused
+                    send_reply(message.reply, Failed(kind="InvalidAgentIdError", error=f"agent id {agent_id!r} "
+                                                     "is not in its checked spelling (runtime.identity)"))
+                elif self.shared is not None or self._hot.needs_disk(agent_id, tag):
                     assert self._nursery is not None
                     self._nursery.start_soon(self._check_out_after_load, message)
                 else:
@@ -421,7 +424,8 @@ class CacheStoreActor:
         mine = {(r.agent_id, r.model_tag): i for i, r in enumerate(local)}
         only_remote = []
         for entry in published:
-            if (wanted is not None and entry.agent_id != wanted) or tenant_of(entry.agent_id) != tenant:
+            if (wanted is not None and entry.agent_id != wanted) or tenant_of(entry.agent_id) != tenant \
+                    or not is_checked_agent_id(entry.agent_id):
                 continue
             key = AgentKey(entry.agent_id, entry.model_tag)
             if key in mine:

@@ -371,7 +371,7 @@ class GPUActor:
                 now = trio.current_time()
                 try:
                     with trio.move_on_after(min(copy_wait(self._copies_owed(), now=now),
-                                                self._unload_at() - now)) as wait:
+                                                max(0.0, self._unload_at() - now))) as wait:
                         self._idle_wait = wait  # a copy the store wants ends it (SnapshotDue.want)
                         message = await self._inbox.receive()
                 except trio.EndOfChannel:

@@ -39,7 +39,7 @@ import trio
 
 from actors.mailbox import ask
 from actors.messages_gpu import GpuInbox, Prepare, Prepared
-from runtime.identity import AgentKey
+from runtime.identity import AgentKey, is_checked_agent_id
 from runtime.errors import CacheMiss
 from runtime.persist.agents import AgentEntry
 from runtime.spec import CacheSnapshot
@@ -152,6 +152,9 @@ class Prefetcher:
         left = self._budget
         chosen = []
         for entry in sorted(entries, key=lambda e: -(e.updated_at or 0.0)):
+            if not is_checked_agent_id(entry.agent_id):
+                log.warning("not reading ahead the cache of %r: not an agent id kvmem would take now", entry.agent_id)
+                continue
             if entry.disk_bytes > left:
                 continue
             left -= entry.disk_bytes

@@ -128,13 +128,30 @@ def pool_key(agent_id: str, block_hash: str) -> str:
 
 # -- the id of an agent ------------------------------------------------------------
 
-class AgentKey(NamedTuple):
-    """A cache's key wherever one is kept (the hot tier, the pending saves, the read-ahead, the
-    shared tier): the agent id as :func:`check_agent_id` returned it (every door checks it first:
-    ``Runtime.agent``) and the model tag. A pair, so it hashes and compares as one; read by name."""
-
+class _AgentModel(NamedTuple):
     agent_id: str
     model_tag: str
+
+
+class AgentKey(_AgentModel):
+    """A cache's key wherever one is kept (the hot tier, the pending saves, the read-ahead, the
+    shared tier): an agent id in the one spelling :func:`check_agent_id` returns (every door checks
+    it first: ``Runtime.agent``) and a model tag, checked again when the key is made, so no layer
+    keys a cache by an id the doors would refuse or spell otherwise. A pair, so it hashes and
+    compares as one; read by name.
+
+    Raises:
+        InvalidAgentIdError: ``agent_id`` is not a checked id (or ``model_tag`` is empty).
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, agent_id: str, model_tag: str) -> AgentKey:
+        if check_agent_id(agent_id) != agent_id:
+            raise InvalidAgentIdError(f"agent id {agent_id!r} is not in its checked spelling")
+        if not isinstance(model_tag, str) or not model_tag:
+            raise InvalidAgentIdError(f"a cache's key needs its model tag, not {model_tag!r}")
+        return super().__new__(cls, agent_id, model_tag)
 
 MAX_AGENT_ID_CHARS = 256
 """Longest accepted agent id, in code points."""
@@ -192,6 +209,15 @@ def safe_agent_dirname(agent_id: str) -> str:
 
 DOT_SEGMENTS = frozenset({".", ".."})
 """Ids :func:`check_agent_id` refuses: no URL path can hold them as a segment."""
+
+
+def is_checked_agent_id(agent_id: object) -> bool:
+    """Whether ``agent_id`` is an id as :func:`check_agent_id` returns it (what an :class:`AgentKey` holds):
+    for ids read back from disk or Redis, which a cache written by an older kvmem may spell otherwise."""
+    try:
+        return isinstance(agent_id, str) and check_agent_id(agent_id) == agent_id
+    except InvalidAgentIdError:
+        return False
 
 
 def check_agent_id(agent_id: str) -> str:

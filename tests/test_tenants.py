@@ -513,3 +513,19 @@ def test_the_cli_lists_and_forgets_a_tenants_agents(tmp_path: Path, capsys: pyte
     assert main(["agents", "--json", "--tenant", "acme", *where]) == 0
     assert [a["agent"] for a in json.loads(capsys.readouterr().out)] == ["kept"]
     assert main(["agents", "--tenant", "Bad Name", *where]) == 2
+
+
+def test_a_cache_key_holds_only_an_agent_id_in_its_checked_spelling() -> None:
+    """Issue 60: the (agent, model) key is one validated type; an id the doors would refuse or spell otherwise
+    never keys a cache (here the decomposed spelling of an id ``check_agent_id`` composes)."""
+    from runtime.errors import InvalidAgentIdError
+    from runtime.identity import AgentKey, check_agent_id, is_checked_agent_id
+
+    key = AgentKey(namespaced("acme", "café"), MODEL)
+    assert key == (namespaced("acme", "café"), MODEL) and key.agent_id == check_agent_id(key.agent_id)
+    for bad in ("cafe\u0301", "..", "", "a\ufffd"):
+        assert not is_checked_agent_id(bad)
+        with pytest.raises(InvalidAgentIdError):
+            AgentKey(bad, MODEL)
+    with pytest.raises(InvalidAgentIdError):
+        AgentKey("a", "")

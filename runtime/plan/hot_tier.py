@@ -152,7 +152,7 @@ class HotTier:
 
     def saved(self, agent_id: str, parked: ParkedView) -> bool:
         """``parked`` is on disk now. Returns True when it was dropped from RAM (it never fit the budget)."""
-        entry = self._entries.get((agent_id, parked.model_tag))
+        entry = self._entries.get(AgentKey(agent_id, parked.model_tag))
         if entry is None or entry.parked is not parked:
             return False  # replaced or forgotten meanwhile
         entry.on_disk = True
