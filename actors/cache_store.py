@@ -89,7 +89,7 @@ from runtime.plan.turn_plan import Tier
 from runtime.errors import CacheMiss, InvalidAgentIdError
 from runtime.identity import AgentKey, is_checked_agent_id, local_id, safe_agent_dirname, tenant_of
 from runtime.plan.block_pool import PoolStats
-from runtime.plan.hot_tier import HotTier
+from runtime.plan.hot_tier import HotEntry, HotTier
 from runtime.persist import CacheDirectory
 from runtime.plan.save_queue import SaveQueue, WaitForLoads, WaitUntil, Write
 from runtime.persist.tenants import TenantDirectories
@@ -588,6 +588,10 @@ class CacheStoreActor:
         return written
 
     # -- statistics --------------------------------------------------------------
+
+    def hot_entries(self) -> list[HotEntry]:
+        """Every cache in the hot tier, least recently used first (a read for the runtime's reports)."""
+        return self._hot.entries()
 
     def statistics(self) -> StoreStats:
         hot = self._hot.stats()
