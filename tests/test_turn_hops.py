@@ -1,9 +1,9 @@
-"""What one turn costs the house (issue 60, item 2): typed messages, MLX jobs and text jobs, counted.
+"""What one turn costs the house (issue 60, item 2): typed messages, MLX jobs, text jobs and thread hand-offs, counted.
 
 A tracer records every msgspec message sent on a trio memory channel, once (trio's ``send`` tries
 ``send_nowait`` first: a trace of both methods counts a message sent with ``await send`` twice, as the
-issue's 16 did for ``Turn``, ``Acquire``, ``CheckOut`` and ``Generate``), the text deltas apart, and every job handed to the MLX thread and
-to the text worker, during one streaming turn of tiny-llama: cold (a new agent), hot (the next turn,
+issue's 16 did for ``Turn``, ``Acquire``, ``CheckOut`` and ``Generate``), the text deltas apart, every job handed
+to the MLX thread and to the text worker, and every hand-off to a worker thread, during one streaming turn of tiny-llama: cold (a new agent), hot (the next turn,
 its cache in RAM), warm (after a restart, its cache on disk) and batched (four agents at once, per
 turn). The counts may fall, never grow: :data:`CEILING` holds today's, so a change that adds a hop
 fails here and says which; a change that removes one lowers the ceiling with it.
@@ -41,11 +41,12 @@ class Costs:
     deltas: int = 0
     mlx_jobs: int = 0
     text_jobs: int = 0
+    thread_jobs: int = 0  # hand-offs to a worker thread (trio.to_thread): the text worker's batches, the store's disk
     jobs: Counter[str] = field(default_factory=Counter)  # MLX jobs by function
 
     def per_turn(self, turns: int) -> dict[str, float]:
         return {"messages": sum(self.messages.values()) / turns, "mlx_jobs": self.mlx_jobs / turns,
-                "text_jobs": self.text_jobs / turns}
+                "text_jobs": self.text_jobs / turns, "thread_jobs": self.thread_jobs / turns}
 
 
 @contextmanager
@@ -53,7 +54,7 @@ def traced(monkeypatch: pytest.MonkeyPatch) -> Iterator[Costs]:
     """Count, while inside, what every memory channel carries and every MLX and text job."""
     costs = Costs()
     send, send_nowait = trio.MemorySendChannel.send, trio.MemorySendChannel.send_nowait
-    mlx_run, text_run = MlxThread.run, TextJobs.run
+    mlx_run, text_run, to_thread = MlxThread.run, TextJobs.run, trio.to_thread.run_sync
 
     def note(value: object) -> None:
         if isinstance(value, str):
@@ -84,11 +85,16 @@ def traced(monkeypatch: pytest.MonkeyPatch) -> Iterator[Costs]:
         costs.text_jobs += 1
         return await text_run(self, fn, *args, **kw)
 
+    async def traced_to_thread(fn, *args, **kw):  # type: ignore[no-untyped-def]
+        costs.thread_jobs += 1
+        return await to_thread(fn, *args, **kw)
+
     with monkeypatch.context() as patch:
         patch.setattr(trio.MemorySendChannel, "send", traced_send)
         patch.setattr(trio.MemorySendChannel, "send_nowait", traced_send_nowait)
         patch.setattr(MlxThread, "run", traced_mlx)
         patch.setattr(TextJobs, "run", traced_text)
+        patch.setattr(trio.to_thread, "run_sync", traced_to_thread)
         yield costs
 
 
@@ -109,11 +115,13 @@ CEILING = {  # per streaming turn of STEPS tokens, measured at this commit; lowe
     # Acquire, Granted and Release; the agent's own CheckOut and CheckIn; a TurnAccepted always; Generated
     # and the store's Saved apart). 9 MLX jobs: start, the prefill (its first token), joining the batch, 5
     # decode steps, finish. A batched turn's jobs depend on when its rows arrive: at most a lone turn's; one
-    # that waits for the others' prefill gets its TurnAccepted.
-    "cold": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2},
-    "hot": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2},
-    "warm": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2},
-    "batched": {"messages": 9, "mlx_jobs": 9, "text_jobs": 2},
+    # that waits for the others' prefill gets its TurnAccepted. Thread hand-offs: the text worker's two (render,
+    # tokenize) and the save; a cold turn's disk read too (it finds nothing); a warm turn's cache was read ahead at
+    # start. Batched turns share text batches: at most a cold turn's.
+    "cold": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 4},
+    "hot": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 3},
+    "warm": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 3},
+    "batched": {"messages": 9, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 4},
 }
 
 
