@@ -1,7 +1,7 @@
 """``python -m benches <name> [--quick] [options]``, or ``python -m benches all [--quick]``.
 
-Each name is a module in ``benches/`` with a ``main(argv)``; results go to
-``benches/results/<name>[_quick].{md,png}``. ``python -m benches`` lists them.
+Each name is a module in one of ``benches/``'s rooms (:data:`benches.ROOMS`) with a ``main(argv)``; results
+go to ``benches/results/<name>[_quick].{md,png}``. ``python -m benches`` lists them.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+
+from benches import ROOMS
 
 #: Benchmarks in the order ``all`` runs them (cheapest first).
 BENCHES = {
@@ -53,6 +55,14 @@ BENCHES = {
 }
 
 
+def module_of(name: str) -> str | None:
+    """The module that runs benchmark ``name`` (``benches.<room>.<name>``), None if no room has it."""
+    for room in ROOMS:
+        if importlib.util.find_spec(f"benches.{room}.{name}") is not None:
+            return f"benches.{room}.{name}"
+    return None
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -60,13 +70,14 @@ def main(argv: list[str]) -> int:
             print(f"  {name:20s} {what}")
         return 0
     name, rest = argv[0], argv[1:]
-    names = [n for n in BENCHES if importlib.util.find_spec(f"benches.{n}")] if name == "all" else [name]
+    names = [n for n in BENCHES if module_of(n)] if name == "all" else [name]
     for n in names:
-        if n not in BENCHES:
+        module = module_of(n) if n in BENCHES else None
+        if module is None:
             print(f"unknown benchmark {n!r}; one of: all, {', '.join(BENCHES)}", file=sys.stderr)
             return 2
-        print(f"== benches.{n} {' '.join(rest)}", file=sys.stderr, flush=True)
-        importlib.import_module(f"benches.{n}").main(rest)
+        print(f"== {module} {' '.join(rest)}", file=sys.stderr, flush=True)
+        importlib.import_module(module).main(rest)
     return 0
 
 

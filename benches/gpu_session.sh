@@ -124,7 +124,7 @@
 #      passes beside the others, its batch-attention rows (now at 1K and 16K keys) for a padded step too (the runtime keeps steps on the one
 #      pass until those rows say otherwise); the suite call runs the new device tests. The 3B's engine rows (probe_3b.md)
 #      give their time to the 1B's whole plan again with glibc's allocator tuned as the CPU policy tunes it
-#      (benches/gpu.py --keep-freed-memory): whether run 6's model thread, 1.6x slower in its cold turns than in its
+#      (benches/gpu/gpu.py --keep-freed-memory): whether run 6's model thread, 1.6x slower in its cold turns than in its
 #      batch rounds, was faulting its heap in again (the main run's threads table counts its faults). The whole plan:
 #      run 6's settings runs (1K turns alone) decoded at par with mlx-lm, the main run's cold turns between 4K, 16K
 #      and 32K ones at 0.60x. Then the whole plan once more with the process kept to one logical CPU of each physical
@@ -175,7 +175,7 @@ case "${1:-bench}" in
     echo "allocator tuned: exit $?"; cat /tmp/alloc/gpu.md >> "$out/settings.md"
     grep -iE "batch|decode" /tmp/alloc.log | tail -n 8; grep -A 12 "decode steps' time went" /tmp/alloc/gpu.md | head -n 12
     # the other half of the 1B's decode question: the whole plan again with the process kept to one logical CPU of
-    # each physical core (benches/gpu.py --one-cpu-a-core): run 6's model thread stepped in 2.0-2.2 ms in some turns
+    # each physical core (benches/gpu/gpu.py --one-cpu-a-core): run 6's model thread stepped in 2.0-2.2 ms in some turns
     # and 3.5-3.8 in others, its CPU time itself grown, as a thread's is beside a busy hyperthread of its core (the
     # main run's threads table names the threads that last shared one). Since session 33 in place of the settings runs
     # with fused projections and the short attention kernel off: run 6 measured each against the other road already

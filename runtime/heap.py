@@ -6,7 +6,7 @@ the tokenizer and its chat template, every module imported on the way. Measured 
 CPU with the default model loaded (about 94,000 tracked objects): a full collection took about
 40 ms; one landed inside a hot turn, whose first token came after 47 ms instead of 5 ms, and the
 model's thread builds no graph while it runs (the GIL), so every decoding agent stalls with it.
-``benches/gc_pauses.py`` measures it turn by turn.
+``benches/speed/gc_pauses.py`` measures it turn by turn.
 
 :func:`settle` collects once after a model load and moves what survives to the permanent
 generation (``gc.freeze``), which no later collection walks: collections then see only what the

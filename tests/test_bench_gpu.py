@@ -1,4 +1,4 @@
-"""The GPU check's report (``benches.gpu``): verdicts and tables from hand-made numbers, no model runs.
+"""The GPU check's report (``benches.gpu.gpu``): verdicts and tables from hand-made numbers, no model runs.
 
 Item 4's goals are ratios of medians; each is checked here on both sides of
 its limit, so a loss is reported as plainly as a win.
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benches import gpu
-from benches.gpu import BatchRound, GeometryRun, Plan, Sample
+from benches.gpu import gpu
+from benches.gpu.gpu import BatchRound, GeometryRun, Plan, Sample
 
 PLAN = Plan(sizes=(1024, 16384), decode_sizes=(1024,), decode_tokens=128, restart_size=16384, repeats=2, batch=8,
             batch_context=1024, batch_tokens=64, profile="auto")
@@ -241,7 +241,7 @@ def test_a_needle_length_stops_between_needles_when_told_each_run_needle_with_al
         tmp_path: Path) -> None:
     """The GPU check's needle rows run under a time limit: asked before each needle, a stop leaves the rest
     unrun, and every needle that ran has its float answer and its derived at-rest one (so they compare)."""
-    from benches import needle, prose
+    from benches.quality import needle, prose
     from conftest import models_dir
 
     from runtime.model.loaded import load_model

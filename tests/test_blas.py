@@ -2,7 +2,7 @@
 
 The evidence is in the bits, not the clock: MLX's product equals OpenBLAS's own ``cblas_sgemm`` on the same
 inputs, called directly, bit for bit, and the bundled reference BLAS (``KVMEM_NO_OPENBLAS=1``), which sums in
-another order, does not. How much faster that makes MLX's CPU matmuls is ``benches/blas.py``'s to measure.
+another order, does not. How much faster that makes MLX's CPU matmuls is ``benches/speed/blas.py``'s to measure.
 """
 
 from __future__ import annotations

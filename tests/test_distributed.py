@@ -39,7 +39,7 @@ import pytest
 from conftest import models_dir
 from serve_process import kvmem_serve
 
-from benches.ranks import alive, children_of, free_port_pair, kill_all, ranks_of
+from benches.gpu.ranks import alive, children_of, free_port_pair, kill_all, ranks_of
 from runtime.distributed.shard import check_shardable, rank_tag, shard_model_id
 from runtime.errors import UnsupportedModelError
 from runtime.model.tiny_models import RANDOM_SMOLLM2, RECIPES
@@ -205,7 +205,7 @@ def test_two_ranks_answer_as_one_process_and_resume_warm_after_both_restart(tmp_
 
 STOP_GUARD_S = 45.0
 """How long the stop test waits for every process before it fails: a hang guard, not a timing (the 10 s the
-issue asks of these stops is measured in benches/distributed_stop.py)."""
+issue asks of these stops is measured in benches/gpu/distributed_stop.py)."""
 
 
 @pytest.mark.parametrize(("target", "signum", "said"), [

@@ -208,7 +208,7 @@ def test_the_saves_host_copy_settles_the_kept_floats_pending_writes() -> None:
     unsettled floats would (the kept floats are bitwise the same: the test above)."""
     from engine_turns import run_turn, tiny_engine
 
-    from benches.gpu_probe import counting_submits
+    from benches.gpu.gpu_probe import counting_submits
     from runtime.plan.sampling import SamplingOptions
     from runtime.plan.turn_plan import FromHot, TurnPlan
 

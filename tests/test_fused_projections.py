@@ -13,7 +13,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from benches.gpu_probe import graph_operation_names
+from benches.gpu.gpu_probe import graph_operation_names
 from conftest import models_dir
 from runtime.model.fused_projections import FusedPart, fuse_projections
 from runtime.model.loaded import load_model

@@ -1,4 +1,4 @@
-"""The GPU probe's sections run end to end here (``benches.gpu_probe``), so a lent device's few minutes are not
+"""The GPU probe's sections run end to end here (``benches.gpu.gpu_probe``), so a lent device's few minutes are not
 spent finding a mistake in one: each is run small, under the GPU policy forced on the CPU device where it
 takes a profile. What the numbers mean is read on a GPU; here only their shape is checked."""
 
@@ -8,7 +8,7 @@ import re
 
 from conftest import models_dir
 
-from benches.gpu_probe import joint_pass_rows
+from benches.gpu.gpu_probe import joint_pass_rows
 
 
 def test_the_joint_pass_is_timed_in_pieces_first_round_apart() -> None:
@@ -42,7 +42,7 @@ def test_attention_at_new_shapes_is_the_fused_kernels_every_way_it_is_timed() ->
     """Plain operations, and plain operations over the whole 256-step buffer with the keys past the cache
     masked, give MLX's fused attention's output (bf16: within its rounding); the kernel's columns are
     empty where CUDA is not."""
-    from benches.gpu_probe import SHAPE_WAYS, attention_shape_rows
+    from benches.gpu.gpu_probe import SHAPE_WAYS, attention_shape_rows
     from runtime.kv import short_attention
 
     for row in attention_shape_rows([1, 3, 16], [20, 300]):  # 1: a lone row's decode step
@@ -56,7 +56,7 @@ def test_the_expert_products_are_taken_every_road_on_both_sides_of_the_sort() ->
     """tiny-gpt-oss's expert products by each road of ``GATHER_WAYS``, under and over mlx-lm's sort threshold
     (64 pairs). On a CPU the "device" is MLX's CPU stream too, so every road gives the reference exactly; on a
     GPU (the suite on a lent machine) only the rows are checked, bfloat16 ones included."""
-    from benches.gpu_probe import GATHER_WAYS, gather_rows
+    from benches.gpu.gpu_probe import GATHER_WAYS, gather_rows
 
     import mlx.core as mx
 
@@ -74,7 +74,7 @@ def test_the_engine_rows_run_after_a_long_turn_with_the_cache_kept_cleared_and_e
     with MLX's cache kept, after ``mx.clear_cache()``, and after a long turn that emptied it (the GPU policy)."""
     import glob
 
-    from benches.gpu_probe import engine_decode_rows
+    from benches.gpu.gpu_probe import engine_decode_rows
     from conftest import tiny
 
     tiny("tiny-llama")  # built under models_dir()
@@ -97,7 +97,7 @@ def test_the_engine_rows_run_after_a_long_turn_with_the_cache_kept_cleared_and_e
 
 
 def test_the_products_section_times_each_row_count_again_and_again() -> None:
-    from benches.gpu_probe import layer_product_shapes, product_rows
+    from benches.gpu.gpu_probe import layer_product_shapes, product_rows
 
     rows = product_rows((1, 2, 13), [(64, 64)] * 3, "float32", repeats=2)
     assert [r[0] for r in rows] == ["1", "2", "13"]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from benches.__main__ import module_of
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benches" / "gpu_session.sh"
 
@@ -45,7 +47,9 @@ def test_every_bench_command_of_the_session_parses(name: str, argv: list[str], m
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parsed_only)
     with pytest.raises(_Parsed):
-        importlib.import_module(f"benches.{name}").main(argv)
+        module = module_of(name)
+        assert module is not None, f"no benchmark {name!r} in any of benches/'s rooms"
+        importlib.import_module(module).main(argv)
 
 
 def test_the_session_runs_the_benches_it_says_and_its_test_paths_exist() -> None:

@@ -2,7 +2,7 @@
 runs show in the GPU actor's trace.
 
 A full collection walks every object the process holds, under the GIL: about 40 ms with the default
-model loaded on the 2-core CPU, inside whatever turn it lands in (``benches/gc_pauses.py``).
+model loaded on the 2-core CPU, inside whatever turn it lands in (``benches/speed/gc_pauses.py``).
 """
 
 from __future__ import annotations

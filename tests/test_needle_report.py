@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from benches import needle
-from benches.needle_margins import first_difference
+from benches.quality import needle
+from benches.quality.needle_margins import first_difference
 
 
 def _row(fmt: str, hit: bool, answer: str, *, length: int = 8192, index: int = 3) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benches/ is not an installed package
 from benches.prompts import sized_text
-from benches.race_goals import KVMEM, LLAMA, LLAMA_SLOTS, MLX_LM, race_goals
+from benches.peers.race_goals import KVMEM, LLAMA, LLAMA_SLOTS, MLX_LM, race_goals
 
 
 def _verdicts(after: dict[tuple[str, int], float], hot: dict[tuple[str, int], float],

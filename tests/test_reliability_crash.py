@@ -1,4 +1,4 @@
-"""A small version of ``benches/crash.py``: ``kill -9`` a real ``kvmem serve`` mid-write, restart, verify.
+"""A small version of ``benches/reliability/crash.py``: ``kill -9`` a real ``kvmem serve`` mid-write, restart, verify.
 
 After each kill and restart: no temporary file survives startup, every stored cache loads and
 verifies (all checksums) or is a miss, and no durable turn (response received AND its save seen
@@ -14,7 +14,7 @@ from pathlib import Path
 from conftest import models_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benches/ is not an installed package
-from benches.crash import run_trials
+from benches.reliability.crash import run_trials
 
 
 def test_kill_9_during_saves_loses_no_durable_turn(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ the request (``X-Kvmem-Durable: false``) opts out. Checked three ways:
 * the opt-outs answer write-behind: an answer arrives before its cache is on disk (the save
   lands 2-30 ms later: benches/results/durability*.md) and the save still lands;
 * ``kill -9`` the moment a durable answer is in, restart, and the turn is there
-  (``benches/durability.py`` runs more trials, 0-50 ms after the answer, write-behind beside).
+  (``benches/reliability/durability.py`` runs more trials, 0-50 ms after the answer, write-behind beside).
 
 Write-behind turns are not asserted to be lost to a kill: whether a kill beats the save is timing.
 """
@@ -28,7 +28,7 @@ from conftest import models_dir
 from serve_process import kvmem_serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benches/ is not an installed package
-from benches.durability import (
+from benches.reliability.durability import (
     DURABLE_DEFAULT,
     DURABLE_OPT_IN,
     SEED_TEXT,

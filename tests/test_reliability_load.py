@@ -1,7 +1,7 @@
-"""A small version of ``benches/load.py``: 8 agents x 3 turns at once over HTTP, no errors, no cross-talk.
+"""A small version of ``benches/reliability/load.py``: 8 agents x 3 turns at once over HTTP, no errors, no cross-talk.
 
 Agents mix Anthropic and OpenAI endpoints, streaming and not. Each agent's replies must equal its
-reference: the same conversation run alone on the same server first (see ``benches.load``).
+reference: the same conversation run alone on the same server first (see ``benches.reliability.load``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import trio
 from conftest import models_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benches/ is not an installed package
-from benches.load import mismatches, reference, run_load, summary
+from benches.reliability.load import mismatches, reference, run_load, summary
 from gateway.testing import ServerThread
 from runtime.config import Config
 

@@ -11,7 +11,7 @@ agent's cache, cut at a divergence, and is checked two ways:
 * **Q4 KV** (kvmem's default): the reply is the one the agent gets from a cache that never
   held more than the reused prefix (a cold prefill of exactly that text, parked in Q4, then
   the prompt appended), up to its first near tie: trimming a Q4 cache is exact. Q4 itself
-  against float is the fidelity ``benches/fidelity_real.py`` measures.
+  against float is the fidelity ``benches/quality/fidelity_real.py`` measures.
 
 Where the texts part inside a word, the reused tokens are the cold tokenization's own first
 tokens (the cut backs off to the word's start).

@@ -185,7 +185,7 @@ def test_the_first_step_ahead_is_submitted_alone_then_each_step_once(monkeypatch
 
     import mlx.core as mx
 
-    from benches.gpu_probe import graph_operation_names
+    from benches.gpu.gpu_probe import graph_operation_names
 
     lm = tiny("tiny-llama")
     prompt, params, _ = ROWS["b"]

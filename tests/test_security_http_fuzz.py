@@ -195,7 +195,7 @@ def test_damaged_bytes_of_valid_bodies_get_a_4xx_in_the_apis_shape(http: httpx.C
 
 
 def test_a_fixed_budget_of_random_damage_never_gets_a_5xx(server: ServerThread) -> None:
-    from benches.fuzz import fuzz
+    from benches.reliability.fuzz import fuzz
 
     report = fuzz(server.url, seconds=10.0, seed=1)
     assert report.cases > 50 and report.liveness_checks >= 2

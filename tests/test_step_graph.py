@@ -24,7 +24,7 @@ import pytest
 import trio
 from conftest import mlx_with, models_dir
 
-from benches.gpu_probe import graph_operation_names
+from benches.gpu.gpu_probe import graph_operation_names
 from runtime.execution import decode_batch
 from runtime.model import tiny_models
 

@@ -9,7 +9,7 @@ counts on the device; fewer pairs go one gather-and-multiply a pair.
 
 ``KVMEM_CUDA_MOE`` sends every ``SwitchGLU`` of a model loaded on CUDA down another road, so a lent GPU
 runs those tests each way (``benches/gpu_session.sh``) beside the probe's expert products alone
-(``benches/gpu_probe.py``, ``gather``):
+(``benches/gpu/gpu_probe.py``, ``gather``):
 
 * ``unsorted``: the products one gather a pair, never sorted;
 * ``inputs-evaluated``: the block's input and routes evaluated before its products (a graph boundary).
