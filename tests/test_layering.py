@@ -9,6 +9,7 @@ and, for MLX, in a fresh process: importing any module of ``actors`` or
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,14 @@ def test_plain_modules_import_neither_trio_nor_mlx(module):
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_a_file_checksum_is_computed_in_one_module() -> None:
+    """Issue 60: a change of the on-disk checksum touches at most two modules: the codec, which computes every
+    file's data checksum (XXH3; CRC-32 for format 3) and header SHA-256, and the format, whose version says which
+    a file records. Everything else (the load, the save's pieces, the shared tier) calls the codec."""
+    root = Path(__file__).resolve().parents[1]
+    computing = sorted(str(p.relative_to(root)) for p in (root / "runtime" / "persist").rglob("*.py")
+                       if re.search(r"\bimport xxhash\b|\bcrc32\(|\bxxh3_|hashlib\.sha256\(header|\bheader_sha256\s*=",
+                                    p.read_text()))
+    assert computing == ["runtime/persist/codec.py"], computing
