@@ -236,9 +236,8 @@ class GpuEvent(msgspec.Struct, frozen=True, kw_only=True):
     several steps in one job on the model's thread; ``took_ms`` from its start on trio, ``waited_ms``
     from there to the job's start on the model's thread, ``detail`` its steps and why it ended: its
     steps done, its time done, a row finished, or the doorbell and what rang it),
-    ``checkout`` (an agent's actor checked the turn's cache out of the store and sends it to the GPU actor:
-    ``waited_ms`` from the client's send to that actor, ``took_ms`` from there: the model's lease and the
-    checkout), ``gc`` (a run of Python's cyclic collector, on any thread: ``generation`` and ``took_ms``; it
+    ``checkout`` (the GPU actor checked the turn's cache out of the store: ``waited_ms`` from the client's
+    send to the checkout's start, ``took_ms`` the checkout), ``gc`` (a run of Python's cyclic collector, on any thread: ``generation`` and ``took_ms``; it
     holds the GIL throughout), and the cache store's ``save`` (a cache written: ``took_ms``, ``detail``
     the bytes) and ``read`` (a cache read for a turn: ``took_ms``, ``detail`` its tokens), on its disk
     thread, whose Python parts hold the GIL the model's thread builds its graphs under.
