@@ -473,8 +473,12 @@ class GPUActor:
         slot = self._slot
         while slot.waiting and not self._requests and not self._tokenizing:
             head = slot.waiting[0]
-            if receiver_left(head.reply) or (isinstance(head, Generate) and not _still_wanted(head)):
+            if receiver_left(head.reply):  # nobody waits for it
                 slot.waiting.popleft()
+                continue
+            if isinstance(head, Generate) and receiver_left(head.client):  # its agent still waits: it is told
+                send_reply(slot.waiting.popleft().reply,
+                           Failed(kind="Cancelled", error="the client left while the turn waited for its model"))
                 continue
             name = slot.next_model()
             assert name is not None

@@ -248,6 +248,23 @@ async def test_model_swap_flushes_hot_caches_and_they_return_warm(tmp_path, copy
     assert engine.loads == ["fake-a", "fake-b", "fake-a"]
 
 
+async def test_a_turn_waiting_for_its_model_whose_client_leaves_lets_its_agent_go_on(tmp_path):
+    """A turn for another model waits in the GPU actor until the loaded model's turns end; if its client leaves
+    meanwhile, its agent is told (the turn is cancelled) and serves its next turn, instead of waiting for good."""
+    async with _open(tmp_path, FakeEngine(step_delay_s=0.01), models=["fake-b"]) as rt:
+        async with rt.agent("x").stream_prompt("on model a", max_tokens=60) as busy:
+            async for _ in busy:
+                break  # model a decodes: a turn for model b waits behind it
+            with trio.move_on_after(0.05):
+                await rt.agent("y").send_prompt("on model b", max_tokens=3, model="fake-b")  # the client leaves
+            assert rt.stats().registry.queued == 1
+            async for _ in busy:
+                pass
+        with trio.fail_after(60):  # a safety: an agent left waiting hangs here
+            y = await rt.agent("y").send_prompt("on model b, again", max_tokens=3, model="fake-b")
+        assert y.model == "fake-b" and rt.stats().registry.queued == 0
+
+
 async def test_unconfigured_model_is_rejected(tmp_path):
     async with _open(tmp_path) as rt:
         with pytest.raises(ValueError, match="not configured"):
