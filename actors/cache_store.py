@@ -250,10 +250,12 @@ class CacheStoreActor:
     async def _handle(self, message: StoreInbox) -> None:
         match message:
             case CheckOut(agent_id=agent_id, model_tag=tag):
-                if not is_checked_agent_id(agent_id):  # every door checks it: a caller that did not is refused
-                    send_reply(message.reply, Failed(kind="InvalidAgentIdError", error=f"agent id {agent_id!r} "
-                                                     "is not in its checked spelling (runtime.identity)"))
-                elif self.shared is not None or self._hot.needs_disk(agent_id, tag):
+                try:
+                    key = AgentKey(agent_id, tag)  # every door checks the id: a caller that did not is refused
+                except InvalidAgentIdError as exc:
+                    send_reply(message.reply, failed_from(exc))
+                    return
+                if self.shared is not None or self._hot.needs_disk(*key):
                     assert self._nursery is not None
                     self._nursery.start_soon(self._check_out_after_load, message)
                 else:

@@ -1056,18 +1056,19 @@ class GPUActor:
                            answer=answer if durable else None)
         try:
             self._store.send_nowait(check_in)
-            sent = True
         except trio.WouldBlock:
             if self._texts is not None:
                 self._texts.start_soon(self._check_in_then_answer, msg, check_in, answer)
-                return
-            sent = await self._send_check_in(check_in)  # the actor stops: the answer waits for it
+            else:
+                await self._check_in_then_answer(msg, check_in, answer)  # the actor stops: the answer waits
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            sent = False
-        if not (sent and durable):
-            send_reply(msg.reply, answer)
+            send_reply(msg.reply, answer)  # the store stopped: nobody else will answer
+        else:
+            if not durable:
+                send_reply(msg.reply, answer)
 
     async def _check_in_then_answer(self, msg: Generate, check_in: CheckIn, answer: GenerateReply) -> None:
+        """A check-in the store's full mailbox made wait, then the answer (the store's, for a durable turn it got)."""
         if not (await self._send_check_in(check_in) and check_in.saved is not None):
             send_reply(msg.reply, answer)
 
