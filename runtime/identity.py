@@ -110,6 +110,12 @@ def tenant_of(agent_id: str) -> str | None:
     return split_agent_id(agent_id)[0]
 
 
+def may_share(agent_id: str, other_id: str) -> bool:
+    """Whether ``agent_id`` may start from a prefix of ``other_id``'s cache: another agent of its own tenant
+    (a tenant's agents never start from another tenant's prefix; whether they opted in is the caller's)."""
+    return other_id != agent_id and tenant_of(other_id) == tenant_of(agent_id)
+
+
 def local_id(agent_id: str) -> str:
     """The id as its tenant knows it (what the HTTP answers show)."""
     return split_agent_id(agent_id)[1]

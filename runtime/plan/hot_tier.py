@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from runtime.errors import BudgetExceededError
-from runtime.identity import AgentKey, pool_key, tenant_of
+from runtime.identity import AgentKey, may_share, pool_key
 from runtime.plan.block_pool import BlockPool, PoolStats
 from runtime.plan.turn_plan import FromHot, FromWarm, OwnCache, ParkedView, Tier
 from runtime.spec import CacheSnapshot
@@ -120,10 +120,8 @@ class HotTier:
 
     def donors(self, agent_id: str, model_tag: str) -> tuple[HotDonor, ...]:
         """The hot caches of ``model_tag`` that other agents of ``agent_id``'s tenant share (opted in)."""
-        tenant = tenant_of(agent_id)
         return tuple(HotDonor(e.agent_id, e.parked) for e in self._entries.values()
-                     if e.share_prefix and e.agent_id != agent_id and e.model_tag == model_tag
-                     and tenant_of(e.agent_id) == tenant)
+                     if e.share_prefix and e.model_tag == model_tag and may_share(agent_id, e.agent_id))
 
     def get(self, agent_id: str, model_tag: str) -> HotEntry | None:
         """The agent's hot cache for that model (without touching the LRU order)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from runtime.identity import tenant_of
+from runtime.identity import may_share, tenant_of
 from runtime.plan.turn_plan import COLD, FromHot, FromShared, OwnCache, ParkedView, TurnPlan
 from runtime.plan.hot_tier import HotDonor
 from runtime.plan.prefix import MatchKind, PrefixMatch, common_prefix_length, match_prefix
@@ -138,10 +138,8 @@ class KVCacheManager:
     def _in_flight_donors(self, agent_id: str, model_tag: str) -> list[_Donor]:
         """The prompts other agents' turns in flight of ``model_tag`` parked for others, within ``agent_id``'s
         tenant."""
-        tenant = tenant_of(agent_id)
         return [(f.agent_id, f.donor) for f in self._inflight.values()
-                if f.donor is not None and f.agent_id != agent_id and f.model_tag == model_tag
-                and tenant_of(f.agent_id) == tenant]
+                if f.donor is not None and f.model_tag == model_tag and may_share(agent_id, f.agent_id)]
 
     # -- turns in flight ----------------------------------------------------------
 
@@ -299,10 +297,9 @@ class KVCacheManager:
         """A sharing agent's turn ended with ``parked``, now its hot cache in the store: the sharing turns in
         flight that have not started prefill may start from it, as from the hot caches their checkout gave
         (it came after their checkout)."""
-        tenant = tenant_of(agent_id)
         for turn in self._inflight.values():
-            if (not turn.prefill_started and turn.share_prefix and turn.agent_id != agent_id
-                    and turn.model_tag == model_tag and tenant_of(turn.agent_id) == tenant):
+            if (not turn.prefill_started and turn.share_prefix and turn.model_tag == model_tag
+                    and may_share(turn.agent_id, agent_id)):
                 turn.hot = (*(d for d in turn.hot if d.agent_id != agent_id), HotDonor(agent_id, parked))
 
     def end(self, request_id: int) -> None:
