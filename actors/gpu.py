@@ -429,6 +429,12 @@ class GPUActor:
             nursery.start_soon(texts)
             nursery.start_soon(message)
 
+    def _in_flight(self) -> bool:
+        """Whether a turn is on the loaded model: tokenizing, tokenized and handed to the loop (``_early``),
+        or registered. The model stays until none is (no swap, no idle unload)."""
+        return bool(self._requests or self._tokenizing
+                    or any(isinstance(item, _Tokenized) for item in self._early))
+
     def _running(self) -> bool:
         """Whether a turn is decoding or prefilling."""
         return self._sched is not None and bool(self._sched.decoding() or self._sched.prefilling())
@@ -471,7 +477,7 @@ class GPUActor:
         """No turn is in flight: load the model the first waiting request needs, then serve the waiting
         requests for it in order, up to the first for yet another model (:mod:`actors.model_slot`)."""
         slot = self._slot
-        while slot.waiting and not self._requests and not self._tokenizing:
+        while slot.waiting and not self._in_flight():
             head = slot.waiting[0]
             if receiver_left(head.reply):  # nobody waits for it
                 slot.waiting.popleft()
@@ -534,8 +540,10 @@ class GPUActor:
         return None
 
     def _unload_at(self) -> float:
-        """When the loaded model is unloaded for want of turns (inf: never; ``idle_unload_s``)."""
-        if self._idle_unload_s is None or self._info is None or self._tokenizing or self._slot.waiting:
+        """When the loaded model is unloaded for want of turns (inf: never; ``idle_unload_s``). Never while a
+        turn is in flight anywhere: tokenizing, tokenized and handed to the loop (``_early``; the idle wait
+        it ends may have lasted past the timeout), registered, or waiting for its model."""
+        if self._idle_unload_s is None or self._info is None or self._in_flight() or self._slot.waiting:
             return math.inf
         return self._idle_since + self._idle_unload_s
 

@@ -281,6 +281,31 @@ async def test_idle_model_is_unloaded_and_reloaded_on_demand(tmp_path, autojump_
         assert result.model == "fake-a" and engine.loads == ["fake-a", "fake-a"]
 
 
+class _SlowTokenizer(FakeEngine):
+    """Tokenizing a prompt with "slow" in it takes ``clock``'s 100 seconds (the test's autojump clock)."""
+
+    def __init__(self, clock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def tokenize(self, prompt, plan):
+        if "slow" in prompt:
+            trio.from_thread.run_sync(self.clock.jump, 100)  # on the text worker's thread
+        return super().tokenize(prompt, plan)
+
+
+async def test_a_turn_tokenized_past_the_idle_timeout_is_not_unloaded_under(tmp_path, autojump_clock):
+    """The idle unload waits for a turn handed to the loop but not yet registered: once its prompt was
+    tokenized (for longer than ``model_idle_s``) the loop's idle check must not take the model from under it
+    (a CI run failed so: the turn registered on no model)."""
+    engine = _SlowTokenizer(autojump_clock)
+    async with _open(tmp_path, engine, model_idle_s=60) as rt:
+        await rt.agent("m").send_prompt("one", max_tokens=2)
+        await trio.sleep(61)  # unloaded: the next turn waits for its model, then is served from the loop's top
+        result = await rt.agent("m").send_prompt("two, slow", max_tokens=2)
+        assert result.model == "fake-a" and engine.loads == ["fake-a", "fake-a"]
+
+
 async def test_a_turn_that_starts_at_once_is_accepted_by_its_announcement_and_one_that_waits_first(tmp_path):
     """A streaming client answers its status once its turn is accepted. A turn that starts in the loop pass it
     was registered in says so with its ``TurnStarted`` alone (one message fewer a turn, issue 60); one that waits
