@@ -46,9 +46,6 @@ from conftest import models_dir
 from serve_process import ServeProcess, kvmem_serve
 
 ROOT = Path(__file__).resolve().parents[1]
-# One worker runs every test here, in order (.ci/test's --dist loadgroup): a page's blocks build on each
-# other in its folder, the server runs beside the later ones, and the last test counts them all.
-pytestmark = pytest.mark.xdist_group("docs")
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_LINES = 250
 SHELL = {"bash", "sh", "shell", "console"}
