@@ -1,6 +1,6 @@
 """Debian's Chromium, headless, through Selenium and Debian's chromedriver: no browser download.
 
-Used by the operator page's browser tests (``tests/test_ui_browser.py``) and its screenshots
+Used by the operator page's browser tests (``tests/http_and_cli/test_ui_browser.py``) and its screenshots
 (``benches/house/ui_screenshots.py``). :func:`missing` says why a browser cannot be driven here
 (``.ci/setup`` installs ``chromium`` and ``chromium-driver``); :func:`open_chromium` starts one
 with a fresh profile, isolated from the network but for the server under test.

@@ -198,7 +198,7 @@ case "${1:-bench}" in
     # an empty KVMEM_CUDA_MOE is the default road)
     for env in KVMEM_CUDA_MOE= KVMEM_CUDA_MOE=unsorted KVMEM_CUDA_MOE=inputs-evaluated MLX_USE_CUDA_GRAPHS=0; do
       echo "tiny-gpt-oss with $env:"; env "$env" timeout -s INT 30 python3 -m pytest -q -p no:benchmark -p no:cacheprovider \
-        tests/test_cache_correctness.py -k "gpt-oss and (suffix or warm_cache or batched)" 2>&1 | tail -n 3
+        tests/kv/test_cache_correctness.py -k "gpt-oss and (suffix or warm_cache or batched)" 2>&1 | tail -n 3
     done
     ;;
   suite)

@@ -60,7 +60,7 @@ NEAR_TIE = 1e-3
 
 Decoding in a batch computes each row's projections in a bigger matrix product
 than decoding alone: logits then differ by ~2e-5 (MLX's attention and kvmem's
-alike; tests/test_cpu_attention.py), which flips a greedy choice only where
+alike; tests/cpu/test_cpu_attention.py), which flips a greedy choice only where
 the top two logits are that close. 1e-3 is 50x that noise."""
 
 

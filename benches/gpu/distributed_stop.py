@@ -1,6 +1,6 @@
 """How long ``kvmem serve --distributed`` takes to stop, both ranks, after a signal to ``mlx.launch`` or to a rank.
 
-Two ranks of tiny-llama on loopback (``mlx.launch -n 2 --backend ring``, as ``tests/test_distributed.py``
+Two ranks of tiny-llama on loopback (``mlx.launch -n 2 --backend ring``, as ``tests/runtime_core/test_distributed.py``
 starts them), idle and serving; then one signal, and the time until ``mlx.launch`` and both ranks are
 gone (polled every 50 ms from ``/proc``). Issue 58, item 5, asks for 10 s at most. The paths:
 

@@ -1,6 +1,6 @@
 """The processes of an ``mlx.launch`` of ranks on loopback: free ports for its ring, its ranks, whether each runs.
 
-Shared by ``tests/test_distributed.py`` and ``benches/gpu/distributed_stop.py`` (Linux: ranks are read from ``/proc``).
+Shared by ``tests/runtime_core/test_distributed.py`` and ``benches/gpu/distributed_stop.py`` (Linux: ranks are read from ``/proc``).
 """
 
 from __future__ import annotations

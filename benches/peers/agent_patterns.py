@@ -437,9 +437,9 @@ def session_script(texts: Texts, prompts: KvmemPrompts, sizes: Sizes) -> Script:
               "you changed, and what is left, so that the work can continue from the summary alone.")
     main.ask("compaction: summary request")
     main.compact("This session continues from an earlier conversation that ran out of context. Its summary:\n"
-                 + texts.prose(u) + "\n\nContinue with what is left: the failing test in tests/test_cli.py.")
+                 + texts.prose(u) + "\n\nContinue with what is left: the failing test in tests/http_and_cli/test_cli.py.")
     main.ask("compacted conversation")
-    main.call("run_shell", texts.tests(u // 2, failed=1), command="pytest -q tests/test_cli.py")
+    main.call("run_shell", texts.tests(u // 2, failed=1), command="pytest -q tests/http_and_cli/test_cli.py")
     main.ask("tests: 1 failed")
     main.call("read_file", texts.file(3 * u // 2), path="src/cli/main.py")
     main.ask("read_file result")

@@ -82,7 +82,7 @@ CHUNK = 1024
 JOURNAL = harness.BENCH_HOME / "needle_trials.jsonl"
 #: Where an at-rest reply differs from float's, both margins at the first differing token (``benches.quality.needle_margins``).
 MARGINS = harness.BENCH_HOME / "needle_margins.jsonl"
-Q4_TOLERANCE = 1.0  # nats, as tests/test_real_model_memory.py states it
+Q4_TOLERANCE = 1.0  # nats, as tests/model/test_real_model_memory.py states it
 CITIES = ("Lisbon", "Nairobi", "Oslo", "Lima", "Hanoi", "Quito", "Dublin", "Warsaw", "Cairo", "Manila",
           "Santiago", "Helsinki", "Bogota", "Prague", "Jakarta", "Vienna", "Havana", "Seoul", "Athens", "Dakar",
           "Montreal", "Kyoto", "Marseille", "Glasgow", "Nagoya", "Porto", "Tunis", "Zurich", "Krakow", "Perth")

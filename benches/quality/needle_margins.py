@@ -6,7 +6,7 @@ prefilled in float; the at-rest copy parked, saved, loaded and activated as
 there) and records, at the first token where the greedy replies part, the gap
 between float's two best logits and between the at-rest run's. A difference
 where float's own margin is within the stated Q4 tolerance (1.0 nats, as in
-``tests/test_real_model_memory.py``) is a near-tie that 4-bit KV may tip either
+``tests/model/test_real_model_memory.py``) is a near-tie that 4-bit KV may tip either
 way; one above it would be a real loss. Each replay first checks that it
 reproduces both journaled replies token for token, so the margins belong to the
 trials the table counts.

@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
         "",
         f"Where an answer leaves the reference, the reference's top-1 margin there is at most {worst:.2f} nats: "
         "a near-tie that 4-bit KV may tip either way (the stated Q4 tolerance is 1.0 nats, "
-        "tests/test_real_model_memory.py). Whether the fact is recalled then depends on the branch taken, "
+        "tests/model/test_real_model_memory.py). Whether the fact is recalled then depends on the branch taken, "
         "so kvmem and the reference can recall different cases.",
         "",
         *harness.table(["fact", "turn-2 tier", "reused/prefilled", "kvmem recalls", "reference recalls",

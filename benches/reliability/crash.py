@@ -17,7 +17,7 @@ One cache directory lives across all trials. Each trial:
    ``--save-window-s W`` the kill lands uniform(0, W) seconds after a response arrived, which is
    when its write-behind save runs (aimed at the writes themselves).
 
-Run: ``python -m benches.reliability.crash`` (50 trials) or ``--trials N``; ``tests/test_reliability_crash.py``
+Run: ``python -m benches.reliability.crash`` (50 trials) or ``--trials N``; ``tests/reliability/test_reliability_crash.py``
 runs a few trials through :func:`run_trials`.
 """
 

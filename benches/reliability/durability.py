@@ -52,7 +52,7 @@ environment so "default" is the built-in default):
 Run: ``python -m benches durability [--quick] [--trials N] [--minor-trials N] [--pairs N] [--contexts 1024,4096]
 [--model NAME]`` (a run without kill trials, ``--trials 0 --minor-trials 0``, writes ``durability[_MODEL]_cost.md``;
 ``--report-from RESULT.md`` writes a result's sections and plot again from its raw runs);
-``tests/test_reliability_durable.py`` uses :func:`kill_trials` and :func:`turn`.
+``tests/reliability/test_reliability_durable.py`` uses :func:`kill_trials` and :func:`turn`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ A case passes when the answer is below 500 and, for an error, in the API's own
 error shape with no traceback. Every 2 s a valid request checks that the server
 still serves.
 
-``tests/test_security_http_fuzz.py`` runs :func:`fuzz` for a fixed budget in
+``tests/http_and_cli/test_security_http_fuzz.py`` runs :func:`fuzz` for a fixed budget in
 CI; ``python -m benches fuzz`` runs it longer (``--seconds``, default 300) and
 writes ``benches/results/fuzz.md``.
 """

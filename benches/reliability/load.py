@@ -31,7 +31,7 @@ queue wait, and the server process's peak RSS (``VmHWM``) against
 
 Run: ``python -m benches.reliability.load`` (32 agents x 5 turns, tiny-llama) — starts its
 own ``kvmem serve`` subprocess on 127.0.0.1 — or ``--url`` for a running server.
-``tests/test_reliability_load.py`` runs 8 x 3 through :func:`run_load`.
+``tests/reliability/test_reliability_load.py`` runs 8 x 3 through :func:`run_load`.
 """
 
 from __future__ import annotations

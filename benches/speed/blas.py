@@ -1,7 +1,7 @@
 """MLX's CPU matmuls with Debian's OpenBLAS loaded (``runtime.blas``) against the wheel's bundled reference BLAS.
 
 ``runtime.blas`` loads ``libopenblas`` before MLX so that MLX's ``cblas_*`` symbols resolve to it; with
-``KVMEM_NO_OPENBLAS=1`` MLX keeps the reference BLAS its Linux wheel bundles. ``tests/test_blas.py`` holds that
+``KVMEM_NO_OPENBLAS=1`` MLX keeps the reference BLAS its Linux wheel bundles. ``tests/runtime_core/test_blas.py`` holds that
 MLX's products are OpenBLAS's, bit for bit; how much faster that makes them is a machine's figure, measured
 here (the test used to demand a gap of more than 4x in GFLOP/s, which a loaded machine could fail).
 

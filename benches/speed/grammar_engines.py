@@ -164,7 +164,7 @@ CASES = (
                "activeForm": "Benchmarking grammar engines"},
               {"content": "Wire llguidance into the sampler", "status": "in_progress",
                "activeForm": "Wiring llguidance into the sampler"}]}},
-          {"name": "Bash", "arguments": {"command": "python -m pytest tests/test_tool_calls.py -q",
+          {"name": "Bash", "arguments": {"command": "python -m pytest tests/reply/test_tool_calls.py -q",
                                          "timeout": 120000, "description": "Run the tool-call tests"}}],
          [{"name": "Grep", "arguments": {"pattern": "TODO", "output_mode": "lines"}}], "enum value not allowed"),
     Case("json_object", {"type": "object"},

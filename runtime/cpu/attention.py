@@ -367,7 +367,7 @@ def numpy_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scal
     boolean mask pads rows on the left, as a decode batch does): the same
     products, of the same shapes, as that row alone, so a row's result does not
     depend on the other rows (MLX's own attention does not promise that:
-    ``tests/test_cpu_attention.py``). kvmem's own batches are decode steps,
+    ``tests/cpu/test_cpu_attention.py``). kvmem's own batches are decode steps,
     which go to :func:`decode_attention`; the row-by-row path serves callers
     that batch several query positions.
     """

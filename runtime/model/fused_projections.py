@@ -30,7 +30,7 @@ __all__ = ["FUSABLE_MODULES", "GROUPS", "FusedPart", "fuse_projections"]
 
 FUSABLE_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
 """Model modules whose layers call each group's projections on one input, in one layer call
-(read against mlx-lm 0.32; ``tests/test_fused_projections.py`` compares the logits with mlx-lm's own)."""
+(read against mlx-lm 0.32; ``tests/model/test_fused_projections.py`` compares the logits with mlx-lm's own)."""
 
 GROUPS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
           ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))

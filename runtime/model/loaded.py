@@ -70,7 +70,7 @@ PLAIN_STOP = "\n\nUser:"
 
 LAST_POSITION_HEADS = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
 """Model modules whose ``Model.__call__`` is ``self.model(...)`` then the LM head, nothing else
-(checked against mlx-lm 0.32; ``tests/test_forward_last.py`` compares the logits)."""
+(checked against mlx-lm 0.32; ``tests/model/test_forward_last.py`` compares the logits)."""
 
 
 def _last_position_head(model: Any) -> Any:

@@ -106,7 +106,7 @@ class TinyModelRecipe:
     half of a 256-token prompt changes 70-95% of the greedy tokens in the
     second half, so the predictions really depend on the cache). With
     ``logit_std`` 8 the median top-1 minus top-2 margin on random prompts is
-    1.4-1.9 (``tests/test_tiny_models.py`` requires > 1), while chunked
+    1.4-1.9 (``tests/model/test_tiny_models.py`` requires > 1), while chunked
     versus whole prefill moves logits by about 5e-5; compare greedy tokens
     only where the margin exceeds your tolerance (e.g. 1e-2: ~99% of them).
 

@@ -83,7 +83,7 @@ near tie, from the one the same conversation gets alone. Below a block that is a
 opening, a default system prompt or a short one, whose prefill costs at most a block's (256 tokens,
 0.7 s on the default model on this 2-core CPU: ``benches/results/reuse_costs.md``), so a short
 conversation replies as it does alone, whichever agents happen to be hot
-(``tests/test_reliability_load.py``); a long system prompt, the case sharing is for, is taken to the
+(``tests/reliability/test_reliability_load.py``); a long system prompt, the case sharing is for, is taken to the
 token. The agent's own cache has no floor."""
 
 
