@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -21,10 +21,9 @@ from actors.messages_agent import (
     ChatTurn,
     ForgetAgent,
     ForgetReply,
-    ResponseFormat,
     ToolCall,
-    ToolChoice,
     Turn,
+    TurnOptions,
     TurnReply,
     TurnResult,
 )
@@ -313,68 +312,6 @@ class TurnChoices:
 
     async def __anext__(self) -> tuple[int, str | ToolCall]:
         return await self._stream.next_choice()
-
-
-class TurnOptions(TypedDict, total=False):
-    """The keyword arguments every ``AgentHandle`` turn method takes (see :meth:`ChatTurn.of`).
-
-    Attributes:
-        max_tokens: new tokens at most (256).
-        temperature: 0 is greedy (the default); top_p, top_k: mlx-lm's sampler.
-        seed: the turn's own random stream: a sampled reply repeats for the same seed, prompt
-            and parameters, whatever else runs (it draws what mlx-lm's sampler draws after
-            ``mx.random.seed(seed)``); None draws from the process's.
-        presence_penalty, frequency_penalty (OpenAI's, in [-2, 2]), repetition_penalty
-            (multiplicative, > 0; 1 is none): mlx-lm's repeat penalties over the last 20 tokens.
-        logit_bias: token id to a bias in [-100, 100] added to its logit (OpenAI's).
-        logprobs: report each reply token's log-probability and this many most likely alternatives
-            (0 to 20; None: none): ``TurnResult.logprobs``, streamed through ``TurnStream.take_logprobs``.
-        n: sample this many replies from the prompt (one prefill, one batch); the first is the agent's
-            own, the others come back in ``TurnResult.samples`` (streamed: ``TurnStream.choices``).
-        fit_context: max_tokens is a default, not a limit the caller named: a prompt that leaves
-            less room in the model's context gets what is left instead of ``ContextLengthExceededError``.
-        stop: a string or strings that end the reply (not part of it).
-        system: a system prompt put first unless the messages begin with one.
-        model: a configured model name (None: the runtime's default); another
-            model than the loaded one makes the runtime swap.
-        tools: tool definitions (OpenAI ``{"type": "function", "function": ...}``
-            dicts) rendered by the model's chat template, or in kvmem's generic
-            format when it has no tool syntax (``runtime.reply.generic_tools``); messages
-            may then carry ``tool_calls`` (assistant) and ``role: "tool"`` results.
-            The reply's tool calls come back in ``TurnResult.tool_calls``.
-        tool_choice: ``"auto"`` (default), ``"none"``, ``"required"`` or
-            ``{"name": f}``; one the model cannot honour fails with ``ValueError``.
-        response_format: the reply is JSON: ``{"type": "json_object"}`` (any object) or
-            ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``
-            (valid against the schema), as OpenAI takes it; decoded under the schema's
-            grammar on every model.
-        parallel_tool_calls: False: one call at most (where the model writes
-            kvmem's generic tool-call format).
-        durable: return only once the turn's cache is saved on disk (None: the
-            runtime's ``durable`` setting); a failed save raises ``TurnFailedError``
-            of kind ``NotSaved`` (the cache stays in memory and is saved later).
-    """
-
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    stop: str | Sequence[str]
-    seed: int | None
-    presence_penalty: float | None
-    frequency_penalty: float | None
-    repetition_penalty: float | None
-    logit_bias: Mapping[int, float] | None
-    logprobs: int | None
-    n: int
-    fit_context: bool
-    system: str | None
-    model: str | None
-    tools: Sequence[Mapping[str, Any]] | None
-    tool_choice: str | Mapping[str, Any] | ToolChoice | None
-    response_format: Mapping[str, Any] | ResponseFormat | None
-    parallel_tool_calls: bool
-    durable: bool | None
 
 
 class AgentHandle:

@@ -16,19 +16,23 @@ unchanged.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import msgspec
 import trio
 
 from actors.messages_common import Failed, Message, TurnUsage
-from actors.messages_gpu import SamplingOptions, StreamItem, Tier
-from runtime.plan.sampling import SEED_RANGE, Penalties
+from actors.messages_gpu import SamplingOptions, StreamItem
+from runtime.plan.sampling import SEED_RANGE
 from runtime.plan.tools import ResponseFormat, ToolCall, ToolChoice, ToolUse
 from runtime.reply.logprobs import TokenLogprob
 from runtime.reply.reply_format import schema_error
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = [
+    "TurnOptions",
     "MAX_SAMPLES",
     "ChatMessage",
     "ChatTurn",
@@ -126,6 +130,76 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     name: str | None = None
 
 
+class TurnOptions(TypedDict, total=False):
+    """The keyword arguments every ``AgentHandle`` turn method and :meth:`ChatTurn.of` take: the one list of a
+    turn's options (a sampling option's meaning and range: :class:`runtime.plan.sampling.SamplingOptions`).
+
+    Attributes:
+        max_tokens: new tokens at most (256).
+        temperature: 0 is greedy (the default); top_p, top_k: mlx-lm's sampler.
+        seed: the turn's own random stream: a sampled reply repeats for the same seed, prompt
+            and parameters, whatever else runs (it draws what mlx-lm's sampler draws after
+            ``mx.random.seed(seed)``); None draws from the process's.
+        presence_penalty, frequency_penalty (OpenAI's, in [-2, 2]), repetition_penalty
+            (multiplicative, > 0; 1 is none): mlx-lm's repeat penalties over the last 20 tokens.
+        logit_bias: token id to a bias in [-100, 100] added to its logit (OpenAI's).
+        logprobs: report each reply token's log-probability and this many most likely alternatives
+            (0 to 20; None: none): ``TurnResult.logprobs``, streamed through ``TurnStream.take_logprobs``.
+        n: sample this many replies from the prompt (one prefill, one batch); the first is the agent's
+            own, the others come back in ``TurnResult.samples`` (streamed: ``TurnStream.choices``).
+        fit_context: max_tokens is a default, not a limit the caller named: a prompt that leaves
+            less room in the model's context gets what is left instead of ``ContextLengthExceededError``.
+        stop: a string or strings that end the reply (not part of it).
+        system: a system prompt put first unless the messages begin with one.
+        model: a configured model name (None: the runtime's default); another
+            model than the loaded one makes the runtime swap.
+        tools: tool definitions (OpenAI ``{"type": "function", "function": ...}``
+            dicts) rendered by the model's chat template, or in kvmem's generic
+            format when it has no tool syntax (``runtime.reply.generic_tools``); messages
+            may then carry ``tool_calls`` (assistant) and ``role: "tool"`` results.
+            The reply's tool calls come back in ``TurnResult.tool_calls``.
+        tool_choice: ``"auto"`` (default), ``"none"``, ``"required"`` or
+            ``{"name": f}``; one the model cannot honour fails with ``ValueError``.
+        response_format: the reply is JSON: ``{"type": "json_object"}`` (any object) or
+            ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``
+            (valid against the schema), as OpenAI takes it; decoded under the schema's
+            grammar on every model.
+        parallel_tool_calls: False: one call at most (where the model writes
+            kvmem's generic tool-call format).
+        sampling: every sampling option at once, as an API's request decodes them, instead of
+            ``max_tokens``, ``temperature``, ``top_p`` ... one by one.
+        durable: return only once the turn's cache is saved on disk (None: the
+            runtime's ``durable`` setting); a failed save raises ``TurnFailedError``
+            of kind ``NotSaved`` (the cache stays in memory and is saved later).
+    """
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: str | Sequence[str]
+    seed: int | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    repetition_penalty: float | None
+    logit_bias: Mapping[int, float] | None
+    logprobs: int | None
+    n: int
+    fit_context: bool
+    system: str | None
+    model: str | None
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | ToolChoice | None
+    response_format: Mapping[str, Any] | ResponseFormat | None
+    parallel_tool_calls: bool
+    sampling: SamplingOptions
+    durable: bool | None
+
+
+_TURN_OPTIONS = ("tool_choice", "response_format", "parallel_tool_calls", "model", "durable", "n")
+"""The options of :class:`TurnOptions` that :class:`ChatTurn` keeps as they are given (or as ``of`` makes them)."""
+
+
 class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     """One turn as a client asks for it; checked when built (a bad value raises ``ValueError``).
 
@@ -188,56 +262,29 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         check_tool_definitions(self.tools)
 
     @classmethod
-    def of(
-        cls,
-        agent_id: str,
-        *,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-        prompt: str | None = None,
-        system: str | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | ToolChoice | None = None,
-        response_format: Mapping[str, Any] | ResponseFormat | None = None,
-        parallel_tool_calls: bool = True,
-        model: str | None = None,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: str | Sequence[str] = (),
-        seed: int | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        repetition_penalty: float | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        logprobs: int | None = None,
-        fit_context: bool = False,
-        share_prefix: bool = True,
-        durable: bool | None = None,
-        n: int = 1,
-    ) -> ChatTurn:
-        """Build a turn from plain values: chat dicts (``role``, ``content``, ...) or a prompt.
+    def of(cls, agent_id: str, *, messages: Sequence[Mapping[str, Any]] | None = None, prompt: str | None = None,
+           share_prefix: bool = True, **options: Unpack[TurnOptions]) -> ChatTurn:
+        """Build a turn from plain values: chat dicts (``role``, ``content``, ...) or a prompt, and the options
+        of :class:`TurnOptions` (``system`` is put first unless the messages begin with a system message).
+        The sampling options go to :meth:`runtime.plan.sampling.SamplingOptions.of` by name (or come
+        whole, as ``sampling``).
 
-        ``system`` is put first unless the messages begin with a system message.
-        ``tool_choice``: ``"auto"`` (default), ``"none"``, ``"required"`` or ``{"name": f}``.
-        ``response_format``: OpenAI's shape (``{"type": "json_object"}``, ``{"type":
-        "json_schema", "json_schema": {"name": ..., "schema": {...}}}``) or a ``ResponseFormat``.
-        ``seed``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``
-        (token id to bias), ``logprobs`` (report each token's log-probability and this many alternatives;
-        None: none), ``fit_context`` (``max_tokens`` is a default: shrink it to the room the model's
-        context leaves rather than refuse): see :class:`runtime.plan.sampling.SamplingOptions` and
-        :class:`~runtime.plan.sampling.Penalties` (None: unset).
+        Raises:
+            TypeError: an unknown option, or ``sampling`` beside single sampling options.
+            ValueError: a bad value.
         """
-        chat = chat_messages(messages or (), system if prompt is None else None)
-        sampling = SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                   stop=(stop,) if isinstance(stop, str) else tuple(stop), seed=seed,
-                                   penalties=Penalties.of(presence_penalty, frequency_penalty, repetition_penalty),
-                                   logit_bias=tuple(sorted((logit_bias or {}).items())), logprobs=logprobs,
-                                   fit_context=fit_context)
-        return cls(agent_id=agent_id, messages=chat, prompt=prompt,
-                   tools=tuple(dict(t) for t in tools or ()), tool_choice=ToolChoice.of(tool_choice),
-                   response_format=ResponseFormat.of(response_format), parallel_tool_calls=parallel_tool_calls,
-                   model=model, sampling=sampling, share_prefix=share_prefix, durable=durable, n=n)
+        rest = dict(options)
+        system = rest.pop("system", None)
+        tools = rest.pop("tools", None)
+        turn = {name: rest.pop(name) for name in _TURN_OPTIONS if name in rest}
+        sampling = rest.pop("sampling", None)
+        if sampling is not None and rest:
+            raise TypeError(f"give sampling or single sampling options ({', '.join(sorted(rest))}), not both")
+        return cls(agent_id=agent_id, messages=chat_messages(messages or (), system if prompt is None else None),
+                   prompt=prompt, tools=tuple(dict(t) for t in tools or ()),
+                   tool_choice=ToolChoice.of(turn.pop("tool_choice", None)),
+                   response_format=ResponseFormat.of(turn.pop("response_format", None)),
+                   sampling=sampling or SamplingOptions.of(**rest), share_prefix=share_prefix, **turn)
 
     def chat(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (plain dicts)."""

@@ -64,6 +64,7 @@ from gateway.schemas_agents import (
 )
 from gateway.sse import Emit, EventStreamResponse, sse
 from runtime.identity import local_id, tenant_of
+from runtime.plan.sampling import SamplingOptions
 
 __all__ = ["routes"]
 
@@ -159,17 +160,7 @@ def routes(gw: Gateway) -> list[Route]:
                 tool_choice=msgspec.to_builtins(req.tool_choice),
                 response_format=response_format_of(req.response_format),
                 model=gw.model_for(req.model),
-                max_tokens=max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                stop=tuple(req.stop),
-                seed=req.seed,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty,
-                logit_bias=req.logit_bias,
-                fit_context=req.max_tokens is None,
+                sampling=SamplingOptions.of_request(req, max_tokens=max_tokens, fit_context=req.max_tokens is None),
                 durable=durable_of(request.headers),
             )
             await gw.admit(handle, tenant_of_request(request))  # the tenant's limits: agents, disk

@@ -71,6 +71,7 @@ from gateway.schemas_anthropic import (
 )
 from gateway.sse import Emit, EventStreamResponse, sse
 from runtime.identity import local_id
+from runtime.plan.sampling import SamplingOptions
 from runtime.reply.reply_format import schema_error
 
 __all__ = ["routes", "to_chat", "tool_choice_of", "usage_of", "stop_reason_of"]
@@ -286,11 +287,9 @@ def routes(gw: Gateway) -> list[Route]:
                 response_format=response_format_of(req),
                 parallel_tool_calls=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
                 model=model,
-                max_tokens=req.max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k or 0,
-                stop=tuple(req.stop_sequences or ()),
+                sampling=SamplingOptions.of_request(  # by name, but Anthropic's default temperature and stops
+                    req, temperature=1.0 if req.temperature is None else req.temperature,
+                    stop=req.stop_sequences or ()),
                 durable=durable_of(request.headers),
             )
             await gw.admit(handle, tenant)  # the tenant's limits: agents, disk

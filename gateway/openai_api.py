@@ -64,6 +64,7 @@ from gateway.schemas_openai import (
 )
 from gateway.sse import Emit, EventStreamResponse, sse_data
 from runtime.identity import local_id
+from runtime.plan.sampling import SamplingOptions
 from runtime.reply.logprobs import TokenLogprob
 from runtime.reply.reply_format import lark_from_gbnf, schema_error
 
@@ -279,19 +280,12 @@ def routes(gw: Gateway) -> list[Route]:
                 response_format=answer_format_of(req),
                 parallel_tool_calls=req.parallel_tool_calls is not False,
                 model=model,
-                max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k or 0,
-                stop=req.stop or (),
-                seed=req.seed,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty,
-                logit_bias=req.logit_bias,
-                logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                # The options OpenAI spells as kvmem does come by name; these are OpenAI's own.
+                sampling=SamplingOptions.of_request(
+                    req, max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                    logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                    fit_context=req.max_tokens is None and req.max_completion_tokens is None),
                 n=req.n or 1,
-                fit_context=req.max_tokens is None and req.max_completion_tokens is None,
                 durable=durable_of(request.headers),
             )
             await gw.admit(handle, tenant)  # the tenant's limits: agents, disk

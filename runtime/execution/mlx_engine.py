@@ -321,10 +321,7 @@ class MlxEngine:
                              f"(ids 0 to {self.lm.vocab_limit - 1})")
         # A top-k of the whole vocabulary or more keeps every token: no filter (mlx-lm's refuses it).
         top_k = sampling.top_k if sampling.top_k < self.lm.vocab_limit else 0
-        params = SequenceSampling(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                                  top_p=sampling.top_p, top_k=top_k, stop=tuple(sampling.stop),
-                                  seed=sampling.seed, penalties=sampling.penalties,
-                                  logit_bias=dict(sampling.logit_bias), logprobs=sampling.logprobs)
+        params = SequenceSampling.of(sampling, top_k=top_k)
         rules = rules or self._rules(sampling)
         if rules is None:
             return params

@@ -14,12 +14,13 @@ what else ran. With one, the turn draws exactly what mlx-lm's sampler draws afte
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
-from runtime.plan.sampling import PENALTY_CONTEXT, Penalties
+from runtime.plan.sampling import PENALTY_CONTEXT, Penalties, SamplingOptions
 from runtime.reply.logprobs import LEAST_LOGPROB, TokenLogprob, TopLogprob
 
 __all__ = ["LogitsProcessor", "Scored", "SeededSampler", "SequenceSampling", "build_sampler", "penalty_processors",
@@ -64,6 +65,13 @@ class SequenceSampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @classmethod
+    def of(cls, options: SamplingOptions, **given: Any) -> SequenceSampling:
+        """What a turn's options say of its sequence: each field of ours that ``options`` has, by name (a
+        new option needs no line here), ``logit_bias`` as a mapping; ``given`` (the engine's own) wins."""
+        taken = {f.name: getattr(options, f.name) for f in fields(cls) if hasattr(options, f.name)}
+        return cls(**{**taken, "logit_bias": dict(options.logit_bias), **given})
 
 
 def build_sampler(params: SequenceSampling, *, width: int) -> Callable[[mx.array], mx.array]:

@@ -7,6 +7,8 @@ carried by the GPU actor's ``Generate`` to the engine unchanged.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -111,3 +113,36 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
         for token, bias in self.logit_bias:
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias: token {token} with bias {bias}: ids are >= 0, biases in [-100, 100]")
+
+    @classmethod
+    def of(cls, *, stop: str | Sequence[str] = (), presence_penalty: float | None = None,
+           frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+           logit_bias: Mapping[int, float] | None = None, **fields: Any) -> SamplingOptions:
+        """The options from plain values, as a caller names them (:class:`actors.messages_agent.TurnOptions`,
+        each API's request): ``stop`` a string or strings; the repeat penalties by OpenAI's and mlx-lm's
+        names (None: unset); ``logit_bias`` token id to bias; every other option by its field's name, so a
+        new option needs no line here.
+
+        Raises:
+            TypeError: a name that is no option.
+            ValueError: a value out of range.
+        """
+        return cls(stop=(stop,) if isinstance(stop, str) else tuple(stop),
+                   penalties=Penalties.of(presence_penalty, frequency_penalty, repetition_penalty),
+                   logit_bias=tuple(sorted((logit_bias or {}).items())), **fields)
+
+    @classmethod
+    def of_request(cls, request: object, **given: Any) -> SamplingOptions:
+        """The options an API's decoded request names: each of :meth:`of`'s names that ``request`` has as an
+        attribute, unless None (unset) or ``given`` (what the API maps itself: a default of its own, a field
+        of another name or meaning). A new option an API spells as kvmem does needs no line in the API."""
+        named = {name: value for name in _REQUEST_NAMES
+                 if name not in given and (value := getattr(request, name, None)) is not None}
+        return cls.of(**named, **given)
+
+
+_REQUEST_NAMES = (*(name for name in SamplingOptions.__struct_fields__ if name not in ("tool_use", "response_format",
+                                                                                        "penalties")),
+                  "presence_penalty", "frequency_penalty", "repetition_penalty")
+"""What :meth:`SamplingOptions.of_request` reads from a request: the options a client names (the tools and the
+``response_format`` are the turn's own, and the penalties come by their API names)."""
