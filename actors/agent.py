@@ -35,7 +35,6 @@ import trio
 from actors.mailbox import ask, receiver_left, send_reply
 from actors.messages_agent import (
     AgentInbox,
-    ChatTurn,
     ForgetAgent,
     Forgot,
     Turn,
@@ -173,7 +172,7 @@ class AgentActor:
         durable = self._durable if request.durable is None else request.durable
         ids = (turn.request_id, *turn.sample_ids)
         prompt = request.prompt if request.prompt is not None else Chat(
-            messages=request.chat(), tools=request.tool_list(), tool_choice=request.tool_choice if request.tools else None)
+            messages=request.messages, tools=request.tool_list(), tool_choice=request.tool_choice if request.tools else None)
 
         def generate(sample: int, reply: trio.MemorySendChannel[GenerateReply]) -> Generate:
             return Generate(request_id=ids[sample], agent_id=self.agent_id, model=request.model, prompt=prompt,

@@ -108,6 +108,11 @@ LONG_TEXT_CHARS = 64 * 1024
 a 3.5 MB prompt took 5 s to tokenize on this 2-core machine, and every turn behind it waited."""
 
 
+def _render_chat(engine: Engine, chat: Chat) -> str:
+    """On a text worker: the messages in the template's form (plain dicts, made here), rendered."""
+    return engine.render(chat.template_messages(), chat.tools, chat.tool_choice)
+
+
 def _still_wanted(msg: Generate) -> bool:
     """Whether anyone still waits for ``msg``'s turn: its client (a stream's deltas) and its agent."""
     return not (receiver_left(msg.client) or receiver_left(msg.reply))
@@ -704,8 +709,7 @@ class GPUActor:
         """The prompt text: chat messages rendered with the loaded model's template, a raw prompt as is."""
         if isinstance(prompt, str):
             return prompt
-        return await self._text_job(self._engine.render, prompt.messages, prompt.tools, prompt.tool_choice,
-                                    wanted=wanted)
+        return await self._text_job(_render_chat, self._engine, prompt, wanted=wanted)
 
     # -- work ------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import msgspec
 import trio
 
-from actors.messages_common import Failed, Message, TurnUsage
+from actors.messages_common import ChatMessage, Failed, Message, TurnUsage
 from actors.messages_gpu import SamplingOptions, StreamItem
 from runtime.plan.sampling import SEED_RANGE
 from runtime.plan.tools import ResponseFormat, ToolCall, ToolChoice, ToolUse
@@ -114,20 +114,6 @@ class Forgot(Message, frozen=True, kw_only=True):
 
 TurnReply = TurnDone | Failed
 ForgetReply = Forgot | Failed
-
-
-class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One chat message as the model's template takes it.
-
-    ``tool_calls`` (an assistant's, OpenAI's shape) and ``tool_call_id`` (a
-    ``tool`` result's) are rendered by templates that support tools.
-    """
-
-    role: str
-    content: str
-    tool_calls: tuple[dict[str, Any], ...] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
 
 
 class TurnOptions(TypedDict, total=False):
@@ -285,10 +271,6 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
                    tool_choice=ToolChoice.of(turn.pop("tool_choice", None)),
                    response_format=ResponseFormat.of(turn.pop("response_format", None)),
                    sampling=sampling or SamplingOptions.of(**rest), share_prefix=share_prefix, **turn)
-
-    def chat(self) -> list[dict[str, Any]]:
-        """The messages as the chat template takes them (plain dicts)."""
-        return [msgspec.to_builtins(m) for m in self.messages]
 
     def tool_list(self) -> list[dict[str, Any]] | None:
         """The tool definitions for the template (None: no tools)."""

@@ -8,11 +8,13 @@ raising across actors.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from runtime.plan.turn_plan import ParkedView, Tier
 
-__all__ = ["Failed", "ParkedView", "failed_from", "Message", "TurnUsage"]
+__all__ = ["ChatMessage", "Failed", "ParkedView", "failed_from", "Message", "TurnUsage"]
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -61,3 +63,18 @@ class TurnUsage(msgspec.Struct, frozen=True, kw_only=True):
     queue_wait_ms: float
     ttft_ms: float
     decode_tps: float
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One chat message as the model's template takes it: the one form a conversation keeps from each API's
+    request (or a caller's dicts, :func:`actors.messages_agent.chat_messages`) until the template renders it.
+
+    ``tool_calls`` (an assistant's, OpenAI's shape) and ``tool_call_id`` (a
+    ``tool`` result's) are rendered by templates that support tools.
+    """
+
+    role: str
+    content: str
+    tool_calls: tuple[dict[str, Any], ...] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import trio
 
-from actors.messages_common import Failed, ParkedView, Message, TurnUsage
+from actors.messages_common import ChatMessage, Failed, Message, ParkedView, TurnUsage
 from actors.messages_store import SnapshotDue
 from runtime.plan.engine import ModelInfo
 from runtime.plan.sampling import SamplingOptions
@@ -183,9 +183,13 @@ class Chat(msgspec.Struct, frozen=True, kw_only=True):
             cannot honour makes the render fail with ``ValueError``.
     """
 
-    messages: list[dict[str, Any]]
+    messages: tuple[ChatMessage, ...]
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (plain dicts), made at the render."""
+        return [msgspec.to_builtins(m) for m in self.messages]
 
 
 class CountTokens(Message, frozen=True, kw_only=True):

@@ -256,7 +256,7 @@ class Runtime:
                 render, or a ``tool_choice`` the model cannot honour.
             ModelError: the model cannot be loaded.
         """
-        chat = [msgspec.to_builtins(m) for m in chat_messages(messages, system)]
+        chat = chat_messages(messages, system)
         if not chat:
             raise ValueError("no messages")
         if self._closed:

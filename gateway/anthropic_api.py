@@ -39,7 +39,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from actors.client import TurnStream
-from actors.messages_agent import ResponseFormat, ToolCall, ToolChoice
+from actors.messages_agent import ChatMessage, ResponseFormat, ToolCall, ToolChoice
 from gateway.context import (
     CLIENT_GONE,
     Gateway,
@@ -95,14 +95,14 @@ def _join_text(blocks: list[TextBlock | ImageBlock], where: str) -> str:
     return "\n".join(parts)
 
 
-def _message(i: int, m: MessageParam) -> list[dict[str, Any]]:
+def _message(i: int, m: MessageParam) -> list[ChatMessage]:
     """One Anthropic message as chat messages: tool results become ``tool`` messages."""
     if isinstance(m.content, str):
-        return [{"role": m.role, "content": m.content}]
+        return [ChatMessage(role=m.role, content=m.content)]
     where = f"messages[{i}].content"
     texts: list[str] = []
     tool_calls: list[dict[str, Any]] = []
-    results: list[dict[str, Any]] = []
+    results: list[ChatMessage] = []
     for j, block in enumerate(m.content):
         at = f"{where}[{j}]"
         if isinstance(block, TextBlock):
@@ -120,14 +120,11 @@ def _message(i: int, m: MessageParam) -> list[dict[str, Any]]:
             content = block.content if isinstance(block.content, str) else _join_text(block.content, f"{at}.content")
             if block.is_error:
                 content = f"Error: {content}"
-            results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+            results.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=content))
     if m.role == "assistant":
-        message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        return [message]
+        return [ChatMessage(role="assistant", content="\n".join(texts), tool_calls=tuple(tool_calls) or None)]
     if texts or not results:
-        results.append({"role": "user", "content": "\n".join(texts)})
+        results.append(ChatMessage(role="user", content="\n".join(texts)))
     return results
 
 
@@ -150,7 +147,7 @@ def _tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     return out
 
 
-def to_chat(req: MessagesRequest | CountTokensRequest) -> tuple[str | None, list[dict[str, Any]], list[dict[str, Any]] | None]:
+def to_chat(req: MessagesRequest | CountTokensRequest) -> tuple[str | None, list[ChatMessage], list[dict[str, Any]] | None]:
     """The system prompt, the chat messages and the tool definitions of a request."""
     system = req.system if req.system is None or isinstance(req.system, str) else _join_text(
         list(req.system), "system")

@@ -57,6 +57,7 @@ import trio
 from starlette.requests import Request
 from starlette.responses import Response
 
+from actors.messages_common import ChatMessage
 from gateway.errors import ApiError, from_decode_error, runtime_errors
 from gateway.json_depth import MAX_JSON_DEPTH, json_depth
 from runtime.config import Config
@@ -107,11 +108,11 @@ AGENT_HEADER = "x-agent-id"
 HASH_PREFIX = "conv-"
 
 
-def conversation_id(system: str | None, messages: Sequence[Mapping[str, Any]]) -> str:
+def conversation_id(system: str | None, messages: Sequence[ChatMessage]) -> str:
     """``conv-<sha256>`` of the system prompt and the first user message."""
-    first_user = next((m for m in messages if m.get("role") == "user"), None)
+    first_user = next((m for m in messages if m.role == "user"), None)
     payload = msgspec.json.encode(
-        {"system": system or "", "first_user": first_user.get("content") if first_user else None}
+        {"system": system or "", "first_user": first_user.content if first_user else None}
     )
     return HASH_PREFIX + hashlib.sha256(payload).hexdigest()
 
@@ -129,7 +130,7 @@ def resolve_agent_id(
     user_field: str | None,
     user_param: str,
     system: str | None,
-    messages: Sequence[Mapping[str, Any]],
+    messages: Sequence[ChatMessage],
 ) -> AgentRef:
     """The agent id for a chat request, and where it came from (see the module docstring).
 
@@ -138,7 +139,7 @@ def resolve_agent_id(
         user_field: the API's user field value (OpenAI ``user``, Anthropic ``metadata.user_id``).
         user_param: its JSON path, for error messages.
         system: the system prompt text.
-        messages: the conversation as chat dicts (``role``, ``content``).
+        messages: the conversation, as the request's API made it into chat messages.
 
     Raises:
         ApiError: 400 when the ``X-Agent-ID`` header is not percent-encoded UTF-8 (:func:`decode_agent_id`).

@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from actors.messages_agent import ResponseFormat, ToolCall, ToolChoice, TurnResult
+from actors.messages_agent import ChatMessage, ResponseFormat, ToolCall, ToolChoice, TurnResult
 from gateway.context import (
     CLIENT_GONE,
     Gateway,
@@ -48,7 +48,7 @@ from gateway.errors import ApiError, error_dict, from_exception, runtime_errors
 from gateway.schemas_openai import (
     AssistantMessage,
     ChatCompletionRequest,
-    ChatMessage,
+    ChatMessage as RequestMessage,
     Content,
     DeveloperMessage,
     ImageUrlPart,
@@ -86,24 +86,21 @@ def _text(content: Content | None, where: str) -> str:
     return "\n".join(parts)
 
 
-def _message(i: int, m: ChatMessage) -> dict[str, Any]:
+def _message(i: int, m: RequestMessage) -> ChatMessage:
     where = f"messages[{i}].content"
     match m:
         case SystemMessage() | DeveloperMessage():
-            return {"role": "system", "content": _text(m.content, where)}
+            return ChatMessage(role="system", content=_text(m.content, where))
         case UserMessage():
-            return {"role": "user", "content": _text(m.content, where)}
+            return ChatMessage(role="user", content=_text(m.content, where))
         case AssistantMessage():
-            out: dict[str, Any] = {"role": "assistant", "content": _text(m.content, where)}
-            if m.tool_calls:
-                out["tool_calls"] = [
-                    {"id": c.id, "type": "function", "function": {"name": c.function.name,
-                                                                  "arguments": _arguments(c.function.arguments)}}
-                    for c in m.tool_calls
-                ]
-            return out
+            calls = tuple(
+                {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                              "arguments": _arguments(c.function.arguments)}}
+                for c in m.tool_calls or ())
+            return ChatMessage(role="assistant", content=_text(m.content, where), tool_calls=calls or None)
         case ToolMessage():
-            return {"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m.content, where)}
+            return ChatMessage(role="tool", tool_call_id=m.tool_call_id, content=_text(m.content, where))
     raise AssertionError(m)  # pragma: no cover - the union is closed
 
 
@@ -193,7 +190,7 @@ def answer_format_of(req: ChatCompletionRequest) -> ResponseFormat | None:
     return response_format_of(req.response_format)
 
 
-def to_chat(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def to_chat(req: ChatCompletionRequest) -> tuple[list[ChatMessage], list[dict[str, Any]] | None]:
     """The chat messages and tool definitions of a request."""
     return [_message(i, m) for i, m in enumerate(req.messages)], _tools(req.tools)
 
@@ -267,7 +264,7 @@ def routes(gw: Gateway) -> list[Route]:
             raise ApiError(400, "invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
         chat, tools = to_chat(req)
         tool_choice = tool_choice_of(req)
-        system = chat[0]["content"] if chat[0]["role"] == "system" else None
+        system = chat[0].content if chat[0].role == "system" else None
         ref = resolve_agent_id(request.headers, user_field=req.user, user_param="user", system=system,
                                messages=chat)
         tenant = tenant_of_request(request)

@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from actors.messages_agent import ChatMessage, chat_messages
 from gateway.errors import ApiError, error_dict, from_decode_error
 from gateway.context import conversation_id, resolve_agent_id
 from gateway.schemas_anthropic import messages_decoder
@@ -25,20 +26,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_conversation_id_is_a_full_sha256_of_system_and_first_user_message() -> None:
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    msgs = chat_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
     cid = conversation_id("sys", msgs)
     assert re.fullmatch(r"conv-[0-9a-f]{64}", cid)
     expected = hashlib.sha256(msgspec.json.encode({"system": "sys", "first_user": "hi"})).hexdigest()
     assert cid == "conv-" + expected
-    assert conversation_id("sys", [*msgs, {"role": "user", "content": "later"}]) == cid
-    assert conversation_id("sys2", msgs) != cid and conversation_id("sys", [{"role": "user", "content": "h"}]) != cid
+    assert conversation_id("sys", [*msgs, ChatMessage(role="user", content="later")]) == cid
+    assert conversation_id("sys2", msgs) != cid and conversation_id("sys", [ChatMessage(role="user", content="h")]) != cid
     # no concatenation ambiguity between the two fields
-    assert conversation_id("ab", [{"role": "user", "content": "c"}]) != conversation_id(
-        "a", [{"role": "user", "content": "bc"}])
+    assert conversation_id("ab", [ChatMessage(role="user", content="c")]) != conversation_id(
+        "a", [ChatMessage(role="user", content="bc")])
 
 
 def test_explicit_identity_wins_over_the_hash() -> None:
-    msgs = [{"role": "user", "content": "hi"}]
+    msgs = [ChatMessage(role="user", content="hi")]
     kw = {"user_param": "user", "system": None, "messages": msgs}
     assert resolve_agent_id({"x-agent-id": "h"}, user_field="u", **kw) == ("h", "X-Agent-ID")  # type: ignore[arg-type]
     assert resolve_agent_id({}, user_field="u", **kw) == ("u", "user")  # type: ignore[arg-type]
@@ -144,3 +145,28 @@ async def test_a_silent_event_stream_gets_keep_alive_comments(autojump_clock, mo
     bodies = [b for _t, b in sent]
     assert bodies == [b"data: 1\n\n", *[b": keep-alive\n\n"] * 3, b"data: 2\n\n", b"data: 3\n\n", b""]
     assert [round(t - start, 1) for t, b in sent if b.startswith(b":")] == [1.0, 2.0, 3.0]
+
+
+def test_each_api_gives_its_messages_in_the_one_form_the_template_renders() -> None:
+    """Issue 60, item 3: a request's messages become ``ChatMessage``s once, in the API's route, and stay so
+    until the text worker makes the template's plain dicts of them (``Chat.template_messages``)."""
+    from actors.messages_gpu import Chat
+    from gateway import anthropic_api, openai_api
+    from gateway.schemas_anthropic import messages_decoder as anthropic_decoder
+    from gateway.schemas_openai import chat_decoder
+
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    expected = [{"role": "user", "content": "add 1"}, {"role": "assistant", "content": "", "tool_calls": (call,)},
+                {"role": "tool", "content": "1", "tool_call_id": "c1"}]
+    openai = chat_decoder.decode(msgspec.json.encode({"model": "m", "messages": [
+        {"role": "user", "content": "add 1"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}]}))
+    anthropic = anthropic_decoder.decode(msgspec.json.encode({"model": "m", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "add 1"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "add", "input": {"a": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "1"}]}]}))
+    for chat in (openai_api.to_chat(openai)[0], anthropic_api.to_chat(anthropic)[1]):
+        assert all(type(m) is ChatMessage for m in chat)
+        assert Chat(messages=tuple(chat)).template_messages() == expected

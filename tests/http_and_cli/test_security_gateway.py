@@ -32,6 +32,7 @@ import pytest
 from conftest import models_dir
 
 import gateway.app
+from actors.messages_agent import chat_messages
 from gateway.context import DRAIN_BYTES, conversation_id
 from gateway.server import exposure_warning
 from gateway.testing import ServerThread
@@ -253,7 +254,7 @@ def test_naming_another_conversations_hash_reads_nothing_of_it(http: httpx.Clien
     victim = {"model": MODEL, "max_tokens": 8, "temperature": 0, "system": system, "messages": [{"role": "user", "content": secret}]}
     first = http.post("/v1/messages", json=victim)
     assert first.status_code == 200
-    victim_id = conversation_id(system, victim["messages"])
+    victim_id = conversation_id(system, chat_messages(victim["messages"]))
     assert first.headers["x-kvmem-agent-id"] == victim_id
     _wait_clean(http)
     info = http.get(f"/v1/agents/{victim_id}").json()
