@@ -34,7 +34,7 @@
   :class:`CheckIn` once its cache is published, under the lease's fence.
 * **Tenants**: an agent id that names a tenant (:mod:`runtime.identity`) keeps its caches in
   that tenant's subtree of the cache directory (:class:`runtime.persist.tenants.TenantDirectories`);
-  a listing is one tenant's, and :class:`Usage` is what one tenant holds (for its limits).
+  a listing is one tenant's, and :class:`MeasureUsage` is what one tenant holds (for its limits).
 * Caches carry their model tag; a plan only ever uses caches made by the model asked for. An agent has one cache per
   model, on disk too (:class:`runtime.persist.CacheDirectory`); :class:`Forget`
   removes them all, and the blocks no other agent's cache references. With a
@@ -80,7 +80,7 @@ from actors.messages_store import (
     SnapshotDue,
     SnapshotLost,
     StoreInbox,
-    Usage,
+    MeasureUsage,
     Used,
 )
 from actors.prefetch import Prefetcher
@@ -277,7 +277,7 @@ class CacheStoreActor:
             case ListAgents():
                 assert self._nursery is not None
                 self._nursery.start_soon(self._list, message)
-            case Usage():
+            case MeasureUsage():
                 assert self._nursery is not None
                 self._nursery.start_soon(self._usage, message)
             case ReadBlocks():
@@ -440,7 +440,7 @@ class CacheStoreActor:
                                            disk_bytes=0, updated_at=entry.updated_at, remote=True))
         return only_remote
 
-    async def _usage(self, message: Usage) -> None:
+    async def _usage(self, message: MeasureUsage) -> None:
         try:
             disk = await self._disk(self._directory.usage, message.tenant)
         except (OSError, ValueError) as exc:

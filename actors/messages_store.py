@@ -12,7 +12,7 @@ A turn visits the store twice: one :class:`CheckOut` when it begins and one
     Evict(model_tag)                  -> Evicted(written)     flush dirty caches of a model, drop its hot caches
     Flush()                           -> Flushed(written)     write every dirty cache now
     ListAgents(agent_id | None, tenant) -> AgentsListed(agents) hot and on-disk caches (of one agent, or a tenant's)
-    Usage(tenant)                     -> Used(agent_dirs, disk_bytes)   what a tenant holds (its limits)
+    MeasureUsage(tenant)              -> Used(agent_dirs, disk_bytes)   what a tenant holds (its limits)
     ReadBlocks(agent_id, token_ids)   -> BlocksRead(layers)   a prompt's first whole blocks from the tenant's disk
 
 The GPU actor sends :class:`ReadBlocks` for a turn whose plan reuses less of its prompt than whole
@@ -48,7 +48,7 @@ __all__ = [
     "Evict",
     "Flush",
     "ListAgents",
-    "Usage",
+    "MeasureUsage",
     "Used",
     "UsageReply",
     "AgentRecord",
@@ -133,7 +133,7 @@ class AgentsListed(Message, frozen=True, kw_only=True):
 
 
 class Used(Message, frozen=True, kw_only=True):
-    """Reply to :class:`Usage`.
+    """Reply to :class:`MeasureUsage`.
 
     Attributes:
         agent_dirs: the folder name of each agent of the tenant with a cache, hot or on
@@ -313,11 +313,11 @@ class ListAgents(Message, frozen=True, kw_only=True):
     tenant: str | None = None  # ignored when agent_id is given (its own tenant)
 
 
-class Usage(Message, frozen=True, kw_only=True):
+class MeasureUsage(Message, frozen=True, kw_only=True):
     """What ``tenant`` holds: its agents with a cache (hot, dirty or on disk) and its bytes on disk."""
 
     tenant: str
     reply: trio.MemorySendChannel[UsageReply]
 
 
-StoreInbox = CheckOut | CheckIn | Forget | Evict | Flush | ListAgents | Usage | ReadBlocks
+StoreInbox = CheckOut | CheckIn | Forget | Evict | Flush | ListAgents | MeasureUsage | ReadBlocks

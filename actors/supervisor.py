@@ -76,7 +76,7 @@ from actors.messages_store import (
     ListAgents,
     ListReply,
     StoreInbox,
-    Usage,
+    MeasureUsage,
     UsageReply,
     Used,
 )
@@ -234,7 +234,7 @@ class Runtime:
         """What ``tenant`` holds: its agents (with a cache or a running actor) as folder names, its disk bytes."""
         if self._closed:
             raise TurnFailedError("Closed", "the runtime is closed")
-        reply: UsageReply = await ask(self._store_mailbox, lambda r: Usage(tenant=tenant, reply=r))
+        reply: UsageReply = await ask(self._store_mailbox, lambda r: MeasureUsage(tenant=tenant, reply=r))
         if isinstance(reply, Failed):
             raise_failed(reply)
         live = {safe_agent_dirname(local_id(a)) for a in self._agents if tenant_of(a) == tenant}

@@ -288,7 +288,7 @@ def _printer(spec: Any, args: argparse.Namespace) -> Any:
         PhaseStarted,
         RunFinished,
         TurnFinished,
-        TurnStarted,
+        ScenarioTurnStarted,
     )
 
     tty = sys.stdout.isatty()
@@ -305,7 +305,7 @@ def _printer(spec: Any, args: argparse.Namespace) -> Any:
                     f"\n== {event.label}  [{event.index + 1}/{event.count}: {names}; {event.rounds} round(s)]",
                     flush=True,
                 )
-            case TurnStarted():
+            case ScenarioTurnStarted():
                 if tty:
                     print(f"  r{event.round} {spec.display(event.agent):<{width}}  ...", end="\r", flush=True)
             case TurnFinished(record=r):

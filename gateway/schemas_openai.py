@@ -30,7 +30,7 @@ __all__ = [
     "ChatMessage",
     "FunctionDef",
     "ToolDef",
-    "ToolCall",
+    "ToolCallParam",
     "StreamOptions",
     "ChatCompletionRequest",
     "chat_decoder",
@@ -68,7 +68,7 @@ class FunctionCall(Struct, kw_only=True):
     arguments: str
 
 
-class ToolCall(Struct, kw_only=True):
+class ToolCallParam(Struct, kw_only=True):
     """OpenAI's assistant ``tool_calls`` item (a function call), passed to the chat template."""
 
     id: NonEmpty
@@ -101,7 +101,7 @@ class AssistantMessage(Struct, tag="assistant", tag_field="role", kw_only=True):
     """OpenAI's ``assistant`` message: text and/or tool calls (``name`` and ``refusal`` are ignored)."""
 
     content: Content | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCallParam] | None = None
     name: str | None = None
     refusal: str | None = None
 

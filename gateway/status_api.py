@@ -153,7 +153,7 @@ class AgentStatus(msgspec.Struct, frozen=True, kw_only=True):
     running: RunningTurn | None
 
 
-class TenantUsage(msgspec.Struct, frozen=True, kw_only=True):
+class TenantUsageReport(msgspec.Struct, frozen=True, kw_only=True):
     """A tenant's agents and disk bytes against its limits (None: no limit)."""
 
     tenant: str
@@ -168,7 +168,7 @@ class AgentStatusList(msgspec.Struct, frozen=True, kw_only=True):
 
     object: Literal["list"]
     data: list[AgentStatus]
-    usage: TenantUsage | None
+    usage: TenantUsageReport | None
 
 
 def _caller(tenant: Tenant | None) -> Caller:
@@ -277,7 +277,7 @@ def routes(gw: Gateway, *, version: str) -> list[Route]:
         usage = None
         if tenant is not None and used is not None:
             max_mb = tenant.limits.max_disk_mb
-            usage = TenantUsage(tenant=tenant.name, agents=len(used.agent_dirs), max_agents=tenant.limits.max_agents,
+            usage = TenantUsageReport(tenant=tenant.name, agents=len(used.agent_dirs), max_agents=tenant.limits.max_agents,
                                 disk_bytes=used.disk_bytes, max_disk_bytes=int(max_mb * MIB) if max_mb else None)
         return gw.json(AgentStatusList(object="list", data=data, usage=usage), headers={"cache-control": "no-store"})
 

@@ -30,7 +30,7 @@ __all__ = ["Line", "render_transcript", "render_template", "turn_message", "line
 
 
 class Line(Protocol):
-    """A spoken line of a transcript (:class:`actors.scenario.state.TurnRecord` is one)."""
+    """A spoken line of a transcript (:class:`actors.scenario.state.ScenarioTurn` is one)."""
 
     @property
     def phase(self) -> str: ...

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from actors.scenario.spec import ScenarioSpec
-from actors.scenario.state import RunState, TurnRecord
+from actors.scenario.state import RunState, ScenarioTurn
 
 __all__ = [
     "ReportRow",
@@ -138,7 +138,7 @@ def build_report(spec: ScenarioSpec, state: RunState) -> WorkingMemoryReport:
     )
 
 
-def visible_turns(spec: ScenarioSpec, state: RunState, view: str) -> list[TurnRecord]:
+def visible_turns(spec: ScenarioSpec, state: RunState, view: str) -> list[ScenarioTurn]:
     """The turns a view may show: ``full``, ``public``, or an agent key.
 
     Raises:
@@ -153,7 +153,7 @@ def visible_turns(spec: ScenarioSpec, state: RunState, view: str) -> list[TurnRe
     return [t for t in state.turns if view in t.visible_to]
 
 
-def _stats(t: TurnRecord) -> str:
+def _stats(t: ScenarioTurn) -> str:
     return (
         f"tier={t.tier} match={t.match} reused={t.tokens_reused} prefilled={t.tokens_prefilled} "
         f"generated={t.tokens_generated} ({t.reuse_fraction:.0%} of the prompt from cache) "

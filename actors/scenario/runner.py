@@ -36,7 +36,7 @@ from actors.scenario.state import (
     ColdTurn,
     RunOptions,
     RunState,
-    TurnRecord,
+    ScenarioTurn,
     new_run_id,
     save_state,
 )
@@ -49,7 +49,7 @@ __all__ = [
     "ScenarioRunner",
     "ScenarioEvent",
     "PhaseStarted",
-    "TurnStarted",
+    "ScenarioTurnStarted",
     "TurnFinished",
     "PhaseFinished",
     "ColdTurnFinished",
@@ -78,7 +78,7 @@ class PhaseStarted(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     rounds: int
 
 
-class TurnStarted(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class ScenarioTurnStarted(msgspec.Struct, frozen=True, kw_only=True, tag="TurnStarted"):  # its JSON name as before
     """An agent's turn begins: ``round`` counts from 1, ``index`` is the turn's number in the run."""
 
     phase: str
@@ -90,7 +90,7 @@ class TurnStarted(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 class TurnFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """A turn is done; ``record`` is its reply and cache statistics (as saved in the run state)."""
 
-    record: TurnRecord
+    record: ScenarioTurn
 
 
 class PhaseFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -110,7 +110,7 @@ class PhaseFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 class ColdTurnFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """A turn was replayed from no cache (``compare_cold``); ``record.cold`` holds the cold numbers."""
 
-    record: TurnRecord
+    record: ScenarioTurn
 
 
 class RunFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -125,7 +125,7 @@ class RunFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     cold_wall_s: float | None
 
 
-ScenarioEvent = PhaseStarted | TurnStarted | TurnFinished | PhaseFinished | ColdTurnFinished | RunFinished
+ScenarioEvent = PhaseStarted | ScenarioTurnStarted | TurnFinished | PhaseFinished | ColdTurnFinished | RunFinished
 EventSink = Callable[[ScenarioEvent], None]
 
 
@@ -286,11 +286,11 @@ class ScenarioRunner:
         temperature = options.temperature if options.temperature is not None else self.spec.temperature
         return max_tokens, temperature
 
-    async def _turn(self, phase: PhaseSpec, round_: int, agent: str) -> TurnRecord:
+    async def _turn(self, phase: PhaseSpec, round_: int, agent: str) -> ScenarioTurn:
         state, spec = self.state, self.spec
         memory = state.agents[agent]
         index = len(state.turns)
-        self._emit(TurnStarted(phase=phase.name, round=round_, agent=agent, index=index))
+        self._emit(ScenarioTurnStarted(phase=phase.name, round=round_, agent=agent, index=index))
         if not memory.messages and spec.system_prompt(agent):
             memory.messages = [{"role": "system", "content": spec.system_prompt(agent)}]
         transcripts = {name: state.phase_turns(name) for name in state.phases_done}
@@ -304,7 +304,7 @@ class ScenarioRunner:
         wall_ms = (time.perf_counter() - started) * 1000.0
         memory.messages = [*messages, {"role": "assistant", "content": result.reply}]
         usage = result.usage
-        record = TurnRecord(
+        record = ScenarioTurn(
             index=index,
             phase=phase.name,
             round=round_,
@@ -355,7 +355,7 @@ class ScenarioRunner:
         self.save()
         return state.cold_wall_s
 
-    async def _replay_cold(self, record: TurnRecord) -> None:
+    async def _replay_cold(self, record: ScenarioTurn) -> None:
         """Replay one turn's prompt on a fresh agent that neither reuses nor shares a cache, then forget it."""
         state = self.state
         memory = state.agents[record.agent]

@@ -24,7 +24,7 @@ __all__ = [
     "STATE_FILE",
     "STATE_VERSION",
     "RunStatus",
-    "TurnRecord",
+    "ScenarioTurn",
     "ColdTurn",
     "AgentMemory",
     "RunOptions",
@@ -49,7 +49,7 @@ class ColdTurn(msgspec.Struct, kw_only=True):
     wall_ms: float
 
 
-class TurnRecord(msgspec.Struct, kw_only=True):
+class ScenarioTurn(msgspec.Struct, kw_only=True):
     """One turn: who spoke where, what it said, and its cache statistics.
 
     Attributes:
@@ -134,7 +134,7 @@ class RunState(msgspec.Struct, kw_only=True):
     error: str = ""
     phase_index: int = 0
     turn_in_phase: int = 0
-    turns: list[TurnRecord] = []
+    turns: list[ScenarioTurn] = []
     phases_done: list[str] = []
     started_at: float = msgspec.field(default_factory=time.time)
     finished_at: float | None = None
@@ -143,7 +143,7 @@ class RunState(msgspec.Struct, kw_only=True):
     cold_wall_s: float | None = None
     environment: dict[str, Any] = {}
 
-    def phase_turns(self, phase: str) -> list[TurnRecord]:
+    def phase_turns(self, phase: str) -> list[ScenarioTurn]:
         return [t for t in self.turns if t.phase == phase]
 
     @property

@@ -47,7 +47,7 @@ from runtime.distributed.wire import (
     SharedWire,
     Shutdown,
     Start,
-    Step,
+    StepDecode,
     UnloadModel,
     WarmWire,
     WirePlan,
@@ -133,7 +133,7 @@ class Follower:
                     self._parked[handle] = parked
             case Join(request_id=request_id):
                 self._call(engine.join, request_id)
-            case Step():
+            case StepDecode():
                 self._call(engine.step)
             case Finish(request_id=request_id, handle=handle):
                 finished = self._call(engine.finish, request_id)

@@ -51,7 +51,7 @@ from runtime.distributed.wire import (
     SharedWire,
     Shutdown,
     Start,
-    Step,
+    StepDecode,
     UnloadModel,
     WarmWire,
     WirePlan,
@@ -308,7 +308,7 @@ class LeaderEngine:
         self._inner.join(request_id)
 
     def step(self) -> list[StepToken]:
-        self._leader.send(Step())
+        self._leader.send(StepDecode())
         return self._inner.step()
 
     @property

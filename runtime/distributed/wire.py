@@ -22,7 +22,7 @@ from runtime.plan.turn_plan import Tier, Tokenized
 
 __all__ = [
     "ColdWire", "HotWire", "WarmWire", "SharedWire", "WireSource", "WirePlan",
-    "Hello", "LoadModel", "UnloadModel", "CloseEngine", "Start", "Prefill", "ParkPrompt", "Join", "Step",
+    "Hello", "LoadModel", "UnloadModel", "CloseEngine", "Start", "Prefill", "ParkPrompt", "Join", "StepDecode",
     "Finish", "Discard", "Release", "LoadPart", "SavePart", "DeletePart", "CollectGarbage", "Shutdown",
     "Command", "PartLoaded", "PartDone", "Reply",
     "send_frame", "recv_command", "recv_reply", "recv_hello", "ConnectionLost",
@@ -127,7 +127,7 @@ class Join(msgspec.Struct, frozen=True, tag=True):
     request_id: int
 
 
-class Step(msgspec.Struct, frozen=True, tag=True):
+class StepDecode(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
@@ -180,7 +180,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
 
 
 Command = (
-    LoadModel | UnloadModel | CloseEngine | Start | Prefill | ParkPrompt | Join | Step | Finish | Discard
+    LoadModel | UnloadModel | CloseEngine | Start | Prefill | ParkPrompt | Join | StepDecode | Finish | Discard
     | Release | LoadPart | SavePart | DeletePart | CollectGarbage | Shutdown
 )
 

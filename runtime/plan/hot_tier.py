@@ -52,18 +52,6 @@ class HotEntry:
         return AgentKey(self.agent_id, self.model_tag)
 
 
-@dataclass(frozen=True)
-class HotTierStats:
-    """The hot tier right now (``pools``: block accounting per model tag, shared blocks once)."""
-
-    hot_agents: int
-    hot_bytes: int
-    over_budget: int
-    prefix_hits: int
-    demotions: int
-    pools: dict[str, PoolStats]
-
-
 class HotDonor(NamedTuple):
     """Another agent's hot cache a sharing turn may start from (:meth:`HotTier.donors`)."""
 

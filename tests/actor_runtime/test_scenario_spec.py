@@ -14,7 +14,7 @@ from actors.scenario.prompts import render_template, turn_message
 from actors.scenario.report import visible_turns
 from actors.scenario.runner import agent_id_for, new_run_state
 from actors.scenario.spec import ScenarioError, check_scenario, load_scenario
-from actors.scenario.state import RunOptions, TurnRecord
+from actors.scenario.state import RunOptions, ScenarioTurn
 
 BASE = """
 name: test
@@ -163,8 +163,8 @@ def test_type_errors_and_unknown_fields_name_their_path():
         load_scenario("name: [unclosed", source="x")
 
 
-def _line(phase: str, agent: str, reply: str, index: int = 0) -> TurnRecord:
-    return TurnRecord(
+def _line(phase: str, agent: str, reply: str, index: int = 0) -> ScenarioTurn:
+    return ScenarioTurn(
         index=index,
         phase=phase,
         round=1,
