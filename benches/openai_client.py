@@ -18,7 +18,7 @@ import httpx
 
 
 @dataclass(frozen=True)
-class ChatTurn:
+class StreamedCompletion:
     """One streamed chat completion as the client saw it."""
 
     ttft_ms: float
@@ -38,7 +38,7 @@ async def stream_chat(
     model: str = "default",
     headers: dict[str, str] | None = None,
     extra: dict[str, Any] | None = None,
-) -> ChatTurn:
+) -> StreamedCompletion:
     """POST ``/v1/chat/completions`` with ``stream: true`` (greedy) and time it.
 
     ``extra`` adds server-specific body fields (llama.cpp's ``id_slot``, ``cache_prompt``).
@@ -79,7 +79,7 @@ async def stream_chat(
     t1 = time.perf_counter()
     first = first if first is not None else t1
     details = usage.get("prompt_tokens_details")
-    return ChatTurn(
+    return StreamedCompletion(
         ttft_ms=(first - t0) * 1e3,
         e2e_ms=(t1 - t0) * 1e3,
         text="".join(parts),

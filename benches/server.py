@@ -107,7 +107,7 @@ class KvmemServer:
 
 
 @dataclass(frozen=True)
-class Turn:
+class StreamedTurn:
     """One streamed turn as the client saw it, with the server's usage."""
 
     ttft_ms: float
@@ -130,7 +130,7 @@ class Turn:
 
 async def stream_turn(
     client: httpx.AsyncClient, url: str, agent: str, prompt: str, *, max_tokens: int
-) -> Turn:
+) -> StreamedTurn:
     """POST a raw-prompt turn with ``stream: true``; time the first delta and the done event."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
     t0 = time.perf_counter()
@@ -155,12 +155,12 @@ async def stream_turn(
                     raise RuntimeError(f"turn failed: {data}")
     t1 = time.perf_counter()
     first = first if first is not None else t1
-    return Turn(ttft_ms=(first - t0) * 1e3, e2e_ms=(t1 - t0) * 1e3, text="".join(parts),
+    return StreamedTurn(ttft_ms=(first - t0) * 1e3, e2e_ms=(t1 - t0) * 1e3, text="".join(parts),
                 usage=dict(result.get("usage", {})))
 
 
-def run_turn(url: str, agent: str, prompt: str, *, max_tokens: int) -> Turn:
-    async def go() -> Turn:
+def run_turn(url: str, agent: str, prompt: str, *, max_tokens: int) -> StreamedTurn:
+    async def go() -> StreamedTurn:
         async with httpx.AsyncClient() as client:
             return await stream_turn(client, url, agent, prompt, max_tokens=max_tokens)
 

@@ -495,7 +495,7 @@ class Reply:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class Measured:
     """A measured request on one contender."""
 
     contender: str
@@ -585,11 +585,11 @@ def older_env(checkout: Path, home: Path) -> dict[str, str]:
 
 
 def run_script(contender: Contender, setup: Setup, run: str, script: Script, repeat: int, sizes: Sizes,
-               res: ResultFile, *, client_tools: bool) -> list[Outcome]:
+               res: ResultFile, *, client_tools: bool) -> list[Measured]:
     """``script`` on a fresh server of ``contender``; the measured requests' outcomes (see :func:`stream`)."""
     running = contender.launch(setup, run, slots=SLOTS.get(contender.name, 1), slot_ctx=SLOT_CTX)
     running.start()
-    out: list[Outcome] = []
+    out: list[Measured] = []
     try:
         for step in script.steps:
             if isinstance(step, Restart):
@@ -602,7 +602,7 @@ def run_script(contender: Contender, setup: Setup, run: str, script: Script, rep
                        e2e_ms=reply.e2e_ms, prompt_tokens=reply.prompt_tokens, cached_tokens=reply.cached_tokens,
                        prefilled=reply.prefilled, server=reply.server, text=reply.text[:60])
             if step.measured:
-                out.append(Outcome(contender.name, repeat, step, reply))
+                out.append(Measured(contender.name, repeat, step, reply))
                 log(f"{run} {contender.name} {step.tag}: first token {reply.first_ms:.0f} ms, prefilled "
                     f"{reply.prefilled} of {reply.prompt_tokens} (minimum {step.minimum} of {step.tokens})")
     finally:
@@ -625,7 +625,7 @@ def _x(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}x"
 
 
-def pattern_medians(outcomes: list[Outcome]) -> dict[tuple[str, str], dict[str, float]]:
+def pattern_medians(outcomes: list[Measured]) -> dict[tuple[str, str], dict[str, float]]:
     """Per (contender, pattern): median first token (ms), prefilled, prompt tokens and minimum over repeats."""
     out: dict[tuple[str, str], dict[str, float]] = {}
     for key in dict.fromkeys((o.contender, o.step.tag) for o in outcomes):
@@ -650,7 +650,7 @@ class SessionTotals:
     over: list[int] = field(default_factory=list)  # prefill past the minimum, of every request over minimum + SLACK
 
     @classmethod
-    def of(cls, outcomes: Iterable[Outcome]) -> SessionTotals:
+    def of(cls, outcomes: Iterable[Measured]) -> SessionTotals:
         mine = list(outcomes)
         reps = len({o.repeat for o in mine}) or 1
         return cls(first_s=sum(o.reply.first_ms for o in mine) / 1e3 / reps,
@@ -724,16 +724,16 @@ def report_patterns(res: ResultFile, med: dict[tuple[str, str], dict[str, float]
     ]
 
 
-def by_request(outcomes: list[Outcome], name: str) -> list[list[Outcome]]:
+def by_request(outcomes: list[Measured], name: str) -> list[list[Measured]]:
     """``name``'s session outcomes request by request, one per repeat."""
-    runs: dict[int, list[Outcome]] = {}
+    runs: dict[int, list[Measured]] = {}
     for o in outcomes:
         if o.contender == name:
             runs.setdefault(o.repeat, []).append(o)
     return [list(same) for same in zip(*runs.values(), strict=True)]
 
 
-def report_session(res: ResultFile, session: Script, outcomes: list[Outcome], names: Sequence[str],
+def report_session(res: ResultFile, session: Script, outcomes: list[Measured], names: Sequence[str],
                    totals: dict[str, SessionTotals], reps: int) -> None:
     per_server = {n: by_request(outcomes, n) for n in names}
     llama = per_server.get(LLAMA_1, [])
@@ -780,7 +780,7 @@ def report_session(res: ResultFile, session: Script, outcomes: list[Outcome], na
     ]
 
 
-def report_accounting(res: ResultFile, outcomes: list[Outcome], names: Sequence[str], max_tokens: int) -> None:
+def report_accounting(res: ResultFile, outcomes: list[Measured], names: Sequence[str], max_tokens: int) -> None:
     """Each server's usage checked against its own accounting and against the bench's rendering of the prompt."""
     rows = []
     for n in names:
@@ -803,7 +803,7 @@ def report_accounting(res: ResultFile, outcomes: list[Outcome], names: Sequence[
     ]
 
 
-def plot(res: ResultFile, session: list[Outcome], med: dict[tuple[str, str], dict[str, float]],
+def plot(res: ResultFile, session: list[Measured], med: dict[tuple[str, str], dict[str, float]],
          names: Sequence[str], marks: list[tuple[float, str]]) -> None:
     plt = harness.pyplot()
     fig, ax = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [2, 1]})
@@ -933,8 +933,8 @@ def main(argv: list[str] | None = None) -> None:
     scripts = [patterns_script(texts, prompts, sizes, r) for r in range(reps)] if args.only != "session" else []
     session = session_script(texts, prompts, sizes) if args.only != "patterns" else None
     llama_env = {} if args.omp_wait_policy == "unset" else {"OMP_WAIT_POLICY": args.omp_wait_policy.upper()}
-    pattern_runs: list[Outcome] = []
-    session_runs: list[Outcome] = []
+    pattern_runs: list[Measured] = []
+    session_runs: list[Measured] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-agent-patterns-") as tmp:
         setup = Setup(binary, default_model_file(), folder, Path(tmp), llama_env)

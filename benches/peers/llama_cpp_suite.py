@@ -187,7 +187,7 @@ CLASSES = ("passed", "skipped", "could not run", "llama.cpp-specific", "not llam
 
 
 @dataclass
-class Outcome:
+class CaseOutcome:
     """One test's result and, for a failure, its class and reason."""
 
     test: str  # pytest node id, e.g. unit/test_basic.py::test_server_props
@@ -216,7 +216,7 @@ class SuiteRun:
     load_before: float
     load_after: float
     pytest_exit: int
-    outcomes: list[Outcome] = field(default_factory=list)
+    outcomes: list[CaseOutcome] = field(default_factory=list)
 
     def counts(self, file: str | None = None) -> Counter[str]:
         """Tests per class (``passed``, ``skipped`` and the three failure classes)."""
@@ -309,8 +309,8 @@ def revision_of(checkout: Path) -> str:
                                                                                        "--untracked-files=no") else "")
 
 
-def parse_junit(path: Path) -> list[Outcome]:
-    """Every test case in pytest's JUnit XML as an :class:`Outcome`."""
+def parse_junit(path: Path) -> list[CaseOutcome]:
+    """Every test case in pytest's JUnit XML as a :class:`CaseOutcome`."""
     if not path.exists():
         return []
     outcomes = []
@@ -326,7 +326,7 @@ def parse_junit(path: Path) -> list[Outcome]:
                 line = first_line(marked[-1]) if marked else ""
                 if child.tag != "skipped":
                     break
-        outcomes.append(Outcome(test, outcome, float(case.get("time") or 0), message, line))
+        outcomes.append(CaseOutcome(test, outcome, float(case.get("time") or 0), message, line))
     return outcomes
 
 
@@ -356,7 +356,7 @@ def error_message(request: dict[str, Any]) -> str:
     return (m.group(1) if m else request.get("error", ""))[:160]
 
 
-def classify(o: Outcome, starts: list[dict[str, Any]], requests: list[dict[str, Any]]) -> tuple[str, str]:
+def classify(o: CaseOutcome, starts: list[dict[str, Any]], requests: list[dict[str, Any]]) -> tuple[str, str]:
     """(class, reason) of a test that did not pass or skip, from its server starts, requests and message."""
     if function_of(o.test) in OVERRIDES:
         return OVERRIDES[function_of(o.test)]
@@ -546,7 +546,7 @@ def markdown(runs: list[SuiteRun], args: argparse.Namespace, source: Path, fixtu
 def load_runs(path: Path) -> list[SuiteRun]:
     """The runs saved in a JSON result."""
     saved = json.loads(path.read_text())["runs"]
-    return [SuiteRun(**{**r, "outcomes": [Outcome(**o) for o in r["outcomes"]]}) for r in saved.values()]
+    return [SuiteRun(**{**r, "outcomes": [CaseOutcome(**o) for o in r["outcomes"]]}) for r in saved.values()]
 
 
 def kept_run(spec: str) -> SuiteRun:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import trio
 
 from benches.harness import ResultFile, log, median, table
-from benches.openai_client import ChatTurn
+from benches.openai_client import StreamedCompletion
 from benches.prompts import sized_text
 from benches.peers.race_servers import KVMEM, LLAMA, LLAMA_SLOTS, MLX_LM, Contender, Setup
 from benches.peers.vs_mlx_lm import QUICK, Target, Workload, percentile, run_workload, send_round, send_warm_up
@@ -74,7 +74,7 @@ class MultiResult:
     runs: dict[str, list[Target]] = field(default_factory=dict)
     restore_s: dict[str, list[float]] = field(default_factory=dict)
 
-    def turns(self, name: str, rnd: int) -> list[ChatTurn]:
+    def turns(self, name: str, rnd: int) -> list[StreamedCompletion]:
         return [x for t in self.runs[name] for x in t.turns[rnd]]
 
     def summed_ttft_s(self, name: str) -> float:
@@ -151,7 +151,7 @@ class Burst:
     contender: str
     agents: int
     wall_s: float
-    turns: tuple[ChatTurn, ...]
+    turns: tuple[StreamedCompletion, ...]
 
     @property
     def batched_tps(self) -> float:

@@ -31,7 +31,7 @@ import httpx
 import trio
 
 from benches.harness import ResultFile, log, median, table
-from benches.openai_client import ChatTurn, stream_chat
+from benches.openai_client import StreamedCompletion, stream_chat
 from benches.prompts import sized_text
 from benches.peers.race_servers import KVMEM, LLAMA, LLAMA_SLOTS, MLX_LM, Contender, Running, Setup
 
@@ -53,9 +53,9 @@ class SingleRun:
     contender: str
     context: int
     repeat: int
-    cold: ChatTurn
-    hot: ChatTurn
-    after: ChatTurn
+    cold: StreamedCompletion
+    hot: StreamedCompletion
+    after: StreamedCompletion
     restart_s: float
     save_ms: float
     restore_ms: float
@@ -77,8 +77,8 @@ def reserve(tokens: int) -> int:
     return TEMPLATE_TOKENS + 2 * QUESTION_TOKENS + 3 * tokens
 
 
-def _chat(running: Running, messages: list[dict[str, str]], agent: str, max_tokens: int) -> ChatTurn:
-    async def go() -> ChatTurn:
+def _chat(running: Running, messages: list[dict[str, str]], agent: str, max_tokens: int) -> StreamedCompletion:
+    async def go() -> StreamedCompletion:
         async with httpx.AsyncClient() as client:
             return await stream_chat(client, running.url, messages, max_tokens=max_tokens, model=running.model,
                                      headers=running.headers(agent), extra=running.body(0))

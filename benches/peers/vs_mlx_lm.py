@@ -38,7 +38,7 @@ import trio
 import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness
 from benches.harness import ResultFile, log, median, table
-from benches.openai_client import ChatTurn, stream_chat
+from benches.openai_client import StreamedCompletion, stream_chat
 from benches.peers.openai_servers import mlx_lm_server, vllm_mlx_server
 from benches.prompts import context_text
 from benches.server import KvmemServer
@@ -90,7 +90,7 @@ class Target:
     agent_header: bool
     body: Callable[[int], dict[str, Any]] | None = None
     warm_up: bool = True
-    turns: dict[int, list[ChatTurn]] = field(default_factory=dict)
+    turns: dict[int, list[StreamedCompletion]] = field(default_factory=dict)
     walls: dict[int, float] = field(default_factory=dict)
 
     def headers(self, agent: int) -> dict[str, str]:
@@ -101,9 +101,9 @@ class Target:
 
 
 async def send_round(target: Target, histories: list[list[dict[str, str]]],
-                     max_tokens: int) -> tuple[list[ChatTurn], float]:
+                     max_tokens: int) -> tuple[list[StreamedCompletion], float]:
     """Agent ``i`` sends ``histories[i]``, all at once; their turns in agent order, and the round's wall time."""
-    turns: list[ChatTurn | None] = [None] * len(histories)
+    turns: list[StreamedCompletion | None] = [None] * len(histories)
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         turns[i] = await stream_chat(client, target.server.url, histories[i], max_tokens=max_tokens,
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     print(res.write(plot=True).read_text())
 
 
-def _cached(turns: list[ChatTurn], reps: int) -> str:
+def _cached(turns: list[StreamedCompletion], reps: int) -> str:
     prompt = sum(x.prompt_tokens for x in turns) / reps
     if any(x.cached_tokens is None for x in turns):
         return f"n/a / {prompt:.0f}"

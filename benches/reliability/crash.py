@@ -48,7 +48,7 @@ SEED_TEXT = ("The harbour master kept a ledger of every ship that came in, with 
 
 
 @dataclass
-class Outcome:
+class CrashTrials:
     trials: int = 0
     kills: int = 0
     turns_completed: int = 0
@@ -68,7 +68,7 @@ def _temp_files(root: Path) -> int:
     return sum(1 for p in root.rglob("*.tmp"))
 
 
-def _verify(cache_root: Path, durable: dict[str, float], out: Outcome) -> None:
+def _verify(cache_root: Path, durable: dict[str, float], out: CrashTrials) -> None:
     """Load every stored agent fully (all checksums); check every durable turn survived."""
     from runtime.errors import CacheMiss
     from runtime.persist import CacheDirectory
@@ -91,7 +91,7 @@ def _verify(cache_root: Path, durable: dict[str, float], out: Outcome) -> None:
             out.durable_lost.append(f"{agent_id}: recorded {updated_at}, found {stored and stored.updated_at}")
 
 
-def _drive(url: str, agent_id: str, state: dict[str, str], durable: dict[str, float], out: Outcome,
+def _drive(url: str, agent_id: str, state: dict[str, str], durable: dict[str, float], out: CrashTrials,
            stop: threading.Event, lock: threading.Lock, max_tokens: int, responded: threading.Event) -> None:
     with httpx.Client(base_url=url, timeout=httpx.Timeout(30, connect=5)) as http:
         while not stop.is_set():
@@ -121,10 +121,10 @@ def _drive(url: str, agent_id: str, state: dict[str, str], durable: dict[str, fl
 
 def run_trials(trials: int, *, cache_dir: Path, agents: int = 3, max_tokens: int = 24, min_delay: float = 0.3,
                max_delay: float = 3.0, seed: int = 0, time_limit_s: float = 600, min_durable: int = 1,
-               save_window_s: float = 0.0) -> Outcome:
+               save_window_s: float = 0.0) -> CrashTrials:
     """Run the kill/restart trials (see the module docstring); the outcome counts everything."""
     rng = random.Random(seed)
-    out = Outcome()
+    out = CrashTrials()
     durable: dict[str, float] = {}
     state = {f"ship-{i}": f"Ledger {i}. " + SEED_TEXT for i in range(agents)}
     cache_root = cache_dir / "caches"

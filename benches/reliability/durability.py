@@ -132,7 +132,7 @@ class Agent:
 
 
 @dataclass
-class Turn:
+class AnsweredTurn:
     """One finished turn as the client saw it."""
 
     reply: str
@@ -194,7 +194,7 @@ def wait_saved(cache_dir: Path, agent_id: str, tokens: int, *, timeout_s: float 
 
 
 def turn(http: httpx.Client, agent: Agent, *, header: str | None, stream: bool = False, max_tokens: int = 16,
-         on_answer: Callable[[float], None] | None = None) -> Turn:
+         on_answer: Callable[[float], None] | None = None) -> AnsweredTurn:
     """One turn of ``agent`` (``X-Kvmem-Durable: header`` unless None).
 
     ``on_answer(arrived)`` runs the moment the answer is in (``arrived``: its perf_counter()).
@@ -238,7 +238,7 @@ def turn(http: httpx.Client, agent: Agent, *, header: str | None, stream: bool =
         if result is None:
             raise RuntimeError(f"{path}: the stream ended without a done event")
     agent.prompt += result["reply"] + GROWTH
-    return Turn(reply=result["reply"], usage=result["usage"], e2e_ms=(arrived - started) * 1000, arrived=arrived,
+    return AnsweredTurn(reply=result["reply"], usage=result["usage"], e2e_ms=(arrived - started) * 1000, arrived=arrived,
                 first_token_ms=None if first is None else (first - started) * 1000,
                 end_gap_ms=None if last is None or not stream else (arrived - last) * 1000)
 

@@ -58,7 +58,7 @@ TOPICS = ["rivers", "lighthouses", "bees", "glaciers", "trains", "violins", "des
 
 
 @dataclass
-class TurnStats:
+class LoadTurn:
     agent: int
     turn: int
     flavor: str
@@ -72,7 +72,7 @@ class TurnStats:
 @dataclass
 class LoadResult:
     replies: dict[int, list[str]]
-    turns: list[TurnStats] = field(default_factory=list)
+    turns: list[LoadTurn] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -99,7 +99,7 @@ def _messages(agent: int, replies: list[str]) -> list[dict[str, str]]:
 
 
 async def one_turn(client: httpx.AsyncClient, agent: int, agent_id: str, replies: list[str], *, max_tokens: int,
-                   stream: bool | None = None) -> TurnStats:
+                   stream: bool | None = None) -> LoadTurn:
     """Send agent ``agent``'s next turn (after ``replies``) as ``agent_id``; the reply and its timings."""
     flavor, default_stream = flavor_of(agent)
     stream = default_stream if stream is None else stream
@@ -149,7 +149,7 @@ async def one_turn(client: httpx.AsyncClient, agent: int, agent_id: str, replies
                     server = event["kvmem"]
         reply = "".join(parts)
     done = time.perf_counter()
-    return TurnStats(agent=agent, turn=len(replies), flavor=flavor, stream=stream, reply=reply,
+    return LoadTurn(agent=agent, turn=len(replies), flavor=flavor, stream=stream, reply=reply,
                      client_ttft_ms=(first - started) * 1000 if first else None, e2e_ms=(done - started) * 1000,
                      server=server)
 

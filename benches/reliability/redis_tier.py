@@ -33,7 +33,7 @@ import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness
 from benches.harness import ResultFile, log, table
 from benches.prompts import context_text
-from benches.server import KvmemServer, Turn, run_turn
+from benches.server import KvmemServer, StreamedTurn, run_turn
 
 QUESTIONS = ("Summarize the notes.", "Why did it matter?", "Where did they go next?", "What did the letter say?",
              "Who wrote it?", "What happened then?")
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     res = ResultFile("redis_tier", "Two nodes and one Redis: cross-node TTFT, bytes per turn, Redis memory",
                      args.quick, argv or [])
     folder = harness.model_dir(args.model)
-    samples: dict[tuple[int, str], Turn] = {}
+    samples: dict[tuple[int, str], StreamedTurn] = {}
     moved: dict[tuple[int, str], tuple[float, float]] = {}
     memory: dict[int, float] = {}
 

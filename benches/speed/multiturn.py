@@ -18,7 +18,7 @@ import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness
 from benches.harness import ResultFile, log, median, table
 from benches.prompts import context_text
-from benches.server import KvmemServer, Turn, run_turn
+from benches.server import KvmemServer, StreamedTurn, run_turn
 
 QUESTIONS = ("What happened next?", "Who was there at the end?")
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     res = ResultFile("multiturn", f"Multi-turn: 3 turns on a {context}-token context, with and without restarts",
                      args.quick, argv or [])
     folder = harness.model_dir()
-    turns: dict[tuple[str, int], list[Turn]] = {}
+    turns: dict[tuple[str, int], list[StreamedTurn]] = {}
     with tempfile.TemporaryDirectory(prefix="kvmem-bench-mt-") as tmp:
         for r in range(reps):
             for scenario in ("no restart", "restart") if r % 2 == 0 else ("restart", "no restart"):

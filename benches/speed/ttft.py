@@ -27,7 +27,7 @@ import runtime  # noqa: F401  (OpenBLAS before mlx)
 from benches import harness
 from benches.harness import ResultFile, log, median, table
 from benches.prompts import context_text
-from benches.server import KvmemServer, Turn, run_turn
+from benches.server import KvmemServer, StreamedTurn, run_turn
 
 # hot, warm and hot' prefill questions 1, 2 and 3: the same token count (13 with the template),
 # so that their TTFTs compare like with like (attention cost grows with the suffix length).
@@ -47,11 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [1024] if args.quick else [1024, 2048, 4096] + ([8192] if args.with_8k else [])
     res = ResultFile("ttft", "TTFT by cache state through the HTTP gateway", args.quick, argv or [])
     folder = harness.model_dir()
-    samples: dict[tuple[int, str], list[Turn]] = {}
+    samples: dict[tuple[int, str], list[StreamedTurn]] = {}
     restarts: list[float] = []
     checks: list[str] = []
 
-    def measure(url: str, state: str, c: int, r: int, prompt: str) -> Turn:
+    def measure(url: str, state: str, c: int, r: int, prompt: str) -> StreamedTurn:
         """One streamed turn: recorded, logged, and (past the cold turn) checked to prefill only the suffix."""
         turn = run_turn(url, f"ttft-{c}-r{r}", prompt, max_tokens=args.tokens)
         samples.setdefault((c, state), []).append(turn)
