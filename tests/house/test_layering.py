@@ -121,3 +121,14 @@ def test_a_file_checksum_is_computed_in_one_module() -> None:
                        if re.search(r"\bimport xxhash\b|\bcrc32\(|\bxxh3_|hashlib\.sha256\(header|\bheader_sha256\s*=",
                                     p.read_text()))
     assert computing == ["runtime/persist/codec.py"], computing
+
+
+def test_no_class_name_is_defined_twice() -> None:
+    """One name per concept (issue 60, item 3): a reader who meets ``Turn`` or ``Step`` knows which it is."""
+    where: dict[str, list[str]] = {}
+    for room in ("actors", "runtime", "gateway", "benches"):
+        for path in sorted((ROOT / room).rglob("*.py")):
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                if isinstance(node, ast.ClassDef):
+                    where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
