@@ -132,7 +132,7 @@
 #      ms in some turns, 3.5-3.8 in others). Those two take the time of the settings runs with fused projections and
 #      the short attention kernel off, which run 6 measured against the other road already. The main run repeats
 #      its cold pairs 4 times, not 3: each side first as often as second (run 6: the order mattered).
-# suite: the test suite on the device (pytest -n 8), its log into $OUT; 150 s a test (run 3's 60 s
+# suite: the test suite on the device (pytest -n 8 --dist loadfile, as .ci/test), its log into $OUT; 150 s a test (run 3's 60 s
 # stopped a first quantized-kernel compile and two tests that start servers in subprocesses). 285 s in all (run 5's
 # took 254 s, and the suite has grown since): since session 29 the bench call gives it 20 s of its 560.
 set -u
@@ -202,7 +202,7 @@ case "${1:-bench}" in
     done
     ;;
   suite)
-    timeout -s INT 285 python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n 8 --timeout 150 > "$out/suite.log" 2>&1
+    timeout -s INT 285 python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n 8 --dist loadfile --timeout 150 > "$out/suite.log" 2>&1
     echo "suite: exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/suite.log" | tail -n 40
     # the bench call's report (kept in /tmp while the machine stays warm) with this suite's summary (item 6)
     if [ -f /tmp/kvmem-report/gpu.md ]; then
