@@ -61,7 +61,9 @@ async def test_an_idle_unload_thaws_and_the_next_load_freezes_again(tmp_path, au
     level = _unfrozen()
     engine = Weighty()
     async with _open(tmp_path, engine, model_idle_s=60) as rt:
-        await rt.agent("m").send_prompt("one", max_tokens=2)
+        # Not durable: a durable reply waits for the save's disk thread, and meanwhile the autojump clock
+        # runs to the idle unload (it thawed before the check, once in CI).
+        await rt.agent("m").send_prompt("one", max_tokens=2, durable=False)
         assert heap.frozen_objects() > level + 1000
         await trio.sleep(61)
         assert rt.stats().registry.idle_unloads == 1
@@ -71,7 +73,7 @@ async def test_an_idle_unload_thaws_and_the_next_load_freezes_again(tmp_path, au
             # real time: the autojump clock's sleeps return at once while the unload's job runs on a thread
             await trio.to_thread.run_sync(time.sleep, 0.01)
         assert heap.frozen_objects() <= level
-        await rt.agent("m").send_prompt("two", max_tokens=2)
+        await rt.agent("m").send_prompt("two", max_tokens=2, durable=False)
         assert engine.loads == ["fake-a", "fake-a"] and heap.frozen_objects() > level + 1000
 
 
