@@ -182,10 +182,6 @@ class TurnOptions(TypedDict, total=False):
     durable: bool | None
 
 
-_TURN_OPTIONS = ("tool_choice", "response_format", "parallel_tool_calls", "model", "durable", "n")
-"""The options of :class:`TurnOptions` that :class:`ChatTurn` keeps as they are given (or as ``of`` makes them)."""
-
-
 class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     """One turn as a client asks for it; checked when built (a bad value raises ``ValueError``).
 
@@ -248,8 +244,8 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         check_tool_definitions(self.tools)
 
     @classmethod
-    def of(cls, agent_id: str, *, messages: Sequence[Mapping[str, Any]] | None = None, prompt: str | None = None,
-           share_prefix: bool = True, **options: Unpack[TurnOptions]) -> ChatTurn:
+    def of(cls, agent_id: str, *, messages: Sequence[Mapping[str, Any] | ChatMessage] | None = None,
+           prompt: str | None = None, share_prefix: bool = True, **options: Unpack[TurnOptions]) -> ChatTurn:
         """Build a turn from plain values: chat dicts (``role``, ``content``, ...) or a prompt, and the options
         of :class:`TurnOptions` (``system`` is put first unless the messages begin with a system message).
         The sampling options go to :meth:`runtime.plan.sampling.SamplingOptions.of` by name (or come
@@ -261,13 +257,13 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
         """
         rest = dict(options)
         system = rest.pop("system", None)
-        tools = rest.pop("tools", None)
-        turn = {name: rest.pop(name) for name in _TURN_OPTIONS if name in rest}
-        sampling = rest.pop("sampling", None)
+        # The turn's own fields (ours by name); what is left is sampling options.
+        turn = {name: rest.pop(name) for name in cls.__struct_fields__ if name in rest}
+        sampling = turn.pop("sampling", None)
         if sampling is not None and rest:
             raise TypeError(f"give sampling or single sampling options ({', '.join(sorted(rest))}), not both")
         return cls(agent_id=agent_id, messages=chat_messages(messages or (), system if prompt is None else None),
-                   prompt=prompt, tools=tuple(dict(t) for t in tools or ()),
+                   prompt=prompt, tools=tuple(dict(t) for t in turn.pop("tools", None) or ()),
                    tool_choice=ToolChoice.of(turn.pop("tool_choice", None)),
                    response_format=ResponseFormat.of(turn.pop("response_format", None)),
                    sampling=sampling or SamplingOptions.of(**rest), share_prefix=share_prefix, **turn)

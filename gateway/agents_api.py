@@ -57,7 +57,6 @@ from gateway.openai_api import response_format_of
 from gateway.schemas_agents import (
     AgentInfo,
     AgentList,
-    AgentMessage,
     AgentTurnRequest,
     Deleted,
     TurnDelta,
@@ -88,12 +87,6 @@ def _max_tokens(gw: Gateway, req: AgentTurnRequest) -> int:
     if req.max_tokens is None:
         return min(gw.config.default_max_tokens, gw.config.max_tokens_limit)
     return gw.check_max_tokens(req.max_tokens, param="max_tokens")
-
-
-def _chat_message(m: AgentMessage) -> ChatMessage:
-    """A request's message in the one form a conversation keeps until the template renders it."""
-    return ChatMessage(role=m.role, content=m.content, tool_call_id=m.tool_call_id,
-                       tool_calls=None if m.tool_calls is None else tuple(m.tool_calls))
 
 
 def routes(gw: Gateway) -> list[Route]:
@@ -160,7 +153,9 @@ def routes(gw: Gateway) -> list[Route]:
             turn = ChatTurn.of(
                 handle.agent_id,
                 share_prefix=req.share_prefix,
-                messages=[_chat_message(m) for m in req.messages] if req.messages is not None else None,
+                # the one form a conversation keeps until the template renders it
+                messages=[msgspec.convert(m, ChatMessage, from_attributes=True) for m in req.messages]
+                if req.messages is not None else None,
                 prompt=req.prompt,
                 system=req.system,
                 tools=req.tools,
