@@ -4,14 +4,15 @@ A turn, in order (the next turn of the same agent starts only after this one
 ends, so turn 2 always sees turn 1's cache):
 
 1. one request to the GPU actor (:class:`Generate`, naming the model), which holds
-   the model (swapping first when the turn names another one: :mod:`actors.model_slot`),
-   checks the agent's own cache out of the store (its hot cache, else the one on
-   disk), renders the messages, plans what of the prompt is reused and from where
+   the model (swapping first when the turn names another one: :mod:`actors.model_slot`)
+   and the agents' hot caches (:mod:`actors.gpu_caches`; the store's copy when it holds
+   none of the agent), renders the messages, plans what of the prompt is reused and from where
    (that cache, else another agent's prefix, else nothing: the cache manager,
    :meth:`runtime.plan.kv_manager.KVCacheManager.plan`), generates — deltas go
-   straight to the client's stream — and checks the updated cache back in
-   (write-behind) *before* the turn is answered, so every turn a client saw
-   complete is in the store and is flushed on shutdown;
+   straight to the client's stream — and keeps the updated cache hot, handing its host
+   copy to the store for its write *before* the turn is answered (or owing it: under the
+   GPU policy the copy is made after the turn), so every turn a client saw complete is
+   saved or owed and is flushed on shutdown;
 2. a *durable* turn (``ChatTurn.durable``, else the runtime's ``durable`` setting)
    is answered by the store, once its cache is on disk (the GPU actor hands the
    reply over with the cache), so a turn answered is a turn kept even if the
@@ -19,7 +20,7 @@ ends, so turn 2 always sees turn 1's cache):
 3. answer the client with a :class:`TurnResult`.
 
 The actor stops after ``idle_timeout_s`` without messages (its hot cache
-stays in the store); the runtime starts a new one on the agent's next request.
+stays with the GPU actor); the runtime starts a new one on the agent's next request.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from actors.messages_agent import (
 )
 from actors.messages_common import Failed
 from actors.messages_gpu import Chat, Generate, Generated, GenerateReply, GpuInbox
-from actors.messages_store import Forget, ForgetReply, StoreInbox
+from actors.messages_store import Forget, ForgetReply
 from actors.metrics import RuntimeMetrics
 
 __all__ = ["AgentActor", "CacheHandle"]
@@ -53,7 +54,7 @@ log = logging.getLogger("kvmem.agent")
 
 
 class CacheHandle(msgspec.Struct, frozen=True, kw_only=True):
-    """What an agent knows of its cache between turns (the data itself lives in the store)."""
+    """What an agent knows of its cache between turns (the data itself: the GPU actor's hot tier, the store's disk)."""
 
     model_tag: str
     num_tokens: int
@@ -66,7 +67,7 @@ class AgentActor:
     Args:
         agent_id: the agent.
         inbox: its mailbox.
-        gpu, store: clones of the other actors' mailboxes (closed on exit).
+        gpu: a clone of the GPU actor's mailbox (closed on exit): the agent's one peer.
         metrics: runtime counters, updated as turns end.
         idle_timeout_s: stop after this long without a message.
         durable: whether turns that do not say wait for their save (the ``durable`` setting).
@@ -81,7 +82,6 @@ class AgentActor:
         inbox: trio.MemoryReceiveChannel[AgentInbox],
         *,
         gpu: trio.MemorySendChannel[GpuInbox],
-        store: trio.MemorySendChannel[StoreInbox],
         metrics: RuntimeMetrics,
         idle_timeout_s: float,
         retire: Callable[[AgentActor], bool],
@@ -91,7 +91,6 @@ class AgentActor:
         self.agent_id = agent_id
         self.inbox = inbox
         self._gpu = gpu
-        self._store = store
         self._metrics = metrics
         self._idle_timeout_s = idle_timeout_s
         self._retire = retire
@@ -101,7 +100,7 @@ class AgentActor:
         self.turns = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with self.inbox, self._gpu, self._store:
+        async with self.inbox, self._gpu:
             task_status.started()
             while True:
                 message: AgentInbox | None = None
@@ -143,7 +142,8 @@ class AgentActor:
                     self._metrics.request_failed()
                 send_reply(message.reply, reply)
             case ForgetAgent(reply=reply):
-                answer: ForgetReply = await ask(self._store, lambda r: Forget(agent_id=self.agent_id, reply=r))
+                # The GPU actor drops the agent's hot caches and asks the store to delete the rest.
+                answer: ForgetReply = await ask(self._gpu, lambda r: Forget(agent_id=self.agent_id, reply=r))
                 if not isinstance(answer, Failed):
                     self.handle = None
                     send_reply(reply, Forgot(existed=answer.existed))
@@ -159,7 +159,7 @@ class AgentActor:
                 log.warning("durable turn of %s not answered: %s", self.agent_id, generated.error)
             return generated
         main = generated[0]
-        if main.parked is not None and main.snapshot is not None:
+        if main.parked is not None:
             self.handle = CacheHandle(model_tag=main.parked.model_tag, num_tokens=main.parked.num_tokens,
                                       text_chars=len(main.parked.text))
         return self._done(generated)

@@ -1,37 +1,37 @@
-"""CacheStoreActor: sole owner of the cache directory; plans turns over the hot and warm tiers.
+"""CacheStoreActor: sole owner of the cache directory and of the host copies waiting for their write.
 
-* **Hot tier**: a :class:`runtime.plan.hot_tier.HotTier`, the store's own, holds every
-  agent's latest parked cache per model and its block accounting. A :class:`CheckOut` (a
-  turn begins, from the GPU actor) answers with the agent's own cache, its hot one or,
-  without one, the one it reads from disk, and, for an agent that shares prefixes, the
-  other sharing agents' hot caches (the GPU actor then plans the turn against the rendered
-  prompt); a :class:`CheckIn` (the turn ends) makes its new cache hot; a completed save
-  lets the hot tier drop the cache from RAM.
+* **Hot tier**: not here. The GPU actor holds every agent's latest parked cache
+  (:mod:`actors.gpu_caches`: device memory's owner keeps what lives there) and hands the store
+  each one's host copy for its save (:class:`Save`); it asks the store (:class:`Load`) only for
+  an agent it holds nothing of. The store answers from a copy still queued for its write (a
+  cache the GPU actor dropped from RAM before it was on disk), else one read ahead at start,
+  else the disk.
 * **Warm tier**: ``runtime.persist.CacheDirectory``; one disk operation at a
   time, on a worker thread (``trio.to_thread`` under ``CapacityLimiter(1)``:
   numpy and files only, never MLX).
-* **Write-behind**: :class:`CheckIn` marks the cache dirty and returns at once; a
-  writer task saves dirty caches oldest first (a newer cache of the same agent
-  and model supersedes an unwritten one). Loads are awaited by the agent that asked.
-* **Durable turns**: a :class:`CheckIn` with a ``saved`` channel goes to the front of
+* **Write-behind**: a :class:`Save` queues the copy and returns at once; a
+  writer task saves queued copies oldest first (a newer cache of the same agent
+  and model supersedes an unwritten one). Loads are awaited by the turn that asked.
+* **Durable turns**: a :class:`Save` with a ``saved`` channel goes to the front of
   the queue and is answered once it (or a newer cache of the same agent and model) is
-  on disk — with the turn's own reply, which the GPU actor handed over with it, so the
-  agent hears of its turn only then — or ``Failed(kind="NotSaved")`` when its save
+  on disk, with the turn's own reply, which the GPU actor handed over with it, so the
+  agent hears of its turn only then, or ``Failed(kind="NotSaved")`` when its save
   fails or the agent is forgotten first.
 * **Shutdown**: on normal exit or cancellation (SIGINT/SIGTERM cancel the
-  runtime), the store picks up any CheckIn still in its mailbox and writes every
-  dirty cache, shielded from the cancellation, before it returns.
+  runtime), the store takes every Save still coming (the GPU actor's last copies, until it
+  closes its end of the mailbox) and writes them all, shielded from the cancellation, before it
+  returns.
 * **Shared tier** (``store = "redis://..."``): a :class:`runtime.persist.remote.RemoteTier`
   on the same disk thread. A load first pulls the agent's cache from Redis onto
   the disk when Redis holds another one than the disk (the turn's tier is then
   ``remote``); each save is then published to Redis. Redis down: loads and
   saves use the disk alone, and caches saved meanwhile are published when it
   answers again (tried every :data:`actors.shared_tier.REPUBLISH_S`).
-* **Leases**: with a shared tier, every :class:`CheckOut` first takes the
+* **Leases**: with a shared tier, every turn loads (:class:`Load`), and the store first takes the
   agent's cluster lease (:meth:`runtime.persist.remote.RemoteTier.lease`), waiting up
   to :data:`actors.shared_tier.LEASE_WAIT_S` while another node holds it, then answers
-  ``Failed(kind="AgentBusy")``. The lease is given back after the turn's
-  :class:`CheckIn` once its cache is published, under the lease's fence.
+  ``Failed(kind="AgentBusy")``. The lease is given back after the turn's last
+  :class:`Save` (``ends_turn``) once its cache is published, under the lease's fence.
 * **Tenants**: an agent id that names a tenant (:mod:`runtime.identity`) keeps its caches in
   that tenant's subtree of the cache directory (:class:`runtime.persist.tenants.TenantDirectories`);
   a listing is one tenant's, and :class:`MeasureUsage` is what one tenant holds (for its limits).
@@ -40,10 +40,9 @@
   removes them all, and the blocks no other agent's cache references. With a
   shared tier, forgetting is cluster-wide: Redis keeps a tombstone, and a node
   whose lease check (:meth:`runtime.persist.remote.RemoteTier.check`) finds one
-  newer than its copies drops them before planning the turn.
+  newer than its copies drops them (its :class:`Loaded` tells the GPU actor to drop its own).
 
-Parked caches hold MLX arrays; the store and the manager only hold references
-and read their plain attributes (text, token ids, offsets, size).
+The store holds no MLX object: numpy copies, files and Redis only.
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, assert_never
 
@@ -59,15 +57,12 @@ import msgspec
 import trio
 
 from actors.mailbox import send_reply
-from actors.messages_common import Failed, ParkedView, failed_from
+from actors.messages_common import Failed, failed_from
 from actors.metrics import GpuEvent
 from actors.messages_store import (
     AgentRecord,
     AgentsListed,
     BlocksRead,
-    CheckedOut,
-    CheckIn,
-    CheckOut,
     Evict,
     Evicted,
     Flush,
@@ -75,21 +70,22 @@ from actors.messages_store import (
     Forget,
     Forgotten,
     ListAgents,
+    Load,
+    Loaded,
     ReadBlocks,
+    Save,
     Saved,
-    SnapshotDue,
-    SnapshotLost,
     StoreInbox,
     MeasureUsage,
     Used,
 )
 from actors.prefetch import Prefetcher
 from actors.shared_tier import RemoteStats, SharedTier
-from runtime.plan.turn_plan import Tier
+from runtime.plan.turn_plan import FromWarm, OwnCache, Tier
 from runtime.errors import CacheMiss, InvalidAgentIdError
 from runtime.identity import AgentKey, is_checked_agent_id, local_id, safe_agent_dirname, tenant_of
 from runtime.plan.block_pool import PoolStats
-from runtime.plan.hot_tier import HotEntry, HotTier
+from runtime.plan.hot_tier import HotTierStats
 from runtime.persist import CacheDirectory
 from runtime.plan.save_queue import SaveQueue, WaitForLoads, WaitUntil, Write
 from runtime.persist.tenants import TenantDirectories
@@ -102,13 +98,16 @@ __all__ = ["CacheStoreActor", "StoreStats"]
 
 log = logging.getLogger("kvmem.store")
 
+DRAIN_S = 90.0  # at shutdown, the longest the store waits for the GPU actor's last copies (it makes them for up to a minute)
+
 
 class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Hot and warm tier counters.
+    """Hot and warm tier counters (the hot tier's are the GPU actor's, :mod:`actors.gpu_caches`).
 
     ``hot_agents`` counts hot caches (one per agent and model); ``hot_bytes``
     is their physical size (shared prefixes counted per agent); ``pools`` is
-    the block accounting per model tag (shared blocks counted once).
+    the block accounting per model tag (shared blocks counted once); ``dirty``:
+    copies queued for their write.
     """
 
     hot_agents: int
@@ -133,13 +132,11 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
 
 @dataclass(frozen=True)
 class _Pending:
-    """A hot cache not yet on disk: the cache, its numpy copy for the save (or the copy the GPU
-    actor owes), its full blocks' hashes."""
+    """A cache not yet on disk: its numpy copy, its full blocks' hashes (the GPU actor's)."""
 
     agent_id: str
-    parked: ParkedView
-    snapshot: CacheSnapshot | SnapshotDue
-    block_hashes: list[str]  # computed once, for the hot tier's accounting and the save
+    snapshot: CacheSnapshot
+    block_hashes: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -157,12 +154,11 @@ class _Waiter:
 
 
 class CacheStoreActor:
-    """Owns the cache directory and feeds the cache manager (see the module docstring).
+    """Owns the cache directory and the copies queued for it (see the module docstring).
 
     Args:
         inbox: the store mailbox (:data:`actors.messages_store.StoreInbox`).
         directory: the warm tier (the tenants' subtrees are inside it).
-        hot: the hot tier (the store's own).
         remote: the shared tier (None: this node's disk only).
     """
 
@@ -171,7 +167,6 @@ class CacheStoreActor:
         inbox: trio.MemoryReceiveChannel[StoreInbox],
         *,
         directory: CacheDirectory,
-        hot: HotTier,
         remote: RemoteTier | None = None,
         prefetch_bytes: int = 0,
         events: deque[GpuEvent] | None = None,
@@ -179,11 +174,10 @@ class CacheStoreActor:
         self._inbox = inbox
         self._events = events  # the runtime's trace (the GPU actor's log), when it is on: saves and reads join it
         self._directory = TenantDirectories(directory)
-        self._hot = hot
         self._limiter = trio.CapacityLimiter(1)
         # A turn's read has its own thread: it never waits behind a write in progress (a long
-        # context's save takes a while). Reads and writes never touch one file: an agent is read
-        # only when it has no hot cache, and a cache leaves RAM only once it is on disk.
+        # context's save takes a while). Reads and writes never touch one file: a cache queued for
+        # its write is served from the queue, never read from the disk.
         self._read_limiter = trio.CapacityLimiter(1)
         # Unsaved caches and the durable turns waiting for them: the write-behind policy.
         self._saves: SaveQueue[AgentKey, _Pending, _Waiter] = SaveQueue()
@@ -219,7 +213,7 @@ class CacheStoreActor:
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
-                self._drain()
+                await self._drain()
                 written = await self._flush_all()
                 if written:
                     log.info("flushed %d dirty caches on shutdown", written)
@@ -228,17 +222,19 @@ class CacheStoreActor:
                 if self.shared is not None:
                     await self.shared.release_all()
 
-    def _drain(self) -> None:
-        """Take the Puts still queued (a turn that completed just before shutdown)."""
-        while True:
-            try:
-                message = self._inbox.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-            if isinstance(message, CheckIn):
-                self._check_in(message, None)  # its lease goes with the others after the last saves
-            else:
-                send_reply(message.reply, Failed(kind="Cancelled", error="the cache store is shutting down"))
+    async def _drain(self) -> None:
+        """Take the Saves still coming (a turn that completed just before shutdown; the GPU actor's last copies,
+        made as it stops) until every sender has closed its end, or :data:`DRAIN_S` went by."""
+        with trio.move_on_after(DRAIN_S):
+            while True:
+                try:
+                    message = await self._inbox.receive()
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+                if isinstance(message, Save):
+                    self._save(message, None)  # its lease goes with the others after the last saves
+                else:
+                    send_reply(message.reply, Failed(kind="Cancelled", error="the cache store is shutting down"))
         self._inbox.close()
 
     async def _disk(self, fn: Any, *args: Any, limiter: trio.CapacityLimiter | None = None, **kwargs: Any) -> Any:
@@ -249,26 +245,25 @@ class CacheStoreActor:
 
     async def _handle(self, message: StoreInbox) -> None:
         match message:
-            case CheckOut(agent_id=agent_id, model_tag=tag):
+            case Load(agent_id=agent_id, model_tag=tag):
                 try:
                     key = AgentKey(agent_id, tag)  # every door checks the id: a caller that did not is refused
                 except InvalidAgentIdError as exc:
                     send_reply(message.reply, failed_from(exc))
                     return
-                if self.shared is not None or self._hot.needs_disk(*key):
-                    assert self._nursery is not None
-                    self._nursery.start_soon(self._check_out_after_load, message)
+                if self.shared is None and (message.hot or key in self._saves):
+                    send_reply(message.reply, self._loaded(message))  # no disk to read
                 else:
-                    send_reply(message.reply, self._checked_out(message))
-            case CheckIn():
-                self._check_in(message, self._nursery)
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self._load_for, message)
+            case Save():
+                self._save(message, self._nursery)
             case Forget():
                 await self._forget(message)
             case Evict(model_tag=tag, reply=reply):
                 written = await self._flush_all(tag)
                 for waiter in self._saves.drop(lambda key: key.model_tag == tag):
                     waiter.failed(f"model {tag!r} was unloaded first")
-                self._hot.drop_model(tag)
                 if self.prefetch is not None:
                     self.prefetch.drop_model(tag)
                 send_reply(reply, Evicted(written=written))
@@ -286,11 +281,13 @@ class CacheStoreActor:
             case _:
                 assert_never(message)
 
-    async def _check_out_after_load(self, message: CheckOut) -> None:
-        """Take the agent's lease (shared tier), read its disk cache, then answer (an unreadable cache: a logged miss)."""
+    async def _load_for(self, message: Load) -> None:
+        """Take the agent's lease (shared tier), read its disk cache unless the GPU actor's hot one stands, then
+        answer (an unreadable cache: a logged miss)."""
         warm: CacheSnapshot | None = None
         prepared: Any = None  # the prefetched cache restored at start (actors/prefetch.py)
         tier: Tier = "warm"
+        stale = forgotten = False
         self._loads_waiting += 1
         try:
             if self.shared is not None and not await self.shared.take_lease(message.agent_id):
@@ -302,12 +299,13 @@ class CacheStoreActor:
                 match await self._disk(self.shared.remote.check, *key, limiter=self._read_limiter):  # a Redis read
                     case "forgotten":  # on another node, since this node last held the agent: drop every copy
                         await self._forget_here(message.agent_id)
-                    case "newer" if not self._hot.needs_disk(*key) and key not in self._saves:
-                        self._hot.drop(*key)  # another node served the agent since: Redis has more of it
+                        forgotten = True
+                    case "newer" if message.hot and not message.unsaved and key not in self._saves:
+                        stale = True  # another node served the agent since: Redis has more of it
                     case _:
                         pass
-            if not self._hot.needs_disk(*key):
-                send_reply(message.reply, self._checked_out(message))
+            if (message.hot and not stale and not forgotten) or key in self._saves:
+                send_reply(message.reply, self._loaded(message, stale=stale, forgotten=forgotten))
                 return
             taken = None if self.prefetch is None else await self.prefetch.take(*key)
             if taken is None:
@@ -330,13 +328,19 @@ class CacheStoreActor:
             self._loads_waiting -= 1
             if not self._loads_waiting:
                 self._no_loads.set()
-        send_reply(message.reply, self._checked_out(message, warm=warm, warm_tier=tier, prepared=prepared))
+        own = None
+        if warm is not None and warm.model_tag == message.model_tag:
+            own = OwnCache(source=FromWarm(snapshot=warm, prepared=prepared), tier=tier)
+        send_reply(message.reply, Loaded(own=own, stale=stale, forgotten=forgotten))
 
-    def _checked_out(self, message: CheckOut, **warm: Any) -> CheckedOut:
-        """The agent's own cache (its hot one, else ``warm``'s) and, when it shares, the others' hot caches."""
-        own = self._hot.checkout(message.agent_id, message.model_tag, **warm)
-        donors = self._hot.donors(message.agent_id, message.model_tag) if message.share_prefix else ()
-        return CheckedOut(own=own, donors=donors)
+    def _loaded(self, message: Load, *, stale: bool = False, forgotten: bool = False) -> Loaded:
+        """The answer that reads no disk: the GPU actor's hot cache stands (None), or the copy queued for its write
+        (a cache the GPU actor dropped from RAM before it was on disk: it is newer than the disk's)."""
+        if message.hot and not stale and not forgotten:
+            return Loaded(own=None)
+        queued = self._saves.get(AgentKey(message.agent_id, message.model_tag))
+        own = None if queued is None else OwnCache(source=FromWarm(snapshot=queued.item.snapshot), tier="warm")
+        return Loaded(own=own, stale=stale, forgotten=forgotten)
 
     async def _read_blocks(self, message: ReadBlocks) -> None:
         """A prompt's first whole blocks from its tenant's disk, on the read thread (an unreadable one: a logged miss)."""
@@ -389,19 +393,20 @@ class CacheStoreActor:
             for e in stored
             if wanted is None or e.agent_id == wanted
         }
-        hot: list[AgentRecord] = []  # most recently used first
-        for entry in reversed(self._hot.entries()):
+        hot: list[AgentRecord] = []  # most recently used first (the GPU actor's order)
+        for entry in message.hot:
             if (wanted is not None and entry.agent_id != wanted) or tenant_of(entry.agent_id) != tenant:
                 continue
-            disk = on_disk.pop(entry.key, None)
+            key = AgentKey(entry.agent_id, entry.model_tag)
+            disk = on_disk.pop(key, None)
             hot.append(
                 AgentRecord(
                     agent_id=entry.agent_id,
                     model_tag=entry.model_tag,
-                    num_tokens=entry.parked.num_tokens,
+                    num_tokens=entry.num_tokens,
                     hot=True,
                     on_disk=disk is not None,
-                    dirty=entry.key in self._saves,
+                    dirty=entry.unsaved or key in self._saves,
                     disk_bytes=disk.disk_bytes if disk else 0,
                     updated_at=disk.updated_at if disk else None,
                 )
@@ -446,13 +451,13 @@ class CacheStoreActor:
         except (OSError, ValueError) as exc:
             send_reply(message.reply, failed_from(exc))
             return
-        in_ram = {e.agent_id for e in self._hot.entries()} | {key.agent_id for key in self._saves.keys()}
+        in_ram = message.in_ram | {key.agent_id for key in self._saves.keys()}
         dirs = {safe_agent_dirname(local_id(a)) for a in in_ram if tenant_of(a) == message.tenant}
         send_reply(message.reply, Used(agent_dirs=disk.agent_dirs | dirs, disk_bytes=disk.disk_bytes))
 
     async def _forget(self, message: Forget) -> None:
         try:
-            existed = await self._forget_here(message.agent_id)
+            existed = await self._forget_here(message.agent_id) or message.had_hot
             if self.shared is not None:
                 existed = await self.shared.forget(message.agent_id) or existed
         except (InvalidAgentIdError, OSError) as exc:
@@ -461,16 +466,15 @@ class CacheStoreActor:
         send_reply(message.reply, Forgotten(existed=existed))
 
     async def _forget_here(self, agent_id: str) -> bool:
-        """Drop this node's copies of the agent: hot, unsaved and on disk; whether there were any.
+        """Drop the store's copies of the agent: queued and on disk; whether there were any (the GPU actor drops
+        its hot ones).
 
         Raises:
             InvalidAgentIdError, OSError: from the cache directory.
         """
         if self.prefetch is not None:
             self.prefetch.drop(agent_id)
-        existed = self._hot.forget(agent_id) > 0
-        for due in self._copies_owed(lambda key: key.agent_id == agent_id):
-            due.drop()
+        existed = any(key.agent_id == agent_id for key in self._saves.keys())
         for waiter in self._saves.drop(lambda key: key.agent_id == agent_id):
             waiter.failed(f"agent {agent_id!r} was forgotten first")
         if self.shared is not None:
@@ -480,41 +484,20 @@ class CacheStoreActor:
         await self._disk(self._directory.delete, agent_id)
         return on_disk or existed
 
-    # -- hot tier --------------------------------------------------------------
+    # -- saves ----------------------------------------------------------------
 
-    def _check_in(self, message: CheckIn, nursery: trio.Nursery | None) -> None:
-        """The turn is over: its new cache becomes hot and dirty; then, with a shared tier, its lease may go."""
+    def _save(self, message: Save, nursery: trio.Nursery | None) -> None:
+        """A copy to write behind (if any); then, with a shared tier, the turn's lease may go."""
         if message.cache is not None:
-            self._put(message)
-        if self.shared is not None:
+            key = AgentKey(message.agent_id, message.cache.snapshot.model_tag)
+            waiter = None if message.saved is None else _Waiter(message.saved, message.answer)
+            self._saves.put(key, _Pending(message.agent_id, message.cache.snapshot, message.cache.block_hashes),
+                            waiter)
+            self._wake.set()
+        elif message.saved is not None:  # nothing to write: answered at once
+            _Waiter(message.saved, message.answer).saved()
+        if self.shared is not None and message.ends_turn:
             self.shared.end_turn(message.agent_id, nursery)
-
-    def _put(self, message: CheckIn) -> None:
-        assert message.cache is not None
-        parked = message.cache.parked
-        key = AgentKey(message.agent_id, parked.model_tag)
-        hashes = self._directory.block_hashes(parked.model_tag, parked.token_ids)
-        self._hot.put(message.agent_id, parked, share_prefix=message.cache.share_prefix,
-                          block_bytes=message.cache.block_bytes, block_hashes=hashes)
-        for due in self._copies_owed(lambda k: k == key):
-            due.drop()  # superseded: its copy is never made (nor waited for)
-        waiter = None if message.saved is None else _Waiter(message.saved, message.answer)
-        self._saves.put(key, _Pending(message.agent_id, parked, message.cache.snapshot, hashes), waiter)
-        if message.saved is not None:
-            # A turn waits for this save, written first: the copy it needs is wanted now, and so are
-            # those of a save the writer may be waiting on.
-            for due in self._copies_owed(lambda k: True):
-                due.want()
-        self._wake.set()
-
-    def _copies_owed(self, which: Callable[[AgentKey], bool]) -> list[SnapshotDue]:
-        """The host copies the GPU actor still owes for the unsaved caches whose key ``which`` accepts."""
-        dues = []
-        for key in self._saves.keys():
-            dirty = self._saves.get(key)
-            if which(key) and dirty is not None and isinstance(dirty.item.snapshot, SnapshotDue):
-                dues.append(dirty.item.snapshot)
-        return dues
 
     # -- writes ----------------------------------------------------------------
 
@@ -543,22 +526,16 @@ class CacheStoreActor:
         pending = dirty.item
         retry = False
         try:
-            snapshot = pending.snapshot
-            if isinstance(snapshot, SnapshotDue):
-                snapshot = await snapshot.wait()
-                if snapshot is None or self._saves.get(key) is not dirty:
-                    # Superseded (the newer cache is written instead) or forgotten while it waited.
-                    return False
             started = time.perf_counter()
-            report = await self._disk(self._directory.save, pending.agent_id, snapshot,
-                                      block_hashes=pending.block_hashes)
+            report = await self._disk(self._directory.save, pending.agent_id, pending.snapshot,
+                                      block_hashes=list(pending.block_hashes))
             self._traced("save", started, f"{report.bytes_written} bytes written")
-        except (OSError, ValueError, InvalidAgentIdError, SnapshotLost) as exc:
+        except (OSError, ValueError, InvalidAgentIdError) as exc:
             retry = isinstance(exc, OSError)  # a full or read-only disk may recover; a bad cache will not
             self._write_errors += 1
             later = f"retried in {self._saves.retry_delay_s:.0f} s or on the next turn" if retry else \
                 "saved with the agent's next turn"
-            log.error("saving the cache of %r failed: %s; it stays in RAM, %s", pending.agent_id, exc, later)
+            log.error("saving the cache of %r failed: %s; its copy stays in RAM, %s", pending.agent_id, exc, later)
             report = None
             error: str | None = f"the cache was not saved: {exc}"
         else:
@@ -573,8 +550,6 @@ class CacheStoreActor:
                 await self.shared.publish(key)
         if not self._saves.settle(key, dirty, saved=report is not None, retry=retry, now=trio.current_time()):
             return report is not None  # superseded or forgotten meanwhile, or kept for a retry
-        if report is not None:
-            self._hot.saved(pending.agent_id, pending.parked)
         if self.shared is not None:
             await self.shared.release(pending.agent_id)  # if its turns are over
         return report is not None
@@ -582,8 +557,6 @@ class CacheStoreActor:
     async def _flush_all(self, model_tag: str | None = None) -> int:
         """Write every dirty cache (of ``model_tag``, if given); returns how many were written."""
         written = 0
-        for due in self._copies_owed(lambda key: model_tag is None or key.model_tag == model_tag):
-            due.want()  # all at once: the GPU actor makes them while the first is written
         for key in self._saves.keys():
             if model_tag is None or key.model_tag == model_tag:
                 written += await self._write(key)
@@ -591,16 +564,13 @@ class CacheStoreActor:
 
     # -- statistics --------------------------------------------------------------
 
-    def hot_entries(self) -> list[HotEntry]:
-        """Every cache in the hot tier, least recently used first (a read for the runtime's reports)."""
-        return self._hot.entries()
-
-    def statistics(self) -> StoreStats:
-        hot = self._hot.stats()
+    def statistics(self, hot: HotTierStats, owed: frozenset[AgentKey] = frozenset()) -> StoreStats:
+        """The store's counters, with the GPU actor's: ``hot``, its hot tier's; ``owed``, the caches whose copy it
+        still owes (not on disk either: ``dirty`` counts them with the store's queue)."""
         return StoreStats(
             hot_agents=hot.hot_agents,
             hot_bytes=hot.hot_bytes,
-            dirty=len(self._saves),
+            dirty=len(set(self._saves.keys()) | owed),
             over_budget=hot.over_budget,
             writes=self._writes,
             write_errors=self._write_errors,

@@ -21,8 +21,8 @@ bounded job of a :class:`runtime.plan.engine.Engine`. The loop::
 
 Under the GPU policy (``BackendProfile.copy_after_turn``) a turn's end waits for
 nothing: the engine launches the park and leaves the cache's host copy for its
-save to later. The reply carries a :class:`~actors.messages_store.SnapshotDue`
-and the actor makes the copies it owes when the write-behind policy says
+save to later: the actor owes that copy (:mod:`actors.gpu_caches`, which holds the
+agents' hot caches) and makes the copies it owes when the write-behind policy says
 (:func:`runtime.plan.save_queue.next_copy`: once it has had no turn to run for a
 moment, else one per loop pass once the store wants it or it is overdue, an overdue
 one after the prefill under way, whose chunks a host copy would wait for); a copy
@@ -55,8 +55,9 @@ import msgspec
 import outcome
 import trio
 
-from actors.mailbox import ask, receiver_left, send_reply
+from actors.mailbox import receiver_left, send_reply
 from actors.messages_common import Failed, failed_from
+from actors.gpu_caches import AgentCaches, CheckedOut, OwedCopy
 from actors.messages_gpu import (
     Chat,
     Counted,
@@ -73,7 +74,8 @@ from actors.messages_gpu import (
 )
 from actors.gpu_turns import GpuTurn, generated_reply, running_turn, tier_of
 from actors.messages_store import (
-    CheckIn, CheckOut, CheckOutReply, Evict, EvictReply, NewCache, ReadBlocks, SnapshotDue, StoreInbox,
+    Evict, EvictReply, Flush, Flushed, Forget, Forgotten, ListAgents, AgentsListed, MeasureUsage, ReadBlocks,
+    StoreInbox, Used,
 )
 from actors.model_slot import ModelSlot, RegistryStats
 from actors.metrics import GpuEvent, GpuStats, MemorySnapshot, RunningTurn
@@ -87,10 +89,12 @@ from runtime.plan.scheduler import Scheduler, Step
 from runtime.plan.engine import Engine, Finished, ModelInfo, PrefillResult, SequenceStarted, StepTiming
 from runtime.plan.sampling import SamplingOptions
 from runtime.plan.tools import ToolCall
-from runtime.plan.turn_plan import FromShared, OwnCache, ParkedView, Tokenized, TurnPlan
+from runtime.plan.turn_plan import FromShared, OwnCache, Tokenized, TurnPlan
 from runtime.errors import ContextLengthExceededError, ModelError
 from runtime.reply.logprobs import TokenLogprob
 from runtime.plan.block_pool import PoolStats
+from runtime.identity import AgentKey
+from runtime.plan.hot_tier import HotEntry, HotTier, HotTierStats
 from runtime.plan.disk_blocks import blocks_to_look_up, start_from_blocks
 from runtime.plan.kv_manager import KVCacheManager
 
@@ -153,17 +157,6 @@ class _FirstSample:
     tokenized: trio.Event = field(default_factory=trio.Event)  # set once it is tokenized, or failed
 
 
-@dataclass(eq=False)  # one owed copy is one object (removed by identity)
-class _OwedCopy:
-    """A finished turn's cache whose host copy the actor still owes the store."""
-
-    request_id: int
-    parked: ParkedView
-    due: SnapshotDue
-    since: float
-    done: list[Any] = field(default_factory=list)  # the parts copied so far (a copy stopped between two)
-
-
 def _after(seconds: float) -> Callable[[], bool]:
     """A ``stop`` for :meth:`runtime.plan.engine.Engine.snapshot`: true once ``seconds`` went by
     from now (read on the model's thread, between two parts of the copy)."""
@@ -184,9 +177,11 @@ class GPUActor:
         decode_run_steps: decode steps that may run back to back in one MLX job (the setting).
         events: the runtime's trace, when it is on (tests, diagnostics): a :class:`GpuEvent` per unit of
             work goes in, and per run of Python's collector; the cache store adds its saves and reads.
-        store: the cache store's mailbox: each turn's :class:`CheckOut` and :class:`CheckIn`, a turn's whole
-            blocks on disk (``ReadBlocks``), a swapped model's caches (``Evict``); None: RAM only (no cache
-            is kept). The actor closes it when it stops.
+        store: the cache store's mailbox: a turn's cache the actor does not hold (``Load``), each new cache's
+            host copy (``Save``), a turn's whole blocks on disk (``ReadBlocks``), a swapped model's caches
+            (``Evict``); None: RAM only (no cache is kept). The actor closes it when it stops.
+        hot: the hot tier: every agent's latest parked cache (:mod:`actors.gpu_caches`; None: an empty one).
+        leases: the store has a shared tier: every turn loads through it, for the agent's cluster lease.
         default_model: the model of requests that name none (:mod:`actors.model_slot`).
         models: other model names requests may ask for.
         idle_unload_s: unload the model after this long without a turn (None: never).
@@ -205,13 +200,16 @@ class GPUActor:
         decode_run_steps: int = 1,
         events: deque[GpuEvent] | None = None,
         store: trio.MemorySendChannel[StoreInbox] | None = None,
+        hot: HotTier | None = None,
+        leases: bool = False,
         default_model: str,
         models: Sequence[str] = (),
         idle_unload_s: float | None = None,
         preload: bool = True,
     ) -> None:
         self._inbox = inbox
-        self._store = store
+        self._caches = AgentCaches(store, hot or HotTier(hot_budget_bytes=2**62), leases=leases,
+                                   wake=self._copy_wanted)
         self._slot = ModelSlot(default_model, models)
         self._idle_unload_s = idle_unload_s
         self._preload = preload
@@ -226,7 +224,6 @@ class GPUActor:
         self._thread = MlxThread(on_exit=engine.close, tune_allocator=profile is None or profile.tune_allocator)
         self._sched: Scheduler | None = None
         self._requests: dict[int, GpuTurn] = {}
-        self._owed: deque[_OwedCopy] = deque()
         self._idle_wait: trio.CancelScope | None = None
         self._steps = 0
         # A decode run (several steps in one MLX job) ends after the step in progress once this is set:
@@ -269,6 +266,13 @@ class GPUActor:
         Raises:
             runtime.errors.ModelError: the default model does not load (with ``preload``).
         """
+        try:
+            await self._serve_until_closed(task_status)
+        finally:
+            if self._caches.store is not None:
+                self._caches.store.close()  # the store's mailbox ends once every sender has closed its end
+
+    async def _serve_until_closed(self, task_status: trio.TaskStatus[None]) -> None:
         async with self._thread, self._inbox:
             if self._preload:
                 failure = await self._load(self._slot.default)
@@ -281,19 +285,21 @@ class GPUActor:
             try:
                 async with trio.open_nursery() as texts:
                     self._texts = texts
+                    self._caches.start(texts)
                     texts.start_soon(self._text_jobs.serve, name="the GPU actor's text jobs")
                     texts.start_soon(self._long_text_jobs.serve, name="the GPU actor's long text jobs")
                     await self._loop()
                     texts.cancel_scope.cancel()  # every turn's text is done (the loop waited): the worker goes
             finally:
                 self._texts = None
+                self._caches.start(None)
                 with trio.CancelScope(shield=True):  # the turns checked out end there; the store's last saves
                     for req in self._requests.values():  # wait for the copies below
-                        await self._end(req, _SHUTTING_DOWN)
+                        self._end(req, _SHUTTING_DOWN)
                     self._requests.clear()
                     for item in self._early:
                         if isinstance(item, _Tokenized):
-                            await self._end(item.turn, _SHUTTING_DOWN)
+                            self._end(item.turn, _SHUTTING_DOWN)
                         elif isinstance(item, (Generate, CountTokens)):
                             send_reply(item.reply, _SHUTTING_DOWN)
                     for waiting in self._slot.waiting:
@@ -301,12 +307,11 @@ class GPUActor:
                     self._slot.waiting.clear()
                     with trio.move_on_after(STOP_COPIES_S):
                         await self._make_copies(every=True)
-                    for owed in self._owed:
-                        owed.due.failed("the GPU actor stopped before making the copy")
-                    self._owed.clear()
+                    for owed in list(self._caches.owed):
+                        self._caches.copy_failed(owed, "the GPU actor stopped before making the copy")
+                    if self._caches.store is not None:
+                        await self._caches.drain()  # the last saves reach the store before its mailbox ends
                 heap.thaw()  # the model goes with the thread: what it left may be collected again
-                if self._store is not None:
-                    self._store.close()  # the store's mailbox ends once every sender has closed its end
                 if self._on_collection in gc.callbacks:
                     gc.callbacks.remove(self._on_collection)
 
@@ -375,9 +380,9 @@ class GPUActor:
                 message = None
                 now = trio.current_time()
                 try:
-                    with trio.move_on_after(min(copy_wait(self._copies_owed(), now=now),
+                    with trio.move_on_after(min(copy_wait(self._caches.copies_owed(), now=now),
                                                 max(0.0, self._unload_at() - now))) as wait:
-                        self._idle_wait = wait  # a copy the store wants ends it (SnapshotDue.want)
+                        self._idle_wait = wait  # a copy wanted now ends it (a durable turn's)
                         message = await self._inbox.receive()
                 except trio.EndOfChannel:
                     closing = True
@@ -460,8 +465,29 @@ class GPUActor:
                     send_reply(reply, Prepared(parked=await self._job(self._engine.prepare, snapshot)))
                 except Exception as exc:  # noqa: BLE001 - the turn then restores it itself
                     send_reply(reply, failed_from(exc))
+            case Flush():
+                await self._make_copies(every=True)  # the copies owed reach the store before the flush
+                self._forward(message)
+            case Forget() | ListAgents() | MeasureUsage():
+                self._forward(message)
             case _:
                 assert_never(message)
+
+    def _forward(self, message: Flush | Forget | ListAgents | MeasureUsage) -> None:
+        """A question about every cache: to the store with what the hot tier knows; without a store, answered
+        here (nothing is kept)."""
+        if self._caches.store is not None:
+            self._caches.forward(message)
+            return
+        match message:
+            case Flush(reply=reply):
+                send_reply(reply, Flushed(written=0))
+            case Forget(reply=reply):
+                send_reply(reply, Forgotten(existed=False))
+            case ListAgents(reply=reply):
+                send_reply(reply, AgentsListed(agents=()))
+            case MeasureUsage(reply=reply):
+                send_reply(reply, Used(agent_dirs=frozenset(), disk_bytes=0))
 
     async def _serve(self, message: CountTokens | Generate) -> None:
         """A request for the loaded model."""
@@ -505,19 +531,17 @@ class GPUActor:
                 await self._serve(slot.waiting.popleft())
 
     async def _evict(self) -> None:
-        """Before the loaded model goes: the host copies owed, then the store writes its dirty caches and drops
-        its hot ones (caches are tagged with their model: they load from disk when it returns)."""
+        """Before the loaded model goes: the host copies owed, the model's hot caches dropped, then the store
+        writes what it queued (caches are tagged with their model: they load from disk when it returns)."""
         info = self._info
         if info is None:
             return
         await self._make_copies(every=True)  # before the model they were made with goes
         self._slot.current, self._sched = None, None
-        if self._store is None:
+        self._caches.drop_model(info.tag)
+        if self._caches.store is None:
             return
-        try:
-            evicted: EvictReply = await ask(self._store, lambda r: Evict(model_tag=info.tag, reply=r))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return
+        evicted: EvictReply = await self._caches.ask(lambda r: Evict(model_tag=info.tag, reply=r))
         if isinstance(evicted, Failed):
             log.warning("evicting caches of %s failed: %s", info.tag, evicted.error)
 
@@ -578,15 +602,13 @@ class GPUActor:
         self._tokenizing.add(msg.request_id)
         return True
 
-    async def _check_out(self, msg: Generate, tag: str) -> CheckOutReply | None:
-        """The agent's own cache from the store (its hot one, else the one on disk): a turn's first sample
-        only (the others start from its prompt and keep no cache); None: nothing checked out."""
-        if msg.sample or self._store is None:
+    async def _check_out(self, msg: Generate, tag: str) -> CheckedOut | Failed | None:
+        """The agent's own cache (its hot one, else the store's) and a sharing turn's donors: a turn's first
+        sample only (the others start from its prompt and keep no cache); None: no cache is kept."""
+        if msg.sample or self._caches.store is None:
             return None
         asked = time.perf_counter()
-        opened: CheckOutReply = await ask(
-            self._store, lambda r: CheckOut(agent_id=msg.agent_id, model_tag=tag, share_prefix=msg.share_prefix,
-                                            reply=r))
+        opened = await self._caches.check_out(msg.agent_id, tag, share_prefix=msg.share_prefix)
         # From the client's send: waited to reach this actor, then took to check out.
         self._event("checkout", msg.request_id, waited_ms=(asked - msg.submitted_at) * 1e3,
                     took_ms=(time.perf_counter() - asked) * 1e3)
@@ -596,8 +618,8 @@ class GPUActor:
         """Check the agent's cache out, then render, plan and tokenize a turn's prompt off the model's thread
         (:meth:`_text_job`), and hand it to the loop (``_early``) to register. An H200's host tokenized about
         4 ms per 1K tokens on the model's thread (run 4: a 32K prompt waited 120-206 ms before admission), and
-        every running turn waited for it too. A turn that fails here checks its cache in unchanged."""
-        checked_out = False
+        every running turn waited for it too. A turn that fails here keeps its cache as it was."""
+        checked_out = leased = False
         try:
             assert self._info is not None  # loaded until every turn in flight ends (actors.model_slot)
             tag = self._info.tag
@@ -612,7 +634,7 @@ class GPUActor:
                 send_reply(msg.reply, opened)  # nothing checked out (a bad agent id, another node's lease)
                 return
             if opened is not None:
-                checked_out, own, donors = True, opened.own, opened.donors
+                checked_out, leased, own, donors = True, opened.leased, opened.own, opened.donors
                 if (group := self._first_samples.get(msg.request_id)) is not None:
                     group.own = own
             prompt = await self._render(msg.prompt, wanted=partial(_still_wanted, msg))
@@ -643,16 +665,14 @@ class GPUActor:
                 msg = msgspec.structs.replace(msg, sampling=fitted)
             self._event("tokenized", msg.request_id)
             self._early.append(_Tokenized(GpuTurn(msg, prompt, plan, tokens, checked_out=checked_out,
-                                                  donors=donors), need))
+                                                  leased=leased, donors=donors), need))
             self._ring()
         except Abandoned:
-            await self._answer(msg, checked_out, Failed(
-                kind="Cancelled", error="the client left before its prompt was tokenized"))
+            self._answer(msg, leased, Failed(kind="Cancelled", error="the client left before its prompt was tokenized"))
         except Exception as exc:  # noqa: BLE001 - template, tokenizer or context errors go back to the agent
-            await self._answer(msg, checked_out, failed_from(exc))
+            self._answer(msg, leased, failed_from(exc))
         except BaseException:  # cancelled: the actor stops
-            with trio.CancelScope(shield=True):
-                await self._answer(msg, checked_out, _SHUTTING_DOWN)
+            self._answer(msg, leased, _SHUTTING_DOWN)
             raise
         finally:
             if (first := self._first_samples.pop(msg.request_id, None)) is not None:
@@ -676,12 +696,11 @@ class GPUActor:
         plan leaves a whole block of its prompt to prefill."""
         kinds = self._info.layer_kinds if self._info is not None else ()
         wanted = blocks_to_look_up(plan, tokens, share_prefix=msg.share_prefix, layer_kinds=kinds)
-        if wanted is None or self._store is None:
+        if wanted is None or self._caches.store is None:
             return plan, tokens
-        try:
-            read = await ask(self._store, lambda reply: ReadBlocks(
-                agent_id=msg.agent_id, model_tag=tag, token_ids=wanted, layer_kinds=kinds, reply=reply))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):  # the store stopped: the plan stands
+        read = await self._caches.ask(lambda reply: ReadBlocks(
+            agent_id=msg.agent_id, model_tag=tag, token_ids=wanted, layer_kinds=kinds, reply=reply))
+        if isinstance(read, Failed):  # the store stopped: the plan stands
             return plan, tokens
         started = start_from_blocks(plan, tokens, prompt, model_tag=tag, reused=read.tokens,
                                     layers=read.layers)
@@ -697,7 +716,7 @@ class GPUActor:
         try:
             self._sched.submit(msg.request_id, need + msg.sampling.max_tokens)
         except Exception as exc:  # noqa: BLE001 - a request the budget can never hold
-            await self._end(turn, failed_from(exc))
+            self._end(turn, failed_from(exc))
             return
         self._requests[msg.request_id] = turn
         # The client may answer its status now (nothing it asked for is refused): with its TurnStarted when
@@ -723,7 +742,7 @@ class GPUActor:
                 self._sched.finished(request_id)
                 self._manager.end(request_id)
                 del self._requests[request_id]
-                await self._end(req, self._generated(req, None, cancelled=True))
+                self._end(req, self._generated(req, None, cancelled=True))
                 continue
             await self._complete(request_id, cancelled=True)
 
@@ -1031,95 +1050,55 @@ class GPUActor:
         self._manager.end(request_id)
         del self._requests[request_id]
         self._event("finish", request_id)
-        due, cache = None, None
-        if finished is not None and finished.parked is not None and req.checked_out:  # a sample's is not kept
-            snapshot = finished.snapshot
-            if snapshot is None:
-                snapshot = due = SnapshotDue(on_wanted=self._copy_wanted)
-                self._owed.append(_OwedCopy(request_id, finished.parked, due, trio.current_time()))
-            assert self._info is not None
-            cache = NewCache(parked=finished.parked, snapshot=snapshot, block_bytes=self._info.block_bytes,
-                             share_prefix=req.msg.share_prefix)
-            if req.msg.share_prefix:  # the turns waiting to prefill may start from it, as from a hot cache
-                self._manager.left(req.msg.agent_id, self._info.tag, finished.parked)
-        await self._end(req, self._generated(req, finished, cancelled=cancelled, due=due), cache)
-
-    def _generated(self, req: GpuTurn, finished: Finished | None, *, cancelled: bool,
-                   due: SnapshotDue | None = None) -> GenerateReply:
-        assert self._info is not None
-        return generated_reply(req, finished, model=self._info.name, cancelled=cancelled, due=due)
-
-    async def _end(self, turn: GpuTurn, answer: GenerateReply, cache: NewCache | None = None) -> None:
-        """The turn is over: check its cache in (``cache``: the new one; None: it stays as it was), then answer."""
-        checked_out, turn.checked_out = turn.checked_out, False
-        await self._answer(turn.msg, checked_out, answer, cache)
-
-    async def _answer(self, msg: Generate, checked_out: bool, answer: GenerateReply,
-                      cache: NewCache | None = None) -> None:
-        """Answer the agent, after the check-in of what ``msg`` checked out (so its next turn's checkout finds
-        ``cache``); a durable turn with a new cache is answered by the store instead, once the cache is on disk
-        (the check-in carries the answer). The loop never waits for a busy store: the check-in and the answer
-        then go from a task of their own, in that order."""
-        if not checked_out or self._store is None:
-            send_reply(msg.reply, answer)
+        answer = self._generated(req, finished, cancelled=cancelled)
+        if finished is None or finished.parked is None or not req.checked_out:  # a sample's cache is not kept
+            self._end(req, answer)
             return
-        durable = msg.durable and cache is not None and not isinstance(answer, Failed)
-        check_in = CheckIn(agent_id=msg.agent_id, cache=cache, saved=msg.reply if durable else None,
-                           answer=answer if durable else None)
-        try:
-            self._store.send_nowait(check_in)
-        except trio.WouldBlock:
-            if self._texts is not None:
-                self._texts.start_soon(self._check_in_then_answer, msg, check_in, answer)
-            else:
-                await self._check_in_then_answer(msg, check_in, answer)  # the actor stops: the answer waits
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            send_reply(msg.reply, answer)  # the store stopped: nobody else will answer
-        else:
-            if not durable:
-                send_reply(msg.reply, answer)
+        assert self._info is not None
+        if req.msg.share_prefix:  # the turns waiting to prefill may start from it, as from a hot cache
+            self._manager.left(req.msg.agent_id, self._info.tag, finished.parked)
+        req.checked_out = False
+        durable = req.msg.durable
+        self._caches.keep(request_id, req.msg.agent_id, finished.parked, finished.snapshot,
+                          block_bytes=self._info.block_bytes, share_prefix=req.msg.share_prefix, leased=req.leased,
+                          now=trio.current_time(), reply=req.msg.reply if durable else None,
+                          answer=answer if durable else None)
+        if not durable:  # a durable turn is answered by the store, once its cache is on disk
+            send_reply(req.msg.reply, answer)
 
-    async def _check_in_then_answer(self, msg: Generate, check_in: CheckIn, answer: GenerateReply) -> None:
-        """A check-in the store's full mailbox made wait, then the answer (the store's, for a durable turn it got)."""
-        if not (await self._send_check_in(check_in) and check_in.saved is not None):
-            send_reply(msg.reply, answer)
+    def _generated(self, req: GpuTurn, finished: Finished | None, *, cancelled: bool) -> GenerateReply:
+        assert self._info is not None
+        return generated_reply(req, finished, model=self._info.name, cancelled=cancelled)
 
-    async def _send_check_in(self, check_in: CheckIn) -> bool:
-        """Whether ``check_in`` reached the store (shielded: a turn checked out is checked in)."""
-        assert self._store is not None
-        with trio.CancelScope(shield=True), trio.move_on_after(5):
-            try:
-                await self._store.send(check_in)
-                return True
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-        return False
+    def _end(self, turn: GpuTurn, answer: GenerateReply) -> None:
+        """The turn is over with nothing new to keep (failed, cancelled, or a sample): the lease it took goes
+        (its cache stays as it was), then the answer."""
+        checked_out, turn.checked_out = turn.checked_out, False
+        self._answer(turn.msg, checked_out and turn.leased, answer)
+
+    def _answer(self, msg: Generate, leased: bool, answer: GenerateReply) -> None:
+        """Answer a turn that keeps no new cache, after the Save that gives its lease back (``leased``)."""
+        self._caches.ended(msg.agent_id, leased=leased)
+        send_reply(msg.reply, answer)
 
     def _copy_wanted(self) -> None:
         if self._idle_wait is not None:
             self._idle_wait.cancel()
 
-    def _copies_owed(self) -> list[tuple[bool, float]]:
-        """The copies owed, as the write-behind policy reads them: (wanted, since)."""
-        return [(o.due.wanted, o.since) for o in self._owed if not o.due.dropped]
-
     async def _make_copies(self, *, idle: bool = False, every: bool = False, prefilling: bool = False) -> None:
         """Make the host copies :func:`~runtime.plan.save_queue.next_copy` picks (at most one while
         turns run, none merely overdue while a prefill is under way; all that are due when ``idle``),
-        or ``every`` one (a model swap, stopping)."""
-        while self._owed:
-            # Superseded or forgotten (also while the last copy was being made): no save needs them.
-            self._owed = deque(o for o in self._owed if not o.due.dropped)
-            if not self._owed:
-                return
-            pick = 0 if every else next_copy(self._copies_owed(), now=trio.current_time(), idle=idle,
+        or ``every`` one (a model swap, a flush, stopping); each goes to the store once made."""
+        caches = self._caches
+        while caches.owed:
+            pick = 0 if every else next_copy(caches.copies_owed(), now=trio.current_time(), idle=idle,
                                              prefilling=prefilling)
             if pick is None:
                 return
-            owed = self._owed[pick]
+            owed: OwedCopy = caches.owed[pick]
             if idle:  # nothing runs: a message that comes stops the copy between two parts
                 run, stop = self._until_message, self._doorbell.is_set
-            elif owed.due.wanted or every:  # someone waits for it (a durable turn, a flush, stopping): whole
+            elif owed.wanted or every:  # someone waits for it (a durable turn, a flush, stopping): whole
                 run, stop = self._job, None
             else:  # overdue while turns run: a slice of parts a pass, so the batch waits for a slice, and a
                 # message that comes meanwhile (a new turn) for the part under way, not the rest of the slice
@@ -1130,17 +1109,16 @@ class GPUActor:
                 if snapshot is None:
                     return  # stopped: a message goes first, or the next pass resumes it from owed.done
             except Exception as exc:  # noqa: BLE001 - the save fails, the cache stays hot
-                self._owed.remove(owed)
-                log.exception("copying the cache of request %d for its save failed", owed.request_id)
-                owed.due.failed(f"the copy for the save failed: {type(exc).__name__}: {exc}")
+                log.exception("copying the cache of request %d for its save failed: %s; it stays in RAM, unsaved",
+                              owed.request_id, exc)
+                caches.copy_failed(owed, f"the copy for the save failed: {type(exc).__name__}: {exc}")
                 continue
             except BaseException:
-                self._owed.remove(owed)
-                owed.due.failed("the GPU actor stopped before making the copy")
+                caches.copy_failed(owed, "the GPU actor stopped before making the copy")
                 raise
-            self._owed.remove(owed)
-            owed.due.made(snapshot)
-            self._event("copy", owed.request_id)
+            if owed in caches.owed:  # not superseded or forgotten while it was being made
+                caches.copy_made(owed, snapshot)
+                self._event("copy", owed.request_id)
             if not (idle or every):
                 return
 
@@ -1155,7 +1133,7 @@ class GPUActor:
         except Exception:  # noqa: BLE001
             log.exception("discarding request %d failed", request_id)
         if req is not None:
-            await self._end(req, failed_from(exc))
+            self._end(req, failed_from(exc))
 
     # -- statistics ------------------------------------------------------------
 
@@ -1178,6 +1156,18 @@ class GPUActor:
             turns=tuple(self.running_turns()),
             prefix_hits=self._manager.prefix_hits,
         )
+
+    def hot_stats(self) -> HotTierStats:
+        """The hot tier's accounting (``Runtime.stats().store`` reports it beside the store's counters)."""
+        return self._caches.hot_stats()
+
+    def owed_copies(self) -> frozenset[AgentKey]:
+        """The caches whose host copy the actor still owes the store (a read for the runtime's reports)."""
+        return frozenset(owed.key for owed in self._caches.owed)
+
+    def hot_entries(self) -> list[HotEntry]:
+        """Every cache in the hot tier, least recently used first (a read for the runtime's reports)."""
+        return self._caches.entries()
 
     def model_statistics(self) -> RegistryStats:
         """Which model is loaded, and the turns on it or waiting for another (``Runtime.stats().registry``)."""

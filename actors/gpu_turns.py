@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from actors.messages_common import TurnUsage
 from actors.messages_gpu import Generate, Generated, Scores
-from actors.messages_store import SnapshotDue
 from actors.metrics import RunningTurn
 from runtime.plan.hot_tier import HotDonor
 from runtime.plan.engine import Finished, SequenceStarted
@@ -39,7 +38,8 @@ class GpuTurn:
     to_prefill_total: int = 0
     prefilled: int = 0
     generated: int = 0
-    checked_out: bool = False  # the agent's cache was checked out of the store for this turn (its first sample)
+    checked_out: bool = False  # the turn's new cache becomes the agent's (its first sample, with a store)
+    leased: bool = False  # the store counts the turn (a shared tier's lease): a Save ends it
     donors: tuple[HotDonor, ...] = field(default=(), repr=False)  # others' hot caches its checkout gave
 
 
@@ -50,11 +50,9 @@ def tier_of(req: GpuTurn, reused: int) -> Tier:
     return "shared" if req.adopted else req.plan.tier
 
 
-def generated_reply(req: GpuTurn, fin: Finished | None, *, model: str, cancelled: bool,
-                    due: SnapshotDue | None = None) -> Generated:
+def generated_reply(req: GpuTurn, fin: Finished | None, *, model: str, cancelled: bool) -> Generated:
     """The ``Generated`` reply of a turn that left the GPU (``fin``: its engine result; None if it had none;
-    ``model``: the loaded model's name; ``due``: the host copy of its cache the GPU actor owes, when the
-    engine left it for later)."""
+    ``model``: the loaded model's name)."""
     submitted = req.msg.submitted_at
     admitted = req.admitted_at if req.admitted_at is not None else time.perf_counter()
     first, last = req.first_token_at, req.last_token_at
@@ -78,7 +76,6 @@ def generated_reply(req: GpuTurn, fin: Finished | None, *, model: str, cancelled
             decode_tps=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
         ),
         parked=fin.parked if fin is not None else None,
-        snapshot=due if due is not None else fin.snapshot if fin is not None else None,
         stop_sequence=fin.stop_sequence if fin is not None and not cancelled else None,
         content=(fin.reply if fin.content is None else fin.content) if fin is not None else "",
         tool_calls=fin.tool_calls if fin is not None else (),

@@ -25,7 +25,7 @@ import msgspec
 import trio
 
 from actors.messages_common import ChatMessage, Failed, Message, ParkedView, TurnUsage
-from actors.messages_store import SnapshotDue
+from actors.messages_store import Flush, Forget, ListAgents, MeasureUsage
 from runtime.plan.engine import ModelInfo
 from runtime.plan.sampling import SamplingOptions
 from runtime.plan.tools import ToolCall, ToolChoice
@@ -143,8 +143,7 @@ class Generated(Message, frozen=True, kw_only=True):
         queue_wait_s: submission to admission (agent queue, cache fetch, memory wait).
         ttft_s: submission to the first token.
         parked: the updated cache (None when nothing new was computed or a
-            sliding window could not be kept); ``snapshot`` is its numpy copy
-            for the write-behind save, or the copy the GPU actor owes (:class:`SnapshotDue`).
+            sliding window could not be kept): the agent's hot cache now, held by the GPU actor.
         model: the name of the model that generated it.
     """
 
@@ -154,7 +153,6 @@ class Generated(Message, frozen=True, kw_only=True):
     finish_reason: str
     usage: TurnUsage
     parked: ParkedView | None
-    snapshot: CacheSnapshot | SnapshotDue | None
     stop_sequence: str | None = None
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
@@ -245,4 +243,6 @@ class Prepare(Message, frozen=True, kw_only=True):
     reply: trio.MemorySendChannel[PrepareReply]
 
 
-GpuInbox = CountTokens | Generate | Prepare
+GpuInbox = CountTokens | Generate | Prepare | Forget | Flush | ListAgents | MeasureUsage
+"""The GPU actor's mailbox: its own requests, and the questions about every cache it answers with the store
+(:mod:`actors.gpu_caches`)."""

@@ -1,19 +1,23 @@
-"""The cache store's mailbox (:data:`StoreInbox`).
+"""The cache store's mailbox (:data:`StoreInbox`): every message comes from the GPU actor.
 
-Requests and their replies::
+The store holds what is not in device memory: host copies queued for their write, the cache
+directory, the shared tier. The GPU actor holds the hot caches (:mod:`actors.gpu_caches`) and
+asks the store only for what it lacks. Requests and their replies::
 
-    CheckOut(agent_id, model_tag)     -> CheckedOut(own)      a turn begins: the agent's own cache (hot, or read from disk)
-    CheckIn(agent_id, cache)          (no reply: the turn is over; its new cache, if any, is saved write-behind)
-    CheckIn(..., saved=channel)       -> Saved | Failed       the same, answered once this cache is on disk
+    Load(agent_id, model_tag)         -> Loaded(own)          the GPU actor holds no hot cache of it: the store's
+                                                              copy (queued for its write, read ahead, or on disk);
+                                                              with a shared tier, every turn (the agent's lease)
+    Save(agent_id, cache)             (no reply: the cache's host copy, written behind)
+    Save(..., saved=channel)          -> answer | Failed      the same, answered once this cache is on disk
+    ReadBlocks(agent_id, token_ids)   -> BlocksRead(layers)   a prompt's first whole blocks from the tenant's disk
+    Evict(model_tag)                  -> Evicted(written)     write the model's queued copies now (a model swap)
 
-A turn visits the store twice: one :class:`CheckOut` when it begins and one
-:class:`CheckIn` when it ends (with a shared tier, the agent's cluster lease is held in between).
+and, forwarded by the GPU actor with what it holds in RAM (the runtime and the agents send them there):
+
     Forget(agent_id)                  -> Forgotten(existed)   every model's cache of the agent
-    Evict(model_tag)                  -> Evicted(written)     flush dirty caches of a model, drop its hot caches
-    Flush()                           -> Flushed(written)     write every dirty cache now
+    Flush()                           -> Flushed(written)     write every queued copy now
     ListAgents(agent_id | None, tenant) -> AgentsListed(agents) hot and on-disk caches (of one agent, or a tenant's)
     MeasureUsage(tenant)              -> Used(agent_dirs, disk_bytes)   what a tenant holds (its limits)
-    ReadBlocks(agent_id, token_ids)   -> BlocksRead(layers)   a prompt's first whole blocks from the tenant's disk
 
 The GPU actor sends :class:`ReadBlocks` for a turn whose plan reuses less of its prompt than whole
 blocks stored on disk might (a sibling after a restart, a return to an earlier branch): one more
@@ -25,25 +29,22 @@ model B never replaces the agent's model-A cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import trio
 
 import msgspec
 
-from actors.messages_common import Failed, ParkedView, Message
+from actors.messages_common import Failed, Message
 from runtime.plan.turn_plan import OwnCache
-from runtime.plan.hot_tier import HotDonor
 from runtime.spec import CacheSnapshot, LayerKind, LayerSnapshot
 
 __all__ = [
-    "CheckOut",
-    "CheckedOut",
-    "CheckIn",
+    "Load",
+    "Loaded",
+    "Save",
     "NewCache",
-    "SnapshotDue",
-    "SnapshotLost",
+    "HotCache",
     "Forget",
     "Evict",
     "Flush",
@@ -62,23 +63,25 @@ __all__ = [
     "ReadBlocks",
     "BlocksRead",
     "StoreInbox",
-    "CheckOutReply",
+    "LoadReply",
     "ForgetReply",
     "EvictReply",
     "FlushReply",
 ]
 
 
-class CheckedOut(Message, frozen=True, kw_only=True):
-    """The agent's own cache its turn may start from (its disk cache read first when it had no hot one).
+class Loaded(Message, frozen=True, kw_only=True):
+    """Reply to :class:`Load`: the agent's cache the store holds, for its turn to start from.
 
-    ``own`` None: the agent has no cache of that model (or its disk cache could not be read: a logged
-    miss). ``donors``: for a turn that shares prefixes, the other sharing agents' hot caches of its
-    tenant and model, which it may start from instead (:meth:`runtime.plan.hot_tier.HotTier.donors`).
+    ``own`` None: the store has none of that model (or its disk cache could not be read: a logged
+    miss), or the GPU actor's hot cache stands (a lease asked for with ``hot``). ``stale``: another
+    node served the agent since (the shared tier): the GPU actor's hot cache is older than ``own``.
+    ``forgotten``: the agent was forgotten on another node: every hot cache of it goes.
     """
 
     own: OwnCache | None
-    donors: tuple[HotDonor, ...] = ()
+    stale: bool = False
+    forgotten: bool = False
 
 
 class Forgotten(Message, frozen=True, kw_only=True):
@@ -100,7 +103,8 @@ class Flushed(Message, frozen=True, kw_only=True):
 
 
 class Saved(Message, frozen=True, kw_only=True):
-    """Reply to a :class:`CheckIn` that asked for it: the cache (or a newer one of the agent) is on disk."""
+    """Reply to a :class:`Save` that asked for it without an answer: the cache (or a newer one of the agent) is
+    on disk."""
 
 
 class AgentRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -152,7 +156,7 @@ class BlocksRead(Message, frozen=True, kw_only=True):
     layers: tuple[LayerSnapshot, ...]
 
 
-CheckOutReply = CheckedOut | Failed
+LoadReply = Loaded | Failed
 ForgetReply = Forgotten | Failed
 EvictReply = Evicted | Failed
 FlushReply = Flushed | Failed
@@ -161,20 +165,23 @@ UsageReply = Used | Failed
 SaveReply = Saved | Failed
 
 
-class CheckOut(Message, frozen=True, kw_only=True):
-    """A turn of ``agent_id`` on ``model_tag`` begins: find the agent's own cache.
+class Load(Message, frozen=True, kw_only=True):
+    """A turn of ``agent_id`` on ``model_tag`` begins, and the GPU actor needs the store for it.
 
-    Its hot cache, else its disk cache (with a shared tier: pulled from Redis first when
-    another node published a newer one). A disk cache that cannot be read is a logged
-    miss; only a bad agent id fails, and, with a shared tier, an agent whose lease another
-    node holds (``AgentBusy``, after a short wait). Every CheckOut is followed by one
-    :class:`CheckIn`.
+    It holds no hot cache of it (``hot`` False): the store's copy, one queued for its write, else
+    one read ahead at start, else the one on disk (with a shared tier: pulled from Redis first when
+    another node published a newer one). A disk cache that cannot be read is a logged miss. With a
+    shared tier every turn loads, hot or not (``hot``: the GPU actor holds one; ``unsaved``: newer
+    than any the store has): the store takes the agent's cluster lease first and answers
+    ``Failed(kind="AgentBusy")`` while another node holds it (after a short wait), and the turn's
+    :class:`Save` (with ``ends_turn``) gives it back. Only a bad agent id fails otherwise.
     """
 
     agent_id: str
     model_tag: str
-    reply: trio.MemorySendChannel[CheckOutReply]
-    share_prefix: bool = False
+    reply: trio.MemorySendChannel[LoadReply]
+    hot: bool = False
+    unsaved: bool = False
 
 
 class ReadBlocks(Message, frozen=True, kw_only=True):
@@ -189,103 +196,55 @@ class ReadBlocks(Message, frozen=True, kw_only=True):
     model_tag: str
     token_ids: tuple[int, ...]
     layer_kinds: tuple[LayerKind, ...]
-    reply: trio.MemorySendChannel[BlocksRead]
-
-
-class SnapshotLost(Exception):
-    """A :class:`SnapshotDue` the GPU actor could not make (its job failed, or it stopped without it)."""
-
-
-class SnapshotDue:
-    """A finished turn's host copy for its save, owed by the GPU actor (``BackendProfile.copy_after_turn``).
-
-    The GPU actor makes it after the turn, when it has nothing to run or once it is wanted
-    or overdue, never between two decode steps of a busy batch (:mod:`actors.gpu`). The
-    store waits for it when it writes: :meth:`want` asks for it now (a durable turn, a
-    flush, shutdown), :meth:`drop` says no save needs it any more (a newer cache of the
-    same agent superseded it), so it is never made.
-    """
-
-    def __init__(self, on_wanted: Callable[[], None] | None = None) -> None:
-        self._settled = trio.Event()
-        self._snapshot: CacheSnapshot | None = None
-        self._error: str | None = None
-        self._on_wanted = on_wanted  # wakes the GPU actor if it is waiting for work
-        self.wanted = False
-        self.dropped = False
-
-    def want(self) -> None:
-        if not self.wanted and not self._settled.is_set():
-            self.wanted = True
-            if self._on_wanted is not None:
-                self._on_wanted()
-
-    def drop(self) -> None:
-        self.dropped = True
-        self._settled.set()
-
-    def made(self, snapshot: CacheSnapshot) -> None:
-        if not self._settled.is_set():
-            self._snapshot = snapshot
-            self._settled.set()
-
-    def failed(self, error: str) -> None:
-        if not self._settled.is_set():
-            self._error = error
-            self._settled.set()
-
-    async def wait(self) -> CacheSnapshot | None:
-        """The copy, once made; None when it was dropped.
-
-        Raises:
-            SnapshotLost: the GPU actor could not make it.
-        """
-        await self._settled.wait()
-        if self._error is not None:
-            raise SnapshotLost(self._error)
-        return self._snapshot
+    reply: trio.MemorySendChannel[BlocksRead | Failed]  # Failed: the store stopped
 
 
 class NewCache(msgspec.Struct, frozen=True, kw_only=True):
-    """A turn's updated cache; ``snapshot`` is its numpy copy for the write-behind save (or the copy owed).
+    """A turn's updated cache as the store keeps it: its host copy (numpy) and its full blocks' hash-chain ids
+    (computed once, by the GPU actor, for its hot tier's accounting and for the save)."""
 
-    Attributes:
-        block_bytes: at-rest bytes of one 256-token block of this model (hot-tier accounting).
-        share_prefix: whether other agents may start from this cache's prefix.
-    """
-
-    parked: ParkedView
-    snapshot: CacheSnapshot | SnapshotDue
-    block_bytes: int
-    share_prefix: bool
+    snapshot: CacheSnapshot
+    block_hashes: tuple[str, ...]
 
 
-class CheckIn(Message, frozen=True, kw_only=True):
-    """The turn :class:`CheckOut` began is over (done or failed), with its new cache, if any.
+class Save(Message, frozen=True, kw_only=True):
+    """A turn's new cache, written behind (a newer cache of the same agent and model supersedes an unwritten one).
 
-    The cache becomes the agent's hot cache and is saved write-behind. ``saved``: when
-    set, answered once this cache is on disk (fsynced unless ``fsync`` is off) with
+    ``saved``: when set, answered once this cache is on disk (fsynced unless ``fsync`` is off) with
     ``answer`` (a durable turn's own reply, which the store sends its agent then; None:
-    :class:`Saved`), or with ``Failed(kind="NotSaved")`` when its save failed. With a
-    shared tier the store then gives the agent's cluster lease back, once the turn's
-    cache is published.
+    :class:`Saved`), or with ``Failed(kind="NotSaved")`` when its save failed. ``ends_turn``: the turn
+    its :class:`Load` began at the store (a shared tier's lease) is over; ``cache`` None: a turn that
+    ended with nothing new to save, or whose copy was superseded.
     """
 
     agent_id: str
     cache: NewCache | None = None
+    ends_turn: bool = False
     saved: trio.MemorySendChannel[Any] | None = None
     answer: msgspec.Struct | None = None
 
 
+class HotCache(msgspec.Struct, frozen=True, kw_only=True):
+    """A cache the GPU actor holds in RAM, as a listing shows it (``unsaved``: the store has no copy of it yet)."""
+
+    agent_id: str
+    model_tag: str
+    num_tokens: int
+    unsaved: bool
+
+
 class Forget(Message, frozen=True, kw_only=True):
-    """Delete every cache of the agent (each model's), hot and on disk."""
+    """Delete every cache of the agent (each model's), hot and on disk: sent to the GPU actor, which drops its
+    hot ones and forwards it (``had_hot``: it had one)."""
 
     agent_id: str
     reply: trio.MemorySendChannel[ForgetReply]
+    had_hot: bool = False
 
 
 class Evict(Message, frozen=True, kw_only=True):
-    """Before a model swap or unload: write ``model_tag``'s dirty caches to disk, then drop its hot caches.
+    """Before a model swap or unload: write ``model_tag``'s queued copies to disk (the GPU actor dropped its hot
+    caches of it, having sent every copy it owed).
 
     The agents' caches of that model stay on disk and load again (warm) when it returns.
     """
@@ -295,7 +254,8 @@ class Evict(Message, frozen=True, kw_only=True):
 
 
 class Flush(Message, frozen=True, kw_only=True):
-    """Write every dirty hot cache to disk now (``Runtime.flush``, e.g. at the end of each scenario phase)."""
+    """Write every cache not yet on disk now (``Runtime.flush``, e.g. at the end of each scenario phase): sent
+    to the GPU actor, which hands over the copies it owes first, then forwards it."""
 
     reply: trio.MemorySendChannel[FlushReply]
 
@@ -311,6 +271,7 @@ class ListAgents(Message, frozen=True, kw_only=True):
     agent_id: str | None
     reply: trio.MemorySendChannel[ListReply]
     tenant: str | None = None  # ignored when agent_id is given (its own tenant)
+    hot: tuple[HotCache, ...] = ()  # the GPU actor's, most recently used first (it forwards the listing)
 
 
 class MeasureUsage(Message, frozen=True, kw_only=True):
@@ -318,6 +279,7 @@ class MeasureUsage(Message, frozen=True, kw_only=True):
 
     tenant: str
     reply: trio.MemorySendChannel[UsageReply]
+    in_ram: frozenset[str] = frozenset()  # the agents with a hot cache (the GPU actor forwards the question)
 
 
-StoreInbox = CheckOut | CheckIn | Forget | Evict | Flush | ListAgents | MeasureUsage | ReadBlocks
+StoreInbox = Load | Save | Forget | Evict | Flush | ListAgents | MeasureUsage | ReadBlocks

@@ -132,7 +132,6 @@ class Runtime:
         gpu: GPUActor,
         store: CacheStoreActor,
         gpu_mailbox: trio.MemorySendChannel[GpuInbox],
-        store_mailbox: trio.MemorySendChannel[StoreInbox],
         agents_nursery: trio.Nursery,
         metrics: RuntimeMetrics,
         idle_timeout_s: float,
@@ -141,7 +140,6 @@ class Runtime:
         self._gpu = gpu
         self._store = store
         self._gpu_mailbox = gpu_mailbox
-        self._store_mailbox = store_mailbox
         self._agents_nursery = agents_nursery
         self._metrics = metrics
         self._idle_timeout_s = idle_timeout_s
@@ -179,7 +177,7 @@ class Runtime:
             agents=len(self._agents),
             metrics=self._metrics.snapshot(),
             gpu=self._gpu.statistics(),
-            store=self._store.statistics(),
+            store=self._store.statistics(self._gpu.hot_stats(), owed=self._gpu.owed_copies()),
             registry=self._gpu.model_statistics(),
         )
 
@@ -193,7 +191,7 @@ class Runtime:
 
     def hot_caches(self) -> list[HotCacheBytes]:
         """Each cache in the hot tier (one per agent and model) and the RAM it holds, least recently used first."""
-        return [HotCacheBytes.of(entry.agent_id, entry.parked) for entry in self._store.hot_entries()]
+        return [HotCacheBytes.of(entry.agent_id, entry.parked) for entry in self._gpu.hot_entries()]
 
     def last_turn(self, agent_id: str) -> TurnRecord | None:
         """The agent's last turn since the runtime opened (None: none yet, or forgotten since)."""
@@ -210,7 +208,7 @@ class Runtime:
 
     async def flush(self) -> int:
         """Write every dirty hot cache to disk now; returns how many were written."""
-        reply: FlushReply = await ask(self._store_mailbox, lambda r: Flush(reply=r))
+        reply: FlushReply = await ask(self._gpu_mailbox, lambda r: Flush(reply=r))
         if isinstance(reply, Failed):
             raise_failed(reply)
         return reply.written
@@ -224,7 +222,7 @@ class Runtime:
         """
         if self._closed:
             raise TurnFailedError("Closed", "the runtime is closed")
-        reply: ListReply = await ask(self._store_mailbox,
+        reply: ListReply = await ask(self._gpu_mailbox,
                                      lambda r: ListAgents(agent_id=agent_id, tenant=tenant, reply=r))
         if isinstance(reply, Failed):
             raise_failed(reply)
@@ -234,7 +232,7 @@ class Runtime:
         """What ``tenant`` holds: its agents (with a cache or a running actor) as folder names, its disk bytes."""
         if self._closed:
             raise TurnFailedError("Closed", "the runtime is closed")
-        reply: UsageReply = await ask(self._store_mailbox, lambda r: MeasureUsage(tenant=tenant, reply=r))
+        reply: UsageReply = await ask(self._gpu_mailbox, lambda r: MeasureUsage(tenant=tenant, reply=r))
         if isinstance(reply, Failed):
             raise_failed(reply)
         live = {safe_agent_dirname(local_id(a)) for a in self._agents if tenant_of(a) == tenant}
@@ -318,7 +316,6 @@ class Runtime:
                 agent_id,
                 receive,
                 gpu=self._gpu_mailbox.clone(),
-                store=self._store_mailbox.clone(),
                 metrics=self._metrics,
                 idle_timeout_s=self._idle_timeout_s,
                 retire=self._retire,
@@ -506,7 +503,7 @@ async def _owned_runtime(
     hot_mb = profile_setting("hot_budget_mb", config.hot_budget_mb, engine.profile)
     hot = HotTier(hot_budget_bytes=int(hot_mb * 2**20))
     events: deque[GpuEvent] | None = deque(maxlen=100_000) if trace else None  # one log, the actors' work in order
-    store = CacheStoreActor(store_receive, directory=directory, hot=hot, remote=remote,
+    store = CacheStoreActor(store_receive, directory=directory, remote=remote,
                             prefetch_bytes=int(config.prefetch_mb * 2**20), events=events)
     gpu = GPUActor(
         gpu_receive,
@@ -517,7 +514,9 @@ async def _owned_runtime(
         prefill_chunk=config.prefill_chunk,
         decode_run_steps=int(profile_setting("decode_run_steps", config.decode_run_steps, engine.profile)),
         events=events,
-        store=store_send.clone(),
+        store=store_send.clone(),  # the store's one sender (with this function's, closed first)
+        hot=hot,
+        leases=remote is not None,
         default_model=config.model,
         models=config.models,
         idle_unload_s=config.model_idle_s,
@@ -527,45 +526,47 @@ async def _owned_runtime(
     watcher_scope = trio.CancelScope()
     try:
         async with trio.open_nursery() as nursery:
-            if handle_signals and threading.current_thread() is threading.main_thread():
-                cancel_runtime = nursery.cancel_scope
+            try:
+                if handle_signals and threading.current_thread() is threading.main_thread():
+                    cancel_runtime = nursery.cancel_scope
 
-                def on_signal(signum: int) -> None:
-                    signals.signum = signum
-                    cancel_runtime.cancel()
+                    def on_signal(signum: int) -> None:
+                        signals.signum = signum
+                        cancel_runtime.cancel()
 
-                await nursery.start(partial(watch_signals, on_signal, stop=watcher_scope))
-            await nursery.start(store.run)
-            await nursery.start(gpu.run)
-            if preload and store.prefetch is not None:  # the newest caches ready before anyone is served
-                await store.prefetch.prepare(restorer(gpu_send))
-            async with trio.open_nursery() as agents_nursery:
-                rt = Runtime(
-                    gpu=gpu,
-                    store=store,
-                    gpu_mailbox=gpu_send,
-                    store_mailbox=store_send,
-                    agents_nursery=agents_nursery,
-                    metrics=metrics,
-                    idle_timeout_s=config.idle_timeout_s,
-                    durable=config.durable,
-                )
-                control_scope = trio.CancelScope()
+                    await nursery.start(partial(watch_signals, on_signal, stop=watcher_scope))
+                await nursery.start(store.run)
+                await nursery.start(gpu.run)
+                if preload and store.prefetch is not None:  # the newest caches ready before anyone is served
+                    await store.prefetch.prepare(restorer(gpu_send))
+                async with trio.open_nursery() as agents_nursery:
+                    rt = Runtime(
+                        gpu=gpu,
+                        store=store,
+                        gpu_mailbox=gpu_send,
+                        agents_nursery=agents_nursery,
+                        metrics=metrics,
+                        idle_timeout_s=config.idle_timeout_s,
+                        durable=config.durable,
+                    )
+                    control_scope = trio.CancelScope()
 
-                async def control(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-                    with control_scope:
-                        await serve_control(rt, lock, task_status=task_status)
+                    async def control(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                        with control_scope:
+                            await serve_control(rt, lock, task_status=task_status)
 
-                await nursery.start(control)  # other processes on this home forget and list through it
-                try:
-                    yield rt
-                finally:
-                    control_scope.cancel()
-                    rt._close()
-            # Agents are gone: stop the rest in reverse start order.
-            gpu_send.close()
-            store_send.close()
-            watcher_scope.cancel()
+                    await nursery.start(control)  # other processes on this home forget and list through it
+                    try:
+                        yield rt
+                    finally:
+                        control_scope.cancel()
+                        rt._close()
+                watcher_scope.cancel()
+            finally:
+                # Agents are gone (or the runtime was cancelled): stop the rest in reverse start order. The store
+                # takes the GPU actor's last saves until it closes its end too.
+                gpu_send.close()
+                store_send.close()
     except BaseExceptionGroup as group:
         # The caller's body runs inside our nurseries: give its error back unwrapped.
         only = single_exception(group)

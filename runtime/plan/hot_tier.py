@@ -1,19 +1,20 @@
-"""HotTier: every agent's latest parked cache in RAM, per model: the cache store's.
+"""HotTier: every agent's latest parked cache in RAM, per model: the GPU actor's.
 
 Plain Python like :mod:`runtime.plan.block_pool` (no trio, no mlx): the policy, while the
-cache store actor (:mod:`actors.cache_store`), its one owner, executes it. It holds the
-latest parked cache of every (agent, model), least recently used first, charged to a
+GPU actor (:mod:`actors.gpu_caches`), its one owner, executes it: parked caches are the
+model's memory, and the actor that runs the model holds them. It holds the latest parked
+cache of every (agent, model), least recently used first, charged to a
 :class:`runtime.plan.block_pool.BlockPool` per model. Full 256-token blocks are charged by
 content (their hash-chain ids), so agents whose caches begin with the same tokens pay for
-those blocks once. When a cache does not fit, least recently used caches that are already
-on disk are dropped (demoted to the warm tier); one that still does not fit stays until its
-save completes, and is then dropped.
+those blocks once. When a cache does not fit, least recently used caches whose host copy the
+cache store already holds (written, or queued for its write) are dropped (demoted: the next
+turn loads them from the store); one that still does not fit stays until its copy is handed to
+the store, and is then dropped.
 
-A turn's checkout (:meth:`HotTier.checkout`) gives the agent's own cache and, for an agent
-that shares prefixes, the other sharing agents' hot caches of its tenant and model
+A turn starts from the agent's own cache (:meth:`HotTier.checkout`) and, for an agent that
+shares prefixes, may start from the other sharing agents' hot caches of its tenant and model
 (:meth:`HotTier.donors`): the GPU actor's planner (:class:`runtime.plan.kv_manager.KVCacheManager`)
-plans against them. They are references to parked caches, which never change once parked:
-the planner reads them, only the store drops them from here.
+plans against them. They are references to parked caches, which never change once parked.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from typing import NamedTuple
 from runtime.errors import BudgetExceededError
 from runtime.identity import AgentKey, may_share, pool_key
 from runtime.plan.block_pool import BlockPool, PoolStats
-from runtime.plan.turn_plan import FromHot, FromWarm, OwnCache, ParkedView, Tier
-from runtime.spec import CacheSnapshot
+from runtime.plan.turn_plan import FromHot, OwnCache, ParkedView
 
 __all__ = ["HotTier", "HotEntry", "HotDonor", "HotTierStats"]
 
@@ -35,16 +35,16 @@ __all__ = ["HotTier", "HotEntry", "HotDonor", "HotTierStats"]
 class HotEntry:
     """One agent's parked cache for one model, in RAM.
 
-    ``on_disk``: the warm tier holds this very cache (it may be dropped from RAM).
-    ``accounted``: it is charged to its model's block pool (False: over budget,
-    dropped once saved).
+    ``stored``: the cache store holds this very cache's host copy, written or queued for its
+    write (it may be dropped from RAM). ``accounted``: it is charged to its model's block
+    pool (False: over budget, dropped once stored).
     """
 
     agent_id: str
     model_tag: str
     parked: ParkedView
     share_prefix: bool
-    on_disk: bool = False
+    stored: bool = False
     accounted: bool = False
 
     @property
@@ -83,28 +83,20 @@ class HotTier:
         self._pools: dict[str, BlockPool] = {}
         self._demotions = 0
 
-    def needs_disk(self, agent_id: str, model_tag: str) -> bool:
-        """Whether the agent's disk cache must be read before its turn (it has no hot cache)."""
-        return AgentKey(agent_id, model_tag) not in self._entries
+    def holds(self, agent_id: str, model_tag: str) -> bool:
+        """Whether the agent has a hot cache of that model (else its turn asks the store for one)."""
+        return AgentKey(agent_id, model_tag) in self._entries
 
-    def checkout(
-        self, agent_id: str, model_tag: str, *, warm: CacheSnapshot | None = None, warm_tier: Tier = "warm",
-        prepared: ParkedView | None = None,
-    ) -> OwnCache | None:
-        """The agent's own cache a turn starts from: its hot cache (now the most recently used), else ``warm``.
+    def checkout(self, agent_id: str, model_tag: str) -> OwnCache | None:
+        """The agent's hot cache a turn starts from (now the most recently used); None: it has none.
 
-        ``warm`` is its cache read from disk, when :meth:`needs_disk` said so (``warm_tier``
-        names where the disk got it: ``remote`` when it was just pulled from the shared tier;
-        ``prepared``: the same cache already restored at start). The turn holds the
-        returned cache, so dropping it from the hot tier meanwhile loses nothing.
+        The turn holds the returned cache, so dropping it from the hot tier meanwhile loses nothing.
         """
         entry = self._entries.get(AgentKey(agent_id, model_tag))
-        if entry is not None:
-            self._touch(entry)
-            return OwnCache(source=FromHot(parked=entry.parked), tier="hot")
-        if warm is not None and warm.model_tag == model_tag:
-            return OwnCache(source=FromWarm(snapshot=warm, prepared=prepared), tier=warm_tier)
-        return None
+        if entry is None:
+            return None
+        self._touch(entry)
+        return OwnCache(source=FromHot(parked=entry.parked), tier="hot")
 
     def donors(self, agent_id: str, model_tag: str) -> tuple[HotDonor, ...]:
         """The hot caches of ``model_tag`` that other agents of ``agent_id``'s tenant share (opted in)."""
@@ -121,10 +113,10 @@ class HotTier:
 
     def put(self, agent_id: str, parked: ParkedView, *, share_prefix: bool, block_bytes: int,
             block_hashes: Sequence[str]) -> list[HotEntry]:
-        """Make ``parked`` the agent's hot cache for its model (not yet on disk).
+        """Make ``parked`` the agent's hot cache for its model (the store holds no copy of it yet).
 
         ``block_hashes`` are its full blocks' hash-chain ids. Returns the caches
-        dropped from RAM to make room (all already on disk).
+        dropped from RAM to make room (all held by the store).
         """
         key = AgentKey(agent_id, parked.model_tag)
         entry = self._entries.get(key)
@@ -132,16 +124,17 @@ class HotTier:
             entry = HotEntry(agent_id, parked.model_tag, parked, share_prefix)
         else:
             self._unaccount(entry)
-            entry.parked, entry.share_prefix, entry.on_disk = parked, share_prefix, False
+            entry.parked, entry.share_prefix, entry.stored = parked, share_prefix, False
         self._touch(entry)
         return self._account(entry, block_bytes, block_hashes)
 
-    def saved(self, agent_id: str, parked: ParkedView) -> bool:
-        """``parked`` is on disk now. Returns True when it was dropped from RAM (it never fit the budget)."""
+    def stored(self, agent_id: str, parked: ParkedView) -> bool:
+        """The store holds ``parked``'s host copy now. Returns True when it was dropped from RAM (it never fit
+        the budget)."""
         entry = self._entries.get(AgentKey(agent_id, parked.model_tag))
         if entry is None or entry.parked is not parked:
             return False  # replaced or forgotten meanwhile
-        entry.on_disk = True
+        entry.stored = True
         if not entry.accounted:
             self._demote(entry)
             return True
@@ -201,9 +194,9 @@ class HotTier:
             except BudgetExceededError:
                 pool.release(entry.agent_id)
             victim = next((e for e in self._entries.values()
-                           if e is not entry and e.on_disk and e.model_tag == entry.model_tag), None)
+                           if e is not entry and e.stored and e.model_tag == entry.model_tag), None)
             if victim is None:
-                entry.accounted = False  # dropped as soon as its save completes
+                entry.accounted = False  # dropped as soon as the store holds it
                 return demoted
             self._demote(victim)
             demoted.append(victim)

@@ -453,6 +453,7 @@ async def test_a_default_model_that_does_not_load_fails_open_runtime(tmp_path):
 
 
 async def test_a_turn_hashes_its_blocks_once_for_the_hot_tier_and_the_save(tmp_path, monkeypatch):
+    import actors.gpu_caches as gpu_caches_module
     import runtime.persist.directory as directory_module
     import runtime.persist.save as save_module
 
@@ -463,6 +464,7 @@ async def test_a_turn_hashes_its_blocks_once_for_the_hot_tier_and_the_save(tmp_p
         calls.append(len(token_ids))
         return real(model_tag, token_ids)
 
+    monkeypatch.setattr(gpu_caches_module, "block_chain_hashes", counting)  # the GPU actor's, for its hot tier
     monkeypatch.setattr(directory_module, "block_chain_hashes", counting)
     monkeypatch.setattr(save_module, "block_chain_hashes", counting)
     async with _open(tmp_path) as rt:
@@ -553,10 +555,12 @@ def test_the_cli_progress_line_is_erased_before_the_reply():
     assert "\r[a] prefill [######------------------] 1,024/4,096 tokens" in err and err.endswith("\r\033[K")
 
 
-async def test_each_turn_visits_the_gpu_actor_once_and_the_store_once_each_way(tmp_path, monkeypatch):
-    """One Generate, whose GPU actor checks the agent's cache out, renders, plans, generates and checks the
-    new cache in: the store sees one CheckOut and one CheckIn, for a turn that fails at its template too
-    (the failure is the Generate's reply, after the check-in)."""
+async def test_each_turn_visits_the_gpu_actor_once_and_the_store_once_a_hot_one_for_its_save_alone(
+        tmp_path, monkeypatch):
+    """One Generate, whose GPU actor takes the agent's cache (from the store while it holds none of it),
+    renders, plans, generates and hands the new cache's copy to the store: a first turn Loads and Saves, a
+    hot turn only Saves, and a turn that fails at its template has nothing to save (the failure is the
+    Generate's reply)."""
     from actors.cache_store import CacheStoreActor
     from actors.gpu import GPUActor
 
@@ -574,16 +578,16 @@ async def test_each_turn_visits_the_gpu_actor_once_and_the_store_once_each_way(t
         agent = rt.agent("walker")
         seen.clear()
         await agent.send(_user("hello"), max_tokens=4)
-        assert seen == ["Generate", "CheckOut", "CheckIn"]
+        assert seen == ["Generate", "Load", "Save"]
         seen.clear()
-        await agent.send(_user("hello"), max_tokens=4)  # hot now: the same walk
-        assert seen == ["Generate", "CheckOut", "CheckIn"]
+        await agent.send(_user("hello"), max_tokens=4)  # hot now: the GPU actor holds it
+        assert seen == ["Generate", "Save"]
 
         seen.clear()
         monkeypatch.setattr(engine, "render", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad template")))
         with pytest.raises(Exception, match="bad template"):
             await agent.send(_user("again"), max_tokens=4)
-        assert seen == ["Generate", "CheckOut", "CheckIn"]
+        assert seen == ["Generate"]
         assert (await agent.send_prompt("raw text", max_tokens=2)).reply  # the agent goes on
 
 

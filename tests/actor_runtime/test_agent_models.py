@@ -3,9 +3,9 @@
 The same agent switches back and forth between two models, through the actor
 runtime (the fake engine, then real MLX tiny models), across a restart; each
 model resumes its own cache (``usage.tier`` / ``usage.tokens_reused``) and
-never the other's. The cache store's hot tier is checked on its own too: the
-registry drops a model's hot caches when it swaps, so only the store shows an
-A→B→A agent coming back hot.
+never the other's. The hot tier (the GPU actor's :class:`actors.gpu_caches.AgentCaches`) is
+checked on its own too, with the store behind it: the GPU actor drops a model's hot caches when
+it swaps, so only this shows an A→B→A agent coming back hot.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from conftest import models_dir
 
 from actors import open_runtime
 from actors.cache_store import CacheStoreActor
+from actors.gpu_caches import AgentCaches
 from fake_engine import FAKE_TOKEN_BYTES, FakeEngine, FakeParked
 from actors.mailbox import ask
 from actors.messages_agent import TurnResult
@@ -25,9 +26,7 @@ from actors.messages_store import (
     Forget,
     Forgotten,
     ListAgents,
-    CheckIn,
-    CheckOut,
-    NewCache,
+    Load,
     StoreInbox,
 )
 from runtime.plan.hot_tier import HotTier
@@ -101,57 +100,52 @@ def _parked(tag: str, text: str) -> FakeParked:
     return FakeParked(tag, text, tuple(ord(c) for c in text), tuple(range(1, len(text) + 1)))
 
 
-def _check_out(agent_id: str, tag: str, reply) -> CheckOut:
-    return CheckOut(agent_id=agent_id, model_tag=tag, reply=reply)
-
-
-def _put(agent_id: str, parked: FakeParked) -> CheckIn:
-    return CheckIn(agent_id=agent_id, cache=NewCache(
-        parked=parked,
-        snapshot=parked.to_snapshot(),
-        block_bytes=BLOCK_TOKENS * FAKE_TOKEN_BYTES,
-        share_prefix=False,
-    ))
+def _keep(caches: AgentCaches, agent_id: str, parked: FakeParked) -> None:
+    """A turn's end as the GPU actor carries it out: the new cache hot, its copy to the store."""
+    caches.keep(1, agent_id, parked, parked.to_snapshot(), block_bytes=BLOCK_TOKENS * FAKE_TOKEN_BYTES,
+                share_prefix=False, leased=False, now=0.0)
 
 
 async def test_the_hot_tier_keeps_one_cache_per_agent_and_model(tmp_path: Path) -> None:
     directory = CacheDirectory(tmp_path / "caches", fsync=False)
     a, b = _parked(TAG_A, "on model a"), _parked(TAG_B, "on model b, longer")
     send, receive = trio.open_memory_channel[StoreInbox](0)
-    store = CacheStoreActor(receive, directory=directory, hot=HotTier(hot_budget_bytes=1 << 20))
+    store = CacheStoreActor(receive, directory=directory)
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         async with send:
-            await send.send(_put("x", a))
-            await send.send(_put("x", b))  # A → B: A's hot cache stays
+            caches = AgentCaches(send, HotTier(hot_budget_bytes=1 << 20))
+            caches.start(nursery)
+            _keep(caches, "x", a)
+            _keep(caches, "x", b)  # A → B: A's hot cache stays
             for tag, parked in ((TAG_A, a), (TAG_B, b)):
-                hit = await ask(send, lambda r, tag=tag: _check_out("x", tag, r))
-                assert hit.own.tier == "hot" and hit.own.source.parked is parked
-            assert store.statistics().hot_agents == 2
-            listed = await ask(send, lambda r: ListAgents(agent_id="x", reply=r))
+                hit = await caches.check_out("x", tag, share_prefix=False)
+                assert hit.own.tier == "hot" and hit.own.source.parked is parked and not hit.leased
+            assert caches.hot_stats().hot_agents == 2
+            listed = await ask(send, lambda r: ListAgents(agent_id="x", reply=r, hot=caches.listing()))
             assert isinstance(listed, AgentsListed)
             assert [(r.model_tag, r.num_tokens, r.hot) for r in listed.agents] == [
                 (TAG_B, b.num_tokens, True),  # used last
                 (TAG_A, a.num_tokens, True),
             ]
-            forgotten = await ask(send, lambda r: Forget(agent_id="x", reply=r))
+            forgotten = await ask(send, lambda r: Forget(agent_id="x", reply=r, had_hot=caches.forget_here("x")))
             assert isinstance(forgotten, Forgotten) and forgotten.existed
             for tag in (TAG_A, TAG_B):
-                miss = await ask(send, lambda r, tag=tag: _check_out("x", tag, r))
+                miss = await caches.check_out("x", tag, share_prefix=False)  # the store's Load: nothing
                 assert miss.own is None
-            assert store.statistics().hot_agents == 0
+            assert caches.hot_stats().hot_agents == 0
     assert directory.list_agents() == []
 
     # On disk, a new store (a restart) loads each model's cache from its own file.
     directory.save("x", a.to_snapshot())
     directory.save("x", b.to_snapshot())
     send, receive = trio.open_memory_channel[StoreInbox](0)
-    store = CacheStoreActor(receive, directory=directory, hot=HotTier(hot_budget_bytes=1 << 20))
+    store = CacheStoreActor(receive, directory=directory)
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         async with send:
             for tag, parked in ((TAG_A, a), (TAG_B, b)):
-                warm = await ask(send, lambda r, tag=tag: _check_out("x", tag, r))
+                warm = await ask(send, lambda r, tag=tag: Load(agent_id="x", model_tag=tag, reply=r))
                 assert warm.own.tier == "warm" and warm.own.source.snapshot.text == parked.text
 
 

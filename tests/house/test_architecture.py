@@ -64,4 +64,5 @@ def test_the_places_a_decision_moved_out_of_no_longer_make_it() -> None:
     sequence = (ROOT / "runtime/execution/sequence.py").read_text()
     assert "match_prefix" not in sequence  # the one matcher is runtime/plan/kv_manager.py's own_plan
     agent = (ROOT / "actors/agent.py").read_text()
-    assert "Render(" not in agent and len(re.findall(r"ask\(\s*self\._gpu", agent)) == 1  # one GPU request a turn
+    # One GPU request a turn, and one a forget (the GPU actor holds the hot caches, and forwards it to the store).
+    assert "Render(" not in agent and len(re.findall(r"ask\(\s*self\._gpu", agent)) == 2 and "self._store" not in agent

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from runtime.plan.turn_plan import ColdStart, FromHot, FromShared, FromWarm
+from runtime.plan.turn_plan import ColdStart, FromHot, FromShared, FromWarm, OwnCache
 from runtime.plan.hot_tier import HotTier
 from runtime.plan.kv_manager import KVCacheManager
 from runtime.spec import BLOCK_TOKENS, CacheSnapshot, LayerKind, LayerSnapshot
@@ -99,7 +99,7 @@ def test_a_prompt_that_extends_the_hot_cache_reuses_all_of_it():
     m = _manager()
     parked = Parked(TAG, "system: be brief\nuser: hi\nassistant: hello")
     _put(m, "a", parked)
-    assert not m.needs_disk("a", TAG)
+    assert m.holds("a", TAG)
     plan = m.plan("a", TAG, parked.text + "\nuser: more", share_prefix=True, own=m.checkout("a", TAG))
     assert (plan.tier, plan.match, plan.reuse_tokens, plan.reuse_chars) == ("hot", "extend", parked.num_tokens,
                                                                              len(parked.text))
@@ -118,13 +118,12 @@ def test_the_same_prompt_again_recomputes_the_last_token():
 
 def test_an_agent_without_a_hot_cache_is_planned_from_its_disk_cache():
     m = _manager()
-    assert m.needs_disk("a", TAG)
+    assert not m.holds("a", TAG) and m.checkout("a", TAG) is None
     warm = _snapshot("hello there")
-    plan = m.plan("a", TAG, "hello there, again", share_prefix=True, own=m.checkout("a", TAG, warm=warm))
+    own = OwnCache(source=FromWarm(snapshot=warm), tier="warm")  # what the store's Load gives
+    plan = m.plan("a", TAG, "hello there, again", share_prefix=True, own=own)
     assert (plan.tier, plan.reuse_tokens) == ("warm", len("hello there"))
     assert isinstance(plan.source, FromWarm) and plan.source.snapshot is warm
-    # Another model's file is never used.
-    assert m.plan("a", OTHER_TAG, "hello there, again", share_prefix=True, own=m.checkout("a", OTHER_TAG, warm=warm)).tier == "cold"
 
 
 def test_a_diverged_prompt_starts_cold_and_never_uses_another_models_cache():
@@ -312,21 +311,21 @@ def test_a_turn_that_does_not_share_neither_adopts_nor_is_wanted_as_donor():
     assert m.adopt(2) is None
 
 
-def test_over_budget_caches_drop_the_least_recently_used_saved_ones():
+def test_over_budget_caches_drop_the_least_recently_used_stored_ones():
     block = BLOCK_TOKENS * 4
     m = _manager(budget=2 * block)  # two blocks
     a, b, c = (Parked(TAG, ch * 100) for ch in "abc")
     assert _put(m, "a", a, block_bytes=block) == []
     assert _put(m, "b", b, block_bytes=block) == []
-    # c does not fit; a and b are not on disk yet: c stays over budget.
+    # c does not fit; the store holds no copy of a or b yet: c stays over budget.
     assert _put(m, "c", c, block_bytes=block) == []
     assert m.stats().over_budget == 1
-    assert not m.saved("a", Parked(TAG, "a" * 100))  # another object: a newer cache replaced it, or not this one
-    assert m.saved("a", a) is False and m.saved("b", b) is False  # on disk, still accounted
-    # c's save completes: it never fit, so it leaves RAM.
-    assert m.saved("c", c) is True
+    assert not m.stored("a", Parked(TAG, "a" * 100))  # another object: a newer cache replaced it, or not this one
+    assert m.stored("a", a) is False and m.stored("b", b) is False  # the store holds them, still accounted
+    # c's copy goes to the store: it never fit, so it leaves RAM.
+    assert m.stored("c", c) is True
     assert m.get("c", TAG) is None and m.stats().demotions == 1
-    # Touch a (a plan), then a new cache demotes b, the least recently used saved one.
+    # Touch a (a plan), then a new cache demotes b, the least recently used stored one.
     m.plan("a", TAG, "a" * 100 + "!", share_prefix=False, own=m.checkout("a", TAG))
     demoted = _put(m, "d", Parked(TAG, "d" * 100), block_bytes=block)
     assert [e.agent_id for e in demoted] == ["b"]
@@ -338,7 +337,7 @@ def test_forget_and_a_model_swap_drop_hot_caches():
     _put(m, "a", Parked(TAG, "x" * 10))
     _put(m, "a", Parked(OTHER_TAG, "y" * 10))
     _put(m, "b", Parked(TAG, "z" * 10))
-    assert m.forget("a") == 2 and m.needs_disk("a", TAG) and m.needs_disk("a", OTHER_TAG)
+    assert m.forget("a") == 2 and not m.holds("a", TAG) and not m.holds("a", OTHER_TAG)
     m.drop_model(TAG)
     assert m.entries() == [] and TAG not in m.stats().pools
 
