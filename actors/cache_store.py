@@ -98,7 +98,8 @@ __all__ = ["CacheStoreActor", "StoreStats"]
 
 log = logging.getLogger("kvmem.store")
 
-DRAIN_S = 90.0  # at shutdown, the longest the store waits for the GPU actor's last copies (it makes them for up to a minute)
+DRAIN_S = 90.0
+"""At shutdown, the longest the store waits for the GPU actor's last copies (it makes them for up to a minute)."""
 
 
 class StoreStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -668,7 +668,8 @@ class GPUActor:
                                                   leased=leased, donors=donors), need))
             self._ring()
         except Abandoned:
-            self._answer(msg, leased, Failed(kind="Cancelled", error="the client left before its prompt was tokenized"))
+            self._answer(msg, leased, Failed(kind="Cancelled",
+                                             error="the client left before its prompt was tokenized"))
         except Exception as exc:  # noqa: BLE001 - template, tokenizer or context errors go back to the agent
             self._answer(msg, leased, failed_from(exc))
         except BaseException:  # cancelled: the actor stops

@@ -5,16 +5,23 @@ Requests (:data:`GpuInbox`)::
     CountTokens(model, chat)  -> Counted(num_tokens) | Failed  (the Anthropic API's count_tokens)
     Generate(model, chat)     -> Generated(...)    | Failed    (+ text and tool calls on ``deltas``)
     Prepare(snapshot)         -> Prepared(parked)  | Failed    (a cache read at start, restored ahead)
+    Forget | Flush | ListAgents | MeasureUsage                 (forwarded to the store: actors.messages_store)
 
 The GPU actor holds the model: a request naming another configured model waits
 until the turns on the loaded one are done, then the actor swaps
-(:mod:`actors.model_slot`). A turn is one :class:`Generate`: the GPU actor checks
-the agent's own cache out of the store (:class:`actors.messages_store.CheckOut`),
-renders its messages, plans it against that cache with the cache manager
+(:mod:`actors.model_slot`). A turn is one :class:`Generate`: the GPU actor takes
+the agent's own cache from its hot tier (:mod:`actors.gpu_caches`; from the store,
+:class:`actors.messages_store.Load`, when it holds none), renders its messages, plans
+it against that cache with the cache manager
 (:meth:`runtime.plan.kv_manager.KVCacheManager.plan`: what is reused and from where:
-the agent's own cache, a prefix of another agent's, or none), generates, and checks
-the new cache back in (:class:`actors.messages_store.CheckIn`) before it answers. A
-template or tool error is its ``Failed`` reply, before anything reaches the client.
+the agent's own cache, a prefix of another agent's, or none), generates, and keeps
+the new cache hot, its host copy handed to the store (:class:`actors.messages_store.Save`)
+before it answers. A template or tool error is its ``Failed`` reply, before anything
+reaches the client.
+
+The runtime's questions about every cache (:class:`actors.messages_store.Forget`,
+``Flush``, ``ListAgents``, ``MeasureUsage``) come here too: the GPU actor adds what its hot
+tier holds and forwards them to the store, which answers.
 """
 
 from __future__ import annotations

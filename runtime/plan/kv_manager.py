@@ -5,12 +5,12 @@ GPU actor, its one owner, executes it. It holds
 
 * the **turns in flight**: their token ids, what they reused, and the prompt a running
   turn parked for others to start from (a *donor*);
-* for each, the other agents' hot caches it may start from, as the store gave them at its
-  checkout (:meth:`runtime.plan.hot_tier.HotTier.donors`: agents that opted in, of the same
+* for each, the other agents' hot caches it may start from, as the hot tier gave them when it
+  began (:meth:`runtime.plan.hot_tier.HotTier.donors`: agents that opted in, of the same
   tenant: a tenant's agents never start from another tenant's prefix, :mod:`runtime.identity`).
 
 and answers the question of every turn (:meth:`KVCacheManager.plan`): given this agent's
-cache (checked out of the store's :class:`runtime.plan.hot_tier.HotTier`) and this prompt,
+cache (its hot one, :class:`runtime.plan.hot_tier.HotTier`, else the store's copy) and this prompt,
 what is reused, from where, and what is prefilled. The answer, a
 :class:`runtime.plan.turn_plan.TurnPlan`, travels to the engine unchanged. A turn can still
 adopt a donor's tokens that cover more of its prompt before its first prefill chunk

@@ -275,7 +275,7 @@ async def test_a_durable_turn_on_an_idle_actor_does_not_wait_out_the_grace(tmp_p
     monkeypatch.setattr(save_queue, "COPY_IDLE_GRACE_S", 60.0)
     engine = FakeEngine(copy_after_turn=True)
     async with _open(tmp_path, engine) as rt:
-        with trio.fail_after(30):  # a durable turn's copy is wanted at once, even by an actor waiting for work (the grace is 60 s)
+        with trio.fail_after(30):  # a durable turn's copy is wanted at once, by an actor waiting for work too (grace: 60 s)
             result = await rt.agent("d").send_prompt("a durable turn", max_tokens=3, durable=True)
     assert _disk(tmp_path).load("d", model_tag=TAG).text == "a durable turn" + result.reply[:-1]
 

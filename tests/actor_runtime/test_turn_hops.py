@@ -124,7 +124,7 @@ CEILING = {  # per streaming turn of STEPS tokens, measured at this commit; lowe
     "cold": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 4},
     "hot": {"messages": 6, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 3},
     "warm": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 3},
-    "batched": {"messages": 9, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 4},
+    "batched": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 4},
 }
 
 

@@ -3,7 +3,7 @@ hot tier's caches.
 
 Pure Python (no trio, no mlx): caches here are plain objects with one token per
 character, so every expected number can be counted by hand. :class:`Wired` joins the
-store's hot tier and the GPU actor's planner as the actors do: a turn plans against what
+GPU actor's hot tier and its planner as the actor does: a turn plans against what
 its checkout gave (its own cache, and the other sharing agents' hot caches).
 """
 
@@ -53,7 +53,7 @@ def _snapshot(text: str, tag: str = TAG) -> CacheSnapshot:
 
 
 class Wired:
-    """The store's hot tier and the GPU actor's planner, joined as the actors join them: ``plan`` and ``begin``
+    """The GPU actor's hot tier and its planner, joined as the actor joins them: ``plan`` and ``begin``
     take the other sharing agents' hot caches a checkout gives, and ``put`` (a turn's check-in) tells the
     planner of a sharing agent's new cache, as the GPU actor does; the rest is either's own."""
 
