@@ -88,6 +88,7 @@ from runtime.plan.block_pool import PoolStats
 from runtime.plan.hot_tier import HotTierStats
 from runtime.persist import CacheDirectory
 from runtime.plan.save_queue import SaveQueue, WaitForLoads, WaitUntil, Write
+from runtime.persist.agents import AgentEntry
 from runtime.persist.tenants import TenantDirectories
 from runtime.spec import CacheSnapshot, LayerSnapshot
 
@@ -161,6 +162,8 @@ class CacheStoreActor:
         inbox: the store mailbox (:data:`actors.messages_store.StoreInbox`).
         directory: the warm tier (the tenants' subtrees are inside it).
         remote: the shared tier (None: this node's disk only).
+        prefetch_bytes: how much of the newest caches to read ahead at start (:mod:`actors.prefetch`).
+        listing: the caches on disk at start, when the runtime listed them already (None: the read-ahead lists).
     """
 
     def __init__(
@@ -170,6 +173,7 @@ class CacheStoreActor:
         directory: CacheDirectory,
         remote: RemoteTier | None = None,
         prefetch_bytes: int = 0,
+        listing: list[AgentEntry] | None = None,
         events: deque[GpuEvent] | None = None,
     ) -> None:
         self._inbox = inbox
@@ -192,7 +196,8 @@ class CacheStoreActor:
         self.shared = None if remote is None else SharedTier(
             remote, disk=self._disk, dirty=lambda agent_id: any(key.agent_id == agent_id for key in self._saves.keys()))
         # Not with a shared tier: another node may publish a newer cache after the read.
-        self.prefetch = Prefetcher(self._directory.list_all_agents, self._directory.load, self._disk,
+        listed = self._directory.list_all_agents if listing is None else lambda: listing
+        self.prefetch = Prefetcher(listed, self._directory.load, self._disk,
                                    budget_bytes=prefetch_bytes) if prefetch_bytes > 0 and remote is None else None
 
     # -- lifecycle -------------------------------------------------------------

@@ -182,6 +182,7 @@ class GPUActor:
             (``Evict``); None: RAM only (no cache is kept). The actor closes it when it stops.
         hot: the hot tier: every agent's latest parked cache (:mod:`actors.gpu_caches`; None: an empty one).
         leases: the store has a shared tier: every turn loads through it, for the agent's cluster lease.
+        stored: the caches on disk at start (None: not listed, so a turn its hot tier cannot serve asks the store).
         default_model: the model of requests that name none (:mod:`actors.model_slot`).
         models: other model names requests may ask for.
         idle_unload_s: unload the model after this long without a turn (None: never).
@@ -202,13 +203,14 @@ class GPUActor:
         store: trio.MemorySendChannel[StoreInbox] | None = None,
         hot: HotTier | None = None,
         leases: bool = False,
+        stored: frozenset[AgentKey] | None = None,
         default_model: str,
         models: Sequence[str] = (),
         idle_unload_s: float | None = None,
         preload: bool = True,
     ) -> None:
         self._inbox = inbox
-        self._caches = AgentCaches(store, hot or HotTier(hot_budget_bytes=2**62), leases=leases,
+        self._caches = AgentCaches(store, hot or HotTier(hot_budget_bytes=2**62), leases=leases, stored=stored,
                                    wake=self._copy_wanted)
         self._slot = ModelSlot(default_model, models)
         self._idle_unload_s = idle_unload_s

@@ -7,9 +7,12 @@ for anything; the store (:mod:`actors.cache_store`) holds what is not in device 
 copies queued for their write, the disk, the shared tier.
 
 * **A turn begins** (:meth:`AgentCaches.check_out`): the agent's hot cache, and a sharing turn's
-  donors, from here; only an agent held nowhere here (after a restart, a demotion, a model swap)
-  asks the store (:class:`Load`): its copy queued for the write, read ahead, or on disk. With a
-  shared tier every turn asks, for the agent's cluster lease.
+  donors, from here; only an agent not held here whose cache the store holds (after a restart, a
+  demotion, a model swap) asks the store (:class:`Load`): its copy queued for the write, read
+  ahead, or on disk. What the store holds, the actor knows without asking: what the disk held at
+  start (the runtime lists it once), and every copy it has sent since, less what it forgot; so a
+  new agent's first turn asks nothing. With a shared tier every turn asks, for the agent's
+  cluster lease (and another node may have saved it).
 * **A turn ends** (:meth:`AgentCaches.keep`): its new cache is hot at once; its host copy goes to
   the store in a :class:`Save`, now when the engine made it with the turn (the CPU policy), else
   once the GPU actor makes it (``BackendProfile.copy_after_turn``: after the turn, never between
@@ -100,14 +103,17 @@ class AgentCaches:
         store: the cache store's mailbox (None: RAM only, nothing is kept between turns).
         hot: the hot tier (this object's own).
         leases: the store has a shared tier: every turn loads, for the agent's lease.
+        stored: the caches the disk held at start (None: not listed; a turn the hot tier cannot serve loads).
         wake: called when a copy becomes wanted (the GPU actor's idle wait ends).
     """
 
     def __init__(self, store: trio.MemorySendChannel[StoreInbox] | None, hot: HotTier, *, leases: bool = False,
-                 wake: Callable[[], None] = lambda: None) -> None:
+                 stored: frozenset[AgentKey] | None = None, wake: Callable[[], None] = lambda: None) -> None:
         self.store = store
         self._hot = hot
         self._leases = leases
+        # What the store holds (on disk or queued), as far as this actor knows: None, unknown.
+        self._stored: set[AgentKey] | None = None if stored is None else set(stored)
         self._wake = wake
         self.owed: deque[OwedCopy] = deque()
         self._backlog: deque[StoreInbox] = deque()  # sends waiting for room in the store's mailbox, in order
@@ -123,8 +129,8 @@ class AgentCaches:
         """The caches a turn of ``agent_id`` may start from: its hot one, else the store's (one round trip)."""
         assert self.store is not None
         leased = False
-        if self._leases or not self._hot.holds(agent_id, model_tag):
-            key = AgentKey(agent_id, model_tag)
+        key = AgentKey(agent_id, model_tag)
+        if self._leases or self._in_store(key):
             loaded: LoadReply = await self.ask(lambda r: Load(
                 agent_id=agent_id, model_tag=model_tag, reply=r, hot=self._hot.holds(agent_id, model_tag),
                 unsaved=any(o.key == key for o in self.owed)))
@@ -136,10 +142,18 @@ class AgentCaches:
             elif loaded.stale:
                 self._hot.drop(agent_id, model_tag)
             own = self._hot.checkout(agent_id, model_tag) or loaded.own
+            if own is None and self._stored is not None:
+                self._stored.discard(key)  # the store had nothing after all (an unreadable cache: a logged miss)
         else:
             own = self._hot.checkout(agent_id, model_tag)
         donors = self._hot.donors(agent_id, model_tag) if share_prefix else ()
         return CheckedOut(own=own, donors=donors, leased=leased)
+
+    def _in_store(self, key: AgentKey) -> bool:
+        """Whether a turn must ask the store for the agent's cache: the hot tier holds none, and the store may."""
+        if self._hot.holds(*key):
+            return False
+        return self._stored is None or key in self._stored
 
     # -- a turn ends -------------------------------------------------------------
 
@@ -201,6 +215,8 @@ class AgentCaches:
         if snapshot is not None:
             self.send(Save(agent_id=owed.agent_id, ends_turn=owed.ends_turn, saved=owed.saved, answer=owed.answer,
                            cache=NewCache(snapshot=snapshot, block_hashes=owed.block_hashes)))
+            if self._stored is not None:
+                self._stored.add(owed.key)
             return
         if owed.saved is not None:
             send_reply(owed.saved, Failed(kind="NotSaved", error=f"the cache was not saved: {error}"))
@@ -214,6 +230,8 @@ class AgentCaches:
         for owed in [o for o in self.owed if o.agent_id == agent_id]:
             self.owed.remove(owed)
             self._settle(owed, None, f"agent {agent_id!r} was forgotten first")
+        if self._stored is not None:
+            self._stored = {key for key in self._stored if key.agent_id != agent_id}
         return self._hot.forget(agent_id) > 0
 
     def forward(self, message: Forget | ListAgents | MeasureUsage) -> None:

@@ -95,12 +95,13 @@ from runtime.backend import profile_setting
 from runtime.config import Config
 from runtime.plan.engine import Engine
 from runtime.plan.tools import ToolChoice
-from runtime.identity import check_agent_id, local_id, safe_agent_dirname, tenant_of
+from runtime.identity import AgentKey, check_agent_id, local_id, safe_agent_dirname, tenant_of
 from runtime.plan.hot_tier import HotTier
 from runtime.plan.kv_manager import KVCacheManager
 from runtime.persist import CacheDirectory
 from runtime.errors import DirectoryInUseError
 from runtime.persist.owner import OwnerLock
+from runtime.persist.tenants import TenantDirectories
 
 if TYPE_CHECKING:
     from actors.owner_client import OwnerClient
@@ -503,8 +504,12 @@ async def _owned_runtime(
     hot_mb = profile_setting("hot_budget_mb", config.hot_budget_mb, engine.profile)
     hot = HotTier(hot_budget_bytes=int(hot_mb * 2**20))
     events: deque[GpuEvent] | None = deque(maxlen=100_000) if trace else None  # one log, the actors' work in order
+    # What the disk holds, listed once: the read-ahead picks from it, and the GPU actor knows which agents it
+    # need not ask the store about (a new agent's first turn). Not with a shared tier: every turn asks there.
+    listing = None if remote is not None else await trio.to_thread.run_sync(
+        TenantDirectories(directory).list_all_agents)
     store = CacheStoreActor(store_receive, directory=directory, remote=remote,
-                            prefetch_bytes=int(config.prefetch_mb * 2**20), events=events)
+                            prefetch_bytes=int(config.prefetch_mb * 2**20), listing=listing, events=events)
     gpu = GPUActor(
         gpu_receive,
         engine=engine,
@@ -517,6 +522,7 @@ async def _owned_runtime(
         store=store_send.clone(),  # the store's one sender (with this function's, closed first)
         hot=hot,
         leases=remote is not None,
+        stored=None if listing is None else frozenset(AgentKey(e.agent_id, e.model_tag) for e in listing),
         default_model=config.model,
         models=config.models,
         idle_unload_s=config.model_idle_s,

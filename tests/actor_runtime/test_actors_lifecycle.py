@@ -557,10 +557,10 @@ def test_the_cli_progress_line_is_erased_before_the_reply():
 
 async def test_each_turn_visits_the_gpu_actor_once_and_the_store_once_a_hot_one_for_its_save_alone(
         tmp_path, monkeypatch):
-    """One Generate, whose GPU actor takes the agent's cache (from the store while it holds none of it),
-    renders, plans, generates and hands the new cache's copy to the store: a first turn Loads and Saves, a
-    hot turn only Saves, and a turn that fails at its template has nothing to save (the failure is the
-    Generate's reply)."""
+    """One Generate, whose GPU actor takes the agent's cache (from the store when it holds none of it and the
+    store does), renders, plans, generates and hands the new cache's copy to the store: a new agent's first
+    turn and a hot turn only Save, a turn after a restart Loads first, and a turn that fails at its template
+    has nothing to save (the failure is the Generate's reply)."""
     from actors.cache_store import CacheStoreActor
     from actors.gpu import GPUActor
 
@@ -578,7 +578,7 @@ async def test_each_turn_visits_the_gpu_actor_once_and_the_store_once_a_hot_one_
         agent = rt.agent("walker")
         seen.clear()
         await agent.send(_user("hello"), max_tokens=4)
-        assert seen == ["Generate", "Load", "Save"]
+        assert seen == ["Generate", "Save"]  # the disk held nothing of it at start: nothing to ask
         seen.clear()
         await agent.send(_user("hello"), max_tokens=4)  # hot now: the GPU actor holds it
         assert seen == ["Generate", "Save"]
@@ -589,6 +589,10 @@ async def test_each_turn_visits_the_gpu_actor_once_and_the_store_once_a_hot_one_
             await agent.send(_user("again"), max_tokens=4)
         assert seen == ["Generate"]
         assert (await agent.send_prompt("raw text", max_tokens=2)).reply  # the agent goes on
+    async with _open(tmp_path, engine=FakeEngine()) as rt:
+        seen.clear()
+        await rt.agent("walker").send_prompt("raw text, again", max_tokens=2)
+        assert seen == ["Generate", "Load", "Save"]  # on disk since the restart: the store reads it
 
 
 async def test_the_stores_saves_and_reads_join_the_trace(tmp_path):

@@ -137,7 +137,10 @@ async def test_prompts_that_queue_while_one_is_tokenized_go_together_in_the_next
     engine = SlowTokenizer()
     async with _open(tmp_path, engine) as rt:
         async with trio.open_nursery() as nursery:
-            for i in range(4):
+            nursery.start_soon(lambda: rt.agent("a0").send_prompt("slow 0", max_tokens=3))
+            while not any(e.kind == "planned" for e in rt.gpu_events()):  # its tokenization is under way
+                await trio.sleep(0.001)
+            for i in range(1, 4):
                 nursery.start_soon(lambda i=i: rt.agent(f"a{i}").send_prompt(f"slow {i}", max_tokens=3))
         hops = rt._gpu._text_jobs.hops
         events = rt.gpu_events()

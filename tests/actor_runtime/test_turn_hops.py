@@ -107,24 +107,23 @@ async def _turn(rt, agent_id: str, messages) -> str:  # type: ignore[no-untyped-
 
 
 CEILING = {  # per streaming turn of STEPS tokens, measured at this commit; lower them as hops go
-    # A hot turn, 6 messages: Turn (to the agent); Generate (to the GPU actor, which holds the model and the
-    # agents' hot caches: no lease, no registry, no checkout); TurnStarted (to the client: it started at once,
-    # so it is accepted too; a turn that waits gets a TurnAccepted first); Save (the GPU actor hands the new
-    # cache's host copy to the store, with the turn's reply: the turn is durable); Generated (the store sends
-    # the agent that reply once the cache is on disk); TurnDone. A cold or warm turn adds one round trip,
-    # Load and Loaded: the GPU actor holds nothing of the agent, so the store looks (its queued copies, the
-    # read-ahead, the disk: a cold turn finds nothing). 8 for every turn before the hot tier moved to the GPU
-    # actor (CheckOut and CheckedOut always), 13 when issue 60 began (the model registry's Acquire, Granted and
-    # Release; the agent's own CheckOut and CheckIn; a TurnAccepted always; Generated and the store's Saved
-    # apart). 9 MLX jobs: start, the prefill (its first token), joining the batch, 5 decode steps, finish. A
-    # batched turn's jobs depend on when its rows arrive: at most a lone turn's; one that waits for the others'
-    # prefill gets its TurnAccepted. Thread hand-offs: the text worker's two (render, tokenize) and the save; a
-    # cold turn's disk read too (it finds nothing); a warm turn's cache was read ahead at start. Batched turns
-    # share text batches: at most a cold turn's.
-    "cold": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 4},
+    # A hot or cold turn, 6 messages: Turn (to the agent); Generate (to the GPU actor, which holds the model
+    # and the agents' hot caches, and knows which caches the store holds: no lease, no registry, no
+    # checkout); TurnStarted (to the client: it started at once, so it is accepted too; a turn that waits
+    # gets a TurnAccepted first); Save (the GPU actor hands the new cache's host copy to the store, with the
+    # turn's reply: the turn is durable); Generated (the store sends the agent that reply once the cache is
+    # on disk); TurnDone. A warm turn adds one round trip, Load and Loaded: its cache is the store's (here
+    # read ahead at start). 8 for every turn before the hot tier moved to the GPU actor (CheckOut and
+    # CheckedOut always), 13 when issue 60 began (the model registry's Acquire, Granted and Release; the
+    # agent's own CheckOut and CheckIn; a TurnAccepted always; Generated and the store's Saved apart). 9 MLX
+    # jobs: start, the prefill (its first token), joining the batch, 5 decode steps, finish. A batched
+    # turn's jobs depend on when its rows arrive: at most a lone turn's; one that waits for the others'
+    # prefill gets its TurnAccepted. Thread hand-offs: the text worker's two (render, tokenize) and the save;
+    # a warm turn's cache was read ahead at start. Batched turns share text batches: at most a lone turn's.
+    "cold": {"messages": 6, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 3},
     "hot": {"messages": 6, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 3},
     "warm": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 3},
-    "batched": {"messages": 8, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 4},
+    "batched": {"messages": 6, "mlx_jobs": 9, "text_jobs": 2, "thread_jobs": 3},
 }
 
 
