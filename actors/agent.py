@@ -25,6 +25,7 @@ stays with the GPU actor); the runtime starts a new one on the agent's next requ
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -43,7 +44,7 @@ from actors.messages_agent import (
     TurnReply,
     TurnResult,
 )
-from actors.messages_common import Failed
+from actors.messages_common import Failed, ParkedView
 from actors.messages_gpu import Chat, Generate, Generated, GenerateReply, GpuInbox
 from actors.messages_store import Forget, ForgetReply
 from actors.metrics import RuntimeMetrics
@@ -54,11 +55,32 @@ log = logging.getLogger("kvmem.agent")
 
 
 class CacheHandle(msgspec.Struct, frozen=True, kw_only=True):
-    """What an agent knows of its cache between turns (the data itself: the GPU actor's hot tier, the store's disk)."""
+    """What an agent knows of its cache after its last turn: what it holds, where it was left, which branch.
+
+    The data itself is the GPU actor's (its hot tier, :mod:`actors.gpu_caches`) and the store's (a copy
+    queued for its write, the disk); the GPU actor may demote the hot copy later, and the agent's next
+    turn is then served from the store's.
+
+    Attributes:
+        model_tag, num_tokens, text_chars: what it holds: that model's cache of that many tokens and
+            characters of text (the prompt and the reply as generated).
+        on_disk: the turn was durable, so this cache was on disk when the turn was answered; else its
+            copy was queued or owed then (written behind).
+        branch: a digest of the text it holds: a conversation that comes back edited or rewound leaves
+            its branch (its next turn reuses the cache to where the two part, :mod:`runtime.plan.prefix`),
+            one that goes on extends it.
+    """
 
     model_tag: str
     num_tokens: int
     text_chars: int
+    on_disk: bool
+    branch: str
+
+    @classmethod
+    def of(cls, parked: ParkedView, *, on_disk: bool) -> CacheHandle:
+        return cls(model_tag=parked.model_tag, num_tokens=parked.num_tokens, text_chars=len(parked.text),
+                   on_disk=on_disk, branch=hashlib.blake2b(parked.text.encode(), digest_size=8).hexdigest())
 
 
 class AgentActor:
@@ -153,23 +175,22 @@ class AgentActor:
                 assert_never(message)
 
     async def _turn(self, turn: Turn) -> TurnReply:
-        generated = await self._generate(turn)
+        durable = self._durable if turn.turn.durable is None else turn.turn.durable
+        generated = await self._generate(turn, durable)
         if isinstance(generated, Failed):
             if generated.kind == "NotSaved":
                 log.warning("durable turn of %s not answered: %s", self.agent_id, generated.error)
             return generated
         main = generated[0]
         if main.parked is not None:
-            self.handle = CacheHandle(model_tag=main.parked.model_tag, num_tokens=main.parked.num_tokens,
-                                      text_chars=len(main.parked.text))
+            self.handle = CacheHandle.of(main.parked, on_disk=durable)
         return self._done(generated)
 
-    async def _generate(self, turn: Turn) -> list[Generated] | Failed:
+    async def _generate(self, turn: Turn, durable: bool) -> list[Generated] | Failed:
         """The turn's reply from the GPU actor (from the store, for a durable turn: once its cache is on disk);
         with ``n`` > 1 its samples too, asked together (one group: they start from one prefill of the prompt
         and decode in one batch), the first being the agent's own."""
         request = turn.turn
-        durable = self._durable if request.durable is None else request.durable
         ids = (turn.request_id, *turn.sample_ids)
         prompt = request.prompt if request.prompt is not None else Chat(
             messages=request.messages, tools=request.tool_list(), tool_choice=request.tool_choice if request.tools else None)

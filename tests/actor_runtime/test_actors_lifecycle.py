@@ -648,3 +648,23 @@ async def test_the_trace_splits_a_turns_way_to_tokenized_into_render_plan_and_to
     assert way == ["submit", "rendered", "planned", "tokenized", "admit"], kinds
     assert [e.at for e in events] == sorted(e.at for e in events)
     assert not {"rendered", "planned"} & {e.kind for e in units_of_work(events)}
+
+
+async def test_the_agent_actor_knows_what_its_cache_holds_where_it_was_left_and_which_branch(tmp_path):
+    """The agent's own handle (issue 60, item 1), checked against the disk and the tokens each turn reports."""
+    async with _open(tmp_path) as rt:
+        agent = rt.agent("brancher")
+        first = await agent.send_prompt("The harbour at dawn:", max_tokens=4, durable=True)
+        actor = rt._agents["brancher"][1]  # started by its first turn
+        handle = actor.handle
+        on_disk = _disk(tmp_path).load("brancher", model_tag=TAG)  # durable: on disk when it was answered
+        assert (handle.model_tag, handle.num_tokens, handle.text_chars, handle.on_disk) == (
+            TAG, on_disk.num_tokens, len(on_disk.text), True)
+        assert on_disk.num_tokens == first.usage.tokens_prefilled + first.usage.tokens_generated - 1
+        longer = await agent.send_prompt("The harbour at dawn:" + first.reply + " then", max_tokens=4)
+        assert longer.usage.tier == "hot" and actor.handle.num_tokens > handle.num_tokens
+        assert not actor.handle.on_disk and actor.handle.branch != handle.branch  # written behind; it grew
+        again = await agent.send_prompt("The harbour at dawn:", max_tokens=4)  # rewound: the first branch again
+        assert again.reply == first.reply and actor.handle.branch == handle.branch
+        await agent.forget()
+        assert actor.handle is None
