@@ -668,3 +668,26 @@ async def test_the_agent_actor_knows_what_its_cache_holds_where_it_was_left_and_
         assert again.reply == first.reply and actor.handle.branch == handle.branch
         await agent.forget()
         assert actor.handle is None
+
+
+async def test_a_cache_demoted_before_its_save_is_served_from_the_copy_the_store_queued(tmp_path, monkeypatch):
+    """A hot cache may leave RAM once its copy is with the store, written or not (the GPU actor owns the hot
+    tier and needs no word back from the store): the agent's next turn gets the queued copy, never the disk."""
+    gate = threading.Event()
+    real_save = CacheDirectory.save
+
+    def held_save(self, agent_id, snapshot, **kw):
+        gate.wait(10)
+        return real_save(self, agent_id, snapshot, **kw)
+
+    monkeypatch.setattr(CacheDirectory, "save", held_save)
+    async with _open(tmp_path, hot_budget_mb=0.0001) as rt:  # no cache fits: each leaves RAM once stored
+        first = await rt.agent("d").send_prompt("a cache too big to keep", max_tokens=3)
+        stats = rt.stats().store
+        assert (stats.hot_agents, stats.demotions, stats.writes) == (0, 1, 0)
+        assert rt.stats().store.dirty == 1 and not _disk(tmp_path).exists("d")  # queued, not written
+        second = await rt.agent("d").send_prompt("a cache too big to keep" + first.reply + ".", max_tokens=3)
+        assert (second.usage.tier, second.usage.match) == ("warm", "extend")
+        assert second.usage.tokens_reused == len("a cache too big to keep" + first.reply) - 1
+        gate.set()
+    assert _disk(tmp_path).load("d", model_tag=TAG).text.startswith("a cache too big to keep" + first.reply + ".")
