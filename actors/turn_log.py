@@ -36,34 +36,23 @@ TIERS = ("hot", "warm", "remote", "shared", "cold")
 
 
 class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """One finished (or cancelled) turn, as the runtime's counters saw it.
+    """One finished (or cancelled) turn, as the runtime's counters saw it: who, when, why it ended, and its
+    usage, the one record every API reports (:class:`actors.messages_common.TurnUsage`: tier, tokens, TTFT).
 
     Attributes:
         agent_id: the agent (None: a turn run outside an agent actor's task).
         at: when it ended (Unix time).
-        tier: where its starting cache came from (:data:`TIERS`).
-        tokens_reused / tokens_prefilled / tokens_generated: its prompt served from the
-            cache, its prompt run through the model, its reply.
-        ttft_ms: submission to the first token (0 when it generated none).
-        queue_wait_ms: submission to admission.
     """
 
     agent_id: str | None
     at: float
-    tier: str
     finish_reason: str
-    tokens_reused: int
-    tokens_prefilled: int
-    tokens_generated: int
-    ttft_ms: float
-    queue_wait_ms: float
+    usage: TurnUsage
 
     @classmethod
     def of(cls, agent_id: str | None, at: float, finish_reason: str, usage: TurnUsage) -> TurnRecord:
-        """The record of a turn that ended with ``usage`` (flat: the operator page's JSON)."""
-        return cls(agent_id=agent_id, at=at, tier=usage.tier, finish_reason=finish_reason,
-                   tokens_reused=usage.tokens_reused, tokens_prefilled=usage.tokens_prefilled,
-                   tokens_generated=usage.tokens_generated, ttft_ms=usage.ttft_ms, queue_wait_ms=usage.queue_wait_ms)
+        """The record of a turn that ended with ``usage``."""
+        return cls(agent_id=agent_id, at=at, finish_reason=finish_reason, usage=usage)
 
 
 class TurnLog:
@@ -172,7 +161,7 @@ class LiveFigures(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _ttfts(turns: Iterable[TurnRecord]) -> list[float]:
-    return [t.ttft_ms for t in turns if t.tokens_generated]
+    return [t.usage.ttft_ms for t in turns if t.usage.tokens_generated]
 
 
 def live_figures(turns: Sequence[TurnRecord], *, now: float, started_at: float | None = None,
@@ -186,10 +175,10 @@ def live_figures(turns: Sequence[TurnRecord], *, now: float, started_at: float |
     """
     span = window_s if started_at is None else max(1.0, min(window_s, now - started_at))
     window = [t for t in turns if now - span <= t.at <= now]
-    prompt = sum(t.tokens_reused + t.tokens_prefilled for t in window)
+    prompt = sum(t.usage.tokens_reused + t.usage.tokens_prefilled for t in window)
     counts = dict.fromkeys(TIERS, 0)
     for t in window:
-        counts[t.tier] = counts.get(t.tier, 0) + 1
+        counts[t.usage.tier] = counts.get(t.usage.tier, 0) + 1
     end = math.floor(now / step_s) * step_s  # the last whole step ends here
     steps = max(1, round(history_s / step_s))
     first = end - steps * step_s
@@ -201,7 +190,7 @@ def live_figures(turns: Sequence[TurnRecord], *, now: float, started_at: float |
         LivePoint(
             at=first + i * step_s,
             turns_per_s=round(len(b) / step_s, 4),
-            tokens_per_s=round(sum(t.tokens_generated for t in b) / step_s, 3),
+            tokens_per_s=round(sum(t.usage.tokens_generated for t in b) / step_s, 3),
             ttft_p50_ms=p.p50 if (p := Percentiles.of(_ttfts(b))) is not None else None,
         )
         for i, b in enumerate(buckets)
@@ -210,11 +199,11 @@ def live_figures(turns: Sequence[TurnRecord], *, now: float, started_at: float |
         window_s=round(span, 3),
         turns=len(window),
         turns_per_s=round(len(window) / span, 4),
-        tokens_per_s=round(sum(t.tokens_generated for t in window) / span, 3),
+        tokens_per_s=round(sum(t.usage.tokens_generated for t in window) / span, 3),
         prompt_tokens_per_s=round(prompt / span, 3),
         ttft_ms=Percentiles.of(_ttfts(window)),
         hit_rate={tier: round(n / len(window), 4) if window else 0.0 for tier, n in counts.items()},
-        reused_fraction=round(sum(t.tokens_reused for t in window) / prompt, 4) if prompt else None,
+        reused_fraction=round(sum(t.usage.tokens_reused for t in window) / prompt, 4) if prompt else None,
         step_s=step_s,
         series=series,
     )

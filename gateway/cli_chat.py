@@ -34,6 +34,7 @@ from gateway.progress import Progress
 
 if TYPE_CHECKING:
     from actors.messages_agent import TurnResult
+    from actors.messages_common import TurnUsage
     from actors.messages_store import AgentRecord
     from actors.owner_client import OwnerClient
     from actors.supervisor import Runtime
@@ -44,18 +45,14 @@ __all__ = ["register", "TurnReport", "AgentSummary", "LineReader"]
 
 
 class TurnReport(msgspec.Struct, frozen=True, kw_only=True):
-    """One turn's reply and accounting: the ``kvmem chat --json`` object."""
+    """One turn's reply and accounting: the ``kvmem chat --json`` object (its ``usage``, the one record every
+    API reports: :class:`actors.messages_common.TurnUsage`)."""
 
     agent: str
     reply: str
-    tokens_reused: int
-    tokens_prefilled: int
-    tokens_generated: int
-    tier: str
-    ttft_ms: float
     model: str
-    match: str
     finish_reason: str
+    usage: TurnUsage
 
 
 class AgentSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -276,29 +273,19 @@ def _loaded(model: str) -> Callable[[Progress], str]:
 
 
 def _report(agent: str, result: TurnResult) -> TurnReport:
-    u = result.usage
-    return TurnReport(
-        agent=agent,
-        reply=result.reply,
-        tokens_reused=u.tokens_reused,
-        tokens_prefilled=u.tokens_prefilled,
-        tokens_generated=u.tokens_generated,
-        tier=u.tier,
-        ttft_ms=round(u.ttft_ms, 2),
-        model=result.model,
-        match=u.match,
-        finish_reason=result.finish_reason,
-    )
+    return TurnReport(agent=agent, reply=result.reply, model=result.model, finish_reason=result.finish_reason,
+                      usage=result.usage)
 
 
 def _print_turn(report: TurnReport, *, as_json: bool) -> None:
     if as_json:
         print(json.dumps(msgspec.to_builtins(report), ensure_ascii=False), flush=True)
         return
+    u = report.usage
     print(
-        f"[{report.agent}] tier={report.tier} match={report.match} reused={report.tokens_reused} "
-        f"prefilled={report.tokens_prefilled} generated={report.tokens_generated} "
-        f"ttft={report.ttft_ms:.1f}ms",
+        f"[{report.agent}] tier={u.tier} match={u.match} reused={u.tokens_reused} "
+        f"prefilled={u.tokens_prefilled} generated={u.tokens_generated} "
+        f"ttft={u.ttft_ms:.1f}ms",
         file=sys.stderr,
         flush=True,
     )

@@ -18,7 +18,7 @@ only operator tenants get them (``null`` for the others), as only they read ``/m
 **Tiers of the listing**: ``hot`` (a cache in RAM, the hot tier), ``warm`` (on this
 disk only), ``remote`` (with a shared tier: Redis holds the only copy, or one newer than
 this node's, saved by another node; the agent's next turn here pulls it), ``none`` (a
-running actor without a cache yet). A turn's own tier (``last_turn.tier``) also says
+running actor without a cache yet). A turn's own tier (``last_turn.usage.tier``) also says
 ``shared`` (started from another agent's prefix) or ``cold``.
 """
 

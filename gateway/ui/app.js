@@ -540,8 +540,8 @@
     ram_bytes: (a) => a.ram_bytes,
     disk_bytes: (a) => a.disk_bytes,
     model_tag: (a) => a.model_tag || "",
-    reused: (a) => (a.last_turn ? a.last_turn.tokens_reused : -1),
-    ttft: (a) => (a.last_turn && a.last_turn.tokens_generated ? a.last_turn.ttft_ms : -1),
+    reused: (a) => (a.last_turn ? a.last_turn.usage.tokens_reused : -1),
+    ttft: (a) => (a.last_turn && a.last_turn.usage.tokens_generated ? a.last_turn.usage.ttft_ms : -1),
     last_used: (a) => a.last_used ?? 0,
   };
 
@@ -586,10 +586,10 @@
     c.disk.classList.toggle("dim", a.dirty);
     c.model.textContent = modelName(a.model_tag);
     c.model.title = a.model_tag || "";
-    const t = a.last_turn;
-    c.last.textContent = t ? `${fmtInt(t.tokens_reused)} · ${fmtInt(t.tokens_prefilled)}` : "–";
-    c.last.title = t ? `tier ${t.tier}, ${fmtInt(t.tokens_generated)} generated, ${t.finish_reason}` : "no turn since the server started";
-    c.ttft.textContent = t && t.tokens_generated ? fmtMs(t.ttft_ms) : "–";
+    const t = a.last_turn, u = t && t.usage;
+    c.last.textContent = t ? `${fmtInt(u.tokens_reused)} · ${fmtInt(u.tokens_prefilled)}` : "–";
+    c.last.title = t ? `tier ${u.tier}, ${fmtInt(u.tokens_generated)} generated, ${t.finish_reason}` : "no turn since the server started";
+    c.ttft.textContent = t && u.tokens_generated ? fmtMs(u.ttft_ms) : "–";
     c.used.textContent = fmtAgo(a.last_used);
     c.used.title = fmtTime(a.last_used);
   }

@@ -45,7 +45,8 @@ def _chat(home: Path, *, message: str | None = None, stdin: str | None = None) -
     proc = subprocess.run([sys.executable, "-m", "gateway.cli", *args, *([message] if message else [])],
                           input=stdin, capture_output=True, text=True, env=_env(home), cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    turns = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return [{**turn, **turn.pop("usage")} for turn in turns]  # the usage record's fields beside the reply
 
 
 def _completion(url: str, messages: list[dict[str, str]]) -> dict[str, Any]:

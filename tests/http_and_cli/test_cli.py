@@ -25,20 +25,21 @@ def test_chat_resumes_agent_from_disk_in_a_new_process(tmp_path):
     first = _kvmem(tmp_path, "chat", "--agent", "alice", "--json", *model, "Hello, who are you?")
     assert first.returncode == 0, first.stderr
     turn1 = json.loads(first.stdout)
-    assert turn1["tier"] == "cold" and turn1["tokens_reused"] == 0 and turn1["agent"] == "alice"
-    assert set(turn1) >= {"agent", "reply", "tokens_reused", "tokens_prefilled", "tokens_generated",
-                          "tier", "ttft_ms", "model"}
+    assert set(turn1) == {"agent", "reply", "model", "finish_reason", "usage"} and turn1["agent"] == "alice"
+    assert set(turn1["usage"]) >= {"tokens_reused", "tokens_prefilled", "tokens_generated", "tier", "ttft_ms"}
+    turn1 = turn1["usage"]
+    assert turn1["tier"] == "cold" and turn1["tokens_reused"] == 0
 
     second = _kvmem(tmp_path, "chat", "--agent", "alice", "--json", *model, "Tell me more.")
     assert second.returncode == 0, second.stderr
-    turn2 = json.loads(second.stdout)
+    turn2 = json.loads(second.stdout)["usage"]
     assert turn2["tier"] == "warm"
     assert turn2["tokens_reused"] >= turn1["tokens_prefilled"] + turn1["tokens_generated"] - 1
     assert turn2["tokens_prefilled"] < turn2["tokens_reused"]
 
     sampled = [*model, "--temperature", "1", "--seed", "9", "Hello, who are you?"]
     other = _kvmem(tmp_path, "chat", "--agent", "bob", "--json", *sampled)
-    assert json.loads(other.stdout)["tier"] == "cold"  # agents never share caches by name
+    assert json.loads(other.stdout)["usage"]["tier"] == "cold"  # agents never share caches by name
     twin = _kvmem(tmp_path, "chat", "--agent", "dave", "--json", *sampled)
     assert json.loads(twin.stdout)["reply"] == json.loads(other.stdout)["reply"]  # the same seed, the same draws
 
@@ -50,7 +51,7 @@ def test_chat_resumes_agent_from_disk_in_a_new_process(tmp_path):
     rows = {r["agent"] for r in json.loads(_kvmem(tmp_path, "agents", "--json").stdout)}
     assert rows == {"bob", "dave"}
     again = json.loads(_kvmem(tmp_path, "chat", "--agent", "alice", "--json", *model, "Hi").stdout)
-    assert again["tier"] == "cold"
+    assert again["usage"]["tier"] == "cold"
 
 
 def test_interactive_session_serves_later_turns_hot(tmp_path):
@@ -62,8 +63,8 @@ def test_interactive_session_serves_later_turns_hot(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     turns = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [t["tier"] for t in turns] == ["cold", "hot"]
-    assert turns[1]["tokens_reused"] > 0
+    assert [t["usage"]["tier"] for t in turns] == ["cold", "hot"]
+    assert turns[1]["usage"]["tokens_reused"] > 0
 
 
 def test_unknown_model_is_a_clear_error(tmp_path):

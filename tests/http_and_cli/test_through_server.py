@@ -84,7 +84,7 @@ def _steady(text: str) -> str:
     model load's progress (alone, the command loads the model; the server has it loaded)."""
     text = re.sub(r"^kvmem: load(ing|ed) .*\n", "", text, flags=re.M)
     text = re.sub(r"ttft=\S+", "ttft=T", text)
-    text = re.sub(r'"ttft_ms": [\d.]+', '"ttft_ms": T', text)
+    text = re.sub(r'"(ttft_ms|queue_wait_ms|decode_tps)": [\d.eE+-]+', r'"\1": T', text)
     text = re.sub(r"\d+(\.\d+)?( ?ms| s\b)", "T", text)
     text = re.sub(r"small-\S+", "RUN", text)
     text = re.sub(r"run-(alone|served)", "run-X", text)
@@ -171,5 +171,5 @@ def test_a_program_and_kvmem_chat_beside_a_keyed_server_run_there_as_they_run_al
         assert _steady(served_done.stdout).replace('"hot"', '"warm"') == _steady(alone_done.stdout)
         assert _steady(served_done.stderr).replace("tier=hot", "tier=warm") == _steady(alone_done.stderr)
     assert [c.returncode for c in chats["served"]] == [0, 0, 0, 0, 1]
-    assert json.loads(chats["served"][1].stdout)["tier"] == "hot"
+    assert json.loads(chats["served"][1].stdout)["usage"]["tier"] == "hot"
     assert "y" not in _server_agents(server)

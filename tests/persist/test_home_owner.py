@@ -143,7 +143,7 @@ def test_cli_forget_and_chat_reach_a_live_server_and_a_second_server_is_refused(
         assert chat.stdout.strip() and "[y] tier=cold" in chat.stderr, (chat.stdout, chat.stderr)
         again = kvmem_cli(home, "chat", "--agent", "y", "--model", MODEL, "--max-tokens", "3", "--json", "and then?")
         assert again.returncode == 0, again.stderr
-        turn = json.loads(again.stdout)
+        turn = json.loads(again.stdout)["usage"]
         assert turn["tier"] == "hot" and turn["tokens_reused"] > 0, turn  # the server's hot cache of y
         assert (home / "conversations").is_dir() and any((home / "conversations").glob("y*.json"))
         assert "y" in {row["agent"] for row in json.loads(kvmem_cli(home, "agents", "--json").stdout)}
