@@ -35,6 +35,19 @@ def _disk(tmp_path: Path) -> CacheDirectory:
     return CacheDirectory(tmp_path / "caches", fsync=False)
 
 
+def _hold_saves(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Every save waits (up to 10 s) until the returned event is set."""
+    gate = threading.Event()
+    real_save = CacheDirectory.save
+
+    def held_save(self, agent_id, snapshot, **kw):
+        gate.wait(10)
+        return real_save(self, agent_id, snapshot, **kw)
+
+    monkeypatch.setattr(CacheDirectory, "save", held_save)
+    return gate
+
+
 def _user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
@@ -141,14 +154,7 @@ COPY_MODES = pytest.mark.parametrize("copy_after_turn", [False, True], ids=["cop
 
 @COPY_MODES
 async def test_saves_are_write_behind_and_flushed_on_exit(tmp_path, monkeypatch, copy_after_turn):
-    gate = threading.Event()
-    real_save = CacheDirectory.save
-
-    def slow_save(self, agent_id, snapshot, **kw):
-        gate.wait(10)
-        return real_save(self, agent_id, snapshot, **kw)
-
-    monkeypatch.setattr(CacheDirectory, "save", slow_save)
+    gate = _hold_saves(monkeypatch)
     async with _open(tmp_path, FakeEngine(copy_after_turn=copy_after_turn)) as rt:
         prompt = "prompt"
         for _ in range(3):  # each turn returns while the first save still waits
@@ -673,14 +679,7 @@ async def test_the_agent_actor_knows_what_its_cache_holds_where_it_was_left_and_
 async def test_a_cache_demoted_before_its_save_is_served_from_the_copy_the_store_queued(tmp_path, monkeypatch):
     """A hot cache may leave RAM once its copy is with the store, written or not (the GPU actor owns the hot
     tier and needs no word back from the store): the agent's next turn gets the queued copy, never the disk."""
-    gate = threading.Event()
-    real_save = CacheDirectory.save
-
-    def held_save(self, agent_id, snapshot, **kw):
-        gate.wait(10)
-        return real_save(self, agent_id, snapshot, **kw)
-
-    monkeypatch.setattr(CacheDirectory, "save", held_save)
+    gate = _hold_saves(monkeypatch)
     async with _open(tmp_path, hot_budget_mb=0.0001) as rt:  # no cache fits: each leaves RAM once stored
         first = await rt.agent("d").send_prompt("a cache too big to keep", max_tokens=3)
         stats = rt.stats().store
