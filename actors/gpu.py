@@ -226,6 +226,7 @@ class GPUActor:
         self._thread = MlxThread(on_exit=engine.close, tune_allocator=profile is None or profile.tune_allocator)
         self._sched: Scheduler | None = None
         self._requests: dict[int, GpuTurn] = {}
+        self._flushes: deque[Flush] = deque()  # waiting for the copies owed (_flush_when_copied)
         self._idle_wait: trio.CancelScope | None = None
         self._steps = 0
         # A decode run (several steps in one MLX job) ends after the step in progress once this is set:
@@ -311,6 +312,7 @@ class GPUActor:
                         await self._make_copies(every=True)
                     for owed in list(self._caches.owed):
                         self._caches.copy_failed(owed, "the GPU actor stopped before making the copy")
+                    self._flush_when_copied()
                     if self._caches.store is not None:
                         await self._caches.drain()  # the last saves reach the store before its mailbox ends
                 heap.thaw()  # the model goes with the thread: what it left may be collected again
@@ -368,6 +370,7 @@ class GPUActor:
                     await self._register(item.turn, item.need)
                 else:
                     await self._handle(item)
+            self._flush_when_copied()  # the last copy a flush waited for was made, dropped or given up
             if self._requests or self._tokenizing:
                 self._idle_since = trio.current_time()
             elif self._slot.waiting:  # nothing in flight: the model they wait for may be loaded now
@@ -468,12 +471,21 @@ class GPUActor:
                 except Exception as exc:  # noqa: BLE001 - the turn then restores it itself
                     send_reply(reply, failed_from(exc))
             case Flush():
-                await self._make_copies(every=True)  # the copies owed reach the store before the flush
-                self._forward(message)
+                # Every copy owed is wanted now, made one a loop pass while turns run (all at once when idle),
+                # and the flush goes to the store once the last is sent (_flush_when_copied).
+                self._caches.want_every()
+                self._flushes.append(message)
+                self._flush_when_copied()
             case Forget() | ListAgents() | MeasureUsage():
                 self._forward(message)
             case _:
                 assert_never(message)
+
+    def _flush_when_copied(self) -> None:
+        """Forward the flushes waiting for the copies owed, once none is owed (the Saves went first)."""
+        if not self._caches.owed:
+            while self._flushes:
+                self._forward(self._flushes.popleft())
 
     def _forward(self, message: Flush | Forget | ListAgents | MeasureUsage) -> None:
         """A question about every cache: to the store with what the hot tier knows; without a store, answered
@@ -1091,7 +1103,7 @@ class GPUActor:
     async def _make_copies(self, *, idle: bool = False, every: bool = False, prefilling: bool = False) -> None:
         """Make the host copies :func:`~runtime.plan.save_queue.next_copy` picks (at most one while
         turns run, none merely overdue while a prefill is under way; all that are due when ``idle``),
-        or ``every`` one (a model swap, a flush, stopping); each goes to the store once made."""
+        or ``every`` one (a model swap, stopping); each goes to the store once made."""
         caches = self._caches
         while caches.owed:
             pick = 0 if every else next_copy(caches.copies_owed(), now=trio.current_time(), idle=idle,

@@ -157,6 +157,18 @@ async def test_a_busy_batch_never_stops_for_a_copy_and_an_idle_actor_makes_it_at
     assert _disk(tmp_path).load("a", model_tag=TAG).text == "a short turn" + result.reply[:-1]
 
 
+async def test_a_flush_while_the_batch_runs_writes_the_copies_owed_and_the_batch_goes_on(tmp_path, monkeypatch):
+    """A flush wants every copy owed: made one a loop pass between the batch's steps, then written, and only
+    then answered (the GPU actor forwards it to the store once the last copy is sent)."""
+    async with _busy_runtime(tmp_path, monkeypatch, overdue_s=60.0) as (rt, engine, busy):
+        result = await rt.agent("a").send_prompt("a short turn", max_tokens=3)
+        assert engine.snapshots == []  # owed: not overdue for a minute
+        with trio.fail_after(30):
+            assert await rt.flush() == 1
+        assert _disk(tmp_path).load("a", model_tag=TAG).text == "a short turn" + result.reply[:-1]
+        assert rt.stats().gpu.batch_size == 1  # the busy turn decodes on
+
+
 async def test_an_overdue_copy_is_made_while_the_batch_runs(tmp_path, monkeypatch):
     async with _busy_runtime(tmp_path, monkeypatch, overdue_s=0.1) as (rt, engine, busy):
         await rt.agent("a").send_prompt("a short turn", max_tokens=3)
