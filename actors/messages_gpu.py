@@ -208,7 +208,7 @@ class CountTokens(Message, frozen=True, kw_only=True):
 
 class Generate(Message, frozen=True, kw_only=True):
     """Render ``prompt`` (chat messages, or a raw prompt as is) with ``model`` (None: the default), plan it
-    against the agent's own cache (checked out of the store), and generate a reply.
+    against the agent's own cache (its hot one, else the store's copy), and generate a reply.
 
     Attributes:
         durable: the turn is answered once its new cache is on disk: the GPU actor hands this reply to
