@@ -43,6 +43,7 @@ import trio
 from actors.mailbox import send_reply
 from actors.messages_common import Failed
 from actors.messages_store import (
+    Flush,
     Forget,
     HotCache,
     ListAgents,
@@ -234,8 +235,9 @@ class AgentCaches:
             self._stored = {key for key in self._stored if key.agent_id != agent_id}
         return self._hot.forget(agent_id) > 0
 
-    def forward(self, message: Forget | ListAgents | MeasureUsage) -> None:
-        """Send the store a question about every cache, with what the hot tier knows (the store answers)."""
+    def forward(self, message: Flush | Forget | ListAgents | MeasureUsage) -> None:
+        """Send the store a question about every cache, with what the hot tier knows (the store answers; a flush
+        comes once the copies owed were sent)."""
         match message:
             case Forget(agent_id=agent_id):
                 message = msgspec.structs.replace(message, had_hot=self.forget_here(agent_id))
