@@ -258,7 +258,7 @@ class CacheStoreActor:
                     send_reply(message.reply, failed_from(exc))
                     return
                 if self.shared is None and (message.hot or key in self._saves):
-                    send_reply(message.reply, self._loaded(message))  # no disk to read
+                    send_reply(message.reply, self._loaded(message, keeps_hot=message.hot))  # no disk to read
                 else:
                     assert self._nursery is not None
                     self._nursery.start_soon(self._load_for, message)
@@ -310,8 +310,9 @@ class CacheStoreActor:
                         stale = True  # another node served the agent since: Redis has more of it
                     case _:
                         pass
-            if (message.hot and not stale and not forgotten) or key in self._saves:
-                send_reply(message.reply, self._loaded(message, stale=stale, forgotten=forgotten))
+            keeps_hot = message.hot and not stale and not forgotten
+            if keeps_hot or key in self._saves:
+                send_reply(message.reply, self._loaded(message, keeps_hot=keeps_hot, stale=stale, forgotten=forgotten))
                 return
             taken = None if self.prefetch is None else await self.prefetch.take(*key)
             if taken is None:
@@ -339,10 +340,10 @@ class CacheStoreActor:
             own = OwnCache(source=FromWarm(snapshot=warm, prepared=prepared), tier=tier)
         send_reply(message.reply, Loaded(own=own, stale=stale, forgotten=forgotten))
 
-    def _loaded(self, message: Load, *, stale: bool = False, forgotten: bool = False) -> Loaded:
-        """The answer that reads no disk: the GPU actor's hot cache stands (None), or the copy queued for its write
-        (a cache the GPU actor dropped from RAM before it was on disk: it is newer than the disk's)."""
-        if message.hot and not stale and not forgotten:
+    def _loaded(self, message: Load, *, keeps_hot: bool, stale: bool = False, forgotten: bool = False) -> Loaded:
+        """The answer that reads no disk: the GPU actor's hot cache stands (``keeps_hot``: None), or the copy queued
+        for its write (a cache the GPU actor dropped from RAM before it was on disk: it is newer than the disk's)."""
+        if keeps_hot:
             return Loaded(own=None)
         queued = self._saves.get(AgentKey(message.agent_id, message.model_tag))
         own = None if queued is None else OwnCache(source=FromWarm(snapshot=queued.item.snapshot), tier="warm")

@@ -1131,8 +1131,7 @@ class GPUActor:
             except BaseException:
                 caches.copy_failed(owed, "the GPU actor stopped before making the copy")
                 raise
-            if owed in caches.owed:  # not superseded or forgotten while it was being made
-                caches.copy_made(owed, snapshot)
+            if caches.copy_made(owed, snapshot):  # not superseded or forgotten while it was being made
                 self._event("copy", owed.request_id)
             if not (idle or every):
                 return

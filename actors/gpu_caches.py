@@ -170,12 +170,11 @@ class AgentCaches:
             log.debug("demoted %d hot caches to the store's", len(demoted))
         key = AgentKey(agent_id, parked.model_tag)
         for old in [o for o in self.owed if o.key == key]:  # superseded: never made
-            self.owed.remove(old)
-            self._settle(old, None, "a newer cache of the agent superseded it")
+            self._give_up(old, "a newer cache of the agent superseded it")
         owed = OwedCopy(request_id, agent_id, parked, hashes, now, wanted=reply is not None, ends_turn=leased,
                         saved=reply, answer=answer)
         if snapshot is not None:
-            self.copy_made(owed, snapshot)
+            self._hand_over(owed, snapshot)
             return
         self.owed.append(owed)
         if owed.wanted:
@@ -197,28 +196,31 @@ class AgentCaches:
                 owed.wanted = True
         self._wake()
 
-    def copy_made(self, owed: OwedCopy, snapshot: CacheSnapshot) -> None:
-        """``owed``'s copy is made: to the store, and its cache may leave RAM from now on."""
-        if owed in self.owed:
-            self.owed.remove(owed)
-        self._settle(owed, snapshot, "")
-        self._hot.stored(owed.agent_id, owed.parked)
+    def copy_made(self, owed: OwedCopy, snapshot: CacheSnapshot) -> bool:
+        """``owed``'s copy is made: to the store, unless a newer cache or a forget settled it meanwhile (False)."""
+        if owed not in self.owed:
+            return False
+        self.owed.remove(owed)
+        self._hand_over(owed, snapshot)
+        return True
 
     def copy_failed(self, owed: OwedCopy, error: str) -> None:
         """``owed``'s copy could not be made: its cache stays hot, unsaved (saved with the agent's next turn)."""
-        if owed in self.owed:
-            self.owed.remove(owed)
-        self._settle(owed, None, error)
+        if owed in self.owed:  # else settled already (superseded or forgotten while it was being made)
+            self._give_up(owed, error)
 
-    def _settle(self, owed: OwedCopy, snapshot: CacheSnapshot | None, error: str) -> None:
-        """The Save an owed copy ends in: with the copy, or, without one, the lease alone and the durable turn's
-        failure (its cache is not on disk)."""
-        if snapshot is not None:
-            self.send(Save(agent_id=owed.agent_id, ends_turn=owed.ends_turn, saved=owed.saved, answer=owed.answer,
-                           cache=NewCache(snapshot=snapshot, block_hashes=owed.block_hashes)))
-            if self._stored is not None:
-                self._stored.add(owed.key)
-            return
+    def _hand_over(self, owed: OwedCopy, snapshot: CacheSnapshot) -> None:
+        """The copy to the store in the turn's Save; its cache may leave RAM from now on."""
+        self.send(Save(agent_id=owed.agent_id, ends_turn=owed.ends_turn, saved=owed.saved, answer=owed.answer,
+                       cache=NewCache(snapshot=snapshot, block_hashes=owed.block_hashes)))
+        if self._stored is not None:
+            self._stored.add(owed.key)
+        self._hot.stored(owed.agent_id, owed.parked)
+
+    def _give_up(self, owed: OwedCopy, error: str) -> None:
+        """An owed copy that will not be made: off the list; the lease alone goes to the store, and a durable turn
+        hears that its cache is not on disk."""
+        self.owed.remove(owed)
         if owed.saved is not None:
             send_reply(owed.saved, Failed(kind="NotSaved", error=f"the cache was not saved: {error}"))
         if owed.ends_turn:
@@ -229,8 +231,7 @@ class AgentCaches:
     def forget_here(self, agent_id: str) -> bool:
         """Drop the agent's hot caches and the copies owed for them; whether it had a hot cache."""
         for owed in [o for o in self.owed if o.agent_id == agent_id]:
-            self.owed.remove(owed)
-            self._settle(owed, None, f"agent {agent_id!r} was forgotten first")
+            self._give_up(owed, f"agent {agent_id!r} was forgotten first")
         if self._stored is not None:
             self._stored = {key for key in self._stored if key.agent_id != agent_id}
         return self._hot.forget(agent_id) > 0
