@@ -156,7 +156,3 @@ class TenantDirectories:
         except OSError:
             agents = frozenset()
         return TenantUsage(agent_dirs=agents, disk_bytes=total)
-
-    def block_hashes(self, model_tag: str, token_ids: Sequence[int]) -> list[str]:
-        """:meth:`CacheDirectory.block_hashes` (the same function in every directory)."""
-        return self.default.block_hashes(model_tag, token_ids)
