@@ -784,10 +784,10 @@ class GPUActor:
                 await self._fail(request_id, started)
                 continue
             self._manager.begin(request_id, agent_id=req.msg.agent_id, model_tag=self._info.tag,
-                                token_ids=started.token_ids, tokens_reused=started.tokens_reused,
+                                token_ids=started.token_ids, tokens_reused=started.stats.tokens_reused,
                                 share_prefix=req.msg.share_prefix, group=req.msg.group, hot=req.donors)
             req.started = started
-            self._sched.to_prefill(request_id, started.tokens_to_prefill)
+            self._sched.to_prefill(request_id, started.stats.tokens_prefilled)
             self._event("admit", request_id)
 
     async def _park_for_others(self, donor: int) -> None:
@@ -845,7 +845,8 @@ class GPUActor:
         turn goes on to decode (False: prefill goes on, or the first token finished it)."""
         assert self._sched is not None
         req = self._requests[request_id]
-        req.prefilled = req.to_prefill_total - result.remaining
+        assert req.announced is not None  # before its first chunk
+        req.prefilled = req.announced.tokens_prefilled - result.remaining
         self._sched.to_prefill(request_id, result.remaining)
         if result.text is None:
             return False
@@ -1000,19 +1001,19 @@ class GPUActor:
                 req.client_gone = True
 
     def _announce(self, request_id: int, adopt: FromShared | None) -> None:
-        """Before the first prefill chunk: tell a streaming client what the turn reuses and prefills."""
+        """Before the first prefill chunk: what the turn reuses and prefills (:class:`TurnStarted`), kept as the
+        turn's and sent to its streaming client."""
         req = self._requests[request_id]
-        if req.announced or req.started is None:
+        if req.announced is not None or req.started is None:
             return
-        req.announced = True
-        started = req.started
-        reused = adopt.reuse_tokens if adopt is not None else started.tokens_reused
-        req.tokens_reused, req.to_prefill_total = reused, len(started.token_ids) - reused
+        stats = req.started.stats
+        reused = adopt.reuse_tokens if adopt is not None else stats.tokens_reused
+        req.announced = announcement = TurnStarted(
+            tokens_reused=reused, tokens_prefilled=len(req.started.token_ids) - reused, tier=tier_of(req, reused),
+            match="extend" if adopt is not None else stats.match)
         if req.msg.deltas is None or req.msg.sample:  # the first sample announces the turn
             return
         req.accept_due = False  # started: accepted too
-        announcement = TurnStarted(tokens_reused=reused, tokens_prefilled=req.to_prefill_total,
-                                   tier=tier_of(req, reused), match="extend" if adopt is not None else started.match)
         try:
             req.msg.deltas.send_nowait(announcement)
         except trio.WouldBlock:
@@ -1026,10 +1027,8 @@ class GPUActor:
         turn asking for logprobs), then the tool calls it completed, go to the client."""
         req = self._requests[request_id]
         req.generated += 1
-        now = time.perf_counter()
         if req.first_token_at is None:
-            req.first_token_at = now
-        req.last_token_at = now
+            req.first_token_at = time.perf_counter()
         deltas = req.msg.deltas
         if deltas is None:
             return

@@ -6,10 +6,10 @@ import time
 from dataclasses import dataclass, field
 
 from actors.messages_common import TurnUsage
-from actors.messages_gpu import Generate, Generated, Scores
+from actors.messages_gpu import Generate, Generated, Scores, TurnStarted
 from actors.metrics import RunningTurn
 from runtime.plan.hot_tier import HotDonor
-from runtime.plan.engine import Finished, SequenceStarted
+from runtime.plan.engine import Finished, SequenceStarted, TurnStats
 from runtime.plan.tools import ToolCall
 from runtime.plan.turn_plan import Tier, Tokenized, TurnPlan
 
@@ -26,17 +26,14 @@ class GpuTurn:
     tokens: Tokenized
     admitted_at: float | None = None
     first_token_at: float | None = None
-    last_token_at: float | None = None
     pending: list[str | ToolCall | Scores] = field(default_factory=list)  # what the client's channel had no room for
     client_gone: bool = False
     adopted: bool = False  # started from a prefix of another agent's turn in flight
-    started: SequenceStarted | None = None
-    announced: bool = False  # the TurnStarted went out
+    started: SequenceStarted | None = None  # the engine's start, its stats as they were
+    announced: TurnStarted | None = None  # what it reuses and prefills (after an adoption), once its prefill begins
     accept_due: bool = False  # a streaming client waits for its TurnAccepted or TurnStarted
     prompt_tokens: int = 0  # what its cache holds once prefilled (reused + new)
-    tokens_reused: int = 0  # tokens the turn started from (after an adoption)
-    to_prefill_total: int = 0
-    prefilled: int = 0
+    prefilled: int = 0  # progress: prompt tokens through the model so far, and reply tokens delivered
     generated: int = 0
     checked_out: bool = False  # the turn's new cache becomes the agent's (its first sample, with a store)
     leased: bool = False  # the store counts the turn (a shared tier's lease): a Save ends it
@@ -52,28 +49,27 @@ def tier_of(req: GpuTurn, reused: int) -> Tier:
 
 def generated_reply(req: GpuTurn, fin: Finished | None, *, model: str, cancelled: bool) -> Generated:
     """The ``Generated`` reply of a turn that left the GPU (``fin``: its engine result; None if it had none;
-    ``model``: the loaded model's name)."""
+    ``model``: the loaded model's name). Its usage is the engine's counts and decode rate (:class:`TurnStats`)
+    with what only this actor knows: the tier, the wait for admission, the first token's time from submission."""
     submitted = req.msg.submitted_at
     admitted = req.admitted_at if req.admitted_at is not None else time.perf_counter()
-    first, last = req.first_token_at, req.last_token_at
-    generated = fin.tokens_generated if fin is not None else 0
-    decode_s = (last - first) if first is not None and last is not None else 0.0
+    first = req.first_token_at
+    stats = fin.stats if fin is not None else TurnStats()
     reason = "cancelled" if cancelled else (fin.finish_reason if fin is not None and fin.finish_reason else "stop")
-    tier = tier_of(req, fin.tokens_reused if fin is not None else 0)
     return Generated(
         request_id=req.msg.request_id,
         model=model,
         reply=fin.reply if fin is not None else "",
         finish_reason=reason,
         usage=TurnUsage(
-            tokens_reused=fin.tokens_reused if fin is not None else 0,
-            tokens_prefilled=fin.tokens_prefilled if fin is not None else 0,
-            tokens_generated=generated,
-            tier=tier,
-            match=fin.match if fin is not None else "empty",
+            tokens_reused=stats.tokens_reused,
+            tokens_prefilled=stats.tokens_prefilled,
+            tokens_generated=stats.tokens_generated,
+            tier=tier_of(req, stats.tokens_reused),
+            match=stats.match,
             queue_wait_ms=max(0.0, admitted - submitted) * 1000.0,
             ttft_ms=max(0.0, first - submitted) * 1000.0 if first is not None else 0.0,
-            decode_tps=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
+            decode_tps=stats.decode_tps,
         ),
         parked=fin.parked if fin is not None else None,
         stop_sequence=fin.stop_sequence if fin is not None and not cancelled else None,
@@ -85,9 +81,10 @@ def generated_reply(req: GpuTurn, fin: Finished | None, *, model: str, cancelled
 
 def running_turn(request_id: int, req: GpuTurn) -> RunningTurn:
     """A turn on the GPU right now, with its phase and progress (``/v1/agents``, ``/metrics``)."""
-    if not req.announced:
+    started = req.announced
+    if started is None:
         phase = "queued"
-    elif req.prefilled < req.to_prefill_total:
+    elif req.prefilled < started.tokens_prefilled:
         phase = "prefill"
     else:
         phase = "decode"
@@ -95,9 +92,9 @@ def running_turn(request_id: int, req: GpuTurn) -> RunningTurn:
         agent_id=req.msg.agent_id,
         request_id=request_id,
         phase=phase,
-        tokens_reused=req.tokens_reused,
+        tokens_reused=started.tokens_reused if started is not None else 0,
         tokens_prefilled=req.prefilled,
-        tokens_to_prefill=req.to_prefill_total,
+        tokens_to_prefill=started.tokens_prefilled if started is not None else 0,
         tokens_generated=req.generated,
         max_tokens=req.msg.sampling.max_tokens,
         elapsed_ms=(time.perf_counter() - req.msg.submitted_at) * 1000.0,

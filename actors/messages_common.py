@@ -64,6 +64,16 @@ class TurnUsage(msgspec.Struct, frozen=True, kw_only=True):
     ttft_ms: float
     decode_tps: float
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of the whole prompt: what the turn would have prefilled without any cache."""
+        return self.tokens_reused + self.tokens_prefilled
+
+    @property
+    def reuse_fraction(self) -> float:
+        """The part of the prompt that came from a cache."""
+        return self.tokens_reused / self.prompt_tokens if self.prompt_tokens else 0.0
+
 
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One chat message as the model's template takes it: the one form a conversation keeps from each API's

@@ -309,11 +309,12 @@ def _printer(spec: Any, args: argparse.Namespace) -> Any:
                 if tty:
                     print(f"  r{event.round} {spec.display(event.agent):<{width}}  ...", end="\r", flush=True)
             case TurnFinished(record=r):
+                u = r.usage
                 print(
-                    f"  r{r.round} {spec.display(r.agent):<{width}}  {r.tier:<6} {r.match:<8}"
-                    f"  reused {r.tokens_reused:>6,}  prefilled {r.tokens_prefilled:>6,}"
-                    f"  generated {r.tokens_generated:>4}  {r.reuse_fraction:>4.0%} from cache"
-                    f"  ttft {r.ttft_ms:>7.0f} ms  wall {r.wall_ms / 1000:>5.1f} s",
+                    f"  r{r.round} {spec.display(r.agent):<{width}}  {u.tier:<6} {u.match:<8}"
+                    f"  reused {u.tokens_reused:>6,}  prefilled {u.tokens_prefilled:>6,}"
+                    f"  generated {u.tokens_generated:>4}  {u.reuse_fraction:>4.0%} from cache"
+                    f"  ttft {u.ttft_ms:>7.0f} ms  wall {r.wall_ms / 1000:>5.1f} s",
                     flush=True,
                 )
                 if args.show_replies:
@@ -329,8 +330,8 @@ def _printer(spec: Any, args: argparse.Namespace) -> Any:
                 assert c is not None
                 print(
                     f"  cold #{r.index:<3} {r.phase:<18} {spec.display(r.agent):<{width}}"
-                    f"  prefilled {c.tokens_prefilled:>6,}"
-                    f"  wall {c.wall_ms / 1000:>5.1f} s  (with caches: prefilled {r.tokens_prefilled:,}, "
+                    f"  prefilled {c.usage.tokens_prefilled:>6,}"
+                    f"  wall {c.wall_ms / 1000:>5.1f} s  (with caches: prefilled {r.usage.tokens_prefilled:,}, "
                     f"{r.wall_ms / 1000:.1f} s)",
                     flush=True,
                 )

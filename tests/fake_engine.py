@@ -31,6 +31,7 @@ from runtime.plan.engine import (
     SequenceStarted,
     StepTiming,
     StepToken,
+    TurnStats,
 )
 from runtime.plan.sampling import SamplingOptions
 from runtime.plan.tools import ToolChoice
@@ -99,6 +100,8 @@ class _FakeSeq:
     prefilled: int = 0
     generated: list[str] = field(default_factory=list)
     finish_reason: str | None = None
+    first_token_at: float = 0.0  # the engine's clock, as the real one keeps it
+    last_token_at: float = 0.0
 
     @property
     def context(self) -> int:
@@ -189,8 +192,8 @@ class FakeEngine:
         reused = plan.reuse_tokens
         self._seqs[request_id] = _FakeSeq(prompt, reused, sampling.max_tokens, fake_reply(prompt, sampling.max_tokens),
                                           plan.match)
-        return SequenceStarted(tokens_reused=reused, tokens_to_prefill=len(tokens.ids), match=plan.match,
-                       token_ids=tuple(ord(c) for c in prompt))
+        return SequenceStarted(stats=TurnStats(match=plan.match, tokens_reused=reused, tokens_prefilled=len(tokens.ids)),
+                               token_ids=tuple(ord(c) for c in prompt))
 
     def prepare(self, snapshot: Any) -> None:
         return None  # the fake keeps nothing ahead: a prefetched cache is planned from its snapshot
@@ -232,6 +235,8 @@ class FakeEngine:
     def _emit(self, seq: _FakeSeq) -> str:
         letter = seq.target[len(seq.generated)]
         seq.generated.append(letter)
+        seq.last_token_at = time.perf_counter()
+        seq.first_token_at = seq.first_token_at or seq.last_token_at
         if len(seq.generated) >= seq.max_tokens:
             seq.finish_reason = "length"
         return letter
@@ -268,10 +273,8 @@ class FakeEngine:
         return Finished(
             reply=reply,
             finish_reason=seq.finish_reason,
-            match=seq.match,
-            tokens_reused=seq.reused,
-            tokens_prefilled=seq.prefilled,
-            tokens_generated=len(seq.generated),
+            stats=TurnStats(match=seq.match, tokens_reused=seq.reused, tokens_prefilled=seq.prefilled,
+                            tokens_generated=len(seq.generated), decode_s=seq.last_token_at - seq.first_token_at),
             parked=parked,
             snapshot=parked.to_snapshot() if parked is not None and not self.copy_after_turn else None,
         )

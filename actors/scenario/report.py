@@ -106,16 +106,16 @@ def build_report(spec: ScenarioSpec, state: RunState) -> WorkingMemoryReport:
                     lifecycle=spec.agents[agent].lifecycle,
                     phase=phase.name,
                     turns=len(mine),
-                    prompt_tokens=sum(t.prompt_tokens for t in mine),
-                    prefilled=sum(t.tokens_prefilled for t in mine),
-                    reused=sum(t.tokens_reused for t in mine),
-                    generated=sum(t.tokens_generated for t in mine),
-                    first_tier=mine[0].tier,
-                    first_match=mine[0].match,
-                    first_reused=mine[0].tokens_reused,
-                    first_prompt_tokens=mine[0].prompt_tokens,
+                    prompt_tokens=sum(t.usage.prompt_tokens for t in mine),
+                    prefilled=sum(t.usage.tokens_prefilled for t in mine),
+                    reused=sum(t.usage.tokens_reused for t in mine),
+                    generated=sum(t.usage.tokens_generated for t in mine),
+                    first_tier=mine[0].usage.tier,
+                    first_match=mine[0].usage.match,
+                    first_reused=mine[0].usage.tokens_reused,
+                    first_prompt_tokens=mine[0].usage.prompt_tokens,
                     wall_ms=sum(t.wall_ms for t in mine),
-                    cold_prefilled=sum(c.tokens_prefilled for c in cold) if complete else None,
+                    cold_prefilled=sum(c.usage.tokens_prefilled for c in cold) if complete else None,
                     cold_wall_ms=sum(c.wall_ms for c in cold) if complete else None,
                 )
             )
@@ -126,15 +126,15 @@ def build_report(spec: ScenarioSpec, state: RunState) -> WorkingMemoryReport:
         scenario=spec.name,
         model=state.options.model,
         rows=rows,
-        prompt_tokens=sum(t.prompt_tokens for t in state.turns),
-        prefilled=sum(t.tokens_prefilled for t in state.turns),
-        generated=sum(t.tokens_generated for t in state.turns),
+        prompt_tokens=sum(t.usage.prompt_tokens for t in state.turns),
+        prefilled=sum(t.usage.tokens_prefilled for t in state.turns),
+        generated=sum(t.usage.tokens_generated for t in state.turns),
         wall_s=state.wall_s,
-        ttft_s=sum(t.ttft_ms for t in state.turns) / 1000.0,
-        cold_prefilled=sum(c.tokens_prefilled for c in cold_all) if cold_complete else None,
-        cold_generated=sum(c.tokens_generated for c in cold_all) if cold_complete else None,
+        ttft_s=sum(t.usage.ttft_ms for t in state.turns) / 1000.0,
+        cold_prefilled=sum(c.usage.tokens_prefilled for c in cold_all) if cold_complete else None,
+        cold_generated=sum(c.usage.tokens_generated for c in cold_all) if cold_complete else None,
         cold_wall_s=sum(c.wall_ms for c in cold_all) / 1000.0 if cold_complete else None,
-        cold_ttft_s=sum(c.ttft_ms for c in cold_all) / 1000.0 if cold_complete else None,
+        cold_ttft_s=sum(c.usage.ttft_ms for c in cold_all) / 1000.0 if cold_complete else None,
     )
 
 
@@ -154,10 +154,11 @@ def visible_turns(spec: ScenarioSpec, state: RunState, view: str) -> list[Scenar
 
 
 def _stats(t: ScenarioTurn) -> str:
+    u = t.usage
     return (
-        f"tier={t.tier} match={t.match} reused={t.tokens_reused} prefilled={t.tokens_prefilled} "
-        f"generated={t.tokens_generated} ({t.reuse_fraction:.0%} of the prompt from cache) "
-        f"ttft={t.ttft_ms:.0f}ms wall={t.wall_ms:.0f}ms"
+        f"tier={u.tier} match={u.match} reused={u.tokens_reused} prefilled={u.tokens_prefilled} "
+        f"generated={u.tokens_generated} ({u.reuse_fraction:.0%} of the prompt from cache) "
+        f"ttft={u.ttft_ms:.0f}ms wall={t.wall_ms:.0f}ms"
     )
 
 

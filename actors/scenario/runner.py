@@ -274,8 +274,8 @@ class ScenarioRunner:
             PhaseFinished(
                 phase=phase.name,
                 turns=len(turns),
-                tokens_reused=sum(t.tokens_reused for t in turns),
-                tokens_prefilled=sum(t.tokens_prefilled for t in turns),
+                tokens_reused=sum(t.usage.tokens_reused for t in turns),
+                tokens_prefilled=sum(t.usage.tokens_prefilled for t in turns),
                 wall_s=sum(t.wall_ms for t in turns) / 1000.0,
             )
         )
@@ -303,7 +303,6 @@ class ScenarioRunner:
         )
         wall_ms = (time.perf_counter() - started) * 1000.0
         memory.messages = [*messages, {"role": "assistant", "content": result.reply}]
-        usage = result.usage
         record = ScenarioTurn(
             index=index,
             phase=phase.name,
@@ -314,14 +313,7 @@ class ScenarioRunner:
             reply=result.reply,
             finish_reason=result.finish_reason,
             prompt_messages=len(messages),
-            tokens_reused=usage.tokens_reused,
-            tokens_prefilled=usage.tokens_prefilled,
-            tokens_generated=usage.tokens_generated,
-            tier=usage.tier,
-            match=usage.match,
-            ttft_ms=usage.ttft_ms,
-            queue_wait_ms=usage.queue_wait_ms,
-            decode_tps=usage.decode_tps,
+            usage=result.usage,
             wall_ms=wall_ms,
             visible_to=phase.audience(list(spec.agents)),
             public=phase.public,
@@ -366,17 +358,12 @@ class ScenarioRunner:
         started = time.perf_counter()
         result = await handle.send(
             messages,
-            max_tokens=max(1, record.tokens_generated),
+            max_tokens=max(1, record.usage.tokens_generated),
             temperature=temperature,
             model=state.options.request_model,
         )
         wall_ms = (time.perf_counter() - started) * 1000.0
         await handle.forget()
-        record.cold = ColdTurn(
-            tokens_prefilled=result.usage.tokens_prefilled,
-            tokens_generated=result.usage.tokens_generated,
-            ttft_ms=result.usage.ttft_ms,
-            wall_ms=wall_ms,
-        )
+        record.cold = ColdTurn(usage=result.usage, wall_ms=wall_ms)
         self.save()
         self._emit(ColdTurnFinished(record=record))

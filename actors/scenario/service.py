@@ -242,19 +242,7 @@ class ScenarioService:
                 }
             )
         current = spec.phases[state.phase_index].name if state.phase_index < len(spec.phases) else None
-        stats = (
-            "index",
-            "phase",
-            "round",
-            "agent",
-            "tier",
-            "match",
-            "tokens_reused",
-            "tokens_prefilled",
-            "tokens_generated",
-            "ttft_ms",
-            "wall_ms",
-        )
+        usage = ("tier", "match", "tokens_reused", "tokens_prefilled", "tokens_generated", "ttft_ms")
         return {
             "id": state.run_id,
             "scenario": state.scenario,
@@ -266,7 +254,9 @@ class ScenarioService:
             "turns_done": len(state.turns),
             "turns_total": sum(len(p.schedule()) for p in spec.phases),
             "phases": phases,
-            "turns": [{k: getattr(t, k) for k in stats} | {"prompt_tokens": t.prompt_tokens} for t in state.turns],
+            "turns": [{"index": t.index, "phase": t.phase, "round": t.round, "agent": t.agent}
+                      | {k: getattr(t.usage, k) for k in usage}
+                      | {"wall_ms": t.wall_ms, "prompt_tokens": t.usage.prompt_tokens} for t in state.turns],
             "view": view,
             "transcript": [
                 {

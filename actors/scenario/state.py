@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from actors.messages_common import TurnUsage
 from runtime.persist.files import write_atomic
 
 __all__ = [
@@ -35,22 +36,24 @@ __all__ = [
 ]
 
 STATE_FILE = "state.json"
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: a turn's usage nested as :class:`actors.messages_common.TurnUsage` (1: its fields copied flat; read and
+upgraded)."""
+_USAGE_FIELDS = ("tokens_reused", "tokens_prefilled", "tokens_generated", "tier", "match", "queue_wait_ms",
+                 "ttft_ms", "decode_tps")
 
 RunStatus = Literal["running", "stopped", "interrupted", "failed", "done"]
 
 
 class ColdTurn(msgspec.Struct, kw_only=True):
-    """The same turn replayed from no cache (``--compare-cold``)."""
+    """The same turn replayed from no cache (``--compare-cold``): its usage and its wall time."""
 
-    tokens_prefilled: int
-    tokens_generated: int
-    ttft_ms: float
+    usage: TurnUsage
     wall_ms: float
 
 
 class ScenarioTurn(msgspec.Struct, kw_only=True):
-    """One turn: who spoke where, what it said, and its cache statistics.
+    """One turn: who spoke where, what it said, and its usage (the record every API reports).
 
     Attributes:
         index: the turn's number in the whole run (from 0).
@@ -70,27 +73,11 @@ class ScenarioTurn(msgspec.Struct, kw_only=True):
     reply: str
     finish_reason: str
     prompt_messages: int
-    tokens_reused: int
-    tokens_prefilled: int
-    tokens_generated: int
-    tier: str
-    match: str
-    ttft_ms: float
-    queue_wait_ms: float
-    decode_tps: float
+    usage: TurnUsage
     wall_ms: float
     visible_to: list[str]
     public: bool
     cold: ColdTurn | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Tokens of the whole prompt: what a turn without any cache prefills."""
-        return self.tokens_reused + self.tokens_prefilled
-
-    @property
-    def reuse_fraction(self) -> float:
-        return self.tokens_reused / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class AgentMemory(msgspec.Struct, kw_only=True):
@@ -158,7 +145,6 @@ def new_run_id(scenario: str) -> str:
 
 
 _encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(RunState)
 
 
 def save_state(run_dir: Path, state: RunState) -> None:
@@ -168,17 +154,36 @@ def save_state(run_dir: Path, state: RunState) -> None:
 
 
 def load_state(run_dir: Path) -> RunState:
-    """Read a run's saved state.
+    """Read a run's saved state (one of version 1 upgraded as it is read).
 
     Raises:
         FileNotFoundError: no ``state.json`` in ``run_dir``.
-        ValueError: the file is not a run state of this version.
+        ValueError: the file is not a run state of this version or the one before.
     """
     path = run_dir / STATE_FILE if run_dir.is_dir() or not run_dir.name.endswith(".json") else run_dir
     try:
-        state = _decoder.decode(path.read_bytes())
-    except msgspec.DecodeError as exc:
+        raw = msgspec.json.decode(path.read_bytes())
+        version = raw.get("version", STATE_VERSION) if isinstance(raw, dict) else None
+        if version == 1:
+            raw = _upgraded_from_1(raw)
+        elif version != STATE_VERSION:
+            raise ValueError(f"{path}: state version {version}, expected {STATE_VERSION}")
+        return msgspec.convert(raw, RunState)
+    except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{path}: not a scenario run state ({exc})") from None
-    if state.version != STATE_VERSION:
-        raise ValueError(f"{path}: state version {state.version}, expected {STATE_VERSION}")
-    return state
+
+
+def _upgraded_from_1(raw: dict[str, Any]) -> dict[str, Any]:
+    """A version 1 state as version 2: each turn's usage fields (and its cold replay's) nested."""
+    turns = []
+    for turn in raw.get("turns", []):
+        turn = dict(turn)
+        turn["usage"] = {name: turn.pop(name) for name in _USAGE_FIELDS}
+        cold = turn.get("cold")
+        if cold is not None:  # version 1 kept only these of the cold replay's usage
+            turn["cold"] = {"wall_ms": cold["wall_ms"], "usage": {
+                "tokens_reused": 0, "tokens_prefilled": cold["tokens_prefilled"],
+                "tokens_generated": cold["tokens_generated"], "tier": "cold", "match": "empty",
+                "queue_wait_ms": 0.0, "ttft_ms": cold["ttft_ms"], "decode_tps": 0.0}}
+        turns.append(turn)
+    return {**raw, "turns": turns, "version": STATE_VERSION}

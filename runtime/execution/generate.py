@@ -10,7 +10,8 @@ import mlx.core as mx
 from runtime.reply.grammar import mask_rows
 from runtime.kv.kvstate import ParkedCache, AttentionMode
 from runtime.model.loaded import LoadedModel
-from runtime.execution.sequence import SequenceSampling, Sequence, TurnStats
+from runtime.execution.sequence import SequenceSampling, Sequence
+from runtime.plan.engine import TurnStats
 
 __all__ = ["generate", "GenerationResult", "decode_alone"]
 

@@ -305,12 +305,8 @@ class MlxEngine:
         self._seqs[request_id] = seq
         self._ids[id(seq)] = request_id
         self._sample_memory()
-        return SequenceStarted(
-            tokens_reused=seq.stats.tokens_reused,
-            tokens_to_prefill=seq.stats.tokens_prefilled,
-            match=seq.stats.match,
-            token_ids=tuple(seq.token_ids),
-        )
+        # A copy: the sequence goes on counting in its own on this thread.
+        return SequenceStarted(stats=replace(seq.stats), token_ids=tuple(seq.token_ids))
 
     def sampling_params(self, sampling: SamplingOptions, rules: ReplyRules | None = None) -> SequenceSampling:
         """How a turn's sequence samples: its options, plus what its ``tool_choice`` and ``response_format``
@@ -446,14 +442,14 @@ class MlxEngine:
             parked = None
         snapshot = parked.to_snapshot() if parked is not None and not later else None
         self._sample_memory()
+        if seq.finish_reason is None:
+            seq.stop_clock()  # cancelled
         stats = seq.stats
         return Finished(
             reply=seq.reply,
             finish_reason=seq.finish_reason,
-            match=stats.match,
-            tokens_reused=stats.tokens_reused,
-            tokens_prefilled=min(stats.tokens_prefilled, seq.context - stats.tokens_reused),
-            tokens_generated=stats.tokens_generated,
+            # A turn cancelled mid-prefill prefilled only part of what it started to.
+            stats=replace(stats, tokens_prefilled=min(stats.tokens_prefilled, seq.context - stats.tokens_reused)),
             parked=parked,
             snapshot=snapshot,
             stop_sequence=seq.stop_sequence,

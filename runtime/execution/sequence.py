@@ -24,7 +24,7 @@ import mlx.core as mx
 from runtime.backend import CPU_CHUNKS
 from runtime.execution.pass_clock import PassClock
 from runtime.execution.sampling import Scored, SequenceSampling, build_sampler, penalty_processors, score, token_logprob
-from runtime.plan.engine import StepTiming
+from runtime.plan.engine import StepTiming, TurnStats
 from runtime.plan.sampling import PENALTY_CONTEXT
 from runtime.plan.tools import ToolCall
 from runtime.plan.turn_plan import COLD, ColdStart, FromHot, FromShared, FromWarm, OwnCache, Tokenized, TurnPlan
@@ -36,7 +36,7 @@ from runtime.plan.kv_manager import own_plan
 from runtime.plan.prefix import MatchKind
 from runtime.reply.tool_calls import ToolCallSplitter
 
-__all__ = ["SequenceSampling", "StopMatcher", "Sequence", "StartFrom", "TurnStats", "prefill_chunk_size", "start_from"]
+__all__ = ["SequenceSampling", "StopMatcher", "Sequence", "StartFrom", "prefill_chunk_size", "start_from"]
 
 
 # -- stop strings ----------------------------------------------------------------
@@ -80,24 +80,6 @@ def prefill_chunk_size(context: int) -> int:
     profile instead; this is the default of a sequence stepped on its own.
     """
     return next(chunk for below, chunk in CPU_CHUNKS if context < below)
-
-
-@dataclass
-class TurnStats:
-    """Token accounting and timings of one turn."""
-
-    match: str = MatchKind.EMPTY.value
-    tokens_reused: int = 0
-    tokens_prefilled: int = 0
-    tokens_generated: int = 0
-    prefill_s: float = 0.0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        n = self.tokens_generated - 1
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
 def start_from(lm: LoadedModel, prompt: str, plan: TurnPlan, tokens: Tokenized | None = None) -> StartFrom:
@@ -418,7 +400,12 @@ class Sequence:
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
         self.next_input = None
-        self.stats.decode_s = time.perf_counter() - self.started - self.stats.ttft_s
+        self.stop_clock()
+
+    def stop_clock(self) -> None:
+        """The reply's decode time ends now: when it finished, or when a turn cancelled mid-reply leaves."""
+        if self.stats.tokens_generated:
+            self.stats.decode_s = time.perf_counter() - self.started - self.stats.ttft_s
 
     def _flush(self, *, final: bool) -> str:
         if final:

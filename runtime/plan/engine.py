@@ -26,11 +26,12 @@ import msgspec
 from runtime.backend import BackendProfile
 from runtime.reply.logprobs import TokenLogprob
 from runtime.spec import CacheSnapshot, LayerKind
+from runtime.plan.prefix import MatchKind
 from runtime.plan.sampling import SamplingOptions
 from runtime.plan.tools import ToolCall, ToolChoice
 from runtime.plan.turn_plan import FromShared, ParkedView, Tokenized, TurnPlan
 
-__all__ = ["Engine", "ModelInfo", "SequenceStarted", "PrefillResult", "StepToken", "StepTiming", "Finished", "MemoryReading"]
+__all__ = ["Engine", "ModelInfo", "TurnStats", "SequenceStarted", "PrefillResult", "StepToken", "StepTiming", "Finished", "MemoryReading"]
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,13 +84,39 @@ class MemoryReading:
     model: int = 0
 
 
+@dataclass
+class TurnStats:
+    """A turn's tokens and timings, counted where they are computed: the one record of them the engine keeps
+    (its sequence fills it in as it runs) and reports (:class:`SequenceStarted`, :class:`Finished`). The GPU
+    actor turns the finished one into the turn's usage (:class:`actors.messages_common.TurnUsage`), adding
+    what only it knows (the cache's tier, the wait before admission, the first token's time from submission).
+
+    ``tokens_prefilled``: the prompt tokens the turn runs through the model (all of them once it started,
+    those that went through once it finished); ``prefill_s``, ``ttft_s`` and ``decode_s`` on the engine's
+    clock, from the sequence's start.
+    """
+
+    match: str = MatchKind.EMPTY.value
+    tokens_reused: int = 0
+    tokens_prefilled: int = 0
+    tokens_generated: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Reply tokens per second after the first."""
+        n = self.tokens_generated - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class SequenceStarted:
-    """A sequence built from its prompt and starting cache (``token_ids``: the whole prompt's)."""
+    """A sequence built from its prompt and starting cache: its :class:`TurnStats` as it starts (what it reuses,
+    how it matched, what it will prefill) and ``token_ids``, the whole prompt's."""
 
-    tokens_reused: int
-    tokens_to_prefill: int
-    match: str
+    stats: TurnStats
     token_ids: tuple[int, ...] = ()
 
 
@@ -167,10 +194,7 @@ class Finished:
 
     reply: str
     finish_reason: str | None
-    match: str
-    tokens_reused: int
-    tokens_prefilled: int
-    tokens_generated: int
+    stats: TurnStats
     parked: ParkedView | None
     snapshot: CacheSnapshot | None
     stop_sequence: str | None = None  # the caller's stop string that ended the reply

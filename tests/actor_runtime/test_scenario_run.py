@@ -131,8 +131,8 @@ def test_gossip_bob_never_sees_the_alice_eve_phase_and_eve_never_sees_alice_bob(
 def test_gossip_alice_reunion_turn_reuses_over_90_percent_of_its_prompt(gossip):
     spec, state, spy, home = gossip
     first = next(t for t in state.turns if t.phase == "reunion" and t.agent == "alice")
-    assert (first.tier, first.match) == ("hot", "extend")
-    assert first.tokens_reused / first.prompt_tokens > 0.90, (first.tokens_reused, first.prompt_tokens)
+    assert (first.usage.tier, first.usage.match) == ("hot", "extend")
+    assert first.usage.reuse_fraction > 0.90, first.usage
 
 
 def test_every_later_prompt_of_a_permanent_agent_begins_with_exactly_its_cached_text(gossip):
@@ -141,10 +141,11 @@ def test_every_later_prompt_of_a_permanent_agent_begins_with_exactly_its_cached_
     spec, state, spy, home = gossip
     for agent in spec.agents:
         turns = [t for t in state.turns if t.agent == agent]
-        assert turns[0].tier == "cold"
+        assert turns[0].usage.tier == "cold"
         for before, turn in zip(turns, turns[1:], strict=False):
-            assert turn.match == "extend", (agent, turn.phase, turn.round)
-            assert turn.tokens_reused == before.prompt_tokens + before.tokens_generated - 1, (agent, turn.index)
+            assert turn.usage.match == "extend", (agent, turn.phase, turn.round)
+            cached = before.usage.prompt_tokens + before.usage.tokens_generated - 1
+            assert turn.usage.tokens_reused == cached, (agent, turn.index)
         sent = spy.sent[state.agents[agent].agent_id]
         for earlier, later in zip(sent, sent[1:], strict=False):
             assert later[: len(earlier)] == earlier  # the conversation only ever grows
@@ -204,8 +205,8 @@ async def test_compare_cold_replays_the_same_prompts_from_no_cache(tmp_path):
         await ScenarioRunner(spy, spec, state, run_dir=tmp_path / "run").run()  # type: ignore[arg-type]
     assert state.status == "done" and state.cold_wall_s is not None
     for t in state.turns:
-        assert t.cold is not None and t.cold.tokens_generated == t.tokens_generated
-        assert t.cold.tokens_prefilled >= t.prompt_tokens - 2 * t.index  # the whole prompt, re-tokenized
+        assert t.cold is not None and t.cold.usage.tokens_generated == t.usage.tokens_generated
+        assert t.cold.usage.tokens_prefilled >= t.usage.prompt_tokens - 2 * t.index  # the whole prompt, re-tokenized
         cold_id = f"scenario:{state.run_id}:cold:{t.index}"
         assert spy.sent[cold_id] == [
             spy.sent[t.agent_id][[x.index for x in state.turns if x.agent == t.agent].index(t.index)]
@@ -238,11 +239,11 @@ async def test_a_run_stopped_between_phases_resumes_after_a_restart_with_warm_ca
     assert saved.status == "done" and len(saved.turns) == 18
     alice_before = [t for t in saved.turns if t.agent == "alice" and t.phase == "alice_bob"][-1]
     alice = next(t for t in saved.turns if t.agent == "alice" and t.phase == "alice_eve")
-    assert (alice.tier, alice.match) == ("warm", "extend")
-    assert alice.tokens_reused == alice_before.prompt_tokens + alice_before.tokens_generated - 1
+    assert (alice.usage.tier, alice.usage.match) == ("warm", "extend")
+    assert alice.usage.tokens_reused == alice_before.usage.prompt_tokens + alice_before.usage.tokens_generated - 1
     bob = next(t for t in saved.turns if t.agent == "bob" and t.phase == "reunion")
-    assert (bob.tier, bob.match) == ("warm", "extend")
-    assert all(t.tier == "hot" for t in saved.phase_turns("reunion") if t.agent != "bob" or t.round > 1)
+    assert (bob.usage.tier, bob.usage.match) == ("warm", "extend")
+    assert all(t.usage.tier == "hot" for t in saved.phase_turns("reunion") if t.agent != "bob" or t.round > 1)
 
 
 async def test_the_long_shared_document_is_prefilled_once_and_shared(tmp_path):
@@ -252,11 +253,11 @@ async def test_the_long_shared_document_is_prefilled_once_and_shared(tmp_path):
     async with _open(tmp_path) as rt:
         await ScenarioRunner(rt, spec, state, stop_after="sidebar").run()
     first = state.phase_turns("first_read")
-    assert first[0].tier == "cold" and first[0].prompt_tokens > 2000
-    assert [t.tier for t in first[1:]] == ["shared", "shared"]  # the document's blocks come from the first reviewer
-    assert all(t.tokens_reused >= 1024 for t in first[1:])
+    assert first[0].usage.tier == "cold" and first[0].usage.prompt_tokens > 2000
+    assert [t.usage.tier for t in first[1:]] == ["shared", "shared"]  # the document's blocks come from the first reviewer
+    assert all(t.usage.tokens_reused >= 1024 for t in first[1:])
     later = [t for t in state.turns if t.phase != "first_read" and t.lifecycle == "permanent"]
-    assert all(t.match == "extend" and t.reuse_fraction > 0.9 for t in later)
+    assert all(t.usage.match == "extend" and t.usage.reuse_fraction > 0.9 for t in later)
 
 
 def test_cli_run_stop_and_resume_in_a_new_runtime(tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,8 @@ from actors.scenario.prompts import render_template, turn_message
 from actors.scenario.report import visible_turns
 from actors.scenario.runner import agent_id_for, new_run_state
 from actors.scenario.spec import ScenarioError, check_scenario, load_scenario
-from actors.scenario.state import RunOptions, ScenarioTurn
+from actors.messages_common import TurnUsage
+from actors.scenario.state import STATE_VERSION, RunOptions, ScenarioTurn, load_state, save_state
 
 BASE = """
 name: test
@@ -174,14 +176,8 @@ def _line(phase: str, agent: str, reply: str, index: int = 0) -> ScenarioTurn:
         reply=reply,
         finish_reason="stop",
         prompt_messages=2,
-        tokens_reused=0,
-        tokens_prefilled=1,
-        tokens_generated=1,
-        tier="cold",
-        match="empty",
-        ttft_ms=0,
-        queue_wait_ms=0,
-        decode_tps=0,
+        usage=TurnUsage(tokens_reused=0, tokens_prefilled=1, tokens_generated=1, tier="cold", match="empty",
+                        queue_wait_ms=0, ttft_ms=0, decode_tps=0),
         wall_ms=0,
         visible_to=[],
         public=False,
@@ -278,3 +274,30 @@ def test_an_escaped_reference_stays_literal_text():
         spec, "$${alice_bob.messages[bob]} = ${alice_bob.messages[bob]}", reader="bob", transcripts={"alice_bob": lines}
     )
     assert text == "${alice_bob.messages[bob]} = You: costs $${x}"
+
+
+def test_a_run_state_of_version_1_is_read_with_each_turns_usage_nested(tmp_path):
+    """A run saved before the usage record was nested (its fields flat on each turn and its cold replay)
+    resumes: it is read as the current version, numbers unchanged."""
+    text = library_text("gossip")
+    state = new_run_state(load_scenario(text), text, source="gossip", options=RunOptions(model="tiny-llama"))
+    state.turns.append(_line("alice_bob", "alice", "Hello.", index=0))
+    save_state(tmp_path, state)
+    raw = json.loads((tmp_path / "state.json").read_text())
+    turn = raw["turns"][0]
+    turn.update(turn.pop("usage") | {"tokens_reused": 7, "ttft_ms": 12.5})
+    turn["cold"] = {"tokens_prefilled": 40, "tokens_generated": 1, "ttft_ms": 90.0, "wall_ms": 95.0}
+    raw["version"] = 1
+    (tmp_path / "state.json").write_text(json.dumps(raw))
+
+    upgraded = load_state(tmp_path)
+    assert upgraded.version == STATE_VERSION == 2
+    line = upgraded.turns[0]
+    assert (line.usage.tokens_reused, line.usage.tokens_prefilled, line.usage.ttft_ms, line.usage.tier) == (
+        7, 1, 12.5, "cold")
+    assert line.cold is not None and line.cold.wall_ms == 95.0
+    assert (line.cold.usage.tokens_prefilled, line.cold.usage.tokens_generated, line.cold.usage.ttft_ms) == (40, 1, 90.0)
+    raw["version"] = 3
+    (tmp_path / "state.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="state version 3"):
+        load_state(tmp_path)

@@ -66,3 +66,30 @@ def test_the_places_a_decision_moved_out_of_no_longer_make_it() -> None:
     agent = (ROOT / "actors/agent.py").read_text()
     # One GPU request a turn, and one a forget (the GPU actor holds the hot caches, and forwards it to the store).
     assert "Render(" not in agent and len(re.findall(r"ask\(\s*self\._gpu", agent)) == 2 and "self._store" not in agent
+
+
+# The structs that may carry a turn's token counts (issue 60, item 3), each for its own concept: a new record
+# that copies them fails here, and nests the usage instead (``usage: TurnUsage``, or the engine's ``TurnStats``).
+TOKEN_COUNTS = {
+    # a turn's usage: counted by the engine, reported once finished, and its part known before the first token
+    "TurnStats": "usage", "TurnUsage": "usage", "TurnStarted": "usage",
+    "RunningTurn": "progress",  # a turn in flight: how far its prefill and reply got (the page, /v1/agents)
+    "_InFlight": "plan",  # the KV manager's: where a turn in flight's cache begins, for its donor decisions
+    "MetricsSnapshot": "sums", "PhaseFinished": "sums",  # totals over many turns: the process's, a scenario phase's
+}
+
+
+def test_a_turns_token_counts_live_in_three_records_and_every_other_nests_them() -> None:
+    import ast
+
+    counts = {"tokens_reused", "tokens_prefilled", "tokens_generated"}
+    carriers: dict[str, str] = {}
+    for path in CODE:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.target.id in counts
+                    for st in node.body):
+                carriers[node.name] = str(path.relative_to(ROOT))
+    assert set(carriers) == set(TOKEN_COUNTS), (
+        f"structs carrying a turn's token counts: {carriers}; a record of a turn nests TurnUsage instead")
+    assert sum(kind == "usage" for kind in TOKEN_COUNTS.values()) <= 3

@@ -93,8 +93,8 @@ def _steady(text: str) -> str:
 
 def _turns(run: Path) -> list[tuple[Any, ...]]:
     state = json.loads((run / "state.json").read_text())
-    return [(t["phase"], t["agent"], t["match"], t["tokens_reused"], t["tokens_prefilled"], t["tokens_generated"],
-             t["reply"]) for t in state["turns"]]
+    return [(t["phase"], t["agent"], t["usage"]["match"], t["usage"]["tokens_reused"], t["usage"]["tokens_prefilled"],
+             t["usage"]["tokens_generated"], t["reply"]) for t in state["turns"]]
 
 
 def test_scenario_run_and_resume_through_a_keyed_server_match_the_run_alone(
@@ -124,7 +124,8 @@ def test_scenario_run_and_resume_through_a_keyed_server_match_the_run_alone(
     alone, served_run = _turns(runs["alone"][0]), _turns(runs["served"][0])
     assert len(alone) == 5 and served_run == alone  # replies, matches and token counts, turn by turn
     # Tiers agree but where the server kept a cache hot that a resumed process reads from disk.
-    tiers = {w: [t["tier"] for t in json.loads((runs[w][0] / "state.json").read_text())["turns"]] for w in runs}
+    tiers = {w: [t["usage"]["tier"] for t in json.loads((runs[w][0] / "state.json").read_text())["turns"]]
+             for w in runs}
     assert [("warm" if t == "hot" else t) for t in tiers["served"]] == \
         [("warm" if t == "hot" else t) for t in tiers["alone"]], tiers
     for alone_done, served_done in zip(runs["alone"][1], runs["served"][1], strict=True):

@@ -362,10 +362,9 @@ class _PartEngine:
         self.parts = parts
 
     def finish(self, request_id: int) -> Any:
-        from runtime.plan.engine import Finished
+        from runtime.plan.engine import Finished, TurnStats
 
-        return Finished(reply="", finish_reason="stop", match="empty", tokens_reused=0, tokens_prefilled=0,
-                        tokens_generated=0, parked=None, snapshot=self.parts.pop(0))
+        return Finished(reply="", finish_reason="stop", stats=TurnStats(), parked=None, snapshot=self.parts.pop(0))
 
     def close(self) -> None:
         pass
