@@ -30,7 +30,7 @@ from runtime.plan.engine import (
 )
 from runtime.plan.sampling import SamplingOptions
 from runtime.plan.tools import ToolChoice, ToolUse
-from runtime.plan.turn_plan import ColdStart, FromHot, FromShared, FromWarm, ParkedView, Tokenized, TurnPlan
+from runtime.plan.turn_plan import FromShared, ParkedView, Tokenized, TurnPlan
 from runtime.backend import BackendProfile, device_profile
 from runtime.errors import ModelError
 from runtime.execution.batch_prefill import choose_group, prefill_together
@@ -40,7 +40,6 @@ from runtime.cpu.kv_copy import use_host_views
 from runtime.kv.host_copy import HostCopy
 from runtime.kv.kvstate import SLIDING_SLACK, ParkedCache, AttentionMode, settle_attention, with_kept_float
 from runtime.model.loaded import LoadedModel, load_model
-from runtime.plan.prefix import MatchKind
 from runtime.execution.sequence import SequenceSampling, Sequence, start_from
 from runtime.spec import CacheSnapshot, KVFormat, LayerKind, ModelCacheSpec
 from runtime.reply.tool_calls import ReplyRules, reply_rules
