@@ -304,7 +304,7 @@ class MlxEngine:
         self._seqs[request_id] = seq
         self._ids[id(seq)] = request_id
         self._sample_memory()
-        # A copy: the sequence goes on counting in its own on this thread.
+        # A copy: the sequence goes on counting in its own stats, on this thread, while this crosses to the actor.
         return SequenceStarted(stats=replace(seq.stats), token_ids=tuple(seq.token_ids))
 
     def sampling_params(self, sampling: SamplingOptions, rules: ReplyRules | None = None) -> SequenceSampling:
