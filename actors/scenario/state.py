@@ -39,6 +39,7 @@ STATE_FILE = "state.json"
 STATE_VERSION = 2
 """2: a turn's usage nested as :class:`actors.messages_common.TurnUsage` (1: its fields copied flat; read and
 upgraded)."""
+# Version 1's flat names as they were (not TurnUsage's own fields, which may grow).
 _USAGE_FIELDS = ("tokens_reused", "tokens_prefilled", "tokens_generated", "tier", "match", "queue_wait_ms",
                  "ttft_ms", "decode_tps")
 
@@ -163,7 +164,9 @@ def load_state(run_dir: Path) -> RunState:
     path = run_dir / STATE_FILE if run_dir.is_dir() or not run_dir.name.endswith(".json") else run_dir
     try:
         raw = msgspec.json.decode(path.read_bytes())
-        version = raw.get("version", STATE_VERSION) if isinstance(raw, dict) else None
+        if not isinstance(raw, dict):
+            raise TypeError("not a JSON object")
+        version = raw.get("version", STATE_VERSION)
         if version == 1:
             raw = _upgraded_from_1(raw)
         elif version != STATE_VERSION:
